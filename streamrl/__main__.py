@@ -1,0 +1,3 @@
+from streamrl.cli import main
+
+raise SystemExit(main())

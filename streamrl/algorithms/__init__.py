@@ -1,0 +1,1 @@
+"""Built-in RL algorithms, one short file each."""

@@ -1,0 +1,103 @@
+"""The ``streamrl`` command.
+
+    streamrl recipe run recipes/addition.toml --set trainer.lr=1e-4
+    streamrl recipe show FILE        # the resolved recipe as TOML
+    streamrl recipe validate FILE    # both validation phases, no cluster
+    streamrl model init --task addition --out models/tiny-addition
+    streamrl plugins list
+
+User mistakes print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from streamrl.errors import UserError
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="recipe TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe value, e.g. --set trainer.lr=1e-5 (repeatable)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``streamrl`` command."""
+    ap = argparse.ArgumentParser(prog="streamrl", description="Streaming, disaggregated RL for LLMs on Dask.")
+    sub = ap.add_subparsers(dest="group", required=True)
+
+    recipe = sub.add_parser("recipe", help="run, show or validate a recipe").add_subparsers(dest="cmd", required=True)
+    run = recipe.add_parser("run", help="run a recipe")
+    _recipe_args(run)
+    run.add_argument("--verbose", action="store_true", help="show Dask's own logs")
+    _recipe_args(recipe.add_parser("show", help="print the resolved recipe"))
+    _recipe_args(recipe.add_parser("validate", help="check a recipe without running it"))
+
+    model = sub.add_parser("model", help="tiny local models").add_subparsers(dest="cmd", required=True)
+    init = model.add_parser("init", help="create a tiny model + tokenizer for a task, with a supervised warm start")
+    init.add_argument("--task", default="addition", help="task component name")
+    init.add_argument("--out", required=True, help="output folder")
+    init.add_argument("--warmstart-steps", type=int, default=1500, help="supervised AdamW steps (0: none)")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="task option, e.g. --set digits=3")
+
+    plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="cmd", required=True)
+    plugins.add_parser("list", help="every registered component")
+    return ap
+
+
+def cmd_recipe(args) -> int:
+    from streamrl.recipe import load_recipe, to_toml
+
+    loaded = load_recipe(args.file, args.overrides)
+    if args.cmd == "show":
+        print(to_toml(loaded.recipe), end="")
+        return 0
+    from streamrl.flow import runner
+
+    if args.cmd == "validate":
+        runner.resolve(loaded)
+        print(f"{args.file}: ok")
+        return 0
+    run_dir = runner.run(loaded, verbose=args.verbose)
+    print(run_dir)
+    return 0
+
+
+def cmd_model(args) -> int:
+    from streamrl.tasks.model_init import init_model
+
+    init_model(args.task, args.out, args.warmstart_steps, args.seed, args.overrides)
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from streamrl.plugins import build_registry
+
+    reg = build_registry()
+    for kind, comps in reg.components.items():
+        for name, comp in sorted(comps.items()):
+            print(f"{kind:<10} {name:<16} {comp.plugin}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = parser().parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins}[args.group](args)
+    except UserError as exc:
+        print(f"streamrl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("streamrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

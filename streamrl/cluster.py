@@ -1,0 +1,105 @@
+"""Pools as Dask worker resources: the embedded local cluster, or an existing one.
+
+A pool is a label on workers: a worker of pool ``generate`` offers the resource ``generate``
+(one unit per task slot) and is named ``generate-<i>``. Tasks ask for the resource, so the
+scheduler sends them only there. The embedded cluster is a ``SpecCluster`` of ``Nanny`` worker
+processes bound to ``cluster.host`` (127.0.0.1 by default: nothing listens outside the machine).
+For several machines, start ``dask scheduler`` and on each machine
+``dask worker tcp://SCHED:8786 --resources "generate=16" --name generate-0 --nthreads 16``,
+then set ``cluster.address``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+from streamrl.errors import UserError
+from streamrl.recipe import REQUIRED_POOLS, Recipe
+
+#: Environment every worker gets: quiet libraries, no hub access, no tokenizer thread pools.
+WORKER_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
+    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
+    spec = {}
+    for pool in REQUIRED_POOLS:
+        cfg = getattr(recipe.pools, pool)
+        for i in range(cfg.workers):
+            env = {**WORKER_ENV, **cfg.env}
+            if cfg.cuda_visible_devices:
+                env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices[i % len(cfg.cuda_visible_devices)]
+            name = f"{pool}-{i}"
+            spec[name] = {"cls": Nanny, "options": {
+                "name": name, "nthreads": cfg.threads, "resources": {pool: cfg.threads},
+                "host": recipe.cluster.host, "memory_limit": cfg.memory_limit, "env": env,
+                "silence_logs": log_level,
+            }}
+    return spec
+
+
+def quiet_dask(verbose: bool) -> int:
+    """Dask logs at INFO by default; keep the user's terminal for streamrl unless ``--verbose``."""
+    level = logging.INFO if verbose else logging.WARNING
+    for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.worker",
+                 "distributed.core", "distributed.http.proxy", "bokeh", "bokeh.server.util"):
+        logging.getLogger(name).setLevel(level)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return level
+
+
+def start(recipe: Recipe, verbose: bool = False) -> tuple[SpecCluster | None, Client]:
+    """Connect to ``cluster.address`` or start the embedded cluster; wait for every pool."""
+    level = quiet_dask(verbose)
+    if recipe.cluster.address:
+        try:
+            client = Client(recipe.cluster.address, timeout=recipe.cluster.startup_timeout)
+        except OSError as exc:
+            raise UserError(f"cluster.address: cannot reach scheduler {recipe.cluster.address} ({exc})") from None
+        cluster = None
+    else:
+        host = recipe.cluster.host
+        cluster = SpecCluster(
+            workers=worker_spec(recipe, level),
+            scheduler={"cls": Scheduler, "options": {
+                "host": host, "dashboard_address": f"{host}:{recipe.cluster.dashboard_port}"}},
+            silence_logs=level, name="streamrl",
+        )
+        client = Client(cluster)
+        try:
+            client.wait_for_workers(len(cluster.worker_spec), timeout=recipe.cluster.startup_timeout)
+        except TimeoutError:
+            client.close()
+            cluster.close()
+            raise UserError(f"cluster.startup_timeout: workers did not start within "
+                            f"{recipe.cluster.startup_timeout}s") from None
+    check_pools(client)
+    return cluster, client
+
+
+def pool_workers(client: Client) -> dict[str, dict[str, str]]:
+    """``{pool: {worker name: address}}`` from the resources each worker offers."""
+    pools: dict[str, dict[str, str]] = {p: {} for p in REQUIRED_POOLS}
+    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        for res in info.get("resources", {}):
+            pools.setdefault(res, {})[str(info.get("name", addr))] = addr
+    return pools
+
+
+def check_pools(client: Client) -> dict[str, dict[str, str]]:
+    """Every pool the run uses must have a worker, or its tasks would wait forever."""
+    pools = pool_workers(client)
+    for pool, what in REQUIRED_POOLS.items():
+        if not pools.get(pool):
+            raise UserError(
+                f"pools.{pool}: no worker of cluster {client.scheduler.address} offers resource "
+                f"{pool!r} (this pool {what}); start one with: dask worker ADDRESS --resources \"{pool}=1\"")
+    return pools

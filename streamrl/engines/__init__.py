@@ -1,0 +1,1 @@
+"""Inference engines: held on generate workers, they turn prompt groups into samples."""

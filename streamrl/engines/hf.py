@@ -1,0 +1,130 @@
+"""The ``hf`` engine: transformers' own continuous batching, on CPU or GPU.
+
+One ``ContinuousBatchingManager`` per generate worker runs a background generation loop; every
+generate task (one prompt group, on its own Dask worker thread) adds its requests and waits for
+them, so concurrent tasks are batched together by the engine, not by us. A router thread moves
+finished results from the manager's single output queue to the waiting tasks.
+
+Weights are updated in place between requests: ``manager.pause()`` stops the loop at a step
+boundary (no request is dropped, caches are kept), the parameters are overwritten, and the loop
+resumes with the new policy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamrl.sample import Group, Prompt, Sample
+
+
+class HFEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    max_new_tokens: int = Field(16, ge=1)
+    """Most tokens generated per response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. The trainer divides its logits by the same value, so the engine's
+    logprobs and the trainer's agree."""
+    max_batch_tokens: int = Field(1024, ge=16)
+    """Most tokens in one forward pass of the continuous-batching loop."""
+    num_blocks: int = Field(256, ge=1)
+    """KV-cache blocks (of ``page_size`` tokens each) reserved on the worker."""
+    page_size: int = Field(32, ge=1)
+    """Tokens per KV-cache block."""
+    dtype: str = "float32"
+    """Torch dtype the engine loads the model in (``float32``, ``bfloat16``, ``float16``)."""
+
+
+class HFEngine:
+    """Continuous-batching generation with per-token logprobs (built on the worker)."""
+
+    def __init__(self, config: HFEngineConfig):
+        self.config = config
+        self.version = 0
+        self._waiting: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def load(self, model_path: str, device: str = "cpu") -> None:
+        """Load model + tokenizer with ``from_pretrained`` and start the generation loop."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, self.config.dtype))
+        self.model.to(device).eval()
+        gen = GenerationConfig(
+            do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0,
+            max_new_tokens=self.config.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        cb = ContinuousBatchingConfig(
+            return_logprobs=True, num_blocks=self.config.num_blocks, page_size=self.config.page_size,
+            max_batch_tokens=self.config.max_batch_tokens, allow_block_sharing=False,
+        )
+        self.manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        self.manager.start()
+        self._router = threading.Thread(target=self._route, name="streamrl-hf-router", daemon=True)
+        self._router.start()
+
+    def _route(self) -> None:
+        # The manager has one output queue; hand each finished request to the task waiting on it.
+        while not self._closed.is_set():
+            result = self.manager.get_result(timeout=0.1)
+            if result is None or not result.is_finished():
+                continue
+            with self._lock:
+                fut = self._waiting.pop(result.request_id, None)
+            if fut is not None:
+                fut.set_result(result)
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt token ids as the engine feeds them: BOS, then the text."""
+        return [self.tokenizer.bos_token_id] + self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None) -> Group:
+        """Sample ``n`` responses to ``prompt`` (blocks the calling task until all are done)."""
+        ids = self.encode(prompt.text)
+        version = self.version
+        start = time.time()
+        futures = {}
+        for k in range(n):
+            rid = f"{uid_prefix or prompt.uid}-{k}"
+            fut = Future()
+            with self._lock:
+                self._waiting[rid] = fut
+            self.manager.add_request(ids, request_id=rid, max_new_tokens=self.config.max_new_tokens)
+            futures[rid] = fut
+        group = []
+        for rid, fut in futures.items():
+            out = fut.result()
+            if out.error:
+                raise RuntimeError(f"hf engine failed request {rid}: {out.error}")
+            group.append(Sample(
+                uid=rid, prompt=prompt, prompt_ids=list(ids), response_ids=list(out.generated_tokens),
+                logprobs=[float(x) for x in out.logprobs],
+                response_text=self.tokenizer.decode(out.generated_tokens, skip_special_tokens=True),
+                policy_version=version, times={"gen_start": start, "gen_end": time.time()},
+            ))
+        return group
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy new parameters in place at a step boundary of the generation loop."""
+        params = dict(self.model.named_parameters())
+        missing = set(params) - set(named_tensors)
+        if missing:
+            raise ValueError(f"weights for version {version} lack {sorted(missing)[:3]}...")
+        with self.manager.pause():
+            for name, p in params.items():
+                p.copy_(named_tensors[name].to(p.dtype))
+            self.version = version
+
+    def close(self) -> None:
+        """Stop the generation loop and the router."""
+        self._closed.set()
+        self.manager.stop(block=True, timeout=5)

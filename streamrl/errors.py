@@ -1,0 +1,9 @@
+"""The one exception type that means "the user got something wrong".
+
+The CLI prints its message on one line and exits with status 2, without a traceback. Anything
+else that escapes is a bug in streamrl (or a plugin) and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """A mistake in a recipe, a command line or a cluster set-up, phrased for the user."""

@@ -1,0 +1,188 @@
+"""The controller: the loop of a run, in the client process. Read this first.
+
+Per step it submits one generate task per prompt group (generate pool), one reward task per
+group (reward pool), train tasks on micro-batches of scored groups (train pool), one optimizer
+step, and the publication of the new weights to every generate worker. It passes *futures* from
+task to task, so Dask moves samples and weights worker to worker; the controller only sees
+small stats dicts.
+
+Modes (``run.mode``), one code path:
+
+* ``batch``  -- the trainer waits until every group of the step is scored, then trains.
+* ``stream`` -- each scored group goes into the next micro-batch as soon as it is ready
+  (``as_completed``), so training overlaps the long tail of generation (StreamRL).
+
+Both accumulate gradients over the same samples with the same scaling and step once per batch,
+so they produce the same update.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Iterable
+
+from distributed import Client, Future, as_completed, wait
+
+from streamrl.flow import tasks
+from streamrl.flow.resident import Resident
+from streamrl.recipe import LoadedRecipe, validate_section
+
+
+def build_engine(factory, config, model_path: str):
+    """Runs on a generate worker: make the engine and load the model."""
+    engine = factory(config)
+    engine.load(model_path)
+    return engine
+
+
+def build_trainer(model_path: str, trainer_cfg, algorithm, temperature: float):
+    """Runs on the train worker: the policy, its optimizer, the algorithm."""
+    from streamrl.training.trainer import Trainer
+
+    return Trainer(model_path, lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay,
+                   algorithm=algorithm, temperature=temperature)
+
+
+class Controller:
+    """Owns the run loop; see the module docstring."""
+
+    def __init__(self, loaded: LoadedRecipe, registry, client: Client, pools: dict[str, dict[str, str]]):
+        r = self.recipe = loaded.recipe
+        self.client = client
+        self.model_path = str(loaded.model_path())
+        self.task = registry.get("task", r.task.name, "task.name").build(r.task.options(), "task")
+        self.reward = registry.get("reward", r.reward.name, "reward.name").build(r.reward.options(), "reward")
+        self.algorithm = registry.get("algorithm", r.algorithm.name, "algorithm.name").build(
+            r.algorithm.options(), "algorithm")
+        self.transport = registry.get("transport", r.transfer.name, "transfer.name").build(
+            r.transfer.options(), "transfer")
+        engine = registry.get("engine", r.engine.name, "engine.name")
+        self.engine_config = validate_section(engine.config, r.engine.options(), "engine")
+        self.engine_factory = engine.factory
+        self.generate_workers = dict(sorted(pools["generate"].items()))
+        # One trainer holds the policy; every train task is pinned to its worker.
+        self.train_worker = sorted(pools["train"].items())[0][1]
+        self.version = 0
+        self.last_step: Future | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def place_residents(self) -> None:
+        """Register the engine and trainer plugins and build them before the clock starts."""
+        r = self.recipe
+        gen_threads = r.pools.generate.torch_threads if r.pools.generate else 1
+        train_threads = r.pools.train.torch_threads if r.pools.train else 1
+        temperature = getattr(self.engine_config, "temperature", 1.0)
+        self.client.register_plugin(Resident(
+            tasks.ENGINE, partial(build_engine, self.engine_factory, self.engine_config, self.model_path),
+            torch_threads=gen_threads))
+        self.client.register_plugin(Resident(
+            tasks.TRAINER, partial(build_trainer, self.model_path, r.trainer, self.algorithm, temperature),
+            torch_threads=train_threads))
+        futs = [self.client.submit(tasks.warm_up, tasks.ENGINE, key=f"load-engine-{name}", workers=[addr],
+                                   allow_other_workers=False) for name, addr in self.generate_workers.items()]
+        futs.append(self.client.submit(tasks.warm_up, tasks.TRAINER, key="load-trainer",
+                                       workers=[self.train_worker], allow_other_workers=False))
+        for f in futs:
+            f.result()
+        self.version = 0
+        self.last_step = None
+
+    # -- one step -------------------------------------------------------------------------
+    def submit_generation(self, step: int) -> list[Future]:
+        """Generate + reward tasks for every prompt of ``step``; returns the scored-group futures."""
+        t = self.recipe.trainer
+        scored = []
+        for p in self.task.prompts(step, t.prompts_per_step):
+            gen = self.client.submit(tasks.generate_group, p, t.samples_per_prompt, key=f"generate-{p.uid}",
+                                     resources={"generate": 1}, retries=1)
+            scored.append(self.client.submit(tasks.score_group, gen, self.reward, key=f"reward-{p.uid}",
+                                             resources={"reward": 1}, retries=1))
+        return scored
+
+    def submit_training(self, step: int, ready: Iterable[Future], total_samples: int) -> tuple[Future, list[Future]]:
+        """Micro-batches of ``groups_per_micro_batch`` ready groups, then one optimizer step.
+
+        ``ready`` yields scored-group futures in the order training may take them: as they
+        complete (stream) or all at once (batch).
+        """
+        t = self.recipe.trainer
+        scale = 1.0 / total_samples
+        micro, chunk = [], []
+
+        def flush():
+            micro.append(self.client.submit(
+                tasks.train_micro_batch, *chunk, scale=scale, after=self.last_step,
+                key=f"train-{step}-{len(micro):03d}", workers=[self.train_worker], resources={"train": 1}))
+            chunk.clear()
+
+        for fut in ready:
+            chunk.append(fut)
+            if len(chunk) == t.groups_per_micro_batch:
+                flush()
+        if chunk:
+            flush()
+        self.last_step = self.client.submit(
+            tasks.optimizer_step, *micro, max_grad_norm=t.max_grad_norm, key=f"optimizer-step-{step}",
+            workers=[self.train_worker], resources={"train": 1})
+        return self.last_step, micro
+
+    def step(self, step: int) -> dict:
+        """Run one full step in the recipe's mode and return its metrics record."""
+        t = self.recipe.trainer
+        total = t.prompts_per_step * t.samples_per_prompt
+        t0 = time.time()
+        scored = self.submit_generation(step)
+        if self.recipe.run.mode == "stream":
+            ready = as_completed(scored)
+        else:  # batch: the trainer sees nothing until the whole batch is scored
+            wait(scored)
+            ready = scored
+        step_fut, micro = self.submit_training(step, ready, total)
+        step_stats = step_fut.result()
+        t_trained = time.time()
+        self.version = step_stats["version"]
+        loads = self.transport.publish(self.client, step_fut, self.version, self.train_worker,
+                                       self.generate_workers)
+        wait(loads)
+        for f in loads:
+            f.result()  # raise if a worker failed to load
+        t_end = time.time()
+        return summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, t_end)
+
+    def save_policy(self, out: Path) -> str:
+        """Write the trained policy as a transformers model folder."""
+        return self.client.submit(tasks.save_policy, str(out), after=self.last_step, key="save-policy",
+                                  workers=[self.train_worker], allow_other_workers=False).result()
+
+
+def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: float, t_trained: float,
+              t_end: float) -> dict:
+    """The ``metrics.jsonl`` record of one step from the train tasks' stats and the wall clock."""
+    samples = sum(m["samples"] for m in micro)
+    tokens = sum(m["tokens"] for m in micro)
+    step_s = t_end - t0
+    return {
+        "step": step,
+        "policy_version": version,
+        "samples": samples,
+        "reward_mean": sum(m["reward_sum"] for m in micro) / samples,
+        "loss": sum(m["loss_sum"] for m in micro) / samples,
+        "clip_frac": sum(m["clip_frac_sum"] for m in micro) / samples,
+        "kl": sum(m["kl_sum"] for m in micro) / samples,
+        "response_len_mean": tokens / samples,
+        "reward_errors": sum(m["reward_errors"] for m in micro),
+        "generated_policy_version_min": min(m["policy_version_min"] for m in micro),
+        "grad_norm": step_stats["grad_norm"],
+        "samples_per_s": samples / step_s,
+        "tokens_per_s": tokens / step_s,
+        # generate: from submission to the last sample's end; train: trainer busy seconds;
+        # train_tail: from the last sample generated to the optimizer step done (what streaming shrinks)
+        "generate_s": max(m["gen_end_max"] for m in micro) - t0,
+        "train_s": sum(m["seconds"] for m in micro) + step_stats["seconds"],
+        "train_tail_s": t_trained - max(m["gen_end_max"] for m in micro),
+        "weight_sync_s": t_end - t_trained,
+        "step_s": step_s,
+        "time": t_end,
+    }

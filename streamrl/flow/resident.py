@@ -1,0 +1,50 @@
+"""Stateful objects that live on a worker (an engine, a trainer), held by a ``WorkerPlugin``.
+
+Ordinary Dask tasks reach them with :func:`resident`. Tasks stay visible on the dashboard,
+retryable and composable with ``as_completed`` -- which Dask actors are not. The object is built
+lazily by the first task that needs it, on that task's thread, so a slow model load never blocks
+the worker's event loop (and workers of other pools never build it at all).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from distributed import WorkerPlugin, get_worker
+
+
+class Resident(WorkerPlugin):
+    """Holds one object built by ``build()`` on each worker that asks for it."""
+
+    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int = 1):
+        self.name = name  # Dask keys worker plugins by this attribute
+        self.build = build
+        self.torch_threads = torch_threads
+
+    def setup(self, worker) -> None:
+        self.obj = None
+        self.lock = threading.Lock()
+
+    def get(self) -> Any:
+        """The object, built on first use."""
+        with self.lock:
+            if self.obj is None:
+                import torch
+
+                torch.set_num_threads(self.torch_threads)  # Nanny workers start with OMP_NUM_THREADS=1
+                self.obj = self.build()
+            return self.obj
+
+    def teardown(self, worker) -> None:
+        if getattr(self, "obj", None) is not None and hasattr(self.obj, "close"):
+            self.obj.close()
+
+
+def resident(name: str) -> Any:
+    """The object held under ``name`` on the worker running the current task."""
+    try:
+        plugin = get_worker().plugins[name]
+    except KeyError:
+        raise RuntimeError(f"no {name!r} on this worker; was the task sent to the right pool?") from None
+    return plugin.get()

@@ -1,0 +1,82 @@
+"""The functions Dask runs on workers. Each is small: it finds the resident engine or trainer
+and calls one method, so the dashboard shows one bar per meaningful piece of work.
+
+Arguments named ``after`` carry a future only to order a task after another one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from streamrl.flow.resident import resident
+from streamrl.sample import Group, Prompt
+
+ENGINE = "streamrl-engine"
+TRAINER = "streamrl-trainer"
+
+
+def generate_group(prompt: Prompt, n: int) -> Group:
+    """Generate pool: ``n`` samples of one prompt."""
+    return resident(ENGINE).generate(prompt, n)
+
+
+def score_group(group: Group, reward) -> Group:
+    """Reward pool: score every sample. A failing reward is contained: reward 0 and the error kept."""
+    for s in group:
+        try:
+            s.reward = float(reward.score(s.prompt, s.response_text))
+        except Exception as exc:  # one bad sample must not fail the step
+            s.reward = 0.0
+            s.times["reward_error"] = 1.0
+            s.response_text += f"\n[reward error: {type(exc).__name__}: {exc}]"
+        s.times["reward_end"] = time.time()
+    return group
+
+
+def train_micro_batch(*groups: Group, scale: float, after=None) -> dict:
+    """Train pool: forward/backward on whole groups, gradients accumulate.
+
+    Returns the trainer's stats plus what the controller needs for accounting, so samples
+    themselves never travel to the controller.
+    """
+    stats = resident(TRAINER).micro_batch(list(groups), scale)
+    samples = [s for g in groups for s in g]
+    stats["gen_end_max"] = max(s.times["gen_end"] for s in samples)
+    stats["policy_version_min"] = min(s.policy_version for s in samples)
+    stats["reward_errors"] = sum(1 for s in samples if "reward_error" in s.times)
+    return stats
+
+
+def optimizer_step(*micro_batch_stats: dict, max_grad_norm: float) -> dict:
+    """Train pool: one optimizer step after every micro-batch of the batch (they are arguments)."""
+    return resident(TRAINER).step(max_grad_norm)
+
+
+def export_weights(after=None) -> bytes:
+    """Train pool: the new weights as safetensors bytes."""
+    return resident(TRAINER).export_weights()
+
+
+def load_weights(blob: bytes, version: int) -> float:
+    """Generate pool: load published weights into the engine; returns the seconds it took."""
+    from streamrl.training.trainer import weights_from_bytes
+
+    t0 = time.perf_counter()
+    resident(ENGINE).load_weights(weights_from_bytes(blob), version)
+    return time.perf_counter() - t0
+
+
+def trainer_logprobs(group: Group) -> list[list[float]]:
+    """Train pool: the trainer's logprobs for a group's responses (consistency checks)."""
+    return resident(TRAINER).logprobs(group)
+
+
+def save_policy(out: str, after=None) -> str:
+    """Train pool: write the current policy as a transformers model folder."""
+    return resident(TRAINER).save(out)
+
+
+def warm_up(name: str) -> str:
+    """Build the resident object now (model loads happen before the clock starts)."""
+    resident(name)
+    return name

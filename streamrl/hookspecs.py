@@ -1,0 +1,148 @@
+"""Hook specifications: the contract between streamrl and its plugins.
+
+Every replaceable piece of streamrl -- the RL algorithm, the inference engine, the reward, the
+task (prompt source), the weight transport -- is a *component* handed over by a plugin through one
+of the ``register_*`` hooks below. The built-ins are registered exactly the same way
+(``streamrl/builtins.py``), so nothing you write is a second-class citizen.
+
+A plugin is a module (or an installed package with a ``streamrl`` entry point) that implements
+some of these hooks with ``@streamrl.hookimpl``::
+
+    import streamrl
+    from streamrl.plugins import Component
+
+    @streamrl.hookimpl
+    def register_rewards():
+        return [Component(kind="reward", name="length_penalty",
+                          config=LengthPenaltyConfig, factory=LengthPenalty)]
+
+Components are resolved on the client (the ``streamrl`` process) and the built objects are
+shipped to Dask workers by pickling, so a third-party plugin must be installed on every worker
+machine too.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("streamrl")
+
+
+@hookspec
+def register_algorithms():
+    """Return a list of ``Component(kind="algorithm", ...)``.
+
+    Called once when the plugin manager is built. An algorithm turns a group of scored samples
+    into advantages and a policy-gradient loss (see ``streamrl/algorithms/grpo.py``). Its factory
+    receives the validated ``[algorithm]`` section of the recipe.
+
+    Example::
+
+        @hookimpl
+        def register_algorithms():
+            return [Component("algorithm", "grpo", GRPOConfig, GRPO)]
+    """
+
+
+@hookspec
+def register_engines():
+    """Return a list of ``Component(kind="engine", ...)``.
+
+    Called once when the plugin manager is built. An engine lives on each ``generate`` worker,
+    turns prompt groups into sampled responses with per-token logprobs, and loads new weights
+    in place between steps (see ``streamrl/engines/hf.py``). The factory receives the validated
+    ``[engine]`` section and is called *on the worker*.
+
+    Example::
+
+        @hookimpl
+        def register_engines():
+            return [Component("engine", "hf", HFEngineConfig, HFEngine)]
+    """
+
+
+@hookspec
+def register_rewards():
+    """Return a list of ``Component(kind="reward", ...)``.
+
+    Called once when the plugin manager is built. A reward scores one response to one prompt;
+    it runs in reward tasks on the ``reward`` pool. The factory receives the ``[reward]`` section.
+
+    Example::
+
+        @hookimpl
+        def register_rewards():
+            return [Component("reward", "exact_match", ExactMatchConfig, ExactMatch)]
+    """
+
+
+@hookspec
+def register_tasks():
+    """Return a list of ``Component(kind="task", ...)``.
+
+    Called once when the plugin manager is built. A task is the prompt source of a run: it hands
+    out prompts (with whatever the reward needs to check an answer) step by step, and can build a
+    tiny model + tokenizer for itself (``streamrl model init``). The factory receives ``[task]``.
+
+    Example::
+
+        @hookimpl
+        def register_tasks():
+            return [Component("task", "addition", AdditionConfig, AdditionTask)]
+    """
+
+
+@hookspec
+def register_transports():
+    """Return a list of ``Component(kind="transport", ...)``.
+
+    Called once when the plugin manager is built. A weight transport moves the trainer's new
+    weights to every generate worker after each optimizer step. The factory receives
+    ``[transfer]``.
+
+    Example::
+
+        @hookimpl
+        def register_transports():
+            return [Component("transport", "dask", DaskTransportConfig, DaskTransport)]
+    """
+
+
+@hookspec
+def on_run_start(recipe, run_dir):
+    """Called on the client once the cluster is up and before the first step is submitted.
+
+    ``recipe`` is the validated :class:`streamrl.recipe.Recipe`; ``run_dir`` a ``pathlib.Path``.
+
+    Example::
+
+        @hookimpl
+        def on_run_start(recipe, run_dir):
+            print("starting", recipe.run.name, "in", run_dir)
+    """
+
+
+@hookspec
+def on_step_end(step, metrics):
+    """Called on the client after every optimizer step with that step's metrics dict
+    (the same record written to ``metrics.jsonl``).
+
+    Example::
+
+        @hookimpl
+        def on_step_end(step, metrics):
+            wandb.log(metrics, step=step)
+    """
+
+
+@hookspec
+def on_run_end(run_dir, metrics):
+    """Called on the client when the run finishes (also after a failure), with the list of all
+    step metrics recorded so far.
+
+    Example::
+
+        @hookimpl
+        def on_run_end(run_dir, metrics):
+            print(len(metrics), "steps done")
+    """

@@ -1,0 +1,134 @@
+"""One pluggy ``PluginManager("streamrl")`` and the registry of components it collects.
+
+Built-ins are registered first, exactly like third-party plugins; then every installed
+distribution's ``streamrl`` entry point is imported. A plugin that fails to import is reported by
+name with one warning and the others still load. Two components of one kind with one name is an
+error. ``STREAMRL_DISABLE_PLUGINS=a,b`` skips plugins (entry-point names or module names).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pluggy
+from pydantic import BaseModel
+
+from streamrl import hookspecs
+from streamrl.errors import UserError
+
+#: The kinds of component a recipe can name, with the hook that registers each.
+KINDS = {
+    "algorithm": "register_algorithms",
+    "engine": "register_engines",
+    "reward": "register_rewards",
+    "task": "register_tasks",
+    "transport": "register_transports",
+}
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named, configurable piece handed over by a plugin.
+
+    ``config`` is a pydantic model validating the component's recipe section (its fields other
+    than ``name``); ``factory(config)`` builds the object.
+    """
+
+    kind: str
+    name: str
+    config: type[BaseModel]
+    factory: Callable[[Any], Any]
+    plugin: str = field(default="", compare=False)
+
+    def build(self, section: dict, path: str) -> Any:
+        """Validate ``section`` (the recipe table at TOML ``path``) and build the component."""
+        from streamrl.recipe import validate_section
+
+        return self.factory(validate_section(self.config, section, path))
+
+
+class Registry:
+    """The components of every loaded plugin, by kind and name."""
+
+    def __init__(self, pm: pluggy.PluginManager):
+        self.pm = pm
+        self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+        for kind, hook_name in KINDS.items():
+            hook = getattr(pm.hook, hook_name)
+            for impl in hook.get_hookimpls():
+                plugin_name = pm.get_name(impl.plugin) or repr(impl.plugin)
+                for comp in impl.function() or []:
+                    self._add(kind, comp, plugin_name)
+
+    def _add(self, kind: str, comp: Component, plugin_name: str) -> None:
+        if comp.kind != kind:
+            raise UserError(f"plugin {plugin_name}: {KINDS[kind]} returned a {comp.kind!r} component {comp.name!r}")
+        if comp.name in self.components[kind]:
+            other = self.components[kind][comp.name].plugin
+            raise UserError(f"{kind} {comp.name!r} is registered twice: by {other} and by {plugin_name}")
+        self.components[kind][comp.name] = Component(comp.kind, comp.name, comp.config, comp.factory, plugin_name)
+
+    def get(self, kind: str, name: str, path: str) -> Component:
+        """The component ``name`` of ``kind``; ``path`` is the TOML path named in the error."""
+        found = self.components[kind].get(name)
+        if found is None:
+            names = sorted(self.components[kind])
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{path}: unknown {kind} {name!r} (available: {', '.join(names) or 'none'}){hint}")
+        return found
+
+
+def _disabled() -> set[str]:
+    return {n.strip() for n in os.environ.get("STREAMRL_DISABLE_PLUGINS", "").split(",") if n.strip()}
+
+
+def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str]) -> None:
+    # pluggy's load_setuptools_entrypoints stops at the first broken plugin; we report and go on.
+    for ep in importlib.metadata.entry_points(group="streamrl"):
+        if ep.name in disabled or pm.get_plugin(ep.name) is not None:
+            continue
+        dist = ep.dist.name if ep.dist else ep.value
+        try:
+            module = ep.load()
+            pm.register(module, name=ep.name)
+        except Exception as exc:  # a broken plugin must not take the others down
+            warnings.warn(f"streamrl plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}",
+                          stacklevel=2)
+
+
+def load_local_module(path: str | Path, base: Path) -> Any:
+    """Import a plugin module from a file path (relative to ``base``, the recipe's folder)."""
+    file = (base / path).resolve()
+    if not file.is_file():
+        raise UserError(f"plugins.modules: file {str(path)!r} not found (looked at {file})")
+    spec = importlib.util.spec_from_file_location(f"streamrl_local_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Registry:
+    """Build the plugin manager (built-ins, installed plugins, recipe-local modules) and collect."""
+    from streamrl import builtins
+
+    pm = pluggy.PluginManager("streamrl")
+    pm.add_hookspecs(hookspecs)
+    disabled = _disabled()
+    pm.register(builtins, name="streamrl.builtins")
+    _load_entrypoints(pm, disabled)
+    for path in local_modules:
+        module = load_local_module(path, base)
+        if module.__name__ not in disabled:
+            pm.register(module, name=f"local:{path}")
+    return Registry(pm)

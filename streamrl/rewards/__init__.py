@@ -1,0 +1,1 @@
+"""Built-in rewards: they score one response to one prompt."""

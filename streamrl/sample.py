@@ -1,0 +1,50 @@
+"""The unit of data that streams between pools: a prompt, and the samples generated for it.
+
+A *group* is the ``samples_per_prompt`` samples of one prompt; it is what one generate task
+produces, what one reward task scores, and the smallest piece a micro-batch is made of (GRPO
+normalises advantages within a group). Everything here is plain Python so it pickles cheaply
+between Dask workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Prompt:
+    """One prompt handed out by a task."""
+
+    uid: str
+    """Unique id of the prompt within the run, e.g. ``"3-07"`` (step 3, prompt 7)."""
+    text: str
+    """The prompt text given to the engine (it tokenizes)."""
+    answer: Any = None
+    """Whatever the reward needs to check a response (the expected answer, test cases, ...)."""
+
+
+@dataclass
+class Sample:
+    """One generated response with everything training and accounting need."""
+
+    uid: str
+    """Unique id: ``<prompt uid>-<k>``."""
+    prompt: Prompt
+    prompt_ids: list[int]
+    """Prompt token ids as the engine fed them (BOS included)."""
+    response_ids: list[int]
+    """Generated token ids (EOS included when the model stopped by itself)."""
+    logprobs: list[float]
+    """Log-probability of each response token under the policy that generated it."""
+    response_text: str = ""
+    """Decoded response, special tokens removed."""
+    policy_version: int = 0
+    """Version of the weights that generated this sample (0 = the initial model)."""
+    reward: float | None = None
+    """Filled by the reward task."""
+    times: dict[str, float] = field(default_factory=dict)
+    """Wall-clock timestamps: ``gen_start``, ``gen_end``, ``reward_end``."""
+
+
+Group = list[Sample]

@@ -1,0 +1,1 @@
+"""Built-in tasks (prompt sources) and the tiny models made for them."""

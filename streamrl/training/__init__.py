@@ -1,0 +1,1 @@
+"""Worker-side training: the policy, its optimizer, micro-batch accumulation, the step."""
