@@ -115,6 +115,10 @@ def load_local_module(path: str | Path, base: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    # Workers cannot import a file that lives only next to the recipe: ship its code by value.
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
     return module
 
 

@@ -53,7 +53,10 @@ class Controller:
         self.client = client
         self.model_path = str(loaded.model_path())
         self.task = registry.get("task", r.task.name, "task.name").build(r.task.options(), "task")
-        self.reward = registry.get("reward", r.reward.name, "reward.name").build(r.reward.options(), "reward")
+        reward = registry.get("reward", r.reward.name, "reward.name")
+        validate_section(reward.config, r.reward.options(), "reward")  # fail here if misconfigured
+        # Each reward worker builds its own (a reward model loads once per worker, not per task).
+        self.build_reward = partial(reward.build, r.reward.options(), "reward")
         self.algorithm = registry.get("algorithm", r.algorithm.name, "algorithm.name").build(
             r.algorithm.options(), "algorithm")
         self.transport = registry.get("transport", r.transfer.name, "transfer.name").build(
@@ -80,6 +83,7 @@ class Controller:
         self.client.register_plugin(Resident(
             tasks.TRAINER, partial(build_trainer, self.model_path, r.trainer, self.algorithm, temperature),
             torch_threads=train_threads))
+        self.client.register_plugin(Resident(tasks.REWARD, self.build_reward))
         futs = [self.client.submit(tasks.warm_up, tasks.ENGINE, key=f"load-engine-{name}", workers=[addr],
                                    allow_other_workers=False) for name, addr in self.generate_workers.items()]
         futs.append(self.client.submit(tasks.warm_up, tasks.TRAINER, key="load-trainer",
@@ -97,7 +101,7 @@ class Controller:
         for p in self.task.prompts(step, t.prompts_per_step):
             gen = self.client.submit(tasks.generate_group, p, t.samples_per_prompt, key=f"generate-{p.uid}",
                                      resources={"generate": 1}, retries=1)
-            scored.append(self.client.submit(tasks.score_group, gen, self.reward, key=f"reward-{p.uid}",
+            scored.append(self.client.submit(tasks.score_group, gen, key=f"reward-{p.uid}",
                                              resources={"reward": 1}, retries=1))
         return scored
 

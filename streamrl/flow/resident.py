@@ -19,7 +19,12 @@ class Resident(WorkerPlugin):
 
     def __init__(self, name: str, build: Callable[[], Any], torch_threads: int = 1):
         self.name = name  # Dask keys worker plugins by this attribute
-        self.build = build
+        # cloudpickle by hand: Dask pickles a plugin with plain pickle, which ships classes by
+        # reference, and a plugin defined in a file next to the recipe is not importable on a
+        # worker. cloudpickle honours register_pickle_by_value (see plugins.load_local_module).
+        import cloudpickle
+
+        self.build_blob = cloudpickle.dumps(build)
         self.torch_threads = torch_threads
 
     def setup(self, worker) -> None:
@@ -33,7 +38,9 @@ class Resident(WorkerPlugin):
                 import torch
 
                 torch.set_num_threads(self.torch_threads)  # Nanny workers start with OMP_NUM_THREADS=1
-                self.obj = self.build()
+                import cloudpickle
+
+                self.obj = cloudpickle.loads(self.build_blob)()
             return self.obj
 
     def teardown(self, worker) -> None:

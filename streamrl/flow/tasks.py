@@ -13,6 +13,7 @@ from streamrl.sample import Group, Prompt
 
 ENGINE = "streamrl-engine"
 TRAINER = "streamrl-trainer"
+REWARD = "streamrl-reward"
 
 
 def generate_group(prompt: Prompt, n: int) -> Group:
@@ -20,8 +21,9 @@ def generate_group(prompt: Prompt, n: int) -> Group:
     return resident(ENGINE).generate(prompt, n)
 
 
-def score_group(group: Group, reward) -> Group:
+def score_group(group: Group) -> Group:
     """Reward pool: score every sample. A failing reward is contained: reward 0 and the error kept."""
+    reward = resident(REWARD)
     for s in group:
         try:
             s.reward = float(reward.score(s.prompt, s.response_text))

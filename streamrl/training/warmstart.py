@@ -7,6 +7,7 @@ early (W1: ~30 s on 2 cores gives ~60% greedy accuracy) and let RL do the rest.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -25,6 +26,11 @@ def warm_start(model, tokenizer, example, steps: int, batch_size: int = 64, lr: 
     """Train ``model`` for ``steps`` AdamW steps on pairs from ``example(rng)``; loss on answers only."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    # Short linear warm-up then cosine decay: a constant rate makes the tiny model's loss
+    # oscillate late in training (measured: greedy accuracy bouncing between 1% and 28%).
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
     model.train()
     t0 = time.perf_counter()
     loss_value = float("nan")
@@ -39,7 +45,9 @@ def warm_start(model, tokenizer, example, steps: int, batch_size: int = 64, lr: 
         loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         loss_value = loss.item()
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"warm start step {step}: loss {loss_value:.3f}")

@@ -1,0 +1,64 @@
+"""The plugin manager: built-ins through hooks, duplicates, disabling, recipe-local modules."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from streamrl.errors import UserError
+from streamrl.plugins import build_registry
+
+LOCAL_REWARD = textwrap.dedent('''
+    from pydantic import BaseModel, ConfigDict
+    import streamrl
+    from streamrl.plugins import Component
+
+    class Cfg(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        bonus: float = 1.0
+
+    class Always:
+        def __init__(self, config):
+            self.config = config
+        def score(self, prompt, response):
+            return self.config.bonus
+
+    @streamrl.hookimpl
+    def register_rewards():
+        return [Component("reward", "{name}", Cfg, Always)]
+''')
+
+
+def test_builtins_are_registered_through_hooks():
+    reg = build_registry()
+    for kind, name in [("algorithm", "grpo"), ("engine", "hf"), ("reward", "exact_match"),
+                       ("task", "addition"), ("transport", "dask")]:
+        assert reg.get(kind, name, f"{kind}.name").plugin == "streamrl.builtins"
+
+
+def test_recipe_local_module_adds_a_component(tmp_path):
+    (tmp_path / "my_reward.py").write_text(LOCAL_REWARD.format(name="always"))
+    reg = build_registry(["./my_reward.py"], tmp_path)
+    reward = reg.get("reward", "always", "reward.name").build({"bonus": 0.5}, "reward")
+    assert reward.score(None, "x") == 0.5
+    with pytest.raises(UserError, match=r"reward\.bonus"):
+        reg.get("reward", "always", "reward.name").build({"bonus": "lots"}, "reward")
+
+
+def test_duplicate_names_are_an_error(tmp_path):
+    (tmp_path / "dup.py").write_text(LOCAL_REWARD.format(name="exact_match"))
+    with pytest.raises(UserError, match="reward 'exact_match' is registered twice"):
+        build_registry(["./dup.py"], tmp_path)
+
+
+def test_disabled_local_plugin_is_skipped(tmp_path, monkeypatch):
+    (tmp_path / "dup.py").write_text(LOCAL_REWARD.format(name="exact_match"))
+    monkeypatch.setenv("STREAMRL_DISABLE_PLUGINS", "streamrl_local_dup")
+    reg = build_registry(["./dup.py"], tmp_path)
+    assert reg.get("reward", "exact_match", "reward.name").plugin == "streamrl.builtins"
+
+
+def test_missing_local_module(tmp_path):
+    with pytest.raises(UserError, match="plugins.modules: file './nope.py' not found"):
+        build_registry(["./nope.py"], tmp_path)

@@ -1,0 +1,104 @@
+"""Recipe errors are one line, name the TOML path, exit 2, and carry no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.cli import main
+from streamrl.errors import UserError
+from streamrl.recipe import apply_overrides, load_recipe
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_valid_recipe_validates(capsys, tiny_recipe):
+    code, out, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe))
+    assert code == 0, err
+    assert out.strip().endswith(": ok")
+
+
+def test_unknown_key_names_its_path(capsys, tiny_recipe):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "trainer.learning_rate=0.1")
+    assert code == 2
+    assert "trainer.learning_rate: unknown key" in one_line_error(err)
+
+
+def test_wrong_type_names_its_path(capsys, tiny_recipe):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "trainer.prompts_per_step=many")
+    assert code == 2
+    line = one_line_error(err)
+    assert "trainer.prompts_per_step" in line and "integer" in line and "'many'" in line
+
+
+def test_out_of_range_value(capsys, tiny_recipe):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "trainer.lr=-1")
+    assert code == 2
+    assert "trainer.lr" in one_line_error(err)
+
+
+def test_missing_pool(capsys, tiny_recipe):
+    text = tiny_recipe.read_text().replace("[pools.reward]\nthreads = 1\n", "")
+    tiny_recipe.write_text(text)
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe))
+    assert code == 2
+    assert "pools.reward: missing" in one_line_error(err)
+
+
+def test_unknown_plugin_name_suggests_the_closest(capsys, tiny_recipe):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "algorithm.name=grp0")
+    assert code == 2
+    line = one_line_error(err)
+    assert "algorithm.name: unknown algorithm 'grp0'" in line and "did you mean 'grpo'" in line
+
+
+def test_plugin_section_validated_by_plugin_config(capsys, tiny_recipe):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "engine.max_new_tokens=0")
+    assert code == 2
+    assert "engine.max_new_tokens" in one_line_error(err)
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "task.digitz=3")
+    assert code == 2
+    assert "task.digitz: unknown key" in one_line_error(err)
+
+
+def test_missing_file_and_bad_toml(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tmp_path / "nope.toml"))
+    assert code == 2 and "recipe file not found" in one_line_error(err)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname = 1")
+    code, _, err = run_cli(capsys, "recipe", "validate", str(bad))
+    assert code == 2 and "not valid TOML" in one_line_error(err)
+
+
+def test_missing_model_folder(capsys, tiny_recipe, tmp_path):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f'model.path="{tmp_path}/none"')
+    assert code == 2
+    assert "model.path: no transformers model" in one_line_error(err)
+
+
+def test_overrides_parse_toml_values():
+    data = apply_overrides({}, ["trainer.lr=1e-5", "run.name=abc", "run.steps=3", 'pools.generate.env={A="1"}'])
+    assert data == {"trainer": {"lr": 1e-5}, "run": {"name": "abc", "steps": 3},
+                    "pools": {"generate": {"env": {"A": "1"}}}}
+    with pytest.raises(UserError, match="KEY=VALUE"):
+        apply_overrides({}, ["trainer.lr"])
+
+
+def test_show_prints_resolved_recipe(capsys, tiny_recipe):
+    code, out, _ = run_cli(capsys, "recipe", "show", str(tiny_recipe), "--set", "trainer.lr=0.5")
+    assert code == 0
+    assert "lr = 0.5" in out and "[pools.generate]" in out
+    # the printed recipe is itself a valid recipe
+    again = tiny_recipe.parent / "again.toml"
+    again.write_text(out)
+    assert load_recipe(again).recipe.trainer.lr == 0.5
