@@ -91,6 +91,10 @@ class TrainerConfig(Strict):
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps over which the learning rate rises linearly from ~0 to ``lr``. Adam's first
+    steps move every weight by about ``lr`` whatever the gradient's size; a warm-up keeps noisy
+    early RL gradients from wrecking a small policy."""
     max_grad_norm: float = Field(1.0, ge=0)
     """Gradient clipping norm before each optimizer step (0 disables)."""
     prompts_per_step: int = Field(16, ge=1)

@@ -42,7 +42,7 @@ def build_trainer(model_path: str, trainer_cfg, algorithm, temperature: float):
     from streamrl.training.trainer import Trainer
 
     return Trainer(model_path, lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay,
-                   algorithm=algorithm, temperature=temperature)
+                   algorithm=algorithm, temperature=temperature, warmup_steps=trainer_cfg.warmup_steps)
 
 
 class Controller:

@@ -49,7 +49,7 @@ class Trainer:
     """A causal LM + AdamW (+ a frozen reference model when the algorithm asks for one)."""
 
     def __init__(self, model_path: str, lr: float, weight_decay: float, algorithm,
-                 temperature: float = 1.0, device: str = "cpu"):
+                 temperature: float = 1.0, device: str = "cpu", warmup_steps: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -64,6 +64,8 @@ class Trainer:
             self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / (warmup_steps + 1)))
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -100,6 +102,7 @@ class Trainer:
         if max_grad_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm))
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {"version": self.version, "grad_norm": norm, "seconds": time.perf_counter() - t0}
