@@ -40,8 +40,8 @@ def parser() -> argparse.ArgumentParser:
     init = model.add_parser("init", help="create a tiny model + tokenizer for a task, with a supervised warm start")
     init.add_argument("--task", default="addition", help="task component name")
     init.add_argument("--out", required=True, help="output folder")
-    init.add_argument("--warmstart-steps", type=int, default=450,
-                      help="supervised AdamW steps (0: none); 450 gives ~50%% greedy accuracy on addition, leaving room for RL")
+    init.add_argument("--warmstart-steps", type=int, default=800,
+                      help="supervised AdamW steps (0: none); 800 gives ~65%% greedy accuracy on addition, leaving room for RL")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="task option, e.g. --set digits=3")

@@ -46,6 +46,18 @@ def make_run_dir(loaded: LoadedRecipe) -> Path:
     return run_dir.resolve()
 
 
+def summary(records: list[dict], window: int = 10) -> str:
+    """One line: did reward go up (mean of the first vs the last ``window`` steps), how fast."""
+    if not records:
+        return "no steps run"
+    k = min(window, len(records))
+    first = sum(r["reward_mean"] for r in records[:k]) / k
+    last = sum(r["reward_mean"] for r in records[-k:]) / k
+    rate = sum(r["samples"] for r in records) / max(sum(r["step_s"] for r in records), 1e-9)
+    return (f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
+            f"{rate:.1f} samples/s over {len(records)} steps")
+
+
 def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None) -> Path:
     """Run a validated recipe end to end; returns the run folder."""
     console = console or Console(stderr=True)
@@ -72,6 +84,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
                 f"samples/s {m['samples_per_s']:6.1f}  gen {m['generate_s']:.2f}s  "
                 f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  v{m['policy_version']}", soft_wrap=True)
         policy = controller.save_policy(run_dir / "policy")
+        console.print(summary(log.records))
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
     finally:
         registry.pm.hook.on_run_end(run_dir=run_dir, metrics=log.records)
