@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
@@ -83,6 +84,26 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[SpecCluster | None, Cl
                             f"{recipe.cluster.startup_timeout}s") from None
     check_pools(client)
     return cluster, client
+
+
+def stop(cluster: SpecCluster | None, client: Client, timeout: float = 10.0) -> None:
+    """Shut down in order: workers first, then the client and scheduler.
+
+    Closing the scheduler while workers still run makes each worker log a heartbeat traceback
+    on its way out; retiring them first keeps the end of a run quiet. An external cluster
+    (``cluster.address``) is left running: only our client disconnects.
+    """
+    if cluster is not None:
+        try:
+            cluster.scale(0)
+            deadline = time.monotonic() + timeout
+            while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:  # shutting down anyway; never hide the run's real error behind this
+            pass
+    client.close()
+    if cluster is not None:
+        cluster.close()
 
 
 def pool_workers(client: Client) -> dict[str, dict[str, str]]:

@@ -88,7 +88,5 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
     finally:
         registry.pm.hook.on_run_end(run_dir=run_dir, metrics=log.records)
-        client.close()
-        if dask_cluster is not None:
-            dask_cluster.close()
+        cluster.stop(dask_cluster, client)
     return run_dir
