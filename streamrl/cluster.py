@@ -94,6 +94,9 @@ def stop(cluster: SpecCluster | None, client: Client, timeout: float = 10.0) -> 
     (``cluster.address``) is left running: only our client disconnects.
     """
     if cluster is not None:
+        # Results the controller still holds (the last optimizer step) go with their workers;
+        # that is the point of stopping, so the scheduler need not warn about it.
+        logging.getLogger("distributed.scheduler").setLevel(logging.ERROR)
         try:
             cluster.scale(0)
             deadline = time.monotonic() + timeout
