@@ -8,6 +8,7 @@ from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.plugins import Component
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
 from streamrl.tasks.addition import AdditionConfig, AdditionTask
+from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
 from streamrl.transfer.dask import DaskTransport, DaskTransportConfig
 
 
@@ -34,3 +35,8 @@ def register_tasks():
 @hookimpl
 def register_transports():
     return [Component("transport", "dask", DaskTransportConfig, DaskTransport)]
+
+
+@hookimpl
+def register_metric_sinks():
+    return [Component("metric_sink", "csv", CSVSinkConfig, CSVSink)]

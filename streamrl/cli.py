@@ -80,16 +80,36 @@ def cmd_plugins(args) -> int:
     from streamrl.plugins import build_registry
 
     reg = build_registry()
+    rows = [("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION")]
     for kind, comps in reg.components.items():
         for name, comp in sorted(comps.items()):
-            print(f"{kind:<10} {name:<16} {comp.plugin}")
+            dist, version = reg.origins.get(comp.plugin, ("?", ""))
+            rows.append((kind, name, comp.plugin, dist, version or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
     return 0
+
+
+def _one_line_plugin_warnings() -> None:
+    from streamrl.errors import PluginWarning
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, PluginWarning):
+            print(f"streamrl: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    _one_line_plugin_warnings()
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins}[args.group](args)
     except UserError as exc:

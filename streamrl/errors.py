@@ -7,3 +7,7 @@ else that escapes is a bug in streamrl (or a plugin) and keeps its traceback.
 
 class UserError(Exception):
     """A mistake in a recipe, a command line or a cluster set-up, phrased for the user."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin could not be loaded; the others still are. The CLI prints it on one line."""

@@ -1,7 +1,7 @@
 """Hook specifications: the contract between streamrl and its plugins.
 
 Every replaceable piece of streamrl -- the RL algorithm, the inference engine, the reward, the
-task (prompt source), the weight transport -- is a *component* handed over by a plugin through one
+task (prompt source), the weight transport, metric sinks, length rankers, schedulers -- is a *component* handed over by a plugin through one
 of the ``register_*`` hooks below. The built-ins are registered exactly the same way
 (``streamrl/builtins.py``), so nothing you write is a second-class citizen.
 
@@ -105,6 +105,58 @@ def register_transports():
         @hookimpl
         def register_transports():
             return [Component("transport", "dask", DaskTransportConfig, DaskTransport)]
+    """
+
+
+@hookspec
+def register_metric_sinks():
+    """Return a list of ``Component(kind="metric_sink", ...)``.
+
+    Called once when the plugin manager is built. A metric sink receives every step's metrics
+    record on the client, besides ``metrics.jsonl`` (which every run writes). The recipe picks
+    sinks with ``[[metrics]]`` tables; the factory receives one table. The object needs
+    ``open(run_dir)``, ``write(record)`` and ``close()``.
+
+    Example::
+
+        @hookimpl
+        def register_metric_sinks():
+            return [Component("metric_sink", "csv", CSVSinkConfig, CSVSink)]
+    """
+
+
+@hookspec
+def register_rankers():
+    """Return a list of ``Component(kind="ranker", ...)``.
+
+    Called once when the plugin manager is built. A length ranker predicts which prompts will
+    have long outputs (StreamRL's output-length ranker): ``predict(prompts) -> [score]``
+    (higher = longer) and ``observe(prompt, lengths)`` after each group is generated.
+    Recipes cannot select a ranker until skewness-aware scheduling lands (issue 5); the hook is
+    here so plugins can be written against it now.
+
+    Example::
+
+        @hookimpl
+        def register_rankers():
+            return [Component("ranker", "history", HistoryRankerConfig, HistoryRanker)]
+    """
+
+
+@hookspec
+def register_schedulers():
+    """Return a list of ``Component(kind="scheduler", ...)``.
+
+    Called once when the plugin manager is built. A scheduler dispatches a step's prompts to
+    generate workers and orders them inside each: ``dispatch(prompts, scores, workers) ->
+    {worker: [prompt, ...]}`` in admission order. Like rankers, selectable from recipes once
+    issue 5 lands.
+
+    Example::
+
+        @hookimpl
+        def register_schedulers():
+            return [Component("scheduler", "fcfs", FCFSConfig, FCFS)]
     """
 
 

@@ -23,7 +23,7 @@ import pluggy
 from pydantic import BaseModel
 
 from streamrl import hookspecs
-from streamrl.errors import UserError
+from streamrl.errors import PluginWarning, UserError
 
 #: The kinds of component a recipe can name, with the hook that registers each.
 KINDS = {
@@ -32,6 +32,9 @@ KINDS = {
     "reward": "register_rewards",
     "task": "register_tasks",
     "transport": "register_transports",
+    "metric_sink": "register_metric_sinks",
+    "ranker": "register_rankers",
+    "scheduler": "register_schedulers",
 }
 
 
@@ -59,8 +62,10 @@ class Component:
 class Registry:
     """The components of every loaded plugin, by kind and name."""
 
-    def __init__(self, pm: pluggy.PluginManager):
+    def __init__(self, pm: pluggy.PluginManager, origins: dict[str, tuple[str, str]] | None = None):
         self.pm = pm
+        #: plugin name -> (distribution or file, version) for ``streamrl plugins list``
+        self.origins = origins or {}
         self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
         for kind, hook_name in KINDS.items():
             hook = getattr(pm.hook, hook_name)
@@ -92,18 +97,19 @@ def _disabled() -> set[str]:
     return {n.strip() for n in os.environ.get("STREAMRL_DISABLE_PLUGINS", "").split(",") if n.strip()}
 
 
-def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str]) -> None:
+def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str], origins: dict) -> None:
     # pluggy's load_setuptools_entrypoints stops at the first broken plugin; we report and go on.
     for ep in importlib.metadata.entry_points(group="streamrl"):
         if ep.name in disabled or pm.get_plugin(ep.name) is not None:
             continue
-        dist = ep.dist.name if ep.dist else ep.value
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
         try:
             module = ep.load()
             pm.register(module, name=ep.name)
+            origins[ep.name] = (ep.dist.name, ep.dist.version) if ep.dist else (ep.value, "")
         except Exception as exc:  # a broken plugin must not take the others down
-            warnings.warn(f"streamrl plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}",
-                          stacklevel=2)
+            warnings.warn(f"plugin {ep.name!r} from {dist} failed to load and is skipped: "
+                          f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
 
 
 def load_local_module(path: str | Path, base: Path) -> Any:
@@ -130,9 +136,18 @@ def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Reg
     pm.add_hookspecs(hookspecs)
     disabled = _disabled()
     pm.register(builtins, name="streamrl.builtins")
-    _load_entrypoints(pm, disabled)
+    origins = {"streamrl.builtins": ("streamrl", _version("streamrl"))}
+    _load_entrypoints(pm, disabled, origins)
     for path in local_modules:
         module = load_local_module(path, base)
         if module.__name__ not in disabled:
             pm.register(module, name=f"local:{path}")
-    return Registry(pm)
+            origins[f"local:{path}"] = (str((base / path).resolve()), "")
+    return Registry(pm, origins)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return ""

@@ -145,6 +145,9 @@ class Recipe(Strict):
     """Weight transport from trainer to generators (a ``transport`` component)."""
     plugins: PluginsConfig = PluginsConfig()
     """Recipe-local plugins."""
+    metrics: list[Section] = []
+    """Extra metric sinks (``[[metrics]]`` tables, each a ``metric_sink`` component);
+    ``metrics.jsonl`` is always written."""
 
 
 #: The pools every run needs, with what they are for (used in error messages).

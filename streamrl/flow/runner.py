@@ -25,6 +25,9 @@ def resolve(loaded: LoadedRecipe):
         sec = getattr(r, section)
         comp = registry.get(kind, sec.name, f"{section}.name")
         validate_section(comp.config, sec.options(), section)
+    for i, sec in enumerate(r.metrics):
+        comp = registry.get("metric_sink", sec.name, f"metrics[{i}].name")
+        validate_section(comp.config, sec.options(), f"metrics[{i}]")
     if not (loaded.model_path() / "config.json").is_file():
         from streamrl.errors import UserError
 
@@ -65,6 +68,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     registry = resolve(loaded)
     run_dir = make_run_dir(loaded)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    sinks = [registry.get("metric_sink", sec.name, f"metrics[{i}].name").build(sec.options(), f"metrics[{i}]")
+             for i, sec in enumerate(r.metrics)]
+    for sink in sinks:
+        sink.open(run_dir)
     t_start = time.time()
     dask_cluster, client = cluster.start(r, verbose)
     try:
@@ -78,6 +85,13 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         for step in range(r.run.steps):
             m = controller.step(step)
             log.write(m)
+            for sink in list(sinks):
+                try:
+                    sink.write(m)
+                except Exception as exc:  # a broken sink must not end the run; metrics.jsonl has it all
+                    console.print(f"[yellow]metric sink {type(sink).__name__} failed and is dropped: "
+                                  f"{type(exc).__name__}: {exc}[/]", soft_wrap=True)
+                    sinks.remove(sink)
             registry.pm.hook.on_step_end(step=step, metrics=m)
             console.print(
                 f"step {step + 1:>3}/{r.run.steps}  reward {m['reward_mean']:.3f}  "
@@ -87,6 +101,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print(summary(log.records))
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
     finally:
+        for sink in sinks:
+            sink.close()
         registry.pm.hook.on_run_end(run_dir=run_dir, metrics=log.records)
         cluster.stop(dask_cluster, client)
     return run_dir

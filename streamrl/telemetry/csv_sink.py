@@ -1,0 +1,40 @@
+"""``csv`` metric sink: the step records as ``metrics.csv`` (for spreadsheets and pandas)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+
+class CSVSinkConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    file: str = "metrics.csv"
+    """File name inside the run folder."""
+
+
+class CSVSink:
+    """Writes one row per step; the columns are the first record's keys."""
+
+    def __init__(self, config: CSVSinkConfig):
+        self.config = config
+        self._file = None
+        self._writer = None
+
+    def open(self, run_dir: Path) -> None:
+        """Create the file in ``run_dir``."""
+        self._file = (Path(run_dir) / self.config.file).open("w", newline="")
+
+    def write(self, record: dict) -> None:
+        """Append one step's record (keys unseen in the first record are ignored)."""
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(record), extrasaction="ignore")
+            self._writer.writeheader()
+        self._writer.writerow(record)
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._file is not None:
+            self._file.close()

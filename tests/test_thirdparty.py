@@ -1,0 +1,99 @@
+"""Third-party plugins as real installed distributions (``plugins/`` packages, pip-installed).
+
+The packages are installed with ``pip install --target`` into a folder put on ``PYTHONPATH`` of
+the ``streamrl`` subprocess (and so of its Dask workers): the test environment itself is not
+changed, and no test code imports the plugin -- streamrl must find it through its entry point.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A folder holding the installed ``streamrl-example`` and ``streamrl-broken`` distributions."""
+    target = tmp_path_factory.mktemp("site")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+           str(ROOT / "plugins" / "streamrl-example"), str(ROOT / "plugins" / "streamrl-broken")]
+    if importlib.util.find_spec("setuptools"):
+        cmd.insert(4, "--no-build-isolation")  # build offline with the setuptools we have
+    subprocess.run(cmd, check=True, timeout=300)
+    return target
+
+
+def streamrl(site, *args, disable: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site), STREAMRL_DISABLE_PLUGINS=disable)
+    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_installed_plugin_is_listed_with_its_distribution_and_broken_one_is_reported(site):
+    proc = streamrl(site, "plugins", "list")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert ["reward", "digit_match", "example", "streamrl-example", "0.1.0"] in rows
+    assert ["algorithm", "rloo", "example", "streamrl-example", "0.1.0"] in rows
+    assert ["reward", "exact_match", "streamrl.builtins", "streamrl"] == rows[[r[1] for r in rows].index("exact_match")][:4]
+    warning = [line for line in proc.stderr.splitlines() if "streamrl-broken" in line]
+    assert len(warning) == 1 and "a_module_that_is_not_installed" in warning[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_disabled_plugin_is_not_loaded(site):
+    proc = streamrl(site, "plugins", "list", disable="broken,example")
+    assert proc.returncode == 0, proc.stderr
+    assert "streamrl-broken" not in proc.stderr
+    assert "digit_match" not in proc.stdout and "exact_match" in proc.stdout
+
+
+def test_unknown_name_lists_installed_components(site, tiny_recipe):
+    proc = streamrl(site, "recipe", "validate", str(tiny_recipe), "--set", 'reward.name="digit_mach"')
+    assert proc.returncode == 2
+    assert "reward.name" in proc.stderr and "digit_match, exact_match" in proc.stderr
+    assert "did you mean 'digit_match'" in proc.stderr
+
+
+def test_plugin_config_error_names_the_toml_path(site, tiny_recipe):
+    proc = streamrl(site, "recipe", "validate", str(tiny_recipe), "--set", 'reward.name="digit_match"',
+                    "--set", "reward.length_penalty=3")
+    assert proc.returncode == 2
+    assert "reward.length_penalty" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_recipe_runs_end_to_end_with_the_installed_plugin(site, tiny_recipe, tmp_path):
+    text = tiny_recipe.read_text().replace('name = "exact_match"', 'name = "digit_match"\nlength_penalty = 0.25')
+    text += '\n[algorithm]\nname = "rloo"\n\n[[metrics]]\nname = "csv"\n'
+    tiny_recipe.write_text(text)
+    proc = streamrl(site, "recipe", "run", str(tiny_recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "streamrl-broken" in proc.stderr  # reported, and the run still succeeded
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and records[-1]["reward_errors"] == 0
+    # the plugin's reward ran on the reward worker: an untrained model's random digits earn
+    # partial credit there, where exact match would give (almost surely) nothing
+    assert sum(r["reward_mean"] for r in records) > 0
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [0, 1]
+    assert 'name = "rloo"' in (run_dir / "recipe.toml").read_text()
+
+
+def test_example_package_own_tests_pass(site):
+    env = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "plugins" / "streamrl-example" / "tests")],
+                          cwd=ROOT / "plugins" / "streamrl-example", env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "3 passed" in proc.stdout
