@@ -57,3 +57,18 @@ def test_plugins_list_shows_builtins():
     assert proc.returncode == 0, proc.stderr
     rows = {tuple(line.split()[:2]) for line in proc.stdout.splitlines()}
     assert {("engine", "hf"), ("algorithm", "grpo"), ("reward", "exact_match"), ("task", "addition")} <= rows
+
+
+@pytest.mark.slow
+def test_async_mode_keeps_staleness_within_the_bound(tiny_recipe, tmp_path):
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.mode=async", "--set", "run.max_staleness=1",
+                    "--set", "run.steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert r["samples"] == 16  # nothing dropped to keep the bound
+        assert 0 <= r["staleness_max"] <= 1, r
+    # generation ran ahead: after the first step, some step trained samples of the previous policy
+    assert any(r["staleness_max"] == 1 for r in records[1:])

@@ -92,6 +92,11 @@ class Controller:
             f.result()
         self.version = 0
         self.last_step = None
+        # async bookkeeping: scored futures of admitted steps, weight loads not yet awaited
+        self.in_flight: dict[int, list[Future]] = {}
+        self.loads: dict[int, list[Future]] = {}
+        self.loaded_version = 0
+        self.next_to_admit = 0
 
     # -- one step -------------------------------------------------------------------------
     def submit_generation(self, step: int) -> list[Future]:
@@ -134,26 +139,58 @@ class Controller:
 
     def step(self, step: int) -> dict:
         """Run one full step in the recipe's mode and return its metrics record."""
-        t = self.recipe.trainer
-        total = t.prompts_per_step * t.samples_per_prompt
+        mode = self.recipe.run.mode
         t0 = time.time()
-        scored = self.submit_generation(step)
-        if self.recipe.run.mode == "stream":
-            ready = as_completed(scored)
-        else:  # batch: the trainer sees nothing until the whole batch is scored
+        if mode == "async":
+            self.admit(step)
+            scored = self.in_flight.pop(step)
+        else:
+            scored = self.submit_generation(step)
+        if mode == "batch":  # the trainer sees nothing until the whole batch is scored
             wait(scored)
             ready = scored
-        step_fut, micro = self.submit_training(step, ready, total)
+        else:
+            ready = as_completed(scored)
+        t = self.recipe.trainer
+        step_fut, micro = self.submit_training(step, ready, t.prompts_per_step * t.samples_per_prompt)
         step_stats = step_fut.result()
         t_trained = time.time()
         self.version = step_stats["version"]
         loads = self.transport.publish(self.client, step_fut, self.version, self.train_worker,
                                        self.generate_workers)
+        if mode == "async":
+            # Weight loading overlaps the next step's training; admit() waits for it only when
+            # the staleness bound requires.
+            self.loads[self.version] = loads
+        else:
+            self.wait_loaded(loads)
+        t_end = time.time()
+        return summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, t_end)
+
+    def wait_loaded(self, loads: list[Future]) -> None:
+        """Block until every generate worker has loaded the published weights."""
         wait(loads)
         for f in loads:
             f.result()  # raise if a worker failed to load
-        t_end = time.time()
-        return summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, t_end)
+
+    def admit(self, step: int) -> None:
+        """Async admission control: submit generation for steps ``step .. step + max_staleness``.
+
+        Generation of step ``g`` is submitted only once every generate worker holds policy
+        version ``g - max_staleness`` or newer, so the samples trained at version ``g`` are at
+        most ``max_staleness`` versions old. Generation is paced, never dropped.
+        """
+        k = self.recipe.run.max_staleness
+        for g in range(step, min(step + k, self.recipe.run.steps - 1) + 1):
+            if g in self.in_flight or g < self.next_to_admit:
+                continue
+            needed = g - k
+            if needed > self.loaded_version:
+                for v in range(self.loaded_version + 1, needed + 1):
+                    self.wait_loaded(self.loads.pop(v))
+                self.loaded_version = needed
+            self.in_flight[g] = self.submit_generation(g)
+            self.next_to_admit = g + 1
 
     def save_policy(self, out: Path) -> str:
         """Write the trained policy as a transformers model folder."""
@@ -178,12 +215,14 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
         "response_len_mean": tokens / samples,
         "reward_errors": sum(m["reward_errors"] for m in micro),
         "generated_policy_version_min": min(m["policy_version_min"] for m in micro),
+        # versions between the policy being trained (``step``) and its oldest sample
+        "staleness_max": step - min(m["policy_version_min"] for m in micro),
         "grad_norm": step_stats["grad_norm"],
         "samples_per_s": samples / step_s,
         "tokens_per_s": tokens / step_s,
         # generate: from submission to the last sample's end; train: trainer busy seconds;
         # train_tail: from the last sample generated to the optimizer step done (what streaming shrinks)
-        "generate_s": max(m["gen_end_max"] for m in micro) - t0,
+        "generate_s": max(0.0, max(m["gen_end_max"] for m in micro) - t0),  # async: may end before t0
         "train_s": sum(m["seconds"] for m in micro) + step_stats["seconds"],
         "train_tail_s": t_trained - max(m["gen_end_max"] for m in micro),
         "weight_sync_s": t_end - t_trained,

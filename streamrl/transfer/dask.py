@@ -26,10 +26,12 @@ class DaskTransport:
 
     def publish(self, client, after, version: int, train_worker: str, generate_workers: dict[str, str]):
         """Submit export + one load per generate worker (``{name: address}``); returns the load futures."""
+        # High priority: on a busy generate worker the load must not queue behind generate tasks
+        # submitted earlier (Dask otherwise runs tasks in submission order).
         blob = client.submit(tasks.export_weights, after=after, key=f"export-weights-{version}",
-                             workers=[train_worker], resources={"train": 1})
+                             workers=[train_worker], resources={"train": 1}, priority=100)
         return [
             client.submit(tasks.load_weights, blob, version, key=f"load-weights-{version}-{name}",
-                          workers=[addr], allow_other_workers=False)
+                          workers=[addr], allow_other_workers=False, priority=100)
             for name, addr in generate_workers.items()
         ]
