@@ -182,7 +182,7 @@ class Controller:
         """
         k = self.recipe.run.max_staleness
         for g in range(step, min(step + k, self.recipe.run.steps - 1) + 1):
-            if g in self.in_flight or g < self.next_to_admit:
+            if g < self.next_to_admit:  # already admitted
                 continue
             needed = g - k
             if needed > self.loaded_version:
