@@ -25,9 +25,10 @@ from typing import Iterable
 
 from distributed import Client, Future, as_completed, wait
 
-from streamrl.flow import tasks
+from streamrl.flow import admission, tasks
 from streamrl.flow.resident import Resident
 from streamrl.recipe import LoadedRecipe, validate_section
+from streamrl.telemetry import bubbles
 
 
 def build_engine(factory, config, model_path: str):
@@ -64,6 +65,7 @@ class Controller:
         engine = registry.get("engine", r.engine.name, "engine.name")
         self.engine_config = validate_section(engine.config, r.engine.options(), "engine")
         self.engine_factory = engine.factory
+        self.pools = pools
         self.generate_workers = dict(sorted(pools["generate"].items()))
         # One trainer holds the policy; every train task is pinned to its worker.
         self.train_worker = sorted(pools["train"].items())[0][1]
@@ -84,6 +86,7 @@ class Controller:
             tasks.TRAINER, partial(build_trainer, self.model_path, r.trainer, self.algorithm, temperature),
             torch_threads=train_threads))
         self.client.register_plugin(Resident(tasks.REWARD, self.build_reward))
+        self.client.register_plugin(bubbles.BusyClock())
         futs = [self.client.submit(tasks.warm_up, tasks.ENGINE, key=f"load-engine-{name}", workers=[addr],
                                    allow_other_workers=False) for name, addr in self.generate_workers.items()]
         futs.append(self.client.submit(tasks.warm_up, tasks.TRAINER, key="load-trainer",
@@ -97,6 +100,7 @@ class Controller:
         self.loads: dict[int, list[Future]] = {}
         self.loaded_version = 0
         self.next_to_admit = 0
+        self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
 
     # -- one step -------------------------------------------------------------------------
     def submit_generation(self, step: int) -> list[Future]:
@@ -104,7 +108,8 @@ class Controller:
         t = self.recipe.trainer
         scored = []
         for p in self.task.prompts(step, t.prompts_per_step):
-            gen = self.client.submit(tasks.generate_group, p, t.samples_per_prompt, key=f"generate-{p.uid}",
+            gen = self.client.submit(tasks.generate_group, p, t.samples_per_prompt, submitted=time.time(),
+                                     key=f"generate-{p.uid}",
                                      resources={"generate": 1}, retries=1)
             scored.append(self.client.submit(tasks.score_group, gen, key=f"reward-{p.uid}",
                                              resources={"reward": 1}, retries=1))
@@ -164,8 +169,11 @@ class Controller:
             self.loads[self.version] = loads
         else:
             self.wait_loaded(loads)
-        t_end = time.time()
-        return summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, t_end)
+        before, self.clock = self.clock, bubbles.snapshot(self.client)
+        t_end = self.clock[0]
+        record = summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, t_end)
+        record["pools"] = bubbles.pool_bubbles(before, self.clock, self.pools)
+        return record
 
     def wait_loaded(self, loads: list[Future]) -> None:
         """Block until every generate worker has loaded the published weights."""
@@ -174,21 +182,15 @@ class Controller:
             f.result()  # raise if a worker failed to load
 
     def admit(self, step: int) -> None:
-        """Async admission control: submit generation for steps ``step .. step + max_staleness``.
-
-        Generation of step ``g`` is submitted only once every generate worker holds policy
-        version ``g - max_staleness`` or newer, so the samples trained at version ``g`` are at
-        most ``max_staleness`` versions old. Generation is paced, never dropped.
-        """
-        k = self.recipe.run.max_staleness
-        for g in range(step, min(step + k, self.recipe.run.steps - 1) + 1):
-            if g < self.next_to_admit:  # already admitted
-                continue
-            needed = g - k
-            if needed > self.loaded_version:
-                for v in range(self.loaded_version + 1, needed + 1):
-                    self.wait_loaded(self.loads.pop(v))
-                self.loaded_version = needed
+        """Async admission control (``flow/admission.py``): submit generation for the steps
+        ``step .. step + max_staleness`` not yet submitted, after waiting for the weight loads
+        the staleness bound requires. Generation is paced, never dropped."""
+        p = admission.plan(step, self.recipe.run.max_staleness, self.recipe.run.steps - 1,
+                           self.next_to_admit, self.loaded_version)
+        for v in range(self.loaded_version + 1, p.wait_for_version + 1):
+            self.wait_loaded(self.loads.pop(v))
+        self.loaded_version = max(self.loaded_version, p.wait_for_version)
+        for g in p.admit:
             self.in_flight[g] = self.submit_generation(g)
             self.next_to_admit = g + 1
 
@@ -202,6 +204,9 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
               t_end: float) -> dict:
     """The ``metrics.jsonl`` record of one step from the train tasks' stats and the wall clock."""
     samples = sum(m["samples"] for m in micro)
+    # per sample: id, generating version, staleness, timeline (submitted, gen_start, gen_end,
+    # reward_end, trained; epoch seconds)
+    sample_log = [dict(x, staleness=step - x["version"]) for m in micro for x in m.pop("sample_log", [])]
     tokens = sum(m["tokens"] for m in micro)
     step_s = t_end - t0
     return {
@@ -228,4 +233,5 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
         "weight_sync_s": t_end - t_trained,
         "step_s": step_s,
         "time": t_end,
+        "sample_log": sample_log,
     }

@@ -96,7 +96,9 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             console.print(
                 f"step {step + 1:>3}/{r.run.steps}  reward {m['reward_mean']:.3f}  "
                 f"samples/s {m['samples_per_s']:6.1f}  gen {m['generate_s']:.2f}s  "
-                f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  v{m['policy_version']}", soft_wrap=True)
+                f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  idle "
+                + " ".join(f"{p[:3]} {a['idle_ratio']:.0%}" for p, a in m["pools"].items())
+                + f"  v{m['policy_version']}", soft_wrap=True)
         policy = controller.save_policy(run_dir / "policy")
         console.print(summary(log.records))
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")

@@ -6,6 +6,7 @@ Arguments named ``after`` carry a future only to order a task after another one.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from streamrl.flow.resident import resident
@@ -16,9 +17,12 @@ TRAINER = "streamrl-trainer"
 REWARD = "streamrl-reward"
 
 
-def generate_group(prompt: Prompt, n: int) -> Group:
-    """Generate pool: ``n`` samples of one prompt."""
-    return resident(ENGINE).generate(prompt, n)
+def generate_group(prompt: Prompt, n: int, submitted: float = 0.0) -> Group:
+    """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked."""
+    group = resident(ENGINE).generate(prompt, n)
+    for s in group:
+        s.times["submitted"] = submitted
+    return group
 
 
 def score_group(group: Group) -> Group:
@@ -43,6 +47,13 @@ def train_micro_batch(*groups: Group, scale: float, after=None) -> dict:
     """
     stats = resident(TRAINER).micro_batch(list(groups), scale)
     samples = [s for g in groups for s in g]
+    trained = time.time()
+    # one small record per sample: the controller checks ids (none lost, none twice) and
+    # writes the timeline into metrics.jsonl
+    stats["sample_log"] = [
+        {"uid": s.uid, "version": s.policy_version, **{k: round(v, 4) for k, v in s.times.items()},
+         "trained": round(trained, 4), "response_len": len(s.response_ids)}
+        for s in samples]
     stats["gen_end_max"] = max(s.times["gen_end"] for s in samples)
     stats["policy_version_min"] = min(s.policy_version for s in samples)
     stats["reward_errors"] = sum(1 for s in samples if "reward_error" in s.times)
@@ -59,12 +70,22 @@ def export_weights(after=None) -> bytes:
     return resident(TRAINER).export_weights()
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 def load_weights(blob: bytes, version: int) -> float:
-    """Generate pool: load published weights into the engine; returns the seconds it took."""
+    """Generate pool: load published weights into the engine; returns the seconds it took.
+
+    Loads of two versions may run on two threads of one worker (async mode, staleness >= 2);
+    the lock and the version check keep the engine from going back to an older policy.
+    """
     from streamrl.training.trainer import weights_from_bytes
 
     t0 = time.perf_counter()
-    resident(ENGINE).load_weights(weights_from_bytes(blob), version)
+    engine = resident(ENGINE)
+    with _LOAD_LOCK:
+        if version > engine.version:
+            engine.load_weights(weights_from_bytes(blob), version)
     return time.perf_counter() - t0
 
 
