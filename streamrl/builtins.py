@@ -7,6 +7,8 @@ from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.plugins import Component
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
+from streamrl.sim.engine import SimEngine, SimEngineConfig
+from streamrl.sim.workload import LongTailSimConfig, LongTailSimTask, SimLengthConfig, SimLengthReward
 from streamrl.tasks.addition import AdditionConfig, AdditionTask
 from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
 from streamrl.transfer.dask import DaskTransport, DaskTransportConfig
@@ -19,17 +21,19 @@ def register_algorithms():
 
 @hookimpl
 def register_engines():
-    return [Component("engine", "hf", HFEngineConfig, HFEngine)]
+    return [Component("engine", "hf", HFEngineConfig, HFEngine), Component("engine", "sim", SimEngineConfig, SimEngine)]
 
 
 @hookimpl
 def register_rewards():
-    return [Component("reward", "exact_match", ExactMatchConfig, ExactMatch)]
+    return [Component("reward", "exact_match", ExactMatchConfig, ExactMatch),
+            Component("reward", "sim_length", SimLengthConfig, SimLengthReward)]
 
 
 @hookimpl
 def register_tasks():
-    return [Component("task", "addition", AdditionConfig, AdditionTask)]
+    return [Component("task", "addition", AdditionConfig, AdditionTask),
+            Component("task", "longtail-sim", LongTailSimConfig, LongTailSimTask)]
 
 
 @hookimpl

@@ -134,8 +134,8 @@ class Recipe(Strict):
     """Where to run it."""
     pools: PoolsConfig = PoolsConfig()
     """The labelled pools of the embedded cluster."""
-    model: ModelConfig
-    """The policy model."""
+    model: ModelConfig | None = None
+    """The policy model (required unless the engine is simulated)."""
     trainer: TrainerConfig = TrainerConfig()
     """Optimizer and batch shape."""
     task: Section
@@ -221,8 +221,10 @@ class LoadedRecipe:
         """The folder relative paths in the recipe are resolved against."""
         return self.file.parent
 
-    def model_path(self) -> Path:
-        """Absolute path of the policy model folder."""
+    def model_path(self) -> Path | None:
+        """Absolute path of the policy model folder (None when the recipe has no ``[model]``)."""
+        if self.recipe.model is None:
+            return None
         return (self.base / self.recipe.model.path).resolve()
 
 

@@ -38,6 +38,13 @@ def build_engine(factory, config, model_path: str):
     return engine
 
 
+def build_sim_trainer(engine_config, gpus: int):
+    """Runs on the train worker when the engine is simulated: the training cost model."""
+    from streamrl.sim.trainer import SimTrainer
+
+    return SimTrainer(engine_config, gpus)
+
+
 def build_trainer(model_path: str, trainer_cfg, algorithm, temperature: float):
     """Runs on the train worker: the policy, its optimizer, the algorithm."""
     from streamrl.training.trainer import Trainer
@@ -52,7 +59,7 @@ class Controller:
     def __init__(self, loaded: LoadedRecipe, registry, client: Client, pools: dict[str, dict[str, str]]):
         r = self.recipe = loaded.recipe
         self.client = client
-        self.model_path = str(loaded.model_path())
+        self.model_path = str(loaded.model_path()) if loaded.model_path() else None
         self.task = registry.get("task", r.task.name, "task.name").build(r.task.options(), "task")
         reward = registry.get("reward", r.reward.name, "reward.name")
         validate_section(reward.config, r.reward.options(), "reward")  # fail here if misconfigured
@@ -65,6 +72,8 @@ class Controller:
         engine = registry.get("engine", r.engine.name, "engine.name")
         self.engine_config = validate_section(engine.config, r.engine.options(), "engine")
         self.engine_factory = engine.factory
+        # a simulated engine (``sim``) brings its own cost-model trainer and needs no model
+        self.simulated = getattr(engine.factory, "simulates_training", False)
         self.pools = pools
         self.generate_workers = dict(sorted(pools["generate"].items()))
         # One trainer holds the policy; every train task is pinned to its worker.
@@ -81,10 +90,13 @@ class Controller:
         temperature = getattr(self.engine_config, "temperature", 1.0)
         self.client.register_plugin(Resident(
             tasks.ENGINE, partial(build_engine, self.engine_factory, self.engine_config, self.model_path),
-            torch_threads=gen_threads))
-        self.client.register_plugin(Resident(
-            tasks.TRAINER, partial(build_trainer, self.model_path, r.trainer, self.algorithm, temperature),
-            torch_threads=train_threads))
+            torch_threads=None if self.simulated else gen_threads))
+        if self.simulated:
+            build = partial(build_sim_trainer, self.engine_config, self.engine_config.train_gpus)
+        else:
+            build = partial(build_trainer, self.model_path, r.trainer, self.algorithm, temperature)
+        self.client.register_plugin(Resident(tasks.TRAINER, build,
+                                             torch_threads=None if self.simulated else train_threads))
         self.client.register_plugin(Resident(tasks.REWARD, self.build_reward))
         self.client.register_plugin(bubbles.BusyClock())
         futs = [self.client.submit(tasks.warm_up, tasks.ENGINE, key=f"load-engine-{name}", workers=[addr],

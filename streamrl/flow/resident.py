@@ -17,7 +17,7 @@ from distributed import WorkerPlugin, get_worker
 class Resident(WorkerPlugin):
     """Holds one object built by ``build()`` on each worker that asks for it."""
 
-    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int = 1):
+    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int | None = 1):
         self.name = name  # Dask keys worker plugins by this attribute
         # cloudpickle by hand: Dask pickles a plugin with plain pickle, which ships classes by
         # reference, and a plugin defined in a file next to the recipe is not importable on a
@@ -35,9 +35,10 @@ class Resident(WorkerPlugin):
         """The object, built on first use."""
         with self.lock:
             if self.obj is None:
-                import torch
+                if self.torch_threads:  # None: the object needs no torch (simulation), skip the import
+                    import torch
 
-                torch.set_num_threads(self.torch_threads)  # Nanny workers start with OMP_NUM_THREADS=1
+                    torch.set_num_threads(self.torch_threads)  # Nanny workers start with OMP_NUM_THREADS=1
                 import cloudpickle
 
                 self.obj = cloudpickle.loads(self.build_blob)()

@@ -11,6 +11,7 @@ from streamrl import cluster
 from streamrl.flow.controller import Controller
 from streamrl.plugins import KINDS, build_registry
 from streamrl.recipe import SECTIONS, LoadedRecipe, check_pools, to_toml, validate_section
+from streamrl.errors import UserError
 from streamrl.telemetry.metrics import MetricsLog
 
 
@@ -28,9 +29,11 @@ def resolve(loaded: LoadedRecipe):
     for i, sec in enumerate(r.metrics):
         comp = registry.get("metric_sink", sec.name, f"metrics[{i}].name")
         validate_section(comp.config, sec.options(), f"metrics[{i}]")
+    if getattr(registry.get("engine", r.engine.name, "engine.name").factory, "simulates_training", False):
+        return registry  # a simulated engine and trainer need no model
+    if loaded.model_path() is None:
+        raise UserError('model: missing; add a [model] table with path = "<folder of a transformers model>"')
     if not (loaded.model_path() / "config.json").is_file():
-        from streamrl.errors import UserError
-
         raise UserError(f"model.path: no transformers model at {loaded.model_path()} "
                         f"(make one with: streamrl model init --task {r.task.name} --out {r.model.path})")
     return registry

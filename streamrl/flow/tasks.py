@@ -79,13 +79,15 @@ def load_weights(blob: bytes, version: int) -> float:
     Loads of two versions may run on two threads of one worker (async mode, staleness >= 2);
     the lock and the version check keep the engine from going back to an older policy.
     """
-    from streamrl.training.trainer import weights_from_bytes
-
     t0 = time.perf_counter()
     engine = resident(ENGINE)
     with _LOAD_LOCK:
         if version > engine.version:
-            engine.load_weights(weights_from_bytes(blob), version)
+            if not isinstance(blob, dict):  # a dict is already tensors (the sim trainer sends {})
+                from streamrl.training.trainer import weights_from_bytes  # imports torch
+
+                blob = weights_from_bytes(blob)
+            engine.load_weights(blob, version)
     return time.perf_counter() - t0
 
 

@@ -1,0 +1,113 @@
+"""W3 ``longtail-sim``: prompts whose output length is a hidden property of the prompt.
+
+Each prompt of a fixed dataset gets a difficulty drawn once: the median of its own log-normal
+length distribution. Samples of that prompt vary around it. Together the lengths follow the
+capped log-normal of W3 (median 4 000, P90 ~11 000, cap 20 480: an R1-like long tail), and a
+ranker that remembers or learns prompts has something to predict. A trace file (one observed
+length per line) may replace the log-normal: each prompt's median is then a draw from the trace.
+
+The ``sim_length`` reward is a stand-in with variance inside a group (1 when a sample is no
+longer than its prompt's median), so GRPO-shaped training has something to do. Simulated.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from streamrl.sample import Prompt
+
+Z90 = 1.2815515655446004  # standard normal 90th percentile
+
+
+class LongTailSimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    median: float = Field(4000, gt=0)
+    """Median output length, tokens."""
+    p90: float = Field(11000, gt=0)
+    """90th percentile output length, tokens (sets the log-normal's spread)."""
+    cap: int = Field(20480, ge=1)
+    """Longest output (max_new_tokens)."""
+    min_len: int = Field(16, ge=1)
+    """Shortest output."""
+    prompt_share: float = Field(0.8, ge=0, le=1)
+    """Share of the log-length variance that belongs to the prompt (the predictable part)."""
+    prompt_tokens_min: int = Field(200, ge=1)
+    """Shortest prompt, tokens."""
+    prompt_tokens_max: int = Field(1000, ge=1)
+    """Longest prompt, tokens."""
+    dataset_size: int = Field(4096, ge=1)
+    """Prompts in the dataset; steps walk through it in a seeded shuffled order, epoch after epoch."""
+    trace: str = ""
+    """Optional file of observed output lengths, one per line; prompt medians are drawn from it."""
+    seed: int = 0
+    """Seed of the dataset and the prompt order."""
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.p90 < self.median:
+            raise ValueError(f"p90 ({self.p90}) must be >= median ({self.median})")
+        if self.prompt_tokens_max < self.prompt_tokens_min:
+            raise ValueError("prompt_tokens_max must be >= prompt_tokens_min")
+        if self.trace and not Path(self.trace).is_file():
+            raise ValueError(f"trace file {self.trace} not found")
+        return self
+
+
+class LongTailSimTask:
+    """The W3 prompt source. ``Prompt.answer`` carries the hidden length model for the sim engine."""
+
+    def __init__(self, config: LongTailSimConfig):
+        self.config = c = config
+        sigma = math.log(c.p90 / c.median) / Z90
+        self.sigma_prompt = sigma * math.sqrt(c.prompt_share)
+        self.sigma_sample = sigma * math.sqrt(1 - c.prompt_share)
+        rng = random.Random(c.seed)
+        trace = [float(x) for x in Path(c.trace).read_text().split()] if c.trace else None
+        self.dataset = []
+        for i in range(c.dataset_size):
+            mu = math.log(rng.choice(trace)) if trace else rng.gauss(math.log(c.median), self.sigma_prompt)
+            tokens = rng.randint(c.prompt_tokens_min, c.prompt_tokens_max)
+            self.dataset.append((i, mu, tokens))
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        """The ``n`` prompts of ``step``: the next slice of a seeded shuffle of the dataset."""
+        c, size = self.config, len(self.dataset)
+        out = []
+        for j in range(step * n, step * n + n):
+            epoch, pos = divmod(j, size)
+            order = list(range(size))
+            random.Random(c.seed * 7919 + epoch).shuffle(order)
+            i, mu, tokens = self.dataset[order[pos]]
+            out.append(Prompt(uid=f"{step}-{j - step * n:03d}", text=f"q{i}", answer={
+                "prompt_id": i, "prompt_tokens": tokens, "log_median": mu, "sigma": self.sigma_sample,
+                "min_len": c.min_len, "cap": c.cap}))
+        return out
+
+
+def sample_length(prompt: Prompt, rng: random.Random) -> int:
+    """Draw one output length for ``prompt`` from its hidden distribution."""
+    a = prompt.answer
+    return int(min(a["cap"], max(a["min_len"], round(math.exp(rng.gauss(a["log_median"], a["sigma"]))))))
+
+
+class SimLengthConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class SimLengthReward:
+    """1.0 when the simulated response is no longer than its prompt's median length."""
+
+    def __init__(self, config: SimLengthConfig):
+        self.config = config
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """Reads the length the sim engine wrote into the response text."""
+        m = re.search(r"\[simulated: (\d+) tokens\]", response)
+        if m is None:
+            raise ValueError("sim_length scores only responses of the sim engine")
+        return 1.0 if int(m.group(1)) <= math.exp(prompt.answer["log_median"]) else 0.0
