@@ -39,8 +39,14 @@ def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
             if cfg.cuda_visible_devices:
                 env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices[i % len(cfg.cuda_visible_devices)]
             name = f"{pool}-{i}"
+            threads, resources = cfg.threads, {pool: cfg.threads}
+            if recipe.run.mode == "colocated" and pool == "train":
+                # time-sharing: a train worker is also a generate worker (generation and
+                # training alternate, so the slots never compete)
+                gen = recipe.pools.generate.threads
+                threads, resources = cfg.threads + gen, {"train": cfg.threads, "generate": gen}
             spec[name] = {"cls": Nanny, "options": {
-                "name": name, "nthreads": cfg.threads, "resources": {pool: cfg.threads},
+                "name": name, "nthreads": threads, "resources": resources,
                 "host": recipe.cluster.host, "memory_limit": cfg.memory_limit, "env": env,
                 "silence_logs": log_level,
             }}

@@ -43,6 +43,8 @@ class Sample:
     """Version of the weights that generated this sample (0 = the initial model)."""
     reward: float | None = None
     """Filled by the reward task."""
+    worker: str = ""
+    """Name of the generate worker (engine instance) that made it."""
     times: dict[str, float] = field(default_factory=dict)
     """Wall-clock timestamps: ``gen_start``, ``gen_end``, ``reward_end``."""
 

@@ -11,6 +11,10 @@ Modes (``run.mode``), one code path:
 * ``batch``  -- the trainer waits until every group of the step is scored, then trains.
 * ``stream`` -- each scored group goes into the next micro-batch as soon as it is ready
   (``as_completed``), so training overlaps the long tail of generation (StreamRL).
+* ``async``  -- as ``stream``, and generation of the next steps is admitted while the trainer
+  trains, at most ``run.max_staleness`` versions behind (``flow/admission.py``).
+* ``colocated`` -- as ``batch``, but the train workers also hold an engine and take generate
+  tasks (``cluster.worker_spec``): every worker generates, then trains -- the verl-like baseline.
 
 Both accumulate gradients over the same samples with the same scaling and step once per batch,
 so they produce the same update.
@@ -163,7 +167,7 @@ class Controller:
             scored = self.in_flight.pop(step)
         else:
             scored = self.submit_generation(step)
-        if mode == "batch":  # the trainer sees nothing until the whole batch is scored
+        if mode in ("batch", "colocated"):  # the trainer sees nothing until the whole batch is scored
             wait(scored)
             ready = scored
         else:
@@ -185,6 +189,9 @@ class Controller:
         t_end = self.clock[0]
         record = summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, t_end)
         record["pools"] = bubbles.pool_bubbles(before, self.clock, self.pools)
+        # the accounting window runs boundary to boundary, so it includes the controller's own
+        # time between steps (writing metrics), which is idle time for every pool too
+        record["accounting_window_s"] = round(self.clock[0] - before[0], 4)
         return record
 
     def wait_loaded(self, loads: list[Future]) -> None:

@@ -13,6 +13,10 @@ from typing import Any, Callable
 
 from distributed import WorkerPlugin, get_worker
 
+# One build at a time per process: a colocated worker builds an engine and a trainer, and two
+# threads importing transformers at once trip over its lazy module loading.
+_BUILD_LOCK = threading.Lock()
+
 
 class Resident(WorkerPlugin):
     """Holds one object built by ``build()`` on each worker that asks for it."""
@@ -29,11 +33,12 @@ class Resident(WorkerPlugin):
 
     def setup(self, worker) -> None:
         self.obj = None
-        self.lock = threading.Lock()
 
     def get(self) -> Any:
         """The object, built on first use."""
-        with self.lock:
+        if self.obj is not None:
+            return self.obj
+        with _BUILD_LOCK:
             if self.obj is None:
                 if self.torch_threads:  # None: the object needs no torch (simulation), skip the import
                     import torch

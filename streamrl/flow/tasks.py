@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from distributed import get_worker
+
 from streamrl.flow.resident import resident
 from streamrl.sample import Group, Prompt
 
@@ -20,8 +22,10 @@ REWARD = "streamrl-reward"
 def generate_group(prompt: Prompt, n: int, submitted: float = 0.0) -> Group:
     """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked."""
     group = resident(ENGINE).generate(prompt, n)
+    name = str(get_worker().name)
     for s in group:
         s.times["submitted"] = submitted
+        s.worker = name
     return group
 
 
@@ -51,7 +55,7 @@ def train_micro_batch(*groups: Group, scale: float, after=None) -> dict:
     # one small record per sample: the controller checks ids (none lost, none twice) and
     # writes the timeline into metrics.jsonl
     stats["sample_log"] = [
-        {"uid": s.uid, "version": s.policy_version, **{k: round(v, 4) for k, v in s.times.items()},
+        {"uid": s.uid, "version": s.policy_version, "worker": s.worker, **{k: round(v, 4) for k, v in s.times.items()},
          "trained": round(trained, 4), "response_len": len(s.response_ids)}
         for s in samples]
     stats["gen_end_max"] = max(s.times["gen_end"] for s in samples)
