@@ -5,6 +5,7 @@
     streamrl recipe validate FILE    # both validation phases, no cluster
     streamrl model init --task addition --out models/tiny-addition
     streamrl plugins list
+    streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
 
 User mistakes print one line and exit with status 2.
 """
@@ -48,6 +49,15 @@ def parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="cmd", required=True)
     plugins.add_parser("list", help="every registered component")
+
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured in one invocation)").add_subparsers(
+        dest="cmd", required=True)
+    modes = bench.add_parser("modes", help="the recipe in colocated, batch, stream and async mode")
+    _recipe_args(modes)
+    modes.add_argument("--modes", default="colocated,batch,stream,async", help="comma-separated modes to run")
+    modes.add_argument("--steps", type=int, default=5, help="measured steps per mode")
+    modes.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    modes.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 
 
@@ -73,6 +83,19 @@ def cmd_model(args) -> int:
     from streamrl.tasks.model_init import init_model
 
     init_model(args.task, args.out, args.warmstart_steps, args.seed, args.overrides)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from streamrl.bench import modes
+
+    chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in modes.MODES]
+    if unknown:
+        raise UserError(f"--modes: unknown mode {unknown[0]!r}; expected some of {', '.join(modes.MODES)}")
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    modes.bench(args.file, args.overrides, chosen, args.steps, args.warmup, args.out)
     return 0
 
 
@@ -111,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     _one_line_plugin_warnings()
     try:
-        return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins}[args.group](args)
+        return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
+                "bench": cmd_bench}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

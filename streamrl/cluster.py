@@ -57,8 +57,11 @@ def quiet_dask(verbose: bool) -> int:
     """Dask logs at INFO by default; keep the user's terminal for streamrl unless ``--verbose``."""
     level = logging.INFO if verbose else logging.WARNING
     for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.worker",
-                 "distributed.core", "distributed.http.proxy", "bokeh", "bokeh.server.util"):
+                 "distributed.core", "distributed.http.proxy", "bokeh"):
         logging.getLogger(name).setLevel(level)
+    # bokeh warns that its dashboard allows any Host header; the dashboard binds to
+    # cluster.host (loopback by default), so the warning is noise for the user
+    logging.getLogger("bokeh.server.util").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     return level
 

@@ -1,0 +1,1 @@
+"""Benchmark commands (``streamrl bench ...``): ratios measured in one invocation."""

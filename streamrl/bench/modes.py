@@ -1,0 +1,116 @@
+"""``streamrl bench modes RECIPE``: the same workload in colocated, batch, stream and async mode.
+
+Each mode is a full run of the recipe (its own embedded cluster, ``--set`` overrides applied to
+all), one after another in this process. The first ``warmup`` steps of each run are left out
+(model loads, first weight sync). Throughput is samples over the accounting windows (step
+boundary to boundary: wall time, controller overhead included); idle ratios are the pools'
+busy clocks over the same windows.
+
+Colocated gets the same devices as the disaggregated modes. On a real engine that is automatic:
+the train workers also generate. With a simulated engine the devices are virtual, so the bench
+gives colocated ``G + T - 1`` generate workers plus the train worker (``G + T`` instances) and a
+trainer on ``G + T`` simulated GPUs, where the recipe has ``G`` instances and ``T`` train GPUs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrl.flow import runner
+from streamrl.recipe import load_recipe
+
+MODES = ("colocated", "batch", "stream", "async")
+
+
+def mode_overrides(loaded, mode: str, simulated: bool) -> list[str]:
+    """Overrides that turn the recipe into its ``mode`` variant with equal devices."""
+    out = [f"run.mode={mode}"]
+    if mode == "colocated" and simulated:
+        r = loaded.recipe
+        g, t = r.pools.generate.workers, r.engine.options().get("train_gpus", 8)
+        out += [f"pools.generate.workers={g + t - 1}", f"engine.train_gpus={g + t}"]
+    return out
+
+
+def summarize_run(records: list[dict], warmup: int, time_scale: float | None) -> dict:
+    """One row of the comparison from a run's ``metrics.jsonl`` records."""
+    rs = records[warmup:] or records
+    window = sum(r["accounting_window_s"] for r in rs)
+    samples = sum(r["samples"] for r in rs)
+    row = {
+        "steps": len(rs),
+        "samples": samples,
+        "wall_s": round(window, 3),
+        "samples_per_s": samples / window,
+        "reward_mean": sum(r["reward_mean"] * r["samples"] for r in rs) / samples,
+        "staleness_max": max(r["staleness_max"] for r in rs),
+        "idle": {},
+    }
+    for pool in rs[0]["pools"]:
+        busy = sum(r["pools"][pool]["busy_s"] for r in rs)
+        cap = busy + sum(r["pools"][pool]["idle_s"] for r in rs)
+        row["idle"][pool] = 1.0 - busy / cap if cap else 0.0
+    if time_scale:  # report simulated throughput in simulated seconds too
+        row["sim_samples_per_s"] = row["samples_per_s"] * time_scale
+    return row
+
+
+def bench(file: str, overrides: list[str], modes=MODES, steps: int = 5, warmup: int = 1,
+          out: str | None = None, console: Console | None = None) -> dict:
+    """Run every mode, print the table, write the JSON result; returns the result."""
+    console = console or Console(stderr=True, width=120)
+    base = load_recipe(file, overrides)
+    registry = runner.resolve(base)
+    engine = registry.get("engine", base.recipe.engine.name, "engine.name")
+    simulated = bool(getattr(engine.factory, "simulates_training", False))
+    time_scale = base.recipe.engine.options().get("time_scale", 0.01) if simulated else None
+    tmp = tempfile.mkdtemp(prefix="streamrl-bench-")
+    rows = {}
+    for mode in modes:
+        extra = mode_overrides(base, mode, simulated) + [
+            f"run.steps={steps + warmup}", "cluster.dashboard_port=0", f'run.out_dir="{tmp}"',
+            f'run.name="bench-{mode}"']
+        loaded = load_recipe(file, list(overrides) + extra)
+        console.print(f"bench modes: {mode} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
+        t0 = time.time()
+        run_dir = runner.run(loaded, console=Console(file=io.StringIO()))
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows[mode] = summarize_run(records, warmup, time_scale)
+        rows[mode]["run_dir"] = str(run_dir)
+        rows[mode]["total_s"] = round(time.time() - t0, 1)
+    for row in rows.values():
+        for ref in ("batch", "colocated"):
+            if ref in rows:
+                row[f"vs_{ref}"] = row["samples_per_s"] / rows[ref]["samples_per_s"]
+    result = {"recipe": str(file), "overrides": list(overrides), "simulated": simulated,
+              "time_scale": time_scale, "steps": steps, "warmup": warmup, "modes": rows}
+    console.print(table(result))
+    out = Path(out) if out else Path(tmp) / "bench-modes.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"result: {out}")
+    return result
+
+
+def table(result: dict) -> Table:
+    """The comparison as a rich table."""
+    sim = result["simulated"]
+    title = f"streamrl bench modes {result['recipe']}" + (
+        f" -- SIMULATED (1 simulated s = {result['time_scale']} s)" if sim else "")
+    t = Table(title=title)
+    for col in ["mode", "sim samples/s" if sim else "samples/s", "x batch", "x colocated", "idle gen",
+                "idle train", "stale max", "reward"]:
+        t.add_column(col, justify="right")
+    for mode, r in result["modes"].items():
+        rate = r["sim_samples_per_s"] if sim else r["samples_per_s"]
+        t.add_row(mode, f"{rate:.2f}", f"{r.get('vs_batch', float('nan')):.2f}",
+                  f"{r.get('vs_colocated', float('nan')):.2f}", f"{r['idle'].get('generate', 0):.0%}",
+                  f"{r['idle'].get('train', 0):.0%}", str(r["staleness_max"]), f"{r['reward_mean']:.3f}")
+    return t
