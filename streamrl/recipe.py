@@ -108,7 +108,12 @@ class TrainerConfig(Strict):
     samples_per_prompt: int = Field(8, ge=1)
     """Samples generated per prompt (the group size of GRPO)."""
     groups_per_micro_batch: int = Field(4, ge=1)
-    """Prompt groups per forward/backward micro-batch; gradients accumulate across micro-batches."""
+    """Prompt groups per forward/backward micro-batch when ``micro_batch_tokens`` is 0;
+    gradients accumulate across micro-batches."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Token budget (prompt + response) of one forward/backward. With a budget, ``stream`` and
+    ``async`` hand the trainer whatever groups are ready and cut them to this size (dynamic
+    micro-batches, ``flow/microbatch.py``); 0: fixed micro-batches of ``groups_per_micro_batch``."""
 
 
 class PluginsConfig(Strict):

@@ -81,3 +81,27 @@ def test_generation_runs_ahead_when_allowed(p):
 def test_required_version():
     assert [required_version(g, 1) for g in range(4)] == [0, 0, 1, 2]
     assert [required_version(g, 0) for g in range(3)] == [0, 1, 2]
+
+
+# -- dynamic micro-batches (flow/microbatch.py) ------------------------------------------------
+
+from streamrl.flow.microbatch import pack  # noqa: E402
+
+
+def test_pack_respects_the_budget_and_keeps_order():
+    assert pack([30, 30, 30, 50, 10], budget=64) == [[0, 1], [2], [3, 4]]
+    assert pack([100, 5], budget=64) == [[0], [1]]  # an oversized group is alone, never split
+    assert pack([1, 1, 1], budget=0, max_items=2) == [[0, 1], [2]]
+    assert pack([], budget=64) == []
+
+
+@given(st.lists(st.integers(1, 200), max_size=40), st.integers(0, 300), st.integers(0, 5))
+def test_pack_uses_every_item_once_in_order(sizes, budget, max_items):
+    cuts = pack(sizes, budget, max_items)
+    assert [i for c in cuts for i in c] == list(range(len(sizes)))
+    for c in cuts:
+        assert c, "no empty micro-batch"
+        if budget and len(c) > 1:
+            assert sum(sizes[i] for i in c) <= budget
+        if max_items:
+            assert len(c) <= max_items

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import as_completed
 
 from streamrl import cluster
 from streamrl.flow import tasks
@@ -111,17 +110,25 @@ def test_stream_and_batch_give_the_same_update_on_the_same_samples(controller):
     scored = controller.submit_generation(step=50)  # generate + score once, keep the futures
     total = 16
 
-    def train(step, ready) -> dict:
+    def train(step, ready, stream, tokens=0, groups=1) -> dict:
         controller.place_residents()  # fresh trainer and engine from the initial weights
-        step_fut, _ = controller.submit_training(step, ready, total)
+        controller.recipe.trainer.micro_batch_tokens = tokens
+        controller.recipe.trainer.groups_per_micro_batch = groups
+        step_fut, trains = controller.submit_training(step, ready, total, stream)
+        cuts.append(sum(f.result()["micro_batches"] for f in trains))
         step_fut.result()
         blob = controller.client.submit(tasks.export_weights, after=step_fut, key=f"export-{step}",
                                         workers=[controller.train_worker]).result()
         return weights_from_bytes(blob)
 
-    streamed = train(100, as_completed(scored))
-    batched = train(101, list(scored))
-    initial = train(102, [])  # no samples: one step with no gradient leaves AdamW at the start
+    cuts = []
+    # stream: completion order, dynamic micro-batches of <= 40 tokens (about one group each);
+    # batch: submission order, fixed micro-batches of groups_per_micro_batch groups
+    streamed = train(100, scored, stream=True, tokens=40)
+    batched = train(101, scored, stream=False, groups=4)
+    initial = train(102, [], stream=False)  # no samples: one step with no gradient leaves AdamW at the start
+    controller.recipe.trainer.micro_batch_tokens, controller.recipe.trainer.groups_per_micro_batch = 0, 1
+    assert cuts[0] > cuts[1] >= 1, cuts  # the same samples really were cut differently
     moved = max((batched[n] - initial[n]).abs().max().item() for n in batched)
     assert moved > 1e-4, "the update must move the weights for the comparison to mean anything"
     for name in batched:

@@ -131,32 +131,55 @@ class Controller:
                                              resources={"reward": 1}, retries=1))
         return scored
 
-    def submit_training(self, step: int, ready: Iterable[Future], total_samples: int) -> tuple[Future, list[Future]]:
-        """Micro-batches of ``groups_per_micro_batch`` ready groups, then one optimizer step.
+    def submit_training(self, step: int, scored: list[Future], total_samples: int,
+                        stream: bool) -> tuple[Future, list[Future]]:
+        """Train tasks over the step's scored groups, then one optimizer step.
 
-        ``ready`` yields scored-group futures in the order training may take them: as they
-        complete (stream) or all at once (batch).
+        ``stream=False`` (batch, colocated): the groups in submission order, once all are scored.
+        ``stream=True``: in completion order. Without a token budget, one train task per
+        ``groups_per_micro_batch`` ready groups. With ``trainer.micro_batch_tokens``, whatever is
+        ready each time fewer than two train tasks are outstanding (one running, one queued), cut
+        to the budget on the train worker (``flow/microbatch.py``).
         """
         t = self.recipe.trainer
-        scale = 1.0 / total_samples
-        micro, chunk = [], []
+        dynamic = t.micro_batch_tokens > 0
+        trains: list[Future] = []
 
-        def flush():
-            micro.append(self.client.submit(
-                tasks.train_micro_batch, *chunk, scale=scale, after=self.last_step,
-                key=f"train-{step}-{len(micro):03d}", workers=[self.train_worker], resources={"train": 1}))
-            chunk.clear()
+        def submit(chunk):
+            trains.append(self.client.submit(
+                tasks.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
+                groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
+                key=f"train-{step}-{len(trains):03d}", workers=[self.train_worker], resources={"train": 1}))
 
-        for fut in ready:
-            chunk.append(fut)
-            if len(chunk) == t.groups_per_micro_batch:
-                flush()
-        if chunk:
-            flush()
+        if not stream:
+            size = len(scored) if dynamic else t.groups_per_micro_batch
+            for i in range(0, len(scored), size):
+                submit(scored[i:i + size])
+        else:
+            ac = as_completed(scored)
+            expected, seen, buf = {f.key for f in scored}, 0, []
+            for fut in ac:
+                if fut.key in expected:
+                    buf.append(fut)
+                    seen += 1
+                if not buf:
+                    continue
+                if dynamic:
+                    # hand over what is ready only when the trainer is about to run dry
+                    if sum(not f.done() for f in trains) < 2 or seen == len(scored):
+                        submit(buf)
+                        buf = []
+                        if seen < len(scored):
+                            ac.add(trains[-1])  # wake up when it finishes
+                elif len(buf) == t.groups_per_micro_batch or seen == len(scored):
+                    submit(buf)
+                    buf = []
+                if seen == len(scored):
+                    break
         self.last_step = self.client.submit(
-            tasks.optimizer_step, *micro, max_grad_norm=t.max_grad_norm, key=f"optimizer-step-{step}",
+            tasks.optimizer_step, *trains, max_grad_norm=t.max_grad_norm, key=f"optimizer-step-{step}",
             workers=[self.train_worker], resources={"train": 1})
-        return self.last_step, micro
+        return self.last_step, trains
 
     def step(self, step: int) -> dict:
         """Run one full step in the recipe's mode and return its metrics record."""
@@ -167,13 +190,11 @@ class Controller:
             scored = self.in_flight.pop(step)
         else:
             scored = self.submit_generation(step)
-        if mode in ("batch", "colocated"):  # the trainer sees nothing until the whole batch is scored
+        stream = mode in ("stream", "async")
+        if not stream:  # batch, colocated: the trainer sees nothing until the whole batch is scored
             wait(scored)
-            ready = scored
-        else:
-            ready = as_completed(scored)
         t = self.recipe.trainer
-        step_fut, micro = self.submit_training(step, ready, t.prompts_per_step * t.samples_per_prompt)
+        step_fut, micro = self.submit_training(step, scored, t.prompts_per_step * t.samples_per_prompt, stream)
         step_stats = step_fut.result()
         t_trained = time.time()
         self.version = step_stats["version"]
@@ -232,6 +253,8 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
         "step": step,
         "policy_version": version,
         "samples": samples,
+        "train_tasks": len(micro),
+        "micro_batches": sum(m["micro_batches"] for m in micro),
         "reward_mean": sum(m["reward_sum"] for m in micro) / samples,
         "loss": sum(m["loss_sum"] for m in micro) / samples,
         "clip_frac": sum(m["clip_frac_sum"] for m in micro) / samples,

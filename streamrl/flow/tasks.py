@@ -11,6 +11,7 @@ import time
 
 from distributed import get_worker
 
+from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.flow.resident import resident
 from streamrl.sample import Group, Prompt
 
@@ -43,13 +44,21 @@ def score_group(group: Group) -> Group:
     return group
 
 
-def train_micro_batch(*groups: Group, scale: float, after=None) -> dict:
-    """Train pool: forward/backward on whole groups, gradients accumulate.
+def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
+                 after=None) -> dict:
+    """Train pool: forward/backward on whole groups, cut into micro-batches by
+    ``flow.microbatch.pack``; gradients accumulate until the optimizer step.
 
-    Returns the trainer's stats plus what the controller needs for accounting, so samples
-    themselves never travel to the controller.
+    Returns the trainer's summed stats plus what the controller needs for accounting, so
+    samples themselves never travel to the controller.
     """
-    stats = resident(TRAINER).micro_batch(list(groups), scale)
+    trainer = resident(TRAINER)
+    cuts = pack([group_tokens(g) for g in groups], micro_batch_tokens, groups_per_micro_batch)
+    stats: dict = {}
+    for idx in cuts:
+        for k, v in trainer.micro_batch([groups[i] for i in idx], scale).items():
+            stats[k] = stats.get(k, 0) + v
+    stats["micro_batches"] = len(cuts)
     samples = [s for g in groups for s in g]
     trained = time.time()
     # one small record per sample: the controller checks ids (none lost, none twice) and
