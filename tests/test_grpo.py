@@ -37,3 +37,33 @@ def test_kl_penalty_needs_reference_and_is_zero_at_reference():
     lp = torch.log(torch.full((1, 2), 0.3))
     per_sample, stats = algo.loss(lp, lp, lp, torch.tensor([0.0]), torch.ones(1, 2))
     assert per_sample.item() == 0.0 and stats["kl_sum"].item() == 0.0
+
+
+def test_off_policy_cap_weights_stale_tokens_by_the_capped_behaviour_ratio():
+    # the trainer's policy gives the token 3x the probability the (stale) generating policy gave
+    new = torch.zeros(1, 2, requires_grad=True)
+    old = torch.full((1, 2), -torch.log(torch.tensor(3.0)).item())
+    mask = torch.ones(1, 2)
+    adv = torch.tensor([1.0])
+
+    plain, _ = GRPO(GRPOConfig(clip=0.2)).loss(new, old, None, adv, mask)
+    (g_plain,) = torch.autograd.grad(plain.sum(), new)
+    # plain GRPO: ratio 3 is clipped at 1.2 for A > 0, so the stale sample teaches nothing
+    assert torch.allclose(g_plain, torch.zeros(1, 2))
+
+    decoupled, stats = GRPO(GRPOConfig(clip=0.2, off_policy_cap=2.0)).loss(new, old, None, adv, mask)
+    (g,) = torch.autograd.grad(decoupled.sum(), new)
+    # decoupled: gradient of -A * w * ratio_prox with ratio_prox = 1, w = min(3, 2) = 2, token mean
+    assert torch.allclose(g, torch.full((1, 2), -2.0 * 1.0 / 2))
+    assert torch.isclose(stats["behaviour_weight_sum"], torch.tensor(2.0))
+
+
+def test_off_policy_cap_is_plain_policy_gradient_on_fresh_samples():
+    new = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    old = new.detach().clone()
+    mask, adv = torch.ones(1, 2), torch.tensor([-0.7])
+    a, _ = GRPO(GRPOConfig()).loss(new, old, None, adv, mask)
+    b, _ = GRPO(GRPOConfig(off_policy_cap=2.0)).loss(new, old, None, adv, mask)
+    (ga,) = torch.autograd.grad(a.sum(), new)
+    (gb,) = torch.autograd.grad(b.sum(), new)
+    assert torch.allclose(a, b) and torch.allclose(ga, gb)

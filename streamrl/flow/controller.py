@@ -259,6 +259,8 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
         "loss": sum(m["loss_sum"] for m in micro) / samples,
         "clip_frac": sum(m["clip_frac_sum"] for m in micro) / samples,
         "kl": sum(m["kl_sum"] for m in micro) / samples,
+        # mean importance weight of the behaviour policy (1 when on-policy or without a cap)
+        "behaviour_weight": sum(m.get("behaviour_weight_sum", m["samples"]) for m in micro) / samples,
         "response_len_mean": tokens / samples,
         "reward_errors": sum(m["reward_errors"] for m in micro),
         "generated_policy_version_min": min(m["policy_version_min"] for m in micro),
