@@ -6,7 +6,10 @@ from streamrl import hookimpl
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.plugins import Component
+from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, LearnedRanker, LearnedRankerConfig,
+                                      OracleRanker, OracleRankerConfig)
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
+from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.sim.workload import LongTailSimConfig, LongTailSimTask, SimLengthConfig, SimLengthReward
 from streamrl.tasks.addition import AdditionConfig, AdditionTask
@@ -39,6 +42,18 @@ def register_tasks():
 @hookimpl
 def register_transports():
     return [Component("transport", "dask", DaskTransportConfig, DaskTransport)]
+
+
+@hookimpl
+def register_rankers():
+    return [Component("ranker", "history", HistoryRankerConfig, HistoryRanker),
+            Component("ranker", "learned", LearnedRankerConfig, LearnedRanker),
+            Component("ranker", "oracle", OracleRankerConfig, OracleRanker)]
+
+
+@hookimpl
+def register_schedulers():
+    return [Component("scheduler", "fcfs", FCFSConfig, FCFS), Component("scheduler", "skew", SkewConfig, Skew)]
 
 
 @hookimpl

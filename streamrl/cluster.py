@@ -32,8 +32,10 @@ WORKER_ENV = {
 def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
     """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
     spec = {}
-    for pool in REQUIRED_POOLS:
+    for pool in [*REQUIRED_POOLS, "rank"]:
         cfg = getattr(recipe.pools, pool)
+        if cfg is None:  # an optional pool left out
+            continue
         for i in range(cfg.workers):
             env = {**WORKER_ENV, **cfg.env}
             if cfg.cuda_visible_devices:

@@ -131,9 +131,11 @@ def register_rankers():
 
     Called once when the plugin manager is built. A length ranker predicts which prompts will
     have long outputs (StreamRL's output-length ranker): ``predict(prompts) -> [score]``
-    (higher = longer) and ``observe(prompt, lengths)`` after each group is generated.
-    Recipes cannot select a ranker until skewness-aware scheduling lands (issue 5); the hook is
-    here so plugins can be written against it now.
+    (higher = longer) before a step's prompts are dispatched, and ``observe(prompts, lengths)``
+    (per prompt, the output lengths of its samples) after the step is trained. It lives on one
+    worker (``[pools.rank]``, else the first reward worker) for the whole run, so it may keep
+    state. The recipe picks it with ``[ranker] name = ...``; its recall at the top 20% is logged
+    every step (``ranker_recall``).
 
     Example::
 
@@ -147,10 +149,12 @@ def register_rankers():
 def register_schedulers():
     """Return a list of ``Component(kind="scheduler", ...)``.
 
-    Called once when the plugin manager is built. A scheduler dispatches a step's prompts to
-    generate workers and orders them inside each: ``dispatch(prompts, scores, workers) ->
-    {worker: [prompt, ...]}`` in admission order. Like rankers, selectable from recipes once
-    issue 5 lands.
+    Called once when the plugin manager is built. A scheduler places a step's prompt groups on
+    generate workers and orders them inside each, on the client:
+    ``dispatch(prompts, scores, workers, ctx) -> [Assignment(index, worker, priority)]``, with
+    the ranker's scores, worker names, and a ``DispatchContext`` (observed lengths, the engine's
+    latency model). See ``streamrl/scheduling/schedulers.py``. The recipe picks it with
+    ``[scheduler] name = ...``.
 
     Example::
 

@@ -85,6 +85,9 @@ class PoolsConfig(Strict):
     """Workers holding the policy being trained and its optimizer; run train tasks."""
     reward: PoolConfig | None = None
     """Workers that score responses; run reward tasks."""
+    rank: PoolConfig | None = None
+    """Optional worker for the length ranker (``[ranker]``); without it the ranker lives on the
+    first reward worker."""
 
 
 class ModelConfig(Strict):
@@ -154,6 +157,12 @@ class Recipe(Strict):
     """RL algorithm (an ``algorithm`` component)."""
     transfer: Section = Section(name="dask")
     """Weight transport from trainer to generators (a ``transport`` component)."""
+    ranker: Section | None = None
+    """Output-length ranker (a ``ranker`` component: ``history``, ``learned``, ``oracle``);
+    none: no predictions (a scheduler then sees equal scores)."""
+    scheduler: Section | None = None
+    """Dispatch of prompt groups to generate workers and their order (a ``scheduler``
+    component: ``fcfs``, ``skew``); none: Dask places generate tasks itself."""
     plugins: PluginsConfig = PluginsConfig()
     """Recipe-local plugins."""
     metrics: list[Section] = []
@@ -166,7 +175,7 @@ REQUIRED_POOLS = {"generate": "runs generate tasks", "train": "runs train tasks"
 
 #: Component sections and the kind of component each names.
 SECTIONS = {"task": "task", "engine": "engine", "reward": "reward", "algorithm": "algorithm",
-            "transfer": "transport"}
+            "transfer": "transport", "ranker": "ranker", "scheduler": "scheduler"}
 
 
 def _describe(err: dict) -> str:

@@ -86,8 +86,11 @@ class HFEngine:
         """Prompt token ids as the engine feeds them: BOS, then the text."""
         return [self.tokenizer.bos_token_id] + self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None) -> Group:
-        """Sample ``n`` responses to ``prompt`` (blocks the calling task until all are done)."""
+    def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None, priority: float = 0.0) -> Group:
+        """Sample ``n`` responses to ``prompt`` (blocks the calling task until all are done).
+
+        ``priority`` is accepted for schedulers and not yet used: transformers' continuous
+        batching admits requests in arrival order."""
         ids = self.encode(prompt.text)
         version = self.version
         start = time.time()

@@ -22,6 +22,7 @@ so they produce the same update.
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -82,6 +83,20 @@ class Controller:
         self.generate_workers = dict(sorted(pools["generate"].items()))
         # One trainer holds the policy; every train task is pinned to its worker.
         self.train_worker = sorted(pools["train"].items())[0][1]
+        # Length ranker (a resident on the rank pool, else the first reward worker) and scheduler
+        # (on the client): skewness-aware dispatching, issue #5.
+        self.build_ranker = None
+        if r.ranker is not None:
+            ranker = registry.get("ranker", r.ranker.name, "ranker.name")
+            validate_section(ranker.config, r.ranker.options(), "ranker")
+            self.build_ranker = partial(ranker.build, r.ranker.options(), "ranker")
+        self.scheduler = None
+        if r.scheduler is not None:
+            self.scheduler = registry.get("scheduler", r.scheduler.name, "scheduler.name").build(
+                r.scheduler.options(), "scheduler")
+        self.rank_worker = sorted((pools.get("rank") or pools["reward"]).items())[0][1]
+        latency_model = getattr(engine.factory, "latency_model", None)
+        self.step_latency = latency_model(self.engine_config) if latency_model else None
         self.version = 0
         self.last_step: Future | None = None
 
@@ -103,6 +118,8 @@ class Controller:
                                              torch_threads=None if self.simulated else train_threads))
         self.client.register_plugin(Resident(tasks.REWARD, self.build_reward))
         self.client.register_plugin(bubbles.BusyClock())
+        if self.build_ranker is not None:
+            self.client.register_plugin(Resident(tasks.RANKER, self.build_ranker))
         futs = [self.client.submit(tasks.warm_up, tasks.ENGINE, key=f"load-engine-{name}", workers=[addr],
                                    allow_other_workers=False) for name, addr in self.generate_workers.items()]
         futs.append(self.client.submit(tasks.warm_up, tasks.TRAINER, key="load-trainer",
@@ -117,19 +134,75 @@ class Controller:
         self.loaded_version = 0
         self.next_to_admit = 0
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
+        # ranking/scheduling state: what was predicted and dispatched per step, what was seen
+        self.step_prompts: dict[int, list] = {}
+        self.predicted: dict[int, list[float]] = {}
+        self.splits: dict[int, int] = {}
+        self.observed_lengths: list[int] = []
+        self.prompt_tokens = 0.0
+        self.last_observe: Future | None = None
 
     # -- one step -------------------------------------------------------------------------
     def submit_generation(self, step: int) -> list[Future]:
         """Generate + reward tasks for every prompt of ``step``; returns the scored-group futures."""
         t = self.recipe.trainer
+        prompts = self.task.prompts(step, t.prompts_per_step)
+        self.step_prompts[step] = prompts
+        placement = self.dispatch(step, prompts)
         scored = []
-        for p in self.task.prompts(step, t.prompts_per_step):
+        for i, p in enumerate(prompts):
+            where = {}
+            if i in placement:  # pinned by the scheduler; Dask priority follows the engine's
+                addr, prio = placement[i]
+                where = {"workers": [addr], "allow_other_workers": False, "priority": int(prio),
+                         "engine_priority": prio}
             gen = self.client.submit(tasks.generate_group, p, t.samples_per_prompt, submitted=time.time(),
-                                     key=f"generate-{p.uid}",
-                                     resources={"generate": 1}, retries=1)
+                                     key=f"generate-{p.uid}", resources={"generate": 1}, retries=1, **where)
             scored.append(self.client.submit(tasks.score_group, gen, key=f"reward-{p.uid}",
                                              resources={"reward": 1}, retries=1))
         return scored
+
+    def dispatch(self, step: int, prompts: list) -> dict[int, tuple[str, float]]:
+        """Ranker scores + scheduler placement: ``{prompt index: (worker address, priority)}``
+        (empty without a scheduler: Dask places the tasks)."""
+        scores = [0.0] * len(prompts)
+        if self.build_ranker is not None:
+            scores = self.client.submit(
+                tasks.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
+                workers=[self.rank_worker], allow_other_workers=False).result()
+            self.predicted[step] = scores
+        if self.scheduler is None:
+            return {}
+        from streamrl.scheduling.schedulers import DispatchContext
+
+        ctx = DispatchContext(self.recipe.trainer.samples_per_prompt, self.observed_lengths,
+                              self.prompt_tokens, self.step_latency)
+        placement = {a.index: (self.generate_workers[a.worker], a.priority)
+                     for a in self.scheduler.dispatch(prompts, scores, list(self.generate_workers), ctx)}
+        self.splits[step] = getattr(self.scheduler, "last_split", 0)
+        return placement
+
+    def learn_lengths(self, step: int, record: dict) -> None:
+        """After a step: feed the observed lengths to the ranker, log its recall and the dispatch."""
+        from streamrl.ranking.recall import top_recall
+
+        log = record["sample_log"]
+        by_prompt: dict[str, list[int]] = {}
+        for x in log:
+            by_prompt.setdefault(x["uid"].rsplit("-", 1)[0], []).append(x["response_len"])
+        prompts = self.step_prompts.pop(step)
+        lengths = [by_prompt.get(p.uid, []) for p in prompts]
+        self.observed_lengths = (self.observed_lengths + [x["response_len"] for x in log])[-8192:]
+        self.prompt_tokens = sum(x["prompt_len"] for x in log) / max(len(log), 1)
+        record["generate_makespan_s"] = max(x["gen_end"] for x in log) - min(x["submitted"] for x in log)
+        if step in self.splits:
+            record["long_tail_instances"] = self.splits.pop(step)
+        if self.build_ranker is not None:
+            actual = [sum(math.log(max(n, 1)) for n in ls) / max(len(ls), 1) for ls in lengths]
+            record["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
+            self.last_observe = self.client.submit(
+                tasks.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
+                workers=[self.rank_worker], allow_other_workers=False)
 
     def submit_training(self, step: int, scored: list[Future], total_samples: int,
                         stream: bool) -> tuple[Future, list[Future]]:
@@ -213,6 +286,7 @@ class Controller:
         # the accounting window runs boundary to boundary, so it includes the controller's own
         # time between steps (writing metrics), which is idle time for every pool too
         record["accounting_window_s"] = round(self.clock[0] - before[0], 4)
+        self.learn_lengths(step, record)
         return record
 
     def wait_loaded(self, loads: list[Future]) -> None:
@@ -235,7 +309,9 @@ class Controller:
             self.next_to_admit = g + 1
 
     def save_policy(self, out: Path) -> str:
-        """Write the trained policy as a transformers model folder."""
+        """Write the trained policy as a transformers model folder (after the ranker's last lesson)."""
+        if self.last_observe is not None:
+            self.last_observe.result()
         return self.client.submit(tasks.save_policy, str(out), after=self.last_step, key="save-policy",
                                   workers=[self.train_worker], allow_other_workers=False).result()
 

@@ -24,6 +24,8 @@ def resolve(loaded: LoadedRecipe):
     for section, kind in SECTIONS.items():
         assert kind in KINDS
         sec = getattr(r, section)
+        if sec is None:  # optional section left out
+            continue
         comp = registry.get(kind, sec.name, f"{section}.name")
         validate_section(comp.config, sec.options(), section)
     for i, sec in enumerate(r.metrics):

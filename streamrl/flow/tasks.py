@@ -18,16 +18,31 @@ from streamrl.sample import Group, Prompt
 ENGINE = "streamrl-engine"
 TRAINER = "streamrl-trainer"
 REWARD = "streamrl-reward"
+RANKER = "streamrl-ranker"
 
 
-def generate_group(prompt: Prompt, n: int, submitted: float = 0.0) -> Group:
-    """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked."""
-    group = resident(ENGINE).generate(prompt, n)
+def generate_group(prompt: Prompt, n: int, submitted: float = 0.0, engine_priority: float = 0.0) -> Group:
+    """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked;
+    ``engine_priority`` (from a scheduler; higher first) is passed on only when set, so engines
+    without ordering keep working."""
+    extra = {"priority": engine_priority} if engine_priority else {}
+    group = resident(ENGINE).generate(prompt, n, **extra)
     name = str(get_worker().name)
     for s in group:
         s.times["submitted"] = submitted
         s.worker = name
     return group
+
+
+def rank_prompts(prompts: list[Prompt], after=None) -> list[float]:
+    """Rank pool: the length ranker's scores (higher = longer)."""
+    return [float(x) for x in resident(RANKER).predict(prompts)]
+
+
+def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None) -> int:
+    """Rank pool: teach the ranker the observed output lengths; returns how many prompts."""
+    resident(RANKER).observe(prompts, lengths)
+    return len(prompts)
 
 
 def score_group(group: Group) -> Group:
@@ -65,7 +80,8 @@ def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, grou
     # writes the timeline into metrics.jsonl
     stats["sample_log"] = [
         {"uid": s.uid, "version": s.policy_version, "worker": s.worker, **{k: round(v, 4) for k, v in s.times.items()},
-         "trained": round(trained, 4), "response_len": len(s.response_ids)}
+         "trained": round(trained, 4), "response_len": len(s.response_ids),
+         "prompt_len": len(s.prompt_ids)}
         for s in samples]
     stats["gen_end_max"] = max(s.times["gen_end"] for s in samples)
     stats["policy_version_min"] = min(s.policy_version for s in samples)

@@ -16,6 +16,7 @@ may outgrow the cache afterwards (a real engine would preempt). Everything it re
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import random
 import threading
 import time
@@ -78,10 +79,11 @@ class SimEngine:
         self.thread = threading.Thread(target=self._loop, name="streamrl-sim-engine", daemon=True)
         self.thread.start()
 
-    def per_token_latency(self, batch_size: int, context_per_request: float) -> float:
-        """Profiled seconds per decode step at ``batch_size`` requests of the given context
-        (what a scheduler uses to estimate makespans)."""
-        return latency.step_latency(self.profile, batch_size * context_per_request)
+    @staticmethod
+    def latency_model(config: SimEngineConfig):
+        """Seconds of one decode step as a function of the batch's total context tokens (what
+        the skew scheduler uses to estimate makespans); runs on the client."""
+        return partial(latency.step_latency, config.profile)
 
     def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None, priority: float = 0.0) -> Group:
         """Simulate ``n`` samples of ``prompt``; blocks until all finish."""

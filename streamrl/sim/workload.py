@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from streamrl.sample import Prompt
 
 Z90 = 1.2815515655446004  # standard normal 90th percentile
+#: Words a prompt's text uses for its (noisy) difficulty: what a learned ranker can pick up,
+#: the way real prompts give away how long their answers run.
+LEVELS = ["trivial", "easy", "simple", "plain", "medium", "tricky", "hard", "gnarly", "brutal"]
 
 
 class LongTailSimConfig(BaseModel):
@@ -46,6 +49,9 @@ class LongTailSimConfig(BaseModel):
     """Optional file of observed output lengths, one per line; prompt medians are drawn from it."""
     seed: int = 0
     """Seed of the dataset and the prompt order."""
+    text_noise: float = Field(0.5, ge=0)
+    """Noise (in units of the prompt spread) on the difficulty word in a prompt's text; the text
+    is how a learned ranker sees a prompt."""
 
     @model_validator(mode="after")
     def _ordered(self):
@@ -72,7 +78,10 @@ class LongTailSimTask:
         for i in range(c.dataset_size):
             mu = math.log(rng.choice(trace)) if trace else rng.gauss(math.log(c.median), self.sigma_prompt)
             tokens = rng.randint(c.prompt_tokens_min, c.prompt_tokens_max)
-            self.dataset.append((i, mu, tokens))
+            z = (mu - math.log(c.median)) / max(self.sigma_prompt, 1e-9) + rng.gauss(0, c.text_noise)
+            level = LEVELS[min(len(LEVELS) - 1, max(0, round(z * 1.5) + len(LEVELS) // 2))]
+            text = f"q{i} {rng.choice(['algebra', 'geometry', 'counting', 'proof', 'code'])} {level}"
+            self.dataset.append((i, mu, tokens, text))
 
     def prompts(self, step: int, n: int) -> list[Prompt]:
         """The ``n`` prompts of ``step``: the next slice of a seeded shuffle of the dataset."""
@@ -82,8 +91,8 @@ class LongTailSimTask:
             epoch, pos = divmod(j, size)
             order = list(range(size))
             random.Random(c.seed * 7919 + epoch).shuffle(order)
-            i, mu, tokens = self.dataset[order[pos]]
-            out.append(Prompt(uid=f"{step}-{j - step * n:03d}", text=f"q{i}", answer={
+            i, mu, tokens, text = self.dataset[order[pos]]
+            out.append(Prompt(uid=f"{step}-{j - step * n:03d}", text=text, answer={
                 "prompt_id": i, "prompt_tokens": tokens, "log_median": mu, "sigma": self.sigma_sample,
                 "min_len": c.min_len, "cap": c.cap}))
         return out

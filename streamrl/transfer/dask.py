@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict
 from streamrl.flow import tasks
 
 
+#: Dask priority of weight export/load tasks: above any generate task (schedulers use the
+#: predicted-length rank, at most the prompts per step, as generate priorities).
+LOAD_PRIORITY = 1_000_000
+
+
 class DaskTransportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -29,9 +34,9 @@ class DaskTransport:
         # High priority: on a busy generate worker the load must not queue behind generate tasks
         # submitted earlier (Dask otherwise runs tasks in submission order).
         blob = client.submit(tasks.export_weights, after=after, key=f"export-weights-{version}",
-                             workers=[train_worker], resources={"train": 1}, priority=100)
+                             workers=[train_worker], resources={"train": 1}, priority=LOAD_PRIORITY)
         return [
             client.submit(tasks.load_weights, blob, version, key=f"load-weights-{version}-{name}",
-                          workers=[addr], allow_other_workers=False, priority=100)
+                          workers=[addr], allow_other_workers=False, priority=LOAD_PRIORITY)
             for name, addr in generate_workers.items()
         ]

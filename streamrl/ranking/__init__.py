@@ -1,0 +1,1 @@
+"""StreamRL's output-length ranker: predict which prompts will have the longest outputs."""
