@@ -6,6 +6,7 @@
     streamrl model init --task addition --out models/tiny-addition
     streamrl plugins list
     streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
+    streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
 
 User mistakes print one line and exit with status 2.
 """
@@ -58,6 +59,11 @@ def parser() -> argparse.ArgumentParser:
     modes.add_argument("--steps", type=int, default=5, help="measured steps per mode")
     modes.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
     modes.add_argument("--out", default=None, help="write the JSON result here")
+    skew = bench.add_parser("skew", help="fcfs vs the skew scheduler (oracle and learned ranker)")
+    _recipe_args(skew)
+    skew.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    skew.add_argument("--warmup", type=int, default=2, help="steps run first (the ranker learns) and left out")
+    skew.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 
 
@@ -87,14 +93,17 @@ def cmd_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from streamrl.bench import modes
+    from streamrl.bench import modes, skew
 
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    if args.cmd == "skew":
+        skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out)
+        return 0
     chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in modes.MODES]
     if unknown:
         raise UserError(f"--modes: unknown mode {unknown[0]!r}; expected some of {', '.join(modes.MODES)}")
-    if args.steps < 1 or args.warmup < 0:
-        raise UserError("--steps must be >= 1 and --warmup >= 0")
     modes.bench(args.file, args.overrides, chosen, args.steps, args.warmup, args.out)
     return 0
 

@@ -57,9 +57,41 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None) ->
         busy = sum(r["pools"][pool]["busy_s"] for r in rs)
         cap = busy + sum(r["pools"][pool]["idle_s"] for r in rs)
         row["idle"][pool] = 1.0 - busy / cap if cap else 0.0
+    makespans = [r["generate_makespan_s"] for r in rs if "generate_makespan_s" in r]
+    if makespans:  # submission of a step's first group to its last sample generated
+        row["generate_makespan_s"] = sum(makespans) / len(makespans)
+    recalls = [r["ranker_recall"] for r in rs if "ranker_recall" in r]
+    if recalls:
+        row["ranker_recall"] = sum(recalls) / len(recalls)
     if time_scale:  # report simulated throughput in simulated seconds too
         row["sim_samples_per_s"] = row["samples_per_s"] * time_scale
     return row
+
+
+def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]], steps: int, warmup: int,
+                 console: Console, label: str) -> tuple[dict, bool, float | None]:
+    """Run the recipe once per variant (its extra ``--set`` overrides); returns
+    ``({variant: row}, simulated, time_scale)``."""
+    base = load_recipe(file, overrides)
+    registry = runner.resolve(base)
+    engine = registry.get("engine", base.recipe.engine.name, "engine.name")
+    simulated = bool(getattr(engine.factory, "simulates_training", False))
+    time_scale = base.recipe.engine.options().get("time_scale", 0.01) if simulated else None
+    tmp = tempfile.mkdtemp(prefix="streamrl-bench-")
+    rows = {}
+    for name, extra in variants.items():
+        extra = list(extra) + [f"run.steps={steps + warmup}", "cluster.dashboard_port=0", f'run.out_dir="{tmp}"',
+                               f'run.name="bench-{name}"']
+        loaded = load_recipe(file, list(overrides) + extra)
+        runner.resolve(loaded)  # a variant's own mistakes are one line too
+        console.print(f"bench {label}: {name} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
+        t0 = time.time()
+        run_dir = runner.run(loaded, console=Console(file=io.StringIO()))
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows[name] = summarize_run(records, warmup, time_scale)
+        rows[name]["run_dir"] = str(run_dir)
+        rows[name]["total_s"] = round(time.time() - t0, 1)
+    return rows, simulated, time_scale
 
 
 def bench(file: str, overrides: list[str], modes=MODES, steps: int = 5, warmup: int = 1,
@@ -68,23 +100,10 @@ def bench(file: str, overrides: list[str], modes=MODES, steps: int = 5, warmup: 
     console = console or Console(stderr=True, width=120)
     base = load_recipe(file, overrides)
     registry = runner.resolve(base)
-    engine = registry.get("engine", base.recipe.engine.name, "engine.name")
-    simulated = bool(getattr(engine.factory, "simulates_training", False))
-    time_scale = base.recipe.engine.options().get("time_scale", 0.01) if simulated else None
-    tmp = tempfile.mkdtemp(prefix="streamrl-bench-")
-    rows = {}
-    for mode in modes:
-        extra = mode_overrides(base, mode, simulated) + [
-            f"run.steps={steps + warmup}", "cluster.dashboard_port=0", f'run.out_dir="{tmp}"',
-            f'run.name="bench-{mode}"']
-        loaded = load_recipe(file, list(overrides) + extra)
-        console.print(f"bench modes: {mode} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
-        t0 = time.time()
-        run_dir = runner.run(loaded, console=Console(file=io.StringIO()))
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows[mode] = summarize_run(records, warmup, time_scale)
-        rows[mode]["run_dir"] = str(run_dir)
-        rows[mode]["total_s"] = round(time.time() - t0, 1)
+    simulated = bool(getattr(registry.get("engine", base.recipe.engine.name, "engine.name").factory,
+                             "simulates_training", False))
+    variants = {mode: mode_overrides(base, mode, simulated) for mode in modes}
+    rows, simulated, time_scale = run_variants(file, overrides, variants, steps, warmup, console, "modes")
     for row in rows.values():
         for ref in ("batch", "colocated"):
             if ref in rows:
@@ -92,11 +111,17 @@ def bench(file: str, overrides: list[str], modes=MODES, steps: int = 5, warmup: 
     result = {"recipe": str(file), "overrides": list(overrides), "simulated": simulated,
               "time_scale": time_scale, "steps": steps, "warmup": warmup, "modes": rows}
     console.print(table(result))
-    out = Path(out) if out else Path(tmp) / "bench-modes.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    console.print(f"result: {out}")
+    write_result(result, out, console)
     return result
+
+
+def write_result(result: dict, out: str | None, console: Console) -> None:
+    """Write the JSON result (next to the first run's folder unless ``out`` is given)."""
+    first = next(iter(next(v for k, v in result.items() if isinstance(v, dict) and k in ("modes", "variants")).values()))
+    path = Path(out) if out else Path(first["run_dir"]).parent / "bench.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"result: {path}")
 
 
 def table(result: dict) -> Table:
