@@ -5,6 +5,8 @@ Variants (each a full run of the recipe, ``--set`` overrides applied to all):
 * ``fcfs``          -- round-robin dispatch, no ranker (the baseline);
 * ``skew-oracle``   -- skew scheduler with the workload's true expected lengths (only for tasks
   that carry them, such as ``longtail-sim``): what a perfect ranker would give;
+* ``lpt-oracle``    -- the same without the split: predicted work balanced over all instances
+  (greedy LPT), longest first inside each;
 * ``skew-learned``  -- skew scheduler with the online ``learned`` ranker (the real thing).
 
 Reported per variant: mean generation makespan per step (first submission to last sample),
@@ -28,6 +30,8 @@ def variants_for(file: str, overrides: list[str]) -> dict[str, list[str]]:
     out = {"fcfs": ['scheduler.name="fcfs"']}
     if base.recipe.task.name == "longtail-sim":  # the oracle needs hidden lengths
         out["skew-oracle"] = ['scheduler.name="skew"', 'ranker.name="oracle"']
+        # the same without the long-tail/regular split: LPT balancing of predicted work only
+        out["lpt-oracle"] = ['scheduler.name="skew"', "scheduler.split=false", 'ranker.name="oracle"']
     out["skew-learned"] = ['scheduler.name="skew"', 'ranker.name="learned"']
     return out
 
