@@ -4,7 +4,7 @@
   task gave them, all at the same priority (the engine admits them first come, first served).
 * ``skew`` -- StreamRL's skewness-aware dispatch: the predicted top ``alpha`` of prompts are
   the long tail. Their length and the regular length are estimated from the observed lengths
-  (``long_quantile`` and ``regular_quantile``, P90 and P50 by default). Using the engine's
+  (``long_quantile`` and ``regular_quantile``, P99 and P80 by default). Using the engine's
   per-token latency model, it tries every split of the instances between long-tail and
   regular prompts and keeps the one with the smallest estimated makespan: long-tail prompts
   go to a few instances that run them at a small batch (memory-bound decoding is faster per
@@ -107,10 +107,12 @@ class SkewConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     alpha: float = Field(0.2, gt=0, lt=1)
     """Share of prompts (by predicted length) treated as long-tail."""
-    long_quantile: float = Field(0.9, gt=0, lt=1)
-    """Quantile of observed lengths used as the long-tail length estimate."""
-    regular_quantile: float = Field(0.5, gt=0, lt=1)
-    """Quantile of observed lengths used as the regular length estimate."""
+    long_quantile: float = Field(0.99, gt=0, lt=1)
+    """Quantile of observed lengths used as the long-tail length estimate: the longest request
+    sets a long-tail instance's makespan, so near the top (P99)."""
+    regular_quantile: float = Field(0.8, gt=0, lt=1)
+    """Quantile of observed lengths used as the regular length estimate: the longest regular
+    request, about the ``1 - alpha`` quantile."""
     min_observed: int = Field(32, ge=1)
     """Observed samples needed before splitting; until then prompts are spread LPT-balanced."""
     lpt: bool = True

@@ -24,7 +24,8 @@ from streamrl.sample import Prompt
 Z90 = 1.2815515655446004  # standard normal 90th percentile
 #: Words a prompt's text uses for its (noisy) difficulty: what a learned ranker can pick up,
 #: the way real prompts give away how long their answers run.
-LEVELS = ["trivial", "easy", "simple", "plain", "medium", "tricky", "hard", "gnarly", "brutal"]
+LEVELS = ["trivial", "basic", "easy", "simple", "light", "plain", "modest", "medium", "solid", "tricky",
+          "involved", "hard", "tough", "gnarly", "brutal", "fiendish", "monstrous"]
 
 
 class LongTailSimConfig(BaseModel):
@@ -49,7 +50,7 @@ class LongTailSimConfig(BaseModel):
     """Optional file of observed output lengths, one per line; prompt medians are drawn from it."""
     seed: int = 0
     """Seed of the dataset and the prompt order."""
-    text_noise: float = Field(0.5, ge=0)
+    text_noise: float = Field(0.25, ge=0)
     """Noise (in units of the prompt spread) on the difficulty word in a prompt's text; the text
     is how a learned ranker sees a prompt."""
 
@@ -79,7 +80,7 @@ class LongTailSimTask:
             mu = math.log(rng.choice(trace)) if trace else rng.gauss(math.log(c.median), self.sigma_prompt)
             tokens = rng.randint(c.prompt_tokens_min, c.prompt_tokens_max)
             z = (mu - math.log(c.median)) / max(self.sigma_prompt, 1e-9) + rng.gauss(0, c.text_noise)
-            level = LEVELS[min(len(LEVELS) - 1, max(0, round(z * 1.5) + len(LEVELS) // 2))]
+            level = LEVELS[min(len(LEVELS) - 1, max(0, round(z * 3) + len(LEVELS) // 2))]
             text = f"q{i} {rng.choice(['algebra', 'geometry', 'counting', 'proof', 'code'])} {level}"
             self.dataset.append((i, mu, tokens, text))
 
