@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import wait
 
 from streamrl import cluster
 from streamrl.flow import tasks
@@ -108,6 +109,7 @@ def test_step_publishes_weights_to_the_engine(controller):
 
 def test_stream_and_batch_give_the_same_update_on_the_same_samples(controller):
     scored = controller.submit_generation(step=50)  # generate + score once, keep the futures
+    wait(scored)  # before place_residents() below replaces the engine these tasks run on
     total = 16
 
     def train(step, ready, stream, tokens=0, groups=1) -> dict:

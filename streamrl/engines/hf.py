@@ -128,6 +128,14 @@ class HFEngine:
             self.version = version
 
     def close(self) -> None:
-        """Stop the generation loop and the router."""
+        """Stop the generation loop and the router; fail requests still waiting.
+
+        A task blocked on a request that will never finish would hang its worker thread (and
+        the run) forever; failing it lets Dask retry the group on the engine that replaces this one.
+        """
         self._closed.set()
         self.manager.stop(block=True, timeout=5)
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for rid, fut in waiting.items():
+            fut.set_exception(RuntimeError(f"hf engine closed before request {rid} finished"))
