@@ -13,6 +13,7 @@ from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.sim.workload import LongTailSimConfig, LongTailSimTask, SimLengthConfig, SimLengthReward
 from streamrl.tasks.addition import AdditionConfig, AdditionTask
+from streamrl.tasks.countdown import CountdownConfig, CountdownReward, CountdownRewardConfig, CountdownTask
 from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
 from streamrl.transfer.dask import DaskTransport, DaskTransportConfig
 
@@ -30,12 +31,14 @@ def register_engines():
 @hookimpl
 def register_rewards():
     return [Component("reward", "exact_match", ExactMatchConfig, ExactMatch),
-            Component("reward", "sim_length", SimLengthConfig, SimLengthReward)]
+            Component("reward", "sim_length", SimLengthConfig, SimLengthReward),
+            Component("reward", "countdown", CountdownRewardConfig, CountdownReward)]
 
 
 @hookimpl
 def register_tasks():
     return [Component("task", "addition", AdditionConfig, AdditionTask),
+            Component("task", "countdown", CountdownConfig, CountdownTask),
             Component("task", "longtail-sim", LongTailSimConfig, LongTailSimTask)]
 
 

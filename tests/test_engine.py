@@ -22,3 +22,36 @@ def test_hf_engine_generates_and_closing_it_fails_waiting_requests(tiny_model):
     engine.close()
     with pytest.raises(RuntimeError, match="closed before request never finished"):
         stuck.result(timeout=5)
+
+
+def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
+    import threading
+    import time
+
+    engine = HFEngine(HFEngineConfig(max_new_tokens=3, max_running=1))
+    engine.load(str(tiny_model))
+    done: dict[str, float] = {}
+
+    def ask(uid, priority):
+        group = engine.generate(Prompt(uid=uid, text="1+2=", answer="3"), 1, priority=priority)
+        done[uid] = group[0].times["gen_end"]
+
+    def until(cond):
+        deadline = time.time() + 10
+        while not cond():
+            assert time.time() < deadline
+            time.sleep(0.01)
+
+    threads = []
+    try:
+        with engine.manager.pause():  # nothing finishes while the queue fills up
+            for uid, priority in [("first", 0.0), ("low", 1.0), ("high", 9.0), ("mid", 5.0)]:
+                threads.append(threading.Thread(target=ask, args=(uid, priority)))
+                threads[-1].start()
+                until(lambda: engine._running + len(engine._queue) == len(threads))
+            assert engine._running == 1 and len(engine._queue) == 3  # the cap holds the rest back
+        for t in threads:
+            t.join(timeout=30)
+        assert sorted(done, key=done.get) == ["first", "high", "mid", "low"]
+    finally:
+        engine.close()

@@ -4,7 +4,7 @@ Variants (each a full run of the recipe, ``--set`` overrides applied to all):
 
 * ``fcfs``          -- round-robin dispatch, no ranker (the baseline);
 * ``skew-oracle``   -- skew scheduler with the workload's true expected lengths (only for tasks
-  that carry them, such as ``longtail-sim``): what a perfect ranker would give;
+  that carry them, ``longtail-sim`` and ``countdown``): what a perfect ranker would give;
 * ``lpt-oracle``    -- the same without the split: predicted work balanced over all instances
   (greedy LPT), longest first inside each;
 * ``skew-learned``  -- skew scheduler with the online ``learned`` ranker (the real thing).
@@ -26,9 +26,11 @@ from streamrl.recipe import load_recipe
 def variants_for(file: str, overrides: list[str]) -> dict[str, list[str]]:
     """The variants that make sense for the recipe's task."""
     base = load_recipe(file, overrides)
-    runner.resolve(base)
+    registry = runner.resolve(base)
+    task = registry.get("task", base.recipe.task.name, "task.name").build(base.recipe.task.options(), "task")
+    answer = task.prompts(0, 1)[0].answer
     out = {"fcfs": ['scheduler.name="fcfs"']}
-    if base.recipe.task.name == "longtail-sim":  # the oracle needs hidden lengths
+    if isinstance(answer, dict) and "log_median" in answer:  # the oracle needs the true lengths
         out["skew-oracle"] = ['scheduler.name="skew"', 'ranker.name="oracle"']
         # the same without the long-tail/regular split: LPT balancing of predicted work only
         out["lpt-oracle"] = ['scheduler.name="skew"', "scheduler.split=false", 'ranker.name="oracle"']

@@ -5,6 +5,10 @@ generate task (one prompt group, on its own Dask worker thread) adds its request
 them, so concurrent tasks are batched together by the engine, not by us. A router thread moves
 finished results from the manager's single output queue to the waiting tasks.
 
+Scheduling: requests wait in the engine's own priority queue (highest ``priority`` first, then
+arrival order) and enter transformers' batch while fewer than ``max_running`` are running; that is
+how a scheduler's longest-first ordering and a long-tail instance's smaller batch reach this engine.
+
 Weights are updated in place between requests: ``manager.pause()`` stops the loop at a step
 boundary (no request is dropped, caches are kept), the parameters are overwritten, and the loop
 resumes with the new policy.
@@ -12,6 +16,8 @@ resumes with the new policy.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from concurrent.futures import Future
@@ -35,6 +41,9 @@ class HFEngineConfig(BaseModel):
     """KV-cache blocks (of ``page_size`` tokens each) reserved on the worker."""
     page_size: int = Field(32, ge=1)
     """Tokens per KV-cache block."""
+    max_running: int = Field(0, ge=0)
+    """Most requests in the running batch at once; the rest wait in the engine's queue, highest
+    priority first. 0: no cap (every request goes straight into the batch)."""
     dtype: str = "float32"
     """Torch dtype the engine loads the model in (``float32``, ``bfloat16``, ``float16``)."""
 
@@ -48,6 +57,9 @@ class HFEngine:
         self._waiting: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._queue: list[tuple[float, int, str, list[int]]] = []  # (-priority, order, id, prompt ids)
+        self._order = itertools.count()
+        self._running = 0
 
     def load(self, model_path: str, device: str = "cpu") -> None:
         """Load model + tokenizer with ``from_pretrained`` and start the generation loop."""
@@ -79,8 +91,23 @@ class HFEngine:
                 continue
             with self._lock:
                 fut = self._waiting.pop(result.request_id, None)
+                self._running -= 1
+            self._admit()  # a slot is free: the next request in priority order may start
             if fut is not None:
                 fut.set_result(result)
+
+    def _admit(self) -> None:
+        limit = self.config.max_running or float("inf")
+        refused = []
+        with self._lock:  # held while adding, so concurrent tasks cannot reorder the queue
+            while self._queue and self._running < limit:
+                _, _, rid, ids = heapq.heappop(self._queue)
+                if self.manager.add_request(ids, request_id=rid, max_new_tokens=self.config.max_new_tokens) is None:
+                    refused.append((rid, self._waiting.pop(rid)))  # the loop died or is stopping
+                else:
+                    self._running += 1
+        for rid, fut in refused:  # fail the task (Dask retries it) rather than wait forever
+            fut.set_exception(RuntimeError(f"hf engine refused request {rid}: its generation loop is not running"))
 
     def encode(self, text: str) -> list[int]:
         """Prompt token ids as the engine feeds them: BOS, then the text."""
@@ -89,8 +116,8 @@ class HFEngine:
     def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None, priority: float = 0.0) -> Group:
         """Sample ``n`` responses to ``prompt`` (blocks the calling task until all are done).
 
-        ``priority`` is accepted for schedulers and not yet used: transformers' continuous
-        batching admits requests in arrival order."""
+        ``priority`` orders the engine's queue (higher first); it matters once ``max_running``
+        requests are running, or when many requests arrive together."""
         ids = self.encode(prompt.text)
         version = self.version
         start = time.time()
@@ -100,8 +127,9 @@ class HFEngine:
             fut = Future()
             with self._lock:
                 self._waiting[rid] = fut
-            self.manager.add_request(ids, request_id=rid, max_new_tokens=self.config.max_new_tokens)
+                heapq.heappush(self._queue, (-priority, next(self._order), rid, ids))
             futures[rid] = fut
+        self._admit()
         group = []
         for rid, fut in futures.items():
             out = fut.result()
@@ -136,6 +164,6 @@ class HFEngine:
         self._closed.set()
         self.manager.stop(block=True, timeout=5)
         with self._lock:
-            waiting, self._waiting = self._waiting, {}
+            waiting, self._waiting, self._queue = self._waiting, {}, []
         for rid, fut in waiting.items():
             fut.set_exception(RuntimeError(f"hf engine closed before request {rid} finished"))

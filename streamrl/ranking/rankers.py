@@ -6,8 +6,8 @@ and ``observe(prompts, lengths)`` with each prompt's observed output lengths.
 * ``learned`` -- a small torch model trained online on (prompt, observed log length) pairs:
   hashed character n-grams of the prompt, embedded and averaged, then a linear head. It
   generalises to prompts it has never seen, which ``history`` cannot.
-* ``oracle`` -- the workload's hidden expected length (the ``longtail-sim`` task has one); an
-  upper bound for benchmarks, not something a real run can have.
+* ``oracle`` -- the workload's hidden expected length (the ``longtail-sim`` and ``countdown``
+  tasks have one); an upper bound for benchmarks, not something a real run can have.
 
 A ranker lives on one worker (a ``rank`` pool if the recipe has one, else the reward worker) as
 a resident, so its state survives across steps; the controller sends it small lists only.
@@ -145,7 +145,7 @@ class OracleRanker:
             return [float(p.answer["log_median"]) for p in prompts]
         except (TypeError, KeyError):
             raise ValueError("the oracle ranker needs a task whose prompts carry their expected "
-                             "length (answer['log_median']), such as longtail-sim") from None
+                             "length (answer['log_median']), such as longtail-sim or countdown") from None
 
     def observe(self, prompts, lengths) -> None:
         """Nothing to learn."""

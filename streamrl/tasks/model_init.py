@@ -28,11 +28,14 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
         raise UserError(f"--task {task_name}: this task cannot build a tiny model (needs alphabet and example)")
     torch.manual_seed(seed)
     tokenizer = char_tokenizer(task.alphabet)
-    model = tiny_llama(len(tokenizer), seed=seed)
+    # context: BOS + prompt + response + EOS, rounded up (tasks without lengths keep the default)
+    longest = getattr(task, "max_response_chars", lambda: 8)()
+    positions = max(64, -(-(getattr(task, "max_prompt_chars", lambda: 16)() + longest + 2) // 32) * 32)
+    model = tiny_llama(len(tokenizer), max_positions=positions, seed=seed)
     report = {"task": task_name, "options": options, "parameters": sum(p.numel() for p in model.parameters())}
     if warmstart_steps > 0:
         report["warm_start"] = warm_start(model, tokenizer, task.example, warmstart_steps, seed=seed)
-        report["greedy_accuracy"] = greedy_accuracy(model, tokenizer, task.example, n=200,
+        report["greedy_accuracy"] = greedy_accuracy(model, tokenizer, task.example, n=200, max_new_tokens=longest + 1,
                                                     seed=random.Random(seed).randint(1, 10**6))
     save(model, tokenizer, out)
     with open(f"{out}/streamrl_init.json", "w") as f:
