@@ -4,7 +4,8 @@ and ``observe(prompts, lengths)`` with each prompt's observed output lengths.
 * ``history`` -- the mean log length seen for the same prompt text before; unseen prompts get
   the mean over everything seen (they rank in the middle).
 * ``learned`` -- a small torch model trained online on (prompt, observed log length) pairs:
-  hashed character n-grams of the prompt, embedded and averaged, then a linear head. It
+  hashed words and character n-grams of the prompt, embedded and averaged, plus a few numeric
+  features (prompt length, the log of the largest number in it), then a linear head. It
   generalises to prompts it has never seen, which ``history`` cannot.
 * ``oracle`` -- the workload's hidden expected length (the ``longtail-sim`` and ``countdown``
   tasks have one); an upper bound for benchmarks, not something a real run can have.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import zlib
 from collections import defaultdict
 
@@ -65,8 +67,21 @@ class LearnedRankerConfig(BaseModel):
     """Minibatch size."""
     buffer: int = Field(8192, ge=1)
     """Most recent (prompt, log length) pairs kept for training."""
+    numeric: bool = True
+    """Also feed the prompt's length and the log of the largest number in it: output length
+    often scales with a quantity the prompt asks for ("count down from 57", "list 12 items"),
+    which n-grams of its digits express poorly."""
     seed: int = 0
     """Seed of initialisation and minibatch sampling."""
+
+
+NUMBER = re.compile(r"\d+")
+
+
+def numeric_features(text: str) -> list[float]:
+    """``[log(1 + characters), log(1 + largest number), 1 if there is a number]``."""
+    numbers = [int(x) for x in NUMBER.findall(text)[:16] if len(x) < 16]
+    return [math.log1p(len(text)), math.log1p(max(numbers, default=0)), float(bool(numbers))]
 
 
 class LearnedRanker:
@@ -78,27 +93,33 @@ class LearnedRanker:
         self.config = c = config
         torch.manual_seed(c.seed)
         self.embed = torch.nn.EmbeddingBag(c.buckets, c.dim, mode="mean")
-        self.head = torch.nn.Linear(c.dim, 1)
+        self.head = torch.nn.Linear(c.dim + (3 if c.numeric else 0), 1)
         params = list(self.embed.parameters()) + list(self.head.parameters())
         self.opt = torch.optim.Adam(params, lr=c.lr)
-        self.data: list[tuple[list[int], float]] = []  # (features, mean log length)
+        self.data: list[tuple[tuple, float]] = []  # ((hashed features, numeric), mean log length)
         self.rng = random.Random(c.seed)
         self.mean = 0.0  # running mean of the target: the head learns the deviation from it
 
-    def features(self, text: str) -> list[int]:
-        """Hash buckets of the words of ``text`` and of every character n-gram (sizes 2..ngram).
-        Whole words carry most of the signal; n-grams let related words share it."""
+    def features(self, text: str) -> tuple[list[int], list[float]]:
+        """Hash buckets of the words of ``text`` and of every character n-gram (sizes 2..ngram),
+        and the numeric features. Whole words carry most of the signal; n-grams let related
+        words share it."""
         t = f"^{text}$"
         grams = [f"w:{w}" for w in text.split()]
         grams += [t[i:i + k] for k in range(2, self.config.ngram + 1) for i in range(len(t) - k + 1)]
-        return [zlib.crc32(g.encode()) % self.config.buckets for g in grams] or [0]
+        hashed = [zlib.crc32(g.encode()) % self.config.buckets for g in grams] or [0]
+        return hashed, numeric_features(text)
 
-    def _forward(self, feats: list[list[int]]):
+    def _forward(self, feats: list[tuple]):
         import torch
 
-        flat = torch.tensor([f for fs in feats for f in fs], dtype=torch.long)
-        offsets = torch.tensor([0] + [len(fs) for fs in feats[:-1]], dtype=torch.long).cumsum(0)
-        return self.head(self.embed(flat, offsets)).squeeze(-1) + self.mean
+        hashed = [h for h, _ in feats]
+        flat = torch.tensor([f for fs in hashed for f in fs], dtype=torch.long)
+        offsets = torch.tensor([0] + [len(fs) for fs in hashed[:-1]], dtype=torch.long).cumsum(0)
+        x = self.embed(flat, offsets)
+        if self.config.numeric:
+            x = torch.cat([x, torch.tensor([n for _, n in feats], dtype=torch.float32)], dim=1)
+        return self.head(x).squeeze(-1) + self.mean
 
     def predict(self, prompts) -> list[float]:
         """Predicted log output length per prompt."""
