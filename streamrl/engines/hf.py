@@ -44,6 +44,10 @@ class HFEngineConfig(BaseModel):
     max_running: int = Field(0, ge=0)
     """Most requests in the running batch at once; the rest wait in the engine's queue, highest
     priority first. 0: no cap (every request goes straight into the batch)."""
+    profile: bool = True
+    """Measure the decode step latency at a few batch sizes when the engine starts (about a
+    second on CPU); a scheduler (``skew``) uses it to decide how many instances the long tail
+    gets. False: no profile, schedulers only balance predicted work."""
     dtype: str = "float32"
     """Torch dtype the engine loads the model in (``float32``, ``bfloat16``, ``float16``)."""
 
@@ -80,6 +84,7 @@ class HFEngine:
         )
         self.manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         self.manager.start()
+        self.latency_points = self._profile() if self.config.profile else []
         self._router = threading.Thread(target=self._route, name="streamrl-hf-router", daemon=True)
         self._router.start()
 
@@ -108,6 +113,38 @@ class HFEngine:
                     self._running += 1
         for rid, fut in refused:  # fail the task (Dask retries it) rather than wait forever
             fut.set_exception(RuntimeError(f"hf engine refused request {rid}: its generation loop is not running"))
+
+    def _profile(self, batches=(8, 1, 8, 32, 96), prompt: int = 8, steps: int = 24) -> list[tuple[float, float]]:
+        """``[(context tokens, seconds per decode step)]`` measured through the real loop.
+
+        Each point runs ``b`` requests that cannot stop early (no EOS) for ``steps`` tokens;
+        the context is the batch's mean total. Runs before the router starts, so it reads the
+        manager's results itself. The first batch size is a warm-up and is not kept.
+        """
+        points = []
+        for i, b in enumerate(batches):
+            ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
+            t0 = time.perf_counter()
+            for k in range(b):
+                self.manager.add_request(ids, request_id=f"profile-{i}-{k}", max_new_tokens=steps, eos_token_id=-1)
+            finished = 0
+            while finished < b and time.perf_counter() - t0 < 60:
+                out = self.manager.get_result(timeout=0.1)
+                finished += out is not None and out.is_finished()
+            if i > 0:
+                points.append((b * (prompt + steps / 2), (time.perf_counter() - t0) / steps))
+        return points
+
+    def step_latency_fit(self) -> tuple[float, float] | None:
+        """Least-squares ``(c0, per_context_token)`` of the profile: one decode step costs about
+        ``c0 + per_context_token * total context tokens of the running batch``."""
+        pts = self.latency_points
+        if len(pts) < 2:
+            return None
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        var = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var) if var else 0.0
+        return max(my - slope * mx, 0.0), slope
 
     def encode(self, text: str) -> list[int]:
         """Prompt token ids as the engine feeds them: BOS, then the text."""

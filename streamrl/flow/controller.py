@@ -58,6 +58,11 @@ def build_trainer(model_path: str, trainer_cfg, algorithm, temperature: float):
                    algorithm=algorithm, temperature=temperature, warmup_steps=trainer_cfg.warmup_steps)
 
 
+def affine_latency(c0: float, per_token: float, context: float) -> float:
+    """Seconds of one decode step at ``context`` running tokens, from a measured profile."""
+    return c0 + per_token * context
+
+
 class Controller:
     """Owns the run loop; see the module docstring."""
 
@@ -126,6 +131,12 @@ class Controller:
                                        workers=[self.train_worker], allow_other_workers=False))
         for f in futs:
             f.result()
+        if self.step_latency is None and self.scheduler is not None:
+            # a real engine's profile, measured on one instance at start (the instances are alike)
+            fit = self.client.submit(tasks.engine_latency, key="engine-latency", pure=False,
+                                     workers=[next(iter(self.generate_workers.values()))]).result()
+            if fit is not None:
+                self.step_latency = partial(affine_latency, *fit)
         self.version = 0
         self.last_step = None
         # async bookkeeping: scored futures of admitted steps, weight loads not yet awaited

@@ -130,6 +130,13 @@ def save_policy(out: str, after=None) -> str:
     return resident(TRAINER).save(out)
 
 
+def engine_latency() -> tuple[float, float] | None:
+    """Generate pool: the engine's measured ``(c0, per_context_token)`` decode-step latency, or
+    None when it has no profile."""
+    fit = getattr(resident(ENGINE), "step_latency_fit", None)
+    return fit() if fit else None
+
+
 def warm_up(name: str) -> str:
     """Build the resident object now (model loads happen before the clock starts)."""
     resident(name)
