@@ -48,6 +48,7 @@ def test_recipe_run_trains_and_saves_a_loadable_policy(mode, tiny_recipe, tmp_pa
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", f"run.mode={mode}", "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert "still alive" not in proc.stderr  # workers exit promptly (cluster.QuickExit)
     (run_dir,) = (tmp_path / "runs").iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -79,9 +80,31 @@ def test_user_mistake_is_one_line_without_traceback(tiny_recipe):
     assert len(lines) == 1 and "trainer.lr" in lines[0], proc.stderr
 
 
-def test_shipped_recipe_validates():
-    proc = streamrl("recipe", "validate", "recipes/addition.toml")
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.toml")))
+def test_shipped_recipe_validates(recipe):
+    proc = streamrl("recipe", "validate", f"recipes/{recipe}")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_longtail_recipe_ranks_and_dispatches_on_the_real_engine(tmp_path):
+    # W2 as shipped (learned ranker, skew scheduler, hf engine with its latency profile), made small
+    proc = streamrl("recipe", "run", "recipes/longtail-cpu.toml", "--set", "run.steps=3",
+                    "--set", "trainer.prompts_per_step=8", "--set", "trainer.samples_per_prompt=4",
+                    "--set", f'run.out_dir="{tmp_path}"', "--set", "cluster.dashboard_port=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (run_dir,) = tmp_path.iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    check_every_sample_trained_once(records, prompts=8, n=4)
+    for r in records:
+        assert 0.0 <= r["ranker_recall"] <= 1.0 and "long_tail_instances" in r
+        # the scheduler pinned each prompt's group to one instance: all its samples share a worker
+        by_prompt = {}
+        for x in r["sample_log"]:
+            by_prompt.setdefault(x["uid"].rsplit("-", 1)[0], set()).add(x["worker"])
+        assert all(len(w) == 1 for w in by_prompt.values()) and len(by_prompt) == 8
+        assert {w for ws in by_prompt.values() for w in ws} <= {"generate-0", "generate-1"}
 
 
 def test_plugins_list_shows_builtins():
