@@ -2,7 +2,9 @@
 
 Each mode is a full run of the recipe (its own embedded cluster, ``--set`` overrides applied to
 all), one after another in this process. The first ``warmup`` steps of each run are left out
-(model loads, first weight sync). Throughput is samples over the accounting windows (step
+(model loads, first weight sync); an async run goes on for ``max_staleness`` more steps that are
+also left out (its generation would otherwise idle at the end for want of steps to admit), so
+every mode is measured over the same number of steady-state steps. Throughput is samples over the accounting windows (step
 boundary to boundary: wall time, controller overhead included); idle ratios are the pools'
 busy clocks over the same windows.
 
@@ -80,15 +82,22 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
     tmp = tempfile.mkdtemp(prefix="streamrl-bench-")
     rows = {}
     for name, extra in variants.items():
-        extra = list(extra) + [f"run.steps={steps + warmup}", "cluster.dashboard_port=0", f'run.out_dir="{tmp}"',
-                               f'run.name="bench-{name}"']
+        loaded = load_recipe(file, list(overrides) + list(extra))
+        # Async keeps generating up to max_staleness steps ahead; in the run's last steps there is
+        # nothing left to generate, so the generate pool idles by construction. Run that many
+        # extra steps and leave them out: every mode is measured over `steps` steady-state steps.
+        r = loaded.recipe.run
+        drain = r.max_staleness if r.mode == "async" else 0
+        extra = list(extra) + [f"run.steps={steps + warmup + drain}", "cluster.dashboard_port=0",
+                               f'run.out_dir="{tmp}"', f'run.name="bench-{name}"']
         loaded = load_recipe(file, list(overrides) + extra)
         runner.resolve(loaded)  # a variant's own mistakes are one line too
         console.print(f"bench {label}: {name} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
         t0 = time.time()
         run_dir = runner.run(loaded, console=Console(file=io.StringIO()))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows[name] = summarize_run(records, warmup, time_scale)
+        rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale)
+        rows[name]["drain_steps"] = drain
         rows[name]["run_dir"] = str(run_dir)
         rows[name]["total_s"] = round(time.time() - t0, 1)
     return rows, simulated, time_scale

@@ -1,0 +1,55 @@
+"""``streamrl bench``: how a run becomes a row, and the command end to end on the sim engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrl.bench.modes import summarize_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def record(step, window, samples, gen_busy, train_busy, reward=0.5):
+    return {"step": step, "accounting_window_s": window, "samples": samples, "reward_mean": reward,
+            "staleness_max": 0, "generate_makespan_s": window / 2,
+            "pools": {"generate": {"busy_s": gen_busy, "idle_s": window - gen_busy},
+                      "train": {"busy_s": train_busy, "idle_s": window - train_busy}}}
+
+
+def test_summarize_leaves_out_the_warm_up_and_pools_busy_time():
+    records = [record(0, 100.0, 16, 1.0, 1.0), record(1, 2.0, 16, 1.5, 1.0), record(2, 2.0, 16, 0.5, 2.0)]
+    row = summarize_run(records, warmup=1, time_scale=None)
+    assert row["steps"] == 2 and row["samples"] == 32
+    assert row["samples_per_s"] == pytest.approx(32 / 4.0)
+    assert row["idle"]["generate"] == pytest.approx(1 - 2.0 / 4.0)
+    assert row["idle"]["train"] == pytest.approx(1 - 3.0 / 4.0)
+
+
+@pytest.mark.slow
+def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path):
+    out = tmp_path / "modes.json"
+    small = ["--set", "pools.generate.workers=2", "--set", "pools.generate.threads=8",
+             "--set", "trainer.prompts_per_step=8", "--set", "trainer.samples_per_prompt=2",
+             "--set", "engine.time_scale=0.0005", "--set", "run.max_staleness=2"]
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "modes", "recipes/paper-7b-20k.toml",
+                           "--modes", "batch,async", "--steps", "2", "--warmup", "1", "--out", str(out), *small],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIMULATED" in proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["modes"]
+    assert set(rows) == {"batch", "async"} and result["simulated"]
+    assert rows["batch"]["vs_batch"] == pytest.approx(1.0)
+    assert rows["async"]["vs_batch"] == pytest.approx(rows["async"]["samples_per_s"] / rows["batch"]["samples_per_s"])
+    for mode, drain in [("batch", 0), ("async", 2)]:
+        row = rows[mode]
+        assert row["steps"] == 2 and row["samples"] == 2 * 16 and row["drain_steps"] == drain
+        records = (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        assert len(records) == 1 + 2 + drain  # warm-up + measured + drain steps were run
+        assert 0.0 <= row["idle"]["generate"] <= 1.0
+    assert rows["async"]["staleness_max"] <= 2
