@@ -144,7 +144,7 @@ def table(result: dict) -> Table:
         t.add_column(col, justify="right")
     for mode, r in result["modes"].items():
         rate = r["sim_samples_per_s"] if sim else r["samples_per_s"]
-        t.add_row(mode, f"{rate:.2f}", f"{r.get('vs_batch', float('nan')):.2f}",
-                  f"{r.get('vs_colocated', float('nan')):.2f}", f"{r['idle'].get('generate', 0):.0%}",
+        t.add_row(mode, f"{rate:.2f}", f"{r['vs_batch']:.2f}" if "vs_batch" in r else "-",
+                  f"{r['vs_colocated']:.2f}" if "vs_colocated" in r else "-", f"{r['idle'].get('generate', 0):.0%}",
                   f"{r['idle'].get('train', 0):.0%}", str(r["staleness_max"]), f"{r['reward_mean']:.3f}")
     return t
