@@ -68,7 +68,12 @@ def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, grou
     samples themselves never travel to the controller.
     """
     trainer = resident(TRAINER)
-    cuts = pack([group_tokens(g) for g in groups], micro_batch_tokens, groups_per_micro_batch)
+    # Shortest groups first: a micro-batch is padded to its longest sequence, so neighbours of
+    # similar length waste little (measured on W2, whose lengths span 5-255 tokens: batch mode
+    # trained 1.8x slower in submission order). Order does not change the accumulated gradient.
+    order = sorted(range(len(groups)), key=lambda i: max(len(s.prompt_ids) + len(s.response_ids) for s in groups[i]))
+    cuts = [[order[j] for j in idx] for idx in
+            pack([group_tokens(groups[i]) for i in order], micro_batch_tokens, groups_per_micro_batch)]
     stats: dict = {}
     for idx in cuts:
         for k, v in trainer.micro_batch([groups[i] for i in idx], scale).items():
