@@ -53,3 +53,22 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
         assert len(records) == 1 + 2 + drain  # warm-up + measured + drain steps were run
         assert 0.0 <= row["idle"]["generate"] <= 1.0
     assert rows["async"]["staleness_max"] <= 2
+
+
+def test_skew_variants_switch_components_without_carrying_foreign_options():
+    from streamrl.bench.skew import variants_for
+    from streamrl.flow import runner
+    from streamrl.recipe import load_recipe
+
+    user = ["ranker.ngram=4", "scheduler.alpha=0.1"]  # options only `learned` and `skew` accept
+    variants = variants_for(str(ROOT / "recipes/longtail-cpu.toml"), user)
+    assert list(variants) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned"]  # countdown has true lengths
+    for name, extra in variants.items():
+        loaded = load_recipe(ROOT / "recipes/longtail-cpu.toml", user + extra)
+        runner.resolve(loaded)  # every variant validates
+        r = loaded.recipe
+        assert r.scheduler.name == ("fcfs" if name == "fcfs" else "skew")
+        if r.scheduler.name == "skew":
+            assert r.scheduler.options()["alpha"] == 0.1  # the user's skew options are kept
+        if name.endswith("oracle"):
+            assert r.ranker.name == "oracle" and "ngram" not in r.ranker.options()

@@ -29,12 +29,19 @@ def variants_for(file: str, overrides: list[str]) -> dict[str, list[str]]:
     registry = runner.resolve(base)
     task = registry.get("task", base.recipe.task.name, "task.name").build(base.recipe.task.options(), "task")
     answer = task.prompts(0, 1)[0].answer
-    out = {"fcfs": ['scheduler.name="fcfs"']}
+
+    def use(section: str, name: str) -> str:
+        # keep the recipe's options when it already uses this component (e.g. its skew alpha);
+        # otherwise replace the whole section, since another component's options would not validate
+        current = getattr(base.recipe, section)
+        return f'{section}.name="{name}"' if current is not None and current.name == name else f'{section}={{name="{name}"}}'
+
+    out = {"fcfs": [use("scheduler", "fcfs")]}
     if isinstance(answer, dict) and "log_median" in answer:  # the oracle needs the true lengths
-        out["skew-oracle"] = ['scheduler.name="skew"', 'ranker.name="oracle"']
+        out["skew-oracle"] = [use("scheduler", "skew"), use("ranker", "oracle")]
         # the same without the long-tail/regular split: LPT balancing of predicted work only
-        out["lpt-oracle"] = ['scheduler.name="skew"', "scheduler.split=false", 'ranker.name="oracle"']
-    out["skew-learned"] = ['scheduler.name="skew"', 'ranker.name="learned"']
+        out["lpt-oracle"] = [use("scheduler", "skew"), "scheduler.split=false", use("ranker", "oracle")]
+    out["skew-learned"] = [use("scheduler", "skew"), use("ranker", "learned")]
     return out
 
 
