@@ -72,3 +72,21 @@ def test_skew_variants_switch_components_without_carrying_foreign_options():
             assert r.scheduler.options()["alpha"] == 0.1  # the user's skew options are kept
         if name.endswith("oracle"):
             assert r.ranker.name == "oracle" and "ngram" not in r.ranker.options()
+
+
+@pytest.mark.slow
+def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
+    out = tmp_path / "skew.json"
+    small = ["--set", "pools.generate.workers=2", "--set", "pools.generate.threads=8",
+             "--set", "trainer.prompts_per_step=10", "--set", "trainer.samples_per_prompt=2",
+             "--set", "engine.time_scale=0.0005"]
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "skew", "recipes/paper-7b-20k.toml",
+                           "--steps", "2", "--warmup", "1", "--out", str(out), *small],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["variants"]
+    assert list(rows) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned"]
+    assert rows["fcfs"]["speedup_generate"] == pytest.approx(1.0)
+    assert "ranker_recall" not in rows["fcfs"]  # the W3 recipe has no ranker of its own
+    for name in ["skew-oracle", "lpt-oracle", "skew-learned"]:
+        assert 0.0 <= rows[name]["ranker_recall"] <= 1.0 and rows[name]["generate_makespan_s"] > 0
