@@ -144,7 +144,10 @@ def stop(cluster: SpecCluster | None, client: Client, timeout: float = 10.0) -> 
         try:
             cluster.scale(0)
             deadline = time.monotonic() + timeout
-            while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            # Wait for the Nanny processes themselves (SpecCluster drops them once closed), not
+            # only for the scheduler to forget them: a worker still closing when the scheduler
+            # goes away logs a heartbeat traceback (seen about one run in four before this).
+            while (cluster.workers or client.scheduler_info(n_workers=-1)["workers"]) and time.monotonic() < deadline:
                 time.sleep(0.1)
         except Exception:  # shutting down anyway; never hide the run's real error behind this
             pass
