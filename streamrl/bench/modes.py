@@ -4,9 +4,9 @@ Each mode is a full run of the recipe (its own embedded cluster, ``--set`` overr
 all), one after another in this process. The first ``warmup`` steps of each run are left out
 (model loads, first weight sync); an async run goes on for ``max_staleness`` more steps that are
 also left out (its generation would otherwise idle at the end for want of steps to admit), so
-every mode is measured over the same number of steady-state steps. Throughput is samples over the accounting windows (step
-boundary to boundary: wall time, controller overhead included); idle ratios are the pools'
-busy clocks over the same windows.
+every mode is measured over the same number of steady-state steps. Throughput is samples over
+the accounting windows (step boundary to boundary: wall time, controller overhead included);
+idle ratios are the pools' busy clocks over the same windows.
 
 Colocated gets the same devices as the disaggregated modes. On a real engine that is automatic:
 the train workers also generate. With a simulated engine the devices are virtual, so the bench
