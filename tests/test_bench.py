@@ -56,12 +56,14 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
 
 
 def test_skew_variants_switch_components_without_carrying_foreign_options():
+    from streamrl.bench.modes import describe
     from streamrl.bench.skew import variants_for
     from streamrl.flow import runner
     from streamrl.recipe import load_recipe
 
     user = ["ranker.ngram=4", "scheduler.alpha=0.1"]  # options only `learned` and `skew` accept
-    variants = variants_for(str(ROOT / "recipes/longtail-cpu.toml"), user)
+    base, registry, _, _ = describe(str(ROOT / "recipes/longtail-cpu.toml"), user)
+    variants = variants_for(base, registry)
     assert list(variants) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned"]  # countdown has true lengths
     for name, extra in variants.items():
         loaded = load_recipe(ROOT / "recipes/longtail-cpu.toml", user + extra)

@@ -31,6 +31,16 @@ from streamrl.recipe import load_recipe
 MODES = ("colocated", "batch", "stream", "async")
 
 
+def describe(file: str, overrides: list[str]):
+    """The recipe as given, validated: ``(loaded, registry, simulated, time_scale)``
+    (``time_scale`` is None for a real engine)."""
+    base = load_recipe(file, overrides)
+    registry = runner.resolve(base)
+    simulated = runner.simulates_training(registry, base.recipe)
+    time_scale = base.recipe.engine.options().get("time_scale", 0.01) if simulated else None
+    return base, registry, simulated, time_scale
+
+
 def mode_overrides(loaded, mode: str, simulated: bool) -> list[str]:
     """Overrides that turn the recipe into its ``mode`` variant with equal devices."""
     out = [f"run.mode={mode}"]
@@ -71,14 +81,10 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None) ->
 
 
 def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]], steps: int, warmup: int,
-                 console: Console, label: str) -> tuple[dict, bool, float | None]:
-    """Run the recipe once per variant (its extra ``--set`` overrides); returns
-    ``({variant: row}, simulated, time_scale)``."""
-    base = load_recipe(file, overrides)
-    registry = runner.resolve(base)
-    engine = registry.get("engine", base.recipe.engine.name, "engine.name")
-    simulated = bool(getattr(engine.factory, "simulates_training", False))
-    time_scale = base.recipe.engine.options().get("time_scale", 0.01) if simulated else None
+                 console: Console, label: str, time_scale: float | None) -> dict:
+    """Run the recipe once per variant (its extra ``--set`` overrides); returns ``{variant: row}``.
+    ``time_scale`` (from :func:`describe`) is None for a real engine."""
+    simulated = time_scale is not None
     tmp = tempfile.mkdtemp(prefix="streamrl-bench-")
     rows = {}
     for name, extra in variants.items():
@@ -100,19 +106,16 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
         rows[name]["drain_steps"] = drain
         rows[name]["run_dir"] = str(run_dir)
         rows[name]["total_s"] = round(time.time() - t0, 1)
-    return rows, simulated, time_scale
+    return rows
 
 
 def bench(file: str, overrides: list[str], modes=MODES, steps: int = 5, warmup: int = 1,
           out: str | None = None, console: Console | None = None) -> dict:
     """Run every mode, print the table, write the JSON result; returns the result."""
     console = console or Console(stderr=True, width=120)
-    base = load_recipe(file, overrides)
-    registry = runner.resolve(base)
-    simulated = bool(getattr(registry.get("engine", base.recipe.engine.name, "engine.name").factory,
-                             "simulates_training", False))
+    base, _, simulated, time_scale = describe(file, overrides)
     variants = {mode: mode_overrides(base, mode, simulated) for mode in modes}
-    rows, simulated, time_scale = run_variants(file, overrides, variants, steps, warmup, console, "modes")
+    rows = run_variants(file, overrides, variants, steps, warmup, console, "modes", time_scale)
     for row in rows.values():
         for ref in ("batch", "colocated"):
             if ref in rows:

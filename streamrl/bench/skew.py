@@ -18,15 +18,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.bench.modes import run_variants, write_result
-from streamrl.flow import runner
-from streamrl.recipe import load_recipe
+from streamrl.bench.modes import describe, run_variants, write_result
 
 
-def variants_for(file: str, overrides: list[str]) -> dict[str, list[str]]:
-    """The variants that make sense for the recipe's task."""
-    base = load_recipe(file, overrides)
-    registry = runner.resolve(base)
+def variants_for(base, registry) -> dict[str, list[str]]:
+    """The variants that make sense for the recipe's task (``base``, ``registry``: from
+    ``bench.modes.describe``)."""
     task = registry.get("task", base.recipe.task.name, "task.name").build(base.recipe.task.options(), "task")
     answer = task.prompts(0, 1)[0].answer
 
@@ -49,8 +46,8 @@ def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out:
           console: Console | None = None) -> dict:
     """Run the variants, print the table, write the JSON result; returns the result."""
     console = console or Console(stderr=True, width=120)
-    rows, simulated, time_scale = run_variants(file, overrides, variants_for(file, overrides), steps, warmup,
-                                               console, "skew")
+    base, registry, simulated, time_scale = describe(file, overrides)
+    rows = run_variants(file, overrides, variants_for(base, registry), steps, warmup, console, "skew", time_scale)
     ref = rows["fcfs"]
     for row in rows.values():
         row["speedup_generate"] = ref["generate_makespan_s"] / row["generate_makespan_s"]

@@ -26,7 +26,6 @@ import math
 import time
 from functools import partial
 from pathlib import Path
-from typing import Iterable
 
 from distributed import Client, Future, as_completed, wait
 

@@ -15,6 +15,13 @@ from streamrl.errors import UserError
 from streamrl.telemetry.metrics import MetricsLog
 
 
+def simulates_training(registry, recipe) -> bool:
+    """Whether the recipe's engine is simulated (``sim``): it brings its own cost-model trainer
+    and needs no model."""
+    return bool(getattr(registry.get("engine", recipe.engine.name, "engine.name").factory,
+                        "simulates_training", False))
+
+
 def resolve(loaded: LoadedRecipe):
     """Phase two of validation: plugins load, every named component exists and its section is
     valid. Returns the registry. Needs no cluster."""
@@ -31,7 +38,7 @@ def resolve(loaded: LoadedRecipe):
     for i, sec in enumerate(r.metrics):
         comp = registry.get("metric_sink", sec.name, f"metrics[{i}].name")
         validate_section(comp.config, sec.options(), f"metrics[{i}]")
-    if getattr(registry.get("engine", r.engine.name, "engine.name").factory, "simulates_training", False):
+    if simulates_training(registry, r):
         return registry  # a simulated engine and trainer need no model
     if loaded.model_path() is None:
         raise UserError('model: missing; add a [model] table with path = "<folder of a transformers model>"')
