@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from streamrl import hookimpl
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import Component, hookimpl
 from streamrl.engines.hf import HFEngine, HFEngineConfig
-from streamrl.plugins import Component
 from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, LearnedRanker, LearnedRankerConfig,
                                       OracleRanker, OracleRankerConfig)
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
 from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
+from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
 from streamrl.sim.workload import LongTailSimConfig, LongTailSimTask, SimLengthConfig, SimLengthReward
 from streamrl.tasks.addition import AdditionConfig, AdditionTask
 from streamrl.tasks.countdown import CountdownConfig, CountdownReward, CountdownRewardConfig, CountdownTask
 from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
-from streamrl.transfer.dask import DaskTransport, DaskTransportConfig
+from streamrl.training.trainer import HFTrainer, HFTrainerConfig
+from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
 
 
 @hookimpl
@@ -26,6 +27,12 @@ def register_algorithms():
 @hookimpl
 def register_engines():
     return [Component("engine", "hf", HFEngineConfig, HFEngine), Component("engine", "sim", SimEngineConfig, SimEngine)]
+
+
+@hookimpl
+def register_trainers():
+    return [Component("trainer", "hf", HFTrainerConfig, HFTrainer),
+            Component("trainer", "sim", SimTrainerConfig, SimTrainer)]
 
 
 @hookimpl
@@ -43,8 +50,8 @@ def register_tasks():
 
 
 @hookimpl
-def register_transports():
-    return [Component("transport", "dask", DaskTransportConfig, DaskTransport)]
+def register_transfers():
+    return [Component("transfer", "dask", DaskTransferConfig, DaskTransfer)]
 
 
 @hookimpl

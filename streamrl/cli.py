@@ -7,6 +7,7 @@
     streamrl plugins list
     streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
     streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
+    streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
 
 User mistakes print one line and exit with status 2.
 """
@@ -47,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="task option, e.g. --set digits=3")
+
+    ref = sub.add_parser("reference", help="run a recipe's components in this process, no Dask (the reference loop)")
+    ref.add_argument("file", help="recipe TOML file")
+    ref.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a recipe value (repeatable)")
+    ref.add_argument("--steps", type=int, default=None, help="steps to run (default: run.steps)")
 
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="cmd", required=True)
     plugins.add_parser("list", help="every registered component")
@@ -108,15 +115,30 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_reference(args) -> int:
+    from streamrl import reference
+    from streamrl.flow.resolve import resolve
+    from streamrl.recipe import load_recipe
+
+    resolved = resolve(load_recipe(args.file, args.overrides))
+    steps = args.steps or resolved.recipe.run.steps
+    if steps < 1:
+        raise UserError("--steps must be >= 1")
+    reference.run(resolved, steps)
+    return 0
+
+
 def cmd_plugins(args) -> int:
     from streamrl.plugins import build_registry
 
     reg = build_registry()
     rows = [("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION")]
-    for kind, comps in reg.components.items():
-        for name, comp in sorted(comps.items()):
-            dist, version = reg.origins.get(comp.plugin, ("?", ""))
-            rows.append((kind, name, comp.plugin, dist, version or "-"))
+    kinds = list(reg.components)
+    for comp in sorted(reg.entries, key=lambda c: (kinds.index(c.kind), c.name)):
+        dist, version = reg.origins.get(comp.plugin, ("?", ""))
+        twice = len(reg.components[comp.kind][comp.name]) > 1
+        rows.append((comp.kind, comp.name + (" (registered twice)" if twice else ""), comp.plugin, dist,
+                     version or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     _one_line_plugin_warnings()
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
-                "bench": cmd_bench}[args.group](args)
+                "bench": cmd_bench, "reference": cmd_reference}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

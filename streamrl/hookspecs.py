@@ -1,40 +1,46 @@
 """Hook specifications: the contract between streamrl and its plugins.
 
-Every replaceable piece of streamrl -- the RL algorithm, the inference engine, the reward, the
-task (prompt source), the weight transport, metric sinks, length rankers, schedulers -- is a *component* handed over by a plugin through one
-of the ``register_*`` hooks below. The built-ins are registered exactly the same way
-(``streamrl/builtins.py``), so nothing you write is a second-class citizen.
+Every replaceable piece of streamrl is a *component* (see :mod:`streamrl.api` for the nine kinds
+and their base classes) handed over by a plugin through one of the ``register_*`` hooks below.
+The built-ins are registered exactly the same way (``streamrl/builtins.py``), so nothing you
+write is a second-class citizen.
 
-A plugin is a module (or an installed package with a ``streamrl`` entry point) that implements
-some of these hooks with ``@streamrl.hookimpl``::
+A plugin is a module (or an installed package with a ``streamrl`` entry point, or a file named
+in a recipe's ``[plugins] modules``) that implements some of these hooks with
+``@streamrl.hookimpl``::
 
-    import streamrl
-    from streamrl.plugins import Component
+    from streamrl.api import Component, Reward, hookimpl
 
-    @streamrl.hookimpl
+    @hookimpl
     def register_rewards():
-        return [Component(kind="reward", name="length_penalty",
-                          config=LengthPenaltyConfig, factory=LengthPenalty)]
+        return [Component("reward", "length_penalty", LengthPenaltyConfig, LengthPenalty)]
 
-Components are resolved on the client (the ``streamrl`` process) and the built objects are
-shipped to Dask workers by pickling, so a third-party plugin must be installed on every worker
-machine too.
+Every ``register_*`` hook is called once, when the plugin manager is built (each command of
+``streamrl``), takes no arguments, and returns a list of :class:`streamrl.api.Component` of
+its kind. If a ``register_*`` hook raises, the plugin is reported by name on one line and
+skipped; the other plugins still load. Two components of one kind and name are both listed by
+``streamrl plugins list``; only a recipe that names that component fails (naming both plugins).
+
+Components are resolved in the ``streamrl`` process; objects that run on Dask workers are built
+there from their config, so an installed plugin must be installed on every worker machine too.
 """
 
 from __future__ import annotations
 
 import pluggy
 
+from streamrl.api import Component
+
 hookspec = pluggy.HookspecMarker("streamrl")
 
 
 @hookspec
-def register_algorithms():
-    """Return a list of ``Component(kind="algorithm", ...)``.
+def register_algorithms() -> list[Component]:
+    """Register RL algorithms: advantages and a policy-gradient loss, used by the trainer
+    (``[algorithm] name = ...``).
 
-    Called once when the plugin manager is built. An algorithm turns a group of scored samples
-    into advantages and a policy-gradient loss (see ``streamrl/algorithms/grpo.py``). Its factory
-    receives the validated ``[algorithm]`` section of the recipe.
+    :returns: ``Component("algorithm", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Algorithm`.
 
     Example::
 
@@ -45,13 +51,11 @@ def register_algorithms():
 
 
 @hookspec
-def register_engines():
-    """Return a list of ``Component(kind="engine", ...)``.
+def register_engines() -> list[Component]:
+    """Register inference engines, built on every generate worker (``[engine] name = ...``).
 
-    Called once when the plugin manager is built. An engine lives on each ``generate`` worker,
-    turns prompt groups into sampled responses with per-token logprobs, and loads new weights
-    in place between steps (see ``streamrl/engines/hf.py``). The factory receives the validated
-    ``[engine]`` section and is called *on the worker*.
+    :returns: ``Component("engine", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Engine`.
 
     Example::
 
@@ -62,11 +66,11 @@ def register_engines():
 
 
 @hookspec
-def register_rewards():
-    """Return a list of ``Component(kind="reward", ...)``.
+def register_rewards() -> list[Component]:
+    """Register rewards, built on every reward worker (``[reward] name = ...``).
 
-    Called once when the plugin manager is built. A reward scores one response to one prompt;
-    it runs in reward tasks on the ``reward`` pool. The factory receives the ``[reward]`` section.
+    :returns: ``Component("reward", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Reward`.
 
     Example::
 
@@ -77,12 +81,11 @@ def register_rewards():
 
 
 @hookspec
-def register_tasks():
-    """Return a list of ``Component(kind="task", ...)``.
+def register_tasks() -> list[Component]:
+    """Register tasks: the prompt source of a run (``[task] name = ...``).
 
-    Called once when the plugin manager is built. A task is the prompt source of a run: it hands
-    out prompts (with whatever the reward needs to check an answer) step by step, and can build a
-    tiny model + tokenizer for itself (``streamrl model init``). The factory receives ``[task]``.
+    :returns: ``Component("task", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Task`.
 
     Example::
 
@@ -93,29 +96,44 @@ def register_tasks():
 
 
 @hookspec
-def register_transports():
-    """Return a list of ``Component(kind="transport", ...)``.
+def register_trainers() -> list[Component]:
+    """Register trainers: the policy, its optimizer and where it runs, built on the train worker
+    (``[trainer] name = ...``). The factory is called as ``factory(config, context)`` with a
+    :class:`streamrl.api.TrainerContext`.
 
-    Called once when the plugin manager is built. A weight transport moves the trainer's new
-    weights to every generate worker after each optimizer step. The factory receives
-    ``[transfer]``.
+    :returns: ``Component("trainer", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Trainer`.
 
     Example::
 
         @hookimpl
-        def register_transports():
-            return [Component("transport", "dask", DaskTransportConfig, DaskTransport)]
+        def register_trainers():
+            return [Component("trainer", "hf", HFTrainerConfig, HFTrainer)]
     """
 
 
 @hookspec
-def register_metric_sinks():
-    """Return a list of ``Component(kind="metric_sink", ...)``.
+def register_transfers() -> list[Component]:
+    """Register weight transfers from the trainer to the engines (``[transfer] name = ...``).
 
-    Called once when the plugin manager is built. A metric sink receives every step's metrics
-    record on the client, besides ``metrics.jsonl`` (which every run writes). The recipe picks
-    sinks with ``[[metrics]]`` tables; the factory receives one table. The object needs
-    ``open(run_dir)``, ``write(record)`` and ``close()``.
+    :returns: ``Component("transfer", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Transfer`.
+
+    Example::
+
+        @hookimpl
+        def register_transfers():
+            return [Component("transfer", "dask", DaskTransferConfig, DaskTransfer)]
+    """
+
+
+@hookspec
+def register_metric_sinks() -> list[Component]:
+    """Register metric sinks, given every step's record in the ``streamrl`` process
+    (``[[metrics]] name = ...``).
+
+    :returns: ``Component("metric_sink", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.MetricSink`.
 
     Example::
 
@@ -126,16 +144,11 @@ def register_metric_sinks():
 
 
 @hookspec
-def register_rankers():
-    """Return a list of ``Component(kind="ranker", ...)``.
+def register_rankers() -> list[Component]:
+    """Register output-length rankers, built on the rank worker (``[ranker] name = ...``).
 
-    Called once when the plugin manager is built. A length ranker predicts which prompts will
-    have long outputs (StreamRL's output-length ranker): ``predict(prompts) -> [score]``
-    (higher = longer) before a step's prompts are dispatched, and ``observe(prompts, lengths)``
-    (per prompt, the output lengths of its samples) after the step is trained. It lives on one
-    worker (``[pools.rank]``, else the first reward worker) for the whole run, so it may keep
-    state. The recipe picks it with ``[ranker] name = ...``; its recall at the top 20% is logged
-    every step (``ranker_recall``).
+    :returns: ``Component("ranker", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Ranker`.
 
     Example::
 
@@ -146,15 +159,12 @@ def register_rankers():
 
 
 @hookspec
-def register_schedulers():
-    """Return a list of ``Component(kind="scheduler", ...)``.
+def register_schedulers() -> list[Component]:
+    """Register schedulers: where each prompt group is generated and in what order, on the
+    client (``[scheduler] name = ...``).
 
-    Called once when the plugin manager is built. A scheduler places a step's prompt groups on
-    generate workers and orders them inside each, on the client:
-    ``dispatch(prompts, scores, workers, ctx) -> [Assignment(index, worker, priority)]``, with
-    the ranker's scores, worker names, and a ``DispatchContext`` (observed lengths, the engine's
-    latency model). See ``streamrl/scheduling/schedulers.py``. The recipe picks it with
-    ``[scheduler] name = ...``.
+    :returns: ``Component("scheduler", name, ConfigModel, factory)`` entries; ``factory`` builds a
+        :class:`streamrl.api.Scheduler`.
 
     Example::
 
@@ -165,10 +175,13 @@ def register_schedulers():
 
 
 @hookspec
-def on_run_start(recipe, run_dir):
-    """Called on the client once the cluster is up and before the first step is submitted.
+def on_run_start(recipe, run_dir) -> None:
+    """Called in the ``streamrl`` process once the cluster is up, before the first step.
 
-    ``recipe`` is the validated :class:`streamrl.recipe.Recipe`; ``run_dir`` a ``pathlib.Path``.
+    :param recipe: the validated :class:`streamrl.recipe.Recipe`.
+    :param run_dir: the run folder (``pathlib.Path``).
+
+    If it raises, the run stops with that error (before any step).
 
     Example::
 
@@ -179,9 +192,13 @@ def on_run_start(recipe, run_dir):
 
 
 @hookspec
-def on_step_end(step, metrics):
-    """Called on the client after every optimizer step with that step's metrics dict
-    (the same record written to ``metrics.jsonl``).
+def on_step_end(step, metrics) -> None:
+    """Called in the ``streamrl`` process after every optimizer step.
+
+    :param step: the step number (0-based).
+    :param metrics: that step's record, the same dict written to ``metrics.jsonl``.
+
+    If it raises, the run stops with that error; ``metrics.jsonl`` keeps every finished step.
 
     Example::
 
@@ -192,9 +209,13 @@ def on_step_end(step, metrics):
 
 
 @hookspec
-def on_run_end(run_dir, metrics):
-    """Called on the client when the run finishes (also after a failure), with the list of all
-    step metrics recorded so far.
+def on_run_end(run_dir, metrics) -> None:
+    """Called in the ``streamrl`` process when the run finishes, also after a failure.
+
+    :param run_dir: the run folder (``pathlib.Path``).
+    :param metrics: every step record written so far (a list of dicts).
+
+    If it raises, the error is reported on one line; the run's own outcome stands.
 
     Example::
 

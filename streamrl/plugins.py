@@ -2,8 +2,8 @@
 
 Built-ins are registered first, exactly like third-party plugins; then every installed
 distribution's ``streamrl`` entry point is imported. A plugin that fails to import is reported by
-name with one warning and the others still load. Two components of one kind with one name is an
-error. ``STREAMRL_DISABLE_PLUGINS=a,b`` skips plugins (entry-point names or module names).
+name with one warning and the others still load. Two components of one kind with one name are
+both listed; only a recipe naming that component fails. ``STREAMRL_DISABLE_PLUGINS=a,b`` skips plugins (entry-point names or module names).
 """
 
 from __future__ import annotations
@@ -15,82 +15,62 @@ import importlib.util
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
-from pydantic import BaseModel
 
 from streamrl import hookspecs
+from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
 
-#: The kinds of component a recipe can name, with the hook that registers each.
-KINDS = {
-    "algorithm": "register_algorithms",
-    "engine": "register_engines",
-    "reward": "register_rewards",
-    "task": "register_tasks",
-    "transport": "register_transports",
-    "metric_sink": "register_metric_sinks",
-    "ranker": "register_rankers",
-    "scheduler": "register_schedulers",
-}
-
-
-@dataclass(frozen=True)
-class Component:
-    """A named, configurable piece handed over by a plugin.
-
-    ``config`` is a pydantic model validating the component's recipe section (its fields other
-    than ``name``); ``factory(config)`` builds the object.
-    """
-
-    kind: str
-    name: str
-    config: type[BaseModel]
-    factory: Callable[[Any], Any]
-    plugin: str = field(default="", compare=False)
-
-    def build(self, section: dict, path: str) -> Any:
-        """Validate ``section`` (the recipe table at TOML ``path``) and build the component."""
-        from streamrl.recipe import validate_section
-
-        return self.factory(validate_section(self.config, section, path))
-
+__all__ = ["KINDS", "Component", "Registry", "build_registry", "load_local_module"]
 
 class Registry:
-    """The components of every loaded plugin, by kind and name."""
+    """The components of every loaded plugin, by kind and name.
+
+    A name registered twice within a kind is kept with both origins: ``streamrl plugins list``
+    shows both, and only a recipe that names it fails (:meth:`get`), naming both plugins.
+    """
 
     def __init__(self, pm: pluggy.PluginManager, origins: dict[str, tuple[str, str]] | None = None):
         self.pm = pm
         #: plugin name -> (distribution or file, version) for ``streamrl plugins list``
         self.origins = origins or {}
-        self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+        #: every registration, in load order (duplicates included)
+        self.entries: list[Component] = []
+        self.components: dict[str, dict[str, list[Component]]] = {k: {} for k in KINDS}
         for kind, hook_name in KINDS.items():
-            hook = getattr(pm.hook, hook_name)
-            for impl in hook.get_hookimpls():
+            for impl in getattr(pm.hook, hook_name).get_hookimpls():
                 plugin_name = pm.get_name(impl.plugin) or repr(impl.plugin)
-                for comp in impl.function() or []:
-                    self._add(kind, comp, plugin_name)
-
-    def _add(self, kind: str, comp: Component, plugin_name: str) -> None:
-        if comp.kind != kind:
-            raise UserError(f"plugin {plugin_name}: {KINDS[kind]} returned a {comp.kind!r} component {comp.name!r}")
-        if comp.name in self.components[kind]:
-            other = self.components[kind][comp.name].plugin
-            raise UserError(f"{kind} {comp.name!r} is registered twice: by {other} and by {plugin_name}")
-        self.components[kind][comp.name] = Component(comp.kind, comp.name, comp.config, comp.factory, plugin_name)
+                try:
+                    comps = list(impl.function() or [])
+                    for comp in comps:
+                        if not isinstance(comp, Component) or comp.kind != kind:
+                            raise TypeError(f"{hook_name} must return Component(kind={kind!r}, ...) "
+                                            f"entries, got {comp!r}")
+                except Exception as exc:  # one bad plugin must not take the others down
+                    warnings.warn(f"plugin {plugin_name!r}: {hook_name} failed and is skipped: "
+                                  f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
+                    continue
+                for comp in comps:
+                    entry = Component(comp.kind, comp.name, comp.config, comp.factory, plugin_name)
+                    self.entries.append(entry)
+                    self.components[kind].setdefault(comp.name, []).append(entry)
 
     def get(self, kind: str, name: str, path: str) -> Component:
         """The component ``name`` of ``kind``; ``path`` is the TOML path named in the error."""
         found = self.components[kind].get(name)
-        if found is None:
+        if not found:
             names = sorted(self.components[kind])
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{path}: unknown {kind} {name!r} (available: {', '.join(names) or 'none'}){hint}")
-        return found
+        if len(found) > 1:
+            by = " and ".join(c.plugin for c in found)
+            raise UserError(f"{path}: {kind} {name!r} is registered twice, by {by}; uninstall one or skip "
+                            f"it with STREAMRL_DISABLE_PLUGINS")
+        return found[0]
 
 
 def _disabled() -> set[str]:

@@ -3,7 +3,8 @@
 A recipe is parsed with ``tomllib``, ``--set a.b=value`` overrides are applied, and the result is
 validated in two phases: first the core tables below (``extra="forbid"``, so a typo is an error),
 then each component section (``[task]``, ``[engine]``, ``[reward]``, ``[algorithm]``,
-``[transfer]``) by the config model of the plugin it names. Every error names the TOML path and
+``[trainer]``, ``[transfer]``, ``[ranker]``, ``[scheduler]``, ``[[metrics]]``) by the config
+model of the plugin it names. Every error names the TOML path and
 what was expected, on one line (:class:`streamrl.errors.UserError`).
 
 Paths to inputs (``model.path``, ``plugins.modules``) are relative to the recipe file; the output
@@ -44,7 +45,9 @@ class RunConfig(Strict):
     steps: int = Field(20, ge=1)
     """Number of optimizer steps (one per batch of ``trainer.prompts_per_step`` prompts)."""
     seed: int = 0
-    """Seed for prompt sampling and model initialisation."""
+    """Seeds the run: every component config field named ``seed`` that the recipe leaves unset
+    (the task's prompt stream, a ranker, ...), torch's generators on every worker (engine
+    sampling, trainer) and in this process."""
     out_dir: str = "runs"
     """Folder (relative to the current directory) where run folders are created."""
 
@@ -95,30 +98,6 @@ class ModelConfig(Strict):
     """Folder of a transformers model + tokenizer (``from_pretrained``), relative to the recipe."""
 
 
-class TrainerConfig(Strict):
-    lr: float = Field(1e-4, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps over which the learning rate rises linearly from ~0 to ``lr``. Adam's first
-    steps move every weight by about ``lr`` whatever the gradient's size; a warm-up keeps noisy
-    early RL gradients from wrecking a small policy."""
-    max_grad_norm: float = Field(1.0, ge=0)
-    """Gradient clipping norm before each optimizer step (0 disables)."""
-    prompts_per_step: int = Field(16, ge=1)
-    """Prompts (groups) per optimizer step."""
-    samples_per_prompt: int = Field(8, ge=1)
-    """Samples generated per prompt (the group size of GRPO)."""
-    groups_per_micro_batch: int = Field(4, ge=1)
-    """Prompt groups per forward/backward micro-batch when ``micro_batch_tokens`` is 0;
-    gradients accumulate across micro-batches."""
-    micro_batch_tokens: int = Field(0, ge=0)
-    """Token budget (prompt + response) of one forward/backward. With a budget, ``stream`` and
-    ``async`` hand the trainer whatever groups are ready and cut them to this size (dynamic
-    micro-batches, ``flow/microbatch.py``); 0: fixed micro-batches of ``groups_per_micro_batch``."""
-
-
 class PluginsConfig(Strict):
     modules: list[str] = []
     """Plugin modules loaded from files for this recipe only, relative to the recipe file."""
@@ -136,6 +115,26 @@ class Section(BaseModel):
         return dict(self.model_extra or {})
 
 
+class TrainerSection(Section):
+    """``[trainer]``: ``name`` picks the trainer component (``hf`` by default, ``sim`` for the
+    simulator); the batch shape below belongs to streamrl; every other key (``lr``, ...) to the
+    trainer component's own config."""
+
+    name: str = "hf"
+    """Name of the registered trainer component (see ``streamrl plugins list``)."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts (groups) per optimizer step."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """Samples generated per prompt (the group size of GRPO)."""
+    groups_per_micro_batch: int = Field(4, ge=1)
+    """Prompt groups per forward/backward micro-batch when ``micro_batch_tokens`` is 0;
+    gradients accumulate across micro-batches."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Token budget (prompt + response) of one forward/backward. With a budget, ``stream`` and
+    ``async`` hand the trainer whatever groups are ready and cut them to this size (dynamic
+    micro-batches, ``flow/microbatch.py``); 0: fixed micro-batches of ``groups_per_micro_batch``."""
+
+
 class Recipe(Strict):
     run: RunConfig = RunConfig()
     """What to run and for how long."""
@@ -144,9 +143,9 @@ class Recipe(Strict):
     pools: PoolsConfig = PoolsConfig()
     """The labelled pools of the embedded cluster."""
     model: ModelConfig | None = None
-    """The policy model (required unless the engine is simulated)."""
-    trainer: TrainerConfig = TrainerConfig()
-    """Optimizer and batch shape."""
+    """The policy model (required unless both engine and trainer are simulated)."""
+    trainer: TrainerSection = TrainerSection()
+    """Batch shape, and the trainer (a ``trainer`` component) with its optimizer settings."""
     task: Section
     """Prompt source (a ``task`` component)."""
     engine: Section = Section(name="hf")
@@ -156,7 +155,7 @@ class Recipe(Strict):
     algorithm: Section = Section(name="grpo")
     """RL algorithm (an ``algorithm`` component)."""
     transfer: Section = Section(name="dask")
-    """Weight transport from trainer to generators (a ``transport`` component)."""
+    """How new weights reach the engines (a ``transfer`` component)."""
     ranker: Section | None = None
     """Output-length ranker (a ``ranker`` component: ``history``, ``learned``, ``oracle``);
     none: no predictions (a scheduler then sees equal scores)."""
@@ -175,7 +174,7 @@ REQUIRED_POOLS = {"generate": "runs generate tasks", "train": "runs train tasks"
 
 #: Component sections and the kind of component each names.
 SECTIONS = {"task": "task", "engine": "engine", "reward": "reward", "algorithm": "algorithm",
-            "transfer": "transport", "ranker": "ranker", "scheduler": "scheduler"}
+            "trainer": "trainer", "transfer": "transfer", "ranker": "ranker", "scheduler": "scheduler"}
 
 
 def _describe(err: dict) -> str:

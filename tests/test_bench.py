@@ -62,8 +62,9 @@ def test_skew_variants_switch_components_without_carrying_foreign_options():
     from streamrl.recipe import load_recipe
 
     user = ["ranker.ngram=4", "scheduler.alpha=0.1"]  # options only `learned` and `skew` accept
-    base, registry, _, _ = describe(str(ROOT / "recipes/longtail-cpu.toml"), user)
-    variants = variants_for(base, registry)
+    resolved, time_scale = describe(str(ROOT / "recipes/longtail-cpu.toml"), user)
+    assert time_scale is None  # a real engine
+    variants = variants_for(resolved)
     assert list(variants) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned"]  # countdown has true lengths
     for name, extra in variants.items():
         loaded = load_recipe(ROOT / "recipes/longtail-cpu.toml", user + extra)

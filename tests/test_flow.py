@@ -7,11 +7,11 @@ import torch
 from distributed import wait
 
 from streamrl import cluster
-from streamrl.flow import tasks
+from streamrl.flow import remote
+from streamrl.flow.resident import ENGINE, resident
 from streamrl.flow.controller import Controller
 from streamrl.flow.runner import resolve
 from streamrl.recipe import load_recipe
-from streamrl.training.trainer import weights_from_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +47,8 @@ def controller(tiny_model, tmp_path_factory):
     text = text.replace('name = "exact_match"', 'name = "length_parity"')
     path.write_text(text + '\n[plugins]\nmodules = ["./parity.py"]\n')
     loaded = load_recipe(path)
-    registry = resolve(loaded)
     dask_cluster, client = cluster.start(loaded.recipe)
-    ctl = Controller(loaded, registry, client, cluster.check_pools(client))
+    ctl = Controller(resolve(loaded), client, cluster.check_pools(client))
     ctl.place_residents()
     yield ctl
     client.close()
@@ -63,8 +62,8 @@ def on_generate_worker(ctl, fn):
 
 def engine_logprobs_match_trainer(ctl, key):
     prompt = ctl.task.prompts(step=99, n=1)[0]
-    group = ctl.client.submit(tasks.generate_group, prompt, 4, key=f"{key}-gen", resources={"generate": 1})
-    recomputed = ctl.client.submit(tasks.trainer_logprobs, group, key=f"{key}-lp",
+    group = ctl.client.submit(remote.generate_group, prompt, 4, key=f"{key}-gen", resources={"generate": 1})
+    recomputed = ctl.client.submit(remote.trainer_logprobs, group, key=f"{key}-lp",
                                    workers=[ctl.train_worker]).result()
     samples = group.result()
     assert all(len(s.response_ids) > 0 for s in samples)
@@ -91,12 +90,12 @@ def test_engine_logprobs_match_trainer_logprobs(controller):
 def test_step_publishes_weights_to_the_engine(controller):
     m = controller.step(0)
     assert m["policy_version"] == 1 and m["samples"] == 16
-    assert on_generate_worker(controller, lambda: tasks.resident(tasks.ENGINE).version) == 1
-    trained = weights_from_bytes(controller.client.submit(
-        tasks.export_weights, key="check-export", workers=[controller.train_worker]).result())
+    assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
+    trained = controller.client.submit(remote.trainer_weights, key="check-export",
+                                       workers=[controller.train_worker]).result()
 
     def engine_weights():
-        return {n: p.detach().clone() for n, p in tasks.resident(tasks.ENGINE).model.named_parameters()}
+        return {n: p.detach().clone() for n, p in resident(ENGINE).model.named_parameters()}
 
     loaded = on_generate_worker(controller, engine_weights)
     assert set(loaded) == set(trained)
@@ -119,9 +118,8 @@ def test_stream_and_batch_give_the_same_update_on_the_same_samples(controller):
         step_fut, trains = controller.submit_training(step, ready, total, stream)
         cuts.append(sum(f.result()["micro_batches"] for f in trains))
         step_fut.result()
-        blob = controller.client.submit(tasks.export_weights, after=step_fut, key=f"export-{step}",
+        return controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
                                         workers=[controller.train_worker]).result()
-        return weights_from_bytes(blob)
 
     cuts = []
     # stream: completion order, dynamic micro-batches of <= 40 tokens (about one group each);

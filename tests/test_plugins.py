@@ -33,7 +33,7 @@ LOCAL_REWARD = textwrap.dedent('''
 def test_builtins_are_registered_through_hooks():
     reg = build_registry()
     for kind, name in [("algorithm", "grpo"), ("engine", "hf"), ("reward", "exact_match"),
-                       ("task", "addition"), ("transport", "dask")]:
+                       ("task", "addition"), ("transfer", "dask"), ("trainer", "hf")]:
         assert reg.get(kind, name, f"{kind}.name").plugin == "streamrl.builtins"
 
 
@@ -46,10 +46,14 @@ def test_recipe_local_module_adds_a_component(tmp_path):
         reg.get("reward", "always", "reward.name").build({"bonus": "lots"}, "reward")
 
 
-def test_duplicate_names_are_an_error(tmp_path):
+def test_a_duplicate_name_fails_only_where_it_is_used(tmp_path):
     (tmp_path / "dup.py").write_text(LOCAL_REWARD.format(name="exact_match"))
-    with pytest.raises(UserError, match="reward 'exact_match' is registered twice"):
-        build_registry(["./dup.py"], tmp_path)
+    reg = build_registry(["./dup.py"], tmp_path)  # loading is fine: other components still work
+    assert reg.get("reward", "countdown", "reward.name").plugin == "streamrl.builtins"
+    assert [c.plugin for c in reg.entries if c.name == "exact_match"] == ["streamrl.builtins", "local:./dup.py"]
+    with pytest.raises(UserError, match=r"reward\.name: reward 'exact_match' is registered twice, by "
+                                        r"streamrl\.builtins and local:\./dup\.py"):
+        reg.get("reward", "exact_match", "reward.name")
 
 
 def test_disabled_local_plugin_is_skipped(tmp_path, monkeypatch):

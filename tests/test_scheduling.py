@@ -10,8 +10,8 @@ import pytest
 from streamrl.ranking.rankers import HistoryRanker, HistoryRankerConfig, LearnedRanker, LearnedRankerConfig
 from streamrl.ranking.recall import top_recall
 from streamrl.sample import Prompt
-from streamrl.scheduling.schedulers import (FCFS, DispatchContext, FCFSConfig, Skew, SkewConfig, best_split,
-                                            makespan)
+from streamrl.api import DispatchContext
+from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig, best_split, makespan
 from streamrl.sim.latency import Profile, step_latency
 
 
@@ -79,18 +79,28 @@ def test_best_split_picks_the_smallest_estimated_makespan():
 
 
 def test_skew_split_sends_the_predicted_long_tail_to_its_own_instances():
-    p = Profile()
-    ctx = DispatchContext(8, observed_lengths=[1000] * 90 + [20000] * 10, prompt_tokens=500,
-                          step_latency=lambda c: step_latency(p, c))
+    # a profile and lengths where splitting pays: the long tail is 2x the regular length and a
+    # decode step costs mostly a fixed 1 ms, so long requests decode faster on their own
+    # instances than mixed into the regular batch (best_split's estimate, checked below)
+    ctx = DispatchContext(8, observed_lengths=[100] * 90 + [200] * 10, prompt_tokens=10,
+                          step_latency=lambda c: 1e-3 + 1e-6 * c)
     sched = Skew(SkewConfig(alpha=0.2))
-    scores = list(range(20))  # prompt 19 longest
-    out = sched.dispatch(prompts(20), scores, [f"g{i}" for i in range(4)], ctx)
-    m = sched.last_split
-    if m:  # long-tail prompts (the top 4) only on the first m instances, regular ones elsewhere
-        long_workers = {a.worker for a in out if a.index >= 16}
-        assert long_workers <= {f"g{i}" for i in range(m)}
-        assert not long_workers & {a.worker for a in out if a.index < 16}
-    assert m == best_split(32, 128, 4, 20000, 1000, 500, ctx.step_latency)[0]
+    scores = list(range(20))  # prompt 19 longest; the top 4 (16..19) are the long tail
+    workers = [f"g{i}" for i in range(4)]
+    out = sched.dispatch(prompts(20), scores, workers, ctx)
+    m = sched.metrics()["long_tail_instances"]
+    assert m == best_split(32, 128, 4, 200, 100, 10, ctx.step_latency)[0] == 2
+    long_workers = {a.worker for a in out if a.index >= 16}
+    regular_workers = {a.worker for a in out if a.index < 16}
+    assert long_workers == {"g0", "g1"} and regular_workers == {"g2", "g3"}
+    assert sorted(a.index for a in out) == list(range(20))  # every prompt placed once
+    # longest predicted first inside an instance
+    prio = {a.index: a.priority for a in out}
+    assert prio[19] > prio[16] > prio[15] > prio[0]
+    # without the split the same prompts are only balanced over all four instances
+    unsplit = Skew(SkewConfig(alpha=0.2, split=False))
+    assert {a.worker for a in unsplit.dispatch(prompts(20), scores, workers, ctx) if a.index >= 16} == set(workers)
+    assert unsplit.metrics()["long_tail_instances"] == 0
 
 
 def test_history_ranker_remembers_prompts_across_steps():

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Algorithm
+
 
 class GRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -39,7 +41,7 @@ class GRPOConfig(BaseModel):
     importance weight capped at this value (e.g. 2.0), for stale samples in ``async`` mode."""
 
 
-class GRPO:
+class GRPO(Algorithm):
     """Group-relative advantages and the clipped surrogate loss."""
 
     def __init__(self, config: GRPOConfig):

@@ -9,9 +9,9 @@ the accounting windows (step boundary to boundary: wall time, controller overhea
 idle ratios are the pools' busy clocks over the same windows.
 
 Colocated gets the same devices as the disaggregated modes. On a real engine that is automatic:
-the train workers also generate. With a simulated engine the devices are virtual, so the bench
-gives colocated ``G + T - 1`` generate workers plus the train worker (``G + T`` instances) and a
-trainer on ``G + T`` simulated GPUs, where the recipe has ``G`` instances and ``T`` train GPUs.
+the train workers also generate. A trainer whose devices are virtual says how to size the
+colocated variant (``Trainer.colocated_overrides``; the ``sim`` trainer gives it ``G + T``
+instances and ``G + T`` training GPUs where the recipe has ``G`` instances and ``T`` GPUs).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from streamrl.api import Engine, Trainer
 from streamrl.flow import runner
 from streamrl.recipe import load_recipe
 
@@ -32,22 +33,20 @@ MODES = ("colocated", "batch", "stream", "async")
 
 
 def describe(file: str, overrides: list[str]):
-    """The recipe as given, validated: ``(loaded, registry, simulated, time_scale)``
-    (``time_scale`` is None for a real engine)."""
-    base = load_recipe(file, overrides)
-    registry = runner.resolve(base)
-    simulated = runner.simulates_training(registry, base.recipe)
-    time_scale = base.recipe.engine.options().get("time_scale", 0.01) if simulated else None
-    return base, registry, simulated, time_scale
+    """The recipe as given, validated once: ``(resolved, time_scale)``; ``time_scale`` (real
+    seconds per simulated second) is None for a real engine."""
+    resolved = runner.resolve(load_recipe(file, overrides))
+    e = resolved.engine
+    return resolved, e.component.declared(Engine, "simulated_time_scale", lambda c: None)(e.config)
 
 
-def mode_overrides(loaded, mode: str, simulated: bool) -> list[str]:
+def mode_overrides(resolved, mode: str) -> list[str]:
     """Overrides that turn the recipe into its ``mode`` variant with equal devices."""
     out = [f"run.mode={mode}"]
-    if mode == "colocated" and simulated:
-        r = loaded.recipe
-        g, t = r.pools.generate.workers, r.engine.options().get("train_gpus", 8)
-        out += [f"pools.generate.workers={g + t - 1}", f"engine.train_gpus={g + t}"]
+    if mode == "colocated":
+        t = resolved.trainer
+        out += t.component.declared(Trainer, "colocated_overrides", lambda c, g: [])(
+            t.config, resolved.recipe.pools.generate.workers)
     return out
 
 
@@ -97,10 +96,10 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
         extra = list(extra) + [f"run.steps={steps + warmup + drain}", "cluster.dashboard_port=0",
                                f'run.out_dir="{tmp}"', f'run.name="bench-{name}"']
         loaded = load_recipe(file, list(overrides) + extra)
-        runner.resolve(loaded)  # a variant's own mistakes are one line too
+        resolved = runner.resolve(loaded)  # a variant's own mistakes are one line too
         console.print(f"bench {label}: {name} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
         t0 = time.time()
-        run_dir = runner.run(loaded, console=Console(file=io.StringIO()))
+        run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale)
         rows[name]["drain_steps"] = drain
@@ -113,8 +112,9 @@ def bench(file: str, overrides: list[str], modes=MODES, steps: int = 5, warmup: 
           out: str | None = None, console: Console | None = None) -> dict:
     """Run every mode, print the table, write the JSON result; returns the result."""
     console = console or Console(stderr=True, width=120)
-    base, _, simulated, time_scale = describe(file, overrides)
-    variants = {mode: mode_overrides(base, mode, simulated) for mode in modes}
+    resolved, time_scale = describe(file, overrides)
+    simulated = time_scale is not None
+    variants = {mode: mode_overrides(resolved, mode) for mode in modes}
     rows = run_variants(file, overrides, variants, steps, warmup, console, "modes", time_scale)
     for row in rows.values():
         for ref in ("batch", "colocated"):

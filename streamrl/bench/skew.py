@@ -21,16 +21,15 @@ from rich.table import Table
 from streamrl.bench.modes import describe, run_variants, write_result
 
 
-def variants_for(base, registry) -> dict[str, list[str]]:
-    """The variants that make sense for the recipe's task (``base``, ``registry``: from
+def variants_for(resolved) -> dict[str, list[str]]:
+    """The variants that make sense for the recipe's task (``resolved``: from
     ``bench.modes.describe``)."""
-    task = registry.get("task", base.recipe.task.name, "task.name").build(base.recipe.task.options(), "task")
-    answer = task.prompts(0, 1)[0].answer
+    answer = resolved.task.build().prompts(0, 1)[0].answer
 
     def use(section: str, name: str) -> str:
         # keep the recipe's options when it already uses this component (e.g. its skew alpha);
         # otherwise replace the whole section, since another component's options would not validate
-        current = getattr(base.recipe, section)
+        current = getattr(resolved.recipe, section)
         return f'{section}.name="{name}"' if current is not None and current.name == name else f'{section}={{name="{name}"}}'
 
     out = {"fcfs": [use("scheduler", "fcfs")]}
@@ -46,8 +45,9 @@ def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out:
           console: Console | None = None) -> dict:
     """Run the variants, print the table, write the JSON result; returns the result."""
     console = console or Console(stderr=True, width=120)
-    base, registry, simulated, time_scale = describe(file, overrides)
-    rows = run_variants(file, overrides, variants_for(base, registry), steps, warmup, console, "skew", time_scale)
+    resolved, time_scale = describe(file, overrides)
+    simulated = time_scale is not None
+    rows = run_variants(file, overrides, variants_for(resolved), steps, warmup, console, "skew", time_scale)
     ref = rows["fcfs"]
     for row in rows.values():
         row["speedup_generate"] = ref["generate_makespan_s"] / row["generate_makespan_s"]

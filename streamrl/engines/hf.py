@@ -21,11 +21,18 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Engine
 from streamrl.sample import Group, Prompt, Sample
+
+
+def affine_latency(c0: float, per_token: float, context: float) -> float:
+    """Seconds of one decode step at ``context`` running tokens, from a measured profile."""
+    return c0 + per_token * context
 
 
 class HFEngineConfig(BaseModel):
@@ -52,8 +59,13 @@ class HFEngineConfig(BaseModel):
     """Torch dtype the engine loads the model in (``float32``, ``bfloat16``, ``float16``)."""
 
 
-class HFEngine:
+class HFEngine(Engine):
     """Continuous-batching generation with per-token logprobs (built on the worker)."""
+
+    @classmethod
+    def sampling_temperature(cls, config: HFEngineConfig) -> float:
+        """``engine.temperature``: the trainer divides its logits by it."""
+        return config.temperature
 
     def __init__(self, config: HFEngineConfig):
         self.config = config
@@ -65,7 +77,7 @@ class HFEngine:
         self._order = itertools.count()
         self._running = 0
 
-    def load(self, model_path: str, device: str = "cpu") -> None:
+    def load(self, model_path: str | None, device: str = "cpu") -> None:
         """Load model + tokenizer with ``from_pretrained`` and start the generation loop."""
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -135,22 +147,23 @@ class HFEngine:
                 points.append((b * (prompt + steps / 2), (time.perf_counter() - t0) / steps))
         return points
 
-    def step_latency_fit(self) -> tuple[float, float] | None:
-        """Least-squares ``(c0, per_context_token)`` of the profile: one decode step costs about
-        ``c0 + per_context_token * total context tokens of the running batch``."""
+    def decode_latency(self):
+        """The profile's least-squares affine fit: one decode step costs about
+        ``c0 + per_context_token * total context tokens of the running batch``; None without
+        a profile."""
         pts = self.latency_points
         if len(pts) < 2:
             return None
         mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
         var = sum((x - mx) ** 2 for x, _ in pts)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var) if var else 0.0
-        return max(my - slope * mx, 0.0), slope
+        return partial(affine_latency, max(my - slope * mx, 0.0), slope)
 
     def encode(self, text: str) -> list[int]:
         """Prompt token ids as the engine feeds them: BOS, then the text."""
         return [self.tokenizer.bos_token_id] + self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None, priority: float = 0.0) -> Group:
+    def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
         """Sample ``n`` responses to ``prompt`` (blocks the calling task until all are done).
 
         ``priority`` orders the engine's queue (higher first); it matters once ``max_running``
@@ -160,7 +173,7 @@ class HFEngine:
         start = time.time()
         futures = {}
         for k in range(n):
-            rid = f"{uid_prefix or prompt.uid}-{k}"
+            rid = f"{prompt.uid}-{k}"
             fut = Future()
             with self._lock:
                 self._waiting[rid] = fut

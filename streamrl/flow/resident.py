@@ -8,7 +8,9 @@ the worker's event loop (and workers of other pools never build it at all).
 
 from __future__ import annotations
 
+import sys
 import threading
+import zlib
 from typing import Any, Callable
 
 from distributed import WorkerPlugin, get_worker
@@ -17,11 +19,26 @@ from distributed import WorkerPlugin, get_worker
 # threads importing transformers at once trip over its lazy module loading.
 _BUILD_LOCK = threading.Lock()
 
+ENGINE = "streamrl-engine"
+TRAINER = "streamrl-trainer"
+REWARD = "streamrl-reward"
+RANKER = "streamrl-ranker"
+TRANSFER = "streamrl-transfer"
+
+
+class ComponentError(RuntimeError):
+    """A component could not be built or loaded on a worker (e.g. a plugin missing there)."""
+
 
 class Resident(WorkerPlugin):
-    """Holds one object built by ``build()`` on each worker that asks for it."""
+    """Holds one object built by ``build()`` on each worker that asks for it.
 
-    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int | None = 1):
+    ``torch_threads`` is applied to torch on the worker when torch is (or becomes) imported;
+    ``seed`` seeds torch's generators before the build, mixed with the worker's name so two
+    engines do not draw the same samples.
+    """
+
+    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int = 1, seed: int = 0, what: str = ""):
         self.name = name  # Dask keys worker plugins by this attribute
         # cloudpickle by hand: Dask pickles a plugin with plain pickle, which ships classes by
         # reference, and a plugin defined in a file next to the recipe is not importable on a
@@ -30,9 +47,19 @@ class Resident(WorkerPlugin):
 
         self.build_blob = cloudpickle.dumps(build)
         self.torch_threads = torch_threads
+        self.seed = seed
+        self.what = what or name
 
     def setup(self, worker) -> None:
         self.obj = None
+        self.worker_name = str(worker.name)
+
+    def _torch(self) -> None:
+        # Nanny workers start with OMP_NUM_THREADS=1; components without torch never import it
+        if "torch" in sys.modules:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
 
     def get(self) -> Any:
         """The object, built on first use."""
@@ -40,17 +67,24 @@ class Resident(WorkerPlugin):
             return self.obj
         with _BUILD_LOCK:
             if self.obj is None:
-                if self.torch_threads:  # None: the object needs no torch (simulation), skip the import
-                    import torch
-
-                    torch.set_num_threads(self.torch_threads)  # Nanny workers start with OMP_NUM_THREADS=1
                 import cloudpickle
 
-                self.obj = cloudpickle.loads(self.build_blob)()
+                try:
+                    build = cloudpickle.loads(self.build_blob)  # imports the component's modules
+                    self._torch()
+                    if "torch" in sys.modules:
+                        import torch
+
+                        torch.manual_seed(self.seed * 1_000_003 + zlib.crc32(self.worker_name.encode()))
+                    self.obj = build()
+                except Exception as exc:
+                    raise ComponentError(f"{self.what} could not be built on worker {self.worker_name}: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+                self._torch()
             return self.obj
 
     def teardown(self, worker) -> None:
-        if getattr(self, "obj", None) is not None and hasattr(self.obj, "close"):
+        if self.obj is not None:
             self.obj.close()
 
 

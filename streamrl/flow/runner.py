@@ -2,50 +2,21 @@
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
 from rich.console import Console
 
 from streamrl import cluster
-from streamrl.flow.controller import Controller
-from streamrl.plugins import KINDS, build_registry
-from streamrl.recipe import SECTIONS, LoadedRecipe, check_pools, to_toml, validate_section
 from streamrl.errors import UserError
+from streamrl.flow.controller import Controller
+from streamrl.flow.resident import ComponentError
+from streamrl.flow.resolve import Resolved, resolve
+from streamrl.recipe import LoadedRecipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
 
-
-def simulates_training(registry, recipe) -> bool:
-    """Whether the recipe's engine is simulated (``sim``): it brings its own cost-model trainer
-    and needs no model."""
-    return bool(getattr(registry.get("engine", recipe.engine.name, "engine.name").factory,
-                        "simulates_training", False))
-
-
-def resolve(loaded: LoadedRecipe):
-    """Phase two of validation: plugins load, every named component exists and its section is
-    valid. Returns the registry. Needs no cluster."""
-    r = loaded.recipe
-    check_pools(r)
-    registry = build_registry(r.plugins.modules, loaded.base)
-    for section, kind in SECTIONS.items():
-        assert kind in KINDS
-        sec = getattr(r, section)
-        if sec is None:  # optional section left out
-            continue
-        comp = registry.get(kind, sec.name, f"{section}.name")
-        validate_section(comp.config, sec.options(), section)
-    for i, sec in enumerate(r.metrics):
-        comp = registry.get("metric_sink", sec.name, f"metrics[{i}].name")
-        validate_section(comp.config, sec.options(), f"metrics[{i}]")
-    if simulates_training(registry, r):
-        return registry  # a simulated engine and trainer need no model
-    if loaded.model_path() is None:
-        raise UserError('model: missing; add a [model] table with path = "<folder of a transformers model>"')
-    if not (loaded.model_path() / "config.json").is_file():
-        raise UserError(f"model.path: no transformers model at {loaded.model_path()} "
-                        f"(make one with: streamrl model init --task {r.task.name} --out {r.model.path})")
-    return registry
+__all__ = ["resolve", "run", "summary", "make_run_dir"]
 
 
 def make_run_dir(loaded: LoadedRecipe) -> Path:
@@ -56,8 +27,11 @@ def make_run_dir(loaded: LoadedRecipe) -> Path:
     while run_dir.exists():
         n += 1
         run_dir = Path(r.run.out_dir) / f"{r.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    run_dir.mkdir(parents=True)
-    (run_dir / "recipe.toml").write_text(to_toml(r))
+    try:
+        run_dir.mkdir(parents=True)
+        (run_dir / "recipe.toml").write_text(to_toml(r))
+    except OSError as exc:
+        raise UserError(f"run.out_dir: cannot create a run folder in {r.run.out_dir!r} ({exc.strerror})") from None
     return run_dir.resolve()
 
 
@@ -73,15 +47,26 @@ def summary(records: list[dict], window: int = 10) -> str:
             f"{rate:.1f} samples/s over {len(records)} steps")
 
 
-def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None) -> Path:
+def step_line(m: dict, steps: int) -> str:
+    """The console line of one step."""
+    return (f"step {m['step'] + 1:>3}/{steps}  reward {m['reward_mean']:.3f}  "
+            f"samples/s {m['samples_per_s']:6.1f}  gen {m['generate_s']:.2f}s  "
+            f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  idle "
+            + " ".join(f"{p[:3]} {a['idle_ratio']:.0%}" for p, a in m["pools"].items())
+            + f"  v{m['policy_version']}")
+
+
+def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None,
+        resolved: Resolved | None = None) -> Path:
     """Run a validated recipe end to end; returns the run folder."""
     console = console or Console(stderr=True)
     r = loaded.recipe
-    registry = resolve(loaded)
+    resolved = resolved or resolve(loaded)
+    registry = resolved.registry
+    random.seed(r.run.seed)  # anything in this process that draws from random (tasks, schedulers)
     run_dir = make_run_dir(loaded)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    sinks = [registry.get("metric_sink", sec.name, f"metrics[{i}].name").build(sec.options(), f"metrics[{i}]")
-             for i, sec in enumerate(r.metrics)]
+    sinks = [s.build() for s in resolved.sinks]
     for sink in sinks:
         sink.open(run_dir)
     t_start = time.time()
@@ -91,7 +76,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print(f"dashboard: {client.dashboard_link}")
         pools = cluster.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
-        controller = Controller(loaded, registry, client, pools)
+        controller = Controller(resolved, client, pools)
         controller.place_residents()
         registry.pm.hook.on_run_start(recipe=r, run_dir=run_dir)
         for step in range(r.run.steps):
@@ -105,18 +90,18 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
                                   f"{type(exc).__name__}: {exc}[/]", soft_wrap=True)
                     sinks.remove(sink)
             registry.pm.hook.on_step_end(step=step, metrics=m)
-            console.print(
-                f"step {step + 1:>3}/{r.run.steps}  reward {m['reward_mean']:.3f}  "
-                f"samples/s {m['samples_per_s']:6.1f}  gen {m['generate_s']:.2f}s  "
-                f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  idle "
-                + " ".join(f"{p[:3]} {a['idle_ratio']:.0%}" for p, a in m["pools"].items())
-                + f"  v{m['policy_version']}", soft_wrap=True)
+            console.print(step_line(m, r.run.steps), soft_wrap=True)
         policy = controller.save_policy(run_dir / "policy")
         console.print(summary(log.records))
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
+    except ComponentError as exc:  # a component that cannot be built on a worker: one line
+        raise UserError(str(exc)) from None
     finally:
         for sink in sinks:
             sink.close()
-        registry.pm.hook.on_run_end(run_dir=run_dir, metrics=log.records)
+        try:
+            registry.pm.hook.on_run_end(run_dir=run_dir, metrics=log.records)
+        except Exception as exc:  # an observer's failure must not hide the run's outcome
+            console.print(f"[yellow]on_run_end failed: {type(exc).__name__}: {exc}[/]", soft_wrap=True)
         cluster.stop(dask_cluster, client)
     return run_dir

@@ -24,12 +24,14 @@ from collections import defaultdict
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Ranker
+
 
 class HistoryRankerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-class HistoryRanker:
+class HistoryRanker(Ranker):
     """Per-prompt memory of output lengths."""
 
     def __init__(self, config: HistoryRankerConfig):
@@ -84,7 +86,7 @@ def numeric_features(text: str) -> list[float]:
     return [math.log1p(len(text)), math.log1p(max(numbers, default=0)), float(bool(numbers))]
 
 
-class LearnedRanker:
+class LearnedRanker(Ranker):
     """Hashed n-gram bag -> embedding mean -> linear; regresses log output length (MSE)."""
 
     def __init__(self, config: LearnedRankerConfig):
@@ -154,7 +156,7 @@ class OracleRankerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-class OracleRanker:
+class OracleRanker(Ranker):
     """The workload's hidden expected log length (``prompt.answer["log_median"]``): benchmarks only."""
 
     def __init__(self, config: OracleRankerConfig):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from streamrl.api import Reward
 from streamrl.sample import Prompt
 
 
@@ -13,7 +14,7 @@ class ExactMatchConfig(BaseModel):
     """Ignore leading and trailing whitespace in the response."""
 
 
-class ExactMatch:
+class ExactMatch(Reward):
     """Verifiable reward: compares the decoded response with ``prompt.answer``."""
 
     def __init__(self, config: ExactMatchConfig):

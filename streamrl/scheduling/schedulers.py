@@ -11,43 +11,17 @@
   token there), the rest share the others. Inside an instance, prompts are admitted
   longest-predicted first (LPT), so the longest start earliest.
 
-``ctx`` (:class:`DispatchContext`) carries what a scheduler may use: samples per prompt, the
+``ctx`` (:class:`streamrl.api.DispatchContext`) carries what a scheduler may use: samples per prompt, the
 observed output lengths so far, prompt lengths, and the engine's latency model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-@dataclass
-class Assignment:
-    """Where and how one prompt group is generated."""
-
-    index: int
-    """Position of the prompt in the list given to ``dispatch``."""
-    worker: str
-    """Name of the generate worker (engine instance)."""
-    priority: float = 0.0
-    """Higher is admitted first by the engine."""
-
-
-@dataclass
-class DispatchContext:
-    """What a scheduler knows when it dispatches a step."""
-
-    samples_per_prompt: int
-    observed_lengths: list[int] = field(default_factory=list)
-    """Output lengths seen so far in the run (all samples), for length estimates."""
-    prompt_tokens: float = 0.0
-    """Typical prompt length, tokens."""
-    step_latency: Callable[[float], float] | None = None
-    """Seconds of one decode step given the running batch's total context tokens (the engine's
-    profile); None when the engine has none."""
+from streamrl.api import Assignment, DispatchContext, Scheduler
 
 
 def makespan(n_requests: int, length: float, prompt_tokens: float, step_latency) -> float:
@@ -92,7 +66,7 @@ class FCFSConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-class FCFS:
+class FCFS(Scheduler):
     """Round-robin in task order, one priority for all."""
 
     def __init__(self, config: FCFSConfig):
@@ -148,13 +122,17 @@ def quantile(values: list[int], q: float) -> float:
     return float(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))])
 
 
-class Skew:
+class Skew(Scheduler):
     """StreamRL's skewness-aware dispatching and LPT ordering."""
 
     def __init__(self, config: SkewConfig):
         self.config = config
         self.last_split: int = 0
         """Instances given to long-tail prompts at the last dispatch (0: no split)."""
+
+    def metrics(self) -> dict[str, float]:
+        """``long_tail_instances``: instances the last dispatch gave to long-tail prompts."""
+        return {"long_tail_instances": self.last_split}
 
     def dispatch(self, prompts, scores, workers: list[str], ctx: DispatchContext) -> list[Assignment]:
         """Split instances between long-tail and regular prompts; LPT inside each."""
@@ -180,3 +158,6 @@ class Skew:
         out = [Assignment(i, long_w[r % m], prio[i]) for r, i in enumerate(long_idx)]
         out += [Assignment(i, regular_w[r % len(regular_w)], prio[i]) for r, i in enumerate(regular_idx)]
         return sorted(out, key=lambda a: a.index)
+
+
+__all__ = ["Assignment", "DispatchContext", "FCFS", "FCFSConfig", "Skew", "SkewConfig", "best_split", "makespan"]

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Engine
 from streamrl.sample import Group, Prompt, Sample
 from streamrl.sim import latency
 from streamrl.sim.latency import Profile
@@ -40,8 +41,6 @@ class SimEngineConfig(BaseModel):
     """Most requests decoding at once on an instance (0: only the KV cache limits it)."""
     quantum_s: float = Field(0.02, gt=0)
     """Real seconds between scheduling decisions of the decode loop (new requests join then)."""
-    train_gpus: int = Field(8, ge=1)
-    """Simulated training GPUs behind the train pool (the sim trainer divides its cost by them)."""
     seed: int = 0
     """Seed of the sampled output lengths (a sample's length depends only on it and its id)."""
 
@@ -55,10 +54,15 @@ class _Request:
         self.future: Future = Future()
 
 
-class SimEngine:
+class SimEngine(Engine):
     """A simulated inference instance (built on a generate worker)."""
 
-    simulates_training = True  # the controller pairs it with the sim trainer (streamrl.sim.trainer)
+    needs_model = False
+
+    @classmethod
+    def simulated_time_scale(cls, config: SimEngineConfig) -> float:
+        """``time_scale``: everything this engine reports is simulated."""
+        return config.time_scale
 
     def __init__(self, config: SimEngineConfig):
         self.config = config
@@ -79,19 +83,18 @@ class SimEngine:
         self.thread = threading.Thread(target=self._loop, name="streamrl-sim-engine", daemon=True)
         self.thread.start()
 
-    @staticmethod
-    def latency_model(config: SimEngineConfig):
+    def decode_latency(self):
         """Seconds of one decode step as a function of the batch's total context tokens (what
-        the skew scheduler uses to estimate makespans); runs on the client."""
-        return partial(latency.step_latency, config.profile)
+        the skew scheduler uses to estimate makespans): the cost model itself."""
+        return partial(latency.step_latency, self.profile)
 
-    def generate(self, prompt: Prompt, n: int, uid_prefix: str | None = None, priority: float = 0.0) -> Group:
+    def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
         """Simulate ``n`` samples of ``prompt``; blocks until all finish."""
         start = time.time()
         version = self.version
         reqs = []
         for k in range(n):
-            rid = f"{uid_prefix or prompt.uid}-{k}"
+            rid = f"{prompt.uid}-{k}"
             length = sample_length(prompt, random.Random(f"{self.config.seed}-{rid}"))
             reqs.append(_Request(rid, prompt.answer["prompt_tokens"], length, priority, next(self.counter)))
         with self.cv:

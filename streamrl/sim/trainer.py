@@ -1,8 +1,9 @@
-"""The sim trainer: the train pool's cost model, paired with the ``sim`` engine.
+"""The ``sim`` trainer: the train pool's cost model, paired with the ``sim`` engine.
 
-It sleeps what training the samples would take on ``train_gpus`` simulated GPUs
-(:func:`streamrl.sim.latency.train_time`) and keeps the policy version, so the controller,
-accounting and weight publication run unchanged. No model, no gradients: *simulated*.
+It sleeps what training the samples would take on ``gpus`` simulated GPUs
+(:func:`streamrl.sim.latency.train_time`) with the engine's cost model (``[engine.profile]``,
+``engine.time_scale``) and keeps the policy version, so the controller, accounting and weight
+publication run unchanged. No model, no gradients: *simulated*.
 """
 
 from __future__ import annotations
@@ -11,16 +12,37 @@ import json
 import time
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamrl.api import Trainer, TrainerContext
 from streamrl.sim import latency
+from streamrl.sim.engine import SimEngineConfig
 
 
-class SimTrainer:
-    """Stands in for :class:`streamrl.training.trainer.Trainer` on the train worker."""
+class SimTrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    gpus: int = Field(8, ge=1)
+    """Simulated training GPUs behind the train worker (training cost is divided by them)."""
 
-    def __init__(self, config, gpus: int):
-        self.config = config
-        self.profile = config.profile
-        self.gpus = gpus
+
+class SimTrainer(Trainer):
+    """Stands in for the ``hf`` trainer on the train worker (``[trainer] name = "sim"``)."""
+
+    needs_model = False
+
+    @classmethod
+    def colocated_overrides(cls, config: SimTrainerConfig, generate_workers: int) -> list[str]:
+        """Colocated on virtual devices: ``G`` instances + ``T`` training GPUs become ``G + T - 1``
+        generate workers plus the train worker (``G + T`` instances), training on ``G + T`` GPUs."""
+        g, t = generate_workers, config.gpus
+        return [f"pools.generate.workers={g + t - 1}", f"trainer.gpus={g + t}"]
+
+    def __init__(self, config: SimTrainerConfig, context: TrainerContext):
+        if not isinstance(context.engine_config, SimEngineConfig):
+            raise ValueError('trainer.name = "sim" needs engine.name = "sim" (it uses the engine\'s cost model)')
+        self.config = context.engine_config  # profile and time_scale
+        self.profile = self.config.profile
+        self.gpus = config.gpus
         self.version = 0
 
     def micro_batch(self, groups, scale: float) -> dict:
@@ -33,7 +55,7 @@ class SimTrainer:
                 "reward_sum": float(sum(s.reward for s in samples)), "loss_sum": 0.0,
                 "clip_frac_sum": 0.0, "kl_sum": 0.0, "seconds": time.perf_counter() - t0}
 
-    def step(self, max_grad_norm: float) -> dict:
+    def step(self) -> dict:
         """Sleep an Adam update (memory-bound: ~16 bytes per parameter, sharded over the GPUs)."""
         t0 = time.perf_counter()
         p = self.profile
@@ -41,7 +63,7 @@ class SimTrainer:
         self.version += 1
         return {"version": self.version, "grad_norm": 0.0, "seconds": time.perf_counter() - t0}
 
-    def export_weights(self) -> dict:
+    def named_weights(self) -> dict:
         """No tensors: the sim engine sleeps the broadcast time when it loads."""
         return {}
 
@@ -49,6 +71,6 @@ class SimTrainer:
         """Write a note saying what was simulated (there is no model to save)."""
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "simulated.json").write_text(json.dumps(
-            {"simulated": True, "policy_version": self.version, "train_gpus": self.gpus,
+            {"simulated": True, "policy_version": self.version, "gpus": self.gpus,
              "profile": self.profile.model_dump()}, indent=2))
         return out

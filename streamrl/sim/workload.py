@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from streamrl.api import Reward, Task
 from streamrl.sample import Prompt
 
 Z90 = 1.2815515655446004  # standard normal 90th percentile
@@ -65,7 +66,7 @@ class LongTailSimConfig(BaseModel):
         return self
 
 
-class LongTailSimTask:
+class LongTailSimTask(Task):
     """The W3 prompt source. ``Prompt.answer`` carries the hidden length model for the sim engine."""
 
     def __init__(self, config: LongTailSimConfig):
@@ -109,7 +110,7 @@ class SimLengthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-class SimLengthReward:
+class SimLengthReward(Reward):
     """1.0 when the simulated response is no longer than its prompt's median length."""
 
     def __init__(self, config: SimLengthConfig):

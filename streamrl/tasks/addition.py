@@ -10,6 +10,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Task
 from streamrl.sample import Prompt
 
 
@@ -22,7 +23,7 @@ class AdditionConfig(BaseModel):
     prompts)."""
 
 
-class AdditionTask:
+class AdditionTask(Task):
     """Hands out random ``a+b=`` prompts; the answer is the decimal sum."""
 
     alphabet = "0123456789+="

@@ -20,6 +20,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Reward, Task
 from streamrl.sample import Prompt
 
 
@@ -43,7 +44,7 @@ class CountdownConfig(BaseModel):
     prompts)."""
 
 
-class CountdownTask:
+class CountdownTask(Task):
     """Hands out ``"n:"`` prompts; the answer is the countdown from ``n`` to 1."""
 
     alphabet = "0123456789 :"
@@ -89,7 +90,7 @@ class CountdownRewardConfig(BaseModel):
     numbers it gets right before its first mistake (0 makes the reward exact-match only)."""
 
 
-class CountdownReward:
+class CountdownReward(Reward):
     """Verifiable reward for ``countdown``: 1.0 exact, else partial credit for a correct prefix."""
 
     def __init__(self, config: CountdownRewardConfig):

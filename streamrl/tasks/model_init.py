@@ -24,13 +24,13 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
         keys, value = parse_override(item)
         options[".".join(keys)] = value
     task = build_registry().get("task", task_name, "--task").build(options, "task")
-    if not hasattr(task, "alphabet") or not hasattr(task, "example"):
-        raise UserError(f"--task {task_name}: this task cannot build a tiny model (needs alphabet and example)")
+    if not task.alphabet:
+        raise UserError(f"--task {task_name}: this task cannot build a tiny model (it has no alphabet)")
     torch.manual_seed(seed)
     tokenizer = char_tokenizer(task.alphabet)
     # context: BOS + prompt + response + EOS, rounded up (tasks without lengths keep the default)
-    longest = getattr(task, "max_response_chars", lambda: 8)()
-    positions = max(64, -(-(getattr(task, "max_prompt_chars", lambda: 16)() + longest + 2) // 32) * 32)
+    longest = task.max_response_chars()
+    positions = max(64, -(-(task.max_prompt_chars() + longest + 2) // 32) * 32)
     model = tiny_llama(len(tokenizer), max_positions=positions, seed=seed)
     report = {"task": task_name, "options": options, "parameters": sum(p.numel() for p in model.parameters())}
     if warmstart_steps > 0:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from streamrl.api import MetricSink
+
 
 class CSVSinkConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -14,7 +16,7 @@ class CSVSinkConfig(BaseModel):
     """File name inside the run folder."""
 
 
-class CSVSink:
+class CSVSink(MetricSink):
     """Writes one row per step; the columns are the first record's keys."""
 
     def __init__(self, config: CSVSinkConfig):

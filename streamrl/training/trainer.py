@@ -1,5 +1,5 @@
-"""The policy being trained, held on a train worker: forward/backward per micro-batch, one
-optimizer step per batch.
+"""The ``hf`` trainer: a transformers causal LM and AdamW on the train worker; forward/backward
+per micro-batch, one optimizer step per batch.
 
 Gradients of a batch accumulate over its micro-batches. Each micro-batch's loss is the sum of
 per-sample losses times ``scale = 1 / samples in the batch``, so the accumulated gradient is the
@@ -12,10 +12,26 @@ from __future__ import annotations
 import time
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from streamrl.api import Trainer, TrainerContext
 from streamrl.sample import Group
+
+
+class HFTrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps over which the learning rate rises linearly from ~0 to ``lr``. Adam's first
+    steps move every weight by about ``lr`` whatever the gradient's size; a warm-up keeps noisy
+    early RL gradients from wrecking a small policy."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Gradient clipping norm before each optimizer step (0 disables)."""
 
 
 def pad_batch(samples, pad_id: int):
@@ -45,27 +61,28 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0):
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-class Trainer:
+class HFTrainer(Trainer):
     """A causal LM + AdamW (+ a frozen reference model when the algorithm asks for one)."""
 
-    def __init__(self, model_path: str, lr: float, weight_decay: float, algorithm,
-                 temperature: float = 1.0, device: str = "cpu", warmup_steps: int = 0):
+    def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model_path = model_path
-        self.algorithm = algorithm
-        self.temperature = temperature
+        self.config = config
+        self.algorithm = context.algorithm
+        self.temperature = context.temperature
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        torch.manual_seed(context.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
         self.model.train()
         self.reference = None
-        if getattr(algorithm, "needs_reference", False):
-            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        if self.algorithm.needs_reference:
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                context.model_path, dtype=torch.float32).to(device).eval()
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: min(1.0, (i + 1) / (warmup_steps + 1)))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        warmup = config.warmup_steps
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -95,23 +112,22 @@ class Trainer:
             **{k: float(v) for k, v in stats.items()},
         }
 
-    def step(self, max_grad_norm: float) -> dict:
+    def step(self) -> dict:
         """Clip, step the optimizer, clear gradients; the policy version goes up by one."""
         t0 = time.perf_counter()
         norm = 0.0
-        if max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm))
+        if self.config.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
         self.optimizer.step()
-        self.scheduler.step()
+        self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {"version": self.version, "grad_norm": norm, "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
-    def export_weights(self) -> bytes:
-        """Parameters as safetensors bytes (tied weights once; any dtype, no CUDA tensors)."""
-        named = {n: p.detach().to("cpu").contiguous() for n, p in self.model.named_parameters()}
-        return save_safetensors(named)
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters, detached (tied weights once, as ``named_parameters`` gives them)."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def logprobs(self, group: Group) -> list[list[float]]:
@@ -127,9 +143,14 @@ class Trainer:
         return out
 
 
+def weights_to_bytes(named: dict[str, torch.Tensor]) -> bytes:
+    """Named tensors as safetensors bytes (any dtype; copied to the CPU first)."""
+    return save_safetensors({n: t.detach().to("cpu").contiguous() for n, t in named.items()})
+
+
 def weights_from_bytes(blob: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of :meth:`Trainer.export_weights`."""
+    """Inverse of :func:`weights_to_bytes`."""
     return load_safetensors(blob)
 
 
-__all__ = ["Trainer", "pad_batch", "token_logprobs", "weights_from_bytes"]
+__all__ = ["HFTrainer", "HFTrainerConfig", "pad_batch", "token_logprobs", "weights_to_bytes", "weights_from_bytes"]

@@ -1,5 +1,6 @@
-"""The functions Dask runs on workers. Each is small: it finds the resident engine or trainer
-and calls one method, so the dashboard shows one bar per meaningful piece of work.
+"""The functions Dask runs on workers. Each is small: it finds the resident engine, trainer,
+reward, ranker or transfer and calls one method, so the dashboard shows one bar per meaningful
+piece of work.
 
 Arguments named ``after`` carry a future only to order a task after another one.
 """
@@ -12,21 +13,15 @@ import time
 from distributed import get_worker
 
 from streamrl.flow.microbatch import group_tokens, pack
-from streamrl.flow.resident import resident
+from streamrl.rewards import scoring
+from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, resident
 from streamrl.sample import Group, Prompt
-
-ENGINE = "streamrl-engine"
-TRAINER = "streamrl-trainer"
-REWARD = "streamrl-reward"
-RANKER = "streamrl-ranker"
 
 
 def generate_group(prompt: Prompt, n: int, submitted: float = 0.0, engine_priority: float = 0.0) -> Group:
     """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked;
-    ``engine_priority`` (from a scheduler; higher first) is passed on only when set, so engines
-    without ordering keep working."""
-    extra = {"priority": engine_priority} if engine_priority else {}
-    group = resident(ENGINE).generate(prompt, n, **extra)
+    ``engine_priority`` (from a scheduler; higher first) orders the engine's queue."""
+    group = resident(ENGINE).generate(prompt, n, priority=engine_priority)
     name = str(get_worker().name)
     for s in group:
         s.times["submitted"] = submitted
@@ -46,17 +41,8 @@ def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None)
 
 
 def score_group(group: Group) -> Group:
-    """Reward pool: score every sample. A failing reward is contained: reward 0 and the error kept."""
-    reward = resident(REWARD)
-    for s in group:
-        try:
-            s.reward = float(reward.score(s.prompt, s.response_text))
-        except Exception as exc:  # one bad sample must not fail the step
-            s.reward = 0.0
-            s.times["reward_error"] = 1.0
-            s.response_text += f"\n[reward error: {type(exc).__name__}: {exc}]"
-        s.times["reward_end"] = time.time()
-    return group
+    """Reward pool: score every sample; a failing reward is contained (``rewards/scoring.py``)."""
+    return scoring.score_group(resident(REWARD), group)
 
 
 def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
@@ -94,20 +80,20 @@ def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, grou
     return stats
 
 
-def optimizer_step(*micro_batch_stats: dict, max_grad_norm: float) -> dict:
+def optimizer_step(*micro_batch_stats: dict) -> dict:
     """Train pool: one optimizer step after every micro-batch of the batch (they are arguments)."""
-    return resident(TRAINER).step(max_grad_norm)
+    return resident(TRAINER).step()
 
 
-def export_weights(after=None) -> bytes:
-    """Train pool: the new weights as safetensors bytes."""
-    return resident(TRAINER).export_weights()
+def export_weights(version: int, after=None):
+    """Train pool: the transfer's payload of the trainer's current weights."""
+    return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
 
 
 _LOAD_LOCK = threading.Lock()
 
 
-def load_weights(blob: bytes, version: int) -> float:
+def load_weights(payload, version: int) -> float:
     """Generate pool: load published weights into the engine; returns the seconds it took.
 
     Loads of two versions may run on two threads of one worker (async mode, staleness >= 2);
@@ -117,11 +103,7 @@ def load_weights(blob: bytes, version: int) -> float:
     engine = resident(ENGINE)
     with _LOAD_LOCK:
         if version > engine.version:
-            if not isinstance(blob, dict):  # a dict is already tensors (the sim trainer sends {})
-                from streamrl.training.trainer import weights_from_bytes  # imports torch
-
-                blob = weights_from_bytes(blob)
-            engine.load_weights(blob, version)
+            engine.load_weights(resident(TRANSFER).receive(payload, version), version)
     return time.perf_counter() - t0
 
 
@@ -130,16 +112,19 @@ def trainer_logprobs(group: Group) -> list[list[float]]:
     return resident(TRAINER).logprobs(group)
 
 
+def trainer_weights(after=None) -> dict:
+    """Train pool: the trainer's parameters as CPU tensors (checks and tests)."""
+    return {n: t.detach().to("cpu").clone() for n, t in resident(TRAINER).named_weights().items()}
+
+
 def save_policy(out: str, after=None) -> str:
     """Train pool: write the current policy as a transformers model folder."""
     return resident(TRAINER).save(out)
 
 
-def engine_latency() -> tuple[float, float] | None:
-    """Generate pool: the engine's measured ``(c0, per_context_token)`` decode-step latency, or
-    None when it has no profile."""
-    fit = getattr(resident(ENGINE), "step_latency_fit", None)
-    return fit() if fit else None
+def engine_latency():
+    """Generate pool: the engine's decode-step latency function, or None without a profile."""
+    return resident(ENGINE).decode_latency()
 
 
 def warm_up(name: str) -> str:

@@ -1,0 +1,396 @@
+"""Everything a plugin touches, in one import: ``from streamrl.api import ...``.
+
+A *component* is a named, configurable piece a recipe picks by name. There are nine kinds; each
+has a base class here with its contract in typed methods, documented optional capabilities
+(with the default streamrl uses when you do not override them) and ``close()``. Subclassing the
+base class is the easy way to get the defaults; streamrl never probes objects with ``getattr``.
+
+================  =====================  ==============================  ======================
+kind              recipe section         base class                      lives on
+================  =====================  ==============================  ======================
+``task``          ``[task]``             :class:`Task`                   the ``streamrl`` process
+``engine``        ``[engine]``           :class:`Engine`                 each generate worker
+``reward``        ``[reward]``           :class:`Reward`                 each reward worker
+``algorithm``     ``[algorithm]``        :class:`Algorithm`              inside the trainer
+``trainer``       ``[trainer]``          :class:`Trainer`                the train worker
+``transfer``      ``[transfer]``         :class:`Transfer`               train and generate workers
+``metric_sink``   ``[[metrics]]``        :class:`MetricSink`             the ``streamrl`` process
+``ranker``        ``[ranker]``           :class:`Ranker`                 the rank worker
+``scheduler``     ``[scheduler]``        :class:`Scheduler`              the ``streamrl`` process
+================  =====================  ==============================  ======================
+
+Components built on workers are shipped there by value (cloudpickle), so a component defined
+in a file next to the recipe works without installing anything; an installed package must be
+installed wherever workers run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import BaseModel
+
+from streamrl import hookimpl
+from streamrl.sample import Group, Prompt, Sample
+
+if TYPE_CHECKING:  # torch is imported only where tensors are used
+    import torch
+
+#: The kinds of component, each with the hook that registers it and the recipe section naming it.
+KINDS = {
+    "algorithm": "register_algorithms",
+    "engine": "register_engines",
+    "reward": "register_rewards",
+    "task": "register_tasks",
+    "trainer": "register_trainers",
+    "transfer": "register_transfers",
+    "metric_sink": "register_metric_sinks",
+    "ranker": "register_rankers",
+    "scheduler": "register_schedulers",
+}
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named, configurable piece handed over by a plugin's ``register_*`` hook.
+
+    ``config`` is a pydantic model validating the component's recipe section (every key but
+    ``name``); ``factory(config)`` builds the object (a trainer's factory also gets a
+    :class:`TrainerContext`). ``plugin`` is filled in by streamrl.
+    """
+
+    kind: str
+    name: str
+    config: type[BaseModel]
+    factory: Callable[..., Any]
+    plugin: str = field(default="", compare=False)
+
+    def validate(self, section: dict, path: str) -> BaseModel:
+        """The recipe table at TOML ``path`` validated by :attr:`config` (one-line errors)."""
+        from streamrl.recipe import validate_section
+
+        return validate_section(self.config, section, path)
+
+    def declared(self, base: type, name: str, default: Any) -> Any:
+        """Class-level capability ``name`` of ``base`` (e.g. ``Engine.needs_model``) as the
+        factory declares it, when the factory is a subclass of ``base``; else ``default``
+        (a factory that is a plain function gets the base class's defaults)."""
+        f = self.factory
+        return getattr(f, name) if isinstance(f, type) and issubclass(f, base) else default
+
+    def build(self, section: dict, path: str, *args) -> Any:
+        """Validate ``section`` and build the component (``args`` follow the config)."""
+        return self.factory(self.validate(section, path), *args)
+
+
+# -- prompts and rewards ----------------------------------------------------------------------
+
+class Task:
+    """The prompt source of a run (runs in the ``streamrl`` process).
+
+    ``prompts(step, n)`` must be deterministic in its config (``seed``) and ``step``, so a run
+    can be repeated. A config field named ``seed`` that the recipe leaves unset gets ``run.seed``.
+    """
+
+    alphabet: str = ""
+    """Characters of the task's text; with :meth:`example`, lets ``streamrl model init`` make a
+    tiny character-level model for the task. Empty: the task cannot make one."""
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        """The ``n`` prompts of ``step``; every ``Prompt.uid`` unique within the run."""
+        raise NotImplementedError
+
+    def example(self, rng) -> tuple[str, str]:
+        """One ``(prompt text, answer text)`` pair drawn with ``rng`` (``random.Random``), for
+        the supervised warm start of ``streamrl model init``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make examples for a tiny model")
+
+    def max_prompt_chars(self) -> int:
+        """Longest prompt in characters (sizes a tiny model's context)."""
+        return 16
+
+    def max_response_chars(self) -> int:
+        """Longest answer in characters (sizes a tiny model's context)."""
+        return 8
+
+    def close(self) -> None:
+        """Release resources at the end of the run."""
+
+
+class Reward:
+    """Scores one response (runs in reward tasks on the reward pool).
+
+    Must be thread-safe: a reward worker runs several tasks at once. A reward that raises, or
+    returns something that is not a finite number, scores that sample 0 and is counted in
+    ``reward_errors``; the run goes on.
+    """
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """The reward of ``response`` (decoded text) to ``prompt`` (``prompt.answer`` holds what
+        the task put there to check it)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources (a reward model, a sandbox) when the worker shuts down."""
+
+
+# -- generation --------------------------------------------------------------------------------
+
+class Engine:
+    """An inference engine, one per generate worker.
+
+    Generate tasks call :meth:`generate` from several threads at once (one per task slot of the
+    worker); the engine batches concurrent requests itself.
+    """
+
+    needs_model: bool = True
+    """False for engines that need no ``[model]`` (a simulator)."""
+    version: int = 0
+    """Policy version of the weights the engine generates with (0 = the initial model)."""
+
+    @classmethod
+    def sampling_temperature(cls, config: BaseModel) -> float:
+        """The temperature the engine samples at; the trainer divides its logits by the same
+        value so engine and trainer logprobs agree. Default 1.0."""
+        return 1.0
+
+    @classmethod
+    def simulated_time_scale(cls, config: BaseModel) -> float | None:
+        """For a simulated engine: real seconds per simulated second (reports then say
+        SIMULATED and give simulated rates). None (the default): a real engine."""
+        return None
+
+    def load(self, model_path: str | None) -> None:
+        """Load the model (``from_pretrained``) and start generating. ``None`` when the recipe
+        has no model (only for ``needs_model = False``)."""
+        raise NotImplementedError
+
+    def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
+        """``n`` samples of ``prompt``, with per-token logprobs and ``policy_version`` set;
+        blocks until all are done. Higher ``priority`` is admitted first when requests queue."""
+        raise NotImplementedError
+
+    def load_weights(self, named_tensors: dict[str, "torch.Tensor"], version: int) -> None:
+        """Overwrite the parameters in place (names as in ``model.named_parameters()``) and set
+        :attr:`version`. streamrl calls it one load at a time, only with newer versions."""
+        raise NotImplementedError
+
+    def decode_latency(self) -> Callable[[float], float] | None:
+        """Optional: a picklable function giving the seconds of one decode step from the running
+        batch's total context tokens (a scheduler estimates makespans with it). Default None."""
+        return None
+
+    def close(self) -> None:
+        """Stop generating; requests still waiting must fail, never hang."""
+
+
+class Transfer:
+    """Moves new weights from the trainer to every engine after each optimizer step.
+
+    One object is built on the train worker and one on each generate worker. streamrl orders the
+    work (export after the step, loads after the export), gives it priority over generation,
+    checks versions (an engine never goes back to older weights) and calls
+    ``engine.load_weights`` itself: a transfer only moves tensors.
+    """
+
+    def send(self, weights: dict[str, "torch.Tensor"], version: int) -> Any:
+        """Train worker: the trainer's parameters (may be on a GPU). Return a payload that Dask
+        carries to every generate worker (bytes, CPU tensors, or a small token when the tensors
+        travel another way)."""
+        raise NotImplementedError
+
+    def receive(self, payload: Any, version: int) -> dict[str, "torch.Tensor"]:
+        """Generate worker: turn the payload back into named tensors for the engine."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections or process groups when the worker shuts down."""
+
+
+# -- learning ---------------------------------------------------------------------------------
+
+class Algorithm:
+    """Advantages and a policy-gradient loss (runs inside the trainer).
+
+    Shapes: ``B`` samples of a micro-batch, ``T`` the padded sequence length minus one. Token
+    tensors are float32 and aligned so that position ``t`` holds the log-probability of token
+    ``t + 1``; ``mask[b, t]`` is 1 on response tokens.
+    """
+
+    needs_reference: bool = False
+    """True: the trainer keeps a frozen copy of the initial policy and passes its logprobs as
+    ``ref`` (e.g. for a KL penalty); False: ``ref`` is None."""
+
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """One advantage per sample of a group, from the group's rewards (same order)."""
+        raise NotImplementedError
+
+    def loss(self, new: "torch.Tensor", old: "torch.Tensor", ref: "torch.Tensor | None",
+             adv: "torch.Tensor", mask: "torch.Tensor") -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
+        """``(per_sample [B], stats)`` from the policy's logprobs ``new [B, T]`` (with grad), the
+        generating policy's ``old [B, T]``, the reference's ``ref [B, T]`` or None, advantages
+        ``adv [B]`` and the response ``mask [B, T]``.
+
+        The trainer backpropagates ``sum(per_sample) / samples in the batch``, so per-sample
+        losses are averaged over the batch however it is cut into micro-batches. How tokens
+        reduce into a sample is yours: ``sum_t(l * mask) / sum_t(mask)`` is a sequence-level mean
+        (GRPO); ``sum_t(l * mask) / L`` with a constant ``L`` is a token-level loss (Dr. GRPO).
+
+        ``stats`` are per-sample sums (scalars); each key ``<name>_sum`` is reported in
+        ``metrics.jsonl`` as ``<name>`` averaged over samples. Reported by default (missing keys
+        are fine): ``clip_frac_sum``, ``kl_sum``, ``behaviour_weight_sum``.
+        """
+        raise NotImplementedError
+
+
+@dataclass
+class TrainerContext:
+    """What a trainer's factory gets besides its config: ``factory(config, context)``."""
+
+    model_path: str | None
+    """The policy model folder (``from_pretrained``), None when the recipe has none."""
+    algorithm: Algorithm
+    """The recipe's algorithm, built."""
+    temperature: float
+    """The engine's sampling temperature (divide logits by it)."""
+    engine_config: BaseModel
+    """The engine's validated config (a simulated trainer reads its cost model from it)."""
+    seed: int = 0
+    """``run.seed``."""
+
+
+class Trainer:
+    """The policy being trained and its optimizer, on the train worker.
+
+    Gradients accumulate over :meth:`micro_batch` calls until :meth:`step`; each micro-batch's
+    loss is scaled by ``scale = 1 / samples in the batch``, so the update does not depend on how
+    the batch was cut or in what order the pieces arrived (``stream`` equals ``batch``).
+    """
+
+    needs_model: bool = True
+    """False for trainers that need no ``[model]`` (a simulator)."""
+    version: int = 0
+    """Policy version: the number of optimizer steps taken."""
+
+    @classmethod
+    def colocated_overrides(cls, config: BaseModel, generate_workers: int) -> list[str]:
+        """``--set`` overrides that give the ``colocated`` variant of a recipe (in ``streamrl
+        bench modes``) as many devices as the disaggregated one. Default none: real train
+        workers generate too. A simulator whose devices are virtual adds them here."""
+        return []
+
+    def micro_batch(self, groups: list[Group], scale: float) -> dict[str, float]:
+        """Forward/backward on whole groups. Returns sums over the samples: ``samples``,
+        ``tokens`` (response tokens), ``reward_sum``, ``loss_sum``, ``seconds``, and the
+        algorithm's ``*_sum`` stats."""
+        raise NotImplementedError
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step; returns ``version`` (the new one), ``grad_norm``, ``seconds``."""
+        raise NotImplementedError
+
+    def named_weights(self) -> dict[str, "torch.Tensor"]:
+        """The parameters a transfer sends to the engines (empty for a simulator)."""
+        raise NotImplementedError
+
+    def logprobs(self, group: Group) -> list[list[float]]:
+        """Optional: each response's token logprobs under the current weights (consistency
+        checks)."""
+        raise NotImplementedError(f"{type(self).__name__} does not recompute logprobs")
+
+    def save(self, out: str) -> str:
+        """Write the policy to folder ``out`` (a transformers model folder for real models)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the model and optimizer."""
+
+
+# -- length ranking and dispatch ----------------------------------------------------------------
+
+class Ranker:
+    """Predicts which prompts will have long outputs (StreamRL's output-length ranker).
+
+    Lives on one worker for the whole run (the ``rank`` pool, else the first reward worker), so
+    it may keep state. Its recall of the longest 20% is logged every step (``ranker_recall``).
+    """
+
+    def predict(self, prompts: list[Prompt]) -> list[float]:
+        """One score per prompt, higher = longer output (any scale)."""
+        raise NotImplementedError
+
+    def observe(self, prompts: list[Prompt], lengths: list[list[int]]) -> None:
+        """After a step: each prompt's observed output lengths (one per sample)."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+@dataclass
+class Assignment:
+    """Where and how one prompt group is generated (what a scheduler returns per prompt)."""
+
+    index: int
+    """Position of the prompt in the list given to ``dispatch``."""
+    worker: str
+    """Name of the generate worker (engine instance), one of ``workers``."""
+    priority: float = 0.0
+    """Higher is admitted first by the engine."""
+
+
+@dataclass
+class DispatchContext:
+    """What a scheduler knows when it dispatches a step."""
+
+    samples_per_prompt: int
+    """Samples generated per prompt (requests per group)."""
+    observed_lengths: list[int] = field(default_factory=list)
+    """Output lengths seen so far in the run (all samples, most recent 8192), for estimates."""
+    prompt_tokens: float = 0.0
+    """Typical prompt length in tokens (mean over the last step)."""
+    step_latency: Callable[[float], float] | None = None
+    """Seconds of one decode step given the running batch's total context tokens (from
+    :meth:`Engine.decode_latency`); None when the engine has no profile."""
+
+
+class Scheduler:
+    """Places a step's prompt groups on generate workers and orders them (on the client)."""
+
+    def dispatch(self, prompts: list[Prompt], scores: list[float], workers: list[str],
+                 ctx: DispatchContext) -> list[Assignment]:
+        """One :class:`Assignment` per prompt: ``scores`` are the ranker's (all 0.0 without
+        one), ``workers`` the generate workers' names."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """Optional: numbers about the last dispatch, merged into the step's metrics record."""
+        return {}
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+# -- observing --------------------------------------------------------------------------------
+
+class MetricSink:
+    """Receives every step's metrics record in the ``streamrl`` process (``metrics.jsonl`` is
+    always written besides). A sink that raises is reported and dropped; the run goes on."""
+
+    def open(self, run_dir: Path) -> None:
+        """Called once before the first step with the run folder."""
+
+    def write(self, record: dict) -> None:
+        """One step's record (the same dict as a ``metrics.jsonl`` line)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Called once at the end of the run, also after a failure."""
+
+
+__all__ = [
+    "KINDS", "Component", "hookimpl", "Prompt", "Sample", "Group",
+    "Task", "Reward", "Engine", "Transfer", "Algorithm", "Trainer", "TrainerContext",
+    "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",
+]

@@ -1,0 +1,87 @@
+"""The run modes (``run.mode``), each a small strategy over the same controller.
+
+A mode answers two questions per step: which scored-group futures the step trains on (and
+whether the trainer may start before all are scored), and what to do with the weight loads of
+the new version (wait for them, or let them overlap the next step).
+
+* ``batch``     -- generate the step's groups, wait until all are scored, then train.
+* ``colocated`` -- the same stage order; the train workers also hold an engine and take generate
+  tasks (``cluster.worker_spec``), so every worker generates, then trains (the verl-like baseline).
+* ``stream``    -- train each scored group as soon as it is ready (StreamRL); wait for the loads.
+* ``async``     -- as ``stream``, and generation of later steps is admitted while the trainer
+  trains, at most ``run.max_staleness`` versions behind (``flow/admission.py``); loads overlap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distributed import Future, wait
+
+from streamrl.flow import admission
+from streamrl.flow.weights import wait_loaded
+
+if TYPE_CHECKING:
+    from streamrl.flow.controller import Controller
+
+
+class Batch:
+    """Generate all, then train; weights loaded before the next step."""
+
+    streams = False
+    """True: micro-batches are cut in completion order while generation goes on."""
+
+    def scored(self, ctl: Controller, step: int) -> list[Future]:
+        """The step's scored groups."""
+        scored = ctl.submit_generation(step)
+        wait(scored)  # the trainer sees nothing until the whole batch is scored
+        return scored
+
+    def published(self, version: int, loads: list[Future]) -> None:
+        """The new version's weight loads were submitted."""
+        wait_loaded(loads)
+
+
+class Stream(Batch):
+    """Train groups as they are scored; weights loaded before the next step."""
+
+    streams = True
+
+    def scored(self, ctl: Controller, step: int) -> list[Future]:
+        return ctl.submit_generation(step)
+
+
+class Async(Stream):
+    """Generation runs up to ``max_staleness`` steps ahead; weight loads overlap training.
+
+    Admission control: at the start of training step ``s`` submit the generation of the steps
+    ``s .. s + k`` not yet submitted, after waiting for the weight loads the staleness bound
+    requires (only those). Generation is paced, never dropped.
+    """
+
+    def __init__(self, max_staleness: int, last_step: int):
+        self.k, self.last_step = max_staleness, last_step
+        self.in_flight: dict[int, list[Future]] = {}  # scored futures of admitted steps
+        self.loads: dict[int, list[Future]] = {}  # weight loads not yet awaited, by version
+        self.loaded_version = 0
+        self.next_to_admit = 0
+
+    def scored(self, ctl: Controller, step: int) -> list[Future]:
+        p = admission.plan(step, self.k, self.last_step, self.next_to_admit, self.loaded_version)
+        for v in range(self.loaded_version + 1, p.wait_for_version + 1):
+            wait_loaded(self.loads.pop(v))
+        self.loaded_version = max(self.loaded_version, p.wait_for_version)
+        for g in p.admit:
+            self.in_flight[g] = ctl.submit_generation(g)
+            self.next_to_admit = g + 1
+        return self.in_flight.pop(step)
+
+    def published(self, version: int, loads: list[Future]) -> None:
+        self.loads[version] = loads  # awaited by scored() when the bound requires
+
+
+def make(mode: str, max_staleness: int, steps: int) -> Batch:
+    """The strategy for ``run.mode``."""
+    if mode == "async":
+        return Async(max_staleness, steps - 1)
+    return {"batch": Batch, "colocated": Batch, "stream": Stream}[mode]()

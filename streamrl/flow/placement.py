@@ -1,0 +1,59 @@
+"""Put the run's stateful components on their workers, before the clock starts.
+
+Each is a :class:`~streamrl.flow.resident.Resident` worker plugin holding a build function; the
+first task that needs the object builds it on its worker: the engine on every generate worker,
+the trainer on the train worker, the reward on every reward worker, the ranker on the rank
+worker, the transfer on both ends. Model loads are forced here (``warm_up`` tasks) so the first
+step's timings measure the run, not the loading.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from distributed import Client
+
+from streamrl.api import Engine, TrainerContext
+from streamrl.flow import remote
+from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, Resident
+from streamrl.flow.resolve import Chosen, Resolved
+from streamrl.telemetry import bubbles
+
+
+def build_engine(engine: Chosen, model_path: str | None):
+    """Runs on a generate worker: make the engine and load the model."""
+    obj = engine.build()
+    obj.load(model_path)
+    return obj
+
+
+def trainer_context(resolved: Resolved) -> TrainerContext:
+    """What the trainer's factory gets besides its config."""
+    e = resolved.engine
+    return TrainerContext(model_path=resolved.model_path, algorithm=resolved.algorithm.build(),
+                          temperature=e.component.declared(Engine, "sampling_temperature", lambda c: 1.0)(e.config),
+                          engine_config=e.config, seed=resolved.recipe.run.seed)
+
+
+def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], train_worker: str) -> None:
+    """Register every resident and build the engines and the trainer now."""
+    r = resolved.recipe
+    seed = r.run.seed
+    gen_threads = r.pools.generate.torch_threads if r.pools.generate else 1
+    train_threads = r.pools.train.torch_threads if r.pools.train else 1
+    client.register_plugin(Resident(ENGINE, partial(build_engine, resolved.engine, resolved.model_path),
+                                    torch_threads=gen_threads, seed=seed, what=f"engine {r.engine.name!r}"))
+    client.register_plugin(Resident(TRAINER, partial(resolved.trainer.build, trainer_context(resolved)),
+                                    torch_threads=train_threads, seed=seed, what=f"trainer {r.trainer.name!r}"))
+    client.register_plugin(Resident(REWARD, resolved.reward.build, seed=seed, what=f"reward {r.reward.name!r}"))
+    client.register_plugin(Resident(TRANSFER, resolved.transfer.build, seed=seed,
+                                    what=f"transfer {r.transfer.name!r}"))
+    if resolved.ranker is not None:
+        client.register_plugin(Resident(RANKER, resolved.ranker.build, seed=seed, what=f"ranker {r.ranker.name!r}"))
+    client.register_plugin(bubbles.BusyClock())
+    futs = [client.submit(remote.warm_up, ENGINE, key=f"load-engine-{name}", workers=[addr], allow_other_workers=False)
+            for name, addr in generate_workers.items()]
+    futs.append(client.submit(remote.warm_up, TRAINER, key="load-trainer", workers=[train_worker],
+                              allow_other_workers=False))
+    for f in futs:
+        f.result()

@@ -1,0 +1,82 @@
+"""The reference loop: one RL step after another in this process, no Dask. Read it first.
+
+It is the algorithm every mode of the controller implements, without the distribution:
+
+    for each step:
+        prompts  = task.prompts(step, P)                    # P prompt groups
+        groups   = [engine.generate(p, n) for p in prompts]  # n samples each, with logprobs
+        rewards  = reward.score(...) for every sample
+        trainer.micro_batch(groups[i:j], 1 / (P * n))      # advantages -> loss -> backward
+        trainer.step()                                      # one optimizer step per batch
+        engine.load_weights(trainer.named_weights())        # the new policy generates next
+
+The controller (``flow/controller.py``) runs the same components as Dask tasks on labelled
+pools and streams groups into micro-batches as they finish; on the same samples it gives the
+same update as :func:`train_step` (``tests/test_flow.py`` checks it). ``streamrl reference
+RECIPE`` runs this loop on a recipe.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from streamrl.api import Engine, Group, Trainer
+from streamrl.flow.placement import trainer_context
+from streamrl.flow.resolve import Resolved
+from streamrl.rewards.scoring import score_group
+
+
+def train_step(trainer: Trainer, groups: list[Group], groups_per_micro_batch: int) -> dict:
+    """Forward/backward over the groups in micro-batches, then one optimizer step. Every
+    micro-batch's loss is scaled by 1 / samples, so the cut does not change the update."""
+    samples = sum(len(g) for g in groups)
+    stats: dict[str, float] = {}
+    for i in range(0, len(groups), groups_per_micro_batch):
+        for k, v in trainer.micro_batch(groups[i:i + groups_per_micro_batch], 1.0 / samples).items():
+            stats[k] = stats.get(k, 0.0) + v
+    return {**stats, **trainer.step()}
+
+
+def generate(engine: Engine, prompts, n: int) -> list[Group]:
+    """Every prompt's group; submitted together so the engine batches them."""
+    with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
+        return list(pool.map(lambda p: engine.generate(p, n), prompts))
+
+
+def run(resolved: Resolved, steps: int, log: Callable[[str], None] = print) -> list[dict]:
+    """``steps`` steps of the recipe's components in this process; returns one record per step."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    r = resolved.recipe
+    torch.manual_seed(r.run.seed)
+    task, reward = resolved.task.build(), resolved.reward.build()
+    engine = resolved.engine.build()
+    engine.load(resolved.model_path)
+    trainer = resolved.trainer.build(trainer_context(resolved))
+    transfer = resolved.transfer.build()
+    t = r.trainer
+    records = []
+    try:
+        for step in range(steps):
+            t0 = time.time()
+            groups = generate(engine, task.prompts(step, t.prompts_per_step), t.samples_per_prompt)
+            for g in groups:
+                score_group(reward, g)
+            stats = train_step(trainer, groups, t.groups_per_micro_batch)
+            version = int(stats["version"])
+            engine.load_weights(transfer.receive(transfer.send(trainer.named_weights(), version), version), version)
+            record = {"step": step, "policy_version": version, "samples": int(stats["samples"]),
+                      "reward_mean": stats["reward_sum"] / stats["samples"],
+                      "loss": stats["loss_sum"] / stats["samples"], "step_s": time.time() - t0}
+            records.append(record)
+            log(f"step {step + 1:>3}/{steps}  reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
+                f"{record['samples'] / record['step_s']:.1f} samples/s  v{version}")
+    finally:
+        engine.close()
+        for obj in (trainer, reward, task, transfer):
+            obj.close()
+    return records

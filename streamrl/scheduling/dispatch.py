@@ -1,0 +1,83 @@
+"""Dispatch: the ranker's scores and the scheduler's placement of each step's prompt groups, and
+what the run learns about output lengths after the step.
+
+The ranker is a resident on the rank worker (its state survives across steps); the scheduler
+runs here, in the ``streamrl`` process. A :class:`Dispatcher` owns everything both need
+between steps: the prompts and predictions of steps in flight, the observed lengths, the
+engine's decode-latency model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from distributed import Client, Future
+
+from streamrl.api import DispatchContext, Prompt, Scheduler
+from streamrl.flow import remote
+from streamrl.ranking.recall import top_recall
+
+
+class Dispatcher:
+    """Ranks and places prompts before a step; teaches the ranker after it."""
+
+    def __init__(self, client: Client, generate_workers: dict[str, str], samples_per_prompt: int,
+                 scheduler: Scheduler | None, rank_worker: str | None):
+        self.client = client
+        self.generate_workers = generate_workers
+        self.samples_per_prompt = samples_per_prompt
+        self.scheduler = scheduler
+        self.rank_worker = rank_worker
+        """Address of the worker holding the ranker; None: no ranker."""
+        self.step_latency = None
+        if scheduler is not None:  # the engines are alike: one instance's profile stands for all
+            self.step_latency = client.submit(remote.engine_latency, key="engine-latency", pure=False,
+                                              workers=[next(iter(generate_workers.values()))]).result()
+        self.step_prompts: dict[int, list[Prompt]] = {}
+        self.predicted: dict[int, list[float]] = {}
+        self.scheduler_metrics: dict[int, dict] = {}
+        self.observed_lengths: list[int] = []
+        self.prompt_tokens = 0.0
+        self.last_observe: Future | None = None
+
+    def place(self, step: int, prompts: list[Prompt]) -> dict[int, tuple[str, float]]:
+        """``{prompt index: (worker address, priority)}``; empty without a scheduler (Dask
+        places the tasks)."""
+        self.step_prompts[step] = prompts
+        scores = [0.0] * len(prompts)
+        if self.rank_worker is not None:
+            scores = self.client.submit(
+                remote.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
+                workers=[self.rank_worker], allow_other_workers=False).result()
+            self.predicted[step] = scores
+        if self.scheduler is None:
+            return {}
+        ctx = DispatchContext(self.samples_per_prompt, self.observed_lengths, self.prompt_tokens, self.step_latency)
+        placed = self.scheduler.dispatch(prompts, scores, list(self.generate_workers), ctx)
+        self.scheduler_metrics[step] = dict(self.scheduler.metrics())
+        return {a.index: (self.generate_workers[a.worker], a.priority) for a in placed}
+
+    def learn(self, step: int, sample_log: list[dict]) -> dict:
+        """After a step: feed the observed lengths to the ranker; returns the record's dispatch
+        fields (``generate_makespan_s``, ``ranker_recall``, the scheduler's metrics)."""
+        by_prompt: dict[str, list[int]] = {}
+        for x in sample_log:
+            by_prompt.setdefault(x["uid"].rsplit("-", 1)[0], []).append(x["response_len"])
+        prompts = self.step_prompts.pop(step)
+        lengths = [by_prompt.get(p.uid, []) for p in prompts]
+        self.observed_lengths = (self.observed_lengths + [x["response_len"] for x in sample_log])[-8192:]
+        self.prompt_tokens = sum(x["prompt_len"] for x in sample_log) / max(len(sample_log), 1)
+        out = {"generate_makespan_s": max(x["gen_end"] for x in sample_log) - min(x["submitted"] for x in sample_log)}
+        out.update(self.scheduler_metrics.pop(step, {}))
+        if self.rank_worker is not None:
+            actual = [sum(math.log(max(n, 1)) for n in ls) / max(len(ls), 1) for ls in lengths]
+            out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
+            self.last_observe = self.client.submit(
+                remote.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
+                workers=[self.rank_worker], allow_other_workers=False)
+        return out
+
+    def finish(self) -> None:
+        """Wait for the ranker's last lesson."""
+        if self.last_observe is not None:
+            self.last_observe.result()

@@ -1,0 +1,99 @@
+"""The ``metrics.jsonl`` record of one step, built from the train tasks' stats and the clock.
+
+:class:`StepRecord` names every field streamrl writes; :meth:`StepRecord.as_dict` is the line
+in ``metrics.jsonl`` (and what metric sinks and ``on_step_end`` receive). An algorithm's extra
+statistics (any ``<name>_sum`` it returns) and the dispatcher's fields are added to it as
+``extra``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+#: algorithm statistics reported even when an algorithm does not return them, with the per-sample
+#: value assumed then (a clip fraction and a KL of 0, a behaviour weight of 1)
+DEFAULT_STATS = {"clip_frac": 0.0, "kl": 0.0, "behaviour_weight": 1.0}
+
+#: what train tasks return that is not an algorithm statistic
+_TRAIN_KEYS = {"samples", "tokens", "reward_sum", "loss_sum", "seconds", "micro_batches", "sample_log",
+               "gen_end_max", "policy_version_min", "reward_errors"}
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step, as ``metrics.jsonl`` records it."""
+
+    step: int
+    policy_version: int
+    """Version after this step's update."""
+    samples: int
+    train_tasks: int
+    micro_batches: int
+    reward_mean: float
+    loss: float
+    response_len_mean: float
+    reward_errors: int
+    """Samples whose reward raised or was not a finite number (scored 0)."""
+    generated_policy_version_min: int
+    staleness_max: int
+    """Versions between the policy being trained (``step``) and its oldest sample."""
+    grad_norm: float
+    samples_per_s: float
+    tokens_per_s: float
+    generate_s: float
+    """From the step's start to the last sample generated (async: may end before the start)."""
+    train_s: float
+    """Trainer busy seconds (micro-batches and the optimizer step)."""
+    train_tail_s: float
+    """From the last sample generated to the optimizer step done: what streaming shrinks."""
+    weight_sync_s: float
+    step_s: float
+    time: float
+    stats: dict[str, float] = field(default_factory=dict)
+    """The algorithm's statistics, averaged per sample (``clip_frac``, ``kl``, ...)."""
+    pools: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per pool: ``busy_s``, ``idle_s``, ``idle_ratio`` over ``accounting_window_s``."""
+    accounting_window_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+    """Dispatch fields (``generate_makespan_s``, ``ranker_recall``, ...)."""
+    sample_log: list[dict] = field(default_factory=list)
+    """Per sample: id, generating version, staleness, worker and timeline (epoch seconds)."""
+
+    def as_dict(self) -> dict:
+        """The flat JSON record (``stats`` and ``extra`` merged in, ``sample_log`` last)."""
+        d = asdict(self)
+        stats, extra, log = d.pop("stats"), d.pop("extra"), d.pop("sample_log")
+        return {**d, **stats, **extra, "sample_log": log}
+
+
+def algorithm_stats(micro: list[dict], samples: int) -> dict[str, float]:
+    """Every ``<name>_sum`` the train tasks returned, as a per-sample mean ``<name>``."""
+    sums: dict[str, float] = {}
+    for m in micro:
+        for k, v in m.items():
+            if k.endswith("_sum") and k not in _TRAIN_KEYS:
+                sums[k[:-4]] = sums.get(k[:-4], 0.0) + float(v)
+    out = {k: v / samples for k, v in sums.items()}
+    return {**DEFAULT_STATS, **out}
+
+
+def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: float, t_trained: float,
+              t_end: float) -> StepRecord:
+    """The record of one step from the train tasks' stats and the wall clock."""
+    samples = sum(m["samples"] for m in micro)
+    sample_log = [dict(x, staleness=step - x["version"]) for m in micro for x in m.get("sample_log", [])]
+    tokens = sum(m["tokens"] for m in micro)
+    gen_end = max(m["gen_end_max"] for m in micro)
+    oldest = min(m["policy_version_min"] for m in micro)
+    step_s = t_end - t0
+    return StepRecord(
+        step=step, policy_version=version, samples=samples, train_tasks=len(micro),
+        micro_batches=sum(m["micro_batches"] for m in micro),
+        reward_mean=sum(m["reward_sum"] for m in micro) / samples,
+        loss=sum(m["loss_sum"] for m in micro) / samples,
+        response_len_mean=tokens / samples, reward_errors=sum(m["reward_errors"] for m in micro),
+        generated_policy_version_min=oldest, staleness_max=step - oldest, grad_norm=step_stats["grad_norm"],
+        samples_per_s=samples / step_s, tokens_per_s=tokens / step_s, generate_s=max(0.0, gen_end - t0),
+        train_s=sum(m["seconds"] for m in micro) + step_stats["seconds"], train_tail_s=t_trained - gen_end,
+        weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
+        stats=algorithm_stats(micro, samples), sample_log=sample_log)
