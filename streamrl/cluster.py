@@ -87,6 +87,23 @@ class QuickExit(WorkerPlugin):
             os._exit(0)
 
 
+class QuietTaskErrors(WorkerPlugin):
+    """A failed task is reported once, by the ``streamrl`` process, in one line or with its
+    traceback; the worker's own "Compute Failed" log of the same error (a second traceback in
+    the user's terminal) is kept out unless ``--verbose``."""
+
+    name = "streamrl-quiet-task-errors"
+
+    def setup(self, worker) -> None:
+        logging.getLogger("distributed.worker").addFilter(_drop_compute_failed)
+
+
+def _drop_compute_failed(record: logging.LogRecord) -> bool:
+    """Logging filter: False for the worker's "Compute Failed" record (the error reaches the
+    client anyway); everything else the worker logs stays."""
+    return not str(record.msg).startswith("Compute Failed")
+
+
 def quiet_dask(verbose: bool) -> int:
     """Dask logs at INFO by default; keep the user's terminal for streamrl unless ``--verbose``."""
     level = logging.INFO if verbose else logging.WARNING
@@ -126,6 +143,8 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[SpecCluster | None, Cl
             raise UserError(f"cluster.startup_timeout: workers did not start within "
                             f"{recipe.cluster.startup_timeout}s") from None
         client.register_plugin(QuickExit())  # only on workers we started ourselves
+        if not verbose:
+            client.register_plugin(QuietTaskErrors())
     check_pools(client)
     return cluster, client
 

@@ -55,6 +55,14 @@ def controller(tiny_model, tmp_path_factory):
     dask_cluster.close()
 
 
+@pytest.fixture
+def fresh(controller):
+    """The controller with new engines and trainer at the initial weights, version 0: tests do
+    not depend on which ran before."""
+    controller.place_residents()
+    return controller
+
+
 def on_generate_worker(ctl, fn):
     addr = next(iter(ctl.generate_workers.values()))
     return ctl.client.submit(fn, workers=[addr], allow_other_workers=False, pure=False).result()
@@ -82,12 +90,13 @@ def test_pools_are_labelled_workers(controller):
         assert info["host"] == "127.0.0.1"
 
 
-def test_engine_logprobs_match_trainer_logprobs(controller):
-    samples = engine_logprobs_match_trainer(controller, "check-v0")
+def test_engine_logprobs_match_trainer_logprobs(fresh):
+    samples = engine_logprobs_match_trainer(fresh, "check-v0")
     assert {s.policy_version for s in samples} == {0}
 
 
-def test_step_publishes_weights_to_the_engine(controller):
+def test_step_publishes_weights_to_the_engine(fresh):
+    controller = fresh
     m = controller.step(0)
     assert m["policy_version"] == 1 and m["samples"] == 16
     assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
@@ -106,7 +115,7 @@ def test_step_publishes_weights_to_the_engine(controller):
     assert {s.policy_version for s in samples} == {1}
 
 
-def test_stream_and_batch_give_the_same_update_on_the_same_samples(controller):
+def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_samples(controller):
     scored = controller.submit_generation(step=50)  # generate + score once, keep the futures
     wait(scored)  # before place_residents() below replaces the engine these tasks run on
     total = 16
@@ -131,6 +140,14 @@ def test_stream_and_batch_give_the_same_update_on_the_same_samples(controller):
     assert cuts[0] > cuts[1] >= 1, cuts  # the same samples really were cut differently
     moved = max((batched[n] - initial[n]).abs().max().item() for n in batched)
     assert moved > 1e-4, "the update must move the weights for the comparison to mean anything"
+    # the in-process reference loop, trained on the same samples, is the oracle for both
+    from streamrl.flow.placement import trainer_context
+    from streamrl.reference import train_step
+
+    trainer = controller.resolved.trainer.build(trainer_context(controller.resolved))
+    train_step(trainer, [f.result() for f in scored], groups_per_micro_batch=3)
+    oracle = trainer.named_weights()
     for name in batched:
         # AdamW steps are ~lr per element; allow 2% of one step for float summation order
         assert torch.allclose(streamed[name], batched[name], atol=0.02 * 1e-3), name
+        assert torch.allclose(oracle[name], batched[name], atol=0.02 * 1e-3), name
