@@ -74,18 +74,20 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     check_pools(r)
     registry = build_registry(r.plugins.modules, loaded.base)
     chosen: dict[str, Chosen | None] = {}
+    tables = dict(r)  # section name -> its table
     for section, kind in SECTIONS.items():
-        sec = getattr(r, section)
+        sec = tables[section]
         chosen[section] = None if sec is None else choose(registry, kind, sec.name, sec.options(), section, r.run.seed)
     sinks = [choose(registry, "metric_sink", sec.name, sec.options(), f"metrics[{i}]", r.run.seed)
              for i, sec in enumerate(r.metrics)]
     out = Resolved(loaded, registry, sinks=sinks, **chosen)
-    needs_model = [s for s, base in (("engine", Engine), ("trainer", Trainer))
-                   if getattr(out, s).component.declared(base, "needs_model", True)]
+    needs_model = [f'{s}.name = "{tables[s].name}"' for s, c, base in
+                   (("engine", out.engine, Engine), ("trainer", out.trainer, Trainer))
+                   if c.component.declared(base, "needs_model", True)]
     if needs_model:
         path = loaded.model_path()
         if path is None:
-            raise UserError(f'model: missing; {needs_model[0]}.name = "{getattr(r, needs_model[0]).name}" needs one: '
+            raise UserError(f'model: missing; {needs_model[0]} needs one: '
                             'add a [model] table with path = "<folder of a transformers model>"')
         if not (path / "config.json").is_file():
             raise UserError(f"model.path: no transformers model at {path} "

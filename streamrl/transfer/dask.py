@@ -26,13 +26,18 @@ class DaskTransfer(Transfer):
         self.config = config
 
     def send(self, weights, version: int) -> bytes:
-        """The parameters as safetensors bytes (copied to the CPU)."""
+        """The parameters as safetensors bytes (copied to the CPU); no weights (a simulated
+        trainer), no bytes, and no torch import."""
+        if not weights:
+            return b""
         from streamrl.training.trainer import weights_to_bytes
 
         return weights_to_bytes(weights)
 
     def receive(self, payload: bytes, version: int) -> dict:
         """The named tensors back from the bytes."""
+        if not payload:
+            return {}
         from streamrl.training.trainer import weights_from_bytes
 
         return weights_from_bytes(payload)
