@@ -1,4 +1,4 @@
-"""The hardware/model cost model of the ``sim`` engine and trainer (``../shared/WORKLOADS.md`` W3).
+"""The hardware/model cost model of the ``sim`` engine and trainer (the W3 workload, ``docs/architecture.md``).
 
 Decoding is memory-bound: each decode step reads the weights once plus the KV cache of every
 running sequence, so the per-token latency of a step grows with the batch's total context:

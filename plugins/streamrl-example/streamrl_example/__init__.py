@@ -7,18 +7,17 @@ streamrl finds this module through the ``streamrl`` entry point in ``pyproject.t
 
 from __future__ import annotations
 
-import streamrl
-from streamrl.plugins import Component
+from streamrl.api import Component, hookimpl
 
 from streamrl_example.digit_match import DigitMatch, DigitMatchConfig
 from streamrl_example.rloo import RLOO, RLOOConfig
 
 
-@streamrl.hookimpl
+@hookimpl
 def register_rewards():
     return [Component("reward", "digit_match", DigitMatchConfig, DigitMatch)]
 
 
-@streamrl.hookimpl
+@hookimpl
 def register_algorithms():
     return [Component("algorithm", "rloo", RLOOConfig, RLOO)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.api import Reward
+
 
 class DigitMatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -15,7 +17,7 @@ class DigitMatchConfig(BaseModel):
     """Subtracted when the response has a different number of characters than the answer."""
 
 
-class DigitMatch:
+class DigitMatch(Reward):
     """Partial credit per digit; 1.0 only for the exact answer."""
 
     def __init__(self, config: DigitMatchConfig):
