@@ -17,8 +17,8 @@ in a recipe's ``[plugins] modules``) that implements some of these hooks with
 
 Every ``register_*`` hook is called once, when the plugin manager is built (each command of
 ``streamrl``), takes no arguments, and returns a list of :class:`streamrl.api.Component` of
-its kind. If a ``register_*`` hook raises, the plugin is reported by name on one line and
-skipped; the other plugins still load. Two components of one kind and name are both listed by
+its kind. If a ``register_*`` hook raises (or returns something else), that hook of that plugin
+is reported by name on one line and skipped; everything else still loads. Two components of one kind and name are both listed by
 ``streamrl plugins list``; only a recipe that names that component fails (naming both plugins).
 
 Components are resolved in the ``streamrl`` process; objects that run on Dask workers are built

@@ -66,3 +66,18 @@ def test_disabled_local_plugin_is_skipped(tmp_path, monkeypatch):
 def test_missing_local_module(tmp_path):
     with pytest.raises(UserError, match="plugins.modules: file './nope.py' not found"):
         build_registry(["./nope.py"], tmp_path)
+
+
+def test_a_register_hook_that_raises_is_reported_and_skipped(tmp_path):
+    (tmp_path / "bad.py").write_text(textwrap.dedent('''
+        from streamrl.api import hookimpl
+
+        @hookimpl
+        def register_rewards():
+            raise RuntimeError("no rewards today")
+    '''))
+    from streamrl.errors import PluginWarning
+
+    with pytest.warns(PluginWarning, match="local:./bad.py.*register_rewards failed.*no rewards today"):
+        reg = build_registry(["./bad.py"], tmp_path)
+    assert reg.get("reward", "exact_match", "reward.name").plugin == "streamrl.builtins"

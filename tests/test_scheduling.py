@@ -12,7 +12,6 @@ from streamrl.ranking.recall import top_recall
 from streamrl.sample import Prompt
 from streamrl.api import DispatchContext
 from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig, best_split, makespan
-from streamrl.sim.latency import Profile, step_latency
 
 
 def test_recall_of_the_top_fifth():
