@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from streamrl.algorithms.dr_grpo import DrGRPO, DrGRPOConfig
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
+from streamrl.algorithms.rloo import RLOO, RLOOConfig
 from streamrl.api import Component, hookimpl
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, LearnedRanker, LearnedRankerConfig,
@@ -21,7 +24,9 @@ from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
 
 @hookimpl
 def register_algorithms():
-    return [Component("algorithm", "grpo", GRPOConfig, GRPO)]
+    return [Component("algorithm", "grpo", GRPOConfig, GRPO), Component("algorithm", "rloo", RLOOConfig, RLOO),
+            Component("algorithm", "dr_grpo", DrGRPOConfig, DrGRPO),
+            Component("algorithm", "reinforce_pp", ReinforcePPConfig, ReinforcePP)]
 
 
 @hookimpl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
@@ -67,3 +68,33 @@ def test_off_policy_cap_is_plain_policy_gradient_on_fresh_samples():
     (ga,) = torch.autograd.grad(a.sum(), new)
     (gb,) = torch.autograd.grad(b.sum(), new)
     assert torch.allclose(a, b) and torch.allclose(ga, gb)
+
+
+def test_rloo_dr_grpo_and_reinforce_pp_advantages():
+    from streamrl.algorithms.dr_grpo import DrGRPO, DrGRPOConfig
+    from streamrl.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
+    from streamrl.algorithms.rloo import RLOO, RLOOConfig
+
+    assert RLOO(RLOOConfig()).advantages([1.0, 0.0, 0.0]) == [1.0, -0.5, -0.5]
+    assert DrGRPO(DrGRPOConfig()).advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]  # no std
+    rpp = ReinforcePP(ReinforcePPConfig())
+    first = rpp.advantages([1.0, 0.0, 0.0, 1.0])
+    assert first == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)  # centred, then unit std
+    # the normalisation is global: a later group is scaled by the statistics of everything seen
+    later = rpp.advantages([1.0, 1.0, 1.0, 0.0])
+    centred = [0.25, 0.25, 0.25, -0.75]
+    seen = [0.5, -0.5, -0.5, 0.5] + centred
+    mu = sum(seen) / 8
+    sd = (sum((x - mu) ** 2 for x in seen) / 8) ** 0.5
+    assert later == pytest.approx([(x - mu) / sd for x in centred], abs=1e-5)
+
+
+def test_dr_grpo_loss_is_token_level():
+    from streamrl.algorithms.dr_grpo import DrGRPO, DrGRPOConfig
+
+    new = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    per_sample, _ = DrGRPO(DrGRPOConfig(max_tokens=4)).loss(new, torch.zeros(2, 3), None,
+                                                            torch.tensor([1.0, -1.0]), mask)
+    # ratio 1: each token contributes -A; the sums (-2 and +1) are divided by L_max = 4, not by length
+    assert per_sample.tolist() == pytest.approx([-0.5, 0.25])

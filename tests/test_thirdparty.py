@@ -43,7 +43,7 @@ def test_installed_plugin_is_listed_with_its_distribution_and_broken_one_is_repo
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert ["reward", "digit_match", "example", "streamrl-example", "0.1.0"] in rows
-    assert ["algorithm", "rloo", "example", "streamrl-example", "0.1.0"] in rows
+    assert ["algorithm", "example_rloo", "example", "streamrl-example", "0.1.0"] in rows
     assert ["reward", "exact_match", "streamrl.builtins", "streamrl"] == rows[[r[1] for r in rows].index("exact_match")][:4]
     warning = [line for line in proc.stderr.splitlines() if "streamrl-broken" in line]
     assert len(warning) == 1 and "a_module_that_is_not_installed" in warning[0]
@@ -77,7 +77,7 @@ def test_recipe_runs_end_to_end_with_the_installed_plugin(site, tiny_recipe, tmp
     # cannot be all zeros (an untrained model's output made this check a coin toss)
     text = tiny_recipe.read_text().replace('name = "exact_match"', 'name = "digit_match"\nlength_penalty = 0.25')
     text = re.sub(r'path = ".*"', f'path = "{ROOT / "models" / "tiny-addition"}"', text, count=1)
-    text += '\n[algorithm]\nname = "rloo"\n\n[[metrics]]\nname = "csv"\n'
+    text += '\n[algorithm]\nname = "example_rloo"\n\n[[metrics]]\nname = "csv"\n'
     tiny_recipe.write_text(text)
     proc = streamrl(site, "recipe", "run", str(tiny_recipe))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_recipe_runs_end_to_end_with_the_installed_plugin(site, tiny_recipe, tmp
     assert sum(r["reward_mean"] for r in records) > 0
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows] == [0, 1]
-    assert 'name = "rloo"' in (run_dir / "recipe.toml").read_text()
+    assert 'name = "example_rloo"' in (run_dir / "recipe.toml").read_text()
 
 
 def test_example_package_own_tests_pass(site):

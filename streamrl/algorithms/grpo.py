@@ -26,19 +26,24 @@ from pydantic import BaseModel, ConfigDict, Field
 from streamrl.api import Algorithm
 
 
-class GRPOConfig(BaseModel):
+class ClippedConfig(BaseModel):
+    """The clipped surrogate's options, shared by the algorithms built on it."""
+
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     clip: float = Field(0.2, gt=0)
     """PPO clip range epsilon on the probability ratio."""
     kl_coef: float = Field(0.0, ge=0)
     """beta: weight of the KL penalty to the frozen initial policy (0 = no reference model)."""
+    off_policy_cap: float = Field(0.0, ge=0)
+    """0: the ratio is to the generating policy. > 0: decoupled PPO with the behaviour
+    importance weight capped at this value (e.g. 2.0), for stale samples in ``async`` mode."""
+
+
+class GRPOConfig(ClippedConfig):
     eps: float = Field(1e-6, gt=0)
     """Added to the group's reward std before dividing."""
     scale_rewards: bool = True
-    """Divide by the group std (Dr. GRPO sets this to false)."""
-    off_policy_cap: float = Field(0.0, ge=0)
-    """0: plain GRPO (ratio to the generating policy). > 0: decoupled PPO with the behaviour
-    importance weight capped at this value (e.g. 2.0), for stale samples in ``async`` mode."""
+    """Divide by the group std (false gives Dr. GRPO's advantages; see ``dr_grpo``)."""
 
 
 class GRPO(Algorithm):
@@ -52,7 +57,7 @@ class GRPO(Algorithm):
         """Group-normalised advantages; an all-equal group gets zeros (no signal, no update)."""
         r = torch.tensor(rewards, dtype=torch.float32)
         a = r - r.mean()
-        if self.config.scale_rewards and len(rewards) > 1:
+        if self.config.scale_rewards and len(rewards) > 1:  # config is a GRPOConfig here
             a = a / (r.std() + self.config.eps)
         return a.tolist()
 

@@ -20,4 +20,4 @@ def register_rewards():
 
 @hookimpl
 def register_algorithms():
-    return [Component("algorithm", "rloo", RLOOConfig, RLOO)]
+    return [Component("algorithm", "example_rloo", RLOOConfig, RLOO)]

@@ -22,4 +22,4 @@ def test_rloo_baseline_leaves_the_sample_out():
 def test_streamrl_discovers_the_entry_point():
     registry = build_registry()
     assert registry.get("reward", "digit_match", "reward.name").factory is DigitMatch
-    assert registry.get("algorithm", "rloo", "algorithm.name").plugin == "example"
+    assert registry.get("algorithm", "example_rloo", "algorithm.name").plugin == "example"

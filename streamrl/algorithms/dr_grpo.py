@@ -1,0 +1,37 @@
+"""Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its two
+length and difficulty biases.
+
+    A_i = r_i - mean(r)                            # no division by the group's std
+    L_i = sum_t[ -min(ratio_t * A_i, clip(ratio_t, 1-e, 1+e) * A_i) ] / L_max
+
+GRPO averages each sample's tokens (``/ |o_i|``), which lets long wrong answers off lightly;
+dividing every sample by the same constant ``L_max`` (the generation budget, ``max_tokens``)
+makes the loss token-level. The trainer then divides by the samples in the batch.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from streamrl.algorithms.grpo import GRPO, ClippedConfig
+
+
+class DrGRPOConfig(ClippedConfig):
+    max_tokens: int = Field(16, ge=1)
+    """L_max, the constant every sample's token sum is divided by; set it to the engine's
+    ``max_new_tokens``."""
+
+
+class DrGRPO(GRPO):
+    """Mean-centred advantages and a token-level clipped surrogate."""
+
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """``r_i - mean(r)``."""
+        mean = sum(rewards) / len(rewards)
+        return [r - mean for r in rewards]
+
+    def loss(self, new, old, ref, adv, mask):
+        """As GRPO's, with each sample's token sum divided by ``max_tokens`` instead of its length."""
+        per_sample, stats = super().loss(new, old, ref, adv, mask)
+        n_tokens = mask.sum(-1).clamp(min=1)
+        return per_sample * n_tokens / self.config.max_tokens, stats

@@ -1,0 +1,29 @@
+"""RLOO (Ahmadian et al., 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline.
+
+For a group of G samples of one prompt with rewards r_1..r_G:
+
+    A_i = r_i - (sum_j r_j - r_i) / (G - 1)        # the mean of the *other* samples
+
+unbiased (GRPO's group mean includes the sample itself) and unscaled. The loss is GRPO's
+clipped surrogate, per-sample mean over tokens (``streamrl/algorithms/grpo.py``).
+"""
+
+from __future__ import annotations
+
+from streamrl.algorithms.grpo import GRPO, ClippedConfig
+
+
+class RLOOConfig(ClippedConfig):
+    """``clip``, ``kl_coef``, ``off_policy_cap``: as GRPO's."""
+
+
+class RLOO(GRPO):
+    """GRPO's loss with leave-one-out advantages."""
+
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """``r_i`` minus the mean of the group's other rewards (0 for a group of one)."""
+        n = len(rewards)
+        if n < 2:
+            return [0.0] * n
+        total = sum(rewards)
+        return [r - (total - r) / (n - 1) for r in rewards]
