@@ -222,6 +222,12 @@ class Algorithm:
     needs_reference: bool = False
     """True: the trainer keeps a frozen copy of the initial policy and passes its logprobs as
     ``ref`` (e.g. for a KL penalty); False: ``ref`` is None."""
+    needs_critic: bool = False
+    """True: the trainer keeps a critic (a value model trained beside the policy) and gets the
+    advantages from :meth:`token_advantages` instead of :meth:`advantages`, and a value loss
+    from :meth:`value_loss`."""
+    critic_warmup_steps: int = 0
+    """With a critic: optimizer steps at the start in which only the critic learns."""
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """One advantage per sample of a group, from the group's rewards (same order)."""
@@ -240,9 +246,22 @@ class Algorithm:
 
         ``stats`` are per-sample sums (scalars); each key ``<name>_sum`` is reported in
         ``metrics.jsonl`` as ``<name>`` averaged over samples. Reported by default (missing keys
-        are fine): ``clip_frac_sum``, ``kl_sum``, ``behaviour_weight_sum``.
+        are fine): ``clip_frac_sum``, ``kl_sum``, ``behaviour_weight_sum``. ``adv`` is ``[B, T]``
+        instead when the algorithm has a critic.
         """
         raise NotImplementedError
+
+    def token_advantages(self, rewards: "torch.Tensor", values: "torch.Tensor",
+                         mask: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """With a critic: ``(advantages [B, T], returns [B, T])`` from the sequence rewards
+        ``[B]`` and the critic's ``values [B, T]`` (detached), e.g. GAE."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic")
+
+    def value_loss(self, values: "torch.Tensor", old_values: "torch.Tensor", returns: "torch.Tensor",
+                   mask: "torch.Tensor") -> "torch.Tensor":
+        """With a critic: the per-sample value loss ``[B]`` (it is summed and scaled by
+        1 / samples like the policy loss)."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from streamrl.algorithms.dr_grpo import DrGRPO, DrGRPOConfig
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.algorithms.ppo import PPO, PPOConfig
 from streamrl.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
 from streamrl.algorithms.rloo import RLOO, RLOOConfig
 from streamrl.api import Component, hookimpl
@@ -26,7 +27,8 @@ from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
 def register_algorithms():
     return [Component("algorithm", "grpo", GRPOConfig, GRPO), Component("algorithm", "rloo", RLOOConfig, RLOO),
             Component("algorithm", "dr_grpo", DrGRPOConfig, DrGRPO),
-            Component("algorithm", "reinforce_pp", ReinforcePPConfig, ReinforcePP)]
+            Component("algorithm", "reinforce_pp", ReinforcePPConfig, ReinforcePP),
+            Component("algorithm", "ppo", PPOConfig, PPO)]
 
 
 @hookimpl

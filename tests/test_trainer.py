@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
@@ -77,3 +78,42 @@ def test_micro_batching_and_order_do_not_change_the_update(tiny_model):
         # ... and so is the AdamW step, whose size is ~lr per element; Adam divides by |g|, so
         # near-zero gradient entries amplify summation noise: allow 2% of one step
         assert torch.allclose(whole[name], streamed[name], atol=0.02 * 1e-2), name
+
+
+def test_gae_spreads_the_final_reward_over_the_response_tokens():
+    from streamrl.algorithms.ppo import PPO, PPOConfig
+
+    ppo = PPO(PPOConfig(gamma=1.0, lam=0.5))
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])  # a prompt position, 3 response tokens, padding
+    values = torch.tensor([[9.0, 0.2, 0.4, 0.6, 9.0]])
+    adv, ret = ppo.token_advantages(torch.tensor([1.0]), values, mask)
+    # deltas: t3 = 1 - 0.6 = 0.4; t2 = 0.6 - 0.4 = 0.2; t1 = 0.4 - 0.2 = 0.2
+    expected = [0.0, 0.2 + 0.5 * (0.2 + 0.5 * 0.4), 0.2 + 0.5 * 0.4, 0.4, 0.0]
+    assert adv[0].tolist() == pytest.approx(expected)
+    assert ret[0].tolist() == pytest.approx([0.0] + [a + v for a, v in zip(expected[1:4], [0.2, 0.4, 0.6])] + [0.0])
+    # lam = 1, gamma = 1: the Monte-Carlo return minus the value, at every response token
+    mc, _ = PPO(PPOConfig(gamma=1.0, lam=1.0)).token_advantages(torch.tensor([1.0]), values, mask)
+    assert mc[0, 1:4].tolist() == pytest.approx([0.8, 0.6, 0.4])
+
+
+def test_ppo_trainer_fits_its_critic_and_reports_it(tiny_model):
+    from streamrl.algorithms.ppo import PPO, PPOConfig
+
+    trainer = HFTrainer(HFTrainerConfig(lr=1e-3, critic_lr=3e-3),
+                        TrainerContext(str(tiny_model), PPO(PPOConfig(critic_warmup_steps=2)), 1.0, HFEngineConfig()))
+    groups = make_groups(trainer)
+    for g, group in enumerate(groups):  # a return the critic can learn: it depends on the prompt
+        for s in group:
+            s.reward = float(g % 2)
+    before = {n: p.clone() for n, p in trainer.named_weights().items()}
+    losses = []
+    for _ in range(8):
+        stats = trainer.micro_batch(groups, 1.0 / 24)
+        losses.append(stats["value_loss_sum"] / stats["samples"])
+        if trainer.version == 1:  # still warming up the critic: the policy has not moved
+            assert all(torch.equal(before[n], p) for n, p in trainer.named_weights().items())
+        out = trainer.step()
+        assert out["critic_grad_norm"] > 0
+    assert losses[-1] < 0.5 * losses[0], losses  # the critic learns the returns
+    assert any(not torch.equal(before[n], p) for n, p in trainer.named_weights().items())  # then the policy moves
+    assert "explained_variance_sum" in stats

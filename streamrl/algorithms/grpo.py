@@ -72,7 +72,7 @@ class GRPO(Algorithm):
         else:
             ratio = torch.exp(new - old)
         clipped = torch.clamp(ratio, 1 - self.config.clip, 1 + self.config.clip)
-        a = adv[:, None]
+        a = adv[:, None] if adv.dim() == 1 else adv  # per sample [B] or per token [B, T]
         per_token = -torch.minimum(ratio * a, clipped * a) * behaviour_weight
         kl = torch.zeros_like(new)
         if ref is not None:

@@ -96,4 +96,6 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
         samples_per_s=samples / step_s, tokens_per_s=tokens / step_s, generate_s=max(0.0, gen_end - t0),
         train_s=sum(m["seconds"] for m in micro) + step_stats["seconds"], train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
-        stats=algorithm_stats(micro, samples), sample_log=sample_log)
+        stats={**algorithm_stats(micro, samples),  # and what else the optimizer step reports
+               **{k: v for k, v in step_stats.items() if k not in ("version", "grad_norm", "seconds")}},
+        sample_log=sample_log)

@@ -32,6 +32,8 @@ class HFTrainerConfig(BaseModel):
     early RL gradients from wrecking a small policy."""
     max_grad_norm: float = Field(1.0, ge=0)
     """Gradient clipping norm before each optimizer step (0 disables)."""
+    critic_lr: float = Field(5e-4, gt=0)
+    """AdamW learning rate of the critic, for algorithms that have one (``ppo``)."""
 
 
 def pad_batch(samples, pad_id: int):
@@ -62,7 +64,7 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0):
 
 
 class HFTrainer(Trainer):
-    """A causal LM + AdamW (+ a frozen reference model when the algorithm asks for one)."""
+    """A causal LM + AdamW (+ a frozen reference model and a critic when the algorithm asks)."""
 
     def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,6 +82,11 @@ class HFTrainer(Trainer):
             self.reference = AutoModelForCausalLM.from_pretrained(
                 context.model_path, dtype=torch.float32).to(device).eval()
             self.reference.requires_grad_(False)
+        self.critic = None
+        if self.algorithm.needs_critic:
+            from streamrl.training.critic import Critic
+
+            self.critic = Critic(context.model_path, config.critic_lr, device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         warmup = config.warmup_steps
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
@@ -89,20 +96,31 @@ class HFTrainer(Trainer):
     def micro_batch(self, groups: list[Group], scale: float) -> dict:
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`."""
         t0 = time.perf_counter()
-        samples, advantages = [], []
-        for group in groups:
-            advantages += self.algorithm.advantages([s.reward for s in group])
-            samples += group
+        samples = [s for g in groups for s in g]
         ids, attn, resp, old = pad_batch(samples, self.tokenizer.pad_token_id)
         ids, attn, resp, old = (t.to(self.device) for t in (ids, attn, resp, old))
-        adv = torch.tensor(advantages, dtype=torch.float32, device=self.device)
+        stats: dict = {}
+        critic_loss = 0.0
+        if self.critic is None:
+            adv = torch.tensor([a for g in groups for a in self.algorithm.advantages([s.reward for s in g])],
+                               dtype=torch.float32, device=self.device)
+        else:  # token-level advantages from the critic; the critic learns in the same micro-batch
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device)
+            values = self.critic.values(ids, attn)
+            adv, returns = self.algorithm.token_advantages(rewards, values.detach(), resp)
+            value_loss = self.algorithm.value_loss(values, values.detach(), returns, resp)
+            critic_loss = value_loss.sum() * scale
+            stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
         new = token_logprobs(self.model, ids, attn, self.temperature)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logprobs(self.reference, ids, attn, self.temperature)
-        per_sample, stats = self.algorithm.loss(new, old, ref, adv, resp)
-        (per_sample.sum() * scale).backward()
+        per_sample, algo_stats = self.algorithm.loss(new, old, ref, adv, resp)
+        stats.update(algo_stats)
+        if self.version < self.algorithm.critic_warmup_steps:
+            per_sample = per_sample * 0.0  # critic warm-up: the policy does not move yet
+        (per_sample.sum() * scale + critic_loss).backward()
         return {
             "samples": len(samples),
             "tokens": int(resp.sum().item()),
@@ -121,8 +139,11 @@ class HFTrainer(Trainer):
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        out = {"version": self.version + 1, "grad_norm": norm}
+        if self.critic is not None:
+            out["critic_grad_norm"] = self.critic.step(self.config.max_grad_norm)
         self.version += 1
-        return {"version": self.version, "grad_norm": norm, "seconds": time.perf_counter() - t0}
+        return {**out, "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -140,7 +161,21 @@ class HFTrainer(Trainer):
         """Write the current policy as a transformers model folder (``from_pretrained`` reloads it)."""
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
+        if self.critic is not None:
+            self.critic.save(f"{out}/critic")
         return out
+
+
+@torch.no_grad()
+def critic_stats(values, returns, mask, value_loss) -> dict:
+    """Per-sample sums for the record: the value loss, and the critic's explained variance of
+    the returns over this micro-batch's response tokens (weighted by its samples)."""
+    v, r = values[mask > 0], returns[mask > 0]
+    var = r.var(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
+    ev = 1.0 - (r - v).var(unbiased=False) / var if var > 1e-8 else torch.tensor(0.0)
+    n = mask.shape[0]
+    return {"value_loss_sum": value_loss.sum(), "explained_variance_sum": ev * n,
+            "value_mean_sum": ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()}
 
 
 def weights_to_bytes(named: dict[str, torch.Tensor]) -> bytes:

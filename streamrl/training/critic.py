@@ -1,0 +1,45 @@
+"""The critic of PPO: a value model trained beside the policy on the train worker.
+
+A second copy of the policy's transformer (``AutoModel.from_pretrained`` of the same folder, so
+it starts from the warm-started features) with a scalar head initialised to zero, and its own
+AdamW. ``values(ids, attn)[b, t]`` is the value of the state whose next token is ``t + 1``:
+aligned with the policy's token logprobs and the response mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Critic(torch.nn.Module):
+    """Transformer backbone + linear value head, with its optimizer."""
+
+    def __init__(self, model_path: str, lr: float, device: str = "cpu"):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.to(device).train()
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr)
+
+    def values(self, ids, attn):
+        """Values ``[B, T-1]`` of the states before each next token."""
+        hidden = self.backbone(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
+        return self.head(hidden).squeeze(-1).float()
+
+    def step(self, max_grad_norm: float) -> float:
+        """Clip, step, clear; returns the gradient norm."""
+        norm = 0.0
+        if max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def save(self, out: str) -> None:
+        """The backbone as a transformers folder, the head as ``value_head.pt`` beside it."""
+        self.backbone.save_pretrained(out)
+        torch.save(self.head.state_dict(), f"{out}/value_head.pt")
