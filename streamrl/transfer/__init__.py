@@ -1,1 +1,1 @@
-"""Weight transports: how new weights get from the trainer to every generate worker."""
+"""Weight transfers (``[transfer]``): how new weights get from the trainer to every generate worker."""
