@@ -129,3 +129,13 @@ def test_async_mode_keeps_staleness_within_the_bound(tiny_recipe, tmp_path):
     assert any(r["staleness_max"] == 1 for r in records[1:])
     check_every_sample_trained_once(records)
     check_pool_accounting(records)
+
+
+@pytest.mark.slow
+def test_reference_loop_runs_a_recipe_in_one_process():
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "reference", "recipes/ppo.toml", "--steps", "2",
+                           "--set", "trainer.prompts_per_step=4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"] and lines[-1].endswith("v2")
