@@ -21,10 +21,15 @@ from streamrl.sample import Group, Prompt
 def generate_group(prompt: Prompt, n: int, submitted: float = 0.0, engine_priority: float = 0.0) -> Group:
     """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked;
     ``engine_priority`` (from a scheduler; higher first) orders the engine's queue."""
+    start = time.time()
     group = resident(ENGINE).generate(prompt, n, priority=engine_priority)
+    end = time.time()
     name = str(get_worker().name)
     for s in group:
         s.times["submitted"] = submitted
+        # an engine that does not time its samples gets the task's own times
+        s.times.setdefault("gen_start", start)
+        s.times.setdefault("gen_end", end)
         s.worker = name
     return group
 

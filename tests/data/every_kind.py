@@ -91,8 +91,7 @@ class PlainGenerate(Engine):
                 resp = resp[:resp.index(self.tok.eos_token_id) + 1]
             group.append(Sample(uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=ids, response_ids=resp,
                                 logprobs=logp[k, :len(resp)].tolist(), policy_version=version,
-                                response_text=self.tok.decode(resp, skip_special_tokens=True),
-                                times={"gen_start": 0.0, "gen_end": 0.0}))
+                                response_text=self.tok.decode(resp, skip_special_tokens=True)))
         return group
 
     @torch.no_grad()
