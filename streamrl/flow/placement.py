@@ -55,8 +55,10 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
             for name, addr in generate_workers.items()]
     futs.append(client.submit(remote.warm_up, TRAINER, key="load-trainer", workers=[train_worker],
                               allow_other_workers=False))
+    # both ends of the transfer, each worker once (a colocated train worker is also a generate one)
+    ends = {train_worker: "train", **{addr: name for name, addr in generate_workers.items()}}
     futs += [client.submit(remote.warm_up, TRANSFER, key=f"load-transfer-{name}", workers=[addr],
                            allow_other_workers=False, pure=False)
-             for name, addr in {"train": train_worker, **generate_workers}.items()]
+             for addr, name in ends.items()]
     for f in futs:
         f.result()

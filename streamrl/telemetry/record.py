@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 #: value assumed then (a clip fraction and a KL of 0, a behaviour weight of 1)
 DEFAULT_STATS = {"clip_frac": 0.0, "kl": 0.0, "behaviour_weight": 1.0}
 
-#: what train tasks return that is not an algorithm statistic
-_TRAIN_KEYS = {"samples", "tokens", "reward_sum", "loss_sum", "seconds", "micro_batches", "sample_log",
-               "gen_end_max", "policy_version_min", "reward_errors"}
+#: sums the trainer itself returns, reported under their own names rather than as statistics
+_TRAIN_SUMS = {"reward_sum", "loss_sum"}
 
 
 @dataclass
@@ -71,7 +70,7 @@ def algorithm_stats(micro: list[dict], samples: int) -> dict[str, float]:
     sums: dict[str, float] = {}
     for m in micro:
         for k, v in m.items():
-            if k.endswith("_sum") and k not in _TRAIN_KEYS:
+            if k.endswith("_sum") and k not in _TRAIN_SUMS:
                 sums[k[:-4]] = sums.get(k[:-4], 0.0) + float(v)
     out = {k: v / samples for k, v in sums.items()}
     return {**DEFAULT_STATS, **out}
