@@ -147,7 +147,16 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
     trainer = controller.resolved.trainer.build(trainer_context(controller.resolved))
     train_step(trainer, [f.result() for f in scored], groups_per_micro_batch=3)
     oracle = trainer.named_weights()
-    for name in batched:
-        # AdamW steps are ~lr per element; allow 2% of one step for float summation order
-        assert torch.allclose(streamed[name], batched[name], atol=0.02 * 1e-3), name
-        assert torch.allclose(oracle[name], batched[name], atol=0.02 * 1e-3), name
+    # Adam's first step moves each weight by ~lr * sign(gradient). Summing the same gradients in
+    # another order can flip the sign of a gradient that is ~0 anyway, so a handful of elements may
+    # differ by up to 2 * lr; everything else must agree to 2% of one step. One lost sample out of
+    # 16 puts ~12% of the elements off (measured), far above one in ten thousand.
+    lr = controller.resolved.trainer.config.lr
+    for other, label in ((streamed, "stream"), (oracle, "reference")):
+        off = total_elements = 0
+        for name in batched:
+            gap = (other[name] - batched[name]).abs()
+            assert gap.max().item() <= 2.2 * lr, (label, name)
+            off += int((gap > 0.02 * lr).sum())
+            total_elements += gap.numel()
+        assert off <= 1e-4 * total_elements, (label, off, total_elements)

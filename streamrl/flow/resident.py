@@ -84,8 +84,10 @@ class Resident(WorkerPlugin):
             return self.obj
 
     def teardown(self, worker) -> None:
-        if self.obj is not None:
-            self.obj.close()
+        # Duck-typed plugins need not subclass the api base classes, so close() is optional.
+        close = getattr(self.obj, "close", None)
+        if close is not None:
+            close()
 
 
 def resident(name: str) -> Any:
