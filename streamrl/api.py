@@ -228,6 +228,10 @@ class Algorithm:
     from :meth:`value_loss`."""
     critic_warmup_steps: int = 0
     """With a critic: optimizer steps at the start in which only the critic learns."""
+    epochs: int = 1
+    """Optimizer steps per batch of samples. The first pass streams as groups are scored; later
+    passes go over the whole batch again and see samples one more update old each time, so
+    ``loss`` must stay valid off-policy (a clipped ratio to ``old`` is)."""
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """One advantage per sample of a group, from the group's rewards (same order)."""

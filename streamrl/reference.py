@@ -6,8 +6,9 @@ It is the algorithm every mode of the controller implements, without the distrib
         prompts  = task.prompts(step, P)                    # P prompt groups
         groups   = [engine.generate(p, n) for p in prompts]  # n samples each, with logprobs
         rewards  = reward.score(...) for every sample
-        trainer.micro_batch(groups[i:j], 1 / (P * n))      # advantages -> loss -> backward
-        trainer.step()                                      # one optimizer step per batch
+        repeat algorithm.epochs times:
+            trainer.micro_batch(groups[i:j], 1 / (P * n))  # advantages -> loss -> backward
+            trainer.step()                                  # one optimizer step per pass
         engine.load_weights(trainer.named_weights())        # the new policy generates next
 
 The controller (``flow/controller.py``) runs the same components as Dask tasks on labelled
@@ -28,15 +29,19 @@ from streamrl.flow.resolve import Resolved
 from streamrl.rewards.scoring import score_group
 
 
-def train_step(trainer: Trainer, groups: list[Group], groups_per_micro_batch: int) -> dict:
-    """Forward/backward over the groups in micro-batches, then one optimizer step. Every
-    micro-batch's loss is scaled by 1 / samples, so the cut does not change the update."""
+def train_step(trainer: Trainer, groups: list[Group], groups_per_micro_batch: int, epochs: int = 1) -> dict:
+    """Forward/backward over the groups in micro-batches, then one optimizer step; ``epochs``
+    times. Every micro-batch's loss is scaled by 1 / samples, so the cut does not change the
+    update. Returns the first pass's sums (the on-policy ones) and the last optimizer step's stats."""
     samples = sum(len(g) for g in groups)
-    stats: dict[str, float] = {}
-    for i in range(0, len(groups), groups_per_micro_batch):
-        for k, v in trainer.micro_batch(groups[i:i + groups_per_micro_batch], 1.0 / samples).items():
-            stats[k] = stats.get(k, 0.0) + v
-    return {**stats, **trainer.step()}
+    first: dict[str, float] = {}
+    for epoch in range(epochs):
+        for i in range(0, len(groups), groups_per_micro_batch):
+            for k, v in trainer.micro_batch(groups[i:i + groups_per_micro_batch], 1.0 / samples).items():
+                if epoch == 0:
+                    first[k] = first.get(k, 0.0) + v
+        stepped = trainer.step()
+    return {**first, **stepped}
 
 
 def generate(engine: Engine, prompts, n: int) -> list[Group]:
@@ -56,7 +61,8 @@ def run(resolved: Resolved, steps: int, log: Callable[[str], None] = print) -> l
     task, reward = resolved.task.build(), resolved.reward.build()
     engine = resolved.engine.build()
     engine.load(resolved.model_path)
-    trainer = resolved.trainer.build(trainer_context(resolved))
+    context = trainer_context(resolved)
+    trainer = resolved.trainer.build(context)
     transfer = resolved.transfer.build()
     t = r.trainer
     records = []
@@ -66,8 +72,8 @@ def run(resolved: Resolved, steps: int, log: Callable[[str], None] = print) -> l
             groups = generate(engine, task.prompts(step, t.prompts_per_step), t.samples_per_prompt)
             for g in groups:
                 score_group(reward, g)
-            stats = train_step(trainer, groups, t.groups_per_micro_batch)
-            version = int(stats["version"])
+            stats = train_step(trainer, groups, t.groups_per_micro_batch, context.algorithm.epochs)
+            version = step + 1  # one published policy per step, as in the controller
             engine.load_weights(transfer.receive(transfer.send(trainer.named_weights(), version), version), version)
             record = {"step": step, "policy_version": version, "samples": int(stats["samples"]),
                       "reward_mean": stats["reward_sum"] / stats["samples"],

@@ -39,12 +39,14 @@ def client():
     torch.set_num_threads(threads)
 
 
-def run_steps(client, overrides, steps=3):
+def run_steps(client, overrides, steps=3, controller=None):
     from streamrl import cluster
 
     resolved = resolve(load_recipe(W3, SMALL + overrides + [f"run.steps={steps}"]))
     ctl = Controller(resolved, client, cluster.pool_workers(client))
     ctl.place_residents()
+    if controller is not None:
+        controller.append(ctl)
     return [ctl.step(s) for s in range(steps)]
 
 
@@ -61,6 +63,19 @@ def test_every_mode_trains_every_sample_once_in_order(client, mode):
         assert r["clip_frac"] == 0.0 and r["behaviour_weight"] == 1.0  # defaults of a trainer without them
     if mode != "async":
         assert all(r["generated_policy_version_min"] == r["step"] for r in records)
+
+
+@pytest.mark.parametrize("mode", ["batch", "async"])
+def test_epochs_step_the_optimizer_once_per_pass_and_publish_once_per_step(client, mode):
+    from streamrl.flow.resident import TRAINER, resident
+
+    made = []
+    records = run_steps(client, [f"run.mode={mode}", 'algorithm={name="grpo", epochs=3}'], controller=made)
+    assert [r["policy_version"] for r in records] == [1, 2, 3]  # versions count batches
+    assert all(r["epochs"] == 3 and r["samples"] == 12 for r in records)  # the first pass's samples only
+    ctl = made[0]
+    steps = ctl.client.submit(lambda: resident(TRAINER).version, workers=[ctl.train_worker], pure=False).result()
+    assert steps == 9  # three optimizer steps per batch
 
 
 def test_scheduler_places_groups_and_reports_its_metrics(client):

@@ -124,8 +124,8 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
         controller.place_residents()  # fresh trainer and engine from the initial weights
         controller.recipe.trainer.micro_batch_tokens = tokens
         controller.recipe.trainer.groups_per_micro_batch = groups
-        step_fut, trains = controller.submit_training(step, ready, total, stream)
-        cuts.append(sum(f.result()["micro_batches"] for f in trains))
+        step_fut, passes = controller.submit_epochs(step, ready, total, stream)
+        cuts.append(sum(f.result()["micro_batches"] for f in passes[0]))
         step_fut.result()
         return controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
                                         workers=[controller.train_worker]).result()
@@ -136,6 +136,9 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
     streamed = train(100, scored, stream=True, tokens=40)
     batched = train(101, scored, stream=False, groups=4)
     initial = train(102, [], stream=False)  # no samples: one step with no gradient leaves AdamW at the start
+    controller.epochs = 2  # algorithm.epochs: a streamed pass, then one more over the whole batch
+    twice = train(103, scored, stream=True, tokens=40)
+    controller.epochs = 1
     controller.recipe.trainer.micro_batch_tokens, controller.recipe.trainer.groups_per_micro_batch = 0, 1
     assert cuts[0] > cuts[1] >= 1, cuts  # the same samples really were cut differently
     moved = max((batched[n] - initial[n]).abs().max().item() for n in batched)
@@ -144,19 +147,24 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
     from streamrl.flow.placement import trainer_context
     from streamrl.reference import train_step
 
-    trainer = controller.resolved.trainer.build(trainer_context(controller.resolved))
-    train_step(trainer, [f.result() for f in scored], groups_per_micro_batch=3)
-    oracle = trainer.named_weights()
+    def reference(epochs):
+        trainer = controller.resolved.trainer.build(trainer_context(controller.resolved))
+        train_step(trainer, [f.result() for f in scored], groups_per_micro_batch=3, epochs=epochs)
+        return trainer.named_weights()
+
+    oracle, oracle_twice = reference(1), reference(2)
+    assert max((twice[n] - streamed[n]).abs().max().item() for n in twice) > 1e-4, "the second epoch moved"
     # Adam's first step moves each weight by ~lr * sign(gradient). Summing the same gradients in
     # another order can flip the sign of a gradient that is ~0 anyway, so a handful of elements may
     # differ by up to 2 * lr; everything else must agree to 2% of one step. One lost sample out of
     # 16 puts ~12% of the elements off (measured), far above one in ten thousand.
     lr = controller.resolved.trainer.config.lr
-    for other, label in ((streamed, "stream"), (oracle, "reference")):
+    for one, other, label, steps in ((batched, streamed, "stream", 1), (batched, oracle, "reference", 1),
+                                     (oracle_twice, twice, "two epochs", 2)):
         off = total_elements = 0
-        for name in batched:
-            gap = (other[name] - batched[name]).abs()
-            assert gap.max().item() <= 2.2 * lr, (label, name)
+        for name in one:
+            gap = (other[name] - one[name]).abs()
+            assert gap.max().item() <= 2.2 * lr * steps, (label, name)
             off += int((gap > 0.02 * lr).sum())
             total_elements += gap.numel()
         assert off <= 1e-4 * total_elements, (label, off, total_elements)

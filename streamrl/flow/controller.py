@@ -9,7 +9,9 @@ small stats dicts. How a step overlaps with the next is the mode's business (``f
 where each group runs is the dispatcher's (``scheduling/dispatch.py``).
 
 Every mode accumulates gradients over the step's samples with the same scaling (1 / samples)
-and steps once, so ``batch``, ``stream`` and the reference loop give the same update.
+and steps once per pass, so ``batch``, ``stream`` and the reference loop give the same update.
+With ``algorithm.epochs = E`` the first pass streams and E - 1 more go over the whole batch;
+the weights are published after the last, so the policy version counts steps (batches).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Controller:
         # The ranker lives on the rank pool, else on the first reward worker.
         self.rank_worker = sorted((pools.get("rank") or pools["reward"]).items())[0][1] if resolved.ranker else None
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
+        self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         self.version = 0
         self.last_step: Future | None = None
         self.dispatcher: Dispatcher | None = None
@@ -78,8 +81,19 @@ class Controller:
                                              resources={"reward": 1}, retries=1))
         return scored
 
+    def submit_epochs(self, step: int, scored: list[Future], total_samples: int,
+                      stream: bool) -> tuple[Future, list[list[Future]]]:
+        """Every pass (``algorithm.epochs``) over the step's groups: the first as the mode
+        says, the others over the whole batch in submission order once it is scored. Returns
+        the last optimizer step and each pass's train tasks."""
+        passes = []
+        for epoch in range(self.epochs):
+            step_fut, trains = self.submit_training(step, scored, total_samples, stream and epoch == 0, epoch)
+            passes.append(trains)
+        return step_fut, passes
+
     def submit_training(self, step: int, scored: list[Future], total_samples: int,
-                        stream: bool) -> tuple[Future, list[Future]]:
+                        stream: bool, epoch: int = 0) -> tuple[Future, list[Future]]:
         """Train tasks over the step's scored groups, then one optimizer step.
 
         ``stream=False``: the groups in submission order (all are scored). ``stream=True``: in
@@ -91,12 +105,13 @@ class Controller:
         t = self.recipe.trainer
         dynamic = t.micro_batch_tokens > 0
         trains: list[Future] = []
+        suffix = f"-epoch{epoch}" if epoch else ""
 
         def submit(chunk):
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
-                key=f"train-{step}-{len(trains):03d}", workers=[self.train_worker], resources={"train": 1}))
+                key=f"train-{step}{suffix}-{len(trains):03d}", workers=[self.train_worker], resources={"train": 1}))
 
         if not stream:
             size = len(scored) if dynamic else t.groups_per_micro_batch
@@ -123,7 +138,7 @@ class Controller:
                     buf = []
                 if seen == len(scored):
                     break
-        self.last_step = self.client.submit(remote.optimizer_step, *trains, key=f"optimizer-step-{step}",
+        self.last_step = self.client.submit(remote.optimizer_step, *trains, key=f"optimizer-step-{step}{suffix}",
                                             workers=[self.train_worker], resources={"train": 1})
         return self.last_step, trains
 
@@ -132,15 +147,21 @@ class Controller:
         t0 = time.time()
         scored = self.mode.scored(self, step)
         t = self.recipe.trainer
-        step_fut, micro = self.submit_training(step, scored, t.prompts_per_step * t.samples_per_prompt,
-                                               self.mode.streams)
+        step_fut, passes = self.submit_epochs(step, scored, t.prompts_per_step * t.samples_per_prompt,
+                                              self.mode.streams)
         step_stats = step_fut.result()
         t_trained = time.time()
-        self.version = step_stats["version"]
+        self.version = step + 1  # one published policy per step, however many optimizer steps
+        if self.epochs > 1:  # how far the last pass moved from the generating policy
+            last = [f.result() for f in passes[-1]]
+            n = sum(m["samples"] for m in last)
+            step_stats = {**step_stats, "epochs": self.epochs,
+                          "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in last) / n,
+                          "last_epoch_loss": sum(m["loss_sum"] for m in last) / n}
         self.mode.published(self.version, publish(self.client, step_fut, self.version, self.train_worker,
                                                   self.generate_workers))
         before, self.clock = self.clock, bubbles.snapshot(self.client)
-        record = summarize(step, self.version, [f.result() for f in micro], step_stats, t0, t_trained, self.clock[0])
+        record = summarize(step, self.version, [f.result() for f in passes[0]], step_stats, t0, t_trained, self.clock[0])
         record.pools = bubbles.pool_bubbles(before, self.clock, self.pools)
         # the accounting window runs boundary to boundary, so it includes the controller's own
         # time between steps (writing metrics), which is idle time for every pool too
