@@ -55,3 +55,37 @@ def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
         assert sorted(done, key=done.get) == ["first", "high", "mid", "low"]
     finally:
         engine.close()
+
+
+def test_reproducible_engine_draws_the_same_samples_for_a_seed_whatever_runs_beside_it(tiny_model):
+    import threading
+
+    import torch
+
+    from streamrl.training.trainer import pad_batch, token_logprobs
+
+    prompt = Prompt(uid="7-3", text="2+5=", answer="7")
+
+    def engine(seed):
+        e = HFEngine(HFEngineConfig(max_new_tokens=5, reproducible=True, seed=seed))
+        e.load(str(tiny_model))
+        return e
+
+    a, b = engine(1), engine(1)
+    alone = a.generate(prompt, 4)
+    # the same group while other groups are decoded on the same engine from other threads
+    others = [threading.Thread(target=b.generate, args=(Prompt(uid=f"x{i}", text="1+1=", answer="2"), 3))
+              for i in range(3)]
+    for t in others:
+        t.start()
+    crowded = b.generate(prompt, 4)
+    for t in others:
+        t.join()
+    assert [s.response_ids for s in alone] == [s.response_ids for s in crowded]
+    assert [s.logprobs for s in alone] == [s.logprobs for s in crowded]
+    other_seed = engine(2).generate(prompt, 4)
+    assert [s.response_ids for s in other_seed] != [s.response_ids for s in alone]
+    # the logprobs are the ones the trainer computes for the same tokens
+    ids, attn, resp, old = pad_batch(alone, a.tokenizer.pad_token_id)
+    new = token_logprobs(a.model, ids, attn, 1.0)
+    assert torch.allclose(new[resp.bool()], old[resp.bool()], atol=1e-4)

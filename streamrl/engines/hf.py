@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Engine
+from streamrl.engines.seeded import group_generator, sample_group
 from streamrl.sample import Group, Prompt, Sample
 
 
@@ -57,6 +58,12 @@ class HFEngineConfig(BaseModel):
     gets. False: no profile, schedulers only balance predicted work."""
     dtype: str = "float32"
     """Torch dtype the engine loads the model in (``float32``, ``bfloat16``, ``float16``)."""
+    reproducible: bool = False
+    """True: each group is decoded alone with a random generator seeded by ``seed`` and the
+    prompt, so a seed gives the same samples every run (and a resumed run the same samples as an
+    uninterrupted one); no continuous batching across groups, so slower under load."""
+    seed: int | None = None
+    """Seed of ``reproducible`` sampling (default: ``run.seed``)."""
 
 
 class HFEngine(Engine):
@@ -76,6 +83,8 @@ class HFEngine(Engine):
         self._queue: list[tuple[float, int, str, list[int]]] = []  # (-priority, order, id, prompt ids)
         self._order = itertools.count()
         self._running = 0
+        self.manager = None
+        self._model_lock = threading.Lock()  # reproducible mode: a group never sees two policies
 
     def load(self, model_path: str | None, device: str = "cpu") -> None:
         """Load model + tokenizer with ``from_pretrained`` and start the generation loop."""
@@ -85,6 +94,9 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, self.config.dtype))
         self.model.to(device).eval()
+        self.latency_points = []
+        if self.config.reproducible:
+            return  # groups are decoded one by one in the calling task (``engines/seeded.py``)
         gen = GenerationConfig(
             do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0,
             max_new_tokens=self.config.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
@@ -169,6 +181,8 @@ class HFEngine(Engine):
         ``priority`` orders the engine's queue (higher first); it matters once ``max_running``
         requests are running, or when many requests arrive together."""
         ids = self.encode(prompt.text)
+        if self.config.reproducible:
+            return self._generate_seeded(prompt, ids, n)
         version = self.version
         start = time.time()
         futures = {}
@@ -193,6 +207,17 @@ class HFEngine(Engine):
             ))
         return group
 
+    def _generate_seeded(self, prompt: Prompt, ids: list[int], n: int) -> Group:
+        with self._model_lock:
+            start, version = time.time(), self.version
+            out = sample_group(self.model, ids, n, self.config.max_new_tokens, self.config.temperature,
+                               self.tokenizer.eos_token_id, group_generator(self.config.seed or 0, prompt.uid))
+            end = time.time()
+        return [Sample(uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=list(ids), response_ids=tokens,
+                       logprobs=logprobs, response_text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                       policy_version=version, times={"gen_start": start, "gen_end": end})
+                for k, (tokens, logprobs) in enumerate(out)]
+
     @torch.no_grad()
     def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy new parameters in place at a step boundary of the generation loop."""
@@ -200,6 +225,12 @@ class HFEngine(Engine):
         missing = set(params) - set(named_tensors)
         if missing:
             raise ValueError(f"weights for version {version} lack {sorted(missing)[:3]}...")
+        if self.manager is None:  # reproducible mode: between groups
+            with self._model_lock:
+                for name, p in params.items():
+                    p.copy_(named_tensors[name].to(p.dtype))
+                self.version = version
+            return
         with self.manager.pause():
             for name, p in params.items():
                 p.copy_(named_tensors[name].to(p.dtype))
@@ -212,6 +243,8 @@ class HFEngine(Engine):
         the run) forever; failing it lets Dask retry the group on the engine that replaces this one.
         """
         self._closed.set()
+        if self.manager is None:
+            return
         self.manager.stop(block=True, timeout=5)
         with self._lock:
             waiting, self._waiting, self._queue = self._waiting, {}, []
