@@ -237,6 +237,13 @@ class Algorithm:
         """One advantage per sample of a group, from the group's rewards (same order)."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """State that changes during a run (e.g. running statistics), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (a resumed run)."""
+
     def loss(self, new: "torch.Tensor", old: "torch.Tensor", ref: "torch.Tensor | None",
              adv: "torch.Tensor", mask: "torch.Tensor") -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
         """``(per_sample [B], stats)`` from the policy's logprobs ``new [B, T]`` (with grad), the
@@ -317,6 +324,16 @@ class Trainer:
     def named_weights(self) -> dict[str, "torch.Tensor"]:
         """The parameters a transfer sends to the engines (empty for a simulator)."""
         raise NotImplementedError
+
+    def save_checkpoint(self, path: str) -> None:
+        """Optional: write everything needed to continue training exactly (weights, optimizer,
+        schedules, RNG states) into the folder ``path``. streamrl writes it into a temporary
+        folder and renames it when the controller's state is beside it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write checkpoints")
+
+    def load_checkpoint(self, path: str) -> None:
+        """Optional: restore what :meth:`save_checkpoint` wrote into this freshly built trainer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load checkpoints")
 
     def logprobs(self, group: Group) -> list[list[float]]:
         """Optional: each response's token logprobs under the current weights (consistency

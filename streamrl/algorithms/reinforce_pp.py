@@ -42,3 +42,11 @@ class ReinforcePP(GRPO):
             self.m2 += d * (x - self.mean)
         std = math.sqrt(self.m2 / self.n) if self.n > 1 else 1.0
         return [(x - self.mean) / (std + self.config.eps) for x in centred]
+
+    def state_dict(self) -> dict:
+        """The running statistics (a resumed run normalises as the uninterrupted one would)."""
+        return {"n": self.n, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the running statistics."""
+        self.n, self.mean, self.m2 = state["n"], state["mean"], state["m2"]

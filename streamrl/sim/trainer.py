@@ -63,6 +63,15 @@ class SimTrainer(Trainer):
         self.version += 1
         return {"version": self.version, "grad_norm": 0.0, "seconds": time.perf_counter() - t0}
 
+    def save_checkpoint(self, path: str) -> None:
+        """Only the optimizer-step count is simulated state."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "sim_trainer.json").write_text(json.dumps({"version": self.version}))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the optimizer-step count."""
+        self.version = json.loads((Path(path) / "sim_trainer.json").read_text())["version"]
+
     def named_weights(self) -> dict:
         """No tensors: the sim engine sleeps the broadcast time when it loads."""
         return {}

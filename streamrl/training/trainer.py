@@ -157,6 +157,18 @@ class HFTrainer(Trainer):
         lp = token_logprobs(self.model, ids.to(self.device), attn.to(self.device), self.temperature).cpu()
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
 
+    def save_checkpoint(self, path: str) -> None:
+        """Policy, AdamW, LR schedule, critic, algorithm state and RNGs (``training/checkpoint.py``)."""
+        from streamrl.training import checkpoint
+
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a :meth:`save_checkpoint` folder in place."""
+        from streamrl.training import checkpoint
+
+        checkpoint.load(self, path)
+
     def save(self, out: str) -> str:
         """Write the current policy as a transformers model folder (``from_pretrained`` reloads it)."""
         self.model.save_pretrained(out)

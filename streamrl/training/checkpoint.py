@@ -1,0 +1,68 @@
+"""The hf trainer's checkpoint: everything a resumed run needs to continue exactly.
+
+Tensors (policy, AdamW moments, critic and its optimizer) go through
+``torch.distributed.checkpoint`` (DCP): the same call writes one process's state today and a
+sharded DDP/FSDP state tomorrow, and loads in place into freshly built modules. The small
+non-tensor state (optimizer step counts live in DCP; the LR schedule, the trainer's optimizer-step
+count, the algorithm's running statistics and the RNG states) goes to ``trainer.pt`` beside it.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict
+
+
+def _modules(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    out = {"policy": (trainer.model, trainer.optimizer)}
+    if trainer.critic is not None:
+        out["critic"] = (trainer.critic, trainer.critic.optimizer)
+    return out
+
+
+def save(trainer, path: str) -> None:
+    """Write the trainer's full state into the folder ``path`` (created)."""
+    dcp, get_state_dict, _ = _dcp()
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, (module, optimizer) in _modules(trainer).items():
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
+    with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder / "dcp"))
+    torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
+                "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate()}, folder / "trainer.pt")
+
+
+def load(trainer, path: str) -> None:
+    """Restore the state :func:`save` wrote into this (freshly built) trainer, in place."""
+    dcp, get_state_dict, set_state_dict = _dcp()
+    folder = Path(path)
+    state = {}
+    modules = _modules(trainer)
+    for name, (module, optimizer) in modules.items():
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+    for name, (module, optimizer) in modules.items():
+        set_state_dict(module, optimizer, model_state_dict=state[f"{name}.model"],
+                       optim_state_dict=state[f"{name}.optim"])
+    extra = torch.load(folder / "trainer.pt", weights_only=False)
+    trainer.version = extra["version"]
+    trainer.lr_schedule.load_state_dict(extra["lr_schedule"])
+    trainer.algorithm.load_state_dict(extra["algorithm"])
+    torch.set_rng_state(extra["torch_rng"])
+    random.setstate(extra["python_rng"])
