@@ -1,6 +1,7 @@
 """The ``streamrl`` command.
 
     streamrl recipe run recipes/addition.toml --set trainer.lr=1e-4
+    streamrl recipe resume runs/addition-20261123-101500   # from its newest checkpoint
     streamrl recipe show FILE        # the resolved recipe as TOML
     streamrl recipe validate FILE    # both validation phases, no cluster
     streamrl model init --task addition --out models/tiny-addition
@@ -18,7 +19,7 @@ import argparse
 import sys
 import warnings
 
-from streamrl.errors import UserError
+from streamrl.errors import Interrupted, UserError
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,11 @@ def parser() -> argparse.ArgumentParser:
     run = recipe.add_parser("run", help="run a recipe")
     _recipe_args(run)
     run.add_argument("--verbose", action="store_true", help="show Dask's own logs")
+    resume = recipe.add_parser("resume", help="continue a stopped or failed run from its newest checkpoint")
+    resume.add_argument("run_dir", help="the run folder (runs/<name>-<time>)")
+    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of the run's recipe, e.g. --set run.steps=400 to go on longer")
+    resume.add_argument("--verbose", action="store_true", help="show Dask's own logs")
     _recipe_args(recipe.add_parser("show", help="print the resolved recipe"))
     _recipe_args(recipe.add_parser("validate", help="check a recipe without running it"))
 
@@ -77,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
 def cmd_recipe(args) -> int:
     from streamrl.recipe import load_recipe, to_toml
 
+    if args.cmd == "resume":
+        from streamrl.flow import runner
+
+        loaded, run_dir = runner.load_for_resume(args.run_dir, args.overrides)
+        print(runner.run(loaded, verbose=args.verbose, resume_dir=run_dir))
+        return 0
     loaded = load_recipe(args.file, args.overrides)
     if args.cmd == "show":
         print(to_toml(loaded.recipe), end="")
@@ -170,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"streamrl: {exc}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("streamrl: interrupted", file=sys.stderr)
         return 130

@@ -11,3 +11,7 @@ class UserError(Exception):
 
 class PluginWarning(UserWarning):
     """A plugin could not be loaded; the others still are. The CLI prints it on one line."""
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal after writing a checkpoint (the message says how to resume)."""

@@ -50,6 +50,12 @@ class RunConfig(Strict):
     sampling, trainer) and in this process."""
     out_dir: str = "runs"
     """Folder (relative to the current directory) where run folders are created."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Write a checkpoint (trainer and controller state) every this many steps, and always when
+    the run ends or is stopped (Ctrl-C, SIGTERM). 0: only then. ``streamrl recipe resume RUN``
+    continues from the newest one."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many of the newest checkpoints a run folder keeps."""
 
 
 class ClusterConfig(Strict):

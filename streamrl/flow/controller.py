@@ -21,9 +21,9 @@ from pathlib import Path
 
 from distributed import Client, Future, as_completed
 
-from streamrl.flow import modes, placement, remote
+from streamrl.flow import checkpoints, modes, placement, remote
 from streamrl.flow.resolve import Resolved
-from streamrl.flow.weights import publish
+from streamrl.flow.weights import publish, wait_loaded
 from streamrl.scheduling.dispatch import Dispatcher
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import summarize
@@ -168,6 +168,22 @@ class Controller:
         record.accounting_window_s = round(self.clock[0] - before[0], 4)
         record.extra = self.dispatcher.learn(step, record.sample_log)
         return record.as_dict()
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
+        """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
+        return checkpoints.write(self.client, self.train_worker, self.last_step, run_dir, next_step, self.version,
+                                 records, self.recipe.run.keep_checkpoints)
+
+    def resume(self, checkpoint: Path) -> int:
+        """After :meth:`place_residents`: restore the trainer, put its weights on every engine
+        (so nothing generates with the base weights), and continue the mode; returns the next step."""
+        state = checkpoints.read(checkpoint)
+        checkpoints.restore_trainer(self.client, self.train_worker, checkpoint)
+        self.version = state["policy_version"]
+        wait_loaded(publish(self.client, None, self.version, self.train_worker, self.generate_workers))
+        self.mode.resume(state["next_step"], self.version)
+        return state["next_step"]
 
     def save_policy(self, out: Path) -> str:
         """Write the trained policy (after the ranker's last lesson); returns the folder."""

@@ -41,6 +41,9 @@ class Batch:
         """The new version's weight loads were submitted."""
         wait_loaded(loads)
 
+    def resume(self, step: int, version: int) -> None:
+        """A resumed run starts at ``step``; every engine already holds ``version``."""
+
 
 class Stream(Batch):
     """Train groups as they are scored; weights loaded before the next step."""
@@ -78,6 +81,10 @@ class Async(Stream):
 
     def published(self, version: int, loads: list[Future]) -> None:
         self.loads[version] = loads  # awaited by scored() when the bound requires
+
+    def resume(self, step: int, version: int) -> None:
+        # nothing was generated ahead: admission starts over at the resumed step
+        self.next_to_admit, self.loaded_version = step, version
 
 
 def make(mode: str, max_staleness: int, steps: int) -> Batch:

@@ -136,3 +136,15 @@ def warm_up(name: str) -> str:
     """Build the resident object now (model loads happen before the clock starts)."""
     resident(name)
     return name
+
+
+def save_trainer_checkpoint(path: str, after=None) -> str:
+    """Train pool: the trainer's full state into the folder ``path``."""
+    resident(TRAINER).save_checkpoint(path)
+    return path
+
+
+def load_trainer_checkpoint(path: str) -> str:
+    """Train pool: restore the trainer from ``path``."""
+    resident(TRAINER).load_checkpoint(path)
+    return path

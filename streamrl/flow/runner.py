@@ -1,4 +1,6 @@
-"""``streamrl recipe run``: validate, bring up the cluster, run the controller, save the result."""
+"""``streamrl recipe run`` and ``resume``: validate, bring up the cluster, run the controller
+(checkpointing as ``run.checkpoint_every`` says), save the result, and keep ``status.json`` in
+the run folder true whatever happens."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ from pathlib import Path
 from rich.console import Console
 
 from streamrl import cluster
-from streamrl.errors import UserError
+from streamrl.errors import Interrupted, UserError
+from streamrl.flow import checkpoints, status
 from streamrl.flow.controller import Controller
 from streamrl.flow.resident import ComponentError
 from streamrl.flow.resolve import Resolved, resolve
-from streamrl.recipe import LoadedRecipe, to_toml
+from streamrl.flow.stopping import StopRequest, sigint_ignored
+from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
 
-__all__ = ["resolve", "run", "summary", "make_run_dir"]
+__all__ = ["resolve", "run", "summary", "make_run_dir", "load_for_resume"]
 
 
 def make_run_dir(loaded: LoadedRecipe) -> Path:
@@ -56,30 +60,64 @@ def step_line(m: dict, steps: int) -> str:
             + f"  v{m['policy_version']}")
 
 
+def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[LoadedRecipe, Path]:
+    """The recipe a run folder was started with (``--set`` overrides on top) and the folder.
+
+    Relative paths keep resolving against the original recipe's folder."""
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / status.FILE).is_file() or not (run_dir / "recipe.toml").is_file():
+        raise UserError(f"{run_dir}: not a run folder (expected status.json and recipe.toml in it)")
+    if checkpoints.latest(run_dir) is None:
+        raise UserError(f"{run_dir}: no checkpoint to resume from (the run stopped before its first one)")
+    loaded = load_recipe(run_dir / "recipe.toml", overrides)
+    return LoadedRecipe(loaded.recipe, Path(status.read(run_dir)["recipe_file"])), run_dir
+
+
 def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None,
-        resolved: Resolved | None = None) -> Path:
-    """Run a validated recipe end to end; returns the run folder."""
+        resolved: Resolved | None = None, resume_dir: Path | None = None) -> Path:
+    """Run a validated recipe end to end, or go on with the run in ``resume_dir`` from its newest
+    checkpoint; returns the run folder. A stop signal ends it with :class:`Interrupted` after a
+    checkpoint."""
     console = console or Console(stderr=True)
     r = loaded.recipe
     resolved = resolved or resolve(loaded)
     registry = resolved.registry
     random.seed(r.run.seed)  # anything in this process that draws from random (tasks, schedulers)
-    run_dir = make_run_dir(loaded)
+    checkpoint = checkpoints.latest(resume_dir) if resume_dir else None
+    run_dir = resume_dir or make_run_dir(loaded)
+    if checkpoint is not None and checkpoints.read(checkpoint)["next_step"] >= r.run.steps:
+        raise UserError(f"run.steps: the run already has {checkpoints.read(checkpoint)['next_step']} steps; "
+                        "pass --set run.steps=N with a larger N to go on")
+    if resume_dir:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
+        (run_dir / "recipe.toml").write_text(to_toml(r))
+    status.write(run_dir, "starting", recipe_file=str(loaded.file.resolve()), steps=r.run.steps)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    if checkpoint is not None:  # steps after the checkpoint are run again: drop their records
+        log.keep_first(checkpoints.read(checkpoint)["records"])
     sinks = [s.build() for s in resolved.sinks]
     for sink in sinks:
         sink.open(run_dir)
     t_start = time.time()
-    dask_cluster, client = cluster.start(r, verbose)
+    stop = StopRequest(lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True))
+    dask_cluster = client = None
     try:
+        with sigint_ignored():  # the cluster's processes inherit the ignore (``flow/stopping.py``)
+            dask_cluster, client = cluster.start(r, verbose)
+        stop.install()
         console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {run_dir}", soft_wrap=True)
         console.print(f"dashboard: {client.dashboard_link}")
         pools = cluster.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
         controller = Controller(resolved, client, pools)
         controller.place_residents()
+        first = 0
+        if checkpoint is not None:
+            first = controller.resume(checkpoint)
+            console.print(f"resumed from {checkpoint.name}: step {first + 1}, policy v{controller.version}")
         registry.pm.hook.on_run_start(recipe=r, run_dir=run_dir)
-        for step in range(r.run.steps):
+        status.write(run_dir, "running", step=first)
+        every = r.run.checkpoint_every
+        for step in range(first, r.run.steps):
             m = controller.step(step)
             log.write(m)
             for sink in list(sinks):
@@ -91,17 +129,41 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
                     sinks.remove(sink)
             registry.pm.hook.on_step_end(step=step, metrics=m)
             console.print(step_line(m, r.run.steps), soft_wrap=True)
+            done = step + 1
+            if stop.requested or done == r.run.steps or (every and done % every == 0):
+                saved = controller.checkpoint(run_dir, done, len(log.records))
+                status.write(run_dir, "running", step=done, checkpoint=str(saved))
+            if stop.requested and done < r.run.steps:
+                status.write(run_dir, "interrupted", step=done)
+                raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
+                                  f"Resume with: {status.resume_command(run_dir)}")
         policy = controller.save_policy(run_dir / "policy")
+        status.write(run_dir, "completed", step=r.run.steps, policy=str(policy))
         console.print(summary(log.records))
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
-    except ComponentError as exc:  # a component that cannot be built on a worker: one line
-        raise UserError(str(exc)) from None
+    except Interrupted:
+        raise
+    except BaseException as exc:
+        _failed(run_dir, exc)
+        if isinstance(exc, ComponentError):  # a component that cannot be built on a worker: one line
+            raise UserError(str(exc)) from None
+        raise
     finally:
+        stop.uninstall()
         for sink in sinks:
             sink.close()
         try:
             registry.pm.hook.on_run_end(run_dir=run_dir, metrics=log.records)
         except Exception as exc:  # an observer's failure must not hide the run's outcome
             console.print(f"[yellow]on_run_end failed: {type(exc).__name__}: {exc}[/]", soft_wrap=True)
-        cluster.stop(dask_cluster, client)
+        if dask_cluster is not None or client is not None:
+            cluster.stop(dask_cluster, client)
     return run_dir
+
+
+def _failed(run_dir: Path, exc: BaseException) -> None:
+    """Mark the run folder failed, with the error and, if there is a checkpoint, how to go on."""
+    fields = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    if checkpoints.latest(run_dir) is not None:
+        fields["resume"] = status.resume_command(run_dir)
+    status.write(run_dir, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", **fields)

@@ -1,0 +1,67 @@
+"""Checkpoints of a run: the trainer's state and the controller's, together, at a step boundary.
+
+``<run folder>/checkpoints/step-000040/`` holds ``trainer/`` (written by the trainer on its
+worker: weights, optimizer, schedules, RNG states) and ``controller.json`` (the next step to run,
+the policy version, how many metrics records belong to the run so far). A checkpoint is built in
+a ``.tmp-`` folder and renamed only once both parts are there, so a crash mid-write leaves the
+previous checkpoint as the newest one. The ``run.keep_checkpoints`` newest are kept.
+
+What is not saved, on purpose: samples in flight. Prompts are a function of the step
+(``task.prompts(step, n)``), so a resumed run generates the prompts of every step after the
+checkpoint again -- in ``async`` mode, too, the ones generated ahead -- and trains each step's
+prompts once. The length ranker's history is not saved either; it learns again from the resumed
+run's samples (it only orders work, it does not change what is trained).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from distributed import Client, Future
+
+from streamrl.flow import remote
+
+PREFIX = "step-"
+
+
+def folder(run_dir: Path) -> Path:
+    """Where a run keeps its checkpoints."""
+    return run_dir / "checkpoints"
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    done = sorted(p for p in folder(run_dir).glob(f"{PREFIX}*") if (p / "controller.json").exists())
+    return done[-1] if done else None
+
+
+def write(client: Client, train_worker: str, after: Future | None, run_dir: Path, next_step: int,
+          version: int, records: int, keep: int) -> Path:
+    """Write the checkpoint taken after step ``next_step - 1``; returns its folder."""
+    final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
+    tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after,
+                  key=f"checkpoint-{next_step}", workers=[train_worker], allow_other_workers=False).result()
+    (tmp / "controller.json").write_text(json.dumps(
+        {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
+    os.replace(tmp, final)
+    for old in sorted(folder(run_dir).glob(f"{PREFIX}*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read(checkpoint: Path) -> dict:
+    """The controller's part of a checkpoint."""
+    return json.loads((checkpoint / "controller.json").read_text())
+
+
+def restore_trainer(client: Client, train_worker: str, checkpoint: Path) -> None:
+    """Load the trainer's part into the (freshly placed) trainer."""
+    client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"), key=f"restore-{checkpoint.name}",
+                  workers=[train_worker], allow_other_workers=False, pure=False).result()
