@@ -99,3 +99,32 @@ def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
     assert rec["samples"] == 4 and rec["staleness_max"] == 1 and rec["train_tail_s"] == pytest.approx(3.0)
     assert [x["staleness"] for x in rec["sample_log"]] == [1, 1, 1, 1]
     assert list(rec)[-1] == "sample_log"
+
+
+def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(client, tmp_path):
+    from streamrl import cluster
+    from streamrl.flow import checkpoints
+
+    def controller(steps):
+        resolved = resolve(load_recipe(W3, SMALL + ["run.mode=async", "run.max_staleness=2", f"run.steps={steps}",
+                                                    "run.keep_checkpoints=1"]))
+        ctl = Controller(resolved, client, cluster.pool_workers(client))
+        ctl.place_residents()
+        return ctl
+
+    first = controller(6)
+    done = [first.step(s) for s in range(3)]  # steps 3 and 4 are generating ahead now
+    first.checkpoint(tmp_path, 3, len(done))
+    first.checkpoint(tmp_path, 3, len(done))  # written twice: replaced, and only the newest is kept
+    assert [p.name for p in checkpoints.folder(tmp_path).iterdir()] == ["step-000003"]
+
+    first.close()  # its cluster would be gone after a crash; here the same one goes on
+    again = controller(6)  # a new controller and fresh residents, as after a crash
+    assert again.resume(checkpoints.latest(tmp_path)) == 3 and again.version == 3
+    rest = [again.step(s) for s in range(3, 6)]
+    assert [r["policy_version"] for r in rest] == [4, 5, 6]
+    uids = [x["uid"] for r in done + rest for x in r["sample_log"]]
+    assert len(uids) == len(set(uids)) == 6 * 12
+    for r in rest:
+        assert {x["uid"].split("-")[0] for x in r["sample_log"]} == {str(r["step"])}
+        assert min(x["version"] for x in r["sample_log"]) >= 3, [(r["step"], sorted({x["version"] for x in r["sample_log"]})) for r in rest]  # generated after the restore, never from v0

@@ -181,9 +181,15 @@ class Controller:
         state = checkpoints.read(checkpoint)
         checkpoints.restore_trainer(self.client, self.train_worker, checkpoint)
         self.version = state["policy_version"]
-        wait_loaded(publish(self.client, None, self.version, self.train_worker, self.generate_workers))
+        wait_loaded(publish(self.client, None, self.version, self.train_worker, self.generate_workers,
+                            tag=f"-resume-{time.time_ns()}"))
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
+
+    def close(self) -> None:
+        """Cancel generation submitted ahead (``async``): a controller that resumes on the same
+        cluster submits the same keys and must not be handed the old, stale samples."""
+        self.client.cancel([f for fs in self.mode.pending() for f in fs])
 
     def save_policy(self, out: Path) -> str:
         """Write the trained policy (after the ranker's last lesson); returns the folder."""

@@ -44,6 +44,10 @@ class Batch:
     def resume(self, step: int, version: int) -> None:
         """A resumed run starts at ``step``; every engine already holds ``version``."""
 
+    def pending(self) -> list[list[Future]]:
+        """Scored-group futures submitted for steps not yet trained."""
+        return []
+
 
 class Stream(Batch):
     """Train groups as they are scored; weights loaded before the next step."""
@@ -85,6 +89,9 @@ class Async(Stream):
     def resume(self, step: int, version: int) -> None:
         # nothing was generated ahead: admission starts over at the resumed step
         self.next_to_admit, self.loaded_version = step, version
+
+    def pending(self) -> list[list[Future]]:
+        return list(self.in_flight.values())
 
 
 def make(mode: str, max_staleness: int, steps: int) -> Batch:

@@ -18,13 +18,14 @@ from streamrl.flow import remote
 LOAD_PRIORITY = 1_000_000
 
 
-def publish(client: Client, after: Future, version: int, train_worker: str,
-            generate_workers: dict[str, str]) -> list[Future]:
+def publish(client: Client, after: Future | None, version: int, train_worker: str,
+            generate_workers: dict[str, str], tag: str = "") -> list[Future]:
     """Submit the export and one load per generate worker (``{name: address}``); returns the
-    load futures (each resolves to the seconds the load took)."""
-    payload = client.submit(remote.export_weights, version, after=after, key=f"export-weights-{version}",
+    load futures (each resolves to the seconds the load took). ``tag`` makes the keys new when
+    a version is published again (a resume), so Dask does not answer with a finished task."""
+    payload = client.submit(remote.export_weights, version, after=after, key=f"export-weights-{version}{tag}",
                             workers=[train_worker], allow_other_workers=False, priority=LOAD_PRIORITY)
-    return [client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}-{name}",
+    return [client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}{tag}-{name}",
                           workers=[addr], allow_other_workers=False, priority=LOAD_PRIORITY)
             for name, addr in generate_workers.items()]
 
