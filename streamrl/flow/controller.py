@@ -38,11 +38,13 @@ class Controller:
         self.client = client
         self.pools = pools
         self.task = resolved.task.build()
-        self.generate_workers = dict(sorted(pools["generate"].items()))
+        # Work is addressed to workers by *name*: a worker its nanny restarts comes back on a new
+        # address with the same name, and tasks pinned to it wait for it instead of for ever.
+        self.generate_workers = {name: name for name in sorted(pools["generate"])}
         # One trainer holds the policy; every train task is pinned to its worker.
-        self.train_worker = sorted(pools["train"].items())[0][1]
+        self.train_worker = sorted(pools["train"])[0]
         # The ranker lives on the rank pool, else on the first reward worker.
-        self.rank_worker = sorted((pools.get("rank") or pools["reward"]).items())[0][1] if resolved.ranker else None
+        self.rank_worker = sorted(pools.get("rank") or pools["reward"])[0] if resolved.ranker else None
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         self.version = 0

@@ -49,15 +49,16 @@ class BusyClock(WorkerPlugin):
             return self.busy + (time.time() - self.since if self.running else 0.0)
 
 
-def read_clock(dask_worker) -> float:
-    """Runs on a worker via ``client.run``: its busy seconds so far."""
+def read_clock(dask_worker) -> tuple[str, float]:
+    """Runs on a worker via ``client.run``: its name and busy seconds so far."""
     plugin = dask_worker.plugins.get(BusyClock.name)
-    return plugin.read() if plugin is not None else 0.0
+    return str(dask_worker.name), (plugin.read() if plugin is not None else 0.0)
 
 
 def snapshot(client) -> tuple[float, dict[str, float]]:
-    """(now, {worker address: busy seconds so far}) for every worker."""
-    return time.time(), client.run(read_clock)
+    """(now, {worker name: busy seconds so far}) for every worker. By name: a worker restarted
+    by its nanny keeps its name, not its address."""
+    return time.time(), dict(client.run(read_clock).values())
 
 
 def pool_bubbles(before: tuple[float, dict], after: tuple[float, dict],
@@ -69,7 +70,7 @@ def pool_bubbles(before: tuple[float, dict], after: tuple[float, dict],
     for pool, workers in pools.items():
         if not workers:
             continue
-        busy = sum(min(max(b1.get(a, 0.0) - b0.get(a, 0.0), 0.0), wall) for a in workers.values())
+        busy = sum(min(max(b1.get(n, 0.0) - b0.get(n, 0.0), 0.0), wall) for n in workers)
         capacity = wall * len(workers)
         out[pool] = {"busy_s": round(busy, 4), "idle_s": round(capacity - busy, 4),
                      "idle_ratio": round(1.0 - busy / capacity, 4)}
