@@ -19,7 +19,7 @@ import argparse
 import sys
 import warnings
 
-from streamrl.errors import Interrupted, UserError
+from streamrl.errors import Interrupted, RunFailed, UserError
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2
+    except RunFailed as exc:
+        print(f"streamrl: error: {exc}", file=sys.stderr)
+        return 1
     except Interrupted as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 130

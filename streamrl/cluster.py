@@ -47,6 +47,7 @@ def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
                 # training alternate, so the slots never compete)
                 gen = recipe.pools.generate.threads
                 threads, resources = cfg.threads + gen, {"train": cfg.threads, "generate": gen}
+            resources[PIN + name] = PIN_SLOTS  # lets a task follow this worker through a restart (pin())
             spec[name] = {"cls": Nanny, "options": {
                 "name": name, "nthreads": threads, "resources": resources,
                 "host": recipe.cluster.host, "memory_limit": cfg.memory_limit, "env": env,
@@ -175,13 +176,40 @@ def stop(cluster: SpecCluster | None, client: Client, timeout: float = 10.0) -> 
         cluster.close()
 
 
+#: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
+#: ``workers=`` into the worker's address when the task is submitted, so a task pinned that way
+#: waits for ever once a nanny restarts the worker on a new address; a resource comes back with
+#: the restarted worker. Plenty of slots, so it never limits how many tasks run.
+PIN = "worker:"
+PIN_SLOTS = 1_000_000
+
+
 def pool_workers(client: Client) -> dict[str, dict[str, str]]:
     """``{pool: {worker name: address}}`` from the resources each worker offers."""
     pools: dict[str, dict[str, str]] = {p: {} for p in REQUIRED_POOLS}
     for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
         for res in info.get("resources", {}):
-            pools.setdefault(res, {})[str(info.get("name", addr))] = addr
+            if not res.startswith(PIN):
+                pools.setdefault(res, {})[str(info.get("name", addr))] = addr
     return pools
+
+
+def pins(client: Client) -> dict[str, dict]:
+    """``{worker name: submit() keywords that run a task on that worker}``: its ``worker:<name>``
+    resource when it offers one (the embedded cluster's workers do), else its name."""
+    out = {}
+    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        name = str(info.get("name", addr))
+        if PIN + name in info.get("resources", {}):
+            out[name] = {"resources": {PIN + name: 1}}
+        else:  # an external worker started without it: pinned by name (not restart-proof)
+            out[name] = {"workers": [name], "allow_other_workers": False}
+    return out
+
+
+def at(pin: dict, **resources: int) -> dict:
+    """``pin`` with more resources required (e.g. ``train=1``)."""
+    return {**pin, "resources": {**pin.get("resources", {}), **resources}}
 
 
 def check_pools(client: Client) -> dict[str, dict[str, str]]:

@@ -15,3 +15,7 @@ class PluginWarning(UserWarning):
 
 class Interrupted(Exception):
     """The run was stopped by a signal after writing a checkpoint (the message says how to resume)."""
+
+
+class RunFailed(Exception):
+    """The run could not go on (e.g. the train worker died); the message says what to do."""

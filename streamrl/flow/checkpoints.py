@@ -38,15 +38,15 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def write(client: Client, train_worker: str, after: Future | None, run_dir: Path, next_step: int,
-          version: int, records: int, keep: int) -> Path:
+def write(client: Client, train_pin: dict, after: Future | None, run_dir: Path, next_step: int,
+          version: int, records: int, keep: int, trainer_id: str | None = None) -> Path:
     """Write the checkpoint taken after step ``next_step - 1``; returns its folder."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after,
-                  key=f"checkpoint-{next_step}", workers=[train_worker], allow_other_workers=False).result()
+    client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after, trainer_id=trainer_id,
+                  key=f"checkpoint-{next_step}", **train_pin).result()
     (tmp / "controller.json").write_text(json.dumps(
         {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
@@ -61,7 +61,7 @@ def read(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "controller.json").read_text())
 
 
-def restore_trainer(client: Client, train_worker: str, checkpoint: Path) -> None:
+def restore_trainer(client: Client, train_pin: dict, checkpoint: Path) -> None:
     """Load the trainer's part into the (freshly placed) trainer."""
     client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"), key=f"restore-{checkpoint.name}",
-                  workers=[train_worker], allow_other_workers=False, pure=False).result()
+                  pure=False, **train_pin).result()

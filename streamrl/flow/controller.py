@@ -21,6 +21,7 @@ from pathlib import Path
 
 from distributed import Client, Future, as_completed
 
+from streamrl import cluster
 from streamrl.flow import checkpoints, modes, placement, remote
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.weights import publish, wait_loaded
@@ -45,6 +46,10 @@ class Controller:
         self.train_worker = sorted(pools["train"])[0]
         # The ranker lives on the rank pool, else on the first reward worker.
         self.rank_worker = sorted(pools.get("rank") or pools["reward"])[0] if resolved.ranker else None
+        # ... and through a restart: tasks that must run on one worker are pinned by its resource
+        self.pin = cluster.pins(client)
+        self.train_pin = self.pin[self.train_worker]
+        self.generate_pins = {name: self.pin[name] for name in self.generate_workers}
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         self.version = 0
@@ -63,22 +68,28 @@ class Controller:
         self.version = 0
         self.last_step = None
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
+        self.trainer_id = self.client.submit(remote.trainer_incarnation, key=f"trainer-id-{time.time_ns()}",
+                                             **self.train_pin).result()
 
     # -- one step -------------------------------------------------------------------------
-    def submit_generation(self, step: int) -> list[Future]:
-        """Generate + reward tasks for every prompt of ``step``; returns the scored-group futures."""
+    def submit_generation(self, step: int, min_version: int | None = None) -> list[Future]:
+        """Generate + reward tasks for every prompt of ``step``; returns the scored-group futures.
+        ``min_version`` (default: the current one) is the policy every engine holds by now; an
+        engine found older (its worker was restarted) catches up before it generates."""
         t = self.recipe.trainer
+        min_version = self.version if min_version is None else min_version
         prompts = self.task.prompts(step, t.prompts_per_step)
         placed = self.dispatcher.place(step, prompts)
         scored = []
         for i, p in enumerate(prompts):
             where = {}
             if i in placed:  # pinned by the scheduler; Dask priority follows the engine's
-                addr, prio = placed[i]
-                where = {"workers": [addr], "allow_other_workers": False, "priority": int(prio),
-                         "engine_priority": prio}
+                name, prio = placed[i]
+                where = {**cluster.at(self.pin[name], generate=1), "priority": int(prio), "engine_priority": prio}
+            else:
+                where = {"resources": {"generate": 1}}
             gen = self.client.submit(remote.generate_group, p, t.samples_per_prompt, submitted=time.time(),
-                                     key=f"generate-{p.uid}", resources={"generate": 1}, retries=1, **where)
+                                     min_version=min_version, key=f"generate-{p.uid}", retries=1, **where)
             scored.append(self.client.submit(remote.score_group, gen, key=f"reward-{p.uid}",
                                              resources={"reward": 1}, retries=1))
         return scored
@@ -113,7 +124,8 @@ class Controller:
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
-                key=f"train-{step}{suffix}-{len(trains):03d}", workers=[self.train_worker], resources={"train": 1}))
+                trainer_id=self.trainer_id,
+                key=f"train-{step}{suffix}-{len(trains):03d}", **cluster.at(self.train_pin, train=1)))
 
         if not stream:
             size = len(scored) if dynamic else t.groups_per_micro_batch
@@ -140,8 +152,8 @@ class Controller:
                     buf = []
                 if seen == len(scored):
                     break
-        self.last_step = self.client.submit(remote.optimizer_step, *trains, key=f"optimizer-step-{step}{suffix}",
-                                            workers=[self.train_worker], resources={"train": 1})
+        self.last_step = self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_id,
+                                            key=f"optimizer-step-{step}{suffix}", **cluster.at(self.train_pin, train=1))
         return self.last_step, trains
 
     def step(self, step: int) -> dict:
@@ -160,8 +172,11 @@ class Controller:
             step_stats = {**step_stats, "epochs": self.epochs,
                           "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in last) / n,
                           "last_epoch_loss": sum(m["loss_sum"] for m in last) / n}
-        self.mode.published(self.version, publish(self.client, step_fut, self.version, self.train_worker,
-                                                  self.generate_workers))
+        self.mode.published(self.version, publish(self.client, step_fut, self.version, self.train_pin,
+                                                  self.generate_pins, trainer_id=self.trainer_id))
+        # The step is done: later tasks need not depend on it. Holding it would make Dask, if the
+        # train worker died, replay the whole run's lineage to recompute a result nobody needs.
+        self.last_step = None
         before, self.clock = self.clock, bubbles.snapshot(self.client)
         record = summarize(step, self.version, [f.result() for f in passes[0]], step_stats, t0, t_trained, self.clock[0])
         record.pools = bubbles.pool_bubbles(before, self.clock, self.pools)
@@ -174,17 +189,17 @@ class Controller:
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
         """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
-        return checkpoints.write(self.client, self.train_worker, self.last_step, run_dir, next_step, self.version,
-                                 records, self.recipe.run.keep_checkpoints)
+        return checkpoints.write(self.client, self.train_pin, self.last_step, run_dir, next_step, self.version,
+                                 records, self.recipe.run.keep_checkpoints, self.trainer_id)
 
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
         (so nothing generates with the base weights), and continue the mode; returns the next step."""
         state = checkpoints.read(checkpoint)
-        checkpoints.restore_trainer(self.client, self.train_worker, checkpoint)
+        checkpoints.restore_trainer(self.client, self.train_pin, checkpoint)
         self.version = state["policy_version"]
-        wait_loaded(publish(self.client, None, self.version, self.train_worker, self.generate_workers,
-                            tag=f"-resume-{time.time_ns()}"))
+        wait_loaded(publish(self.client, None, self.version, self.train_pin, self.generate_pins,
+                            tag=f"-resume-{time.time_ns()}", trainer_id=self.trainer_id))
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
 
@@ -196,5 +211,5 @@ class Controller:
     def save_policy(self, out: Path) -> str:
         """Write the trained policy (after the ranker's last lesson); returns the folder."""
         self.dispatcher.finish()
-        return self.client.submit(remote.save_policy, str(out), after=self.last_step, key="save-policy",
-                                  workers=[self.train_worker], allow_other_workers=False).result()
+        return self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_id,
+                                  key="save-policy", **self.train_pin).result()

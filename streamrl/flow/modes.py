@@ -79,7 +79,7 @@ class Async(Stream):
             wait_loaded(self.loads.pop(v))
         self.loaded_version = max(self.loaded_version, p.wait_for_version)
         for g in p.admit:
-            self.in_flight[g] = ctl.submit_generation(g)
+            self.in_flight[g] = ctl.submit_generation(g, min_version=self.loaded_version)
             self.next_to_admit = g + 1
         return self.in_flight.pop(step)
 

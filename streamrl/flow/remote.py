@@ -2,11 +2,14 @@
 reward, ranker or transfer and calls one method, so the dashboard shows one bar per meaningful
 piece of work.
 
-Arguments named ``after`` carry a future only to order a task after another one.
+Arguments named ``after`` carry a future only to order a task after another one. ``trainer_id``
+is the trainer incarnation the controller built: a train task that lands on a restarted train
+worker (a fresh trainer at the base weights) fails instead of training the wrong policy.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -14,15 +17,22 @@ from distributed import get_worker
 
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.rewards import scoring
-from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, resident
+from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, expect, incarnation, resident
 from streamrl.sample import Group, Prompt
 
+LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
 
-def generate_group(prompt: Prompt, n: int, submitted: float = 0.0, engine_priority: float = 0.0) -> Group:
+
+def generate_group(prompt: Prompt, n: int, submitted: float = 0.0, engine_priority: float = 0.0,
+                   min_version: int = 0) -> Group:
     """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked;
-    ``engine_priority`` (from a scheduler; higher first) orders the engine's queue."""
+    ``engine_priority`` (from a scheduler; higher first) orders the engine's queue; an engine
+    older than ``min_version`` catches up first."""
+    engine = resident(ENGINE)
+    if engine.version < min_version:
+        catch_up(engine, min_version)
     start = time.time()
-    group = resident(ENGINE).generate(prompt, n, priority=engine_priority)
+    group = engine.generate(prompt, n, priority=engine_priority)
     end = time.time()
     name = str(get_worker().name)
     for s in group:
@@ -51,13 +61,14 @@ def score_group(group: Group) -> Group:
 
 
 def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
-                 after=None) -> dict:
+                 after=None, trainer_id: str | None = None) -> dict:
     """Train pool: forward/backward on whole groups, cut into micro-batches by
     ``flow.microbatch.pack``; gradients accumulate until the optimizer step.
 
     Returns the trainer's summed stats plus what the controller needs for accounting, so
     samples themselves never travel to the controller.
     """
+    expect(TRAINER, trainer_id)
     trainer = resident(TRAINER)
     # Shortest groups first: a micro-batch is padded to its longest sequence, so neighbours of
     # similar length waste little (measured on W2, whose lengths span 5-255 tokens: batch mode
@@ -85,17 +96,39 @@ def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, grou
     return stats
 
 
-def optimizer_step(*micro_batch_stats: dict) -> dict:
+def optimizer_step(*micro_batch_stats: dict, trainer_id: str | None = None) -> dict:
     """Train pool: one optimizer step after every micro-batch of the batch (they are arguments)."""
+    expect(TRAINER, trainer_id)
     return resident(TRAINER).step()
 
 
-def export_weights(version: int, after=None):
+def export_weights(version: int, after=None, trainer_id: str | None = None):
     """Train pool: the transfer's payload of the trainer's current weights."""
+    expect(TRAINER, trainer_id)
     return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
 
 
 _LOAD_LOCK = threading.Lock()
+
+
+CATCH_UP_TIMEOUT = 120.0
+
+
+def catch_up(engine, min_version: int) -> None:
+    """A generate worker restarted by its nanny holds a fresh engine at the base weights: load the
+    newest published weights (``weights.LATEST``) before generating with it."""
+    from distributed import Variable, worker_client
+
+    with worker_client() as client:  # leaves the worker's thread pool while it waits
+        payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
+        version = int(re.match(r"export-weights-(\d+)", str(payload_future.key)).group(1))
+        payload = payload_future.result(timeout=CATCH_UP_TIMEOUT)
+    with _LOAD_LOCK:
+        if version > engine.version:
+            engine.load_weights(resident(TRANSFER).receive(payload, version), version)
+    if engine.version < min_version:
+        raise RuntimeError(f"engine on worker {get_worker().name} holds v{engine.version}, "
+                           f"needs v{min_version}: the published weights are older")
 
 
 def load_weights(payload, version: int) -> float:
@@ -122,8 +155,9 @@ def trainer_weights(after=None) -> dict:
     return {n: t.detach().to("cpu").clone() for n, t in resident(TRAINER).named_weights().items()}
 
 
-def save_policy(out: str, after=None) -> str:
+def save_policy(out: str, after=None, trainer_id: str | None = None) -> str:
     """Train pool: write the current policy as a transformers model folder."""
+    expect(TRAINER, trainer_id)
     return resident(TRAINER).save(out)
 
 
@@ -138,10 +172,17 @@ def warm_up(name: str) -> str:
     return name
 
 
-def save_trainer_checkpoint(path: str, after=None) -> str:
+def save_trainer_checkpoint(path: str, after=None, trainer_id: str | None = None) -> str:
     """Train pool: the trainer's full state into the folder ``path``."""
+    expect(TRAINER, trainer_id)
     resident(TRAINER).save_checkpoint(path)
     return path
+
+
+def trainer_incarnation() -> str:
+    """Train pool: the id of the trainer resident on this worker."""
+    resident(TRAINER)  # built now if not yet
+    return incarnation(TRAINER)
 
 
 def load_trainer_checkpoint(path: str) -> str:

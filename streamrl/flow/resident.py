@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import uuid
 import zlib
 from typing import Any, Callable
 
@@ -28,6 +29,10 @@ TRANSFER = "streamrl-transfer"
 
 class ComponentError(RuntimeError):
     """A component could not be built or loaded on a worker (e.g. a plugin missing there)."""
+
+
+class ResidentLost(RuntimeError):
+    """The worker holding a stateful resident (the trainer) was restarted: its state is gone."""
 
 
 class Resident(WorkerPlugin):
@@ -53,6 +58,9 @@ class Resident(WorkerPlugin):
     def setup(self, worker) -> None:
         self.obj = None
         self.worker_name = str(worker.name)
+        # New on every worker process (and every registration): a task that expects the
+        # trainer it trained yesterday can tell it is talking to a fresh one.
+        self.incarnation = uuid.uuid4().hex
 
     def _torch(self) -> None:
         # Nanny workers start with OMP_NUM_THREADS=1; components without torch never import it
@@ -88,6 +96,19 @@ class Resident(WorkerPlugin):
         close = getattr(self.obj, "close", None)
         if close is not None:
             close()
+
+
+def incarnation(name: str) -> str:
+    """The id of the resident ``name`` on this worker (changes when the worker restarts)."""
+    return get_worker().plugins[name].incarnation
+
+
+def expect(name: str, incarnation_id: str | None) -> None:
+    """Raise :class:`ResidentLost` if ``name`` on this worker is not the incarnation the
+    controller built (None: no check)."""
+    if incarnation_id is not None and get_worker().plugins[name].incarnation != incarnation_id:
+        raise ResidentLost(f"worker {get_worker().name} was restarted and its {name.removeprefix('streamrl-')} "
+                           "lost its state")
 
 
 def resident(name: str) -> Any:

@@ -11,10 +11,10 @@ from pathlib import Path
 from rich.console import Console
 
 from streamrl import cluster
-from streamrl.errors import Interrupted, UserError
+from streamrl.errors import Interrupted, RunFailed, UserError
 from streamrl.flow import checkpoints, status
 from streamrl.flow.controller import Controller
-from streamrl.flow.resident import ComponentError
+from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
 from streamrl.flow.stopping import StopRequest, sigint_ignored
 from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
@@ -115,7 +115,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             first = controller.resume(checkpoint)
             console.print(f"resumed from {checkpoint.name}: step {first + 1}, policy v{controller.version}")
         registry.pm.hook.on_run_start(recipe=r, run_dir=run_dir)
-        status.write(run_dir, "running", step=first)
+        # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
+        status.write(run_dir, "running", step=first, scheduler=client.scheduler.address)
         every = r.run.checkpoint_every
         for step in range(first, r.run.steps):
             m = controller.step(step)
@@ -147,6 +148,11 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         _failed(run_dir, exc)
         if isinstance(exc, ComponentError):  # a component that cannot be built on a worker: one line
             raise UserError(str(exc)) from None
+        if isinstance(exc, ResidentLost):  # the trainer's state died with its worker
+            ckpt = checkpoints.latest(run_dir)
+            then = (f"resume from {ckpt.name} with: {status.resume_command(run_dir)}" if ckpt
+                    else "it had no checkpoint yet (run.checkpoint_every); start it again")
+            raise RunFailed(f"{exc}; the run stopped, {then}") from None
         raise
     finally:
         stop.uninstall()

@@ -9,7 +9,7 @@ earlier), and a load never takes an engine back to an older version (``remote.lo
 
 from __future__ import annotations
 
-from distributed import Client, Future, wait
+from distributed import Client, Future, Variable, wait
 
 from streamrl.flow import remote
 
@@ -17,17 +17,22 @@ from streamrl.flow import remote
 #: predicted-length rank, at most the prompts per step, as generate priorities).
 LOAD_PRIORITY = 1_000_000
 
+#: Dask ``Variable`` holding the newest export: a generate worker restarted mid-run (a fresh
+#: engine at the base weights) loads it before it generates (``remote.catch_up``).
+LATEST = remote.LATEST
 
-def publish(client: Client, after: Future | None, version: int, train_worker: str,
-            generate_workers: dict[str, str], tag: str = "") -> list[Future]:
-    """Submit the export and one load per generate worker (``{name: address}``); returns the
-    load futures (each resolves to the seconds the load took). ``tag`` makes the keys new when
+
+def publish(client: Client, after: Future | None, version: int, train_pin: dict,
+            generate_pins: dict[str, dict], tag: str = "", trainer_id: str | None = None) -> list[Future]:
+    """Submit the export (on the train worker, ``train_pin``: ``cluster.pins``) and one load per
+    generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds the load took). ``tag`` makes the keys new when
     a version is published again (a resume), so Dask does not answer with a finished task."""
-    payload = client.submit(remote.export_weights, version, after=after, key=f"export-weights-{version}{tag}",
-                            workers=[train_worker], allow_other_workers=False, priority=LOAD_PRIORITY)
+    payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id, key=f"export-weights-{version}{tag}",
+                            priority=LOAD_PRIORITY, **train_pin)
+    Variable(LATEST, client=client).set(payload)
     return [client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}{tag}-{name}",
-                          workers=[addr], allow_other_workers=False, priority=LOAD_PRIORITY)
-            for name, addr in generate_workers.items()]
+                          priority=LOAD_PRIORITY, **pin)
+            for name, pin in generate_pins.items()]
 
 
 def wait_loaded(loads: list[Future]) -> None:
