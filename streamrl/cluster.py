@@ -123,7 +123,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[SpecCluster | None, Cl
     level = quiet_dask(verbose)
     if recipe.cluster.address:
         try:
-            client = Client(recipe.cluster.address, timeout=recipe.cluster.startup_timeout)
+            client = Client(recipe.cluster.address, timeout=recipe.cluster.connect_timeout)
         except OSError as exc:
             raise UserError(f"cluster.address: cannot reach scheduler {recipe.cluster.address} ({exc})") from None
         cluster = None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from streamrl.errors import UserError
 
@@ -69,10 +69,21 @@ class ClusterConfig(Strict):
     """Port of the Dask dashboard of the embedded cluster (0 picks a free one)."""
     startup_timeout: float = Field(120.0, gt=0)
     """Seconds to wait for the workers of every pool to come up."""
+    connect_timeout: float = Field(10.0, gt=0)
+    """Seconds to wait for the scheduler at ``address`` to answer."""
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        # Dask's own message for a bad address is a traceback from deep inside its comm layer
+        rest = value.split("://", 1)[-1]
+        if value and (":" not in rest or not rest.rsplit(":", 1)[1].isdigit()):
+            raise ValueError("expected a scheduler address like tcp://host:8786")
+        return value
 
 
 class PoolConfig(Strict):
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1, le=512)
     """Number of worker processes in this pool (one per GPU on a GPU machine)."""
     threads: int = Field(1, ge=1)
     """Task slots per worker. A generate worker needs several: each running generate task holds
@@ -189,7 +200,7 @@ def _describe(err: dict) -> str:
         return f"{loc}: unknown key"
     if err["type"] == "missing":
         return f"{loc}: required key missing"
-    msg = err["msg"].replace("Input should be", "expected")
+    msg = err["msg"].replace("Input should be", "expected").removeprefix("Value error, ")
     return f"{loc}: {msg} (got {err.get('input')!r})"
 
 
@@ -255,6 +266,10 @@ def load_recipe(file: str | Path, overrides: list[str] = ()) -> LoadedRecipe:
         data = tomllib.loads(file.read_text())
     except FileNotFoundError:
         raise UserError(f"{file}: recipe file not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{file}: is a folder; expected a recipe .toml file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{file}: cannot read the recipe ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{file}: not valid TOML: {exc}") from None
     data = apply_overrides(data, list(overrides))

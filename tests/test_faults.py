@@ -85,3 +85,53 @@ def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(14))
     check_every_sample_trained_once(recs)
+
+
+FLAKY_REWARD = '''
+import itertools
+
+from pydantic import BaseModel
+
+from streamrl.api import Component, Reward, hookimpl
+
+
+class Empty(BaseModel):
+    pass
+
+
+class Flaky(Reward):
+    """Of every 8 samples: 2 raise, 1 NaN, 1 inf, 2 a word, 2 score 1.0."""
+
+    def __init__(self, config):
+        self.calls = itertools.count()
+
+    def score(self, prompt, response):
+        answer = ["raise", float("nan"), "great", 1.0, "raise", float("inf"), "great", 1.0][next(self.calls) % 8]
+        if answer == "raise":
+            raise RuntimeError("the grader crashed")
+        return answer
+
+
+@hookimpl
+def register_rewards():
+    return [Component("reward", "flaky", Empty, Flaky)]
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_that_raises_or_returns_non_numbers_is_counted_and_scored_zero(tiny_recipe, tmp_path):
+    (tiny_recipe.parent / "flaky.py").write_text(FLAKY_REWARD)
+    text = tiny_recipe.read_text().replace('name = "exact_match"', 'name = "flaky"')
+    (tiny_recipe.parent / "flaky.toml").write_text(text + '\n[plugins]\nmodules = ["flaky.py"]\n')
+    proc = streamrl("recipe", "run", str(tiny_recipe.parent / "flaky.toml"), "--set", "run.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "reward errors: 36 of 48 samples scored 0" in proc.stderr  # summarised on the console
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    recs = records(run_dir)
+    assert [r["reward_errors"] for r in recs] == [12, 12, 12]
+    assert all(r["reward_mean"] == pytest.approx(0.25) for r in recs)  # errors count as 0, never NaN
+
+    from safetensors.torch import load_file
+
+    assert all(t.isfinite().all() for t in load_file(run_dir / "policy" / "model.safetensors").values())

@@ -102,3 +102,31 @@ def test_show_prints_resolved_recipe(capsys, tiny_recipe):
     again = tiny_recipe.parent / "again.toml"
     again.write_text(out)
     assert load_recipe(again).recipe.trainer.lr == 0.5
+
+
+def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(capsys, tiny_recipe, tmp_path):
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tmp_path))
+    assert code == 2 and "is a folder; expected a recipe .toml file" in one_line_error(err)
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f'model.path="{empty}"')
+    assert code == 2 and "has a config.json but no weights" in one_line_error(err)
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "cluster.address=nonsense")
+    assert code == 2 and "cluster.address: expected a scheduler address like tcp://host:8786" in one_line_error(err)
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "pools.generate.workers=1000000000")
+    assert code == 2 and "pools.generate.workers: expected less than or equal to 512" in one_line_error(err)
+
+
+def test_a_task_must_give_the_prompts_asked_for_with_uids_new_to_the_run():
+    from streamrl.flow.controller import check_prompts
+    from streamrl.sample import Prompt
+
+    seen: set[str] = set()
+    check_prompts("t", 0, [Prompt(uid="0-0", text="a", answer=""), Prompt(uid="0-1", text="b", answer="")], 2, seen)
+    with pytest.raises(UserError, match="returned 0 prompts"):
+        check_prompts("t", 1, [], 2, seen)
+    with pytest.raises(UserError, match="prompt uid '0-1' repeats in step 1"):  # a uid of an earlier step
+        check_prompts("t", 1, [Prompt(uid="1-0", text="a", answer=""), Prompt(uid="0-1", text="b", answer="")], 2, seen)
+    with pytest.raises(UserError, match="prompt uid 'x' repeats in step 2"):
+        check_prompts("t", 2, [Prompt(uid="x", text="a", answer=""), Prompt(uid="x", text="b", answer="")], 2, seen)

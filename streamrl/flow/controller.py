@@ -22,12 +22,27 @@ from pathlib import Path
 from distributed import Client, Future, as_completed
 
 from streamrl import cluster
+from streamrl.errors import UserError
 from streamrl.flow import checkpoints, modes, placement, remote
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.weights import publish, wait_loaded
 from streamrl.scheduling.dispatch import Dispatcher
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import summarize
+
+
+def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[str]) -> None:
+    """A task must give ``wanted`` prompts with uids never used before in the run (``seen``,
+    updated): samples and tasks are keyed by uid, so a repeated one would be generated once and
+    trained many times."""
+    if len(prompts) != wanted:
+        raise UserError(f"task {task!r}: prompts(step={step}, n={wanted}) returned {len(prompts)} prompts")
+    uids = [p.uid for p in prompts]
+    again = sorted({u for u in uids if uids.count(u) > 1} | (set(uids) & seen))
+    if again:
+        raise UserError(f"task {task!r}: prompt uid {again[0]!r} repeats in step {step}; every prompt of "
+                        "a run needs its own uid (e.g. f\"{step}-{i}\")")
+    seen.update(uids)
 
 
 class Controller:
@@ -67,6 +82,7 @@ class Controller:
         self.mode = modes.make(self.recipe.run.mode, self.recipe.run.max_staleness, self.recipe.run.steps)
         self.version = 0
         self.last_step = None
+        self.seen_uids: set[str] = set()
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         self.trainer_id = self.client.submit(remote.trainer_incarnation, key=f"trainer-id-{time.time_ns()}",
                                              **self.train_pin).result()
@@ -79,6 +95,7 @@ class Controller:
         t = self.recipe.trainer
         min_version = self.version if min_version is None else min_version
         prompts = self.task.prompts(step, t.prompts_per_step)
+        check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         placed = self.dispatcher.place(step, prompts)
         scored = []
         for i, p in enumerate(prompts):

@@ -92,4 +92,8 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
         if not (path / "config.json").is_file():
             raise UserError(f"model.path: no transformers model at {path} "
                             f"(make one with: streamrl model init --task {r.task.name} --out {r.model.path})")
+        weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("*.safetensors.index.json")]
+        if not weights:
+            raise UserError(f"model.path: {path} has a config.json but no weights "
+                            "(expected model.safetensors or pytorch_model.bin)")
     return out

@@ -57,7 +57,9 @@ def step_line(m: dict, steps: int) -> str:
             f"samples/s {m['samples_per_s']:6.1f}  gen {m['generate_s']:.2f}s  "
             f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  idle "
             + " ".join(f"{p[:3]} {a['idle_ratio']:.0%}" for p, a in m["pools"].items())
-            + f"  v{m['policy_version']}")
+            + f"  v{m['policy_version']}"
+            # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
+            + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}[/]" if m.get("reward_errors") else ""))
 
 
 def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[LoadedRecipe, Path]:
@@ -141,6 +143,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         policy = controller.save_policy(run_dir / "policy")
         status.write(run_dir, "completed", step=r.run.steps, policy=str(policy))
         console.print(summary(log.records))
+        errors = sum(rec.get("reward_errors", 0) for rec in log.records)
+        if errors:
+            console.print(f"[yellow]reward errors: {errors} of {sum(rec['samples'] for rec in log.records)} samples "
+                          "scored 0 (the reward raised or returned a non-number; see metrics.jsonl)[/]")
         console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
     except Interrupted:
         raise
