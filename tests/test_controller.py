@@ -128,3 +128,15 @@ def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(c
     for r in rest:
         assert {x["uid"].split("-")[0] for x in r["sample_log"]} == {str(r["step"])}
         assert min(x["version"] for x in r["sample_log"]) >= 3, [(r["step"], sorted({x["version"] for x in r["sample_log"]})) for r in rest]  # generated after the restore, never from v0
+
+
+def test_a_weight_load_that_never_finishes_ends_in_one_line_not_a_hang(client):
+    import time
+
+    from streamrl.errors import RunFailed
+    from streamrl.flow.weights import wait_loaded
+
+    stuck = client.submit(time.sleep, 3, key="load-weights-7-generate-0", resources={"generate": 1})
+    with pytest.raises(RunFailed, match="weight load load-weights-7-generate-0 did not finish within 0 s"):
+        wait_loaded([stuck], timeout=0.3)
+    client.cancel(stuck)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from distributed import Client, Future, Variable, wait
 
+from streamrl.errors import RunFailed
 from streamrl.flow import remote
 
 #: Dask priority of weight export/load tasks: above any generate task (schedulers use the
@@ -35,8 +36,19 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
             for name, pin in generate_pins.items()]
 
 
-def wait_loaded(loads: list[Future]) -> None:
-    """Block until every generate worker has loaded the published weights (raise if one failed)."""
-    wait(loads)
+#: Seconds a weight load may take, a worker restart included, before the run gives up on it.
+LOAD_TIMEOUT = 600.0
+
+
+def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
+    """Block until every generate worker has loaded the published weights (raise if one failed,
+    and :class:`RunFailed` naming the load if one has not finished within ``timeout``)."""
+    try:
+        wait(loads, timeout=timeout)
+    except TimeoutError:
+        pending = [f for f in loads if not f.done()]
+        keys = sorted(str(f.key) for f in pending) or ["?"]
+        raise RunFailed(f"weight load {keys[0]} did not finish within {timeout:.0f} s (is that generate "
+                        "worker alive? see the dashboard)") from None
     for f in loads:
         f.result()
