@@ -89,3 +89,14 @@ def test_reproducible_engine_draws_the_same_samples_for_a_seed_whatever_runs_bes
     ids, attn, resp, old = pad_batch(alone, a.tokenizer.pad_token_id)
     new = token_logprobs(a.model, ids, attn, 1.0)
     assert torch.allclose(new[resp.bool()], old[resp.bool()], atol=1e-4)
+
+
+def test_a_request_that_never_finishes_fails_after_request_timeout(tiny_model):
+    engine = HFEngine(HFEngineConfig(max_new_tokens=3, request_timeout=0.5))
+    engine.load(str(tiny_model))
+    try:
+        with engine.manager.pause():  # a stuck generation loop
+            with pytest.raises(RuntimeError, match=r"request s-0 got no response within 0 s \(engine.request_timeout\)"):
+                engine.generate(Prompt(uid="s", text="1+2=", answer="3"), 1)
+    finally:
+        engine.close()

@@ -21,6 +21,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as RequestTimeout
 from functools import partial
 
 import torch
@@ -64,6 +65,9 @@ class HFEngineConfig(BaseModel):
     uninterrupted one); no continuous batching across groups, so slower under load."""
     seed: int | None = None
     """Seed of ``reproducible`` sampling (default: ``run.seed``)."""
+    request_timeout: float = Field(600.0, gt=0)
+    """Seconds a generate task waits for one response before it fails (naming the request)
+    instead of hanging the step on a stuck generation loop."""
 
 
 class HFEngine(Engine):
@@ -196,7 +200,11 @@ class HFEngine(Engine):
         self._admit()
         group = []
         for rid, fut in futures.items():
-            out = fut.result()
+            try:
+                out = fut.result(timeout=self.config.request_timeout)
+            except RequestTimeout:  # concurrent.futures' own class before Python 3.11
+                raise RuntimeError(f"hf engine: request {rid} got no response within "
+                                   f"{self.config.request_timeout:.0f} s (engine.request_timeout)") from None
             if out.error:
                 raise RuntimeError(f"hf engine failed request {rid}: {out.error}")
             group.append(Sample(
