@@ -84,3 +84,14 @@ def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"streamrl: error: {tmp_path}: not a run folder "
                                                 "(expected status.json and recipe.toml in it)"]
+
+
+def test_resume_refuses_a_run_that_is_still_going(tmp_path):
+    (tmp_path / "recipe.toml").write_text("")
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text("{}")
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "recipe_file": "x"}))
+    proc = streamrl("recipe", "resume", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"streamrl: error: {tmp_path}: the run is still going (pid {os.getpid()}); "
+                                   "stop it first (Ctrl-C)")

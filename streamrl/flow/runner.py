@@ -4,6 +4,7 @@ the run folder true whatever happens."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
@@ -71,6 +72,9 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Loa
         raise UserError(f"{run_dir}: not a run folder (expected status.json and recipe.toml in it)")
     if checkpoints.latest(run_dir) is None:
         raise UserError(f"{run_dir}: no checkpoint to resume from (the run stopped before its first one)")
+    state = status.read(run_dir)
+    if state["state"] in ("starting", "running") and _alive(state.get("pid")):
+        raise UserError(f"{run_dir}: the run is still going (pid {state['pid']}); stop it first (Ctrl-C)")
     loaded = load_recipe(run_dir / "recipe.toml", overrides)
     return LoadedRecipe(loaded.recipe, Path(status.read(run_dir)["recipe_file"])), run_dir
 
@@ -92,7 +96,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
                         "pass --set run.steps=N with a larger N to go on")
     if resume_dir:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
         (run_dir / "recipe.toml").write_text(to_toml(r))
-    status.write(run_dir, "starting", recipe_file=str(loaded.file.resolve()), steps=r.run.steps)
+    status.write(run_dir, "starting", recipe_file=str(loaded.file.resolve()), steps=r.run.steps, pid=os.getpid())
     log = MetricsLog(run_dir / "metrics.jsonl")
     if checkpoint is not None:  # steps after the checkpoint are run again: drop their records
         log.keep_first(checkpoints.read(checkpoint)["records"])
@@ -171,6 +175,19 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         if dask_cluster is not None or client is not None:
             cluster.stop(dask_cluster, client)
     return run_dir
+
+
+def _alive(pid: int | None) -> bool:
+    """Is process ``pid`` running on this machine (a run killed with -9 leaves ``running``)?"""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _failed(run_dir: Path, exc: BaseException) -> None:
