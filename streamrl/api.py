@@ -325,6 +325,12 @@ class Trainer:
         """The parameters a transfer sends to the engines (empty for a simulator)."""
         raise NotImplementedError
 
+    data_parallel: bool = False
+    """True: the trainer can train on several train workers at once (``pools.train.workers >
+    1``): streamrl joins them in one ``torch.distributed`` group before the run, gives each its
+    share of the micro-batches, and runs ``step()`` on every rank together, which must then sum
+    the gradients over the group (the ``hf`` trainer does)."""
+
     def save_checkpoint(self, path: str) -> None:
         """Optional: write everything needed to continue training exactly (weights, optimizer,
         schedules, RNG states) into the folder ``path``. streamrl writes it into a temporary

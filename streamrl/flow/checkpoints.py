@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import shutil
 from pathlib import Path
 
@@ -63,5 +64,5 @@ def read(checkpoint: Path) -> dict:
 
 def restore_trainer(client: Client, train_pin: dict, checkpoint: Path) -> None:
     """Load the trainer's part into the (freshly placed) trainer."""
-    client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"), key=f"restore-{checkpoint.name}",
+    client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"), key=f"restore-{checkpoint.name}-{time.time_ns()}",
                   pure=False, **train_pin).result()

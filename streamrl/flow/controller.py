@@ -22,6 +22,7 @@ from pathlib import Path
 from distributed import Client, Future, as_completed
 
 from streamrl import cluster
+from streamrl.api import Trainer
 from streamrl.errors import UserError
 from streamrl.flow import checkpoints, modes, placement, remote
 from streamrl.flow.resolve import Resolved
@@ -57,18 +58,25 @@ class Controller:
         # Work is addressed to workers by *name*: a worker its nanny restarts comes back on a new
         # address with the same name, and tasks pinned to it wait for it instead of for ever.
         self.generate_workers = {name: name for name in sorted(pools["generate"])}
-        # One trainer holds the policy; every train task is pinned to its worker.
-        self.train_worker = sorted(pools["train"])[0]
+        # Rank 0 of the train pool exports, checkpoints and saves the policy. With one train
+        # worker every train task is pinned to it; with several, Dask gives each ready micro-batch
+        # to whichever rank is free and every rank takes part in the optimizer step.
+        self.train_workers = sorted(pools["train"])
+        self.train_worker = self.train_workers[0]
         # The ranker lives on the rank pool, else on the first reward worker.
         self.rank_worker = sorted(pools.get("rank") or pools["reward"])[0] if resolved.ranker else None
         # ... and through a restart: tasks that must run on one worker are pinned by its resource
         self.pin = cluster.pins(client)
         self.train_pin = self.pin[self.train_worker]
+        world = len(self.train_workers)
+        if world > 1 and not resolved.trainer.component.declared(Trainer, "data_parallel", False):
+            raise UserError(f"pools.train.workers: trainer {r.trainer.name!r} trains on one worker; "
+                            f"set pools.train.workers = 1 (got {world})")
         self.generate_pins = {name: self.pin[name] for name in self.generate_workers}
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         self.version = 0
-        self.last_step: Future | None = None
+        self.last_step: list[Future] | None = None  # every rank's last optimizer step
         self.dispatcher: Dispatcher | None = None
         self.clock = None
 
@@ -84,8 +92,24 @@ class Controller:
         self.last_step = None
         self.seen_uids: set[str] = set()
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
-        self.trainer_id = self.client.submit(remote.trainer_incarnation, key=f"trainer-id-{time.time_ns()}",
-                                             **self.train_pin).result()
+        self.join_train_group()
+        self.trainer_id = {name: self.client.submit(remote.trainer_incarnation, key=f"trainer-id-{name}-{time.time_ns()}",
+                                                    **self.pin[name]).result() for name in self.train_workers}
+
+    def join_train_group(self) -> None:
+        """Several train workers: one ``torch.distributed`` group, rendezvous at rank 0."""
+        world = len(self.train_workers)
+        if world == 1:  # a group left from an earlier run on this cluster would wait for peers
+            self.client.submit(remote.join_train_group, 0, 1, "", 0.0, pure=False, **self.train_pin).result()
+            return
+        address = self.client.submit(remote.rendezvous_address, key=f"rendezvous-{time.time_ns()}",
+                                     **self.train_pin).result()
+        timeout = self.recipe.cluster.startup_timeout
+        joins = [self.client.submit(remote.join_train_group, rank, world, address, timeout, pure=False,
+                                    key=f"join-train-group-{name}", **self.pin[name])
+                 for rank, name in enumerate(self.train_workers)]
+        for f in joins:
+            f.result()
 
     # -- one step -------------------------------------------------------------------------
     def submit_generation(self, step: int, min_version: int | None = None) -> list[Future]:
@@ -137,15 +161,18 @@ class Controller:
         trains: list[Future] = []
         suffix = f"-epoch{epoch}" if epoch else ""
 
+        world = len(self.train_workers)
+        # one rank: pinned to it; several: any free rank (its share of the step's gradient)
+        where = cluster.at(self.train_pin, train=1) if world == 1 else {"resources": {"train": 1}}
+
         def submit(chunk):
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
-                trainer_id=self.trainer_id,
-                key=f"train-{step}{suffix}-{len(trains):03d}", **cluster.at(self.train_pin, train=1)))
+                trainer_id=self.trainer_id, key=f"train-{step}{suffix}-{len(trains):03d}", **where))
 
         if not stream:
-            size = len(scored) if dynamic else t.groups_per_micro_batch
+            size = -(-len(scored) // world) if dynamic else t.groups_per_micro_batch
             for i in range(0, len(scored), size):
                 submit(scored[i:i + size])
         else:
@@ -159,7 +186,7 @@ class Controller:
                     continue
                 if dynamic:
                     # hand over what is ready only when the trainer is about to run dry
-                    if sum(not f.done() for f in trains) < 2 or seen == len(scored):
+                    if sum(not f.done() for f in trains) < 2 * world or seen == len(scored):
                         submit(buf)
                         buf = []
                         if seen < len(scored):
@@ -169,9 +196,13 @@ class Controller:
                     buf = []
                 if seen == len(scored):
                     break
-        self.last_step = self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_id,
-                                            key=f"optimizer-step-{step}{suffix}", **cluster.at(self.train_pin, train=1))
-        return self.last_step, trains
+        # every rank steps, together (they sum their gradients first), after every micro-batch
+        self.last_step = [
+            self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_id,
+                               key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
+                               **cluster.at(self.pin[name], train=1))
+            for rank, name in enumerate(self.train_workers)]
+        return self.last_step[0], trains
 
     def step(self, step: int) -> dict:
         """Run one full step in the recipe's mode and return its ``metrics.jsonl`` record."""
@@ -213,7 +244,8 @@ class Controller:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
         (so nothing generates with the base weights), and continue the mode; returns the next step."""
         state = checkpoints.read(checkpoint)
-        checkpoints.restore_trainer(self.client, self.train_pin, checkpoint)
+        for name in self.train_workers:  # every rank starts from the same state
+            checkpoints.restore_trainer(self.client, self.pin[name], checkpoint)
         self.version = state["policy_version"]
         wait_loaded(publish(self.client, None, self.version, self.train_pin, self.generate_pins,
                             tag=f"-resume-{time.time_ns()}", trainer_id=self.trainer_id))

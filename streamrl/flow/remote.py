@@ -61,7 +61,7 @@ def score_group(group: Group) -> Group:
 
 
 def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
-                 after=None, trainer_id: str | None = None) -> dict:
+                 after=None, trainer_id: str | dict | None = None) -> dict:
     """Train pool: forward/backward on whole groups, cut into micro-batches by
     ``flow.microbatch.pack``; gradients accumulate until the optimizer step.
 
@@ -82,12 +82,12 @@ def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, grou
             stats[k] = stats.get(k, 0) + v
     stats["micro_batches"] = len(cuts)
     samples = [s for g in groups for s in g]
-    trained = time.time()
+    trained, rank = time.time(), str(get_worker().name)
     # one small record per sample: the controller checks ids (none lost, none twice) and
     # writes the timeline into metrics.jsonl
     stats["sample_log"] = [
         {"uid": s.uid, "version": s.policy_version, "worker": s.worker, **{k: round(v, 4) for k, v in s.times.items()},
-         "trained": round(trained, 4), "response_len": len(s.response_ids),
+         "trained": round(trained, 4), "trained_on": rank, "response_len": len(s.response_ids),
          "prompt_len": len(s.prompt_ids)}
         for s in samples]
     stats["gen_end_max"] = max(s.times["gen_end"] for s in samples)
@@ -96,7 +96,7 @@ def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, grou
     return stats
 
 
-def optimizer_step(*micro_batch_stats: dict, trainer_id: str | None = None) -> dict:
+def optimizer_step(*micro_batch_stats: dict, trainer_id: str | dict | None = None, after=None) -> dict:
     """Train pool: one optimizer step after every micro-batch of the batch (they are arguments)."""
     expect(TRAINER, trainer_id)
     return resident(TRAINER).step()
@@ -177,6 +177,23 @@ def save_trainer_checkpoint(path: str, after=None, trainer_id: str | None = None
     expect(TRAINER, trainer_id)
     resident(TRAINER).save_checkpoint(path)
     return path
+
+
+def rendezvous_address() -> str:
+    """Train pool, rank 0: ``host:port`` where the train pool's process group meets."""
+    from streamrl.training.data_parallel import free_address
+
+    host = get_worker().address.split("://", 1)[-1].rsplit(":", 1)[0]
+    return free_address(host)
+
+
+def join_train_group(rank: int, world: int, address: str, timeout_s: float) -> int:
+    """Train pool: join the process group (every rank's task runs at once); returns the rank."""
+    from streamrl.training.data_parallel import join
+
+    resident(TRAINER)  # built first: a slow model load must not eat the rendezvous timeout
+    join(rank, world, address, timeout_s)
+    return rank
 
 
 def trainer_incarnation() -> str:

@@ -103,9 +103,12 @@ def incarnation(name: str) -> str:
     return get_worker().plugins[name].incarnation
 
 
-def expect(name: str, incarnation_id: str | None) -> None:
+def expect(name: str, incarnation_id: str | dict[str, str] | None) -> None:
     """Raise :class:`ResidentLost` if ``name`` on this worker is not the incarnation the
-    controller built (None: no check)."""
+    controller built (None: no check; a dict: ``{worker name: id}``, for a task Dask may place
+    on any worker of a pool)."""
+    if isinstance(incarnation_id, dict):
+        incarnation_id = incarnation_id.get(str(get_worker().name), "")
     if incarnation_id is not None and get_worker().plugins[name].incarnation != incarnation_id:
         raise ResidentLost(f"worker {get_worker().name} was restarted and its {name.removeprefix('streamrl-')} "
                            "lost its state")

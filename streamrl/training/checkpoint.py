@@ -40,7 +40,8 @@ def save(trainer, path: str) -> None:
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
         warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(folder / "dcp"))
+        # no_dist: the ranks of a data-parallel train pool hold identical state; rank 0 writes it
+        dcp.save(state, checkpoint_id=str(folder / "dcp"), no_dist=True)
     torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
                 "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate()}, folder / "trainer.pt")
@@ -56,7 +57,7 @@ def load(trainer, path: str) -> None:
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        dcp.load(state, checkpoint_id=str(folder / "dcp"), no_dist=True)
     for name, (module, optimizer) in modules.items():
         set_state_dict(module, optimizer, model_state_dict=state[f"{name}.model"],
                        optim_state_dict=state[f"{name}.optim"])

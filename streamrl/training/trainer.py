@@ -18,6 +18,7 @@ from safetensors.torch import save as save_safetensors
 
 from streamrl.api import Trainer, TrainerContext
 from streamrl.sample import Group
+from streamrl.training import data_parallel as dp
 
 
 class HFTrainerConfig(BaseModel):
@@ -65,6 +66,8 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0):
 
 class HFTrainer(Trainer):
     """A causal LM + AdamW (+ a frozen reference model and a critic when the algorithm asks)."""
+
+    data_parallel = True
 
     def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,8 +134,14 @@ class HFTrainer(Trainer):
         }
 
     def step(self) -> dict:
-        """Clip, step the optimizer, clear gradients; the policy version goes up by one."""
+        """Clip, step the optimizer, clear gradients; the policy version goes up by one. Over a
+        train pool of several workers the gradients are first summed over the ranks
+        (``training/data_parallel.py``), so every rank applies the one-worker update."""
         t0 = time.perf_counter()
+        if dp.world_size() > 1:
+            dp.all_reduce_gradients(self.model.parameters())
+            if self.critic is not None:
+                dp.all_reduce_gradients(self.critic.parameters())
         norm = 0.0
         if self.config.max_grad_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
