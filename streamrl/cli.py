@@ -8,6 +8,7 @@
     streamrl plugins list
     streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
     streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
+    streamrl bench transfer recipes/addition.toml    # seconds and GB/s per weight publication
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
 
 User mistakes print one line and exit with status 2.
@@ -77,6 +78,11 @@ def parser() -> argparse.ArgumentParser:
     skew.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     skew.add_argument("--warmup", type=int, default=2, help="steps run first (the ranker learns) and left out")
     skew.add_argument("--out", default=None, help="write the JSON result here")
+    transfer = bench.add_parser("transfer", help="seconds and GB/s per weight publication, per transfer")
+    _recipe_args(transfer)
+    transfer.add_argument("--transfers", default="dask", help="comma-separated transfer names")
+    transfer.add_argument("--repeats", type=int, default=5, help="measured publications per transfer")
+    transfer.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 
 
@@ -112,8 +118,14 @@ def cmd_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from streamrl.bench import modes, skew
+    from streamrl.bench import modes, skew, transfer
 
+    if args.cmd == "transfer":
+        if args.repeats < 1:
+            raise UserError("--repeats must be >= 1")
+        transfer.bench(args.file, args.overrides, [t.strip() for t in args.transfers.split(",") if t.strip()],
+                       args.repeats, args.out)
+        return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     if args.cmd == "skew":

@@ -94,3 +94,19 @@ def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
     assert "ranker_recall" not in rows["fcfs"]  # the W3 recipe has no ranker of its own
     for name in ["skew-oracle", "lpt-oracle", "skew-learned"]:
         assert 0.0 <= rows[name]["ranker_recall"] <= 1.0 and rows[name]["generate_makespan_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_transfer_times_publications_next_to_memcpy(tiny_recipe, tmp_path):
+    out = tmp_path / "transfer.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "transfer", str(tiny_recipe), "--repeats", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["transfer"] == "dask" and row["generate_workers"] == 1 and len(row["publish_s"]) == 2
+    # the tiny model's parameters, in bytes, and positive rates
+    assert 1e5 < row["model_bytes"] < 1e8 and row["gb_s"] > 0 and row["memcpy_gb_s"] > 0
+    assert "dask" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "transfer", str(tiny_recipe), "--transfers",
+                          "nccl_magic"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "transfer.name" in bad.stderr
