@@ -195,6 +195,12 @@ class Transfer:
     ``engine.load_weights`` itself: a transfer only moves tensors.
     """
 
+    receivers: int = 1
+    """How many generate workers will call :meth:`receive` for each version; streamrl sets it on
+    the train worker's object before every :meth:`send` (a collective needs the group's size).
+    ``receive`` is called for every version on every generate worker, even one the engine will
+    skip for a newer one, so a collective never waits for a member that is not coming."""
+
     def send(self, weights: dict[str, "torch.Tensor"], version: int) -> Any:
         """Train worker: the trainer's parameters (may be on a GPU). Return a payload that Dask
         carries to every generate worker (bytes, CPU tensors, or a small token when the tensors

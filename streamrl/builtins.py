@@ -21,6 +21,7 @@ from streamrl.tasks.countdown import CountdownConfig, CountdownReward, Countdown
 from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
 from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
+from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
 
 
 @hookimpl
@@ -58,7 +59,8 @@ def register_tasks():
 
 @hookimpl
 def register_transfers():
-    return [Component("transfer", "dask", DaskTransferConfig, DaskTransfer)]
+    return [Component("transfer", "dask", DaskTransferConfig, DaskTransfer),
+            Component("transfer", "torch_distributed", TorchDistributedConfig, TorchDistributedTransfer)]
 
 
 @hookimpl

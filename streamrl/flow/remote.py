@@ -102,9 +102,11 @@ def optimizer_step(*micro_batch_stats: dict, trainer_id: str | dict | None = Non
     return resident(TRAINER).step()
 
 
-def export_weights(version: int, after=None, trainer_id: str | None = None):
-    """Train pool: the transfer's payload of the trainer's current weights."""
+def export_weights(version: int, after=None, trainer_id: str | None = None, receivers: int = 1):
+    """Train pool: the transfer's payload of the trainer's current weights, for ``receivers``
+    generate workers."""
     expect(TRAINER, trainer_id)
+    resident(TRANSFER).receivers = receivers
     return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
 
 
@@ -139,9 +141,10 @@ def load_weights(payload, version: int) -> float:
     """
     t0 = time.perf_counter()
     engine = resident(ENGINE)
+    weights = resident(TRANSFER).receive(payload, version)  # always: a collective counts on every member
     with _LOAD_LOCK:
         if version > engine.version:
-            engine.load_weights(resident(TRANSFER).receive(payload, version), version)
+            engine.load_weights(weights, version)
     return time.perf_counter() - t0
 
 

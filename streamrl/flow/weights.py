@@ -28,7 +28,8 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
     """Submit the export (on the train worker, ``train_pin``: ``cluster.pins``) and one load per
     generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds the load took). ``tag`` makes the keys new when
     a version is published again (a resume), so Dask does not answer with a finished task."""
-    payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id, key=f"export-weights-{version}{tag}",
+    payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id,
+                            receivers=len(generate_pins), key=f"export-weights-{version}{tag}",
                             priority=LOAD_PRIORITY, **train_pin)
     Variable(LATEST, client=client).set(payload)
     return [client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}{tag}-{name}",
@@ -51,4 +52,7 @@ def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
         raise RunFailed(f"weight load {keys[0]} did not finish within {timeout:.0f} s (is that generate "
                         "worker alive? see the dashboard)") from None
     for f in loads:
-        f.result()
+        try:
+            f.result()
+        except Exception as exc:  # e.g. a broadcast that timed out: say which load, in one line
+            raise RunFailed(f"weight load {f.key} failed: {exc}") from None
