@@ -12,22 +12,14 @@ from streamrl import cluster
 from streamrl.flow import remote
 from streamrl.flow.controller import Controller
 from streamrl.flow.runner import resolve
-from streamrl.recipe import load_recipe
-from tests.test_flow import PARITY_REWARD
+from tests.test_flow import parity_recipe
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
-    from tests.conftest import TINY_RECIPE
-
-    path = tmp_path_factory.mktemp("dp") / "tiny.toml"
-    (path.parent / "parity.py").write_text(PARITY_REWARD)
-    text = TINY_RECIPE.format(out=path.parent / "runs", model=tiny_model)
-    text = text.replace('name = "exact_match"', 'name = "length_parity"')
-    path.write_text(text + '\n[plugins]\nmodules = ["./parity.py"]\n')
-    loaded = load_recipe(path, ["pools.train.workers=2"])
+    loaded = parity_recipe(tmp_path_factory.mktemp("dp"), tiny_model, ["pools.train.workers=2"])
     dask_cluster, client = cluster.start(loaded.recipe)
     pools = cluster.check_pools(client)
     assert sorted(pools["train"]) == ["train-0", "train-1"]
@@ -68,4 +60,4 @@ def test_two_train_workers_give_the_one_worker_update(setup, stream):
     if stream:
         assert ranks <= {"train-0", "train-1"}  # whichever rank was free
     else:
-        assert ranks == {"train-0", "train-1"}  # 4 micro-batches queued at once: both ranks train
+        assert ranks == {"train-0", "train-1"}  # a batch's 4 micro-batches go round-robin

@@ -35,18 +35,23 @@ def register_rewards():
 """
 
 
-@pytest.fixture(scope="module")
-def controller(tiny_model, tmp_path_factory):
+def parity_recipe(folder, tiny_model, overrides=()):
+    """The tiny recipe with a recipe-local reward that has variance. An untrained model never
+    adds correctly; this gives GRPO a signal (and checks that a plugin defined in a file next to
+    the recipe reaches the workers)."""
     from tests.conftest import TINY_RECIPE
 
-    path = tmp_path_factory.mktemp("flow") / "tiny.toml"
-    # An untrained model never adds correctly; a recipe-local reward with variance gives GRPO a
-    # signal (and checks that a plugin defined in a file next to the recipe reaches the workers).
-    (path.parent / "parity.py").write_text(PARITY_REWARD)
-    text = TINY_RECIPE.format(out=path.parent / "runs", model=tiny_model)
+    path = folder / "tiny.toml"
+    (folder / "parity.py").write_text(PARITY_REWARD)
+    text = TINY_RECIPE.format(out=folder / "runs", model=tiny_model)
     text = text.replace('name = "exact_match"', 'name = "length_parity"')
     path.write_text(text + '\n[plugins]\nmodules = ["./parity.py"]\n')
-    loaded = load_recipe(path)
+    return load_recipe(path, list(overrides))
+
+
+@pytest.fixture(scope="module")
+def controller(tiny_model, tmp_path_factory):
+    loaded = parity_recipe(tmp_path_factory.mktemp("flow"), tiny_model)
     dask_cluster, client = cluster.start(loaded.recipe)
     ctl = Controller(resolve(loaded), client, cluster.check_pools(client))
     ctl.place_residents()

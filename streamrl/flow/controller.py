@@ -162,14 +162,21 @@ class Controller:
         suffix = f"-epoch{epoch}" if epoch else ""
 
         world = len(self.train_workers)
-        # one rank: pinned to it; several: any free rank (its share of the step's gradient)
-        where = cluster.at(self.train_pin, train=1) if world == 1 else {"resources": {"train": 1}}
+
+        def where() -> dict:
+            # one rank: pinned to it. Several: streamed micro-batches go to any free rank; a
+            # batch's, known up front, round-robin (balanced, and the same split every run)
+            if world == 1:
+                return cluster.at(self.train_pin, train=1)
+            if stream:
+                return {"resources": {"train": 1}}
+            return cluster.at(self.pin[self.train_workers[len(trains) % world]], train=1)
 
         def submit(chunk):
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
-                trainer_id=self.trainer_id, key=f"train-{step}{suffix}-{len(trains):03d}", **where))
+                trainer_id=self.trainer_id, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
 
         if not stream:
             size = -(-len(scored) // world) if dynamic else t.groups_per_micro_batch
