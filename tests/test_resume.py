@@ -38,45 +38,71 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_ctrl_c_checkpoints_and_resume_ends_where_an_uninterrupted_run_ends(tiny_recipe, tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    proc = streamrl("recipe", "run", str(tiny_recipe), *sets(*SAME, f"run.out_dir={straight}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
+    """The recipe, and the folder of its uninterrupted run (the oracle)."""
+    from tests.conftest import TINY_RECIPE
 
-    # Ctrl-C goes to the whole process group, the cluster's worker processes included
-    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe),
-                            *sets(*SAME, f"run.out_dir={stopped}")], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    folder = tmp_path_factory.mktemp("resume")
+    recipe = folder / "tiny.toml"
+    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
+    proc = streamrl("recipe", "run", str(recipe), *sets(*SAME, f"run.out_dir={folder / 'straight'}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return recipe, only_run(folder / "straight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "kill-9"])
+def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(straight, tmp_path, how):
+    recipe, oracle = straight
+    stopped = tmp_path / "stopped"
+    # Ctrl-C goes to the whole process group, the cluster's worker processes included;
+    # kill -9 hits only the controller's process (the workers must not outlive it)
+    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
+                            *sets(*SAME, f"run.out_dir={stopped}", "run.checkpoint_every=2")], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 240
-    while not list(stopped.glob("*/metrics.jsonl")) or len(records(only_run(stopped))) < 2:
+    while not list(stopped.glob("*/metrics.jsonl")) or len(records(only_run(stopped))) < 3:
         assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
         time.sleep(0.1)
     children = psutil.Process(run.pid).children(recursive=True)
     assert children  # the embedded cluster's processes
-    os.killpg(run.pid, signal.SIGINT)
+    if how == "ctrl-c":
+        os.killpg(run.pid, signal.SIGINT)
+    else:
+        os.kill(run.pid, signal.SIGKILL)
     t0 = time.time()
     _, err = run.communicate(timeout=60)
     assert time.time() - t0 < 10, "a stop must take seconds"
-    assert run.returncode == 130, err[-3000:]
     folder = only_run(stopped)
-    assert "Resume with: streamrl recipe resume" in err, err[-2000:]
     state = json.loads((folder / "status.json").read_text())
-    assert state["state"] == "interrupted" and 2 <= state["step"] < 12
-    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # no orphans
+    if how == "ctrl-c":
+        assert run.returncode == 130, err[-3000:]
+        assert "Resume with: streamrl recipe resume" in err, err[-2000:]
+        assert state["state"] == "interrupted" and 3 <= state["step"] < 12
+        resumed_at = state["step"]
+    else:  # no chance to clean up: status still says running, the newest checkpoint is what counts
+        assert state["state"] == "running"
+        resumed_at = json.loads(sorted((folder / "checkpoints").glob("step-*"))[-1].joinpath(
+            "controller.json").read_text())["next_step"]
+        assert resumed_at >= 2
+    deadline = time.time() + 20
+    while [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+        assert time.time() < deadline, "worker processes outlived the run"  # no orphans
+        time.sleep(0.2)
 
     proc = streamrl("recipe", "resume", str(folder))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from step-{state['step']:06d}" in proc.stderr
+    assert f"resumed from step-{resumed_at:06d}" in proc.stderr
     assert json.loads((folder / "status.json").read_text())["state"] == "completed"
     recs = records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
     check_every_sample_trained_once(recs)
-    a = load_file(only_run(straight) / "policy" / "model.safetensors")
+    a = load_file(oracle / "policy" / "model.safetensors")
     b = load_file(folder / "policy" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     # and the runs were the same all along: same rewards every step
-    assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in records(only_run(straight))]
+    assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in records(oracle)]
 
 
 def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
