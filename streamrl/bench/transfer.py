@@ -52,7 +52,7 @@ def measure(file: str, overrides: list[str], transfer: str, repeats: int) -> dic
         for version in range(1, repeats + 2):  # the first is a warm-up (connections, buffers)
             t0 = time.perf_counter()
             wait_loaded(publish(client, None, version, ctl.train_pin, ctl.generate_pins, tag=f"-bench-{transfer}",
-                                trainer_id=ctl.trainer_id))
+                                trainer_id=ctl.trainer_ids))
             seconds.append(time.perf_counter() - t0)
         return {"transfer": transfer, "model_bytes": size, "generate_workers": len(ctl.generate_pins),
                 "publish_s": seconds[1:], "memcpy_gb_s": size / copy_s / 1e9}

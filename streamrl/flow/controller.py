@@ -93,8 +93,11 @@ class Controller:
         self.seen_uids: set[str] = set()
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         self.join_train_group()
-        self.trainer_id = {name: self.client.submit(remote.trainer_incarnation, key=f"trainer-id-{name}-{time.time_ns()}",
-                                                    **self.pin[name]).result() for name in self.train_workers}
+        # each rank's trainer incarnation: a train task that lands on a restarted rank fails
+        self.trainer_ids = {
+            name: self.client.submit(remote.trainer_incarnation, key=f"trainer-id-{name}-{time.time_ns()}",
+                                     **self.pin[name]).result()
+            for name in self.train_workers}
 
     def join_train_group(self) -> None:
         """Several train workers: one ``torch.distributed`` group, rendezvous at rank 0."""
@@ -176,7 +179,7 @@ class Controller:
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
-                trainer_id=self.trainer_id, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
+                trainer_id=self.trainer_ids, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
 
         if not stream:
             size = -(-len(scored) // world) if dynamic else t.groups_per_micro_batch
@@ -205,7 +208,7 @@ class Controller:
                     break
         # every rank steps, together (they sum their gradients first), after every micro-batch
         self.last_step = [
-            self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_id,
+            self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_ids,
                                key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
                                **cluster.at(self.pin[name], train=1))
             for rank, name in enumerate(self.train_workers)]
@@ -228,7 +231,7 @@ class Controller:
                           "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in last) / n,
                           "last_epoch_loss": sum(m["loss_sum"] for m in last) / n}
         self.mode.published(self.version, publish(self.client, step_fut, self.version, self.train_pin,
-                                                  self.generate_pins, trainer_id=self.trainer_id))
+                                                  self.generate_pins, trainer_id=self.trainer_ids))
         # The step is done: later tasks need not depend on it. Holding it would make Dask, if the
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
         self.last_step = None
@@ -245,7 +248,7 @@ class Controller:
     def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
         """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
         return checkpoints.write(self.client, self.train_pin, self.last_step, run_dir, next_step, self.version,
-                                 records, self.recipe.run.keep_checkpoints, self.trainer_id)
+                                 records, self.recipe.run.keep_checkpoints, self.trainer_ids)
 
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
@@ -255,7 +258,7 @@ class Controller:
             checkpoints.restore_trainer(self.client, self.pin[name], checkpoint)
         self.version = state["policy_version"]
         wait_loaded(publish(self.client, None, self.version, self.train_pin, self.generate_pins,
-                            tag=f"-resume-{time.time_ns()}", trainer_id=self.trainer_id))
+                            tag=f"-resume-{time.time_ns()}", trainer_id=self.trainer_ids))
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
 
@@ -267,5 +270,5 @@ class Controller:
     def save_policy(self, out: Path) -> str:
         """Write the trained policy (after the ranker's last lesson); returns the folder."""
         self.dispatcher.finish()
-        return self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_id,
+        return self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_ids,
                                   key="save-policy", **self.train_pin).result()

@@ -3,7 +3,7 @@ reward, ranker or transfer and calls one method, so the dashboard shows one bar 
 piece of work.
 
 Arguments named ``after`` carry a future only to order a task after another one. ``trainer_id``
-is the trainer incarnation the controller built: a train task that lands on a restarted train
+is the trainer incarnation the controller built (``{worker name: id}`` over a train pool): a train task that lands on a restarted train
 worker (a fresh trainer at the base weights) fails instead of training the wrong policy.
 """
 

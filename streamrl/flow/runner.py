@@ -91,15 +91,16 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     random.seed(r.run.seed)  # anything in this process that draws from random (tasks, schedulers)
     checkpoint = checkpoints.latest(resume_dir) if resume_dir else None
     run_dir = resume_dir or make_run_dir(loaded)
-    if checkpoint is not None and checkpoints.read(checkpoint)["next_step"] >= r.run.steps:
-        raise UserError(f"run.steps: the run already has {checkpoints.read(checkpoint)['next_step']} steps; "
+    resumed = checkpoints.read(checkpoint) if checkpoint is not None else None
+    if resumed is not None and resumed["next_step"] >= r.run.steps:
+        raise UserError(f"run.steps: the run already has {resumed['next_step']} steps; "
                         "pass --set run.steps=N with a larger N to go on")
     if resume_dir:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
         (run_dir / "recipe.toml").write_text(to_toml(r))
     status.write(run_dir, "starting", recipe_file=str(loaded.file.resolve()), steps=r.run.steps, pid=os.getpid())
     log = MetricsLog(run_dir / "metrics.jsonl")
     if checkpoint is not None:  # steps after the checkpoint are run again: drop their records
-        log.keep_first(checkpoints.read(checkpoint)["records"])
+        log.keep_first(resumed["records"])
     sinks = [s.build() for s in resolved.sinks]
     for sink in sinks:
         sink.open(run_dir)
