@@ -40,7 +40,7 @@ def latest(run_dir: Path) -> Path | None:
 
 
 def write(client: Client, train_pin: dict, after: Future | None, run_dir: Path, next_step: int,
-          version: int, records: int, keep: int, trainer_id: str | None = None) -> Path:
+          version: int, records: int, keep: int, trainer_id: str | dict | None = None) -> Path:
     """Write the checkpoint taken after step ``next_step - 1``; returns its folder."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"

@@ -3,8 +3,9 @@ reward, ranker or transfer and calls one method, so the dashboard shows one bar 
 piece of work.
 
 Arguments named ``after`` carry a future only to order a task after another one. ``trainer_id``
-is the trainer incarnation the controller built (``{worker name: id}`` over a train pool): a train task that lands on a restarted train
-worker (a fresh trainer at the base weights) fails instead of training the wrong policy.
+is the trainer incarnation the controller built (``{worker name: id}`` over a train pool): a
+train task that lands on a restarted train worker (a fresh trainer at the base weights) fails
+instead of training the wrong policy.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def optimizer_step(*micro_batch_stats: dict, trainer_id: str | dict | None = Non
     return resident(TRAINER).step()
 
 
-def export_weights(version: int, after=None, trainer_id: str | None = None, receivers: int = 1):
+def export_weights(version: int, after=None, trainer_id: str | dict | None = None, receivers: int = 1):
     """Train pool: the transfer's payload of the trainer's current weights, for ``receivers``
     generate workers."""
     expect(TRAINER, trainer_id)
@@ -125,9 +126,7 @@ def catch_up(engine, min_version: int) -> None:
         payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
         version = int(re.match(r"export-weights-(\d+)", str(payload_future.key)).group(1))
         payload = payload_future.result(timeout=CATCH_UP_TIMEOUT)
-    with _LOAD_LOCK:
-        if version > engine.version:
-            engine.load_weights(resident(TRANSFER).receive(payload, version), version)
+    load_weights(payload, version)  # the same receive, lock and version check as a publication
     if engine.version < min_version:
         raise RuntimeError(f"engine on worker {get_worker().name} holds v{engine.version}, "
                            f"needs v{min_version}: the published weights are older")
@@ -158,7 +157,7 @@ def trainer_weights(after=None) -> dict:
     return {n: t.detach().to("cpu").clone() for n, t in resident(TRAINER).named_weights().items()}
 
 
-def save_policy(out: str, after=None, trainer_id: str | None = None) -> str:
+def save_policy(out: str, after=None, trainer_id: str | dict | None = None) -> str:
     """Train pool: write the current policy as a transformers model folder."""
     expect(TRAINER, trainer_id)
     return resident(TRAINER).save(out)
@@ -175,7 +174,7 @@ def warm_up(name: str) -> str:
     return name
 
 
-def save_trainer_checkpoint(path: str, after=None, trainer_id: str | None = None) -> str:
+def save_trainer_checkpoint(path: str, after=None, trainer_id: str | dict | None = None) -> str:
     """Train pool: the trainer's full state into the folder ``path``."""
     expect(TRAINER, trainer_id)
     resident(TRAINER).save_checkpoint(path)

@@ -24,7 +24,7 @@ LATEST = remote.LATEST
 
 
 def publish(client: Client, after: Future | None, version: int, train_pin: dict,
-            generate_pins: dict[str, dict], tag: str = "", trainer_id: str | None = None) -> list[Future]:
+            generate_pins: dict[str, dict], tag: str = "", trainer_id: str | dict | None = None) -> list[Future]:
     """Submit the export (on the train worker, ``train_pin``: ``cluster.pins``) and one load per
     generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds the load took). ``tag`` makes the keys new when
     a version is published again (a resume), so Dask does not answer with a finished task."""
