@@ -42,9 +42,11 @@ def kill_random_generate_worker(run_dir: Path, rng: random.Random) -> str:
     """``kill -9`` one generate worker's process; returns its name."""
     from distributed import Client
 
+    from streamrl import cluster
+
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        workers = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+        workers = {w["name"]: a for a, w in cluster.workers(client).items()
                    if str(w["name"]).startswith("generate-")}
         name = rng.choice(sorted(workers))
         pid = client.run(os.getpid, workers=[workers[name]])[workers[name]]

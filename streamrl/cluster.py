@@ -167,7 +167,7 @@ def stop(cluster: SpecCluster | None, client: Client, timeout: float = 10.0) -> 
             # Wait for the Nanny processes themselves (SpecCluster drops them once closed), not
             # only for the scheduler to forget them: a worker still closing when the scheduler
             # goes away logs a heartbeat traceback (seen about one run in four before this).
-            while (cluster.workers or client.scheduler_info(n_workers=-1)["workers"]) and time.monotonic() < deadline:
+            while (cluster.workers or workers(client)) and time.monotonic() < deadline:
                 time.sleep(0.1)
         except Exception:  # shutting down anyway; never hide the run's real error behind this
             pass
@@ -184,10 +184,17 @@ PIN = "worker:"
 PIN_SLOTS = 1_000_000
 
 
+def workers(client: Client) -> dict[str, dict]:
+    """``{address: info}`` of every worker, fetched now. Not ``client.scheduler_info()``: the
+    client refreshes that cache every few seconds *without* per-worker details, and a refresh that
+    lands between its fetch and its return hands back no workers at all (seen in CI)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def pool_workers(client: Client) -> dict[str, dict[str, str]]:
     """``{pool: {worker name: address}}`` from the resources each worker offers."""
     pools: dict[str, dict[str, str]] = {p: {} for p in REQUIRED_POOLS}
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, info in workers(client).items():
         for res in info.get("resources", {}):
             if not res.startswith(PIN):
                 pools.setdefault(res, {})[str(info.get("name", addr))] = addr
@@ -198,7 +205,7 @@ def pins(client: Client) -> dict[str, dict]:
     """``{worker name: submit() keywords that run a task on that worker}``: its ``worker:<name>``
     resource when it offers one (the embedded cluster's workers do), else its name."""
     out = {}
-    for addr, info in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, info in workers(client).items():
         name = str(info.get("name", addr))
         if PIN + name in info.get("resources", {}):
             out[name] = {"resources": {PIN + name: 1}}

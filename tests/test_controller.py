@@ -140,3 +140,17 @@ def test_a_weight_load_that_never_finishes_ends_in_one_line_not_a_hang(client):
     with pytest.raises(RunFailed, match="weight load load-weights-7-generate-0 did not finish within 0 s"):
         wait_loaded([stuck], timeout=0.3)
     client.cancel(stuck)
+
+
+def test_pools_are_read_fresh_even_while_the_client_refreshes_its_cache():
+    """``client.scheduler_info()`` can return no workers when the client's own periodic refresh
+    (which fetches none) lands between its fetch and its return; the pools must never be empty."""
+    import dask
+    from distributed import LocalCluster
+
+    from streamrl import cluster
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}):
+        with LocalCluster(n_workers=1, processes=False, protocol="tcp://", host="127.0.0.1",
+                          dashboard_address=None, resources={"train": 1}) as lc, Client(lc) as c:
+            assert all(list(cluster.pool_workers(c)["train"]) and cluster.pins(c) for _ in range(200))

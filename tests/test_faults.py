@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
+from streamrl import cluster
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once, streamrl
 
@@ -42,7 +43,7 @@ def kill_worker(run_dir: Path, name: str) -> None:
     """``kill -9`` the process of the worker called ``name`` (found through the run's scheduler)."""
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        (addr,) = [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == name]
+        (addr,) = [a for a, w in cluster.workers(client).items() if w["name"] == name]
         pid = client.run(os.getpid, workers=[addr])[addr]
     os.kill(pid, signal.SIGKILL)
 

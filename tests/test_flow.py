@@ -91,7 +91,7 @@ def test_pools_are_labelled_workers(controller):
     assert set(pools["generate"]) == {"generate-0"}
     assert set(pools["train"]) == {"train-0"}
     assert set(pools["reward"]) == {"reward-0"}
-    for info in controller.client.scheduler_info(n_workers=-1)["workers"].values():
+    for info in cluster.workers(controller.client).values():
         assert info["host"] == "127.0.0.1"
 
 
