@@ -172,6 +172,17 @@ class Engine:
         blocks until all are done. Higher ``priority`` is admitted first when requests queue."""
         raise NotImplementedError
 
+    def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
+        """One group of ``n`` samples per prompt (``pools.generate.groups_per_task`` > 1). The
+        default calls :meth:`generate` for every prompt at once, from one thread each, so the
+        engine batches them as it batches concurrent tasks; override to submit them directly."""
+        if len(prompts) == 1:
+            return [self.generate(prompts[0], n, priorities[0])]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(prompts), thread_name_prefix="streamrl-generate") as pool:
+            return list(pool.map(lambda p, pr: self.generate(p, n, pr), prompts, priorities))
+
     def load_weights(self, named_tensors: dict[str, "torch.Tensor"], version: int) -> None:
         """Overwrite the parameters in place (names as in ``model.named_parameters()``) and set
         :attr:`version`. streamrl calls it one load at a time, only with newer versions."""

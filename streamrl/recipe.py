@@ -98,8 +98,16 @@ class PoolConfig(Strict):
     """Extra environment variables for this pool's workers."""
 
 
+class GeneratePoolConfig(PoolConfig):
+    groups_per_task: int = Field(1, ge=1)
+    """Prompt groups per generate task (and per reward task after it). 1: every group streams
+    to the trainer on its own. More: fewer, larger Dask tasks -- worth it when groups are tiny
+    (W1: 64 groups of 8 four-token answers per step) and each task's fixed cost shows; the
+    trainer then sees groups in bundles of this size."""
+
+
 class PoolsConfig(Strict):
-    generate: PoolConfig | None = None
+    generate: GeneratePoolConfig | None = None
     """Workers holding an inference engine; run generate tasks."""
     train: PoolConfig | None = None
     """Workers holding the policy being trained and its optimizer; run train tasks."""

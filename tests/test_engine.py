@@ -100,3 +100,86 @@ def test_a_request_that_never_finishes_fails_after_request_timeout(tiny_model):
                 engine.generate(Prompt(uid="s", text="1+2=", answer="3"), 1)
     finally:
         engine.close()
+
+
+def test_static_batching_logprobs_match_the_trainer_on_left_padded_prompts_and_after_a_weight_load(tiny_model):
+    import threading
+
+    import torch
+
+    from streamrl.training.trainer import pad_batch, token_logprobs
+
+    engine = HFEngine(HFEngineConfig(max_new_tokens=5, batching="static", temperature=0.7, profile=False))
+    engine.load(str(tiny_model))
+    # prompts of 4, 5 and 6 characters asked from three threads land in one padded batch
+    prompts = [Prompt(uid=f"p{i}", text=t, answer="") for i, t in enumerate(["1+2=", "12+3=", "12+34="])]
+
+    def check(groups):
+        samples = [s for g in groups for s in g]
+        assert len({len(s.prompt_ids) for s in samples}) == 3
+        ids, attn, resp, old = pad_batch(samples, engine.tokenizer.pad_token_id)
+        new = token_logprobs(engine.model, ids, attn, 0.7)
+        assert resp.sum() > 0 and torch.allclose(new[resp.bool()], old[resp.bool()], atol=1e-4)
+
+    def ask_all():
+        out = [None] * len(prompts)
+
+        def ask(i):
+            out[i] = engine.generate(prompts[i], 3)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return out
+
+    try:
+        check(ask_all())
+        # new weights, in place: the same check holds under them (and the samples say v1)
+        weights = {n: p.detach() * 1.5 for n, p in engine.model.named_parameters()}
+        engine.load_weights(weights, 1)
+        groups = ask_all()
+        assert {s.policy_version for g in groups for s in g} == {1}
+        check(groups)
+    finally:
+        engine.close()
+
+
+def test_static_batching_takes_the_highest_priority_requests_first_under_max_running(tiny_model, monkeypatch):
+    import threading
+    import time
+
+    from streamrl.engines import hf
+
+    batches = []  # the prompts of each decoded batch, in order
+    real = hf.decode_batch
+    monkeypatch.setattr(hf, "decode_batch", lambda model, prompts, *a, **k: batches.append(prompts) or
+                        real(model, prompts, *a, **k))
+    engine = HFEngine(HFEngineConfig(max_new_tokens=3, batching="static", max_running=2, profile=False))
+    engine.load(str(tiny_model))
+    texts = {"first": "0+0=", "low": "1+1=", "high": "2+2=", "mid": "3+3=", "top": "4+4="}
+
+    def ask(uid, priority):
+        engine.generate(Prompt(uid=uid, text=texts[uid], answer=""), 1, priority=priority)
+
+    def until(cond):
+        deadline = time.time() + 10
+        while not cond():
+            assert time.time() < deadline
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=ask, args=a) for a in
+               [("first", 0.0), ("low", 1.0), ("high", 9.0), ("mid", 5.0), ("top", 10.0)]]
+    try:
+        with engine._model_lock:  # the loop takes "first", then waits for the model
+            threads[0].start()
+            until(lambda: engine._running == 1 and not engine._queue)
+            for t in threads[1:]:
+                t.start()
+            until(lambda: len(engine._queue) == 4)
+        for t in threads:
+            t.join(timeout=30)
+        by_text = {engine.encode(t)[1:][0]: uid for uid, t in texts.items()}  # first digit names the request
+        assert [sorted(by_text[p[1]] for p in b) for b in batches] == [["first"], ["high", "top"], ["low", "mid"]]
+    finally:
+        engine.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from distributed import wait
@@ -75,7 +77,8 @@ def on_generate_worker(ctl, fn):
 
 def engine_logprobs_match_trainer(ctl, key):
     prompt = ctl.task.prompts(step=99, n=1)[0]
-    group = ctl.client.submit(remote.generate_group, prompt, 4, key=f"{key}-gen", resources={"generate": 1})
+    bundle = ctl.client.submit(remote.generate_groups, [prompt], 4, key=f"{key}-gen", resources={"generate": 1})
+    group = ctl.client.submit(operator.getitem, bundle, 0, key=f"{key}-group")
     recomputed = ctl.client.submit(remote.trainer_logprobs, group, key=f"{key}-lp",
                                    workers=[ctl.train_worker]).result()
     samples = group.result()
@@ -93,6 +96,10 @@ def test_pools_are_labelled_workers(controller):
     assert set(pools["reward"]) == {"reward-0"}
     for info in cluster.workers(controller.client).values():
         assert info["host"] == "127.0.0.1"
+    # set before each worker process started, where glibc reads it (not after, like Nanny env=)
+    import os
+    threshold = controller.client.run(os.environ.get, "MALLOC_MMAP_THRESHOLD_")
+    assert set(threshold.values()) == {cluster.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
 
 
 def test_engine_logprobs_match_trainer_logprobs(fresh):
@@ -154,7 +161,7 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
 
     def reference(epochs):
         trainer = controller.resolved.trainer.build(trainer_context(controller.resolved))
-        train_step(trainer, [f.result() for f in scored], groups_per_micro_batch=3, epochs=epochs)
+        train_step(trainer, [g for f in scored for g in f.result()], groups_per_micro_batch=3, epochs=epochs)
         return trainer.named_weights()
 
     oracle, oracle_twice = reference(1), reference(2)

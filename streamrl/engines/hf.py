@@ -23,12 +23,15 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as RequestTimeout
 from functools import partial
+from types import SimpleNamespace
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Engine
 from streamrl.engines.seeded import group_generator, sample_group
+from streamrl.engines.static import decode_batch
 from streamrl.sample import Group, Prompt, Sample
 
 
@@ -50,6 +53,11 @@ class HFEngineConfig(BaseModel):
     """KV-cache blocks (of ``page_size`` tokens each) reserved on the worker."""
     page_size: int = Field(32, ge=1)
     """Tokens per KV-cache block."""
+    batching: Literal["continuous", "static"] = "continuous"
+    """``continuous``: transformers' continuous batching, requests join the running batch at any
+    decode step (long or uneven outputs). ``static``: the requests waiting when a batch starts
+    are decoded together as one padded batch until all finish (``engines/static.py``); faster
+    when outputs are short and arrive together, as in W1."""
     max_running: int = Field(0, ge=0)
     """Most requests in the running batch at once; the rest wait in the engine's queue, highest
     priority first. 0: no cap (every request goes straight into the batch)."""
@@ -101,6 +109,12 @@ class HFEngine(Engine):
         self.latency_points = []
         if self.config.reproducible:
             return  # groups are decoded one by one in the calling task (``engines/seeded.py``)
+        if self.config.batching == "static":
+            self.latency_points = self._profile_static() if self.config.profile else []
+            self._wake = threading.Condition(self._lock)
+            self._loop = threading.Thread(target=self._static_loop, name="streamrl-hf-static", daemon=True)
+            self._loop.start()
+            return
         gen = GenerationConfig(
             do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0,
             max_new_tokens=self.config.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
@@ -128,6 +142,47 @@ class HFEngine(Engine):
             self._admit()  # a slot is free: the next request in priority order may start
             if fut is not None:
                 fut.set_result(result)
+
+    def _static_loop(self) -> None:
+        # Take the waiting requests (highest priority first, at most max_running), decode them as
+        # one batch, hand out the results; weight loads wait for the batch (the model lock).
+        while not self._closed.is_set():
+            with self._wake:
+                while not self._queue and not self._closed.is_set():
+                    self._wake.wait(0.5)
+                limit = self.config.max_running or len(self._queue)
+                batch = [heapq.heappop(self._queue) for _ in range(min(limit, len(self._queue)))]
+                self._running = len(batch)
+            if not batch:
+                continue
+            try:
+                with self._model_lock:  # the version that really generated the batch
+                    version = self.version
+                    out = decode_batch(self.model, [ids for *_, ids in batch], self.config.max_new_tokens,
+                                       self.config.temperature, self.tokenizer.eos_token_id,
+                                       self.tokenizer.pad_token_id or 0)
+                results = [SimpleNamespace(generated_tokens=t, logprobs=lp, error=None, version=version)
+                           for t, lp in out]
+            except Exception as e:  # every request of the batch fails; the loop goes on
+                results = [SimpleNamespace(error=f"{type(e).__name__}: {e}")] * len(batch)
+            with self._lock:
+                futures = [self._waiting.pop(rid, None) for _, _, rid, _ in batch]
+                self._running = 0
+            for fut, res in zip(futures, results):
+                if fut is not None:
+                    fut.set_result(res)
+
+    def _profile_static(self, batches=(8, 1, 8, 32, 96), prompt: int = 8, steps: int = 24) -> list[tuple[float, float]]:
+        """As :meth:`_profile`, through :func:`decode_batch` (rows decoded to ``steps`` tokens)."""
+        ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
+        points = []
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            decode_batch(self.model, [ids] * b, steps, self.config.temperature, self.tokenizer.eos_token_id,
+                         stop_at_eos=False)
+            if i > 0:
+                points.append((b * (prompt + steps / 2), (time.perf_counter() - t0) / steps))
+        return points
 
     def _admit(self) -> None:
         limit = self.config.max_running or float("inf")
@@ -184,20 +239,33 @@ class HFEngine(Engine):
 
         ``priority`` orders the engine's queue (higher first); it matters once ``max_running``
         requests are running, or when many requests arrive together."""
-        ids = self.encode(prompt.text)
+        return self.generate_groups([prompt], n, [priority])[0]
+
+    def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
+        """One group of ``n`` samples per prompt; every request is queued before the engine is
+        woken, so a static batch takes them all at once."""
         if self.config.reproducible:
-            return self._generate_seeded(prompt, ids, n)
-        version = self.version
-        start = time.time()
-        futures = {}
-        for k in range(n):
-            rid = f"{prompt.uid}-{k}"
-            fut = Future()
-            with self._lock:
-                self._waiting[rid] = fut
-                heapq.heappush(self._queue, (-priority, next(self._order), rid, ids))
-            futures[rid] = fut
-        self._admit()
+            return [self._generate_seeded(p, self.encode(p.text), n) for p in prompts]
+        version, start = self.version, time.time()
+        asked = []
+        with self._lock:
+            for prompt, priority in zip(prompts, priorities):
+                ids = self.encode(prompt.text)
+                futures = {}
+                for k in range(n):
+                    rid = f"{prompt.uid}-{k}"
+                    futures[rid] = self._waiting[rid] = Future()
+                    heapq.heappush(self._queue, (-priority, next(self._order), rid, ids))
+                asked.append((prompt, ids, futures))
+        if self.manager is None:  # static batching: the loop takes the queue
+            with self._wake:
+                self._wake.notify()
+        else:
+            self._admit()
+        return [self._collect(prompt, ids, futures, version, start) for prompt, ids, futures in asked]
+
+    def _collect(self, prompt: Prompt, ids: list[int], futures: dict[str, Future], version: int,
+                 start: float) -> Group:
         group = []
         for rid, fut in futures.items():
             try:
@@ -211,7 +279,7 @@ class HFEngine(Engine):
                 uid=rid, prompt=prompt, prompt_ids=list(ids), response_ids=list(out.generated_tokens),
                 logprobs=[float(x) for x in out.logprobs],
                 response_text=self.tokenizer.decode(out.generated_tokens, skip_special_tokens=True),
-                policy_version=version, times={"gen_start": start, "gen_end": time.time()},
+                policy_version=getattr(out, "version", version), times={"gen_start": start, "gen_end": time.time()},
             ))
         return group
 
@@ -233,7 +301,7 @@ class HFEngine(Engine):
         missing = set(params) - set(named_tensors)
         if missing:
             raise ValueError(f"weights for version {version} lack {sorted(missing)[:3]}...")
-        if self.manager is None:  # reproducible mode: between groups
+        if self.manager is None:  # reproducible or static batching: between groups / batches
             with self._model_lock:
                 for name, p in params.items():
                     p.copy_(named_tensors[name].to(p.dtype))
@@ -251,9 +319,12 @@ class HFEngine(Engine):
         the run) forever; failing it lets Dask retry the group on the engine that replaces this one.
         """
         self._closed.set()
-        if self.manager is None:
-            return
-        self.manager.stop(block=True, timeout=5)
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=5)
+        elif getattr(self, "_loop", None) is not None:
+            with self._wake:
+                self._wake.notify()
+            self._loop.join(timeout=5)
         with self._lock:
             waiting, self._waiting, self._queue = self._waiting, {}, []
         for rid, fut in waiting.items():

@@ -114,9 +114,15 @@ class Controller:
         for f in joins:
             f.result()
 
+    @property
+    def groups_per_task(self) -> int:
+        """Prompt groups per generate/reward task (``pools.generate.groups_per_task``)."""
+        return self.recipe.pools.generate.groups_per_task if self.recipe.pools.generate else 1
+
     # -- one step -------------------------------------------------------------------------
     def submit_generation(self, step: int, min_version: int | None = None) -> list[Future]:
-        """Generate + reward tasks for every prompt of ``step``; returns the scored-group futures.
+        """Generate + reward tasks for every prompt of ``step``; returns the futures of the scored
+        bundles (lists of ``pools.generate.groups_per_task`` groups).
         ``min_version`` (default: the current one) is the policy every engine holds by now; an
         engine found older (its worker was restarted) catches up before it generates."""
         t = self.recipe.trainer
@@ -124,18 +130,26 @@ class Controller:
         prompts = self.task.prompts(step, t.prompts_per_step)
         check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         placed = self.dispatcher.place(step, prompts)
+        # Bundles of ``groups_per_task`` prompts that go to the same place: the scheduler's
+        # worker (in its order), or any generate worker.
+        per_task = self.groups_per_task
+        by_place: dict[str | None, list[int]] = {}
+        for i in range(len(prompts)):
+            by_place.setdefault(placed[i][0] if i in placed else None, []).append(i)
         scored = []
-        for i, p in enumerate(prompts):
-            where = {}
-            if i in placed:  # pinned by the scheduler; Dask priority follows the engine's
-                name, prio = placed[i]
-                where = {**cluster.at(self.pin[name], generate=1), "priority": int(prio), "engine_priority": prio}
-            else:
-                where = {"resources": {"generate": 1}}
-            gen = self.client.submit(remote.generate_group, p, t.samples_per_prompt, submitted=time.time(),
-                                     min_version=min_version, key=f"generate-{p.uid}", retries=1, **where)
-            scored.append(self.client.submit(remote.score_group, gen, key=f"reward-{p.uid}",
-                                             resources={"reward": 1}, retries=1))
+        for name, idx in by_place.items():
+            for j in range(0, len(idx), per_task):
+                bundle = [prompts[i] for i in idx[j:j + per_task]]
+                where: dict = {"resources": {"generate": 1}}
+                priorities = [placed[i][1] if i in placed else 0.0 for i in idx[j:j + per_task]]
+                if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
+                    where = {**cluster.at(self.pin[name], generate=1), "priority": int(max(priorities))}
+                key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
+                gen = self.client.submit(remote.generate_groups, bundle, t.samples_per_prompt, submitted=time.time(),
+                                         engine_priorities=priorities, min_version=min_version,
+                                         key=f"generate-{key}", retries=1, **where)
+                scored.append(self.client.submit(remote.score_groups, gen, key=f"reward-{key}",
+                                                 resources={"reward": 1}, retries=1))
         return scored
 
     def submit_epochs(self, step: int, scored: list[Future], total_samples: int,
@@ -161,6 +175,8 @@ class Controller:
         """
         t = self.recipe.trainer
         dynamic = t.micro_batch_tokens > 0
+        # each scored future is a bundle of groups_per_task groups
+        bundles_per_task = max(1, t.groups_per_micro_batch // self.groups_per_task)
         trains: list[Future] = []
         suffix = f"-epoch{epoch}" if epoch else ""
 
@@ -182,7 +198,7 @@ class Controller:
                 trainer_id=self.trainer_ids, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
 
         if not stream:
-            size = -(-len(scored) // world) if dynamic else t.groups_per_micro_batch
+            size = -(-len(scored) // world) if dynamic else bundles_per_task
             for i in range(0, len(scored), size):
                 submit(scored[i:i + size])
         else:
@@ -201,7 +217,7 @@ class Controller:
                         buf = []
                         if seen < len(scored):
                             ac.add(trains[-1])  # wake up when it finishes
-                elif len(buf) == t.groups_per_micro_batch or seen == len(scored):
+                elif len(buf) == bundles_per_task or seen == len(scored):
                     submit(buf)
                     buf = []
                 if seen == len(scored):

@@ -24,25 +24,25 @@ from streamrl.sample import Group, Prompt
 LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
 
 
-def generate_group(prompt: Prompt, n: int, submitted: float = 0.0, engine_priority: float = 0.0,
-                   min_version: int = 0) -> Group:
-    """Generate pool: ``n`` samples of one prompt. ``submitted`` is when the controller asked;
-    ``engine_priority`` (from a scheduler; higher first) orders the engine's queue; an engine
-    older than ``min_version`` catches up first."""
+def generate_groups(prompts: list[Prompt], n: int, submitted: float = 0.0,
+                    engine_priorities: list[float] | None = None, min_version: int = 0) -> list[Group]:
+    """Generate pool: ``n`` samples of each prompt (``pools.generate.groups_per_task`` of them).
+    ``submitted`` is when the controller asked; ``engine_priorities`` (from a scheduler; higher
+    first) order the engine's queue; an engine older than ``min_version`` catches up first."""
     engine = resident(ENGINE)
     if engine.version < min_version:
         catch_up(engine, min_version)
     start = time.time()
-    group = engine.generate(prompt, n, priority=engine_priority)
+    groups = engine.generate_groups(prompts, n, engine_priorities or [0.0] * len(prompts))
     end = time.time()
     name = str(get_worker().name)
-    for s in group:
+    for s in (s for g in groups for s in g):
         s.times["submitted"] = submitted
         # an engine that does not time its samples gets the task's own times
         s.times.setdefault("gen_start", start)
         s.times.setdefault("gen_end", end)
         s.worker = name
-    return group
+    return groups
 
 
 def rank_prompts(prompts: list[Prompt], after=None) -> list[float]:
@@ -56,21 +56,24 @@ def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None)
     return len(prompts)
 
 
-def score_group(group: Group) -> Group:
+def score_groups(groups: list[Group]) -> list[Group]:
     """Reward pool: score every sample; a failing reward is contained (``rewards/scoring.py``)."""
-    return scoring.score_group(resident(REWARD), group)
+    reward = resident(REWARD)
+    return [scoring.score_group(reward, g) for g in groups]
 
 
-def train_groups(*groups: Group, scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
+def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
                  after=None, trainer_id: str | dict | None = None) -> dict:
-    """Train pool: forward/backward on whole groups, cut into micro-batches by
-    ``flow.microbatch.pack``; gradients accumulate until the optimizer step.
+    """Train pool: forward/backward on whole groups (the scored bundles of ``score_groups``),
+    cut into micro-batches by ``flow.microbatch.pack``; gradients accumulate until the
+    optimizer step.
 
     Returns the trainer's summed stats plus what the controller needs for accounting, so
     samples themselves never travel to the controller.
     """
     expect(TRAINER, trainer_id)
     trainer = resident(TRAINER)
+    groups = [g for bundle in bundles for g in bundle]
     # Shortest groups first: a micro-batch is padded to its longest sequence, so neighbours of
     # similar length waste little (measured on W2, whose lengths span 5-255 tokens: batch mode
     # trained 1.56x slower in submission order). Order does not change the accumulated gradient.

@@ -1,0 +1,57 @@
+"""Static batching: a set of requests decoded together, as one padded batch, until all finish.
+
+The ``hf`` engine's default is transformers' continuous batching, which admits requests at
+every decode step -- what a long tail of outputs needs. When outputs are short and arrive
+together (W1: 512 responses of ~4 tokens per step), its per-step bookkeeping (paged cache,
+attention masks rebuilt per step) costs more than the model: one padded batch with a plain KV
+cache decodes the same 512 responses 2-3x faster on one CPU thread (measured in
+docs/benchmarks.md). The price: a request that arrives while a batch runs waits for the next
+one, and rows that finished early ride along until the longest row ends.
+
+Prompts are left-padded so every row's next token is in the last column; position ids count
+only real tokens, so a padded row sees the positions (and hence the logits) it would see alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_id: int,
+                 pad_id: int = 0, generator: torch.Generator | None = None,
+                 stop_at_eos: bool = True) -> list[tuple[list[int], list[float]]]:
+    """Sample one response per prompt: ``[(tokens, logprobs)]``, each ending at its first EOS
+    (included) or after ``max_new_tokens``. Logprobs are of the tempered distribution, as the
+    trainer computes them. ``generator`` (a CPU generator) makes the draws reproducible;
+    ``stop_at_eos=False`` decodes every row to ``max_new_tokens`` (latency profiles)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    past, logits, pos = out.past_key_values, out.logits[:, -1], pos[:, -1:]
+    tokens, logps = [], []
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        if generator is not None:  # a CPU generator draws on the CPU
+            lp = lp.cpu()
+        nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1).to(device)
+        tokens.append(nxt)
+        logps.append(lp.gather(1, nxt[:, None].to(lp.device)).squeeze(1))
+        done |= nxt == eos_id
+        if stop_at_eos and bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        pos = pos + 1
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=past,
+                    use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+    tok, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+    responses = []
+    for row, lrow in zip(tok, lps):
+        end = row.index(eos_id) + 1 if stop_at_eos and eos_id in row else len(row)  # cut after the first EOS
+        responses.append((row[:end], lrow[:end]))
+    return responses
