@@ -92,6 +92,9 @@ def run_trl(recipe: str, steps: int, overrides: list[str]) -> dict:
     )
     trainer = GRPOTrainer(model=model, reward_funcs=score, args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer)
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # one dict per step on stdout otherwise
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
