@@ -1,7 +1,8 @@
 """streamrl next to TRL's GRPOTrainer on the same setting, run back to back on this machine.
 
     pip install "trl>=1.16"          # optional: only this benchmark needs it
-    python benchmarks/peer_trl.py recipes/addition.toml --steps 30 [--set trainer.lr=2e-4 ...]
+    python benchmarks/peer_trl.py recipes/addition.toml --steps 30 [--set trainer.lr=2e-4 ...] \
+        [--variant 'async:run.mode="async" run.max_staleness=1']
 
 Both sides get what the recipe says: the same model folder (``from_pretrained``), the task's
 prompt stream (step by step, in order), the recipe's reward, prompts x samples per step, max new
@@ -75,11 +76,12 @@ def run_trl(recipe: str, steps: int, overrides: list[str]) -> dict:
     model = AutoModelForCausalLM.from_pretrained(resolved.model_path)
     # our engine feeds BOS + the prompt's characters; TRL tokenizes the text without special
     # tokens, so the BOS goes into the text (the tokenizer maps "<bos>" to its special id)
-    rows = [{"prompt": tokenizer.bos_token + p.text, "answer": str(p.answer), "uid": p.uid}
+    rows = [{"prompt": tokenizer.bos_token + p.text, "text": p.text, "answer": json.dumps(p.answer), "uid": p.uid}
             for step in range(steps) for p in task.prompts(step, t.prompts_per_step)]
 
-    def score(completions, answer, uid, **_):
-        return [reward.score(Prompt(uid=u, text="", answer=a), c) for c, a, u in zip(completions, answer, uid)]
+    def score(completions, text, answer, uid, **_):
+        return [reward.score(Prompt(uid=u, text=x, answer=json.loads(a)), c)
+                for c, x, a, u in zip(completions, text, answer, uid)]
 
     batch = t.prompts_per_step * t.samples_per_prompt
     config = GRPOConfig(
@@ -121,12 +123,17 @@ def main() -> None:
     ap.add_argument("recipe")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE ...",
+                    help="also run streamrl with these overrides, e.g. 'async:run.mode=\"async\" run.max_staleness=1'")
     ap.add_argument("--only", choices=["streamrl", "trl"], help="run one side only")
     ap.add_argument("--out", type=Path, help="also write the table to this file")
     a = ap.parse_args()
     results = {}
     if a.only != "trl":
         results["streamrl"] = run_streamrl(a.recipe, a.steps, a.overrides)
+        for v in a.variant:
+            label, _, extra = v.partition(":")
+            results[f"streamrl {label}"] = run_streamrl(a.recipe, a.steps, a.overrides + extra.split())
     if a.only != "streamrl":
         results["TRL GRPOTrainer"] = run_trl(a.recipe, a.steps, a.overrides)
     lines = [f"{a.recipe}, {a.steps} steps {' '.join(a.overrides)} -- {platform.machine()}, {os.cpu_count()} cores; "
@@ -136,9 +143,12 @@ def main() -> None:
         first, last = gain(res["rewards"])
         lines.append(f"| {name} | {res['samples'] / res['seconds']:.0f} | {res['seconds']:.1f} | "
                      f"{first:.3f} -> {last:.3f} |")
-    if len(results) == 2:
-        ours, peer = (res["samples"] / res["seconds"] for res in results.values())
-        lines.append(f"\nstreamrl / TRL: {ours / peer:.2f}x")
+    if "TRL GRPOTrainer" in results and len(results) > 1:
+        peer = results["TRL GRPOTrainer"]
+        lines.append("")
+        for name, res in results.items():
+            if name != "TRL GRPOTrainer":
+                lines.append(f"{name} / TRL: {res['samples'] / res['seconds'] / (peer['samples'] / peer['seconds']):.2f}x")
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -245,6 +245,11 @@ class Algorithm:
     from :meth:`value_loss`."""
     critic_warmup_steps: int = 0
     """With a critic: optimizer steps at the start in which only the critic learns."""
+    zero_advantage_no_gradient: bool = False
+    """True when a sample whose advantage is exactly 0 adds nothing to the loss's gradient (no
+    KL, entropy or value term): the trainer then skips its forward/backward -- the same update
+    for less work (GRPO groups whose samples all got the same reward). Its stats count it as a
+    sample with zero loss."""
     epochs: int = 1
     """Optimizer steps per batch of samples. The first pass streams as groups are scored; later
     passes go over the whole batch again and see samples one more update old each time, so

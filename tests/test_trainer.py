@@ -148,3 +148,34 @@ def test_a_checkpoint_restores_the_trainer_exactly(tiny_model, tmp_path, algorit
     fresh.micro_batch(groups, 1 / 8)
     fresh.step()
     assert any(not torch.equal(fresh.named_weights()[n], wb[n]) for n in wb)
+
+
+def test_skipping_zero_advantage_groups_gives_the_same_update(tiny_model):
+    def train(skip: bool, groups_of):
+        trainer = new_trainer(tiny_model)
+        trainer.algorithm.zero_advantage_no_gradient = skip
+        groups = groups_of(trainer)
+        stats = [trainer.micro_batch(groups[i:i + 2], 1.0 / 24) for i in range(0, len(groups), 2)]
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        trainer.step()
+        return grads, trainer.named_weights(), {k: sum(s[k] for s in stats) for k in ["samples", "tokens", "reward_sum"]}
+
+    def some_flat(trainer):  # groups 0 and 1 (one whole micro-batch) and 4 have all-equal rewards
+        groups = make_groups(trainer)
+        for g, value in [(0, 1.0), (1, 0.0), (4, 1.0)]:
+            for s in groups[g]:
+                s.reward = value
+        return groups
+
+    skipped_grads, skipped, skipped_stats = train(True, some_flat)
+    full_grads, full, full_stats = train(False, some_flat)
+    assert skipped_stats == full_stats  # every sample still counted
+    initial = new_trainer(tiny_model).named_weights()
+    assert max((full[n] - initial[n]).abs().max().item() for n in full) > 1e-3  # the step moved
+    for n in full:  # the same gradient up to float summation order, so the same AdamW step
+        assert torch.allclose(skipped_grads[n], full_grads[n], rtol=1e-4, atol=1e-7), n
+        assert torch.allclose(skipped[n], full[n], atol=0.02 * 1e-2), n
+    # a batch with no signal at all still steps AdamW as a zero gradient would
+    a = train(True, lambda trainer: some_flat(trainer)[:2])
+    b = train(False, lambda trainer: some_flat(trainer)[:2])
+    assert all(torch.equal(a[0][n], b[0][n]) and torch.equal(a[1][n], b[1][n]) for n in a[1])

@@ -58,6 +58,9 @@ class GRPO(Algorithm):
     def __init__(self, config: GRPOConfig):
         self.config = config
         self.needs_reference = config.kl_coef > 0
+        # without a KL term the loss is advantage * (a function of the ratio): zero advantage,
+        # zero gradient, so the trainer may skip such samples
+        self.zero_advantage_no_gradient = config.kl_coef == 0
         self.epochs = config.epochs
 
     def advantages(self, rewards: list[float]) -> list[float]:

@@ -49,6 +49,7 @@ class PPO(GRPO):
     def __init__(self, config: PPOConfig):
         super().__init__(config)
         self.critic_warmup_steps = config.critic_warmup_steps
+        self.zero_advantage_no_gradient = False  # advantages are per token, from the critic
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """Unused: PPO's advantages are per token (:meth:`token_advantages`)."""
