@@ -78,6 +78,21 @@ def test_epochs_step_the_optimizer_once_per_pass_and_publish_once_per_step(clien
     assert steps == 9  # three optimizer steps per batch
 
 
+@pytest.mark.parametrize("scheduler", ["", 'scheduler={name="skew"}'])
+def test_groups_per_task_bundles_groups_and_still_trains_every_sample_once(client, scheduler):
+    made = []
+    overrides = ["run.mode=stream", "pools.generate.groups_per_task=4", "trainer.groups_per_micro_batch=4"]
+    records = run_steps(client, overrides + ([scheduler, 'ranker={name="oracle"}'] if scheduler else []),
+                        steps=2, controller=made)
+    for r in records:
+        uids = [x["uid"] for x in r["sample_log"]]
+        assert len(uids) == len(set(uids)) == 12
+    # 6 prompts in bundles of at most 4 (a scheduler bundles only groups it sent to one worker)
+    keys = [k for k in made[0].client.who_has() if str(k).startswith("generate-1-")]
+    sizes = sorted(1 + int(str(k).split("+")[1]) if "+" in str(k) else 1 for k in keys)
+    assert sum(sizes) == 6 and max(sizes) <= 4 and len(keys) < 6, keys
+
+
 def test_scheduler_places_groups_and_reports_its_metrics(client):
     records = run_steps(client, ['scheduler={name="skew"}', 'ranker={name="oracle"}'], steps=2)
     for r in records:
