@@ -110,7 +110,7 @@ class HFEngine(Engine):
         if self.config.reproducible:
             return  # groups are decoded one by one in the calling task (``engines/seeded.py``)
         if self.config.batching == "static":
-            self.latency_points = self._profile_static() if self.config.profile else []
+            self.latency_points = self._profile() if self.config.profile else []
             self._wake = threading.Condition(self._lock)
             self._loop = threading.Thread(target=self._static_loop, name="streamrl-hf-static", daemon=True)
             self._loop.start()
@@ -172,18 +172,6 @@ class HFEngine(Engine):
                 if fut is not None:
                     fut.set_result(res)
 
-    def _profile_static(self, batches=(8, 1, 8, 32, 96), prompt: int = 8, steps: int = 24) -> list[tuple[float, float]]:
-        """As :meth:`_profile`, through :func:`decode_batch` (rows decoded to ``steps`` tokens)."""
-        ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
-        points = []
-        for i, b in enumerate(batches):
-            t0 = time.perf_counter()
-            decode_batch(self.model, [ids] * b, steps, self.config.temperature, self.tokenizer.eos_token_id,
-                         stop_at_eos=False)
-            if i > 0:
-                points.append((b * (prompt + steps / 2), (time.perf_counter() - t0) / steps))
-        return points
-
     def _admit(self) -> None:
         limit = self.config.max_running or float("inf")
         refused = []
@@ -201,19 +189,23 @@ class HFEngine(Engine):
         """``[(context tokens, seconds per decode step)]`` measured through the real loop.
 
         Each point runs ``b`` requests that cannot stop early (no EOS) for ``steps`` tokens;
-        the context is the batch's mean total. Runs before the router starts, so it reads the
-        manager's results itself. The first batch size is a warm-up and is not kept.
+        the context is the batch's mean total. Runs before the router or static loop starts, so
+        it drives the engine itself. The first batch size is a warm-up and is not kept.
         """
+        ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
         points = []
         for i, b in enumerate(batches):
-            ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
             t0 = time.perf_counter()
-            for k in range(b):
-                self.manager.add_request(ids, request_id=f"profile-{i}-{k}", max_new_tokens=steps, eos_token_id=-1)
-            finished = 0
-            while finished < b and time.perf_counter() - t0 < 60:
-                out = self.manager.get_result(timeout=0.1)
-                finished += out is not None and out.is_finished()
+            if self.manager is None:  # static batching: one padded batch
+                decode_batch(self.model, [ids] * b, steps, self.config.temperature, self.tokenizer.eos_token_id,
+                             stop_at_eos=False)
+            else:
+                for k in range(b):
+                    self.manager.add_request(ids, request_id=f"profile-{i}-{k}", max_new_tokens=steps, eos_token_id=-1)
+                finished = 0
+                while finished < b and time.perf_counter() - t0 < 60:
+                    out = self.manager.get_result(timeout=0.1)
+                    finished += out is not None and out.is_finished()
             if i > 0:
                 points.append((b * (prompt + steps / 2), (time.perf_counter() - t0) / steps))
         return points
@@ -247,10 +239,10 @@ class HFEngine(Engine):
         if self.config.reproducible:
             return [self._generate_seeded(p, self.encode(p.text), n) for p in prompts]
         version, start = self.version, time.time()
+        encoded = [self.encode(p.text) for p in prompts]  # before the lock the engine's loop shares
         asked = []
         with self._lock:
-            for prompt, priority in zip(prompts, priorities):
-                ids = self.encode(prompt.text)
+            for prompt, ids, priority in zip(prompts, encoded, priorities):
                 futures = {}
                 for k in range(n):
                     rid = f"{prompt.uid}-{k}"

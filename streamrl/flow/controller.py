@@ -139,9 +139,10 @@ class Controller:
         scored = []
         for name, idx in by_place.items():
             for j in range(0, len(idx), per_task):
-                bundle = [prompts[i] for i in idx[j:j + per_task]]
+                chunk = idx[j:j + per_task]
+                bundle = [prompts[i] for i in chunk]
                 where: dict = {"resources": {"generate": 1}}
-                priorities = [placed[i][1] if i in placed else 0.0 for i in idx[j:j + per_task]]
+                priorities = [placed[i][1] if i in placed else 0.0 for i in chunk]
                 if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
                     where = {**cluster.at(self.pin[name], generate=1), "priority": int(max(priorities))}
                 key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
