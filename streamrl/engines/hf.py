@@ -40,6 +40,19 @@ def affine_latency(c0: float, per_token: float, context: float) -> float:
     return c0 + per_token * context
 
 
+def fit_decode_latency(points: list[tuple[float, float]]):
+    """Least-squares affine fit of ``[(context tokens, seconds per decode step)]``: one decode step
+    costs about ``c0 + per_context_token * total context tokens of the running batch``. A
+    picklable function for a scheduler, or None with fewer than two points. Any engine that
+    measures such points (``vllm`` too) can hand them to this."""
+    if len(points) < 2:
+        return None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return partial(affine_latency, max(my - slope * mx, 0.0), slope)
+
+
 class HFEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     max_new_tokens: int = Field(16, ge=1)
@@ -211,16 +224,9 @@ class HFEngine(Engine):
         return points
 
     def decode_latency(self):
-        """The profile's least-squares affine fit: one decode step costs about
-        ``c0 + per_context_token * total context tokens of the running batch``; None without
-        a profile."""
-        pts = self.latency_points
-        if len(pts) < 2:
-            return None
-        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
-        var = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var) if var else 0.0
-        return partial(affine_latency, max(my - slope * mx, 0.0), slope)
+        """The profile's least-squares affine fit (:func:`fit_decode_latency`); None without a
+        profile."""
+        return fit_decode_latency(self.latency_points)
 
     def encode(self, text: str) -> list[int]:
         """Prompt token ids as the engine feeds them: BOS, then the text."""
