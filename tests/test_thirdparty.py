@@ -22,10 +22,12 @@ from tests.conftest import ROOT
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    """A folder holding the installed ``streamrl-example`` and ``streamrl-broken`` distributions."""
+    """A folder holding the installed ``streamrl-example``, ``streamrl-broken`` and ``streamrl-vllm``
+    distributions (the last without vLLM itself: its own tests run on vLLM, in .venv-vllm)."""
     target = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-           str(ROOT / "plugins" / "streamrl-example"), str(ROOT / "plugins" / "streamrl-broken")]
+           str(ROOT / "plugins" / "streamrl-example"), str(ROOT / "plugins" / "streamrl-broken"),
+           str(ROOT / "plugins" / "streamrl-vllm")]
     if importlib.util.find_spec("setuptools"):
         cmd.insert(4, "--no-build-isolation")  # build offline with the setuptools we have
     subprocess.run(cmd, check=True, timeout=300)
@@ -100,3 +102,15 @@ def test_example_package_own_tests_pass(site):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "3 passed" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_engine_without_vllm_is_a_one_line_error_that_says_how_to_install_it(site, tmp_path):
+    listed = streamrl(site, "plugins", "list")
+    assert any(line.split()[:2] == ["engine", "vllm"] for line in listed.stdout.splitlines()), listed.stdout
+    proc = streamrl(site, "recipe", "run", "recipes/addition.toml", "--set", "engine.name=vllm",
+                    "--set", "run.steps=1", "--set", f'run.out_dir="{tmp_path}"', "--set", "cluster.dashboard_port=0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("streamrl: error:")]
+    assert "engine 'vllm' needs vllm on this worker" in line and "streamrl-vllm README" in line

@@ -70,6 +70,9 @@ class VLLMEngineConfig(BaseModel):
     engine (which has this knob) switches engines with ``--set engine.name=vllm`` alone."""
     seed: int | None = None
     """Seed of vLLM's sampler (default: ``run.seed``)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
+    """vLLM's own logging (``VLLM_LOGGING_LEVEL``, unless already set in the environment). At INFO
+    and WARNING it prints ~40 lines of start-up detail per engine; INFO helps to debug vLLM."""
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a generate task waits for one group before it fails (naming the request) instead
     of hanging the step."""
@@ -106,6 +109,7 @@ class VLLMEngine(Engine):
         # vLLM reads these when it is imported / when the engine starts, so set them first.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", self.config.log_level)
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
