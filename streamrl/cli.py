@@ -83,6 +83,14 @@ def parser() -> argparse.ArgumentParser:
     transfer.add_argument("--transfers", default="dask", help="comma-separated transfer names")
     transfer.add_argument("--repeats", type=int, default=5, help="measured publications per transfer")
     transfer.add_argument("--out", default=None, help="write the JSON result here")
+    engine = bench.add_parser("engine", help="generation per step: the recipe's engine, or variants of it")
+    _recipe_args(engine)
+    engine.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                        help='a variant of the recipe, e.g. --variant \'vllm:engine.name="vllm"\' (repeatable; '
+                             "speed-ups are relative to the first)")
+    engine.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    engine.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    engine.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 
 
@@ -118,7 +126,7 @@ def cmd_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from streamrl.bench import modes, skew, transfer
+    from streamrl.bench import engine, modes, skew, transfer
 
     if args.cmd == "transfer":
         if args.repeats < 1:
@@ -128,6 +136,9 @@ def cmd_bench(args) -> int:
         return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
+    if args.cmd == "engine":
+        engine.bench(args.file, args.overrides, args.variants, args.steps, args.warmup, args.out)
+        return 0
     if args.cmd == "skew":
         skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out)
         return 0

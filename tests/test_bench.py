@@ -110,3 +110,21 @@ def test_bench_transfer_times_publications_next_to_memcpy(tiny_recipe, tmp_path)
     bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "transfer", str(tiny_recipe), "--transfers",
                           "nccl_magic"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "transfer.name" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_engine_generates_each_variant_from_the_same_prompts(tiny_recipe, tmp_path):
+    out = tmp_path / "engine.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "engine", str(tiny_recipe), "--steps", "2",
+                           "--warmup", "1", "--variant", "continuous", "--variant", 'static:engine.batching="static"',
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["continuous", "static"] and rows[0]["speedup_vs_first"] == 1.0
+    for r in rows:  # two measured steps of the recipe's whole batch, nothing trained
+        assert [s["samples"] for s in r["steps"]] == [16, 16] and r["engine"] == "hf"
+        assert r["samples_per_s"] > 0 and 1 <= r["mean_response_tokens"] <= 8
+        assert r["speedup_vs_first"] == pytest.approx(rows[0]["step_s_median"] / r["step_s_median"])
+    bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "engine", str(tiny_recipe), "--variant", ":x=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--variant" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as RequestTimeout
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,6 +70,9 @@ class VLLMEngineConfig(BaseModel):
     engine (which has this knob) switches engines with ``--set engine.name=vllm`` alone."""
     seed: int | None = None
     """Seed of vLLM's sampler (default: ``run.seed``)."""
+    engine_args: dict[str, Any] = {}
+    """More keyword arguments for ``vllm.LLM`` (vLLM's engine arguments), applied last, e.g.
+    ``{ async_scheduling = true }`` or ``{ tensor_parallel_size = 2 }``."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
     """vLLM's own logging (``VLLM_LOGGING_LEVEL``, unless already set in the environment). At INFO
     and WARNING it prints ~40 lines of start-up detail per engine; INFO helps to debug vLLM."""
@@ -129,6 +132,7 @@ class VLLMEngine(Engine):
             kwargs["max_num_seqs"] = self.config.max_running
         if self.config.max_model_len:
             kwargs["max_model_len"] = self.config.max_model_len
+        kwargs.update(self.config.engine_args)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.llm = LLM(**kwargs)

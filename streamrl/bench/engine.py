@@ -1,0 +1,99 @@
+"""``streamrl bench engine RECIPE``: how fast the recipe's engine generates one step's samples.
+
+Each ``--variant LABEL:KEY=VALUE;KEY=VALUE`` is the recipe with those overrides (e.g.
+``vllm:engine.name="vllm"``); with none, the recipe as it is. For each variant it brings up the
+recipe's cluster, builds the engines on the generate workers, and generates ``--steps`` steps of
+the task's prompts exactly as a run submits them (bundles of ``pools.generate.groups_per_task``
+groups, spread over the generate workers, as many tasks at once as a run has) but trains
+nothing: the policy stays the initial one, so every variant samples from the same model. It
+reports seconds per step (median), samples/s and response tokens/s, and each variant's speed
+relative to the first -- ratios measured in one invocation, on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrl import cluster
+from streamrl.errors import UserError
+from streamrl.flow import remote, runner
+from streamrl.flow.controller import Controller
+from streamrl.recipe import load_recipe
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``"label:a=1;b=2"`` -> ``("label", ["a=1", "b=2"])``; a bare ``"label"`` has no overrides."""
+    label, _, rest = text.partition(":")
+    if not label.strip():
+        raise UserError(f"--variant {text!r}: expected LABEL:KEY=VALUE;KEY=VALUE")
+    return label.strip(), [o.strip() for o in rest.split(";") if o.strip()]
+
+
+def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Generate ``warmup + steps`` steps with the recipe's engine; per measured step its seconds,
+    samples and response tokens."""
+    loaded = load_recipe(file, [*overrides, "cluster.dashboard_port=0"])
+    resolved = runner.resolve(loaded)
+    t = loaded.recipe.trainer
+    dask_cluster, client = cluster.start(loaded.recipe)
+    try:
+        ctl = Controller(resolved, client, cluster.check_pools(client))
+        ctl.place_residents()
+        pins = list(ctl.generate_pins.values())
+        per_task = ctl.groups_per_task
+        rows = []
+        for step in range(warmup + steps):
+            prompts = ctl.task.prompts(step, t.prompts_per_step)
+            bundles = [prompts[i:i + per_task] for i in range(0, len(prompts), per_task)]
+            t0 = time.perf_counter()
+            futures = [client.submit(remote.generate_groups, b, t.samples_per_prompt, key=f"bench-gen-{step}-{k}",
+                                     **pins[k % len(pins)]) for k, b in enumerate(bundles)]
+            groups = [g for f in futures for g in f.result()]
+            seconds = time.perf_counter() - t0
+            if step >= warmup:
+                samples = [s for g in groups for s in g]
+                rows.append({"seconds": seconds, "samples": len(samples),
+                             "response_tokens": sum(len(s.response_ids) for s in samples)})
+        return {"engine": loaded.recipe.engine.name, "generate_workers": len(pins), "steps": rows}
+    finally:
+        cluster.stop(dask_cluster, client)
+
+
+def summarise(label: str, result: dict) -> dict:
+    """Median seconds per step and the rates over all measured steps."""
+    rows = result["steps"]
+    total = sum(r["seconds"] for r in rows)
+    return {"variant": label, "engine": result["engine"], "generate_workers": result["generate_workers"],
+            "step_s_median": statistics.median(r["seconds"] for r in rows),
+            "samples_per_s": sum(r["samples"] for r in rows) / total,
+            "response_tokens_per_s": sum(r["response_tokens"] for r in rows) / total,
+            "mean_response_tokens": sum(r["response_tokens"] for r in rows) / sum(r["samples"] for r in rows),
+            "steps": rows}
+
+
+def bench(file: str, overrides: list[str], variants: list[str], steps: int, warmup: int, out: str | None) -> list[dict]:
+    """Measure every variant, print the table (speed relative to the first), optionally write JSON."""
+    parsed = [parse_variant(v) for v in variants] or [("recipe", [])]
+    results = []
+    for label, extra in parsed:
+        results.append(summarise(label, measure(file, [*overrides, *extra], steps, warmup)))
+    base = results[0]["step_s_median"]
+    for r in results:
+        r["speedup_vs_first"] = base / r["step_s_median"]
+    table = Table(title=f"generation per step, {file} ({steps} steps after {warmup} warm-up)")
+    for col in ("variant", "engine", "s/step (median)", "samples/s", "tokens/s", "tokens/sample", "speed-up"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["variant"], r["engine"], f"{r['step_s_median']:.3f}", f"{r['samples_per_s']:.0f}",
+                      f"{r['response_tokens_per_s']:.0f}", f"{r['mean_response_tokens']:.1f}",
+                      f"{r['speedup_vs_first']:.2f}x")
+    Console().print(table)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
