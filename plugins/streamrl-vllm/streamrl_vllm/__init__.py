@@ -9,7 +9,6 @@ one-line error saying how to install it.
 from __future__ import annotations
 
 from streamrl.api import Component, hookimpl
-
 from streamrl_vllm.engine import VLLMEngine, VLLMEngineConfig
 
 

@@ -107,8 +107,9 @@ class VLLMEngine(Engine):
 
     # -- start-up --------------------------------------------------------------------------
 
-    def load(self, model_path: str | None, device: str = "auto") -> None:
-        """Start vLLM on ``model_path`` inside this process and start the loop thread."""
+    def load(self, model_path: str | None) -> None:
+        """Start vLLM on ``model_path`` inside this process (on the device vLLM's platform finds:
+        the GPU ``CUDA_VISIBLE_DEVICES`` gives the worker, else the CPU) and start the loop."""
         # vLLM reads these when it is imported / when the engine starts, so set them first.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from streamrl_vllm.engine import VLLMEngine, VLLMEngineConfig
 
 from streamrl.sample import Prompt
 from streamrl.training.trainer import pad_batch, token_logprobs
-from streamrl_vllm.engine import VLLMEngine, VLLMEngineConfig
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-addition-1d"
 
@@ -74,9 +74,8 @@ def test_groups_have_per_token_logprobs_that_match_the_trainer_also_after_a_weig
 
 def test_without_the_lm_head_repack_a_swap_leaves_logprobs_off(monkeypatch, engine):
     # the check above must be able to fail: skip the re-pack and the tied lm_head keeps old weights
-    from transformers import AutoModelForCausalLM
-
     import streamrl_vllm.weights as weights
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     with torch.no_grad():
