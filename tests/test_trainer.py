@@ -158,7 +158,8 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tiny_model):
         stats = [trainer.micro_batch(groups[i:i + 2], 1.0 / 24) for i in range(0, len(groups), 2)]
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
         trainer.step()
-        return grads, trainer.named_weights(), {k: sum(s[k] for s in stats) for k in ["samples", "tokens", "reward_sum"]}
+        return grads, trainer.named_weights(), {k: sum(s[k] for s in stats)
+                                                for k in ["samples", "tokens", "reward_sum", "skipped_sum"]}
 
     def some_flat(trainer):  # groups 0 and 1 (one whole micro-batch) and 4 have all-equal rewards
         groups = make_groups(trainer)
@@ -169,7 +170,10 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tiny_model):
 
     skipped_grads, skipped, skipped_stats = train(True, some_flat)
     full_grads, full, full_stats = train(False, some_flat)
-    assert skipped_stats == full_stats  # every sample still counted
+    # every sample still counted; the flat groups' samples really left out of the backward
+    assert {**skipped_stats, "skipped_sum": 0} == full_stats and full_stats["skipped_sum"] == 0
+    flat = [g for g in some_flat(new_trainer(tiny_model)) if len({s.reward for s in g}) == 1]
+    assert len(flat) >= 3 and skipped_stats["skipped_sum"] == sum(len(g) for g in flat)
     initial = new_trainer(tiny_model).named_weights()
     assert max((full[n] - initial[n]).abs().max().item() for n in full) > 1e-3  # the step moved
     for n in full:  # the same gradient up to float summation order, so the same AdamW step

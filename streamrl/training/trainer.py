@@ -100,13 +100,25 @@ class HFTrainer(Trainer):
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`."""
         t0 = time.perf_counter()
         samples = [s for g in groups for s in g]
+        counted = {"samples": len(samples), "tokens": sum(len(s.response_ids) for s in samples),
+                   "reward_sum": float(sum(s.reward for s in samples))}
+        adv_list = None
+        if self.critic is None:
+            adv_list = [a for g in groups for a in self.algorithm.advantages([s.reward for s in g])]
+            if self.algorithm.zero_advantage_no_gradient and self.version >= self.algorithm.critic_warmup_steps:
+                # a sample with advantage 0 adds nothing to the gradient: leave it out of the
+                # forward/backward (GRPO groups whose samples all got the same reward)
+                keep = [i for i, a in enumerate(adv_list) if a != 0.0]
+                if not keep:
+                    return self._no_gradient(counted, t0)
+                samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
+        skipped = counted["samples"] - len(samples)
         ids, attn, resp, old = pad_batch(samples, self.tokenizer.pad_token_id)
         ids, attn, resp, old = (t.to(self.device) for t in (ids, attn, resp, old))
         stats: dict = {}
         critic_loss = 0.0
         if self.critic is None:
-            adv = torch.tensor([a for g in groups for a in self.algorithm.advantages([s.reward for s in g])],
-                               dtype=torch.float32, device=self.device)
+            adv = torch.tensor(adv_list, dtype=torch.float32, device=self.device)
         else:  # token-level advantages from the critic; the critic learns in the same micro-batch
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device)
             values = self.critic.values(ids, attn)
@@ -125,13 +137,22 @@ class HFTrainer(Trainer):
             per_sample = per_sample * 0.0  # critic warm-up: the policy does not move yet
         (per_sample.sum() * scale + critic_loss).backward()
         return {
-            "samples": len(samples),
-            "tokens": int(resp.sum().item()),
-            "reward_sum": float(sum(s.reward for s in samples)),
+            **counted,
+            "skipped_sum": skipped,  # metrics.jsonl: "skipped", the share left out of the backward
             "loss_sum": float(per_sample.sum().item()),
             "seconds": time.perf_counter() - t0,
             **{k: float(v) for k, v in stats.items()},
         }
+
+    def _no_gradient(self, counted: dict, t0: float) -> dict:
+        # Nothing to back-propagate. Gradients that are still None become zeros, so the optimizer
+        # steps as it would on a zero gradient (AdamW skips a parameter whose grad is None:
+        # no momentum decay, no weight decay -- a different update).
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return {**counted, "skipped_sum": counted["samples"], "loss_sum": 0.0,
+                "seconds": time.perf_counter() - t0}
 
     def step(self) -> dict:
         """Clip, step the optimizer, clear gradients; the policy version goes up by one. Over a
