@@ -18,6 +18,7 @@ import time
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
 
+from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.errors import UserError
 from streamrl.recipe import REQUIRED_POOLS, Recipe
 
@@ -39,6 +40,11 @@ WORKER_ENV = {
 }
 
 
+def gpu_ids(ids: list[str], per_worker: int, i: int) -> list[str]:
+    """The GPU ids worker ``i`` gets: ``per_worker`` consecutive ones, wrapping around the list."""
+    return [ids[(i * per_worker + k) % len(ids)] for k in range(per_worker)] if ids else []
+
+
 def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
     """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
     spec = {}
@@ -47,11 +53,14 @@ def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
         if cfg is None:  # an optional pool left out
             continue
         for i in range(cfg.workers):
-            env = {**WORKER_ENV, **cfg.env}
-            if cfg.cuda_visible_devices:
-                env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices[i % len(cfg.cuda_visible_devices)]
+            env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
+            gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
             name = f"{pool}-{i}"
             threads, resources = cfg.threads, {pool: cfg.threads}
+            if gpus or cfg.device == "cuda":  # tasks that need a GPU can ask Dask for one
+                resources["GPU"] = len(gpus) or cfg.gpus_per_worker
             if recipe.run.mode == "colocated" and pool == "train":
                 # time-sharing: a train worker is also a generate worker (generation and
                 # training alternate, so the slots never compete)

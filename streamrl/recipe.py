@@ -92,8 +92,16 @@ class PoolConfig(Strict):
     """``torch.set_num_threads`` inside the worker (Nanny workers start with OMP_NUM_THREADS=1)."""
     memory_limit: str = "auto"
     """Dask memory limit per worker (``"4GiB"``, ``"auto"``, or ``"0"`` for none)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where this pool's engine / trainer / reward model compute: ``auto`` = CUDA when the worker
+    sees a GPU, else CPU; ``cuda`` fails at start-up on a worker without one."""
+    gpus_per_worker: int = Field(1, ge=1)
+    """GPUs each worker gets from ``cuda_visible_devices`` (consecutive ids) and advertises as
+    the Dask resource ``GPU``."""
     cuda_visible_devices: list[str] = []
-    """GPU ids, one per worker, exported as CUDA_VISIBLE_DEVICES. Empty: CPU or inherited."""
+    """GPU ids handed out to the workers in order (``gpus_per_worker`` each, wrapping around, so
+    a generate and a train pool may list the same GPU and share it), exported as
+    CUDA_VISIBLE_DEVICES. Empty: CPU or inherited."""
     env: dict[str, str] = {}
     """Extra environment variables for this pool's workers."""
 

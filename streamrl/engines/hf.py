@@ -78,8 +78,15 @@ class HFEngineConfig(BaseModel):
     """Measure the decode step latency at a few batch sizes when the engine starts (about a
     second on CPU); a scheduler (``skew``) uses it to decide how many instances the long tail
     gets. False: no profile, schedulers only balance predicted work."""
-    dtype: str = "float32"
-    """Torch dtype the engine loads the model in (``float32``, ``bfloat16``, ``float16``)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Torch dtype the engine loads the model in. ``auto``: bfloat16 on a GPU, float32 on CPU
+    (where float32 keeps engine and trainer logprobs within 1e-5)."""
+    cuda_graph: bool = True
+    """On a GPU, let continuous batching replay CUDA graphs of its decode steps (measured ~1.9x
+    tokens/s on an H100 for a 0.5B model). Ignored on CPU."""
+    kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
+    """Size the KV cache as this share of the device's free memory instead of ``num_blocks``
+    (continuous batching; leave room for a train worker sharing the GPU)."""
     reproducible: bool = False
     """True: each group is decoded alone with a random generator seeded by ``seed`` and the
     prompt, so a seed gives the same samples every run (and a resumed run the same samples as an
@@ -111,13 +118,18 @@ class HFEngine(Engine):
         self.manager = None
         self._model_lock = threading.Lock()  # reproducible mode: a group never sees two policies
 
-    def load(self, model_path: str | None, device: str = "cpu") -> None:
-        """Load model + tokenizer with ``from_pretrained`` and start the generation loop."""
+    def load(self, model_path: str | None, device: str | None = None) -> None:
+        """Load model + tokenizer with ``from_pretrained`` onto ``device`` (default: the pool's,
+        ``streamrl.devices.worker_device``) and start the generation loop."""
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        from streamrl.devices import worker_device
+
+        device = device or worker_device()
+        dtype = self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, self.config.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
         self.latency_points = []
         if self.config.reproducible:
@@ -133,9 +145,11 @@ class HFEngine(Engine):
             max_new_tokens=self.config.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
         )
+        fraction = self.config.kv_memory_fraction
         cb = ContinuousBatchingConfig(
-            return_logprobs=True, num_blocks=self.config.num_blocks, page_size=self.config.page_size,
-            max_batch_tokens=self.config.max_batch_tokens, allow_block_sharing=False,
+            return_logprobs=True, page_size=self.config.page_size, max_batch_tokens=self.config.max_batch_tokens,
+            num_blocks=None if fraction else self.config.num_blocks, max_memory_percent=fraction,
+            allow_block_sharing=False, use_cuda_graph=self.config.cuda_graph and device == "cuda",
         )
         self.manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         self.manager.start()

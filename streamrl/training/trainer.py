@@ -9,7 +9,9 @@ why ``stream`` and ``batch`` modes give the same update.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,8 +19,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from streamrl.api import Trainer, TrainerContext
+from streamrl.devices import worker_device
 from streamrl.sample import Group
 from streamrl.training import data_parallel as dp
+from streamrl.training.logprobs import naive_token_logprobs
+from streamrl.training.logprobs import token_logprobs as chunked_token_logprobs
 
 
 class HFTrainerConfig(BaseModel):
@@ -35,6 +40,17 @@ class HFTrainerConfig(BaseModel):
     """Gradient clipping norm before each optimizer step (0 disables)."""
     critic_lr: float = Field(5e-4, gt=0)
     """AdamW learning rate of the critic, for algorithms that have one (``ppo``)."""
+    precision: Literal["auto", "fp32", "bf16-autocast"] = "auto"
+    """``fp32``: everything in float32. ``bf16-autocast``: float32 master weights and AdamW state,
+    forward/backward matmuls in bfloat16 (``torch.autocast``); log-softmax stays float32.
+    ``auto``: bf16-autocast on a GPU, fp32 on CPU."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Token log-probs are computed from the output head over chunks of this many response
+    positions, recomputed in the backward pass, so the ``[batch, length, vocab]`` float32 logits
+    never exist at once (``training/logprobs.py``). 0: all logits at once (the plain way)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    less memory per token (longer micro-batches fit), about a third more compute."""
 
 
 def pad_batch(samples, pad_id: int):
@@ -58,10 +74,7 @@ def pad_batch(samples, pad_id: int):
     return ids, attn, resp, old
 
 
-def token_logprobs(model, ids, attn, temperature: float = 1.0):
-    """Log-probability of each next token (shape ``[B, T-1]``) under ``model``."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+token_logprobs = naive_token_logprobs  # the plain computation, for checks against an engine
 
 
 class HFTrainer(Trainer):
@@ -69,17 +82,23 @@ class HFTrainer(Trainer):
 
     data_parallel = True
 
-    def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str = "cpu"):
+    def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
         self.algorithm = context.algorithm
         self.temperature = context.temperature
-        self.device = device
+        self.device = device or worker_device()
+        device = self.device
+        bf16 = config.precision == "bf16-autocast" or (config.precision == "auto" and device == "cuda")
+        self.autocast = (lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)) if bf16 \
+            else contextlib.nullcontext
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
         self.model.train()
+        if config.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if self.algorithm.needs_reference:
             self.reference = AutoModelForCausalLM.from_pretrained(
@@ -98,6 +117,21 @@ class HFTrainer(Trainer):
 
     def micro_batch(self, groups: list[Group], scale: float) -> dict:
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`."""
+        try:
+            return self._forward_backward(groups, scale)
+        except torch.OutOfMemoryError:
+            samples = [s for g in groups for s in g]
+            longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            free = ""
+            if self.device == "cuda":
+                free_b, total_b = torch.cuda.mem_get_info()
+                free = f"; {free_b / 2**30:.1f} of {total_b / 2**30:.1f} GiB free"
+            raise RuntimeError(
+                f"trainer: a micro-batch of {len(samples)} samples x {longest} tokens (padded) ran out of "
+                f"{self.device} memory{free}; lower trainer.micro_batch_tokens or groups_per_micro_batch, or set "
+                "trainer.activation_checkpointing = true (one group alone must fit)") from None
+
+    def _forward_backward(self, groups: list[Group], scale: float) -> dict:
         t0 = time.perf_counter()
         samples = [s for g in groups for s in g]
         counted = {"samples": len(samples), "tokens": sum(len(s.response_ids) for s in samples),
@@ -121,16 +155,19 @@ class HFTrainer(Trainer):
             adv = torch.tensor(adv_list, dtype=torch.float32, device=self.device)
         else:  # token-level advantages from the critic; the critic learns in the same micro-batch
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device)
-            values = self.critic.values(ids, attn)
+            with self.autocast():
+                values = self.critic.values(ids, attn).float()
             adv, returns = self.algorithm.token_advantages(rewards, values.detach(), resp)
             value_loss = self.algorithm.value_loss(values, values.detach(), returns, resp)
             critic_loss = value_loss.sum() * scale
             stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
-        new = token_logprobs(self.model, ids, attn, self.temperature)
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attn, self.temperature)
+        chunk = self.config.logprob_chunk_tokens
+        with self.autocast():
+            new = chunked_token_logprobs(self.model, ids, attn, self.temperature, chunk, resp)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = chunked_token_logprobs(self.reference, ids, attn, self.temperature, chunk, resp)
         per_sample, algo_stats = self.algorithm.loss(new, old, ref, adv, resp)
         stats.update(algo_stats)
         if self.version < self.algorithm.critic_warmup_steps:
