@@ -54,7 +54,13 @@ def parser() -> argparse.ArgumentParser:
                       help="supervised AdamW steps (0: none); 800 gives ~65%% greedy accuracy on addition, leaving room for RL")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="task option, e.g. --set digits=3")
+                      help="task option, e.g. --set digits=3 (with --arch: a model config value, e.g. "
+                           "--set num_hidden_layers=4)")
+    init.add_argument("--arch", default=None, help="a known architecture's shapes instead of a tiny task model: "
+                      "qwen2.5-0.5b, qwen2.5-1.5b, llama-3.2-1b (with --random)")
+    init.add_argument("--random", action="store_true", help="with --arch: random weights, no training")
+    init.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                      help="with --arch: dtype of the saved weights")
 
     ref = sub.add_parser("reference", help="run a recipe's components in this process, no Dask (the reference loop)")
     ref.add_argument("file", help="recipe TOML file")
@@ -91,6 +97,16 @@ def parser() -> argparse.ArgumentParser:
     engine.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     engine.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
     engine.add_argument("--out", default=None, help="write the JSON result here")
+    trainer = bench.add_parser("trainer", help="the recipe's trainer on synthetic batches: tokens/s, MFU, peak memory")
+    _recipe_args(trainer)
+    trainer.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                         help="a variant of the recipe, e.g. --variant 'bf16:trainer.precision=\"bf16-autocast\"'")
+    trainer.add_argument("--samples", type=int, default=64, help="samples per step")
+    trainer.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per sample")
+    trainer.add_argument("--response-tokens", type=int, default=512, help="response tokens per sample")
+    trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
+    trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
+    trainer.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 
 
@@ -121,6 +137,17 @@ def cmd_recipe(args) -> int:
 def cmd_model(args) -> int:
     from streamrl.tasks.model_init import init_model
 
+    if args.arch is not None:
+        from streamrl.recipe import parse_override
+        from streamrl.tasks.arch import random_model
+
+        if not args.random:
+            raise UserError("--arch: pass --random too (the weights are random; a trained checkpoint comes from "
+                            "a hub through model.path)")
+        random_model(args.arch, args.out, {".".join(k): v for k, v in map(parse_override, args.overrides)},
+                     args.dtype, args.seed)
+        return 0
+
     init_model(args.task, args.out, args.warmstart_steps, args.seed, args.overrides)
     return 0
 
@@ -136,6 +163,14 @@ def cmd_bench(args) -> int:
         return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
+    if args.cmd == "trainer":
+        from streamrl.bench import trainer
+
+        if min(args.samples, args.prompt_tokens, args.response_tokens, args.steps) < 1 or args.warmup < 0:
+            raise UserError("--samples, --prompt-tokens, --response-tokens and --steps must be >= 1, --warmup >= 0")
+        trainer.bench(args.file, args.overrides, args.variants, args.samples, args.prompt_tokens,
+                      args.response_tokens, args.steps, args.warmup, args.out)
+        return 0
     if args.cmd == "engine":
         engine.bench(args.file, args.overrides, args.variants, args.steps, args.warmup, args.out)
         return 0

@@ -128,3 +128,35 @@ def test_bench_engine_generates_each_variant_from_the_same_prompts(tiny_recipe, 
     bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "engine", str(tiny_recipe), "--variant", ":x=1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--variant" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_model_init_arch_and_bench_trainer_measure_a_random_qwen_shaped_model(tmp_path):
+    model = tmp_path / "qwen"
+    small = ["--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set", "intermediate_size=128",
+             "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2", "--set", "vocab_size=2048"]
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "model", "init", "--arch", "qwen2.5-0.5b", "--random",
+                           "--out", str(model), *small], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoConfig, AutoTokenizer
+
+    config, tok = AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    assert config.model_type == "qwen2" and config.num_key_value_heads == 2 and len(tok) == 2048
+    assert tok.decode([2047]) == "<t2047>" and tok.decode(tok("12+3=", add_special_tokens=False).input_ids) == "12+3="
+    out = tmp_path / "trainer.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "trainer", "recipes/addition.toml",
+                           "--set", f'model.path="{model}"', "--samples", "16", "--prompt-tokens", "8",
+                           "--response-tokens", "24", "--steps", "2", "--variant", 'fp32:trainer.precision="fp32"',
+                           "--variant", 'bf16:trainer.precision="bf16-autocast"', "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["variant"], r["precision"], r["device"]) for r in rows] == [("fp32", "fp32", "cpu"),
+                                                                           ("bf16", "bf16-autocast", "cpu")]
+    for r in rows:
+        assert r["tokens_per_step"] == 16 * 32 and len(r["steps"]) == 2 and r["tokens_per_s"] > 0
+        assert r["mfu"] is None and r["peak_memory_gib"] > 0  # no known peak for a CPU
+        assert 1e5 < r["parameters"] < 1e6
+    bad = subprocess.run([sys.executable, "-m", "streamrl", "model", "init", "--arch", "gpt-9", "--random", "--out",
+                          str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--arch: unknown 'gpt-9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

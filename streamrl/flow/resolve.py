@@ -91,7 +91,8 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
                             'add a [model] table with path = "<folder of a transformers model>"')
         if not (path / "config.json").is_file():
             raise UserError(f"model.path: no transformers model at {path} "
-                            f"(make one with: streamrl model init --task {r.task.name} --out {r.model.path})")
+                            f"(make one with: streamrl model init --task {r.task.name} --out {r.model.path}, "
+                            "or with a known architecture's shapes: --arch qwen2.5-0.5b --random)")
         weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("*.safetensors.index.json")]
         if not weights:
             raise UserError(f"model.path: {path} has a config.json but no weights "

@@ -1,0 +1,124 @@
+"""``streamrl bench trainer RECIPE``: the recipe's trainer on synthetic batches, in this process.
+
+It builds the trainer the recipe names (on ``streamrl.devices.worker_device()``: the GPU when this
+process sees one), makes ``--samples`` samples of ``--prompt-tokens + --response-tokens`` random
+token ids in groups of ``trainer.samples_per_prompt`` with rewards that give every group a
+signal, cuts them into micro-batches by the recipe's token budget exactly as train tasks do,
+and times forward/backward + optimizer step. It reports tokens/s, model FLOPs utilisation
+(6 x parameters x tokens / s against the device's bf16 dense peak, when the device is known)
+and peak memory. Nothing here is distributed: it measures the trainer, not the dataflow.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import statistics
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrl.flow import runner
+from streamrl.flow.microbatch import group_tokens, pack
+from streamrl.flow.placement import trainer_context
+from streamrl.recipe import load_recipe
+from streamrl.sample import Prompt, Sample
+
+#: bf16 dense peak FLOP/s by device name fragment (vendor datasheets; no sparsity).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: str) -> tuple[str, float | None]:
+    """``(device name, bf16 peak FLOP/s or None when unknown, e.g. a CPU)``."""
+    import torch
+
+    if device != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name()
+    return name, next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def synthetic_groups(n_samples: int, per_group: int, prompt: int, response: int, vocab: int, seed: int = 0):
+    """Groups of random-token samples; rewards alternate inside a group so advantages are not 0."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(max(1, n_samples // per_group)):
+        p = Prompt(uid=f"bench-{g}", text="", answer="")
+        ids = [rng.randrange(3, vocab) for _ in range(prompt)]
+        group = []
+        for k in range(per_group):
+            resp = [rng.randrange(3, vocab) for _ in range(response)]
+            group.append(Sample(uid=f"bench-{g}-{k}", prompt=p, prompt_ids=ids, response_ids=resp,
+                                logprobs=[-1.0] * response, reward=float(k % 2)))
+        groups.append(group)
+    return groups
+
+
+def measure(file: str, overrides: list[str], samples: int, prompt: int, response: int, steps: int, warmup: int) -> dict:
+    """Build the trainer and time ``warmup + steps`` optimizer steps on one synthetic batch."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    loaded = load_recipe(file, overrides)
+    resolved = runner.resolve(loaded)
+    r = loaded.recipe
+    t = r.trainer
+    trainer = resolved.trainer.build(trainer_context(resolved))
+    device = getattr(trainer, "device", "cpu")
+    model = getattr(trainer, "model", None)
+    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    vocab = model.config.vocab_size if model is not None else 1000
+    groups = synthetic_groups(samples, t.samples_per_prompt, prompt, response, vocab, r.run.seed)
+    cuts = pack([group_tokens(g) for g in groups], t.micro_batch_tokens, t.groups_per_micro_batch)
+    n = sum(len(g) for g in groups)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    seconds = []
+    for i in range(warmup + steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for idx in cuts:
+            trainer.micro_batch([groups[j] for j in idx], 1.0 / n)
+        trainer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - t0)
+    tokens = n * (prompt + response)
+    name, peak = peak_flops(device)
+    step_s = statistics.median(seconds)
+    peak_mem = (torch.cuda.max_memory_allocated() if device == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is KiB on Linux
+    return {"device": name, "trainer": r.trainer.name, "precision": getattr(trainer.config, "precision", None),
+            "parameters": params, "samples": n, "tokens_per_step": tokens, "micro_batches": len(cuts),
+            "step_s_median": step_s, "tokens_per_s": tokens / step_s,
+            "mfu": 6 * params * tokens / step_s / peak if peak else None,
+            "peak_memory_gib": peak_mem / 2**30, "process_rss_before_gib": rss0 * 1024 / 2**30, "steps": seconds}
+
+
+def bench(file: str, overrides: list[str], variants: list[str], samples: int, prompt: int, response: int,
+          steps: int, warmup: int, out: str | None) -> list[dict]:
+    """Measure each variant (``LABEL:KEY=VALUE;...``, as ``bench engine``), print, optionally write JSON."""
+    from streamrl.bench.engine import parse_variant
+
+    results = []
+    for label, extra in [parse_variant(v) for v in variants] or [("recipe", [])]:
+        row = measure(file, [*overrides, *extra], samples, prompt, response, steps, warmup)
+        results.append({"variant": label, **row})
+    table = Table(title=f"trainer, {file}: {samples} samples x {prompt}+{response} tokens per step")
+    for col in ("variant", "device", "precision", "params", "micro-batches", "s/step", "tokens/s", "MFU", "peak GiB"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["variant"], r["device"], str(r["precision"]), f"{r['parameters'] / 1e6:.1f} M",
+                      str(r["micro_batches"]), f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:,.0f}",
+                      "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['peak_memory_gib']:.2f}")
+    Console().print(table)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
