@@ -6,15 +6,16 @@ token ids in groups of ``trainer.samples_per_prompt`` with rewards that give eve
 signal, cuts them into micro-batches by the recipe's token budget exactly as train tasks do,
 and times forward/backward + optimizer step. It reports tokens/s, model FLOPs utilisation
 (6 x parameters x tokens / s against the device's bf16 dense peak, when the device is known)
-and peak memory. Nothing here is distributed: it measures the trainer, not the dataflow.
+and peak memory (CUDA's allocator peak; on CPU the process's resident memory, model
+included). Nothing here is distributed: it measures the trainer, not the dataflow.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import resource
 import statistics
+import threading
 import time
 
 from rich.console import Console
@@ -38,6 +39,29 @@ def peak_flops(device: str) -> tuple[str, float | None]:
         return "cpu", None
     name = torch.cuda.get_device_name()
     return name, next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class RSSPeak:
+    """The process's largest resident memory while it runs, sampled every 5 ms (on CPU there is no
+    allocator statistic like CUDA's, and ``ru_maxrss`` never goes down between variants)."""
+
+    def __init__(self):
+        import psutil
+
+        self.process, self.peak, self.done = psutil.Process(), 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            self.done.wait(0.005)
+
+    def stop(self) -> int:
+        """Stop sampling; the peak in bytes."""
+        self.done.set()
+        self.thread.join()
+        return self.peak
 
 
 def synthetic_groups(n_samples: int, per_group: int, prompt: int, response: int, vocab: int, seed: int = 0):
@@ -76,7 +100,7 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     n = sum(len(g) for g in groups)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sampler = RSSPeak() if device != "cuda" else None
     seconds = []
     for i in range(warmup + steps):
         if device == "cuda":
@@ -92,13 +116,12 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     tokens = n * (prompt + response)
     name, peak = peak_flops(device)
     step_s = statistics.median(seconds)
-    peak_mem = (torch.cuda.max_memory_allocated() if device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is KiB on Linux
+    peak_mem = torch.cuda.max_memory_allocated() if device == "cuda" else sampler.stop()
     return {"device": name, "trainer": r.trainer.name, "precision": getattr(trainer.config, "precision", None),
             "parameters": params, "samples": n, "tokens_per_step": tokens, "micro_batches": len(cuts),
             "step_s_median": step_s, "tokens_per_s": tokens / step_s,
             "mfu": 6 * params * tokens / step_s / peak if peak else None,
-            "peak_memory_gib": peak_mem / 2**30, "process_rss_before_gib": rss0 * 1024 / 2**30, "steps": seconds}
+            "peak_memory_gib": peak_mem / 2**30, "steps": seconds}
 
 
 def bench(file: str, overrides: list[str], variants: list[str], samples: int, prompt: int, response: int,
