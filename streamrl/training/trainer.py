@@ -9,7 +9,6 @@ why ``stream`` and ``batch`` modes give the same update.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Literal
 
@@ -90,9 +89,7 @@ class HFTrainer(Trainer):
         self.temperature = context.temperature
         self.device = device or worker_device()
         device = self.device
-        bf16 = config.precision == "bf16-autocast" or (config.precision == "auto" and device == "cuda")
-        self.autocast = (lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16)) if bf16 \
-            else contextlib.nullcontext
+        self.bf16 = config.precision == "bf16-autocast" or (config.precision == "auto" and device == "cuda")
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
@@ -180,6 +177,10 @@ class HFTrainer(Trainer):
             "seconds": time.perf_counter() - t0,
             **{k: float(v) for k, v in stats.items()},
         }
+
+    def autocast(self):
+        """bf16 autocast around forward passes when ``precision`` asks for it, else a no-op."""
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _no_gradient(self, counted: dict, t0: float) -> dict:
         # Nothing to back-propagate. Gradients that are still None become zeros, so the optimizer
