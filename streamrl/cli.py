@@ -10,6 +10,7 @@
     streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
     streamrl bench transfer recipes/addition.toml    # seconds and GB/s per weight publication
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
+    streamrl plan recipes/paper-7b-20k.toml --devices 12 --check   # split devices between the pools
 
 User mistakes print one line and exit with status 2.
 """
@@ -107,7 +108,45 @@ def parser() -> argparse.ArgumentParser:
     trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
     trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
     trainer.add_argument("--out", default=None, help="write the JSON result here")
+    plan = sub.add_parser("plan", help="pick the split of devices between generation and training, the mode "
+                                       "and the staleness bound, from a profile of the recipe")
+    _recipe_args(plan)
+    plan.add_argument("--devices", type=int, default=0, help="devices to split (default: the recipe's own)")
+    plan.add_argument("--modes", default="batch,stream,async", help="comma-separated modes to consider")
+    plan.add_argument("--max-staleness", type=int, default=3, help="largest async staleness bound to consider")
+    plan.add_argument("--objective", choices=["throughput", "cost"], default="throughput",
+                      help="rank by samples/s, or by samples per cost unit (pools.<pool>.cost_per_device)")
+    plan.add_argument("--top", type=int, default=5, help="choices to print")
+    plan.add_argument("--steps", type=int, default=8, help="steps per prediction (and per --check run)")
+    plan.add_argument("--warmup", type=int, default=1, help="steps left out of each prediction and run")
+    plan.add_argument("--check", action="store_true", help="run the top choice and the recipe as written, "
+                                                           "and print measured next to predicted")
+    plan.add_argument("--calibrate-steps", type=int, default=3,
+                      help="async steps of the recipe run first to measure the controller's own costs (0: none)")
+    plan.add_argument("--profile", default=None, help="plan from this saved profile (JSON) instead")
+    plan.add_argument("--save-profile", default=None, help="write the profile used here (JSON)")
+    plan.add_argument("--out", default=None, help="write the JSON result here")
     return ap
+
+
+def cmd_plan(args) -> int:
+    from streamrl.bench.modes import MODES
+    from streamrl.planning import allocate
+
+    chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in chosen if m not in MODES or m == "colocated"]
+    if bad or not chosen:
+        raise UserError(f"--modes: {bad[0] if bad else 'nothing'!r} is not a mode the planner can split for; "
+                        "expected some of batch, stream, async")
+    if args.steps < 1 or args.warmup < 0 or args.top < 1 or args.max_staleness < 1 or args.calibrate_steps < 0:
+        raise UserError("--steps, --top and --max-staleness must be >= 1, --warmup and --calibrate-steps >= 0")
+    try:
+        allocate.plan(args.file, args.overrides, args.devices or None, chosen, args.max_staleness, args.top,
+                      args.steps, args.warmup, args.objective, args.check, args.profile, args.save_profile,
+                      args.calibrate_steps, args.out)
+    except ValueError as exc:  # a bad profile file
+        raise UserError(str(exc)) from None
+    return 0
 
 
 def cmd_recipe(args) -> int:
@@ -236,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     _one_line_plugin_warnings()
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
-                "bench": cmd_bench, "reference": cmd_reference}[args.group](args)
+                "bench": cmd_bench, "reference": cmd_reference, "plan": cmd_plan}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

@@ -104,6 +104,9 @@ class PoolConfig(Strict):
     CUDA_VISIBLE_DEVICES. Empty: CPU or inherited."""
     env: dict[str, str] = {}
     """Extra environment variables for this pool's workers."""
+    cost_per_device: float = Field(1.0, ge=0)
+    """Relative price of one of this pool's devices per unit time (e.g. per hour). ``streamrl
+    plan`` and the benchmarks report samples per cost unit with it."""
 
 
 class GeneratePoolConfig(PoolConfig):

@@ -79,6 +79,7 @@ class Controller:
         self.last_step: list[Future] | None = None  # every rank's last optimizer step
         self.dispatcher: Dispatcher | None = None
         self.clock = None
+        self.submit_s, self.submitted_groups = 0.0, 0  # submitting generation, since the last record
 
     def place_residents(self) -> None:
         """Build the engines, trainer, reward, transfer and ranker on their workers; start the
@@ -125,6 +126,7 @@ class Controller:
         bundles (lists of ``pools.generate.groups_per_task`` groups).
         ``min_version`` (default: the current one) is the policy every engine holds by now; an
         engine found older (its worker was restarted) catches up before it generates."""
+        t0 = time.time()
         t = self.recipe.trainer
         min_version = self.version if min_version is None else min_version
         prompts = self.task.prompts(step, t.prompts_per_step)
@@ -151,6 +153,8 @@ class Controller:
                                          key=f"generate-{key}", retries=1, **where)
                 scored.append(self.client.submit(remote.score_groups, gen, key=f"reward-{key}",
                                                  resources={"reward": 1}, retries=1))
+        self.submit_s += time.time() - t0
+        self.submitted_groups += len(prompts)
         return scored
 
     def submit_epochs(self, step: int, scored: list[Future], total_samples: int,
@@ -235,6 +239,7 @@ class Controller:
         """Run one full step in the recipe's mode and return its ``metrics.jsonl`` record."""
         t0 = time.time()
         scored = self.mode.scored(self, step)
+        admitted = time.time()
         t = self.recipe.trainer
         step_fut, passes = self.submit_epochs(step, scored, t.prompts_per_step * t.samples_per_prompt,
                                               self.mode.streams)
@@ -258,6 +263,9 @@ class Controller:
         # the accounting window runs boundary to boundary, so it includes the controller's own
         # time between steps (writing metrics), which is idle time for every pool too
         record.accounting_window_s = round(self.clock[0] - before[0], 4)
+        record.controller_s = round(admitted - before[0], 4)
+        record.submit_s, record.submitted_groups = round(self.submit_s, 4), self.submitted_groups
+        self.submit_s, self.submitted_groups = 0.0, 0
         record.extra = self.dispatcher.learn(step, record.sample_log)
         return record.as_dict()
 

@@ -53,6 +53,14 @@ class StepRecord:
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per pool: ``busy_s``, ``idle_s``, ``idle_ratio`` over ``accounting_window_s``."""
     accounting_window_s: float = 0.0
+    controller_s: float = 0.0
+    """From the previous step's boundary until this step's generation was admitted and its
+    training could begin: the controller's own time (metrics, submitting tasks, waiting for the
+    weight loads the staleness bound needs). ``streamrl plan`` counts it as a cost of the step."""
+    submit_s: float = 0.0
+    """Seconds the controller spent submitting generate and reward tasks during this step."""
+    submitted_groups: int = 0
+    """Prompt groups it submitted during this step (async: those of later steps)."""
     extra: dict = field(default_factory=dict)
     """Dispatch fields (``generate_makespan_s``, ``ranker_recall``, ...)."""
     sample_log: list[dict] = field(default_factory=list)
