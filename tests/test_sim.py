@@ -103,7 +103,7 @@ def test_engine_admits_highest_priority_first():
     threads = [threading.Thread(target=run, args=(u, pr)) for u, pr in [("a", 0), ("b", 2), ("c", 1)]]
     for t in threads:
         t.start()
-    while len(e.waiting) < 3:
+    while len(e.batch.waiting) < 3:
         time.sleep(0.001)
     e.load()
     for t in threads:

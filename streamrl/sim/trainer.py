@@ -17,12 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from streamrl.api import Trainer, TrainerContext
 from streamrl.sim import latency
 from streamrl.sim.engine import SimEngineConfig
+from streamrl.sim.latency import Profile
 
 
 class SimTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     gpus: int = Field(8, ge=1)
     """Simulated training GPUs behind the train worker (training cost is divided by them)."""
+    device: Profile | None = None
+    """The training devices (``[trainer.device]``) when they are another class of hardware than
+    the generating instances (heterogeneous pools); unset: the engine's ``[engine.profile]``."""
 
 
 class SimTrainer(Trainer):
@@ -41,7 +45,7 @@ class SimTrainer(Trainer):
         if not isinstance(context.engine_config, SimEngineConfig):
             raise ValueError('trainer.name = "sim" needs engine.name = "sim" (it uses the engine\'s cost model)')
         self.config = context.engine_config  # profile and time_scale
-        self.profile = self.config.profile
+        self.profile = config.device or self.config.profile
         self.gpus = config.gpus
         self.version = 0
 

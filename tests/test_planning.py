@@ -1,0 +1,176 @@
+"""``streamrl plan``: the predictor against the sim engine it forecasts, the split search, and the
+command as a user runs it (``--check`` runs real simulated clusters)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from streamrl.flow import runner
+from streamrl.planning import allocate
+from streamrl.planning.predict import predict
+from streamrl.planning.profile import StageProfile, from_cost_model
+from streamrl.recipe import load_recipe
+from streamrl.sim.batching import ContinuousBatch
+from streamrl.sim.engine import SimEngine
+from tests.conftest import ROOT
+from tests.test_cli import streamrl
+
+W3 = ROOT / "recipes" / "paper-7b-20k.toml"
+
+
+def w3(*overrides: str):
+    return runner.resolve(load_recipe(W3, list(overrides)))
+
+
+def test_continuous_batch_orders_admits_and_times_like_stepping_one_token_at_a_time():
+    b = ContinuousBatch(c0=0.01, per_context_token=1e-6, prefill_per_token=0.0, capacity=1_000, max_running=2)
+    low = b.add(100, 5, priority=0.0)
+    high = b.add(100, 3, priority=1.0)
+    mid = b.add(100, 4, priority=0.5)
+    b.admit()
+    assert {id(r) for r in b.running} == {id(high), id(mid)}  # max_running 2, highest priority first
+    by_hand = sum(0.01 + 1e-6 * (200 + 2 * i) for i in range(3))
+    assert b.decode_time(3) == pytest.approx(by_hand)
+    assert b.steps_within(by_hand * (1 + 1e-9)) == 3 and b.steps_within(by_hand * 0.999) == 2
+    assert b.steps_to_next_finish() == 3
+    assert b.advance(3) == [high]
+    b.admit()
+    assert low in b.running and b.context() == 103 + 100  # mid after 3 steps + low just admitted
+    # the KV cache: a request that does not fit waits (unless the batch is empty)
+    kv = ContinuousBatch(c0=0.01, per_context_token=0.0, prefill_per_token=0.0, capacity=150)
+    kv.add(100, 10)
+    kv.add(100, 10)
+    kv.admit()
+    assert len(kv.running) == 1 and len(kv.waiting) == 1
+
+
+def test_prediction_matches_the_sim_engine_it_forecasts():
+    """One real SimEngine instance, driven by threads as generate tasks drive it, against the
+    predictor's replay of the same groups: the same batching, so the makespans agree."""
+    r = w3("task.median=300", "task.p90=900", "task.cap=2000", "engine.time_scale=0.002")
+    prof = from_cost_model(r, observe_steps=1)
+    prompts = r.task.build().prompts(0, r.recipe.trainer.prompts_per_step)
+    engine = SimEngine(r.engine.config)
+    engine.load()
+    t0 = time.time()
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        list(ex.map(lambda p: engine.generate(p, r.recipe.trainer.samples_per_prompt), prompts))
+    real = (time.time() - t0) / r.engine.config.time_scale
+    engine.close()
+    # the profile's groups are those very prompts' lengths as the engine draws them
+    pred = predict(_fixed(prof), 1, 1, "batch", 0, steps=1, warmup=0)
+    assert pred.generate_makespan_s == pytest.approx(real, rel=0.15), (pred.generate_makespan_s, real)
+
+
+def _fixed(p: StageProfile) -> StageProfile:
+    """A profile whose every step is its groups in order (no resampling)."""
+
+    class Fixed(StageProfile):
+        def draw_steps(self, steps, seed):
+            return [list(self.groups)] * steps
+
+    return Fixed.model_validate(p.model_dump())
+
+
+def test_predictions_order_the_modes_and_respond_to_the_split():
+    prof = from_cost_model(w3())
+    batch = predict(prof, 8, 4, "batch", 0)
+    stream = predict(prof, 8, 4, "stream", 0)
+    async1 = predict(prof, 8, 4, "async", 1)
+    assert batch.samples_per_s < stream.samples_per_s < async1.samples_per_s
+    # in batch mode each pool waits for the other: both idle about half the time
+    assert batch.idle_generate > 0.4 and batch.idle_train > 0.4
+    # training-bound async: more training devices shorten the step, fewer lengthen it
+    assert predict(prof, 8, 8, "async", 1).step_s < async1.step_s < predict(prof, 8, 2, "async", 1).step_s
+    for p in (batch, stream, async1):
+        assert 0 <= p.idle_generate <= 1 and 0 <= p.idle_train <= 1
+    # same profile, same seed: the same forecast
+    assert predict(prof, 8, 4, "async", 1) == async1
+    # controller costs measured by calibration slow every step down
+    slow = prof.model_copy(update={"step_overhead_s": 30.0, "submit_per_group_s": 0.3})
+    assert predict(slow, 8, 4, "async", 1).step_s > async1.step_s + 30
+
+
+def test_search_tries_every_split_and_ranks_by_the_objective():
+    prof = from_cost_model(w3())
+    rows = allocate.search(prof, 6, ["batch", "async"], 2, 4, 1, (1.0, 3.0), "throughput")
+    assert {(p.generate, p.train, p.mode, p.max_staleness) for p, _ in rows} == {
+        (g, 6 - g, m, k) for g in range(1, 6) for m, k in [("batch", 0), ("async", 1), ("async", 2)]}
+    rates = [p.samples_per_s for p, _ in rows]
+    assert rates == sorted(rates, reverse=True)
+    by_cost = allocate.search(prof, 6, ["async"], 1, 4, 1, (1.0, 3.0), "cost")
+    costs = [c for _, c in by_cost]
+    assert costs == sorted(costs, reverse=True)
+    p = by_cost[0][0]
+    assert costs[0] == pytest.approx(p.samples_per_s * 3600 / (p.generate * 1.0 + p.train * 3.0))
+
+
+def test_split_overrides_apply_the_choice(tiny_recipe):
+    r = w3()
+    best = predict(from_cost_model(r), 4, 8, "async", 3, steps=2)
+    ov = allocate.split_overrides(r, best)
+    assert ov[:4] == ["pools.generate.workers=4", "trainer.gpus=8", "run.mode=async", "run.max_staleness=3"]
+    # four steps of 64 groups on 4 workers need more than the recipe's 32 task slots each
+    threads = int(ov[4].split("=")[1])
+    assert ov[4].startswith("pools.generate.threads=") and threads * 4 > 4 * 64
+    applied = load_recipe(W3, ov).recipe
+    assert (applied.pools.generate.workers, applied.run.max_staleness, applied.pools.generate.threads) == (4, 3, threads)
+    # a real trainer gets train workers (data parallel) instead of virtual GPUs
+    real = runner.resolve(load_recipe(tiny_recipe, []))
+    assert "pools.train.workers=8" in allocate.split_overrides(real, best)
+
+
+def test_plan_command_prints_choices_and_writes_json(tmp_path):
+    out, prof = tmp_path / "plan.json", tmp_path / "profile.json"
+    proc = streamrl("plan", str(W3), "--devices", "6", "--calibrate-steps", "0", "--steps", "3", "--modes",
+                    "batch,async", "--max-staleness", "2", "--top", "3", "--out", str(out),
+                    "--save-profile", str(prof))
+    assert proc.returncode == 0, proc.stderr
+    assert "SIMULATED" in proc.stderr and "apply the top choice with: --set pools.generate.workers=" in proc.stderr
+    result = json.loads(out.read_text())
+    assert len(result["choices"]) == 3 and result["devices"] == 6
+    assert result["choices"][0]["samples_per_s"] >= result["choices"][1]["samples_per_s"]
+    assert all(c["generate"] + c["train"] == 6 for c in result["choices"])
+    # the saved profile plans the same without the recipe's cost model
+    again = tmp_path / "again.json"
+    proc = streamrl("plan", str(W3), "--devices", "6", "--profile", str(prof), "--steps", "3", "--modes",
+                    "batch,async", "--max-staleness", "2", "--top", "3", "--out", str(again))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(again.read_text())["choices"] == result["choices"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "colocated"], "--modes: 'colocated' is not a mode the planner can split for"),
+    (["--devices", "1"], "--devices must be >= 2"),
+    (["--profile", "missing.json"], "profile missing.json: not a streamrl plan profile"),
+])
+def test_plan_mistakes_are_one_line(args, message):
+    proc = streamrl("plan", str(W3), "--calibrate-steps", "0", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plan_needs_a_cost_model_or_a_saved_profile(tiny_recipe):
+    proc = streamrl("plan", str(tiny_recipe), "--calibrate-steps", "0")
+    assert proc.returncode == 2 and "give a saved profile with --profile" in proc.stderr, proc.stderr
+
+
+def test_plan_check_runs_the_choice_and_the_recipe_and_reports_both(tmp_path):
+    """The whole command on two small simulated clusters: calibration, the plan, the check."""
+    out = tmp_path / "plan.json"
+    proc = streamrl("plan", str(W3), "--devices", "4", "--steps", "2", "--warmup", "1", "--calibrate-steps", "2",
+                    "--modes", "async", "--max-staleness", "1", "--top", "2", "--check", "--out", str(out),
+                    "--set", "pools.generate.workers=2", "--set", "trainer.gpus=2", "--set", "engine.time_scale=0.002",
+                    "--set", "trainer.prompts_per_step=16", "--set", f'run.out_dir="{tmp_path}"', timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    check = result["check"]
+    assert check["plan"]["measured_samples_per_s"] > 0 and check["recipe"]["measured_samples_per_s"] > 0
+    assert check["plan_vs_recipe"] == pytest.approx(
+        check["plan"]["measured_samples_per_s"] / check["recipe"]["measured_samples_per_s"])
+    assert "controller" in result["profile"] and "measured" in result["profile"]  # calibrated
+    assert "check: plan" in proc.stderr and "prediction error" in proc.stderr
