@@ -51,7 +51,7 @@ def test_continuous_batch_orders_admits_and_times_like_stepping_one_token_at_a_t
 def test_prediction_matches_the_sim_engine_it_forecasts():
     """One real SimEngine instance, driven by threads as generate tasks drive it, against the
     predictor's replay of the same groups: the same batching, so the makespans agree."""
-    r = w3("task.median=300", "task.p90=900", "task.cap=2000", "engine.time_scale=0.002")
+    r = w3("task.median=300", "task.p90=900", "task.cap=2000", "engine.time_scale=0.03")  # ~1 s real
     prof = from_cost_model(r, observe_steps=1)
     prompts = r.task.build().prompts(0, r.recipe.trainer.prompts_per_step)
     engine = SimEngine(r.engine.config)
@@ -63,7 +63,7 @@ def test_prediction_matches_the_sim_engine_it_forecasts():
     engine.close()
     # the profile's groups are those very prompts' lengths as the engine draws them
     pred = predict(_fixed(prof), 1, 1, "batch", 0, steps=1, warmup=0)
-    assert pred.generate_makespan_s == pytest.approx(real, rel=0.15), (pred.generate_makespan_s, real)
+    assert pred.generate_makespan_s == pytest.approx(real, rel=0.2), (pred.generate_makespan_s, real)
 
 
 def _fixed(p: StageProfile) -> StageProfile:

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from streamrl.flow import admission
-from streamrl.planning.profile import Group, StageProfile
+from streamrl.planning.profile import StageProfile
 from streamrl.sim.batching import ContinuousBatch, Request
 
 
@@ -255,7 +255,3 @@ def predict(p: StageProfile, generate: int, train: int, mode: str = "async", max
         generate_makespan_s=sum(max(g.done_at for g in ready[s]) - submitted_at[s]
                                 for s in range(warmup, warmup + steps)) / steps)
 
-
-def groups_of(lengths_by_group: list[tuple[int, list[int]]]) -> list[Group]:
-    """Profile groups from ``[(prompt tokens, [output lengths])]``."""
-    return [Group(prompt_tokens=t, lengths=list(ls)) for t, ls in lengths_by_group]
