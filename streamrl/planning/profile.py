@@ -109,10 +109,10 @@ def from_cost_model(resolved, observe_steps: int = 4) -> StageProfile | None:
             lengths = [sample_length(prompt, random.Random(f"{e.seed}-{prompt.uid}-{k}"))
                        for k in range(t.samples_per_prompt)]
             groups.append(Group(prompt_tokens=prompt.answer["prompt_tokens"], lengths=lengths))
-    bw = g.bw_eff * g.mem_bw
+    c0, per_ctx = latency.decode_coefficients(g)
     return StageProfile(
         source=f"sim cost model ({observe_steps} steps of lengths)", simulated=True,
-        decode_c0_s=g.step_overhead_s + g.weight_bytes / bw, decode_per_context_token_s=g.kv_bytes_per_token / bw,
+        decode_c0_s=c0, decode_per_context_token_s=per_ctx,
         prefill_per_token_s=latency.prefill_time(g, 1), kv_capacity_tokens=latency.kv_capacity_tokens(g),
         max_running=e.max_running, train_per_token_s=latency.train_time(tr, 1, 1),
         optimizer_step_s=tr.params * 16 / (tr.mem_bw * tr.bw_eff), weight_sync_s=latency.weight_sync_time(g),

@@ -67,10 +67,8 @@ class SimEngine(Engine):
         self.profile = config.profile
         self.capacity = latency.kv_capacity_tokens(self.profile)
         self.version = 0
-        bw = self.profile.bw_eff * self.profile.mem_bw
-        self.batch = ContinuousBatch(
-            self.profile.step_overhead_s + self.profile.weight_bytes / bw, self.profile.kv_bytes_per_token / bw,
-            latency.prefill_time(self.profile, 1), self.capacity, config.max_running)
+        self.batch = ContinuousBatch(*latency.decode_coefficients(self.profile),
+                                     latency.prefill_time(self.profile, 1), self.capacity, config.max_running)
         self.cv = threading.Condition()
         self.paused = threading.Lock()  # held while weights load: decoding stops, as on a real engine
         self.closed = threading.Event()

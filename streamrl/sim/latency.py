@@ -57,6 +57,12 @@ def step_latency(p: Profile, sum_context: float) -> float:
     return p.step_overhead_s + (p.weight_bytes + p.kv_bytes_per_token * sum_context) / (p.bw_eff * p.mem_bw)
 
 
+def decode_coefficients(p: Profile) -> tuple[float, float]:
+    """``(c0, per_context_token)``: :func:`step_latency` as ``c0 + per_context_token * context``."""
+    bw = p.bw_eff * p.mem_bw
+    return p.step_overhead_s + p.weight_bytes / bw, p.kv_bytes_per_token / bw
+
+
 def decode_time(p: Profile, sum_context: float, running: int, steps: int) -> float:
     """Seconds for ``steps`` decode steps of ``running`` sequences starting at ``sum_context``:
     each step adds one token to every sequence, so the context grows by ``running`` a step."""
