@@ -9,6 +9,7 @@
     streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
     streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
     streamrl bench transfer recipes/addition.toml    # seconds and GB/s per weight publication
+    streamrl bench elastic recipes/longtail-cpu.toml # fixed vs elastic generate pool
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
     streamrl plan recipes/paper-7b-20k.toml --devices 12 --check   # split devices between the pools
 
@@ -108,6 +109,15 @@ def parser() -> argparse.ArgumentParser:
     trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
     trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
     trainer.add_argument("--out", default=None, help="write the JSON result here")
+    elastic = bench.add_parser("elastic", help="a fixed generate pool (min, max workers) vs an elastic one")
+    _recipe_args(elastic)
+    elastic.add_argument("--min", dest="lo", type=int, default=1, help="workers of the small fixed pool, where the "
+                                                                      "elastic one starts")
+    elastic.add_argument("--max", dest="hi", type=int, default=3, help="workers of the large fixed pool, the "
+                                                                      "elastic one's ceiling")
+    elastic.add_argument("--steps", type=int, default=10, help="measured steps per variant")
+    elastic.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    elastic.add_argument("--out", default=None, help="write the JSON result here")
     plan = sub.add_parser("plan", help="pick the split of devices between generation and training, the mode "
                                        "and the staleness bound, from a profile of the recipe")
     _recipe_args(plan)
@@ -212,6 +222,11 @@ def cmd_bench(args) -> int:
         return 0
     if args.cmd == "engine":
         engine.bench(args.file, args.overrides, args.variants, args.steps, args.warmup, args.out)
+        return 0
+    if args.cmd == "elastic":
+        from streamrl.bench import elastic
+
+        elastic.bench(args.file, args.overrides, args.lo, args.hi, args.steps, args.warmup, args.out)
         return 0
     if args.cmd == "skew":
         skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out)

@@ -53,26 +53,34 @@ def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
         if cfg is None:  # an optional pool left out
             continue
         for i in range(cfg.workers):
-            env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
-            gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            name = f"{pool}-{i}"
-            threads, resources = cfg.threads, {pool: cfg.threads}
-            if gpus or cfg.device == "cuda":  # tasks that need a GPU can ask Dask for one
-                resources["GPU"] = len(gpus) or cfg.gpus_per_worker
-            if recipe.run.mode == "colocated" and pool == "train":
-                # time-sharing: a train worker is also a generate worker (generation and
-                # training alternate, so the slots never compete)
-                gen = recipe.pools.generate.threads
-                threads, resources = cfg.threads + gen, {"train": cfg.threads, "generate": gen}
-            resources[PIN + name] = PIN_SLOTS  # lets a task follow this worker through a restart (pin())
-            spec[name] = {"cls": Nanny, "options": {
-                "name": name, "nthreads": threads, "resources": resources,
-                "host": recipe.cluster.host, "memory_limit": cfg.memory_limit, "env": env,
-                "silence_logs": log_level,
-            }}
+            spec[f"{pool}-{i}"] = pool_worker_spec(recipe, pool, i, log_level)
     return spec
+
+
+def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
+                     slots: int | None = None) -> dict:
+    """The spec of worker ``<pool>-<i>``: a Nanny offering ``slots`` units of the pool's resource
+    (default: its threads; 0 for a worker that must not take the pool's tasks yet)."""
+    cfg = getattr(recipe.pools, pool)
+    env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
+    gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    name = f"{pool}-{i}"
+    threads, resources = cfg.threads, {pool: cfg.threads if slots is None else slots}
+    if gpus or cfg.device == "cuda":  # tasks that need a GPU can ask Dask for one
+        resources["GPU"] = len(gpus) or cfg.gpus_per_worker
+    if recipe.run.mode == "colocated" and pool == "train":
+        # time-sharing: a train worker is also a generate worker (generation and
+        # training alternate, so the slots never compete)
+        gen = recipe.pools.generate.threads
+        threads, resources = cfg.threads + gen, {"train": cfg.threads, "generate": gen}
+    resources[PIN + name] = PIN_SLOTS  # lets a task follow this worker through a restart (pin())
+    return {"cls": Nanny, "options": {
+        "name": name, "nthreads": threads, "resources": resources,
+        "host": recipe.cluster.host, "memory_limit": cfg.memory_limit, "env": env,
+        "silence_logs": log_level,
+    }}
 
 
 class QuickExit(WorkerPlugin):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from streamrl.errors import UserError
 
@@ -109,12 +109,51 @@ class PoolConfig(Strict):
     plan`` and the benchmarks report samples per cost unit with it."""
 
 
+class ElasticConfig(Strict):
+    """``[pools.generate] elastic = { min = 1, max = 3 }``: the controller grows and shrinks the
+    generate pool between steps (``flow/elastic.py``), starting from ``workers``."""
+
+    min: int = Field(1, ge=1)
+    """Fewest generate workers the pool shrinks to."""
+    max: int = Field(ge=1, le=512)
+    """Most generate workers the pool grows to."""
+    grow_when_train_idle: float = Field(0.15, ge=0, le=1)
+    """Add a worker when, in the last step, the train pool was idle more than this share of the
+    step (the trainer waited) while the generate pool was idle less than
+    ``grow_when_generate_idle_below`` (generation was the bottleneck, not the controller)."""
+    grow_when_generate_idle_below: float = Field(0.1, ge=0, le=1)
+    """See ``grow_when_train_idle``. In ``batch`` mode the generate pool idles while the trainer
+    trains, so it grows only with this raised above the training share of a step."""
+    shrink_when_busy_below: float = Field(0.75, gt=0, le=1)
+    """Retire a worker when the trainer did not wait and the remaining workers would have done the
+    last step's generation at most this busy (their idle share stays above 1 - this)."""
+    cooldown_steps: int = Field(1, ge=0)
+    """Steps to watch after a worker joined or left before deciding again: the step in which the
+    pool changed mixes two sizes."""
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
 class GeneratePoolConfig(PoolConfig):
     groups_per_task: int = Field(1, ge=1)
     """Prompt groups per generate task (and per reward task after it). 1: every group streams
     to the trainer on its own. More: fewer, larger Dask tasks -- worth it when groups are tiny
     (W1: 64 groups of 8 four-token answers per step) and each task's fixed cost shows; the
     trainer then sees groups in bundles of this size."""
+    elastic: ElasticConfig | None = None
+    """Grow and shrink this pool during the run between ``min`` and ``max`` workers, starting from
+    ``workers`` (embedded cluster only). None: ``workers`` for the whole run."""
+
+    @model_validator(mode="after")
+    def _start_inside(self):
+        if self.elastic and not self.elastic.min <= self.workers <= self.elastic.max:
+            raise ValueError(f"workers ({self.workers}) must lie in elastic's [min, max] = "
+                             f"[{self.elastic.min}, {self.elastic.max}]")
+        return self
 
 
 class PoolsConfig(Strict):
@@ -301,6 +340,14 @@ def load_recipe(file: str | Path, overrides: list[str] = ()) -> LoadedRecipe:
 
 def check_pools(recipe: Recipe) -> None:
     """An embedded cluster needs a ``[pools.<name>]`` table for every pool the run uses."""
+    gen = recipe.pools.generate
+    if gen is not None and gen.elastic is not None:
+        if recipe.cluster.address:  # streamrl cannot start worker processes on the user's machines
+            raise UserError("pools.generate.elastic: needs the embedded cluster; cluster.address is set "
+                            "(remove one of them)")
+        if recipe.run.mode == "colocated":
+            raise UserError("pools.generate.elastic: run.mode 'colocated' generates on the train workers; "
+                            "use batch, stream or async")
     if recipe.cluster.address:
         return  # an existing cluster is checked against its workers instead (cluster.py)
     for pool, what in REQUIRED_POOLS.items():

@@ -16,15 +16,16 @@ the weights are published after the last, so the policy version counts steps (ba
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
-from distributed import Client, Future, as_completed
+from distributed import Client, Future, SpecCluster, as_completed
 
 from streamrl import cluster
 from streamrl.api import Trainer
 from streamrl.errors import UserError
-from streamrl.flow import checkpoints, modes, placement, remote
+from streamrl.flow import checkpoints, elastic, modes, placement, remote
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.weights import publish, wait_loaded
 from streamrl.scheduling.dispatch import Dispatcher
@@ -49,7 +50,9 @@ def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[st
 class Controller:
     """Owns the run loop; see the module docstring."""
 
-    def __init__(self, resolved: Resolved, client: Client, pools: dict[str, dict[str, str]]):
+    def __init__(self, resolved: Resolved, client: Client, pools: dict[str, dict[str, str]],
+                 spec_cluster: SpecCluster | None = None):
+        """``spec_cluster``: the embedded cluster, which an elastic generate pool grows and shrinks."""
         r = self.recipe = resolved.recipe
         self.resolved = resolved
         self.client = client
@@ -80,6 +83,13 @@ class Controller:
         self.dispatcher: Dispatcher | None = None
         self.clock = None
         self.submit_s, self.submitted_groups = 0.0, 0  # submitting generation, since the last record
+        self.elastic: elastic.ElasticPool | None = None
+        cfg = r.pools.generate.elastic if r.pools.generate else None
+        if cfg is not None:
+            if spec_cluster is None:
+                raise UserError("pools.generate.elastic: needs the embedded cluster (cluster.address is set)")
+            level = logging.getLogger("distributed.worker").getEffectiveLevel()
+            self.elastic = elastic.ElasticPool(self, spec_cluster, cfg, level)
 
     def place_residents(self) -> None:
         """Build the engines, trainer, reward, transfer and ranker on their workers; start the
@@ -153,6 +163,8 @@ class Controller:
                                          key=f"generate-{key}", retries=1, **where)
                 scored.append(self.client.submit(remote.score_groups, gen, key=f"reward-{key}",
                                                  resources={"reward": 1}, retries=1))
+                if name is not None and self.elastic:  # a retired worker first runs out its groups
+                    self.elastic.track(name, gen)
         self.submit_s += time.time() - t0
         self.submitted_groups += len(prompts)
         return scored
@@ -252,8 +264,15 @@ class Controller:
             step_stats = {**step_stats, "epochs": self.epochs,
                           "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in last) / n,
                           "last_epoch_loss": sum(m["loss_sum"] for m in last) / n}
-        self.mode.published(self.version, publish(self.client, step_fut, self.version, self.train_pin,
-                                                  self.generate_pins, trainer_id=self.trainer_ids))
+        generate_workers = len(self.generate_workers)  # those that generated this step's groups
+        if self.elastic:  # a worker that has joined takes part in this publication
+            self.elastic.before_publish(self.version)
+        loads = publish(self.client, step_fut, self.version, self.train_pin, self.generate_pins,
+                        trainer_id=self.trainer_ids)
+        if self.elastic:
+            for name, load in zip(self.generate_pins, loads):
+                self.elastic.track(name, load)
+        self.mode.published(self.version, loads)
         # The step is done: later tasks need not depend on it. Holding it would make Dask, if the
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
         self.last_step = None
@@ -267,6 +286,10 @@ class Controller:
         record.submit_s, record.submitted_groups = round(self.submit_s, 4), self.submitted_groups
         self.submit_s, self.submitted_groups = 0.0, 0
         record.extra = self.dispatcher.learn(step, record.sample_log)
+        record.generate_workers = generate_workers
+        if self.elastic:
+            self.elastic.after_record(record)
+            record.extra["elastic"] = self.elastic.take_events()
         return record.as_dict()
 
     # -- checkpoints ----------------------------------------------------------------------

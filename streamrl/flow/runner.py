@@ -59,6 +59,8 @@ def step_line(m: dict, steps: int) -> str:
             f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  idle "
             + " ".join(f"{p[:3]} {a['idle_ratio']:.0%}" for p, a in m["pools"].items())
             + f"  v{m['policy_version']}"
+            # an elastic pool: how many generated, and what changed after the step
+            + (f"  gen x{m['generate_workers']} {m['elastic']}".rstrip() if "elastic" in m else "")
             # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
             + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}[/]" if m.get("reward_errors") else ""))
 
@@ -115,7 +117,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print(f"dashboard: {client.dashboard_link}")
         pools = cluster.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
-        controller = Controller(resolved, client, pools)
+        controller = Controller(resolved, client, pools, dask_cluster)
         controller.place_residents()
         first = 0
         if checkpoint is not None:

@@ -54,6 +54,9 @@ class LongTailSimConfig(BaseModel):
     text_noise: float = Field(0.25, ge=0)
     """Noise (in units of the prompt spread) on the difficulty word in a prompt's text; the text
     is how a learned ranker sees a prompt."""
+    length_phases: list[tuple[int, float]] = []
+    """``[[step, scale], ...]``: from ``step`` on, every output length is ``scale`` times longer
+    (before the cap), as when a policy learns to reason longer mid-run. Empty: one phase."""
 
     @model_validator(mode="after")
     def _ordered(self):
@@ -61,6 +64,8 @@ class LongTailSimConfig(BaseModel):
             raise ValueError(f"p90 ({self.p90}) must be >= median ({self.median})")
         if self.prompt_tokens_max < self.prompt_tokens_min:
             raise ValueError("prompt_tokens_max must be >= prompt_tokens_min")
+        if any(scale <= 0 for _, scale in self.length_phases):
+            raise ValueError("length_phases: every scale must be > 0")
         if self.trace and not Path(self.trace).is_file():
             raise ValueError(f"trace file {self.trace} not found")
         return self
@@ -85,6 +90,14 @@ class LongTailSimTask(Task):
             text = f"q{i} {rng.choice(['algebra', 'geometry', 'counting', 'proof', 'code'])} {level}"
             self.dataset.append((i, mu, tokens, text))
 
+    def scale(self, step: int) -> float:
+        """The length scale of ``step`` (``length_phases``)."""
+        out = 1.0
+        for start, scale in sorted(self.config.length_phases):
+            if step >= start:
+                out = scale
+        return out
+
     def prompts(self, step: int, n: int) -> list[Prompt]:
         """The ``n`` prompts of ``step``: the next slice of a seeded shuffle of the dataset."""
         c, size = self.config, len(self.dataset)
@@ -95,7 +108,8 @@ class LongTailSimTask(Task):
             random.Random(c.seed * 7919 + epoch).shuffle(order)
             i, mu, tokens, text = self.dataset[order[pos]]
             out.append(Prompt(uid=f"{step}-{j - step * n:03d}", text=text, answer={
-                "prompt_id": i, "prompt_tokens": tokens, "log_median": mu, "sigma": self.sigma_sample,
+                "prompt_id": i, "prompt_tokens": tokens, "log_median": mu + math.log(self.scale(step)),
+                "sigma": self.sigma_sample,
                 "min_len": c.min_len, "cap": c.cap}))
         return out
 

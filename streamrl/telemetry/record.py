@@ -61,6 +61,8 @@ class StepRecord:
     """Seconds the controller spent submitting generate and reward tasks during this step."""
     submitted_groups: int = 0
     """Prompt groups it submitted during this step (async: those of later steps)."""
+    generate_workers: int = 0
+    """Generate workers that took this step's groups (an elastic pool changes it between steps)."""
     extra: dict = field(default_factory=dict)
     """Dispatch fields (``generate_makespan_s``, ``ranker_recall``, ...)."""
     sample_log: list[dict] = field(default_factory=list)

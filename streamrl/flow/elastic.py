@@ -1,0 +1,219 @@
+"""The elastic generate pool (``[pools.generate] elastic = { min = .., max = .. }``).
+
+StreamRL sizes the generate side to keep both stages busy; a fixed split is only right for the
+lengths it was planned on. Here the controller watches each step's idle shares and, between
+steps, adds a generate worker when the trainer waited for samples, or retires one when the rest
+could have generated the step comfortably. A change is a small state machine, one worker at a
+time, so the run never blocks on a process start:
+
+* **starting** -- a new ``Nanny`` is added to the embedded ``SpecCluster``. It offers the
+  ``generate`` resource with 0 slots, so no generate task can land on it yet.
+* **joining** -- once it is up: the trainer's current weights are exported for it alone (the
+  export is awaited, so the next optimizer step cannot change them first) and loaded into its
+  engine by a task pinned to it.
+* **active** -- when its load is done and holds the newest published version, it gets its slots
+  and joins the next publication, before the controller publishes: from then on it is a generate
+  worker like the others.
+* **draining** -- a worker to retire leaves the dispatcher's list and future publications at
+  once. Without a scheduler it also offers 0 slots: Dask sends it no more generate tasks and it
+  starts none of those queued on it. It stays up until the tasks pinned to it (its
+  scheduler-placed groups, its pending weight loads) are done and it runs nothing; then Dask
+  retires it gracefully: results only it holds are copied to another worker, and groups still
+  queued on it go to the others. Every group is generated, and trained, exactly once.
+
+A run's records carry ``generate_workers`` (how many generated in that step) and
+``elastic`` (what changed at its end).
+"""
+
+from __future__ import annotations
+
+import time
+
+from distributed import Future, wait
+
+from streamrl import cluster
+from streamrl.flow import remote
+from streamrl.flow.resident import ENGINE, TRANSFER
+from streamrl.flow.weights import LOAD_PRIORITY
+from streamrl.recipe import ElasticConfig
+
+
+def decide(gen_idle: float, train_idle: float, n: int, cfg: ElasticConfig) -> int:
+    """+1 (add a generate worker), -1 (retire one) or 0, from one step's idle shares of the
+    generate and train pools and the pool's size ``n``.
+
+    Grow when the trainer waited (idle above ``grow_when_train_idle``) because generation could
+    not keep up (its pool idle below ``grow_when_generate_idle_below``); when both idled, the
+    time went elsewhere (the controller, a weight load) and more workers would not help. Shrink
+    when the trainer did not wait and ``n - 1`` workers would have done the same generation at
+    most ``shrink_when_busy_below`` busy: busy work ``(1 - gen_idle) * n`` over ``n - 1``.
+    """
+    waited = train_idle > cfg.grow_when_train_idle
+    if waited and gen_idle < cfg.grow_when_generate_idle_below and n < cfg.max:
+        return 1
+    if not waited and n > cfg.min and (1.0 - gen_idle) * n / (n - 1) <= cfg.shrink_when_busy_below:
+        return -1
+    return 0
+
+
+async def _offer(slots: int, dask_worker=None) -> int:
+    """Runs on a worker (``client.run``): offer ``slots`` of the ``generate`` resource. With 0,
+    the scheduler sends it no more generate tasks and the worker starts none of those it holds."""
+    await dask_worker.set_resources(generate=slots)
+    return slots
+
+
+def _executing(dask_worker=None) -> int:
+    """Runs on a worker (``client.run``): how many tasks it is executing now."""
+    return len(dask_worker.state.executing)
+
+
+class ElasticPool:
+    """Grows and retires generate workers of one run; see the module docstring."""
+
+    def __init__(self, ctl, spec_cluster, cfg: ElasticConfig, log_level: int):
+        self.ctl, self.cluster, self.cfg, self.log_level = ctl, spec_cluster, cfg, log_level
+        self.next_index = 1 + max(int(n.rsplit("-", 1)[1]) for n in ctl.generate_workers)
+        self.starting: str | None = None  # its process is coming up
+        self.started_at = 0.0
+        self.activated: dict[str, str] = {}  # active since this boundary: {name: address}
+        self.joining: tuple[str, int, Future] | None = None  # (name, version, its weight load)
+        self.pinned: dict[str, list[Future]] = {}  # tasks pinned to an active worker, not yet done
+        self.draining: dict[str, list[Future]] = {}  # retired from work; up until these are done
+        self.quiet = 0  # steps left before the next decision
+        self.events: list[str] = []  # what changed since the last record
+
+    # -- what the controller calls --------------------------------------------------------
+    def track(self, name: str, fut: Future) -> None:
+        """A task pinned to generate worker ``name`` (a placed group, a weight load)."""
+        self.pinned.setdefault(name, []).append(fut)
+
+    def before_publish(self, version: int) -> None:
+        """The trainer now holds ``version``, not yet published: a joined worker that holds the
+        newest published one becomes active, so this publication reaches it."""
+        if self.joining is None or not self.joining[2].done():
+            return
+        name, joined, fut = self.joining
+        self.joining = None
+        if fut.status != "finished":  # a worker that cannot load is reported and dropped
+            self._failed(name, fut)
+            return
+        if joined != version - 1:
+            # versions were published while it joined (a model load can take several steps):
+            # bring it to the trainer's weights now; its engine is built, so this is one
+            # export and one load, like a publication
+            self._join(name, version)
+            wait([self.joining[2]])
+            fut, self.joining = self.joining[2], None
+            if fut.status != "finished":
+                self._failed(name, fut)
+                return
+        slots = self.ctl.recipe.pools.generate.threads
+        addr = self._address(name)
+        self.ctl.client.run(_offer, slots, workers=[addr])
+        self.ctl.generate_workers[name] = name
+        self.ctl.generate_pins[name] = self.ctl.pin[name]
+        self.activated[name] = addr  # counted in the pool's accounting from the next step on
+        self.events.append(f"+{name}")
+        self.quiet = self.cfg.cooldown_steps
+
+    def after_record(self, record) -> None:
+        """At a step boundary, after its record: move the state machine on and decide."""
+        self.ctl.pools["generate"].update(self.activated)
+        self.activated = {}
+        for name, futs in list(self.draining.items()):
+            futs[:] = [f for f in futs if not f.done()]
+            addr = self._address(name)
+            if not futs and (addr is None or not self.ctl.client.run(_executing, workers=[addr]).get(addr)):
+                del self.draining[name]
+                self._retire(name)
+        for futs in self.pinned.values():
+            futs[:] = [f for f in futs if not f.done()]
+        if self.starting is not None and self._address(self.starting):
+            name, self.starting = self.starting, None
+            self.ctl.pin.update(cluster.pins(self.ctl.client))
+            self._join(name, self.ctl.version)
+        elif self.starting is not None and time.time() - self.started_at > self.ctl.recipe.cluster.startup_timeout:
+            self.events.append(f"!{self.starting} did not start within cluster.startup_timeout")
+            self.cluster.worker_spec.pop(self.starting, None)
+            self.cluster.scale(len(self.cluster.worker_spec))
+            self.starting = None
+        busy = self.starting or self.joining or self.draining
+        if self.quiet > 0 or busy:
+            self.quiet = max(0, self.quiet - (0 if busy else 1))
+            return
+        pools = record.pools
+        if "generate" not in pools or "train" not in pools:
+            return
+        change = decide(pools["generate"]["idle_ratio"], pools["train"]["idle_ratio"],
+                        len(self.ctl.generate_workers), self.cfg)
+        if change > 0:
+            self._start()
+        elif change < 0:
+            self._drain()
+
+    def take_events(self) -> str:
+        """What changed since the last call, as ``"+generate-1 -generate-2"`` (empty: nothing)."""
+        out, self.events = " ".join(self.events), []
+        return out
+
+    # -- the steps of a change ------------------------------------------------------------
+    def _start(self) -> None:
+        name = f"generate-{self.next_index}"
+        self.next_index += 1
+        spec = cluster.pool_worker_spec(self.ctl.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
+        self.cluster.worker_spec[name] = spec
+        self.cluster.scale(len(self.cluster.worker_spec))  # SpecCluster starts what its spec lacks
+        self.starting, self.started_at = name, time.time()
+        self.events.append(f"~{name}")
+
+    def _join(self, name: str, version: int) -> None:
+        ctl = self.ctl
+        pin = ctl.pin[name]
+        tag = f"join-{name}-{time.time_ns()}"
+        if version == 0:  # the base weights: build the engine and the transfer end, nothing to load
+            engine = ctl.client.submit(remote.warm_up, ENGINE, key=f"load-engine-{tag}", pure=False, **pin)
+            fut = ctl.client.submit(remote.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
+                                    pure=False, **pin)
+        else:
+            payload = ctl.client.submit(remote.export_weights, version, trainer_id=ctl.trainer_ids, receivers=1,
+                                        key=f"export-weights-{version}-{tag}", priority=LOAD_PRIORITY,
+                                        **ctl.train_pin)
+            wait([payload])  # exported before the next optimizer step can change the weights
+            fut = ctl.client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
+                                    priority=LOAD_PRIORITY, **pin)
+        self.joining = (name, version, fut)
+
+    def _failed(self, name: str, fut: Future) -> None:
+        """A worker that could not join is reported in the record and retired; the run goes on."""
+        self.events.append(f"!{name} failed to join: {type(fut.exception()).__name__}: {fut.exception()}")
+        self._retire(name)
+
+    def _drain(self) -> None:
+        name = max(self.ctl.generate_workers, key=lambda n: int(n.rsplit("-", 1)[1]))  # the newest
+        del self.ctl.generate_workers[name]
+        del self.ctl.generate_pins[name]
+        self.draining[name] = self.pinned.pop(name, [])
+        if self.ctl.dispatcher.scheduler is None:
+            # generate tasks go to any worker with a free slot: stop new ones coming here, and let
+            # those queued here go back to the others when it retires. (Tasks a scheduler pinned
+            # here keep their slots and run out first.)
+            addr = self._address(name)
+            if addr:
+                self.ctl.client.run(_offer, 0, workers=[addr])
+        self.events.append(f"-{name}")
+        self.quiet = self.cfg.cooldown_steps
+
+    def _retire(self, name: str) -> None:
+        # gracefully: results only it holds are copied to another worker first; then the
+        # SpecCluster, whose spec no longer lists it, closes its Nanny
+        self.ctl.client.retire_workers(names=[name], close_workers=True)
+        self.cluster.worker_spec.pop(name, None)
+        self.cluster.scale(len(self.cluster.worker_spec))  # retires it gracefully, then closes it
+        self.ctl.pools["generate"].pop(name, None)
+
+    def _address(self, name: str) -> str | None:
+        for addr, info in cluster.workers(self.ctl.client).items():
+            if str(info.get("name")) == name:
+                return addr
+        return None
