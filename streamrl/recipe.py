@@ -127,6 +127,12 @@ class ElasticConfig(Strict):
     shrink_when_busy_below: float = Field(0.75, gt=0, le=1)
     """Retire a worker when the trainer did not wait and the remaining workers would have done the
     last step's generation at most this busy (their idle share stays above 1 - this)."""
+    min_gain: float = Field(0.05, ge=-1)
+    """A worker added must raise tokens/s by this share (its first 3 steps against the 3 before it
+    was asked for), or it is retired again and the pool does not grow for ``hold_steps``: when
+    the machine's cores (or the network) are already saturated, another worker only competes."""
+    hold_steps: int = Field(10, ge=0)
+    """Steps without growing after a worker that did not pay (``min_gain``)."""
     cooldown_steps: int = Field(1, ge=0)
     """Steps to watch after a worker joined or left before deciding again: the step in which the
     pool changed mixes two sizes."""

@@ -63,7 +63,7 @@ def bench(file: str, overrides: list[str], lo: int, hi: int, steps: int = 10, wa
                 "elastic": [f"pools.generate.workers={lo}", f"pools.generate.elastic={{min={lo},max={hi}}}"]}
     rows = run_variants(file, overrides, variants, steps, warmup, console, "elastic", time_scale)
     t = resolved.recipe.trainer
-    for name, row in rows.items():
+    for row in rows.values():
         records = [json.loads(line) for line in (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         measured = records[warmup:warmup + steps]
         row.update(pool_figures(measured))

@@ -318,5 +318,7 @@ class Controller:
     def save_policy(self, out: Path) -> str:
         """Write the trained policy (after the ranker's last lesson); returns the folder."""
         self.dispatcher.finish()
+        if self.elastic:
+            self.elastic.finish()
         return self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_ids,
                                   key="save-policy", **self.train_pin).result()

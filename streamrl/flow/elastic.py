@@ -21,12 +21,18 @@ time, so the run never blocks on a process start:
   retires it gracefully: results only it holds are copied to another worker, and groups still
   queued on it go to the others. Every group is generated, and trained, exactly once.
 
+A worker added must pay for itself: if the 3 steps after it joined do not raise tokens/s by
+``min_gain`` over the 3 before it was asked for, it is retired and the pool holds its size for
+``hold_steps``. On a machine whose cores are all busy (2 cores: one engine and the trainer), a
+third process only competes for them, and the idle shares alone cannot tell.
+
 A run's records carry ``generate_workers`` (how many generated in that step) and
 ``elastic`` (what changed at its end).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 from distributed import Future, wait
@@ -36,6 +42,12 @@ from streamrl.flow import remote
 from streamrl.flow.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.recipe import ElasticConfig
+
+#: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
+PROBE_STEPS = 3
+
+#: Seconds between checks whether a draining worker still runs a task.
+RETIRE_POLL_S = 0.05
 
 
 def decide(gen_idle: float, train_idle: float, n: int, cfg: ElasticConfig) -> int:
@@ -68,6 +80,15 @@ def _executing(dask_worker=None) -> int:
     return len(dask_worker.state.executing)
 
 
+def _running(client, addr: str) -> bool:
+    """Does the worker at ``addr`` execute a task now? (False once it is gone.)"""
+    try:
+        n = client.run(_executing, workers=[addr], on_error="return").get(addr)
+    except Exception:  # no such worker any more
+        return False
+    return isinstance(n, int) and n > 0
+
+
 class ElasticPool:
     """Grows and retires generate workers of one run; see the module docstring."""
 
@@ -79,8 +100,12 @@ class ElasticPool:
         self.activated: dict[str, str] = {}  # active since this boundary: {name: address}
         self.joining: tuple[str, int, Future] | None = None  # (name, version, its weight load)
         self.pinned: dict[str, list[Future]] = {}  # tasks pinned to an active worker, not yet done
-        self.draining: dict[str, list[Future]] = {}  # retired from work; up until these are done
+        self.draining: dict[str, threading.Thread] = {}  # each retires its worker once it ran out
         self.quiet = 0  # steps left before the next decision
+        self.rates: list[float] = []  # tokens/s of every step so far
+        self.baseline = 0.0  # tokens/s before the worker now starting was asked for
+        self.probe: tuple[str, float, int] | None = None  # (worker added, baseline, first step with it)
+        self.hold = 0  # steps left without growing (the last worker added did not pay)
         self.events: list[str] = []  # what changed since the last record
 
     # -- what the controller calls --------------------------------------------------------
@@ -114,6 +139,7 @@ class ElasticPool:
         self.ctl.generate_workers[name] = name
         self.ctl.generate_pins[name] = self.ctl.pin[name]
         self.activated[name] = addr  # counted in the pool's accounting from the next step on
+        self.probe = (name, self.baseline, len(self.rates) + 1)  # the step now ending had the old size
         self.events.append(f"+{name}")
         self.quiet = self.cfg.cooldown_steps
 
@@ -121,12 +147,10 @@ class ElasticPool:
         """At a step boundary, after its record: move the state machine on and decide."""
         self.ctl.pools["generate"].update(self.activated)
         self.activated = {}
-        for name, futs in list(self.draining.items()):
-            futs[:] = [f for f in futs if not f.done()]
-            addr = self._address(name)
-            if not futs and (addr is None or not self.ctl.client.run(_executing, workers=[addr]).get(addr)):
+        for name, thread in list(self.draining.items()):
+            if not thread.is_alive():
                 del self.draining[name]
-                self._retire(name)
+                self._forget(name)
         for futs in self.pinned.values():
             futs[:] = [f for f in futs if not f.done()]
         if self.starting is not None and self._address(self.starting):
@@ -138,19 +162,49 @@ class ElasticPool:
             self.cluster.worker_spec.pop(self.starting, None)
             self.cluster.scale(len(self.cluster.worker_spec))
             self.starting = None
+        self.rates.append(record.tokens_per_s)
+        self.hold = max(0, self.hold - 1)
         busy = self.starting or self.joining or self.draining
         if self.quiet > 0 or busy:
             self.quiet = max(0, self.quiet - (0 if busy else 1))
             return
+        if self.probe is not None:  # did the last worker added pay for itself?
+            name, baseline, since = self.probe
+            after = self.rates[since:]
+            if len(after) < PROBE_STEPS:
+                return
+            self.probe = None
+            gain = sum(after) / len(after) / max(baseline, 1e-9) - 1.0
+            if gain < self.cfg.min_gain:
+                self.hold = self.cfg.hold_steps
+                self._drain(f"(tokens/s {gain:+.0%})")
+                return
         pools = record.pools
         if "generate" not in pools or "train" not in pools:
             return
         change = decide(pools["generate"]["idle_ratio"], pools["train"]["idle_ratio"],
                         len(self.ctl.generate_workers), self.cfg)
-        if change > 0:
+        # a worker asked for now would join with too few steps left to pay for its start
+        left = self.ctl.recipe.run.steps - (record.step + 1)
+        if change > 0 and self.hold == 0 and left > PROBE_STEPS + 1:
             self._start()
         elif change < 0:
             self._drain()
+
+    def finish(self, timeout: float = 60.0) -> None:
+        """At the end of the run: let a worker still joining or draining get there, so the
+        cluster does not stop a process in the middle of loading a model."""
+        if self.joining is not None:
+            try:
+                wait([self.joining[2]], timeout=timeout)
+            except TimeoutError:  # stopped with the cluster, as it would have been anyway
+                pass
+        if self.starting is not None:
+            deadline = time.time() + timeout
+            while self._address(self.starting) is None and time.time() < deadline:
+                time.sleep(RETIRE_POLL_S)
+        for thread in self.draining.values():
+            thread.join(timeout)
 
     def take_events(self) -> str:
         """What changed since the last call, as ``"+generate-1 -generate-2"`` (empty: nothing)."""
@@ -165,6 +219,7 @@ class ElasticPool:
         self.cluster.worker_spec[name] = spec
         self.cluster.scale(len(self.cluster.worker_spec))  # SpecCluster starts what its spec lacks
         self.starting, self.started_at = name, time.time()
+        self.baseline = sum(self.rates[-PROBE_STEPS:]) / len(self.rates[-PROBE_STEPS:])
         self.events.append(f"~{name}")
 
     def _join(self, name: str, version: int) -> None:
@@ -189,27 +244,44 @@ class ElasticPool:
         self.events.append(f"!{name} failed to join: {type(fut.exception()).__name__}: {fut.exception()}")
         self._retire(name)
 
-    def _drain(self) -> None:
+    def _drain(self, why: str = "") -> None:
         name = max(self.ctl.generate_workers, key=lambda n: int(n.rsplit("-", 1)[1]))  # the newest
         del self.ctl.generate_workers[name]
         del self.ctl.generate_pins[name]
-        self.draining[name] = self.pinned.pop(name, [])
-        if self.ctl.dispatcher.scheduler is None:
-            # generate tasks go to any worker with a free slot: stop new ones coming here, and let
-            # those queued here go back to the others when it retires. (Tasks a scheduler pinned
-            # here keep their slots and run out first.)
-            addr = self._address(name)
-            if addr:
-                self.ctl.client.run(_offer, 0, workers=[addr])
-        self.events.append(f"-{name}")
+        addr = self._address(name)
+        if addr and self.ctl.dispatcher.scheduler is None:
+            # generate tasks go to any worker with a free slot: stop new ones coming here; those
+            # queued here go back to the others when it retires, as soon as it runs nothing.
+            # (Groups a scheduler pinned here keep their slots and run out first.)
+            self.ctl.client.run(_offer, 0, workers=[addr])
+        # in the background: a later step may need a group queued here, so waiting for the next
+        # step boundary could wait for ever
+        thread = threading.Thread(target=self._retire_when_done, args=(name, addr, self.pinned.pop(name, [])),
+                                  name=f"streamrl-retire-{name}", daemon=True)
+        thread.start()
+        self.draining[name] = thread
+        self.events.append(f"-{name}" + (f" {why}" if why else ""))
         self.quiet = self.cfg.cooldown_steps
 
+    def _retire_when_done(self, name: str, addr: str | None, pinned: list[Future]) -> None:
+        """Background thread: wait for the tasks pinned to it (weight loads, placed groups) and
+        for it to run nothing, then retire it gracefully (results only it holds are copied to
+        another worker first; groups queued on it go to the others)."""
+        client = self.ctl.client
+        wait(pinned)
+        while addr and _running(client, addr):
+            time.sleep(RETIRE_POLL_S)
+        client.retire_workers(names=[name], close_workers=True)
+
     def _retire(self, name: str) -> None:
-        # gracefully: results only it holds are copied to another worker first; then the
-        # SpecCluster, whose spec no longer lists it, closes its Nanny
         self.ctl.client.retire_workers(names=[name], close_workers=True)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """A retired worker leaves the cluster's spec (the SpecCluster closes its Nanny) and the
+        pool's accounting (from the next step on)."""
         self.cluster.worker_spec.pop(name, None)
-        self.cluster.scale(len(self.cluster.worker_spec))  # retires it gracefully, then closes it
+        self.cluster.scale(len(self.cluster.worker_spec))
         self.ctl.pools["generate"].pop(name, None)
 
     def _address(self, name: str) -> str | None:

@@ -1,0 +1,114 @@
+"""The elastic generate pool: the decision rule, the recipe's checks, and real runs (real worker
+processes started and retired mid-run) that lose and repeat nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamrl.bench.elastic import exactly_once
+from streamrl.errors import UserError
+from streamrl.flow.elastic import decide
+from streamrl.flow.resolve import resolve
+from streamrl.recipe import ElasticConfig, load_recipe
+from tests.conftest import ROOT
+from tests.test_cli import check_every_sample_trained_once, streamrl
+
+
+def test_decide_grows_when_generation_holds_the_trainer_up_and_shrinks_when_it_idles():
+    cfg = ElasticConfig(min=1, max=3)
+    assert decide(gen_idle=0.02, train_idle=0.40, n=1, cfg=cfg) == 1  # trainer waited on generation
+    assert decide(gen_idle=0.02, train_idle=0.40, n=3, cfg=cfg) == 0  # ... but the pool is at max
+    # both pools idle: the time went elsewhere (the controller); more workers would not help
+    assert decide(gen_idle=0.35, train_idle=0.40, n=2, cfg=cfg) == 0
+    # the trainer is the bottleneck and 2 workers would have been 0.9 x 2 / 1 ... too busy as 1
+    assert decide(gen_idle=0.10, train_idle=0.05, n=2, cfg=cfg) == 0
+    # ... but 3 workers 60% idle fit in 2 at 60% busy
+    assert decide(gen_idle=0.60, train_idle=0.05, n=3, cfg=cfg) == -1
+    assert decide(gen_idle=0.90, train_idle=0.05, n=1, cfg=cfg) == 0  # never below min
+    assert decide(gen_idle=0.60, train_idle=0.30, n=3, cfg=cfg) == 0  # the trainer waited: keep them
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["pools.generate.workers=4", "pools.generate.elastic={min=1,max=3}"],
+     "pools.generate: workers (4) must lie in elastic's [min, max] = [1, 3]"),
+    (["pools.generate.elastic={min=3,max=2}"], "pools.generate.elastic: min (3) must be <= max (2)"),
+    (["pools.generate.elastic={min=1}"], "pools.generate.elastic.max: required key missing"),
+    (["pools.generate.elastic={min=1,max=2}", 'cluster.address="tcp://127.0.0.1:8786"'],
+     "pools.generate.elastic: needs the embedded cluster"),
+    (["pools.generate.elastic={min=1,max=2}", "run.mode=colocated"],
+     "pools.generate.elastic: run.mode 'colocated' generates on the train workers"),
+])
+def test_elastic_mistakes_are_one_line(tiny_recipe, sets, message):
+    with pytest.raises(UserError) as err:
+        resolve(load_recipe(tiny_recipe, sets))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_exactly_once_catches_a_lost_or_repeated_sample():
+    def rec(step, uids):
+        return {"step": step, "sample_log": [{"uid": u} for u in uids]}
+
+    good = [rec(0, ["0-0-0", "0-0-1", "0-1-0", "0-1-1"]), rec(1, ["1-0-0", "1-0-1", "1-1-0", "1-1-1"])]
+    assert exactly_once(good, prompts=2, samples_per_prompt=2)
+    assert not exactly_once([good[0], rec(1, ["1-0-0", "1-0-1", "1-1-0"])], 2, 2)  # one lost
+    assert not exactly_once([good[0], rec(1, ["0-0-0", "0-0-1", "1-1-0", "1-1-1"])], 2, 2)  # one twice
+
+
+def records(tmp_path) -> list[dict]:
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stream", "async"])
+def test_a_worker_added_mid_run_generates_with_the_current_policy(tiny_recipe, tmp_path, mode):
+    """Thresholds that always grow: the pool goes 1 -> 2 on the real hf engine; the new worker's
+    samples carry the policy they should, and every sample is trained exactly once."""
+    # enough steps for a worker process to start and load the model on 2 busy cores (~8 s)
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=40", "--set", f"run.mode={mode}",
+                    "--set", "trainer.prompts_per_step=12",
+                    "--set", "pools.generate.elastic={min=1,max=2,grow_when_train_idle=0.0,"
+                             "grow_when_generate_idle_below=1.0,cooldown_steps=0,min_gain=-1.0}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "still alive" not in proc.stderr
+    recs = records(tmp_path)
+    assert recs[0]["generate_workers"] == 1 and recs[-1]["generate_workers"] == 2
+    assert recs[0]["elastic"] == "~generate-1"  # started after the first step
+    joined = next(r["step"] for r in recs if "+generate-1" in r["elastic"])
+    assert all(r["generate_workers"] == 2 for r in recs[joined + 1:])
+    new = [x for r in recs for x in r["sample_log"] if x["worker"] == "generate-1"]
+    assert new, "the new worker generated nothing"
+    check_every_sample_trained_once(recs, prompts=12)
+    for r in recs:  # the new worker's samples: the current policy (stream) or within the bound (async)
+        for x in r["sample_log"]:
+            assert x["version"] == r["step"] if mode == "stream" else 0 <= r["step"] - x["version"] <= 1
+
+
+@pytest.mark.slow
+def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
+    """Thresholds that shrink as soon as the 2 workers were half idle (the trainer never counts
+    as waiting): 2 -> 1 in async mode, with groups of later steps already queued when the worker
+    is retired; nothing is lost or trained twice, and it takes no work afterwards."""
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=8", "--set", "run.mode=async",
+                    "--set", "run.max_staleness=2", "--set", "pools.generate.workers=2",
+                    "--set", "pools.generate.elastic={min=1,max=2,grow_when_train_idle=1.0,"
+                             "shrink_when_busy_below=1.0,cooldown_steps=0}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    recs = records(tmp_path)
+    drained = [r["step"] for r in recs if r["elastic"] == "-generate-1"]
+    assert drained and drained[0] <= 3, [(r["elastic"], r["pools"]["generate"]) for r in recs]
+    k = drained[0]
+    assert [r["generate_workers"] for r in recs] == [2] * (k + 1) + [1] * (len(recs) - k - 1)
+    check_every_sample_trained_once(recs)
+    # groups admitted after the drain began (k + 3 on, staleness 2) never reach it
+    assert not [x for r in recs[k + 3:] for x in r["sample_log"] if x["worker"] == "generate-1"]
+    # it was retired: the last steps account for one generate worker
+    last = recs[-1]
+    acc = last["pools"]["generate"]
+    assert acc["busy_s"] + acc["idle_s"] == pytest.approx(last["accounting_window_s"], abs=1e-3)
+
+
+W3 = ROOT / "recipes" / "paper-7b-20k.toml"
