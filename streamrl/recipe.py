@@ -125,8 +125,8 @@ class ElasticConfig(Strict):
     """See ``grow_when_train_idle``. In ``batch`` mode the generate pool idles while the trainer
     trains, so it grows only with this raised above the training share of a step."""
     shrink_when_busy_below: float = Field(0.75, gt=0, le=1)
-    """Retire a worker when the trainer did not wait and the remaining workers would have done the
-    last step's generation at most this busy (their idle share stays above 1 - this)."""
+    """Retire a worker when the remaining ones would have done the last step's generation at most
+    this busy (their idle share stays above 1 - this)."""
     min_gain: float = Field(0.05, ge=-1)
     """A worker added must raise tokens/s by this share (its first 3 steps against the 3 before it
     was asked for), or it is retired again and the pool does not grow for ``hold_steps``: when

@@ -22,12 +22,13 @@ def test_decide_grows_when_generation_holds_the_trainer_up_and_shrinks_when_it_i
     assert decide(gen_idle=0.02, train_idle=0.40, n=3, cfg=cfg) == 0  # ... but the pool is at max
     # both pools idle: the time went elsewhere (the controller); more workers would not help
     assert decide(gen_idle=0.35, train_idle=0.40, n=2, cfg=cfg) == 0
-    # the trainer is the bottleneck and 2 workers would have been 0.9 x 2 / 1 ... too busy as 1
+    # 2 workers 10% idle would be 180% busy as 1: keep them
     assert decide(gen_idle=0.10, train_idle=0.05, n=2, cfg=cfg) == 0
     # ... but 3 workers 60% idle fit in 2 at 60% busy
     assert decide(gen_idle=0.60, train_idle=0.05, n=3, cfg=cfg) == -1
     assert decide(gen_idle=0.90, train_idle=0.05, n=1, cfg=cfg) == 0  # never below min
-    assert decide(gen_idle=0.60, train_idle=0.30, n=3, cfg=cfg) == 0  # the trainer waited: keep them
+    # generation is not what the step waits for, whoever is: 2 would do it at 60% busy
+    assert decide(gen_idle=0.60, train_idle=0.30, n=3, cfg=cfg) == -1
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -70,7 +71,7 @@ def test_a_worker_added_mid_run_generates_with_the_current_policy(tiny_recipe, t
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=40", "--set", f"run.mode={mode}",
                     "--set", "trainer.prompts_per_step=12",
                     "--set", "pools.generate.elastic={min=1,max=2,grow_when_train_idle=0.0,"
-                             "grow_when_generate_idle_below=1.0,cooldown_steps=0,min_gain=-1.0}")
+                             "grow_when_generate_idle_below=1.0,shrink_when_busy_below=0.01,cooldown_steps=0,min_gain=-1.0}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "still alive" not in proc.stderr
     recs = records(tmp_path)
@@ -88,8 +89,8 @@ def test_a_worker_added_mid_run_generates_with_the_current_policy(tiny_recipe, t
 
 @pytest.mark.slow
 def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
-    """Thresholds that shrink as soon as the 2 workers were half idle (the trainer never counts
-    as waiting): 2 -> 1 in async mode, with groups of later steps already queued when the worker
+    """Thresholds that shrink as soon as the 2 workers were half idle (and never grow):
+    2 -> 1 in async mode, with groups of later steps already queued when the worker
     is retired; nothing is lost or trained twice, and it takes no work afterwards."""
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=8", "--set", "run.mode=async",
                     "--set", "run.max_staleness=2", "--set", "pools.generate.workers=2",

@@ -3,7 +3,9 @@
 StreamRL sizes the generate side to keep both stages busy; a fixed split is only right for the
 lengths it was planned on. Here the controller watches each step's idle shares and, between
 steps, adds a generate worker when the trainer waited for samples, or retires one when the rest
-could have generated the step comfortably. A change is a small state machine, one worker at a
+could have generated the step comfortably. The rule is made for ``async`` (and ``stream``), where
+the pools overlap; in ``stream`` mode a retired worker lengthens the generation phase, which the
+trainer waits for, so keep ``shrink_when_busy_below`` low there. A change is a small state machine, one worker at a
 time, so the run never blocks on a process start:
 
 * **starting** -- a new ``Nanny`` is added to the embedded ``SpecCluster``. It offers the
@@ -57,13 +59,13 @@ def decide(gen_idle: float, train_idle: float, n: int, cfg: ElasticConfig) -> in
     Grow when the trainer waited (idle above ``grow_when_train_idle``) because generation could
     not keep up (its pool idle below ``grow_when_generate_idle_below``); when both idled, the
     time went elsewhere (the controller, a weight load) and more workers would not help. Shrink
-    when the trainer did not wait and ``n - 1`` workers would have done the same generation at
-    most ``shrink_when_busy_below`` busy: busy work ``(1 - gen_idle) * n`` over ``n - 1``.
+    when ``n - 1`` workers would have done the same generation at most ``shrink_when_busy_below``
+    busy (busy work ``(1 - gen_idle) * n`` over ``n - 1``): generation is then not what the
+    step waits for, whatever the trainer does.
     """
-    waited = train_idle > cfg.grow_when_train_idle
-    if waited and gen_idle < cfg.grow_when_generate_idle_below and n < cfg.max:
+    if train_idle > cfg.grow_when_train_idle and gen_idle < cfg.grow_when_generate_idle_below and n < cfg.max:
         return 1
-    if not waited and n > cfg.min and (1.0 - gen_idle) * n / (n - 1) <= cfg.shrink_when_busy_below:
+    if n > cfg.min and (1.0 - gen_idle) * n / (n - 1) <= cfg.shrink_when_busy_below:
         return -1
     return 0
 
