@@ -39,7 +39,7 @@ def client():
     torch.set_num_threads(threads)
 
 
-def run_steps(client, overrides, steps=3, controller=None):
+def run_steps(client, overrides, steps=3, controller=None, feed=False):
     from streamrl import cluster
 
     resolved = resolve(load_recipe(W3, SMALL + overrides + [f"run.steps={steps}"]))
@@ -47,7 +47,7 @@ def run_steps(client, overrides, steps=3, controller=None):
     ctl.place_residents()
     if controller is not None:
         controller.append(ctl)
-    return [ctl.step(s) for s in range(steps)]
+    return [ctl.step(s, feed_next=feed) for s in range(steps)]
 
 
 @pytest.mark.parametrize("mode", ["batch", "stream", "async"])
@@ -63,6 +63,39 @@ def test_every_mode_trains_every_sample_once_in_order(client, mode):
         assert r["clip_frac"] == 0.0 and r["behaviour_weight"] == 1.0  # defaults of a trainer without them
     if mode != "async":
         assert all(r["generated_policy_version_min"] == r["step"] for r in records)
+
+
+def scheduler_keys(client, prefix: str) -> list[str]:
+    return client.run_on_scheduler(lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks
+                                                            if str(k).startswith(prefix)])
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_fed_async_run_hands_the_next_step_over_early_trains_every_sample_once_and_keeps_no_lineage(client, epochs):
+    made = []
+    overrides = ["run.mode=async", "run.max_staleness=1", f'algorithm={{name="grpo", epochs={epochs}}}']
+    records = run_steps(client, overrides, steps=5, controller=made, feed=True)
+    ctl = made[0]
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
+    uids = [x["uid"] for r in records for x in r["sample_log"]]
+    assert len(uids) == len(set(uids)) == 5 * 12  # none lost, none twice
+    for r in records:
+        assert {x["uid"].split("-")[0] for x in r["sample_log"]} == {str(r["step"])}
+        assert r["staleness_max"] <= 1
+    # each step ran boundary to boundary: the step times add up to the wall time of steps 2-5
+    assert sum(r["step_s"] for r in records[1:]) == pytest.approx(records[-1]["time"] - records[0]["time"], abs=1e-3)
+    # no step waits for the one before through a Dask dependency: the scheduler keeps nothing of
+    # the first steps (a chain of dependencies would keep the whole run's lineage)
+    assert ctl.fed is None and not scheduler_keys(client, ("train-0-", "optimizer-step-0", "generate-0-"))
+    # the feed itself: run one step more by hand and catch the next step's training submitted
+    # before the controller is asked for that step
+    ctl.recipe.run.steps = 7
+    ctl.mode.last_step = 6
+    ctl.step(5, feed_next=True)
+    assert ctl.fed is not None and ctl.fed.step == 6
+    ctl.fed.result()  # its train tasks are submitted
+    assert scheduler_keys(client, "train-6-")
+    assert ctl.step(6)["samples"] == 12
 
 
 @pytest.mark.parametrize("mode", ["batch", "async"])

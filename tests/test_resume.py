@@ -121,3 +121,37 @@ def test_resume_refuses_a_run_that_is_still_going(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"streamrl: error: {tmp_path}: the run is still going (pid {os.getpid()}); "
                                    "stop it first (Ctrl-C)")
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_the_right_version(straight, tmp_path):
+    # async mode hands the next step to the trainer before a step's record is written; a stop
+    # then ends after that next step, and every checkpoint holds exactly the version it names
+    recipe, _ = straight
+    stopped = tmp_path / "stopped"
+    args = ["run.mode=async", "run.max_staleness=1", "run.steps=12", "run.checkpoint_every=3"]
+    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
+                            *sets(*args, f"run.out_dir={stopped}")], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not list(stopped.glob("*/metrics.jsonl")) or len(records(only_run(stopped))) < 4:
+        assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err[-3000:]
+    folder = only_run(stopped)
+    state = json.loads((folder / "status.json").read_text())
+    assert state["state"] == "interrupted" and 4 <= state["step"] < 12
+    checkpoints = sorted((folder / "checkpoints").glob("step-*"))
+    assert checkpoints and checkpoints[-1].name == f"step-{state['step']:06d}"
+    for ckpt in checkpoints:
+        meta = json.loads((ckpt / "controller.json").read_text())
+        trainer = torch.load(ckpt / "trainer" / "trainer.pt", weights_only=False)
+        assert trainer["version"] == meta["policy_version"] == meta["next_step"] == int(ckpt.name[5:]), ckpt
+
+    proc = streamrl("recipe", "resume", str(folder))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(folder)
+    assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
+    check_every_sample_trained_once(recs)

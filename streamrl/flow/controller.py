@@ -17,10 +17,11 @@ the weights are published after the last, so the policy version counts steps (ba
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
-from distributed import Client, Future, SpecCluster, as_completed
+from distributed import Client, Future, SpecCluster, as_completed, wait
 
 from streamrl import cluster
 from streamrl.api import Trainer
@@ -45,6 +46,31 @@ def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[st
         raise UserError(f"task {task!r}: prompt uid {again[0]!r} repeats in step {step}; every prompt of "
                         "a run needs its own uid (e.g. f\"{step}-{i}\")")
     seen.update(uids)
+
+
+class Feed:
+    """A step's training submitted from a thread: its loop waits for groups to be scored and
+    hands them to the train pool while the controller finishes the step before."""
+
+    def __init__(self, step: int, submit, *args):
+        self.step = step
+        self._out, self._error = None, None
+        # a daemon: a run that fails cancels the generation it waits on, and exits regardless
+        self._thread = threading.Thread(target=self._run, args=(submit, *args), daemon=True, name=f"feed-step-{step}")
+        self._thread.start()
+
+    def _run(self, submit, *args) -> None:
+        try:
+            self._out = submit(*args)
+        except BaseException as exc:  # raised again in the controller's thread by result()
+            self._error = exc
+
+    def result(self):
+        """What the submit function returned (its exception, raised here)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
 
 
 class Controller:
@@ -80,6 +106,12 @@ class Controller:
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         self.version = 0
         self.last_step: list[Future] | None = None  # every rank's last optimizer step
+        self.fed: Feed | None = None  # the next step's training, handed over early (step(feed_next=True))
+        self.fed_scored: list[Future] = []  # its groups
+        self.boundary: float | None = None  # when the last step's record was taken
+        # a feed admits generation from its thread while this one writes the record: the
+        # dispatcher (placement and lessons) and the submission counters are shared
+        self.lock = threading.Lock()
         self.dispatcher: Dispatcher | None = None
         self.clock = None
         self.submit_s, self.submitted_groups = 0.0, 0  # submitting generation, since the last record
@@ -99,6 +131,8 @@ class Controller:
         self.mode = modes.make(self.recipe.run.mode, self.recipe.run.max_staleness, self.recipe.run.steps)
         self.version = 0
         self.last_step = None
+        self.fed = None
+        self.boundary = None
         self.seen_uids: set[str] = set()
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         self.join_train_group()
@@ -139,7 +173,8 @@ class Controller:
         min_version = self.version if min_version is None else min_version
         prompts = self.task.prompts(step, t.prompts_per_step)
         check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
-        placed = self.dispatcher.place(step, prompts)
+        with self.lock:
+            placed = self.dispatcher.place(step, prompts)
         # Bundles of ``groups_per_task`` prompts that go to the same place: the scheduler's
         # worker (in its order), or any generate worker.
         per_task = self.groups_per_task
@@ -163,24 +198,31 @@ class Controller:
                                                  resources={"reward": 1}, retries=1))
                 if name is not None and self.elastic:  # a retired worker first runs out its groups
                     self.elastic.track(name, gen)
-        self.submit_s += time.time() - t0
-        self.submitted_groups += len(prompts)
+        with self.lock:
+            self.submit_s += time.time() - t0
+            self.submitted_groups += len(prompts)
         return scored
 
     def submit_epochs(self, step: int, scored: list[Future], total_samples: int,
-                      stream: bool) -> tuple[Future, list[list[Future]]]:
+                      stream: bool, after: list[Future] | None = None) -> tuple[Future, list[list[Future]]]:
         """Every pass (``algorithm.epochs``) over the step's groups: the first as the mode
-        says, the others over the whole batch in submission order once it is scored. Returns
-        the last optimizer step and each pass's train tasks."""
+        says, the others over the whole batch in submission order once it is scored. Each pass
+        starts on the train workers after ``after`` (default: the last optimizer step submitted;
+        ``[]``: nothing).
+        Returns the last optimizer step and each pass's train tasks; :attr:`last_step` becomes
+        every rank's last optimizer step."""
+        after = self.last_step if after is None else after
         passes = []
         for epoch in range(self.epochs):
-            step_fut, trains = self.submit_training(step, scored, total_samples, stream and epoch == 0, epoch)
+            after, trains = self.submit_training(step, scored, total_samples, stream and epoch == 0, epoch, after)
             passes.append(trains)
-        return step_fut, passes
+        self.last_step = after
+        return after[0], passes
 
-    def submit_training(self, step: int, scored: list[Future], total_samples: int,
-                        stream: bool, epoch: int = 0) -> tuple[Future, list[Future]]:
-        """Train tasks over the step's scored groups, then one optimizer step.
+    def submit_training(self, step: int, scored: list[Future], total_samples: int, stream: bool,
+                        epoch: int = 0, after: list[Future] | None = None) -> tuple[list[Future], list[Future]]:
+        """Train tasks over the step's scored groups (after the optimizer steps ``after``), then one
+        optimizer step per rank; returns those optimizer steps and the train tasks.
 
         ``stream=False``: the groups in submission order (all are scored). ``stream=True``: in
         completion order. Without a token budget, one train task per ``groups_per_micro_batch``
@@ -209,7 +251,7 @@ class Controller:
         def submit(chunk):
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
-                groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=self.last_step,
+                groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=after,
                 trainer_id=self.trainer_ids, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
 
         if not stream:
@@ -238,57 +280,93 @@ class Controller:
                 if seen == len(scored):
                     break
         # every rank steps, together (they sum their gradients first), after every micro-batch
-        self.last_step = [
-            self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_ids,
-                               key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
-                               **cluster.at(self.pin[name], train=1))
-            for rank, name in enumerate(self.train_workers)]
-        return self.last_step[0], trains
+        steps = [self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_ids,
+                                    key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
+                                    **cluster.at(self.pin[name], train=1))
+                 for rank, name in enumerate(self.train_workers)]
+        return steps, trains
 
-    def step(self, step: int) -> dict:
-        """Run one full step in the recipe's mode and return its ``metrics.jsonl`` record."""
-        t0 = time.time()
-        scored = self.mode.scored(self, step)
-        admitted = time.time()
+    def step(self, step: int, feed_next: bool = False) -> dict:
+        """Run one full step in the recipe's mode and return its ``metrics.jsonl`` record.
+
+        ``feed_next`` (``async`` mode): once this step's weights are published, hand the train
+        pool the next step's groups (from a thread, as they are scored) before this step's
+        result and bookkeeping, so the trainer goes from one step to the next without waiting
+        for the controller. The caller must then run the next step before a checkpoint."""
+        # A step runs boundary to boundary (what the runner does between two steps included), so
+        # step times add up to the run's wall time; a fed step's training began before this call.
+        t0 = self.boundary if self.boundary is not None else time.time()
+        fed, self.fed = self.fed, None
         t = self.recipe.trainer
-        step_fut, passes = self.submit_epochs(step, scored, t.prompts_per_step * t.samples_per_prompt,
-                                              self.mode.streams)
+        if fed is not None and fed.step == step:
+            step_fut, passes = fed.result()
+            admitted = time.time()
+        else:
+            scored = self.mode.scored(self, step)
+            admitted = time.time()
+            step_fut, passes = self.submit_epochs(step, scored, t.prompts_per_step * t.samples_per_prompt,
+                                                  self.mode.streams)
+        trained_at: list[float] = []
+        step_fut.add_done_callback(lambda _: trained_at.append(time.time()))
+        version = step + 1  # one published policy per step, however many optimizer steps
+        generate_workers = len(self.generate_workers)  # those that generated this step's groups
+        if self.elastic:  # a worker that has joined takes part in this publication
+            step_fut.result()  # (bringing it up to date may export the new weights for it alone)
+            self.elastic.before_publish(version)
+        # Published before the step is done: the export depends on the optimizer step and runs
+        # right after it on the train worker (its priority is above any train task), without
+        # waiting for the controller to hear of the step and come back.
+        loads = publish(self.client, step_fut, version, self.train_pin, self.generate_pins,
+                        trainer_id=self.trainer_ids)
+        if self.elastic:
+            for name, load in zip(self.generate_pins, loads):
+                self.elastic.track(name, load)
+        self.mode.published(version, loads)
+        feeding = feed_next and self.mode.feeds and not self.elastic and self.mode.ahead(step + 1)
+        if feeding:
+            self.fed = Feed(step + 1, self._feed, step + 1, step_fut)
         step_stats = step_fut.result()
-        t_trained = time.time()
-        self.version = step + 1  # one published policy per step, however many optimizer steps
+        if feeding:  # meanwhile, here: the next step's admission (it waits for the weights just published)
+            self.mode.admit(self, step + 1)
+        t_trained = trained_at[0] if trained_at else time.time()
+        self.version = version
         if self.epochs > 1:  # how far the last pass moved from the generating policy
             last = [f.result() for f in passes[-1]]
             n = sum(m["samples"] for m in last)
             step_stats = {**step_stats, "epochs": self.epochs,
                           "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in last) / n,
                           "last_epoch_loss": sum(m["loss_sum"] for m in last) / n}
-        generate_workers = len(self.generate_workers)  # those that generated this step's groups
-        if self.elastic:  # a worker that has joined takes part in this publication
-            self.elastic.before_publish(self.version)
-        loads = publish(self.client, step_fut, self.version, self.train_pin, self.generate_pins,
-                        trainer_id=self.trainer_ids)
-        if self.elastic:
-            for name, load in zip(self.generate_pins, loads):
-                self.elastic.track(name, load)
-        self.mode.published(self.version, loads)
         # The step is done: later tasks need not depend on it. Holding it would make Dask, if the
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
-        self.last_step = None
+        # (A fed next step holds its own optimizer steps here.)
+        if self.fed is None:
+            self.last_step = None
         before, self.clock = self.clock, bubbles.snapshot(self.client)
+        self.boundary = self.clock[0]
         record = summarize(step, self.version, [f.result() for f in passes[0]], step_stats, t0, t_trained, self.clock[0])
         record.pools = bubbles.pool_bubbles(before, self.clock, self.pools)
         # the accounting window runs boundary to boundary, so it includes the controller's own
         # time between steps (writing metrics), which is idle time for every pool too
         record.accounting_window_s = round(self.clock[0] - before[0], 4)
         record.controller_s = round(admitted - before[0], 4)
-        record.submit_s, record.submitted_groups = round(self.submit_s, 4), self.submitted_groups
-        self.submit_s, self.submitted_groups = 0.0, 0
-        record.extra = self.dispatcher.learn(step, record.sample_log)
+        with self.lock:
+            record.submit_s, record.submitted_groups = round(self.submit_s, 4), self.submitted_groups
+            self.submit_s, self.submitted_groups = 0.0, 0
+            record.extra = self.dispatcher.learn(step, record.sample_log)
         record.generate_workers = generate_workers
         if self.elastic:
             self.elastic.after_record(record)
             record.extra["elastic"] = self.elastic.take_events()
         return record.as_dict()
+
+    def _feed(self, step: int, previous: Future) -> tuple[Future, list[list[Future]]]:
+        # (in the Feed's thread) once the step before is done -- waited for here, not passed
+        # as a dependency: a chain of steps each depending on the last would keep the whole
+        # run's lineage in the scheduler -- the step's groups to the trainer as they are scored
+        wait([previous])
+        scored = self.fed_scored = self.mode.take(step)
+        t = self.recipe.trainer
+        return self.submit_epochs(step, scored, t.prompts_per_step * t.samples_per_prompt, True, after=[])
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
@@ -312,6 +390,8 @@ class Controller:
         """Cancel generation submitted ahead (``async``): a controller that resumes on the same
         cluster submits the same keys and must not be handed the old, stale samples."""
         self.client.cancel([f for fs in self.mode.pending() for f in fs])
+        if self.fed is not None:  # the next step's generation, taken by a feed in flight
+            self.client.cancel(self.fed_scored)
 
     def save_policy(self, out: Path) -> str:
         """Write the trained policy (after the ranker's last lesson); returns the folder."""

@@ -30,6 +30,10 @@ class Batch:
 
     streams = False
     """True: micro-batches are cut in completion order while generation goes on."""
+    feeds = False
+    """True: the next step's groups may be submitted before a step ends (:meth:`ahead`), so the
+    controller can hand them to the trainer before its own bookkeeping
+    (``Controller.step(feed_next=True)``)."""
 
     def scored(self, ctl: Controller, step: int) -> list[Future]:
         """The step's scored groups."""
@@ -66,6 +70,8 @@ class Async(Stream):
     requires (only those). Generation is paced, never dropped.
     """
 
+    feeds = True
+
     def __init__(self, max_staleness: int, last_step: int):
         self.k, self.last_step = max_staleness, last_step
         self.in_flight: dict[int, list[Future]] = {}  # scored futures of admitted steps
@@ -74,6 +80,12 @@ class Async(Stream):
         self.next_to_admit = 0
 
     def scored(self, ctl: Controller, step: int) -> list[Future]:
+        self.admit(ctl, step)
+        return self.take(step)
+
+    def admit(self, ctl: Controller, step: int) -> None:
+        """Admission at the start of training ``step``: wait for the loads the bound requires,
+        then submit generation of the window ``step .. step + k``."""
         p = admission.plan(step, self.k, self.last_step, self.next_to_admit, self.loaded_version)
         for v in range(self.loaded_version + 1, p.wait_for_version + 1):
             wait_loaded(self.loads.pop(v))
@@ -81,6 +93,13 @@ class Async(Stream):
         for g in p.admit:
             self.in_flight[g] = ctl.submit_generation(g, min_version=self.loaded_version)
             self.next_to_admit = g + 1
+
+    def ahead(self, step: int) -> bool:
+        """Whether ``step``'s generation is already submitted (so its training can be fed)."""
+        return step in self.in_flight
+
+    def take(self, step: int) -> list[Future]:
+        """The scored futures of an admitted ``step``, now the trainer's."""
         return self.in_flight.pop(step)
 
     def published(self, version: int, loads: list[Future]) -> None:

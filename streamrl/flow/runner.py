@@ -127,8 +127,14 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
         status.write(run_dir, "running", step=first, scheduler=client.scheduler.address)
         every = r.run.checkpoint_every
+
+        def checkpoint_after(done: int) -> bool:
+            return done == r.run.steps or bool(every and done % every == 0)
+
         for step in range(first, r.run.steps):
-            m = controller.step(step)
+            # The next step's training may start before this step's record is written, unless a
+            # checkpoint must capture the weights right after this step.
+            m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
             log.write(m)
             for sink in list(sinks):
                 try:
@@ -140,7 +146,9 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             registry.pm.hook.on_step_end(step=step, metrics=m)
             console.print(step_line(m, r.run.steps), soft_wrap=True)
             done = step + 1
-            if stop.requested or done == r.run.steps or (every and done % every == 0):
+            if stop.requested and controller.fed is not None:
+                continue  # the next step is already training: stop after it
+            if stop.requested or checkpoint_after(done):
                 saved = controller.checkpoint(run_dir, done, len(log.records))
                 status.write(run_dir, "running", step=done, checkpoint=str(saved))
             if stop.requested and done < r.run.steps:

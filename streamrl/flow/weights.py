@@ -13,6 +13,7 @@ from distributed import Client, Future, Variable, wait
 
 from streamrl.errors import RunFailed
 from streamrl.flow import remote
+from streamrl.flow.resident import ResidentLost
 
 #: Dask priority of weight export/load tasks: above any generate task (schedulers use the
 #: predicted-length rank, at most the prompts per step, as generate priorities).
@@ -54,5 +55,7 @@ def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
     for f in loads:
         try:
             f.result()
+        except ResidentLost:  # its export found the trainer restarted: that is the news
+            raise
         except Exception as exc:  # e.g. a broadcast that timed out: say which load, in one line
             raise RunFailed(f"weight load {f.key} failed: {exc}") from None
