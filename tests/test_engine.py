@@ -183,3 +183,25 @@ def test_static_batching_takes_the_highest_priority_requests_first_under_max_run
         assert [sorted(by_text[p[1]] for p in b) for b in batches] == [["first"], ["high", "top"], ["low", "mid"]]
     finally:
         engine.close()
+
+
+def test_static_decode_prefills_each_distinct_prompt_once_and_every_row_continues_its_own_prompt(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.engines.static import decode_batch
+    from streamrl.training.trainer import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+    batches = []
+    model.register_forward_pre_hook(lambda mod, args, kw: batches.append(tuple(kw["input_ids"].shape)),
+                                    with_kwargs=True)
+    a, b = [1, 5, 6, 7], [1, 8, 9]  # two prompts of different lengths, interleaved, 3 samples each
+    prompts = [a, b, a, b, a, b]
+    out = decode_batch(model, prompts, 6, 1.0, eos_id=2, generator=torch.Generator().manual_seed(0))
+    assert batches[0] == (2, 4)  # the prefill: one row per distinct prompt
+    assert all(shape == (6, 1) for shape in batches[1:])  # decode steps: one row per sample
+    for prompt, (tokens, logprobs) in zip(prompts, out):  # each row continued its own prompt's cache
+        ids = torch.tensor([prompt + tokens])
+        want = token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt) - 1:]
+        assert torch.allclose(want, torch.tensor(logprobs), atol=1e-5), (prompt, tokens)

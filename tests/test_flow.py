@@ -180,3 +180,42 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
             off += int((gap > 0.02 * lr).sum())
             total_elements += gap.numel()
         assert off <= 1e-4 * total_elements, (label, off, total_elements)
+
+
+def test_a_residents_torch_threads_hold_in_every_thread_that_uses_it_not_only_the_one_that_built_it():
+    # torch's thread count is per thread (OpenMP; set once per thread on its first torch call):
+    # a trainer built in one Dask thread and used from another, older one ran on one thread
+    # whatever pools.train.torch_threads said
+    import threading
+    from types import SimpleNamespace
+
+    from streamrl.flow.resident import Resident
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    plugin = Resident("streamrl-test-threads", dict, torch_threads=2)
+    plugin.setup(SimpleNamespace(name="train-0"))
+    ran, built, seen = threading.Event(), threading.Event(), {}
+
+    def task_thread():  # like a Dask executor thread: it ran torch before the component existed
+        seen["first"] = torch.get_num_threads()
+        ran.set()
+        built.wait(10)
+        plugin.get()
+        seen["uses"] = torch.get_num_threads()
+
+    def builder():
+        plugin.get()
+        seen["builds"] = torch.get_num_threads()
+        built.set()
+
+    try:
+        threads = [threading.Thread(target=task_thread), threading.Thread(target=builder)]
+        threads[0].start()
+        ran.wait(10)
+        threads[1].start()
+        for t in threads:
+            t.join()
+        assert seen == {"first": 1, "builds": 2, "uses": 2}
+    finally:
+        torch.set_num_threads(before)

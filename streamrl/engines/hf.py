@@ -137,7 +137,9 @@ class HFEngine(Engine):
         if self.config.batching == "static":
             self.latency_points = self._profile() if self.config.profile else []
             self._wake = threading.Condition(self._lock)
-            self._loop = threading.Thread(target=self._static_loop, name="streamrl-hf-static", daemon=True)
+            # torch's thread count is per thread (OpenMP): the loop takes the one set here
+            self._loop = threading.Thread(target=self._static_loop, args=(torch.get_num_threads(),),
+                                          name="streamrl-hf-static", daemon=True)
             self._loop.start()
             return
         gen = GenerationConfig(
@@ -170,9 +172,10 @@ class HFEngine(Engine):
             if fut is not None:
                 fut.set_result(result)
 
-    def _static_loop(self) -> None:
+    def _static_loop(self, torch_threads: int) -> None:
         # Take the waiting requests (highest priority first, at most max_running), decode them as
         # one batch, hand out the results; weight loads wait for the batch (the model lock).
+        torch.set_num_threads(torch_threads)
         while not self._closed.is_set():
             with self._wake:
                 while not self._queue and not self._closed.is_set():

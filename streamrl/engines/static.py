@@ -26,12 +26,21 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     trainer computes them. ``generator`` (a CPU generator) makes the draws reproducible;
     ``stop_at_eos=False`` decodes every row to ``max_new_tokens`` (latency profiles)."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    # Samples of one group share their prompt: prefill each distinct prompt once, then give
+    # every row a copy of its prompt's KV cache (8 samples per prompt: 1/8 of the prefill)
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    unique = [list(p) for p in distinct]
+    width = max(len(p) for p in unique)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in unique], device=device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in unique], device=device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     past, logits, pos = out.past_key_values, out.logits[:, -1], pos[:, -1:]
+    if len(unique) < len(prompts):
+        rows = torch.tensor(row_of, device=device)
+        past.reorder_cache(rows)
+        logits, attn, pos = logits[rows], attn[rows], pos[rows]
     tokens, logps = [], []
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):

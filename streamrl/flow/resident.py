@@ -63,15 +63,20 @@ class Resident(WorkerPlugin):
         self.incarnation = uuid.uuid4().hex
 
     def _torch(self) -> None:
-        # Nanny workers start with OMP_NUM_THREADS=1; components without torch never import it
-        if "torch" in sys.modules:
+        # Nanny workers start with OMP_NUM_THREADS=1; components without torch never import it.
+        # Under OpenMP the count is each thread's own: set it in every task thread that asks
+        # for the object (measured: set only in the thread that built the trainer, a train pool
+        # with torch_threads = 2 trained on one thread).
+        if "torch" in sys.modules and getattr(_THREAD, "torch_threads", None) != self.torch_threads:
             import torch
 
             torch.set_num_threads(self.torch_threads)
+            _THREAD.torch_threads = self.torch_threads
 
     def get(self) -> Any:
         """The object, built on first use."""
         if self.obj is not None:
+            self._torch()
             return self.obj
         with _BUILD_LOCK:
             if self.obj is None:
@@ -96,6 +101,10 @@ class Resident(WorkerPlugin):
         close = getattr(self.obj, "close", None)
         if close is not None:
             close()
+
+
+#: Per thread: the torch thread count last set in it (``Resident._torch``).
+_THREAD = threading.local()
 
 
 def incarnation(name: str) -> str:
