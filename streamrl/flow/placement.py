@@ -35,8 +35,9 @@ def trainer_context(resolved: Resolved) -> TrainerContext:
                           engine_config=e.config, seed=resolved.recipe.run.seed)
 
 
-def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], train_worker: str) -> None:
-    """Register every resident and build the engines and the trainer now."""
+def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], train_worker: str,
+          rank_worker: str | None = None) -> None:
+    """Register every resident and build the engines, the trainer and the ranker now."""
     r = resolved.recipe
     seed = r.run.seed
     gen_threads = r.pools.generate.torch_threads if r.pools.generate else 1
@@ -60,5 +61,10 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
     futs += [client.submit(remote.warm_up, TRANSFER, key=f"load-transfer-{name}", workers=[addr],
                            allow_other_workers=False, pure=False)
              for addr, name in ends.items()]
+    if resolved.ranker is not None and rank_worker is not None:
+        # measured on W2: built on first use, the ranker (and torch, imported on a reward
+        # worker) held the first step's generation back by 2.8 s
+        futs.append(client.submit(remote.warm_up, RANKER, key="load-ranker", workers=[rank_worker],
+                                  allow_other_workers=False, pure=False))
     for f in futs:
         f.result()
