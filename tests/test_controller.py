@@ -202,3 +202,17 @@ def test_pools_are_read_fresh_even_while_the_client_refreshes_its_cache():
         with LocalCluster(n_workers=1, processes=False, protocol="tcp://", host="127.0.0.1",
                           dashboard_address=None, resources={"train": 1}) as lc, Client(lc) as c:
             assert all(list(cluster.pool_workers(c)["train"]) and cluster.pins(c) for _ in range(200))
+
+
+def test_the_ranker_is_built_with_the_models_before_the_first_step(client):
+    from distributed import get_worker
+
+    from streamrl import cluster
+    from streamrl.flow.resident import RANKER
+
+    resolved = resolve(load_recipe(W3, SMALL + ['scheduler={name="skew"}', 'ranker={name="learned"}']))
+    ctl = Controller(resolved, client, cluster.pool_workers(client))
+    ctl.place_residents()
+    built = client.submit(lambda: get_worker().plugins[RANKER].obj is not None, workers=[ctl.rank_worker],
+                          pure=False).result()
+    assert built  # not left for the first step's placement to build (and import torch) on its critical path
