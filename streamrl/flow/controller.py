@@ -27,6 +27,7 @@ from streamrl import cluster
 from streamrl.api import Trainer
 from streamrl.errors import UserError
 from streamrl.flow import checkpoints, elastic, modes, placement, remote
+from streamrl.flow.feed import Feed
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.weights import publish, wait_loaded
 from streamrl.scheduling.dispatch import Dispatcher
@@ -46,31 +47,6 @@ def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[st
         raise UserError(f"task {task!r}: prompt uid {again[0]!r} repeats in step {step}; every prompt of "
                         "a run needs its own uid (e.g. f\"{step}-{i}\")")
     seen.update(uids)
-
-
-class Feed:
-    """A step's training submitted from a thread: its loop waits for groups to be scored and
-    hands them to the train pool while the controller finishes the step before."""
-
-    def __init__(self, step: int, submit, *args):
-        self.step = step
-        self._out, self._error = None, None
-        # a daemon: a run that fails cancels the generation it waits on, and exits regardless
-        self._thread = threading.Thread(target=self._run, args=(submit, *args), daemon=True, name=f"feed-step-{step}")
-        self._thread.start()
-
-    def _run(self, submit, *args) -> None:
-        try:
-            self._out = submit(*args)
-        except BaseException as exc:  # raised again in the controller's thread by result()
-            self._error = exc
-
-    def result(self):
-        """What the submit function returned (its exception, raised here)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
 
 
 class Controller:
