@@ -47,7 +47,9 @@ def write(client: Client, train_pin: dict, after: Future | None, run_dir: Path, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after, trainer_id=trainer_id,
-                  key=f"checkpoint-{next_step}", **train_pin).result()
+                  key=f"checkpoint-{next_step}-{time.time_ns()}", pure=False, **train_pin).result()
+    # (a fresh key: the same step written again -- a resumed run -- must not be answered with
+    # the first write's finished task, which wrote into a folder that is gone)
     (tmp / "controller.json").write_text(json.dumps(
         {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
