@@ -30,7 +30,9 @@ def check_every_sample_trained_once(records, prompts=4, n=4):
             assert x["staleness"] == r["step"] - x["version"]
 
 
-def check_pool_accounting(records, workers=None):
+def check_pool_accounting(records, workers=None, ahead=False):
+    """``ahead`` (async): generation runs in earlier windows than its step's, so a step's window
+    may hold none of it (the last steps' groups were all generated before they began)."""
     workers = workers or {"generate": 1, "train": 1, "reward": 1}
     for r in records:
         for pool, n in workers.items():
@@ -39,7 +41,8 @@ def check_pool_accounting(records, workers=None):
             # busy + idle covers the accounting window (step boundary to boundary) once per worker
             assert acc["busy_s"] + acc["idle_s"] == pytest.approx(n * r["accounting_window_s"], abs=1e-3), (pool, acc)
             assert r["step_s"] <= r["accounting_window_s"] + 1e-3
-        assert r["pools"]["generate"]["busy_s"] > 0 and r["pools"]["train"]["busy_s"] > 0
+        assert r["pools"]["train"]["busy_s"] > 0 and (ahead or r["pools"]["generate"]["busy_s"] > 0)
+    assert sum(r["pools"]["generate"]["busy_s"] for r in records) > 0
 
 
 @pytest.mark.slow
@@ -130,7 +133,7 @@ def test_async_mode_keeps_staleness_within_the_bound(tiny_recipe, tmp_path):
     # generation ran ahead: after the first step, some step trained samples of the previous policy
     assert any(r["staleness_max"] == 1 for r in records[1:])
     check_every_sample_trained_once(records)
-    check_pool_accounting(records)
+    check_pool_accounting(records, ahead=True)
 
 
 @pytest.mark.slow

@@ -38,6 +38,18 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def start_run(recipe: Path, settings: list[str], out: Path, steps_done: int) -> subprocess.Popen:
+    """``streamrl recipe run`` in its own process group, returned once ``steps_done`` records exist."""
+    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
+                            *sets(*settings, f"run.out_dir={out}")], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not list(out.glob("*/metrics.jsonl")) or len(records(only_run(out))) < steps_done:
+        assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return run
+
+
 @pytest.fixture(scope="module")
 def straight(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
     """The recipe, and the folder of its uninterrupted run (the oracle)."""
@@ -58,13 +70,7 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
     stopped = tmp_path / "stopped"
     # Ctrl-C goes to the whole process group, the cluster's worker processes included;
     # kill -9 hits only the controller's process (the workers must not outlive it)
-    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
-                            *sets(*SAME, f"run.out_dir={stopped}", "run.checkpoint_every=2")], cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while not list(stopped.glob("*/metrics.jsonl")) or len(records(only_run(stopped))) < 3:
-        assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
-        time.sleep(0.1)
+    run = start_run(recipe, [*SAME, "run.checkpoint_every=2"], stopped, steps_done=3)
     children = psutil.Process(run.pid).children(recursive=True)
     assert children  # the embedded cluster's processes
     if how == "ctrl-c":
@@ -130,13 +136,7 @@ def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_
     recipe, _ = straight
     stopped = tmp_path / "stopped"
     args = ["run.mode=async", "run.max_staleness=1", "run.steps=12", "run.checkpoint_every=3"]
-    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
-                            *sets(*args, f"run.out_dir={stopped}")], cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while not list(stopped.glob("*/metrics.jsonl")) or len(records(only_run(stopped))) < 4:
-        assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
-        time.sleep(0.05)
+    run = start_run(recipe, args, stopped, steps_done=4)
     os.killpg(run.pid, signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130, err[-3000:]
