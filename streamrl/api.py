@@ -353,6 +353,18 @@ class Trainer:
     share of the micro-batches, and runs ``step()`` on every rank together, which must then sum
     the gradients over the group (the ``hf`` trainer does)."""
 
+    sharded: bool = False
+    """True once :meth:`shard` has run."""
+
+    def shard(self) -> None:
+        """Optional (``trainer.strategy = "fsdp"``): called on every rank together once the train
+        pool's process group is joined, before any step: split parameters, gradients and
+        optimizer state over the group and set :attr:`sharded`. From then on every forward/backward
+        is a collective: streamrl pairs the ranks' :meth:`micro_batch` calls (a rank with nothing to
+        train gets ``groups = []`` and must still take part), and runs :meth:`step`,
+        :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`save` on every rank together."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shard its state")
+
     def save_checkpoint(self, path: str) -> None:
         """Optional: write everything needed to continue training exactly (weights, optimizer,
         schedules, RNG states) into the folder ``path``. streamrl writes it into a temporary

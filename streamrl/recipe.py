@@ -214,6 +214,12 @@ class TrainerSection(Section):
     """Token budget (prompt + response) of one forward/backward. With a budget, ``stream`` and
     ``async`` hand the trainer whatever groups are ready and cut them to this size (dynamic
     micro-batches, ``flow/microbatch.py``); 0: fixed micro-batches of ``groups_per_micro_batch``."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How several train workers (``pools.train.workers > 1``) share training. ``ddp``: every
+    rank holds the whole model and optimizer; each ready micro-batch goes to whichever rank is
+    free; gradients are summed at the optimizer step. ``fsdp``: parameters, gradients and
+    optimizer state are sharded over the ranks (FSDP2), for models that do not fit one device;
+    the ranks train in lockstep rounds of micro-batches."""
 
 
 class Recipe(Strict):

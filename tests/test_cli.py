@@ -83,6 +83,17 @@ def test_user_mistake_is_one_line_without_traceback(tiny_recipe):
     assert len(lines) == 1 and "trainer.lr" in lines[0], proc.stderr
 
 
+@pytest.mark.slow
+def test_a_train_pool_the_trainer_cannot_use_is_one_line(tmp_path):
+    # the simulated trainer trains on one worker: two train workers are a mistake, said once
+    proc = streamrl("recipe", "run", "recipes/paper-7b-20k.toml", "--set", "pools.train.workers=2",
+                    "--set", f'run.out_dir="{tmp_path}"',
+                    "--set", "cluster.dashboard_port=0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "streamrl: error: pools.train.workers: trainer 'sim' trains on one worker; set pools.train.workers = 1 (got 2)")
+
+
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.toml")))
 def test_shipped_recipe_validates(recipe, tiny_model):
     # the GPU recipe's 1 GB model is made on the GPU machine (model init --arch); any model folder validates

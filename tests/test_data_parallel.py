@@ -1,6 +1,6 @@
 """Data-parallel training over two train workers (real processes, a real gloo process group):
-the same samples give the update one worker gives, in stream and batch modes, and both ranks
-end bit-identical."""
+the same samples give the update one worker gives, in stream and batch modes, with whole
+replicas (ddp: both ranks end bit-identical) and with sharded state (fsdp)."""
 
 from __future__ import annotations
 
@@ -28,36 +28,59 @@ def setup(tiny_model, tmp_path_factory):
     dask_cluster.close()
 
 
+def held(ctl, name) -> tuple[int, int]:
+    """Parameter elements the rank holds, and the model's total."""
+    def count():
+        from streamrl.flow.resident import TRAINER, resident
+
+        ps = list(resident(TRAINER).model.parameters())
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in ps)
+        return local, sum(p.numel() for p in ps)
+    return ctl.client.submit(count, pure=False, **ctl.pin[name]).result()
+
+
 def weights(ctl, name, after, key):
     return ctl.client.submit(remote.trainer_weights, after=after, key=key, **ctl.pin[name]).result()
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_two_train_workers_give_the_one_worker_update(setup, stream):
+def test_two_train_workers_give_the_one_worker_update(setup, stream, strategy):
     resolved, client, pools = setup
     one = Controller(resolved, client, {**pools, "train": {"train-0": pools["train"]["train-0"]}})
     one.place_residents()  # a fresh trainer on train-0, no process group: the oracle
-    scored = one.submit_generation(step=60 + stream)
+    tag = 10 * (strategy == "fsdp") + stream
+    scored = one.submit_generation(step=60 + tag)
     wait(scored)
-    mode = "stream" if stream else "batch"
-    resolved.recipe.trainer.groups_per_micro_batch = 1  # 4 groups -> 4 train tasks to share out
-    step, _ = one.submit_epochs(200 + stream, scored, 16, stream)
+    # fsdp: 3 of the 4 groups, so that one rank has a turn with nothing to train
+    scored = scored if strategy == "ddp" else scored[:3]
+    mode = f"{strategy}-{'stream' if stream else 'batch'}"
+    resolved.recipe.trainer.groups_per_micro_batch = 1  # 1 group per train task to share out
+    step, _ = one.submit_epochs(200 + tag, scored, 4 * len(scored), stream)
     alone = weights(one, "train-0", step, f"alone-{mode}")
 
-    two = Controller(resolved, client, pools)
-    two.place_residents()  # fresh trainers on both, joined in one group
-    step, passes = two.submit_epochs(300 + stream, scored, 16, stream)
+    resolved.recipe.trainer.strategy = strategy
+    try:
+        two = Controller(resolved, client, pools)
+        two.place_residents()  # fresh trainers on both, joined in one group (and sharded: fsdp)
+    finally:
+        resolved.recipe.trainer.strategy = "ddp"
+    step, passes = two.submit_epochs(300 + tag, scored, 4 * len(scored), stream)
     ranks = {x["trained_on"] for f in passes[0] for x in f.result()["sample_log"]}
     rank0 = weights(two, "train-0", two.last_step, f"rank0-{mode}")
-    rank1 = weights(two, "train-1", two.last_step, f"rank1-{mode}")
-    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), "the ranks must stay identical"
+    local, whole = held(two, "train-1")
+    assert local == whole if strategy == "ddp" else local < 0.6 * whole  # fsdp: about half each
+    if strategy == "ddp":
+        rank1 = weights(two, "train-1", two.last_step, f"rank1-{mode}")
+        assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), "the ranks must stay identical"
+    assert rank0.keys() == alone.keys()
     gap = max((rank0[n] - alone[n]).abs().max().item() for n in rank0)  # measured: < 1e-6
     lr = resolved.trainer.config.lr
     # the same update up to float summation order (Adam's first step is ~lr * sign(g); see test_flow)
     off = sum(int(((rank0[n] - alone[n]).abs() > 0.02 * lr).sum()) for n in rank0)
     total = sum(t.numel() for t in rank0.values())
     assert off <= 1e-4 * total, (off, total, gap)
-    if stream:
+    if stream and strategy == "ddp":
         assert ranks <= {"train-0", "train-1"}  # whichever rank was free
     else:
-        assert ranks == {"train-0", "train-1"}  # a batch's 4 micro-batches go round-robin
+        assert ranks == {"train-0", "train-1"}  # round-robin: a batch's always, fsdp's always

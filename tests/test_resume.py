@@ -155,3 +155,34 @@ def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_
     recs = records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
     check_every_sample_trained_once(recs)
+
+
+@pytest.mark.slow
+def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_run_ends(straight, tmp_path):
+    # fsdp over 2 train workers, with a critic and a reference model sharded too: a run of 3
+    # steps resumed to 6 ends exactly where a run of 6 ends
+    recipe, _ = straight
+    fsdp = [*SAME, "run.checkpoint_every=3", "pools.train.workers=2", "trainer.strategy=fsdp",
+            "algorithm.name=ppo", "algorithm.kl_coef=0.01"]
+    whole = streamrl("recipe", "run", str(recipe), *sets(*fsdp, "run.steps=6", f"run.out_dir={tmp_path / 'whole'}"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    part = streamrl("recipe", "run", str(recipe), *sets(*fsdp, "run.steps=3", f"run.out_dir={tmp_path / 'part'}"))
+    assert part.returncode == 0, part.stderr[-3000:]
+    folder = only_run(tmp_path / "part")
+    # each rank wrote its own shards
+    assert len(list((folder / "checkpoints" / "step-000003" / "trainer" / "dcp").glob("*.distcp"))) == 2
+    proc = streamrl("recipe", "resume", str(folder), "--set", "run.steps=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step-000003" in proc.stderr
+    straight_run = only_run(tmp_path / "whole")
+    assert [r["reward_mean"] for r in records(folder)] == [r["reward_mean"] for r in records(straight_run)]
+    for part_file in ("model.safetensors", "critic/model.safetensors"):
+        a = load_file(straight_run / "policy" / part_file)
+        b = load_file(folder / "policy" / part_file)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), part_file
+    # the policy written from the shards is a whole model (from_pretrained refuses wrong shapes)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "policy")
+    saved = load_file(folder / "policy" / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in saved.items())

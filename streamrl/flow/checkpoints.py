@@ -39,17 +39,20 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def write(client: Client, train_pin: dict, after: Future | None, run_dir: Path, next_step: int,
+def write(client: Client, train_pins: list[dict], after: Future | None, run_dir: Path, next_step: int,
           version: int, records: int, keep: int, trainer_id: str | dict | None = None) -> Path:
-    """Write the checkpoint taken after step ``next_step - 1``; returns its folder."""
+    """Write the checkpoint taken after step ``next_step - 1``; returns its folder. The trainer's
+    part is written by the ranks in ``train_pins`` together (rank 0 alone unless sharded)."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after, trainer_id=trainer_id,
-                  key=f"checkpoint-{next_step}-{time.time_ns()}", pure=False, **train_pin).result()
+    stamp = time.time_ns()
     # (a fresh key: the same step written again -- a resumed run -- must not be answered with
     # the first write's finished task, which wrote into a folder that is gone)
+    client.gather([client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after, trainer_id=trainer_id,
+                                 key=f"checkpoint-{next_step}-{stamp}-{i}", pure=False, **pin)
+                   for i, pin in enumerate(train_pins)])
     (tmp / "controller.json").write_text(json.dumps(
         {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
@@ -64,7 +67,10 @@ def read(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "controller.json").read_text())
 
 
-def restore_trainer(client: Client, train_pin: dict, checkpoint: Path) -> None:
-    """Load the trainer's part into the (freshly placed) trainer."""
-    client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"), key=f"restore-{checkpoint.name}-{time.time_ns()}",
-                  pure=False, **train_pin).result()
+def restore_trainer(client: Client, train_pins: list[dict], checkpoint: Path) -> None:
+    """Load the trainer's part into the (freshly placed) trainer of every rank, all at once
+    (sharded ranks read their shards together)."""
+    stamp = time.time_ns()
+    client.gather([client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"),
+                                 key=f"restore-{checkpoint.name}-{stamp}-{i}", pure=False, **pin)
+                   for i, pin in enumerate(train_pins)])

@@ -77,6 +77,11 @@ class Controller:
         if world > 1 and not resolved.trainer.component.declared(Trainer, "data_parallel", False):
             raise UserError(f"pools.train.workers: trainer {r.trainer.name!r} trains on one worker; "
                             f"set pools.train.workers = 1 (got {world})")
+        # fsdp: the ranks hold shards, so every forward/backward is a collective (training/fsdp.py)
+        self.sharded = world > 1 and r.trainer.strategy == "fsdp"
+        if self.sharded and resolved.trainer.component.declared(Trainer, "shard", Trainer.shard) is Trainer.shard:
+            raise UserError(f"trainer.strategy: trainer {r.trainer.name!r} cannot shard its state; "
+                            "set trainer.strategy = \"ddp\"")
         self.generate_pins = {name: self.pin[name] for name in self.generate_workers}
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
@@ -127,8 +132,8 @@ class Controller:
         address = self.client.submit(remote.rendezvous_address, key=f"rendezvous-{time.time_ns()}",
                                      **self.train_pin).result()
         timeout = self.recipe.cluster.startup_timeout
-        joins = [self.client.submit(remote.join_train_group, rank, world, address, timeout, pure=False,
-                                    key=f"join-train-group-{name}", **self.pin[name])
+        joins = [self.client.submit(remote.join_train_group, rank, world, address, timeout, self.recipe.trainer.strategy,
+                                    pure=False, key=f"join-train-group-{name}", **self.pin[name])
                  for rank, name in enumerate(self.train_workers)]
         for f in joins:
             f.result()
@@ -214,21 +219,28 @@ class Controller:
         suffix = f"-epoch{epoch}" if epoch else ""
 
         world = len(self.train_workers)
+        turns: dict[str, Future] = {}  # sharded: each rank's last train task (the rounds' order)
 
         def where() -> dict:
-            # one rank: pinned to it. Several: streamed micro-batches go to any free rank; a
-            # batch's, known up front, round-robin (balanced, and the same split every run)
+            # one rank: pinned to it. Several (ddp): streamed micro-batches go to any free rank; a
+            # batch's, known up front, round-robin (balanced, and the same split every run).
+            # Sharded: round-robin always -- rounds of one task per rank, see below
             if world == 1:
                 return cluster.at(self.train_pin, train=1)
-            if stream:
+            if stream and not self.sharded:
                 return {"resources": {"train": 1}}
             return cluster.at(self.pin[self.train_workers[len(trains) % world]], train=1)
 
         def submit(chunk):
+            rank = self.train_workers[len(trains) % world]
+            # sharded ranks must run their tasks in the order given, so that the k-th task of
+            # every rank meets the others' k-th in its collectives: each waits for its rank's last
+            later = [*(after or []), turns[rank]] if self.sharded and rank in turns else after
             trains.append(self.client.submit(
                 remote.train_groups, *chunk, scale=1.0 / total_samples, micro_batch_tokens=t.micro_batch_tokens,
-                groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=after,
+                groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=later,
                 trainer_id=self.trainer_ids, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
+            turns[rank] = trains[-1]
 
         if not stream:
             size = -(-len(scored) // world) if dynamic else bundles_per_task
@@ -255,6 +267,8 @@ class Controller:
                     buf = []
                 if seen == len(scored):
                     break
+        while self.sharded and len(trains) % world:  # the last round: the other ranks' empty turns
+            submit([])
         # every rank steps, together (they sum their gradients first), after every micro-batch
         steps = [self.client.submit(remote.optimizer_step, *trains, trainer_id=self.trainer_ids,
                                     key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
@@ -347,15 +361,19 @@ class Controller:
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
         """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
-        return checkpoints.write(self.client, self.train_pin, self.last_step, run_dir, next_step, self.version,
+        return checkpoints.write(self.client, self.writers(), self.last_step, run_dir, next_step, self.version,
                                  records, self.recipe.run.keep_checkpoints, self.trainer_ids)
+
+    def writers(self) -> list[dict]:
+        """The ranks that write checkpoints and the policy: rank 0, or every rank if sharded."""
+        return [self.pin[name] for name in self.train_workers] if self.sharded else [self.train_pin]
 
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
         (so nothing generates with the base weights), and continue the mode; returns the next step."""
         state = checkpoints.read(checkpoint)
-        for name in self.train_workers:  # every rank starts from the same state
-            checkpoints.restore_trainer(self.client, self.pin[name], checkpoint)
+        # every rank starts from the same state
+        checkpoints.restore_trainer(self.client, [self.pin[name] for name in self.train_workers], checkpoint)
         self.version = state["policy_version"]
         wait_loaded(publish(self.client, None, self.version, self.train_pin, self.generate_pins,
                             tag=f"-resume-{time.time_ns()}", trainer_id=self.trainer_ids))
@@ -374,5 +392,6 @@ class Controller:
         self.dispatcher.finish()
         if self.elastic:
             self.elastic.finish()
-        return self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_ids,
-                                  key="save-policy", **self.train_pin).result()
+        return self.client.gather([
+            self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_ids,
+                               key=f"save-policy-{i}", **pin) for i, pin in enumerate(self.writers())])[0]

@@ -80,12 +80,22 @@ def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 
     order = sorted(range(len(groups)), key=lambda i: max(len(s.prompt_ids) + len(s.response_ids) for s in groups[i]))
     cuts = [[order[j] for j in idx] for idx in
             pack([group_tokens(groups[i]) for i in order], micro_batch_tokens, groups_per_micro_batch)]
+    passes = [[groups[i] for i in idx] for idx in cuts]
+    if getattr(trainer, "sharded", False):
+        # sharded ranks run this task in rounds, one task each: every rank makes as many
+        # passes as the busiest (the extra ones empty), so their collectives pair up
+        from streamrl.training.fsdp import agree_passes
+
+        passes += [[]] * (agree_passes(len(passes), trainer.device) - len(passes))
     stats: dict = {}
-    for idx in cuts:
-        for k, v in trainer.micro_batch([groups[i] for i in idx], scale).items():
+    for chunk in passes:
+        for k, v in trainer.micro_batch(chunk, scale).items():
             stats[k] = stats.get(k, 0) + v
     stats["micro_batches"] = len(cuts)
     samples = [s for g in groups for s in g]
+    if not samples:  # a sharded rank's empty turn in a round
+        return {**stats, "samples": 0, "tokens": 0, "reward_sum": 0.0, "loss_sum": 0.0,
+                "reward_errors": 0, "sample_log": []}
     trained, rank = time.time(), str(get_worker().name)
     # one small record per sample: the controller checks ids (none lost, none twice) and
     # writes the timeline into metrics.jsonl
@@ -192,12 +202,15 @@ def rendezvous_address() -> str:
     return free_address(host)
 
 
-def join_train_group(rank: int, world: int, address: str, timeout_s: float) -> int:
-    """Train pool: join the process group (every rank's task runs at once); returns the rank."""
+def join_train_group(rank: int, world: int, address: str, timeout_s: float, strategy: str = "ddp") -> int:
+    """Train pool: join the process group (every rank's task runs at once), and shard the
+    trainer over it for ``strategy = "fsdp"``; returns the rank."""
     from streamrl.training.data_parallel import join
 
-    resident(TRAINER)  # built first: a slow model load must not eat the rendezvous timeout
+    trainer = resident(TRAINER)  # built first: a slow model load must not eat the rendezvous timeout
     join(rank, world, address, timeout_s)
+    if strategy == "fsdp" and world > 1:
+        trainer.shard()
     return rank
 
 

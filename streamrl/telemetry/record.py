@@ -94,8 +94,9 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
     samples = sum(m["samples"] for m in micro)
     sample_log = [dict(x, staleness=step - x["version"]) for m in micro for x in m.get("sample_log", [])]
     tokens = sum(m["tokens"] for m in micro)
-    gen_end = max(m["gen_end_max"] for m in micro)
-    oldest = min(m["policy_version_min"] for m in micro)
+    # (a sharded rank's empty turn in a round trained no sample: it has neither)
+    gen_end = max(m["gen_end_max"] for m in micro if "gen_end_max" in m)
+    oldest = min(m["policy_version_min"] for m in micro if "policy_version_min" in m)
     step_s = t_end - t0
     return StepRecord(
         step=step, policy_version=version, samples=samples, train_tasks=len(micro),

@@ -1,8 +1,9 @@
 """The hf trainer's checkpoint: everything a resumed run needs to continue exactly.
 
 Tensors (policy, AdamW moments, critic and its optimizer) go through
-``torch.distributed.checkpoint`` (DCP): the same call writes one process's state today and a
-sharded DDP/FSDP state tomorrow, and loads in place into freshly built modules. The small
+``torch.distributed.checkpoint`` (DCP), which loads in place into freshly built modules. With one
+worker or ``ddp`` (identical ranks) rank 0 writes everything alone; sharded (``fsdp``) every rank
+writes its shards at once, and every rank reads back its own. The small
 non-tensor state (optimizer step counts live in DCP; the LR schedule, the trainer's optimizer-step
 count, the algorithm's running statistics and the RNG states) goes to ``trainer.pt`` beside it.
 """
@@ -30,6 +31,12 @@ def _modules(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]
     return out
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def save(trainer, path: str) -> None:
     """Write the trainer's full state into the folder ``path`` (created)."""
     dcp, get_state_dict, _ = _dcp()
@@ -41,10 +48,11 @@ def save(trainer, path: str) -> None:
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
         warnings.simplefilter("ignore")
         # no_dist: the ranks of a data-parallel train pool hold identical state; rank 0 writes it
-        dcp.save(state, checkpoint_id=str(folder / "dcp"), no_dist=True)
-    torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
-                "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate()}, folder / "trainer.pt")
+        dcp.save(state, checkpoint_id=str(folder / "dcp"), no_dist=not trainer.sharded)
+    if not trainer.sharded or _rank() == 0:
+        torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
+                    "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate()}, folder / "trainer.pt")
 
 
 def load(trainer, path: str) -> None:
@@ -57,7 +65,7 @@ def load(trainer, path: str) -> None:
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(folder / "dcp"), no_dist=True)
+        dcp.load(state, checkpoint_id=str(folder / "dcp"), no_dist=not trainer.sharded)
     for name, (module, optimizer) in modules.items():
         set_state_dict(module, optimizer, model_state_dict=state[f"{name}.model"],
                        optim_state_dict=state[f"{name}.optim"])

@@ -27,19 +27,28 @@ class Critic(torch.nn.Module):
 
     def values(self, ids, attn):
         """Values ``[B, T-1]`` of the states before each next token."""
+        return self(ids, attn)  # through forward: a sharded critic gathers its weights there
+
+    def forward(self, ids, attn):
+        """See :meth:`values`."""
         hidden = self.backbone(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
-        return self.head(hidden).squeeze(-1).float()
+        # (a copy, not a view of the head's output: FSDP warns that a view can lose its hooks)
+        return self.head(hidden).squeeze(-1).float().clone()
 
     def step(self, max_grad_norm: float) -> float:
         """Clip, step, clear; returns the gradient norm."""
         norm = 0.0
         if max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_grad_norm)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (sharded)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def save(self, out: str) -> None:
-        """The backbone as a transformers folder, the head as ``value_head.pt`` beside it."""
-        self.backbone.save_pretrained(out)
-        torch.save(self.head.state_dict(), f"{out}/value_head.pt")
+    def save(self, out: str, state_dict: dict | None = None) -> None:
+        """The backbone as a transformers folder, the head as ``value_head.pt`` beside it.
+        ``state_dict``: this module's whole state, when its parameters are sharded."""
+        state = state_dict if state_dict is not None else self.state_dict()
+        self.backbone.save_pretrained(out, state_dict={k[len("backbone."):]: v for k, v in state.items()
+                                                       if k.startswith("backbone.")})
+        torch.save({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}, f"{out}/value_head.pt")

@@ -61,3 +61,18 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0, chunk_tokens: int
     if parts:
         out = out.masked_scatter(where, torch.cat(parts))
     return out
+
+
+class TokenLogprobs(torch.nn.Module):
+    """:func:`token_logprobs` as a module around a causal LM. Sharded (FSDP), the model's own
+    weights outside its decoder layers (embeddings, final norm, output head) are gathered by
+    hooks around the *root* module's forward; the chunked path calls the decoder and the head
+    separately, so the root must be this module, whose forward is the whole computation."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attn, temperature: float = 1.0, chunk_tokens: int = 0, mask=None):
+        """Same as :func:`token_logprobs` on the wrapped model."""
+        return token_logprobs(self.model, ids, attn, temperature, chunk_tokens, mask)

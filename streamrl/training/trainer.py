@@ -21,8 +21,9 @@ from streamrl.api import Trainer, TrainerContext
 from streamrl.devices import worker_device
 from streamrl.sample import Group
 from streamrl.training import data_parallel as dp
+from streamrl.training import fsdp
 from streamrl.training.logprobs import naive_token_logprobs
-from streamrl.training.logprobs import token_logprobs as chunked_token_logprobs
+from streamrl.training.logprobs import TokenLogprobs
 
 
 class HFTrainerConfig(BaseModel):
@@ -106,15 +107,38 @@ class HFTrainer(Trainer):
             from streamrl.training.critic import Critic
 
             self.critic = Critic(context.model_path, config.critic_lr, device)
+        # the policy's (and reference's) token log-probs, as modules: the unit fsdp shards
+        self.policy = TokenLogprobs(self.model)
+        self.reference_policy = TokenLogprobs(self.reference) if self.reference is not None else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         warmup = config.warmup_steps
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
+        self.sharded = False  # trainer.strategy = "fsdp" over several ranks (shard())
+        self.full: dict[str, torch.Tensor] | None = None  # sharded: the whole weights, on rank 0
+
+    def shard(self) -> None:
+        """Shard policy, reference and critic over the train pool (``training/fsdp.py``); the
+        optimizers are built anew over the sharded parameters (no step has been taken yet)."""
+        for module in (self.policy, self.reference_policy, self.critic):
+            if module is not None:
+                fsdp.shard(module, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
+                                           weight_decay=self.config.weight_decay)
+        warmup = self.config.warmup_steps
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
+        if self.critic is not None:
+            self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
+        self.sharded = True
+        self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
 
     def micro_batch(self, groups: list[Group], scale: float) -> dict:
-        """Forward/backward on whole groups; gradients accumulate until :meth:`step`."""
+        """Forward/backward on whole groups; gradients accumulate until :meth:`step`. Sharded,
+        ``groups = []`` runs an empty pass (every rank must run as many passes as the others)."""
         try:
+            if not groups:
+                return self._empty_pass()
             return self._forward_backward(groups, scale)
         except torch.OutOfMemoryError:
             samples = [s for g in groups for s in g]
@@ -140,6 +164,8 @@ class HFTrainer(Trainer):
                 # a sample with advantage 0 adds nothing to the gradient: leave it out of the
                 # forward/backward (GRPO groups whose samples all got the same reward)
                 keep = [i for i, a in enumerate(adv_list) if a != 0.0]
+                if not keep and self.sharded:  # every rank must still take part: a zero-loss pass
+                    return {**self._empty_pass(samples[0]), **counted, "skipped_sum": counted["samples"]}
                 if not keep:
                     return self._no_gradient(counted, t0)
                 samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
@@ -160,11 +186,11 @@ class HFTrainer(Trainer):
             stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
         chunk = self.config.logprob_chunk_tokens
         with self.autocast():
-            new = chunked_token_logprobs(self.model, ids, attn, self.temperature, chunk, resp)
+            new = self.policy(ids, attn, self.temperature, chunk, resp)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref = chunked_token_logprobs(self.reference, ids, attn, self.temperature, chunk, resp)
+                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp)
         per_sample, algo_stats = self.algorithm.loss(new, old, ref, adv, resp)
         stats.update(algo_stats)
         if self.version < self.algorithm.critic_warmup_steps:
@@ -177,6 +203,38 @@ class HFTrainer(Trainer):
             "seconds": time.perf_counter() - t0,
             **{k: float(v) for k, v in stats.items()},
         }
+
+    def _empty_pass(self, like=None) -> dict:
+        # A forward/backward through every sharded module with a zero loss: it takes part in
+        # the ranks' collectives and adds exactly zero to every gradient. ``like``: a sample to
+        # copy the shape of (else one pad token of prompt and response).
+        from streamrl.sample import Sample
+
+        t0 = time.perf_counter()
+        pad = self.tokenizer.pad_token_id
+        prompt, response = (like.prompt_ids, like.response_ids) if like is not None else ([pad], [pad])
+        dummy = Sample(uid="pad", prompt=None, prompt_ids=prompt, response_ids=response,
+                       logprobs=[0.0] * len(response), reward=0.0)
+        ids, attn, resp, old = (t.to(self.device) for t in pad_batch([dummy], pad))
+        critic_loss = 0.0
+        if self.critic is None:
+            adv = torch.zeros(1, device=self.device)
+        else:
+            with self.autocast():
+                values = self.critic.values(ids, attn).float()
+            adv = torch.zeros_like(values)
+            critic_loss = values.sum() * 0.0
+        chunk = self.config.logprob_chunk_tokens
+        with self.autocast():
+            new = self.policy(ids, attn, self.temperature, chunk, resp)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp)
+        per_sample, _ = self.algorithm.loss(new, old, ref, adv, resp)
+        (per_sample.sum() * 0.0 + critic_loss).backward()
+        return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
+                "seconds": time.perf_counter() - t0}
 
     def autocast(self):
         """bf16 autocast around forward passes when ``precision`` asks for it, else a no-op."""
@@ -197,16 +255,18 @@ class HFTrainer(Trainer):
         train pool of several workers the gradients are first summed over the ranks
         (``training/data_parallel.py``), so every rank applies the one-worker update."""
         t0 = time.perf_counter()
-        if dp.world_size() > 1:
+        if dp.world_size() > 1 and not self.sharded:  # (sharded: summed in each backward)
             dp.all_reduce_gradients(self.model.parameters())
             if self.critic is not None:
                 dp.all_reduce_gradients(self.critic.parameters())
         norm = 0.0
         if self.config.max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+            norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)))
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded:  # gathered now, while every rank is here: rank 0 exports them later
+            self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
         out = {"version": self.version + 1, "grad_norm": norm}
         if self.critic is not None:
             out["critic_grad_norm"] = self.critic.step(self.config.max_grad_norm)
@@ -215,12 +275,19 @@ class HFTrainer(Trainer):
 
     @torch.no_grad()
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The parameters, detached (tied weights once, as ``named_parameters`` gives them)."""
+        """The parameters, detached (tied weights once, as ``named_parameters`` gives them).
+        Sharded: the whole weights gathered at the last step, on rank 0."""
+        if self.sharded:
+            if self.full is None:
+                raise RuntimeError("trainer: with trainer.strategy = 'fsdp' only rank 0 holds the whole weights")
+            return self.full
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def logprobs(self, group: Group) -> list[list[float]]:
         """Recomputed logprobs of each response's tokens under the current weights (for checks)."""
+        if self.sharded:  # a forward on one rank alone would wait for the others for ever
+            raise RuntimeError("trainer: logprobs are not recomputed with trainer.strategy = 'fsdp'")
         ids, attn, resp, _ = pad_batch(group, self.tokenizer.pad_token_id)
         lp = token_logprobs(self.model, ids.to(self.device), attn.to(self.device), self.temperature).cpu()
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
@@ -236,9 +303,24 @@ class HFTrainer(Trainer):
         from streamrl.training import checkpoint
 
         checkpoint.load(self, path)
+        if self.sharded:  # the export after a resume sends the restored weights
+            self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
 
     def save(self, out: str) -> str:
-        """Write the current policy as a transformers model folder (``from_pretrained`` reloads it)."""
+        """Write the current policy as a transformers model folder (``from_pretrained`` reloads it).
+        Sharded: every rank calls it (the weights are gathered), rank 0 writes."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            policy = get_model_state_dict(self.model, options=whole)
+            critic = get_model_state_dict(self.critic, options=whole) if self.critic is not None else None
+            if fsdp.is_rank0():
+                self.model.save_pretrained(out, state_dict=policy)
+                self.tokenizer.save_pretrained(out)
+                if critic is not None:
+                    self.critic.save(f"{out}/critic", state_dict=critic)
+            return out
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         if self.critic is not None:

@@ -1,0 +1,72 @@
+"""Fully sharded data parallel (``trainer.strategy = "fsdp"``): parameters, gradients and
+optimizer state split over the train pool's ranks with FSDP2's ``fully_shard``, for models whose
+training state does not fit one device.
+
+Each decoder layer is its own FSDP unit (its full weights exist only while it runs), then the
+whole model. Unlike ``ddp`` (``training/data_parallel.py``), every forward and backward is a
+collective: all ranks must run the same number of passes, in the same order. streamrl pairs the
+ranks' train tasks in rounds and pads a rank that has less to do with an empty pass (a zero
+loss through every module), so a streamed step still works.
+
+Gradients are *summed* over the ranks, not averaged: each rank's loss is already scaled by
+1 / (samples in the whole step), so the sum is exactly the one-worker gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shard(module: torch.nn.Module, device: str) -> None:
+    """Shard ``module`` in place over the default process group: each transformer block (the
+    classes transformers names in ``_no_split_modules``) as one unit, then the rest."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    blocks = set()
+    for m in module.modules():
+        blocks |= set(getattr(m, "_no_split_modules", None) or [])
+    for m in list(module.modules()):
+        if m is not module and type(m).__name__ in blocks:
+            fully_shard(m, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # sum, not mean; and with SUM alone (gloo has no pre-multiplied sum)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (DTensor) gathered whole -- a collective on every rank -- or ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def full_weights(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
+    """Every parameter gathered whole onto the CPU (a collective: every rank calls it); returned
+    where ``keep`` (rank 0, which exports), else dropped as it arrives."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = full(p.detach()).to("cpu", copy=True)
+        if keep:
+            out[name] = t
+    return out if keep else None
+
+
+def agree_passes(n: int, device: str) -> int:
+    """The most forward/backward passes any rank has in this round (a collective)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def is_rank0() -> bool:
+    """True on rank 0 of the train pool's group (or without a group)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
