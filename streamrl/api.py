@@ -311,6 +311,10 @@ class TrainerContext:
     """The engine's validated config (a simulated trainer reads its cost model from it)."""
     seed: int = 0
     """``run.seed``."""
+    sharded: bool = False
+    """The trainer will be sharded over the train pool (:meth:`Trainer.shard`): keep the model
+    off the device until then (``fully_shard`` moves each rank's shard there), so a model
+    that does not fit one device can still be built."""
 
 
 class Trainer:

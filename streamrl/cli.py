@@ -10,6 +10,7 @@
     streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
     streamrl bench transfer recipes/addition.toml    # seconds and GB/s per weight publication
     streamrl bench elastic recipes/longtail-cpu.toml # fixed vs elastic generate pool
+    streamrl bench trainpool recipes/ppo.toml        # one train worker vs ddp vs fsdp
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
     streamrl plan recipes/paper-7b-20k.toml --devices 12 --check   # split devices between the pools
 
@@ -109,6 +110,18 @@ def parser() -> argparse.ArgumentParser:
     trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
     trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
     trainer.add_argument("--out", default=None, help="write the JSON result here")
+    pool = bench.add_parser("trainpool", help="the train pool alone: one worker vs ddp vs fsdp over several "
+                                              "(s/step, state and peak memory per rank)")
+    _recipe_args(pool)
+    pool.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                      help="a variant, e.g. --variant 'fsdp4:pools.train.workers=4;trainer.strategy=\"fsdp\"' "
+                           "(default: one worker, ddp x2, fsdp x2)")
+    pool.add_argument("--samples", type=int, default=64, help="samples per step")
+    pool.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per sample")
+    pool.add_argument("--response-tokens", type=int, default=48, help="response tokens per sample")
+    pool.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
+    pool.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
+    pool.add_argument("--out", default=None, help="write the JSON result here")
     elastic = bench.add_parser("elastic", help="a fixed generate pool (min, max workers) vs an elastic one")
     _recipe_args(elastic)
     elastic.add_argument("--min", dest="lo", type=int, default=1, help="workers of the small fixed pool, where the "
@@ -219,6 +232,14 @@ def cmd_bench(args) -> int:
             raise UserError("--samples, --prompt-tokens, --response-tokens and --steps must be >= 1, --warmup >= 0")
         trainer.bench(args.file, args.overrides, args.variants, args.samples, args.prompt_tokens,
                       args.response_tokens, args.steps, args.warmup, args.out)
+        return 0
+    if args.cmd == "trainpool":
+        from streamrl.bench import trainpool
+
+        if min(args.samples, args.prompt_tokens, args.response_tokens) < 1:
+            raise UserError("--samples, --prompt-tokens and --response-tokens must be >= 1")
+        trainpool.bench(args.file, args.overrides, args.variants, args.samples, args.prompt_tokens,
+                        args.response_tokens, args.steps, args.warmup, args.out)
         return 0
     if args.cmd == "engine":
         engine.bench(args.file, args.overrides, args.variants, args.steps, args.warmup, args.out)

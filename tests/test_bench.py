@@ -113,6 +113,25 @@ def test_bench_transfer_times_publications_next_to_memcpy(tiny_recipe, tmp_path)
 
 
 @pytest.mark.slow
+def test_bench_trainpool_shards_the_state_over_fsdp_ranks(tiny_recipe, tmp_path):
+    out = tmp_path / "trainpool.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "trainpool", str(tiny_recipe), "--steps", "1",
+                           "--samples", "16", "--variant", "one:pools.train.workers=1",
+                           "--variant", 'fsdp:pools.train.workers=2;trainer.strategy="fsdp"', "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, fsdp = json.loads(out.read_text())
+    assert (one["train_workers"], fsdp["train_workers"], fsdp["strategy"]) == (1, 2, "fsdp")
+    whole = one["ranks"]["train-0"]
+    assert whole["optimizer_bytes"] == 2 * whole["params_bytes"]  # AdamW: two moments per parameter
+    for rank in fsdp["ranks"].values():  # each rank holds about half of it (shards split by rows)
+        assert 0.4 < rank["params_bytes"] / whole["params_bytes"] < 0.6
+        assert 0.4 < rank["optimizer_bytes"] / whole["optimizer_bytes"] < 0.6
+        assert rank["peak_rss_bytes"] > 0
+    assert all(s > 0 for s in fsdp["step_s"]) and "fsdp" in proc.stdout
+
+
+@pytest.mark.slow
 def test_bench_engine_generates_each_variant_from_the_same_prompts(tiny_recipe, tmp_path):
     out = tmp_path / "engine.json"
     proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "engine", str(tiny_recipe), "--steps", "2",

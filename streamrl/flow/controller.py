@@ -105,7 +105,8 @@ class Controller:
     def place_residents(self) -> None:
         """Build the engines, trainer, reward, transfer and ranker on their workers; start the
         clocks. Calling it again starts over from the initial weights."""
-        placement.place(self.client, self.resolved, self.generate_workers, self.train_worker, self.rank_worker)
+        placement.place(self.client, self.resolved, self.generate_workers, self.train_worker, self.rank_worker,
+                        self.sharded)
         scheduler = self.resolved.scheduler.build() if self.resolved.scheduler else None
         self.dispatcher = Dispatcher(self.client, self.generate_workers, self.recipe.trainer.samples_per_prompt,
                                      scheduler, self.rank_worker)

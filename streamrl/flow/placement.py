@@ -27,24 +27,26 @@ def build_engine(engine: Chosen, model_path: str | None):
     return obj
 
 
-def trainer_context(resolved: Resolved) -> TrainerContext:
-    """What the trainer's factory gets besides its config."""
+def trainer_context(resolved: Resolved, sharded: bool = False) -> TrainerContext:
+    """What the trainer's factory gets besides its config (``sharded``: it will be, over the
+    train pool)."""
     e = resolved.engine
     return TrainerContext(model_path=resolved.model_path, algorithm=resolved.algorithm.build(),
                           temperature=e.component.declared(Engine, "sampling_temperature", lambda c: 1.0)(e.config),
-                          engine_config=e.config, seed=resolved.recipe.run.seed)
+                          engine_config=e.config, seed=resolved.recipe.run.seed, sharded=sharded)
 
 
 def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], train_worker: str,
-          rank_worker: str | None = None) -> None:
-    """Register every resident and build the engines, the trainer and the ranker now."""
+          rank_worker: str | None = None, sharded: bool = False) -> None:
+    """Register every resident and build the engines, the trainer and the ranker now
+    (``sharded``: the trainer is about to be sharded over the train pool)."""
     r = resolved.recipe
     seed = r.run.seed
     gen_threads = r.pools.generate.torch_threads if r.pools.generate else 1
     train_threads = r.pools.train.torch_threads if r.pools.train else 1
     client.register_plugin(Resident(ENGINE, partial(build_engine, resolved.engine, resolved.model_path),
                                     torch_threads=gen_threads, seed=seed, what=f"engine {r.engine.name!r}"))
-    client.register_plugin(Resident(TRAINER, partial(resolved.trainer.build, trainer_context(resolved)),
+    client.register_plugin(Resident(TRAINER, partial(resolved.trainer.build, trainer_context(resolved, sharded)),
                                     torch_threads=train_threads, seed=seed, what=f"trainer {r.trainer.name!r}"))
     client.register_plugin(Resident(REWARD, resolved.reward.build, seed=seed, what=f"reward {r.reward.name!r}"))
     client.register_plugin(Resident(TRANSFER, resolved.transfer.build, seed=seed,

@@ -28,15 +28,18 @@ def free_address(host: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-def join(rank: int, world: int, address: str, timeout_s: float, backend: str = "gloo") -> None:
+def join(rank: int, world: int, address: str, timeout_s: float, backend: str | None = None) -> None:
     """Join the train pool's process group, leaving any earlier one first (every rank joins
-    anew at a fresh address); ``world = 1`` only leaves."""
+    anew at a fresh address); ``world = 1`` only leaves. ``backend`` None: gloo for CPU tensors,
+    plus NCCL for CUDA tensors where CUDA is available (one group serves both)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
     if world == 1:
         return
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -50,7 +50,7 @@ def full_weights(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] 
     where ``keep`` (rank 0, which exports), else dropped as it arrives."""
     out = {}
     for name, p in model.named_parameters():
-        t = full(p.detach()).to("cpu", copy=True)
+        t = full(p.detach()).to("cpu")  # (gathered into a fresh tensor: no copy needed on the CPU)
         if keep:
             out[name] = t
     return out if keep else None

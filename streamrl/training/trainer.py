@@ -93,6 +93,8 @@ class HFTrainer(Trainer):
         self.bf16 = config.precision == "bf16-autocast" or (config.precision == "auto" and device == "cuda")
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        # about to be sharded: built on the CPU, and each rank's shard goes to the device in shard()
+        device = "cpu" if context.sharded else device
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
         self.model.train()
         if config.activation_checkpointing:
@@ -266,6 +268,7 @@ class HFTrainer(Trainer):
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.sharded:  # gathered now, while every rank is here: rank 0 exports them later
+            self.full = None  # (the last version's copy goes first: one whole copy at a time)
             self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
         out = {"version": self.version + 1, "grad_norm": norm}
         if self.critic is not None:
