@@ -1,0 +1,72 @@
+"""Length ranking and dispatch: the ``ranker`` and ``scheduler`` contracts.
+
+Plugins import these from ``streamrl.api``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from streamrl.sample import Prompt
+
+
+class Ranker:
+    """Predicts which prompts will have long outputs (StreamRL's output-length ranker).
+
+    Lives on one worker for the whole run (the ``rank`` pool, else the first reward worker), so
+    it may keep state. Its recall of the longest 20% is logged every step (``ranker_recall``).
+    """
+
+    def predict(self, prompts: list[Prompt]) -> list[float]:
+        """One score per prompt, higher = longer output (any scale)."""
+        raise NotImplementedError
+
+    def observe(self, prompts: list[Prompt], lengths: list[list[int]]) -> None:
+        """After a step: each prompt's observed output lengths (one per sample)."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+@dataclass
+class Assignment:
+    """Where and how one prompt group is generated (what a scheduler returns per prompt)."""
+
+    index: int
+    """Position of the prompt in the list given to ``dispatch``."""
+    worker: str
+    """Name of the generate worker (engine instance), one of ``workers``."""
+    priority: float = 0.0
+    """Higher is admitted first by the engine."""
+
+
+@dataclass
+class DispatchContext:
+    """What a scheduler knows when it dispatches a step."""
+
+    samples_per_prompt: int
+    """Samples generated per prompt (requests per group)."""
+    observed_lengths: list[int] = field(default_factory=list)
+    """Output lengths seen so far in the run (all samples, most recent 8192), for estimates."""
+    prompt_tokens: float = 0.0
+    """Typical prompt length in tokens (mean over the last step)."""
+    step_latency: Callable[[float], float] | None = None
+    """Seconds of one decode step given the running batch's total context tokens (from
+    :meth:`Engine.decode_latency`); None when the engine has no profile."""
+
+
+class Scheduler:
+    """Places a step's prompt groups on generate workers and orders them (on the client)."""
+
+    def dispatch(self, prompts: list[Prompt], scores: list[float], workers: list[str],
+                 ctx: DispatchContext) -> list[Assignment]:
+        """One :class:`Assignment` per prompt: ``scores`` are the ranker's (all 0.0 without
+        one), ``workers`` the generate workers' names."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """Optional: numbers about the last dispatch, merged into the step's metrics record."""
+        return {}
+
+    def close(self) -> None:
+        """Release resources."""

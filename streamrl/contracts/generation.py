@@ -1,0 +1,102 @@
+"""Generation and weights: the ``engine`` and ``transfer`` contracts.
+
+Plugins import these from ``streamrl.api``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import BaseModel
+
+from streamrl.sample import Group, Prompt
+
+if TYPE_CHECKING:  # torch is imported only where tensors are used
+    import torch
+
+
+class Engine:
+    """An inference engine, one per generate worker.
+
+    Generate tasks call :meth:`generate` from several threads at once (one per task slot of the
+    worker); the engine batches concurrent requests itself.
+    """
+
+    needs_model: bool = True
+    """False for engines that need no ``[model]`` (a simulator)."""
+    version: int = 0
+    """Policy version of the weights the engine generates with (0 = the initial model)."""
+
+    @classmethod
+    def sampling_temperature(cls, config: BaseModel) -> float:
+        """The temperature the engine samples at; the trainer divides its logits by the same
+        value so engine and trainer logprobs agree. Default 1.0."""
+        return 1.0
+
+    @classmethod
+    def simulated_time_scale(cls, config: BaseModel) -> float | None:
+        """For a simulated engine: real seconds per simulated second (reports then say
+        SIMULATED and give simulated rates). None (the default): a real engine."""
+        return None
+
+    def load(self, model_path: str | None) -> None:
+        """Load the model (``from_pretrained``) and start generating. ``None`` when the recipe
+        has no model (only for ``needs_model = False``)."""
+        raise NotImplementedError
+
+    def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
+        """``n`` samples of ``prompt``, with per-token logprobs and ``policy_version`` set;
+        blocks until all are done. Higher ``priority`` is admitted first when requests queue."""
+        raise NotImplementedError
+
+    def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
+        """One group of ``n`` samples per prompt (``pools.generate.groups_per_task`` > 1). The
+        default calls :meth:`generate` for every prompt at once, from one thread each, so the
+        engine batches them as it batches concurrent tasks; override to submit them directly."""
+        if len(prompts) == 1:
+            return [self.generate(prompts[0], n, priorities[0])]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(prompts), thread_name_prefix="streamrl-generate") as pool:
+            return list(pool.map(lambda p, pr: self.generate(p, n, pr), prompts, priorities))
+
+    def load_weights(self, named_tensors: dict[str, "torch.Tensor"], version: int) -> None:
+        """Overwrite the parameters in place (names as in ``model.named_parameters()``) and set
+        :attr:`version`. streamrl calls it one load at a time, only with newer versions."""
+        raise NotImplementedError
+
+    def decode_latency(self) -> Callable[[float], float] | None:
+        """Optional: a picklable function giving the seconds of one decode step from the running
+        batch's total context tokens (a scheduler estimates makespans with it). Default None."""
+        return None
+
+    def close(self) -> None:
+        """Stop generating; requests still waiting must fail, never hang."""
+
+
+class Transfer:
+    """Moves new weights from the trainer to every engine after each optimizer step.
+
+    One object is built on the train worker and one on each generate worker. streamrl orders the
+    work (export after the step, loads after the export), gives it priority over generation,
+    checks versions (an engine never goes back to older weights) and calls
+    ``engine.load_weights`` itself: a transfer only moves tensors.
+    """
+
+    receivers: int = 1
+    """How many generate workers will call :meth:`receive` for each version; streamrl sets it on
+    the train worker's object before every :meth:`send` (a collective needs the group's size).
+    ``receive`` is called for every version on every generate worker, even one the engine will
+    skip for a newer one, so a collective never waits for a member that is not coming."""
+
+    def send(self, weights: dict[str, "torch.Tensor"], version: int) -> Any:
+        """Train worker: the trainer's parameters (may be on a GPU). Return a payload that Dask
+        carries to every generate worker (bytes, CPU tensors, or a small token when the tensors
+        travel another way)."""
+        raise NotImplementedError
+
+    def receive(self, payload: Any, version: int) -> dict[str, "torch.Tensor"]:
+        """Generate worker: turn the payload back into named tensors for the engine."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections or process groups when the worker shuts down."""

@@ -1,0 +1,57 @@
+"""Prompt sources and rewards: the ``task`` and ``reward`` contracts.
+
+Plugins import these from ``streamrl.api``."""
+
+from __future__ import annotations
+
+
+from streamrl.sample import Prompt
+
+
+class Task:
+    """The prompt source of a run (runs in the ``streamrl`` process).
+
+    ``prompts(step, n)`` must be deterministic in its config (``seed``) and ``step``, so a run
+    can be repeated. A config field named ``seed`` that the recipe leaves unset gets ``run.seed``.
+    """
+
+    alphabet: str = ""
+    """Characters of the task's text; with :meth:`example`, lets ``streamrl model init`` make a
+    tiny character-level model for the task. Empty: the task cannot make one."""
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        """The ``n`` prompts of ``step``; every ``Prompt.uid`` unique within the run."""
+        raise NotImplementedError
+
+    def example(self, rng) -> tuple[str, str]:
+        """One ``(prompt text, answer text)`` pair drawn with ``rng`` (``random.Random``), for
+        the supervised warm start of ``streamrl model init``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make examples for a tiny model")
+
+    def max_prompt_chars(self) -> int:
+        """Longest prompt in characters (sizes a tiny model's context)."""
+        return 16
+
+    def max_response_chars(self) -> int:
+        """Longest answer in characters (sizes a tiny model's context)."""
+        return 8
+
+    def close(self) -> None:
+        """Release resources at the end of the run."""
+
+
+class Reward:
+    """Scores one response (runs in reward tasks on the reward pool).
+
+    Must be thread-safe: a reward worker runs several tasks at once. A reward that raises, or
+    returns something that is not a finite number, scores that sample 0 and is counted in
+    ``reward_errors``; the run goes on.
+    """
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """The reward of ``response`` (decoded text) to ``prompt`` (``prompt.answer`` holds what
+        the task put there to check it)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources (a reward model, a sandbox) when the worker shuts down."""
