@@ -120,13 +120,15 @@ class ElasticConfig(Strict):
     grow_when_train_idle: float = Field(0.15, ge=0, le=1)
     """Add a worker when, in the last step, the train pool was idle more than this share of the
     step (the trainer waited) while the generate pool was idle less than
-    ``grow_when_generate_idle_below`` (generation was the bottleneck, not the controller)."""
+    ``grow_when_generate_idle_below`` *while generation ran* (generation was the bottleneck, not
+    the controller). "While generation ran": the whole step in ``async``; in ``stream`` and
+    ``batch`` from the step's start to its last sample, since after it the pool waits for the
+    new weights by design."""
     grow_when_generate_idle_below: float = Field(0.1, ge=0, le=1)
-    """See ``grow_when_train_idle``. In ``batch`` mode the generate pool idles while the trainer
-    trains, so it grows only with this raised above the training share of a step."""
+    """See ``grow_when_train_idle``."""
     shrink_when_busy_below: float = Field(0.75, gt=0, le=1)
     """Retire a worker when the remaining ones would have done the last step's generation at most
-    this busy (their idle share stays above 1 - this)."""
+    this busy, over the same span as ``grow_when_train_idle``'s."""
     min_gain: float = Field(0.05, ge=-1)
     """A worker added must raise tokens/s by this share (its first 3 steps against the 3 before it
     was asked for), or it is retired again and the pool does not grow for ``hold_steps``: when

@@ -9,7 +9,7 @@ import pytest
 
 from streamrl.bench.elastic import exactly_once
 from streamrl.errors import UserError
-from streamrl.flow.elastic import decide
+from streamrl.flow.elastic import decide, generation_busy
 from streamrl.flow.resolve import resolve
 from streamrl.recipe import ElasticConfig, load_recipe
 from tests.conftest import ROOT
@@ -18,17 +18,29 @@ from tests.test_cli import check_every_sample_trained_once, streamrl
 
 def test_decide_grows_when_generation_holds_the_trainer_up_and_shrinks_when_it_idles():
     cfg = ElasticConfig(min=1, max=3)
-    assert decide(gen_idle=0.02, train_idle=0.40, n=1, cfg=cfg) == 1  # trainer waited on generation
-    assert decide(gen_idle=0.02, train_idle=0.40, n=3, cfg=cfg) == 0  # ... but the pool is at max
+    assert decide(gen_busy=0.98, train_idle=0.40, n=1, cfg=cfg) == 1  # trainer waited on generation
+    assert decide(gen_busy=0.98, train_idle=0.40, n=3, cfg=cfg) == 0  # ... but the pool is at max
     # both pools idle: the time went elsewhere (the controller); more workers would not help
-    assert decide(gen_idle=0.35, train_idle=0.40, n=2, cfg=cfg) == 0
-    # 2 workers 10% idle would be 180% busy as 1: keep them
-    assert decide(gen_idle=0.10, train_idle=0.05, n=2, cfg=cfg) == 0
-    # ... but 3 workers 60% idle fit in 2 at 60% busy
-    assert decide(gen_idle=0.60, train_idle=0.05, n=3, cfg=cfg) == -1
-    assert decide(gen_idle=0.90, train_idle=0.05, n=1, cfg=cfg) == 0  # never below min
+    assert decide(gen_busy=0.65, train_idle=0.40, n=2, cfg=cfg) == 0
+    # 2 workers 90% busy would be 180% busy as 1: keep them
+    assert decide(gen_busy=0.90, train_idle=0.05, n=2, cfg=cfg) == 0
+    # ... but 3 workers 40% busy fit in 2 at 60% busy
+    assert decide(gen_busy=0.40, train_idle=0.05, n=3, cfg=cfg) == -1
+    assert decide(gen_busy=0.10, train_idle=0.05, n=1, cfg=cfg) == 0  # never below min
     # generation is not what the step waits for, whoever is: 2 would do it at 60% busy
-    assert decide(gen_idle=0.60, train_idle=0.30, n=3, cfg=cfg) == -1
+    assert decide(gen_busy=0.40, train_idle=0.30, n=3, cfg=cfg) == -1
+
+
+def test_generation_busy_counts_the_generation_window_unless_generation_runs_ahead():
+    # stream: one worker busy 6.3 s of a 10 s step whose last sample came at 6.4 s -- saturated
+    # while it ran, though idle 37% of the step (it then waits for the new weights)
+    assert generation_busy(6.3, 10.0, 6.4, n=1, ahead=False) == pytest.approx(6.3 / 6.4)
+    # three workers 9 s busy in all over that window: 47% of their capacity
+    assert generation_busy(9.0, 10.0, 6.4, n=3, ahead=False) == pytest.approx(9.0 / 19.2)
+    # async: the step's own samples were generated in earlier steps; the whole step counts
+    assert generation_busy(6.3, 10.0, 0.2, n=1, ahead=True) == pytest.approx(0.63)
+    assert generation_busy(12.0, 10.0, 6.4, n=1, ahead=False) == 1.0  # capped
+    assert generation_busy(0.0, 10.0, 0.0, n=1, ahead=False) == 0.0
 
 
 @pytest.mark.parametrize("sets, message", [

@@ -1,9 +1,9 @@
 """The elastic generate pool (``[pools.generate] elastic = { min = .., max = .. }``).
 
 StreamRL sizes the generate side to keep both stages busy; a fixed split is only right for the
-lengths it was planned on. Here the controller watches each step's idle shares and, between
-steps, adds a generate worker when the trainer waited for samples, or retires one when the rest
-could have generated the step comfortably. The rule is made for ``async`` (and ``stream``), where
+lengths it was planned on. Here the controller watches each step's pool use and, between
+steps, adds a generate worker when the trainer waited for samples while generation used its
+whole pool, or retires one when the rest could have generated the step comfortably. The rule is made for ``async`` (and ``stream``), where
 the pools overlap; in ``stream`` mode a retired worker lengthens the generation phase, which the
 trainer waits for, so keep ``shrink_when_busy_below`` low there. A change is a small state machine, one worker at a
 time, so the run never blocks on a process start:
@@ -52,20 +52,32 @@ PROBE_STEPS = 3
 RETIRE_POLL_S = 0.05
 
 
-def decide(gen_idle: float, train_idle: float, n: int, cfg: ElasticConfig) -> int:
-    """+1 (add a generate worker), -1 (retire one) or 0, from one step's idle shares of the
-    generate and train pools and the pool's size ``n``.
+def generation_busy(busy_s: float, window_s: float, generate_s: float, n: int, ahead: bool) -> float:
+    """Share of the generate pool's capacity its work used while the step's generation ran.
 
-    Grow when the trainer waited (idle above ``grow_when_train_idle``) because generation could
-    not keep up (its pool idle below ``grow_when_generate_idle_below``); when both idled, the
-    time went elsewhere (the controller, a weight load) and more workers would not help. Shrink
-    when ``n - 1`` workers would have done the same generation at most ``shrink_when_busy_below``
-    busy (busy work ``(1 - gen_idle) * n`` over ``n - 1``): generation is then not what the
+    Where generation runs ahead of training (``async``) that is the whole step. In ``stream``
+    and ``batch`` it is the step's generation window only, from the step's start to its last
+    sample (``generate_s``): after it the pool waits for new weights by design (measured on W2
+    in stream mode: ~35% of every step with one worker), which says nothing about whether
+    generation kept up, and an idle share over the whole step never showed it saturated."""
+    span = window_s if ahead or generate_s <= 0 else min(generate_s, window_s)
+    return min(1.0, busy_s / (n * span)) if span > 0 and n > 0 else 0.0
+
+
+def decide(gen_busy: float, train_idle: float, n: int, cfg: ElasticConfig) -> int:
+    """+1 (add a generate worker), -1 (retire one) or 0, from one step's generate-pool use while
+    generation ran (:func:`generation_busy`), the train pool's idle share and the pool's size ``n``.
+
+    Grow when the trainer waited (idle above ``grow_when_train_idle``) while generation used its
+    whole pool (busy at least ``1 - grow_when_generate_idle_below``); when the trainer waited and
+    the pool did not, the time went elsewhere (the controller, a weight load) and more workers
+    would not help. Shrink when ``n - 1`` workers would have done the same generation at most
+    ``shrink_when_busy_below`` busy (``gen_busy * n / (n - 1)``): generation is then not what the
     step waits for, whatever the trainer does.
     """
-    if train_idle > cfg.grow_when_train_idle and gen_idle < cfg.grow_when_generate_idle_below and n < cfg.max:
+    if train_idle > cfg.grow_when_train_idle and gen_busy >= 1.0 - cfg.grow_when_generate_idle_below and n < cfg.max:
         return 1
-    if n > cfg.min and (1.0 - gen_idle) * n / (n - 1) <= cfg.shrink_when_busy_below:
+    if n > cfg.min and gen_busy * n / (n - 1) <= cfg.shrink_when_busy_below:
         return -1
     return 0
 
@@ -184,8 +196,10 @@ class ElasticPool:
         pools = record.pools
         if "generate" not in pools or "train" not in pools:
             return
-        change = decide(pools["generate"]["idle_ratio"], pools["train"]["idle_ratio"],
-                        len(self.ctl.generate_workers), self.cfg)
+        n = len(self.ctl.generate_workers)
+        busy = generation_busy(pools["generate"]["busy_s"], record.accounting_window_s, record.generate_s, n,
+                               ahead=self.ctl.mode.feeds)
+        change = decide(busy, pools["train"]["idle_ratio"], n, self.cfg)
         # a worker asked for now would join with too few steps left to pay for its start
         left = self.ctl.recipe.run.steps - (record.step + 1)
         if change > 0 and self.hold == 0 and left > PROBE_STEPS + 1:
