@@ -186,13 +186,7 @@ class HFTrainer(Trainer):
             value_loss = self.algorithm.value_loss(values, values.detach(), returns, resp)
             critic_loss = value_loss.sum() * scale
             stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
-        chunk = self.config.logprob_chunk_tokens
-        with self.autocast():
-            new = self.policy(ids, attn, self.temperature, chunk, resp)
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp)
+        new, ref = self._token_logprobs(ids, attn, resp)
         per_sample, algo_stats = self.algorithm.loss(new, old, ref, adv, resp)
         stats.update(algo_stats)
         if self.version < self.algorithm.critic_warmup_steps:
@@ -205,6 +199,18 @@ class HFTrainer(Trainer):
             "seconds": time.perf_counter() - t0,
             **{k: float(v) for k, v in stats.items()},
         }
+
+    def _token_logprobs(self, ids, attn, resp):
+        # policy (with grad) and reference log-probs of the response tokens, in this order:
+        # sharded, the real and the empty passes must make the same collectives
+        chunk = self.config.logprob_chunk_tokens
+        with self.autocast():
+            new = self.policy(ids, attn, self.temperature, chunk, resp)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp)
+        return new, ref
 
     def _empty_pass(self, like=None) -> dict:
         # A forward/backward through every sharded module with a zero loss: it takes part in
@@ -226,13 +232,7 @@ class HFTrainer(Trainer):
                 values = self.critic.values(ids, attn).float()
             adv = torch.zeros_like(values)
             critic_loss = values.sum() * 0.0
-        chunk = self.config.logprob_chunk_tokens
-        with self.autocast():
-            new = self.policy(ids, attn, self.temperature, chunk, resp)
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp)
+        new, ref = self._token_logprobs(ids, attn, resp)
         per_sample, _ = self.algorithm.loss(new, old, ref, adv, resp)
         (per_sample.sum() * 0.0 + critic_loss).backward()
         return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
