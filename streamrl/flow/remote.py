@@ -18,7 +18,8 @@ from distributed import get_worker
 
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.rewards import scoring
-from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, expect, incarnation, resident
+from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
+                                    resident)
 from streamrl.sample import Group, Prompt
 
 LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
@@ -62,8 +63,37 @@ def score_groups(groups: list[Group]) -> list[Group]:
     return [scoring.score_group(reward, g) for g in groups]
 
 
+def _peer_lost(exc: Exception) -> Exception:
+    """A collective of the train pool that failed because another rank died (its worker was
+    killed or restarted: gloo reports the closed connection or a timeout) is the loss of the
+    ranks' shared training state: a :class:`ResidentLost`, which ends the run in one line naming
+    the resume command. Anything else is returned as it is."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and (isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text)):
+        # gloo's first sentence, without its source location: "Connection reset by peer" and the like
+        cause = text.splitlines()[0].split("] ", 1)[-1].split(". ", 1)[0][:120] if text else type(exc).__name__
+        return ResidentLost(f"worker {get_worker().name} lost a peer of the train pool's process group ({cause}): "
+                            "the ranks' shared training state is gone")
+    return exc
+
+
 def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
                  after=None, trainer_id: str | dict | None = None) -> dict:
+    """See :func:`_train_groups`; a rank lost mid-collective becomes :class:`ResidentLost`."""
+    try:
+        return _train_groups(*bundles, scale=scale, micro_batch_tokens=micro_batch_tokens,
+                             groups_per_micro_batch=groups_per_micro_batch, trainer_id=trainer_id)
+    except ResidentLost:
+        raise
+    except Exception as exc:
+        raise _peer_lost(exc) from None
+
+
+def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
+                  trainer_id: str | dict | None = None) -> dict:
     """Train pool: forward/backward on whole groups (the scored bundles of ``score_groups``),
     cut into micro-batches by ``flow.microbatch.pack``; gradients accumulate until the
     optimizer step.
@@ -113,7 +143,10 @@ def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 
 def optimizer_step(*micro_batch_stats: dict, trainer_id: str | dict | None = None, after=None) -> dict:
     """Train pool: one optimizer step after every micro-batch of the batch (they are arguments)."""
     expect(TRAINER, trainer_id)
-    return resident(TRAINER).step()
+    try:
+        return resident(TRAINER).step()
+    except Exception as exc:
+        raise _peer_lost(exc) from None
 
 
 def export_weights(version: int, after=None, trainer_id: str | dict | None = None, receivers: int = 1):
