@@ -74,7 +74,7 @@ def test_two_train_workers_give_the_one_worker_update(setup, stream, strategy):
         rank1 = weights(two, "train-1", two.last_step, f"rank1-{mode}")
         assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), "the ranks must stay identical"
     assert rank0.keys() == alone.keys()
-    gap = max((rank0[n] - alone[n]).abs().max().item() for n in rank0)  # measured: < 1e-6
+    gap = max((rank0[n] - alone[n]).abs().max().item() for n in rank0)  # measured: 1e-8 to 1.3e-6
     lr = resolved.trainer.config.lr
     # the same update up to float summation order (Adam's first step is ~lr * sign(g); see test_flow)
     off = sum(int(((rank0[n] - alone[n]).abs() > 0.02 * lr).sum()) for n in rank0)
