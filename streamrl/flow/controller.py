@@ -393,6 +393,7 @@ class Controller:
         self.dispatcher.finish()
         if self.elastic:
             self.elastic.finish()
+        stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
         return self.client.gather([
             self.client.submit(remote.save_policy, str(out), after=self.last_step, trainer_id=self.trainer_ids,
-                               key=f"save-policy-{i}", **pin) for i, pin in enumerate(self.writers())])[0]
+                               key=f"save-policy-{stamp}-{i}", **pin) for i, pin in enumerate(self.writers())])[0]
