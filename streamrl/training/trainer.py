@@ -112,13 +112,19 @@ class HFTrainer(Trainer):
         # the policy's (and reference's) token log-probs, as modules: the unit fsdp shards
         self.policy = TokenLogprobs(self.model)
         self.reference_policy = TokenLogprobs(self.reference) if self.reference is not None else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        warmup = config.warmup_steps
-        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
+        self._build_optimizer()
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.sharded = False  # trainer.strategy = "fsdp" over several ranks (shard())
         self.full: dict[str, torch.Tensor] | None = None  # sharded: the whole weights, on rank 0
+
+    def _build_optimizer(self) -> None:
+        # AdamW over the policy's parameters as they are now (sharded: over the shards), and
+        # its linear warm-up
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
+                                           weight_decay=self.config.weight_decay)
+        warmup = self.config.warmup_steps
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
 
     def shard(self) -> None:
         """Shard policy, reference and critic over the train pool (``training/fsdp.py``); the
@@ -126,10 +132,7 @@ class HFTrainer(Trainer):
         for module in (self.policy, self.reference_policy, self.critic):
             if module is not None:
                 fsdp.shard(module, self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
-                                           weight_decay=self.config.weight_decay)
-        warmup = self.config.warmup_steps
-        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
+        self._build_optimizer()
         if self.critic is not None:
             self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
         self.sharded = True
