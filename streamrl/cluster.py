@@ -128,6 +128,26 @@ class QuietTaskErrors(WorkerPlugin):
         logging.getLogger("distributed.worker").addFilter(_drop_compute_failed)
 
 
+class QuietShutdown(WorkerPlugin):
+    """A worker whose own connections are closing (the run is over, or it failed and is being
+    shut down) may have a heartbeat in flight; it fails with "ConnectionPool closing" and the
+    worker logs it with a traceback in the user's terminal, under the run's real error. Only
+    that record is dropped: a heartbeat failing while the worker runs is still logged."""
+
+    name = "streamrl-quiet-shutdown"
+
+    def setup(self, worker) -> None:
+        from distributed.core import Status
+
+        def keep(record: logging.LogRecord) -> bool:
+            if not str(record.msg).startswith("Failed to communicate with scheduler during heartbeat"):
+                return True
+            exc = record.exc_info[1] if record.exc_info else None
+            return worker.status == Status.running and "ConnectionPool closing" not in str(exc)
+
+        logging.getLogger("distributed.worker").addFilter(keep)
+
+
 def _drop_compute_failed(record: logging.LogRecord) -> bool:
     """Logging filter: False for the worker's "Compute Failed" record (the error reaches the
     client anyway); everything else the worker logs stays."""
@@ -174,6 +194,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[SpecCluster | None, Cl
             raise UserError(f"cluster.startup_timeout: workers did not start within "
                             f"{recipe.cluster.startup_timeout}s") from None
         client.register_plugin(QuickExit())  # only on workers we started ourselves
+        client.register_plugin(QuietShutdown())
         if not verbose:
             client.register_plugin(QuietTaskErrors())
     check_pools(client)

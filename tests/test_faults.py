@@ -150,3 +150,33 @@ def test_a_reward_that_raises_or_returns_non_numbers_is_counted_and_scored_zero(
     from safetensors.torch import load_file
 
     assert all(t.isfinite().all() for t in load_file(run_dir / "policy" / "model.safetensors").values())
+
+
+def test_a_closing_workers_heartbeat_traceback_is_dropped_but_a_running_ones_is_kept_stub_worker():
+    # the filter reads only the worker's status, so a stand-in worker object is enough here;
+    # the real shutdown race is what the vllm-missing CLI test (one clean line) runs into
+    import logging
+    from types import SimpleNamespace
+
+    from distributed.comm.core import CommClosedError
+    from distributed.core import Status
+
+    def record(exc: Exception) -> logging.LogRecord:
+        return logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
+                                 "Failed to communicate with scheduler during heartbeat.", (),
+                                 (type(exc), exc, None))
+
+    log = logging.getLogger("distributed.worker")
+    before = list(log.filters)
+    try:
+        worker = SimpleNamespace(status=Status.running)
+        cluster.QuietShutdown().setup(worker)
+        keep = log.filters[-1]
+        assert keep(record(OSError("Timed out trying to connect")))  # a running worker: a real problem
+        assert not keep(record(CommClosedError("ConnectionPool closing.")))
+        worker.status = Status.closing
+        assert not keep(record(OSError("Timed out trying to connect")))
+        other = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, "Compute Failed", (), None)
+        assert keep(other)
+    finally:
+        log.filters[:] = before

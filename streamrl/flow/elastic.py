@@ -149,7 +149,7 @@ class ElasticPool:
                 return
         slots = self.ctl.recipe.pools.generate.threads
         addr = self._address(name)
-        self.ctl.client.run(_offer, slots, workers=[addr])
+        self.ctl.client.run(_offer, slots, workers=[addr], on_error="ignore")  # lost: handled as any loss
         self.ctl.generate_workers[name] = name
         self.ctl.generate_pins[name] = self.ctl.pin[name]
         self.activated[name] = addr  # counted in the pool's accounting from the next step on
@@ -269,7 +269,7 @@ class ElasticPool:
             # generate tasks go to any worker with a free slot: stop new ones coming here; those
             # queued here go back to the others when it retires, as soon as it runs nothing.
             # (Groups a scheduler pinned here keep their slots and run out first.)
-            self.ctl.client.run(_offer, 0, workers=[addr])
+            self.ctl.client.run(_offer, 0, workers=[addr], on_error="ignore")
         # in the background: a later step may need a group queued here, so waiting for the next
         # step boundary could wait for ever
         thread = threading.Thread(target=self._retire_when_done, args=(name, addr, self.pinned.pop(name, [])),

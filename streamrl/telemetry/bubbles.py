@@ -57,8 +57,10 @@ def read_clock(dask_worker) -> tuple[str, float]:
 
 def snapshot(client) -> tuple[float, dict[str, float]]:
     """(now, {worker name: busy seconds so far}) for every worker. By name: a worker restarted
-    by its nanny keeps its name, not its address."""
-    return time.time(), dict(client.run(read_clock).values())
+    by its nanny keeps its name, not its address. A worker dying as it is asked is left out (its
+    clock starts again from zero when its nanny restarts it; ``pool_bubbles`` counts no negative
+    busy time), so a lost worker never ends the run here."""
+    return time.time(), dict(client.run(read_clock, on_error="ignore").values())
 
 
 def pool_bubbles(before: tuple[float, dict], after: tuple[float, dict],
