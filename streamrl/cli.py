@@ -130,6 +130,8 @@ def parser() -> argparse.ArgumentParser:
                                                                       "elastic one's ceiling")
     elastic.add_argument("--steps", type=int, default=10, help="measured steps per variant")
     elastic.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    elastic.add_argument("--repeats", type=int, default=1, help="passes of the three variants, interleaved; the "
+                                                                 "median ratio to fixed-min is reported")
     elastic.add_argument("--out", default=None, help="write the JSON result here")
     plan = sub.add_parser("plan", help="pick the split of devices between generation and training, the mode "
                                        "and the staleness bound, from a profile of the recipe")
@@ -247,7 +249,8 @@ def cmd_bench(args) -> int:
     if args.cmd == "elastic":
         from streamrl.bench import elastic
 
-        elastic.bench(args.file, args.overrides, args.lo, args.hi, args.steps, args.warmup, args.out)
+        elastic.bench(args.file, args.overrides, args.lo, args.hi, args.steps, args.warmup, args.out,
+                      repeats=args.repeats)
         return 0
     if args.cmd == "skew":
         skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out)

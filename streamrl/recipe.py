@@ -130,9 +130,11 @@ class ElasticConfig(Strict):
     """Retire a worker when the remaining ones would have done the last step's generation at most
     this busy, over the same span as ``grow_when_train_idle``'s."""
     min_gain: float = Field(0.05, ge=-1)
-    """A worker added must raise tokens/s by this share (its first 3 steps against the 3 before it
-    was asked for), or it is retired again and the pool does not grow for ``hold_steps``: when
-    the machine's cores (or the network) are already saturated, another worker only competes."""
+    """A worker added must raise tokens/s by this share (its first 3 steps against up to 6 before
+    it was asked for), or it is retired again and the pool does not grow for ``hold_steps``: when
+    the machine's cores (or the network) are already saturated, another worker only competes.
+    Retired only when the steps clearly show it: the gain plus 1.5 standard errors of it (from
+    the steps' own spread) below this share. -1: never retired for this."""
     hold_steps: int = Field(10, ge=0)
     """Steps without growing after a worker that did not pay (``min_gain``)."""
     cooldown_steps: int = Field(1, ge=0)

@@ -9,7 +9,7 @@ import pytest
 
 from streamrl.bench.elastic import exactly_once
 from streamrl.errors import UserError
-from streamrl.flow.elastic import decide, generation_busy
+from streamrl.flow.elastic import decide, generation_busy, paid
 from streamrl.flow.resolve import resolve
 from streamrl.recipe import ElasticConfig, load_recipe
 from tests.conftest import ROOT
@@ -29,6 +29,22 @@ def test_decide_grows_when_generation_holds_the_trainer_up_and_shrinks_when_it_i
     assert decide(gen_busy=0.10, train_idle=0.05, n=1, cfg=cfg) == 0  # never below min
     # generation is not what the step waits for, whoever is: 2 would do it at 60% busy
     assert decide(gen_busy=0.40, train_idle=0.30, n=3, cfg=cfg) == -1
+
+
+def test_a_worker_is_retired_only_when_its_steps_clearly_show_it_did_not_pay():
+    # tokens/s of a long-tailed task on 2 cores (W2, fixed-1 then with a second engine): ~11%
+    # step-to-step spread; +3% on average is within the noise, so the worker stays
+    before = [5176, 5964, 5836, 6445, 5395, 4487]
+    ok, gain, margin = paid(before, [5536, 5800, 5700], min_gain=0.05)
+    assert ok and 0.0 < gain < 0.05 and 0.05 < margin < 0.3
+    # a clear loss (-30%, as a third process on busy cores) is retired
+    ok, gain, _ = paid(before, [3900, 4100, 3800], min_gain=0.05)
+    assert not ok and gain < -0.25
+    # steady steps: no noise to give the benefit of, so a 2% gain misses a 5% bar
+    assert not paid([1000, 1001, 999], [1020, 1021, 1019], min_gain=0.05)[0]
+    assert paid([1000, 1001, 999], [1080, 1081, 1079], min_gain=0.05)[0]
+    # min_gain = -1 never retires
+    assert paid(before, [100, 100, 100], min_gain=-1.0)[0]
 
 
 def test_generation_busy_counts_the_generation_window_unless_generation_runs_ahead():

@@ -23,10 +23,14 @@ time, so the run never blocks on a process start:
   retires it gracefully: results only it holds are copied to another worker, and groups still
   queued on it go to the others. Every group is generated, and trained, exactly once.
 
-A worker added must pay for itself: if the 3 steps after it joined do not raise tokens/s by
-``min_gain`` over the 3 before it was asked for, it is retired and the pool holds its size for
-``hold_steps``. On a machine whose cores are all busy (2 cores: one engine and the trainer), a
-third process only competes for them, and the idle shares alone cannot tell.
+A worker added must pay for itself: if the 3 steps after it joined clearly did not raise
+tokens/s by ``min_gain`` over the (up to 6) steps before it was asked for, it is retired and the
+pool holds its size for ``hold_steps``. On a machine whose cores are all busy (2 cores: one
+engine and the trainer), another process only competes for them, and the idle shares alone
+cannot tell. "Clearly": tokens/s moves from step to step with the prompts drawn (measured on a
+long-tailed task: ~11% per step), so 3 steps against 3 cannot see a 10% gain; the worker is
+retired only when the gain, plus ``PROBE_Z`` standard errors of it from that step-to-step
+spread, is still below ``min_gain`` (:func:`paid`).
 
 A run's records carry ``generate_workers`` (how many generated in that step) and
 ``elastic`` (what changed at its end).
@@ -34,6 +38,7 @@ A run's records carry ``generate_workers`` (how many generated in that step) and
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -47,6 +52,13 @@ from streamrl.recipe import ElasticConfig
 
 #: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
 PROBE_STEPS = 3
+
+#: Steps before a worker was asked for that its gain is measured against (the step-to-step
+#: spread shrinks with more; older steps describe a policy further from the current one).
+BASELINE_STEPS = 6
+
+#: Standard errors of the measured gain a worker is given the benefit of (see :func:`paid`).
+PROBE_Z = 1.5
 
 #: Seconds between checks whether a draining worker still runs a task.
 RETIRE_POLL_S = 0.05
@@ -62,6 +74,24 @@ def generation_busy(busy_s: float, window_s: float, generate_s: float, n: int, a
     generation kept up, and an idle share over the whole step never showed it saturated."""
     span = window_s if ahead or generate_s <= 0 else min(generate_s, window_s)
     return min(1.0, busy_s / (n * span)) if span > 0 and n > 0 else 0.0
+
+
+def paid(before: list[float], after: list[float], min_gain: float) -> tuple[bool, float, float]:
+    """Did the worker added pay? ``(paid, gain, margin)`` from tokens/s of the steps ``before``
+    it was asked for and ``after`` it joined: ``gain`` is the ratio of their means less 1,
+    ``margin`` ``PROBE_Z`` standard errors of that gain, estimated from the two windows' pooled
+    step-to-step spread. It did not pay only when ``gain + margin < min_gain``: a worker is kept
+    unless the steps show it clearly did not help (a retired worker that helped costs a process
+    start and a weight load to get back, and holds the pool small for ``hold_steps``)."""
+    b, a = statistics.fmean(before), statistics.fmean(after)
+    gain = a / max(b, 1e-9) - 1.0
+    dof = len(before) + len(after) - 2
+    if dof < 1:
+        return gain >= min_gain, gain, 0.0
+    pooled = sum((x - b) ** 2 for x in before) + sum((x - a) ** 2 for x in after)
+    rel_sd = (pooled / dof) ** 0.5 / max(b, 1e-9)
+    margin = PROBE_Z * rel_sd * (1 / len(before) + 1 / len(after)) ** 0.5
+    return gain + margin >= min_gain, gain, margin
 
 
 def decide(gen_busy: float, train_idle: float, n: int, cfg: ElasticConfig) -> int:
@@ -117,8 +147,8 @@ class ElasticPool:
         self.draining: dict[str, threading.Thread] = {}  # each retires its worker once it ran out
         self.quiet = 0  # steps left before the next decision
         self.rates: list[float] = []  # tokens/s of every step so far
-        self.baseline = 0.0  # tokens/s before the worker now starting was asked for
-        self.probe: tuple[str, float, int] | None = None  # (worker added, baseline, first step with it)
+        self.baseline: list[float] = []  # tokens/s of the steps before the worker now starting was asked for
+        self.probe: tuple[str, list[float], int] | None = None  # (worker added, baseline, first step with it)
         self.hold = 0  # steps left without growing (the last worker added did not pay)
         self.events: list[str] = []  # what changed since the last record
 
@@ -188,10 +218,10 @@ class ElasticPool:
             if len(after) < PROBE_STEPS:
                 return
             self.probe = None
-            gain = sum(after) / len(after) / max(baseline, 1e-9) - 1.0
-            if gain < self.cfg.min_gain:
+            ok, gain, margin = paid(baseline, after, self.cfg.min_gain)
+            if not ok:
                 self.hold = self.cfg.hold_steps
-                self._drain(f"(tokens/s {gain:+.0%})")
+                self._drain(f"(tokens/s {gain:+.0%} +- {margin:.0%})")
                 return
         pools = record.pools
         if "generate" not in pools or "train" not in pools:
@@ -235,7 +265,8 @@ class ElasticPool:
         self.cluster.worker_spec[name] = spec
         self.cluster.scale(len(self.cluster.worker_spec))  # SpecCluster starts what its spec lacks
         self.starting, self.started_at = name, time.time()
-        self.baseline = sum(self.rates[-PROBE_STEPS:]) / len(self.rates[-PROBE_STEPS:])
+        # the first step (model warm-up, empty caches) is no baseline when others exist
+        self.baseline = (self.rates[1:] or self.rates)[-BASELINE_STEPS:]
         self.events.append(f"~{name}")
 
     def _join(self, name: str, version: int) -> None:
