@@ -179,3 +179,29 @@ def test_model_init_arch_and_bench_trainer_measure_a_random_qwen_shaped_model(tm
     bad = subprocess.run([sys.executable, "-m", "streamrl", "model", "init", "--arch", "gpt-9", "--random", "--out",
                           str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--arch: unknown 'gpt-9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_bench_elastic_repeats_interleaved_passes_and_reports_the_median_ratio(tmp_path):
+    out = tmp_path / "elastic.json"
+    small = ["--set", "pools.generate.threads=8", "--set", "trainer.prompts_per_step=8",
+             "--set", "trainer.samples_per_prompt=2", "--set", "engine.time_scale=0.002"]
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "elastic", "recipes/paper-7b-20k.toml",
+                           "--min", "1", "--max", "2", "--steps", "2", "--warmup", "1", "--repeats", "2",
+                           "--out", str(out), *small],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    passes = result["passes"]
+    assert len(passes) == 2 and all(list(p) == ["fixed-1", "fixed-2", "elastic"] for p in passes)
+    # the second pass ran in reverse order (a run's folder ends with its start time, to the second)
+    started = [Path(passes[1][n]["run_dir"]).name.split("-", 2)[-1][-15:] for n in ["elastic", "fixed-2", "fixed-1"]]
+    assert started == sorted(started), started
+    for p in passes:
+        assert all(row["exactly_once"] for row in p.values())
+        assert p["fixed-1"]["pool_sizes"] == [1, 1] and p["fixed-2"]["pool_sizes"] == [2, 2]
+        assert set(p["elastic"]["pool_sizes"]) <= {1, 2}
+    for name in ["fixed-2", "elastic"]:
+        ratios = sorted(p[name]["vs_fixed_min"] for p in passes)
+        assert result["median_vs_fixed_min"][name] == pytest.approx(sum(ratios) / 2)
+    assert "median x fixed-min" in proc.stderr

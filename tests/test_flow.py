@@ -14,6 +14,7 @@ from streamrl.flow.resident import ENGINE, resident
 from streamrl.flow.controller import Controller
 from streamrl.flow.runner import resolve
 from streamrl.recipe import load_recipe
+from streamrl.training.trainer import weights_from_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -112,8 +113,8 @@ def test_step_publishes_weights_to_the_engine(fresh):
     m = controller.step(0)
     assert m["policy_version"] == 1 and m["samples"] == 16
     assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
-    trained = controller.client.submit(remote.trainer_weights, key="check-export",
-                                       workers=[controller.train_worker]).result()
+    trained = weights_from_bytes(controller.client.submit(remote.trainer_weights, key="check-export",
+                                                          workers=[controller.train_worker]).result())
 
     def engine_weights():
         return {n: p.detach().clone() for n, p in resident(ENGINE).model.named_parameters()}
@@ -139,8 +140,8 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
         step_fut, passes = controller.submit_epochs(step, ready, total, stream)
         cuts.append(sum(f.result()["micro_batches"] for f in passes[0]))
         step_fut.result()
-        return controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
-                                        workers=[controller.train_worker]).result()
+        return weights_from_bytes(controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
+                                                           workers=[controller.train_worker]).result())
 
     cuts = []
     # stream: completion order, dynamic micro-batches of <= 40 tokens (about one group each);

@@ -15,7 +15,7 @@ from streamrl.training.trainer import HFTrainer, HFTrainerConfig, pad_batch
 
 
 def trainer(model, **config):
-    return HFTrainer(HFTrainerConfig(lr=1e-2, **config), TrainerContext(str(model), GRPO(GRPOConfig()), 0.7,
+    return HFTrainer(HFTrainerConfig(**{"lr": 1e-2, **config}), TrainerContext(str(model), GRPO(GRPOConfig()), 0.7,
                                                                         HFEngineConfig()))
 
 
@@ -90,6 +90,50 @@ def test_bf16_autocast_trains_near_fp32_and_keeps_fp32_master_weights(tiny_model
     # the same direction: on most weights the two updates agree within 10% of the step size
     close = [((wm[n] - wf[n]).abs() <= 0.1 * (wf[n] - before[n]).abs() + 1e-4).float().mean().item() for n in wf]
     assert sum(close) / len(close) > 0.9
+
+
+def test_bf16_params_trains_near_fp32_from_float32_masters_that_keep_updates_bf16_would_lose(tiny_model, tmp_path):
+    groups = sampled(tiny_model)
+    full, lean = trainer(tiny_model, precision="fp32"), trainer(tiny_model, precision="bf16-params")
+    before = {n: p.clone() for n, p in full.named_weights().items()}
+    for t in (full, lean):
+        t.micro_batch(groups[:3], 1 / 24)  # two micro-batches: gradients summed in float32
+        t.micro_batch(groups[3:], 1 / 24)
+        t.step()
+    assert all(p.dtype == torch.bfloat16 for p in lean.model.parameters())  # what runs and is exported
+    assert all(w.dtype == torch.bfloat16 for w in lean.named_weights().values())
+    masters = dict(lean.stepped.named_parameters())
+    assert all(p.dtype == torch.float32 for p in masters.values())
+    assert all(v.dtype == torch.float32 for st in lean.optimizer.state.values() for v in st.values() if v.dim())
+    wf = full.named_weights()
+    close = [((masters[n] - wf[n]).abs() <= 0.1 * (wf[n] - before[n]).abs() + 2e-3).float().mean().item() for n in wf]
+    assert sum(close) / len(close) > 0.9
+    for n, p in lean.model.named_parameters():  # the bf16 policy is its masters, rounded
+        assert torch.equal(p, masters[n].to(torch.bfloat16)), n
+
+    # an update far below bf16's resolution at the weight's size is kept by the masters
+    tiny = trainer(tiny_model, precision="bf16-params", lr=1e-7)
+    start = {n: p.detach().clone() for n, p in tiny.stepped.named_parameters()}
+    rounded = {n: p.detach().clone() for n, p in tiny.model.named_parameters()}
+    for _ in range(3):
+        tiny.micro_batch(groups, 1 / 24)
+        tiny.step()
+    name = "model.embed_tokens.weight"
+    big = start[name].abs() > 1e-2  # where bf16's step (>= 6e-5) dwarfs 3 updates of ~1e-7
+    master = dict(tiny.stepped.named_parameters())[name]
+    assert (master != start[name])[big].float().mean() > 0.5  # the float32 masters moved ...
+    bf16 = dict(tiny.model.named_parameters())[name]
+    assert (bf16 != rounded[name])[big].float().mean() < 0.01  # ... by less than bf16 can show yet
+
+    # a checkpoint holds the float32 masters: a resumed trainer continues from them exactly
+    lean.save_checkpoint(str(tmp_path / "ck"))
+    back = trainer(tiny_model, precision="bf16-params")
+    back.load_checkpoint(str(tmp_path / "ck"))
+    for n, p in back.stepped.named_parameters():
+        assert torch.equal(p, masters[n]), n
+    for n, p in back.model.named_parameters():
+        assert torch.equal(p, dict(lean.model.named_parameters())[n]), n
+    assert back.version == lean.version == 1
 
 
 def test_a_bf16_engine_loads_and_its_logprobs_are_within_bf16_of_the_fp32_trainer(tiny_model):

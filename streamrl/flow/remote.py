@@ -198,9 +198,12 @@ def trainer_logprobs(group: Group) -> list[list[float]]:
     return resident(TRAINER).logprobs(group)
 
 
-def trainer_weights(after=None) -> dict:
-    """Train pool: the trainer's parameters as CPU tensors (checks and tests)."""
-    return {n: t.detach().to("cpu").clone() for n, t in resident(TRAINER).named_weights().items()}
+def trainer_weights(after=None) -> bytes:
+    """Train pool: the trainer's parameters, as safetensors bytes (checks and tests; Dask's own
+    tensor serializer goes through numpy, which has no bfloat16). ``weights_from_bytes`` reads them."""
+    from streamrl.training.trainer import weights_to_bytes
+
+    return weights_to_bytes({n: t.detach().to("cpu") for n, t in resident(TRAINER).named_weights().items()})
 
 
 def save_policy(out: str, after=None, trainer_id: str | dict | None = None) -> str:

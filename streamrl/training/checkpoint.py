@@ -25,7 +25,7 @@ def _dcp():
 
 
 def _modules(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-    out = {"policy": (trainer.model, trainer.optimizer)}
+    out = {"policy": (trainer.stepped, trainer.optimizer)}  # (bf16-params: the float32 masters)
     if trainer.critic is not None:
         out["critic"] = (trainer.critic, trainer.critic.optimizer)
     return out

@@ -17,21 +17,24 @@ from __future__ import annotations
 import torch
 
 
-def shard(module: torch.nn.Module, device: str) -> None:
+def shard(module: torch.nn.Module, device: str, param_dtype: torch.dtype | None = None) -> None:
     """Shard ``module`` in place over the default process group: each transformer block (the
-    classes transformers names in ``_no_split_modules``) as one unit, then the rest."""
+    classes transformers names in ``_no_split_modules``) as one unit, then the rest.
+    ``param_dtype`` (bf16-params): the float32 shards are gathered in this dtype for compute and
+    gradients are reduced in float32 -- the shards stay the float32 master weights."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     blocks = set()
     for m in module.modules():
         blocks |= set(getattr(m, "_no_split_modules", None) or [])
     for m in list(module.modules()):
         if m is not module and type(m).__name__ in blocks:
-            fully_shard(m, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             # sum, not mean; and with SUM alone (gloo has no pre-multiplied sum)

@@ -24,6 +24,7 @@ from streamrl.training import data_parallel as dp
 from streamrl.training import fsdp
 from streamrl.training.logprobs import naive_token_logprobs
 from streamrl.training.logprobs import TokenLogprobs
+from streamrl.training.precision import MasterWeights
 
 
 class HFTrainerConfig(BaseModel):
@@ -40,9 +41,11 @@ class HFTrainerConfig(BaseModel):
     """Gradient clipping norm before each optimizer step (0 disables)."""
     critic_lr: float = Field(5e-4, gt=0)
     """AdamW learning rate of the critic, for algorithms that have one (``ppo``)."""
-    precision: Literal["auto", "fp32", "bf16-autocast"] = "auto"
-    """``fp32``: everything in float32. ``bf16-autocast``: float32 master weights and AdamW state,
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16-params"] = "auto"
+    """``fp32``: everything in float32. ``bf16-autocast``: float32 weights and AdamW state,
     forward/backward matmuls in bfloat16 (``torch.autocast``); log-softmax stays float32.
+    ``bf16-params``: the policy's weights and gradients in bfloat16, float32 master weights and
+    AdamW state beside them, the reference model in bfloat16 (``training/precision.py``).
     ``auto``: bf16-autocast on a GPU, fp32 on CPU."""
     logprob_chunk_tokens: int = Field(1024, ge=0)
     """Token log-probs are computed from the output head over chunks of this many response
@@ -90,19 +93,22 @@ class HFTrainer(Trainer):
         self.temperature = context.temperature
         self.device = device or worker_device()
         device = self.device
-        self.bf16 = config.precision == "bf16-autocast" or (config.precision == "auto" and device == "cuda")
+        self.bf16 = config.precision in ("bf16-autocast", "bf16-params") or (config.precision == "auto" and device == "cuda")
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         # about to be sharded: built on the CPU, and each rank's shard goes to the device in shard()
         device = "cpu" if context.sharded else device
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
         self.model.train()
+        # bf16-params: sharded, FSDP keeps the float32 masters itself (shard())
+        self.master = MasterWeights(self.model) if config.precision == "bf16-params" and not context.sharded else None
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if self.algorithm.needs_reference:
-            self.reference = AutoModelForCausalLM.from_pretrained(
-                context.model_path, dtype=torch.float32).to(device).eval()
+            # only ever run, never stepped: bf16 where the policy computes in bf16
+            dtype = torch.bfloat16 if self.master is not None else torch.float32
+            self.reference = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype).to(device).eval()
             self.reference.requires_grad_(False)
         self.critic = None
         if self.algorithm.needs_critic:
@@ -119,19 +125,26 @@ class HFTrainer(Trainer):
         self.full: dict[str, torch.Tensor] | None = None  # sharded: the whole weights, on rank 0
 
     def _build_optimizer(self) -> None:
-        # AdamW over the policy's parameters as they are now (sharded: over the shards), and
-        # its linear warm-up
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
+        # AdamW over the policy's parameters as they are now (sharded: over the shards; bf16-params:
+        # over the float32 masters), and its linear warm-up
+        self.optimizer = torch.optim.AdamW(self.stepped.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
         warmup = self.config.warmup_steps
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
 
+    @property
+    def stepped(self) -> torch.nn.Module:
+        """The module whose parameters AdamW steps and checkpoints hold: the float32 master copy
+        under ``precision = "bf16-params"``, else the policy itself."""
+        return self.master.module if self.master is not None else self.model
+
     def shard(self) -> None:
         """Shard policy, reference and critic over the train pool (``training/fsdp.py``); the
         optimizers are built anew over the sharded parameters (no step has been taken yet)."""
+        bf16_params = self.config.precision == "bf16-params"
         for module in (self.policy, self.reference_policy, self.critic):
             if module is not None:
-                fsdp.shard(module, self.device)
+                fsdp.shard(module, self.device, param_dtype=torch.bfloat16 if bf16_params and module is not self.critic else None)
         self._build_optimizer()
         if self.critic is not None:
             self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
@@ -142,9 +155,10 @@ class HFTrainer(Trainer):
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`. Sharded,
         ``groups = []`` runs an empty pass (every rank must run as many passes as the others)."""
         try:
-            if not groups:
-                return self._empty_pass()
-            return self._forward_backward(groups, scale)
+            out = self._empty_pass() if not groups else self._forward_backward(groups, scale)
+            if self.master is not None:
+                self.master.accumulate()
+            return out
         except torch.OutOfMemoryError:
             samples = [s for g in groups for s in g]
             longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -261,15 +275,17 @@ class HFTrainer(Trainer):
         (``training/data_parallel.py``), so every rank applies the one-worker update."""
         t0 = time.perf_counter()
         if dp.world_size() > 1 and not self.sharded:  # (sharded: summed in each backward)
-            dp.all_reduce_gradients(self.model.parameters())
+            dp.all_reduce_gradients(self.stepped.parameters())
             if self.critic is not None:
                 dp.all_reduce_gradients(self.critic.parameters())
         norm = 0.0
         if self.config.max_grad_norm > 0:
-            norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)))
+            norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.stepped.parameters(), self.config.max_grad_norm)))
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.copy_back()
         if self.sharded:  # gathered now, while every rank is here: rank 0 exports them later
             self.full = None  # (the last version's copy goes first: one whole copy at a time)
             self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
@@ -309,6 +325,8 @@ class HFTrainer(Trainer):
         from streamrl.training import checkpoint
 
         checkpoint.load(self, path)
+        if self.master is not None:  # the checkpoint holds the float32 masters
+            self.master.copy_back()
         if self.sharded:  # the export after a resume sends the restored weights
             self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
 
@@ -327,7 +345,7 @@ class HFTrainer(Trainer):
                 if critic is not None:
                     self.critic.save(f"{out}/critic", state_dict=critic)
             return out
-        self.model.save_pretrained(out)
+        self.stepped.save_pretrained(out)  # (bf16-params: the float32 masters)
         self.tokenizer.save_pretrained(out)
         if self.critic is not None:
             self.critic.save(f"{out}/critic")
