@@ -204,4 +204,7 @@ def test_bench_elastic_repeats_interleaved_passes_and_reports_the_median_ratio(t
     for name in ["fixed-2", "elastic"]:
         ratios = sorted(p[name]["vs_fixed_min"] for p in passes)
         assert result["median_vs_fixed_min"][name] == pytest.approx(sum(ratios) / 2)
+        assert result["median_tokens_vs_fixed_min"][name] == pytest.approx(
+            sorted(p[name]["tokens_vs_fixed_min"] for p in passes)[0] / 2 + sorted(p[name]["tokens_vs_fixed_min"] for p in passes)[1] / 2)
+    assert all(p["fixed-1"]["response_tokens_per_s"] > 0 for p in passes)
     assert "median x fixed-min" in proc.stderr

@@ -46,11 +46,16 @@ def exactly_once(records: list[dict], prompts: int, samples_per_prompt: int) -> 
 
 
 def pool_figures(records: list[dict]) -> dict:
-    """The generate pool's size over the steps, and samples per generate-worker-second."""
+    """The generate pool's size over the steps, samples per generate-worker-second, and response
+    tokens per second: runs of one recipe learn apart (measured on W2: mean response lengths of
+    40-50 tokens between runs of the same 16 steps), and a run whose answers got shorter has
+    more samples/s for the same generation speed."""
     sizes = [r["generate_workers"] for r in records]
     worker_s = sum(r["generate_workers"] * r["accounting_window_s"] for r in records)
     window = sum(r["accounting_window_s"] for r in records)
+    tokens = sum(r["response_len_mean"] * r["samples"] for r in records)
     return {"pool_sizes": sizes, "mean_generate_workers": worker_s / window,
+            "response_tokens_per_s": tokens / window,
             "samples_per_generate_worker_s": sum(r["samples"] for r in records) / worker_s,
             "events": {r["step"]: r["elastic"] for r in records if r.get("elastic")}}
 
@@ -87,11 +92,14 @@ def bench(file: str, overrides: list[str], lo: int, hi: int, steps: int = 10, wa
             row.update(pool_figures(measured))
             row["exactly_once"] = exactly_once(records, t.prompts_per_step, t.samples_per_prompt)
             row["vs_fixed_min"] = row["samples_per_s"] / rows[f"fixed-{lo}"]["samples_per_s"]
+            row["tokens_vs_fixed_min"] = row["response_tokens_per_s"] / rows[f"fixed-{lo}"]["response_tokens_per_s"]
         passes.append(rows)
     medians = {name: statistics.median(p[name]["vs_fixed_min"] for p in passes) for name in variants}
+    token_medians = {name: statistics.median(p[name]["tokens_vs_fixed_min"] for p in passes) for name in variants}
     result = {"recipe": str(file), "overrides": list(overrides), "simulated": simulated, "time_scale": time_scale,
               "steps": steps, "warmup": warmup, "min": lo, "max": hi, "repeats": repeats,
-              "variants": passes[0], "passes": passes, "median_vs_fixed_min": medians}
+              "variants": passes[0], "passes": passes, "median_vs_fixed_min": medians,
+              "median_tokens_vs_fixed_min": token_medians}
     console.print(table(result))
     write_result(result, out, console)
     return result
@@ -103,9 +111,11 @@ def table(result: dict) -> Table:
     passes = result.get("passes", [result["variants"]])
     t = Table(title=f"streamrl bench elastic {result['recipe']}"
                     + (f" -- SIMULATED (1 simulated s = {result['time_scale']} s)" if sim else ""),
-              caption=(None if len(passes) == 1 else "median x fixed-min over the passes: " + ", ".join(
-                  f"{name} {m:.2f}" for name, m in result["median_vs_fixed_min"].items())))
-    for col in ["pass", "variant", "sim samples/s" if sim else "samples/s", "x fixed-min", "mean gen workers",
+              caption=(None if len(passes) == 1 else "median x fixed-min over the passes, samples/s: " + ", ".join(
+                  f"{name} {m:.2f}" for name, m in result["median_vs_fixed_min"].items()) + "; response tokens/s: "
+                  + ", ".join(f"{name} {m:.2f}" for name, m in result["median_tokens_vs_fixed_min"].items())))
+    for col in ["pass", "variant", "sim samples/s" if sim else "samples/s", "x fixed-min", "tokens/s x fixed-min",
+                "mean gen workers",
                 "samples/gen-worker-s", "idle gen", "idle train", "exactly once", "pool size by step"]:
         t.add_column(col, justify="right")
     for i, rows in enumerate(passes):
@@ -118,6 +128,7 @@ def _row(t: Table, result: dict, i: int, name: str, r: dict) -> None:
     sim = result["simulated"]
     rate = r["sim_samples_per_s"] if sim else r["samples_per_s"]
     per_worker = r["samples_per_generate_worker_s"] * (result["time_scale"] or 1.0)
-    t.add_row(str(i), name, f"{rate:.2f}", f"{r['vs_fixed_min']:.2f}", f"{r['mean_generate_workers']:.2f}",
+    t.add_row(str(i), name, f"{rate:.2f}", f"{r['vs_fixed_min']:.2f}", f"{r['tokens_vs_fixed_min']:.2f}",
+              f"{r['mean_generate_workers']:.2f}",
               f"{per_worker:.2f}", f"{r['idle'].get('generate', 0):.0%}", f"{r['idle'].get('train', 0):.0%}",
               "yes" if r["exactly_once"] else "NO", ",".join(map(str, r["pool_sizes"])))
