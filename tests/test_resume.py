@@ -186,3 +186,28 @@ def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_
     model = AutoModelForCausalLM.from_pretrained(folder / "policy")
     saved = load_file(folder / "policy" / "model.safetensors")
     assert all(torch.equal(model.state_dict()[n], t) for n, t in saved.items())
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path):
+    # the learned ranker (and the lengths the skew scheduler has seen) are in every checkpoint:
+    # after a resume the ranker is the one the uninterrupted run has, weights and all
+    recipe, _ = straight
+    ranked = [*SAME, "run.steps=8", "run.checkpoint_every=2", 'ranker.name="learned"', 'scheduler.name="skew"']
+    proc = streamrl("recipe", "run", str(recipe), *sets(*ranked, f"run.out_dir={tmp_path / 'straight'}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    oracle = only_run(tmp_path / "straight")
+    run = start_run(recipe, ranked, tmp_path / "stopped", steps_done=3)
+    os.killpg(run.pid, signal.SIGINT)
+    run.communicate(timeout=60)
+    folder = only_run(tmp_path / "stopped")
+    assert "ranker.pt" in {p.name for p in sorted((folder / "checkpoints").glob("step-*"))[-1].iterdir()}
+    proc = streamrl("recipe", "resume", str(folder))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (torch.load(r / "checkpoints" / "step-000008" / "ranker.pt", weights_only=False) for r in (oracle, folder))
+    for part in ("embed", "head"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert a["data"] == b["data"] and a["mean"] == b["mean"]
+    seen = [json.loads((r / "checkpoints" / "step-000008" / "dispatch.json").read_text()) for r in (oracle, folder)]
+    assert seen[0] == seen[1] and len(seen[0]["observed_lengths"]) == 8 * 16
+    assert [r["ranker_recall"] for r in records(folder)] == [r["ranker_recall"] for r in records(oracle)]

@@ -133,3 +133,31 @@ def test_learned_ranker_generalises_to_unseen_prompts():
     # class are noise no prompt reveals)
     ceiling = top_recall([math.log(words[p.text.split()[-1]]) for p in test_p], actual)
     assert recall >= ceiling - 0.05 and recall > 0.6, (recall, ceiling)
+
+
+@pytest.mark.parametrize("kind", ["history", "learned"])
+def test_a_ranker_restored_from_its_state_predicts_and_learns_on_exactly_as_the_original(kind):
+    import io
+
+    import torch
+
+    def build():
+        return HistoryRanker(HistoryRankerConfig()) if kind == "history" else LearnedRanker(LearnedRankerConfig())
+
+    rng = random.Random(1)
+    steps = [([Prompt(f"{s}-{i}", f"count {rng.randint(1, 500)} things") for i in range(16)],
+              [[rng.randint(5, 900) for _ in range(2)] for _ in range(16)]) for s in range(4)]
+    original = build()
+    for ps, ls in steps[:2]:
+        original.observe(ps, ls)
+    buf = io.BytesIO()
+    torch.save(original.state_dict(), buf)  # as a checkpoint holds it
+    restored, fresh = build(), build()
+    restored.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    probe = steps[0][0] + steps[3][0]
+    assert restored.predict(probe) == original.predict(probe)
+    assert fresh.predict(probe) != original.predict(probe)  # (so the state is what carries it)
+    for ps, ls in steps[2:]:  # and both go on learning the same way (buffer, Adam, sampling RNG)
+        original.observe(ps, ls)
+        restored.observe(ps, ls)
+    assert restored.predict(probe) == original.predict(probe)

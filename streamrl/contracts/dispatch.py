@@ -24,6 +24,15 @@ class Ranker:
     def observe(self, prompts: list[Prompt], lengths: list[list[int]]) -> None:
         """After a step: each prompt's observed output lengths (one per sample)."""
 
+    def state_dict(self) -> dict:
+        """What the ranker has learned, for a checkpoint (picklable: plain values and tensors).
+        A resumed run hands it to :meth:`load_state_dict` of a freshly built ranker, so it
+        predicts as well as before the stop. Default: nothing to keep."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
     def close(self) -> None:
         """Release resources."""
 

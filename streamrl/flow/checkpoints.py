@@ -9,8 +9,12 @@ previous checkpoint as the newest one. The ``run.keep_checkpoints`` newest are k
 What is not saved, on purpose: samples in flight. Prompts are a function of the step
 (``task.prompts(step, n)``), so a resumed run generates the prompts of every step after the
 checkpoint again -- in ``async`` mode, too, the ones generated ahead -- and trains each step's
-prompts once. The length ranker's history is not saved either; it learns again from the resumed
-run's samples (it only orders work, it does not change what is trained).
+prompts once.
+
+What the run learned about output lengths is saved too: ``ranker.pt`` (the length ranker's
+``state_dict`` after the lessons of every step up to the checkpoint) and ``dispatch.json`` (the
+lengths the scheduler sizes its work by), so a resumed run ranks and places its prompts as the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ def latest(run_dir: Path) -> Path | None:
 
 
 def write(client: Client, train_pins: list[dict], after: Future | None, run_dir: Path, next_step: int,
-          version: int, records: int, keep: int, trainer_id: str | dict | None = None) -> Path:
+          version: int, records: int, keep: int, trainer_id: str | dict | None = None,
+          files: dict[str, bytes] | None = None) -> Path:
     """Write the checkpoint taken after step ``next_step - 1``; returns its folder. The trainer's
-    part is written by the ranks in ``train_pins`` together (rank 0 alone unless sharded)."""
+    part is written by the ranks in ``train_pins`` together (rank 0 alone unless sharded);
+    ``files`` (name: bytes) go beside it (the dispatcher's and ranker's state)."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -53,6 +59,8 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
     client.gather([client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after, trainer_id=trainer_id,
                                  key=f"checkpoint-{next_step}-{stamp}-{i}", pure=False, **pin)
                    for i, pin in enumerate(train_pins)])
+    for name, blob in (files or {}).items():
+        (tmp / name).write_bytes(blob)
     (tmp / "controller.json").write_text(json.dumps(
         {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again

@@ -362,8 +362,9 @@ class Controller:
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
         """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
+        files = self.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")
         return checkpoints.write(self.client, self.writers(), self.last_step, run_dir, next_step, self.version,
-                                 records, self.recipe.run.keep_checkpoints, self.trainer_ids)
+                                 records, self.recipe.run.keep_checkpoints, self.trainer_ids, files=files)
 
     def writers(self) -> list[dict]:
         """The ranks that write checkpoints and the policy: rank 0, or every rank if sharded."""
@@ -375,6 +376,7 @@ class Controller:
         state = checkpoints.read(checkpoint)
         # every rank starts from the same state
         checkpoints.restore_trainer(self.client, [self.pin[name] for name in self.train_workers], checkpoint)
+        self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
         self.version = state["policy_version"]
         wait_loaded(publish(self.client, None, self.version, self.train_pin, self.generate_pins,
                             tag=f"-resume-{time.time_ns()}", trainer_id=self.trainer_ids))

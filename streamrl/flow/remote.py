@@ -57,6 +57,29 @@ def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None)
     return len(prompts)
 
 
+def ranker_state(after=None) -> bytes:
+    """Rank pool: what the ranker has learned (after the lessons ``after`` names), as bytes for
+    a checkpoint."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(resident(RANKER).state_dict(), buf)
+    return buf.getvalue()
+
+
+def load_ranker_state(blob: bytes, after=None) -> bool:
+    """Rank pool: restore a checkpoint's :func:`ranker_state` into the ranker."""
+    import io
+
+    import torch
+
+    # (the run's own checkpoint: plain values, tensors and the ranker's RNG state)
+    resident(RANKER).load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+    return True
+
+
 def score_groups(groups: list[Group]) -> list[Group]:
     """Reward pool: score every sample; a failing reward is contained (``rewards/scoring.py``)."""
     reward = resident(REWARD)

@@ -52,6 +52,15 @@ class HistoryRanker(Ranker):
                 self.sums[p.text] += math.log(max(n, 1))
                 self.counts[p.text] += 1
 
+    def state_dict(self) -> dict:
+        """Every prompt's summed log lengths and counts."""
+        return {"sums": dict(self.sums), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.sums = defaultdict(float, state["sums"])
+        self.counts = defaultdict(int, state["counts"])
+
 
 class LearnedRankerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -150,6 +159,21 @@ class LearnedRanker(Ranker):
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
+
+    def state_dict(self) -> dict:
+        """Weights, Adam's state, the replay buffer, the target's mean and the sampling RNG: a
+        restored ranker predicts, and goes on learning, exactly as this one would."""
+        return {"embed": self.embed.state_dict(), "head": self.head.state_dict(), "opt": self.opt.state_dict(),
+                "data": list(self.data), "mean": self.mean, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (a ranker built with the same config)."""
+        self.embed.load_state_dict(state["embed"])
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["opt"])
+        self.data = [((list(h), list(n)), y) for (h, n), y in state["data"]]
+        self.mean = state["mean"]
+        self.rng.setstate(state["rng"])
 
 
 class OracleRankerConfig(BaseModel):

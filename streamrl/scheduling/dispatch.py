@@ -9,7 +9,11 @@ engine's decode-latency model.
 
 from __future__ import annotations
 
+import json
 import math
+import time
+import warnings
+from pathlib import Path
 
 from distributed import Client, Future
 
@@ -81,3 +85,34 @@ class Dispatcher:
         """Wait for the ranker's last lesson."""
         if self.last_observe is not None:
             self.last_observe.result()
+
+    # -- checkpoints: what was learned about output lengths survives a resume ------------------
+    def checkpoint_files(self, tag: str) -> dict[str, bytes]:
+        """``dispatch.json`` (the lengths the scheduler has seen) and, with a ranker,
+        ``ranker.pt`` (its state after the lessons submitted so far)."""
+        files = {"dispatch.json": json.dumps({"observed_lengths": self.observed_lengths,
+                                              "prompt_tokens": self.prompt_tokens}).encode()}
+        if self.rank_worker is not None:
+            files["ranker.pt"] = self.client.submit(
+                remote.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
+                workers=[self.rank_worker], allow_other_workers=False).result()
+        return files
+
+    def restore(self, checkpoint: Path) -> None:
+        """Take back what :meth:`checkpoint_files` wrote (a checkpoint without them -- an older
+        one -- leaves everything as it starts). The next ranking waits for the ranker's load."""
+        saved = checkpoint / "dispatch.json"
+        if saved.exists():
+            state = json.loads(saved.read_text())
+            self.observed_lengths, self.prompt_tokens = state["observed_lengths"], state["prompt_tokens"]
+        blob = checkpoint / "ranker.pt"
+        if self.rank_worker is not None and blob.exists():
+            self.last_observe = self.client.submit(
+                remote.load_ranker_state, blob.read_bytes(), key=f"ranker-restore-{time.time_ns()}", pure=False,
+                workers=[self.rank_worker], allow_other_workers=False)
+            try:
+                self.last_observe.result()
+            except Exception as exc:  # a ranker plugin's mistake must not end a resume: it only orders work
+                self.last_observe = None
+                warnings.warn(f"ranker: could not take back its state from {blob} ({type(exc).__name__}: {exc}); "
+                              "it learns again from this run's samples", stacklevel=2)
