@@ -147,7 +147,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--check", action="store_true", help="run the top choice and the recipe as written, "
                                                            "and print measured next to predicted")
     plan.add_argument("--calibrate-steps", type=int, default=3,
-                      help="async steps of the recipe run first to measure the controller's own costs (0: none)")
+                      help="steps of the recipe run first: a sim recipe's controller costs (async), a real "
+                           "engine's whole profile (batch; 0: none)")
     plan.add_argument("--profile", default=None, help="plan from this saved profile (JSON) instead")
     plan.add_argument("--save-profile", default=None, help="write the profile used here (JSON)")
     plan.add_argument("--out", default=None, help="write the JSON result here")

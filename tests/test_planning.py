@@ -154,9 +154,30 @@ def test_plan_mistakes_are_one_line(args, message):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_plan_needs_a_cost_model_or_a_saved_profile(tiny_recipe):
+def test_plan_of_a_real_engine_needs_a_warm_up_or_a_saved_profile(tiny_recipe):
     proc = streamrl("plan", str(tiny_recipe), "--calibrate-steps", "0")
-    assert proc.returncode == 2 and "give a saved profile with --profile" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "planned from a saved profile with --profile" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_plan_profiles_a_real_engine_from_its_start_up_profile_and_a_warm_up_run(tiny_recipe, tmp_path):
+    prof, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    proc = streamrl("plan", str(tiny_recipe), "--devices", "3", "--calibrate-steps", "2", "--steps", "3",
+                    "--modes", "stream,async", "--max-staleness", "1", "--save-profile", str(prof), "--out", str(out),
+                    "--set", f'run.out_dir="{tmp_path}"', timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p = json.loads(prof.read_text())
+    assert p["source"].startswith("measured") and not p["simulated"]
+    # the hf engine's own decode profile, the trainer's time per token, the loads, the controller
+    assert p["decode_c0_s"] > 0 and p["train_per_token_s"] > 0 and p["step_overhead_s"] > 0
+    assert p["kv_capacity_tokens"] < 1 << 40  # the engine's KV blocks
+    # every group of the 2 measured batch steps (4 prompts x 4 samples each), with its lengths
+    assert len(p["groups"]) == 2 * 4 and all(len(g["lengths"]) == 4 for g in p["groups"])
+    assert all(1 <= n <= 6 for g in p["groups"] for n in g["lengths"])  # max_new_tokens = 6
+    result = json.loads(out.read_text())
+    assert {(c["generate"], c["train"]) for c in result["choices"]} <= {(1, 2), (2, 1)}
+    assert all(c["samples_per_s"] > 0 for c in result["choices"])
 
 
 def test_plan_check_runs_the_choice_and_the_recipe_and_reports_both(tmp_path):

@@ -116,10 +116,14 @@ def plan(file: str, overrides: list[str], devices: int | None, modes: list[str],
         prof = StageProfile.read(profile_file)
     else:
         prof = profiling.from_cost_model(resolved)
+        if prof is None and not calibrate_steps:
+            raise UserError(f"{file}: a real engine is profiled by a warm-up run of the recipe (--calibrate-steps N, "
+                            f"N > 0) or planned from a saved profile with --profile")
         if prof is None:
-            raise UserError(f"{file}: streamrl plan can profile only recipes whose engine is a cost model "
-                            f"(engine.name = \"sim\"); give a saved profile with --profile")
-        if calibrate_steps:
+            console.print(f"plan: profiling the recipe ({calibrate_steps} batch steps after one warm-up, "
+                          f"and the engine's start-up profile)")
+            prof = profiling.from_warmup(file, overrides, resolved, calibrate_steps)
+        elif calibrate_steps:
             console.print(f"plan: calibrating the controller's own costs ({calibrate_steps} async steps of the recipe)")
             cal = profiling.calibrate(file, overrides, calibrate_steps)
             scale = time_scale or 1.0

@@ -141,3 +141,64 @@ def calibrate(file: str, overrides: list[str], steps: int = 3) -> dict:
         "submit_per_group_s": statistics.median(r["submit_s"] / r["submitted_groups"]
                                                 for r in records if r["submitted_groups"]),
         "run_dir": rows["calibrate"]["run_dir"]}
+
+
+def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> StageProfile:
+    """The profile of a recipe with a real engine, measured on this machine.
+
+    Decoding: an engine is built here, alone, and its own start-up profile (the decode-latency
+    fit the skew scheduler uses) gives ``c0`` and the per-context-token slope. Everything else
+    comes from ``steps`` steps of the recipe in ``batch`` mode at its own split (after one
+    warm-up step): batch mode trains only once generation is done, so a step's ``train_s`` is
+    the train pool's time alone, and its seconds per token times the train workers are the
+    device-seconds per token; the weight loads' time; the controller's own costs (as
+    :func:`calibrate`); and every group's prompt and output lengths, which predictions resample.
+    Not measured: prefill (folded into the decode steps' cost) and the optimizer step apart from
+    the tokens (folded into the per-token cost)."""
+    import io
+    import statistics
+
+    from rich.console import Console
+
+    from streamrl.bench.modes import run_variants
+    from streamrl.errors import UserError
+    from streamrl.flow.placement import build_engine
+
+    engine = build_engine(resolved.engine, resolved.model_path)
+    try:
+        latency = engine.decode_latency()
+    finally:
+        engine.close()
+    if latency is None:
+        raise UserError(f"{file}: engine {resolved.recipe.engine.name!r} measured no decode-latency profile at start-up "
+                        "(engine.profile = false?); turn it on or give a saved profile with --profile")
+    c0 = float(latency(0.0))
+    per_ctx = max(0.0, (float(latency(4096.0)) - c0) / 4096.0)
+    rows = run_variants(file, overrides, {"warm-up": ["run.mode=batch"]}, steps, 1, Console(file=io.StringIO()),
+                        "plan warm-up", None)
+    run_dir = Path(rows["warm-up"]["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:steps + 1]
+    train_workers = resolved.recipe.pools.train.workers
+
+    def tokens(r) -> int:
+        return sum(x["prompt_len"] + x["response_len"] for x in r["sample_log"])
+
+    groups: dict[str, Group] = {}
+    for r in records:
+        for x in r["sample_log"]:
+            g = groups.setdefault(f'{r["step"]}/{x["uid"].rsplit("-", 1)[0]}', Group(prompt_tokens=x["prompt_len"], lengths=[]))
+            g.lengths.append(x["response_len"])
+    t = resolved.recipe.trainer
+    cfg = resolved.engine.config
+    blocks, page = getattr(cfg, "num_blocks", None), getattr(cfg, "page_size", None)
+    return StageProfile(
+        source=f"measured: engine start-up profile + {len(records)} batch steps of the recipe ({run_dir.name})",
+        decode_c0_s=c0, decode_per_context_token_s=per_ctx,
+        kv_capacity_tokens=blocks * page if blocks and page else 1 << 40,
+        max_running=getattr(cfg, "max_running", 0) or 0,
+        train_per_token_s=statistics.median(r["train_s"] / max(tokens(r), 1) for r in records) * train_workers,
+        weight_sync_s=statistics.median(r["weight_sync_s"] for r in records),
+        step_overhead_s=statistics.median(max(0.0, r["controller_s"] - r["submit_s"]) for r in records),
+        submit_per_group_s=statistics.median(r["submit_s"] / r["submitted_groups"] for r in records
+                                             if r["submitted_groups"]) if any(r["submitted_groups"] for r in records) else 0.0,
+        prompts_per_step=t.prompts_per_step, samples_per_prompt=t.samples_per_prompt, groups=list(groups.values()))
