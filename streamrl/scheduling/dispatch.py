@@ -93,9 +93,13 @@ class Dispatcher:
         files = {"dispatch.json": json.dumps({"observed_lengths": self.observed_lengths,
                                               "prompt_tokens": self.prompt_tokens}).encode()}
         if self.rank_worker is not None:
-            files["ranker.pt"] = self.client.submit(
-                remote.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
-                workers=[self.rank_worker], allow_other_workers=False).result()
+            try:
+                files["ranker.pt"] = self.client.submit(
+                    remote.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
+                    workers=[self.rank_worker], allow_other_workers=False).result()
+            except Exception as exc:  # the checkpoint is still written: a resume's ranker learns again
+                warnings.warn(f"ranker: its state could not be saved ({type(exc).__name__}: {exc}); "
+                              "a resumed run's ranker learns again", stacklevel=2)
         return files
 
     def restore(self, checkpoint: Path) -> None:
