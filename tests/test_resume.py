@@ -211,3 +211,44 @@ def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path):
     seen = [json.loads((r / "checkpoints" / "step-000008" / "dispatch.json").read_text()) for r in (oracle, folder)]
     assert seen[0] == seen[1] and len(seen[0]["observed_lengths"]) == 8 * 16
     assert [r["ranker_recall"] for r in records(folder)] == [r["ranker_recall"] for r in records(oracle)]
+
+
+BROKEN_RANKER = """
+from pydantic import BaseModel
+import streamrl
+from streamrl.api import Ranker
+from streamrl.plugins import Component
+
+class StubbornConfig(BaseModel):
+    pass
+
+class Stubborn(Ranker):
+    def __init__(self, config):
+        pass
+    def predict(self, prompts):
+        return [float(len(p.text)) for p in prompts]
+    def state_dict(self):
+        raise RuntimeError("nothing to give")
+
+@streamrl.hookimpl
+def register_rankers():
+    return [Component("ranker", "stubborn", StubbornConfig, Stubborn)]
+"""
+
+
+@pytest.mark.slow
+def test_a_ranker_whose_state_cannot_be_saved_is_warned_about_and_the_checkpoint_still_written(tiny_model, tmp_path):
+    from tests.conftest import TINY_RECIPE
+
+    recipe = tmp_path / "tiny.toml"
+    (tmp_path / "stubborn.py").write_text(BROKEN_RANKER)
+    recipe.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
+                      + '\n[ranker]\nname = "stubborn"\n\n[plugins]\nmodules = ["./stubborn.py"]\n')
+    proc = streamrl("recipe", "run", str(recipe), *sets("run.steps=4", "run.checkpoint_every=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ranker: its state could not be saved (RuntimeError: nothing to give)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    run = only_run(tmp_path / "runs")
+    last = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert last.name == "step-000004" and (last / "controller.json").exists() and (last / "dispatch.json").exists()
+    assert not (last / "ranker.pt").exists()
