@@ -55,6 +55,13 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
         assert len(records) == 1 + 2 + drain  # warm-up + measured + drain steps were run
         assert 0.0 <= row["idle"]["generate"] <= 1.0
     assert rows["async"]["staleness_max"] <= 2
+    # samples per cost-hour (simulated hours): 2 generate instances + the recipe's 4 virtual
+    # train GPUs, each at cost 1; and the publication's share of the step
+    for row in rows.values():
+        assert row["samples_per_cost_hour"] == pytest.approx(row["sim_samples_per_s"] * 3600 / (2 + 4), rel=1e-6)
+        measured = [json.loads(x) for x in (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()][1:3]
+        share = sum(r["weight_sync_s"] for r in measured) / sum(r["accounting_window_s"] for r in measured)
+        assert row["weight_sync_share"] == pytest.approx(share) and 0.0 < share < 1.0
 
 
 def test_skew_variants_switch_components_without_carrying_foreign_options():

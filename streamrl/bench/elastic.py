@@ -115,7 +115,7 @@ def table(result: dict) -> Table:
                   f"{name} {m:.2f}" for name, m in result["median_vs_fixed_min"].items()) + "; response tokens/s: "
                   + ", ".join(f"{name} {m:.2f}" for name, m in result["median_tokens_vs_fixed_min"].items())))
     for col in ["pass", "variant", "sim samples/s" if sim else "samples/s", "x fixed-min", "tokens/s x fixed-min",
-                "mean gen workers",
+                "per cost-hour", "sync share", "mean gen workers",
                 "samples/gen-worker-s", "idle gen", "idle train", "exactly once", "pool size by step"]:
         t.add_column(col, justify="right")
     for i, rows in enumerate(passes):
@@ -129,6 +129,6 @@ def _row(t: Table, result: dict, i: int, name: str, r: dict) -> None:
     rate = r["sim_samples_per_s"] if sim else r["samples_per_s"]
     per_worker = r["samples_per_generate_worker_s"] * (result["time_scale"] or 1.0)
     t.add_row(str(i), name, f"{rate:.2f}", f"{r['vs_fixed_min']:.2f}", f"{r['tokens_vs_fixed_min']:.2f}",
-              f"{r['mean_generate_workers']:.2f}",
+              f"{r['samples_per_cost_hour']:,.0f}", f"{r['weight_sync_share']:.1%}", f"{r['mean_generate_workers']:.2f}",
               f"{per_worker:.2f}", f"{r['idle'].get('generate', 0):.0%}", f"{r['idle'].get('train', 0):.0%}",
               "yes" if r["exactly_once"] else "NO", ",".join(map(str, r["pool_sizes"])))

@@ -50,8 +50,12 @@ def mode_overrides(resolved, mode: str) -> list[str]:
     return out
 
 
-def summarize_run(records: list[dict], warmup: int, time_scale: float | None) -> dict:
-    """One row of the comparison from a run's ``metrics.jsonl`` records."""
+def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
+                  costs: tuple[float, float, int] | None = None) -> dict:
+    """One row of the comparison from a run's ``metrics.jsonl`` records. ``costs``: the
+    variant's cost per generate and per train device and its train devices, for
+    ``samples_per_cost_hour`` (samples per hour of devices costing 1 each; simulated recipes:
+    per simulated hour)."""
     rs = records[warmup:] or records
     window = sum(r["accounting_window_s"] for r in rs)
     samples = sum(r["samples"] for r in rs)
@@ -76,7 +80,22 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None) ->
         row["ranker_recall"] = sum(recalls) / len(recalls)
     if time_scale:  # report simulated throughput in simulated seconds too
         row["sim_samples_per_s"] = row["samples_per_s"] * time_scale
+    # what the weights' publication costs the step (an elastic pool's size moves step by step)
+    row["weight_sync_share"] = sum(r.get("weight_sync_s", 0.0) for r in rs) / window if window else 0.0
+    if costs is not None:
+        gen_cost, train_cost, train_devices = costs
+        cost_s = sum((r["generate_workers"] * gen_cost + train_devices * train_cost) * r["accounting_window_s"]
+                     for r in rs)
+        row["samples_per_cost_hour"] = samples * (time_scale or 1.0) / cost_s * 3600 if cost_s else 0.0
     return row
+
+
+def variant_costs(resolved) -> tuple[float, float, int]:
+    """``(cost per generate device, cost per train device, train devices)`` of a recipe (a sim
+    trainer's virtual GPUs, else the train workers)."""
+    p = resolved.recipe.pools
+    gpus = getattr(resolved.trainer.config, "gpus", None)
+    return p.generate.cost_per_device, p.train.cost_per_device, gpus if isinstance(gpus, int) else p.train.workers
 
 
 def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]], steps: int, warmup: int,
@@ -101,7 +120,7 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
         t0 = time.time()
         run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale)
+        rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale, variant_costs(resolved))
         rows[name]["drain_steps"] = drain
         rows[name]["run_dir"] = str(run_dir)
         rows[name]["total_s"] = round(time.time() - t0, 1)
@@ -142,12 +161,13 @@ def table(result: dict) -> Table:
     title = f"streamrl bench modes {result['recipe']}" + (
         f" -- SIMULATED (1 simulated s = {result['time_scale']} s)" if sim else "")
     t = Table(title=title)
-    for col in ["mode", "sim samples/s" if sim else "samples/s", "x batch", "x colocated", "idle gen",
-                "idle train", "stale max", "reward"]:
+    for col in ["mode", "sim samples/s" if sim else "samples/s", "x batch", "x colocated", "per cost-hour",
+                "sync share", "idle gen", "idle train", "stale max", "reward"]:
         t.add_column(col, justify="right")
     for mode, r in result["modes"].items():
         rate = r["sim_samples_per_s"] if sim else r["samples_per_s"]
         t.add_row(mode, f"{rate:.2f}", f"{r['vs_batch']:.2f}" if "vs_batch" in r else "-",
-                  f"{r['vs_colocated']:.2f}" if "vs_colocated" in r else "-", f"{r['idle'].get('generate', 0):.0%}",
+                  f"{r['vs_colocated']:.2f}" if "vs_colocated" in r else "-", f"{r['samples_per_cost_hour']:,.0f}",
+                  f"{r['weight_sync_share']:.1%}", f"{r['idle'].get('generate', 0):.0%}",
                   f"{r['idle'].get('train', 0):.0%}", str(r["staleness_max"]), f"{r['reward_mean']:.3f}")
     return t

@@ -57,12 +57,14 @@ def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out:
     scale = time_scale or 1.0
     t = Table(title=f"streamrl bench skew {file}" + (f" -- SIMULATED (1 simulated s = {time_scale} s)" if simulated else ""))
     for col in ["variant", "gen makespan (sim s)" if simulated else "gen makespan s", "x fcfs (gen)",
-                "sim samples/s" if simulated else "samples/s", "x fcfs (e2e)", "recall@20%", "idle gen"]:
+                "sim samples/s" if simulated else "samples/s", "x fcfs (e2e)", "per cost-hour", "sync share",
+                "recall@20%", "idle gen"]:
         t.add_column(col, justify="right")
     for name, r in rows.items():
         rate = r["samples_per_s"] * (time_scale or 1.0)
         t.add_row(name, f"{r['generate_makespan_s'] / scale:.1f}", f"{r['speedup_generate']:.2f}", f"{rate:.2f}",
-                  f"{r['speedup_end_to_end']:.2f}", f"{r['ranker_recall']:.2f}" if "ranker_recall" in r else "-",
+                  f"{r['speedup_end_to_end']:.2f}", f"{r['samples_per_cost_hour']:,.0f}", f"{r['weight_sync_share']:.1%}",
+                  f"{r['ranker_recall']:.2f}" if "ranker_recall" in r else "-",
                   f"{r['idle'].get('generate', 0):.0%}")
     console.print(t)
     write_result(result, out, console)
