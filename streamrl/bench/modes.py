@@ -92,10 +92,10 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
 
 def variant_costs(resolved) -> tuple[float, float, int]:
     """``(cost per generate device, cost per train device, train devices)`` of a recipe (a sim
-    trainer's virtual GPUs, else the train workers)."""
-    p = resolved.recipe.pools
-    gpus = getattr(resolved.trainer.config, "gpus", None)
-    return p.generate.cost_per_device, p.train.cost_per_device, gpus if isinstance(gpus, int) else p.train.workers
+    trainer's virtual GPUs, else the train workers), as the planner counts them."""
+    from streamrl.planning.allocate import costs, recipe_split
+
+    return (*costs(resolved), recipe_split(resolved)[1])
 
 
 def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]], steps: int, warmup: int,

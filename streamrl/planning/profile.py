@@ -126,7 +126,6 @@ def calibrate(file: str, overrides: list[str], steps: int = 3) -> dict:
     them large (on 2 cores with 12 workers: ~0.2 s per step, ~2 ms per group), and a simulated
     recipe scales them by ``1 / time_scale``: they are part of what its runs measure."""
     import io
-    import statistics
 
     from rich.console import Console
 
@@ -136,11 +135,17 @@ def calibrate(file: str, overrides: list[str], steps: int = 3) -> dict:
                         Console(file=io.StringIO()), "calibrate", None)
     records = [json.loads(line) for line in
                (Path(rows["calibrate"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()][1:steps + 1]
-    return {
-        "step_overhead_s": statistics.median(max(0.0, r["controller_s"] - r["submit_s"]) for r in records),
-        "submit_per_group_s": statistics.median(r["submit_s"] / r["submitted_groups"]
-                                                for r in records if r["submitted_groups"]),
-        "run_dir": rows["calibrate"]["run_dir"]}
+    return {**controller_costs(records), "run_dir": rows["calibrate"]["run_dir"]}
+
+
+def controller_costs(records: list[dict]) -> dict:
+    """``{"step_overhead_s", "submit_per_group_s"}``: the medians over a run's step records of
+    the controller's time outside task submission, and of its submission time per group."""
+    import statistics
+
+    per_group = [r["submit_s"] / r["submitted_groups"] for r in records if r["submitted_groups"]]
+    return {"step_overhead_s": statistics.median(max(0.0, r["controller_s"] - r["submit_s"]) for r in records),
+            "submit_per_group_s": statistics.median(per_group) if per_group else 0.0}
 
 
 def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> StageProfile:
@@ -197,8 +202,5 @@ def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> St
         kv_capacity_tokens=blocks * page if blocks and page else 1 << 40,
         max_running=getattr(cfg, "max_running", 0) or 0,
         train_per_token_s=statistics.median(r["train_s"] / max(tokens(r), 1) for r in records) * train_workers,
-        weight_sync_s=statistics.median(r["weight_sync_s"] for r in records),
-        step_overhead_s=statistics.median(max(0.0, r["controller_s"] - r["submit_s"]) for r in records),
-        submit_per_group_s=statistics.median(r["submit_s"] / r["submitted_groups"] for r in records
-                                             if r["submitted_groups"]) if any(r["submitted_groups"] for r in records) else 0.0,
+        weight_sync_s=statistics.median(r["weight_sync_s"] for r in records), **controller_costs(records),
         prompts_per_step=t.prompts_per_step, samples_per_prompt=t.samples_per_prompt, groups=list(groups.values()))
