@@ -226,7 +226,7 @@ def trainer_weights(after=None) -> bytes:
     tensor serializer goes through numpy, which has no bfloat16). ``weights_from_bytes`` reads them."""
     from streamrl.training.trainer import weights_to_bytes
 
-    return weights_to_bytes({n: t.detach().to("cpu") for n, t in resident(TRAINER).named_weights().items()})
+    return weights_to_bytes(resident(TRAINER).named_weights())  # (detached and on the CPU there)
 
 
 def save_policy(out: str, after=None, trainer_id: str | dict | None = None) -> str:

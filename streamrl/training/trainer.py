@@ -93,7 +93,8 @@ class HFTrainer(Trainer):
         self.temperature = context.temperature
         self.device = device or worker_device()
         device = self.device
-        self.bf16 = config.precision in ("bf16-autocast", "bf16-params") or (config.precision == "auto" and device == "cuda")
+        self.bf16_params = config.precision == "bf16-params"
+        self.bf16 = config.precision == "bf16-autocast" or self.bf16_params or (config.precision == "auto" and device == "cuda")
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         # about to be sharded: built on the CPU, and each rank's shard goes to the device in shard()
@@ -101,7 +102,7 @@ class HFTrainer(Trainer):
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
         self.model.train()
         # bf16-params: sharded, FSDP keeps the float32 masters itself (shard())
-        self.master = MasterWeights(self.model) if config.precision == "bf16-params" and not context.sharded else None
+        self.master = MasterWeights(self.model) if self.bf16_params and not context.sharded else None
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
@@ -141,10 +142,10 @@ class HFTrainer(Trainer):
     def shard(self) -> None:
         """Shard policy, reference and critic over the train pool (``training/fsdp.py``); the
         optimizers are built anew over the sharded parameters (no step has been taken yet)."""
-        bf16_params = self.config.precision == "bf16-params"
         for module in (self.policy, self.reference_policy, self.critic):
             if module is not None:
-                fsdp.shard(module, self.device, param_dtype=torch.bfloat16 if bf16_params and module is not self.critic else None)
+                bf16 = self.bf16_params and module is not self.critic
+                fsdp.shard(module, self.device, param_dtype=torch.bfloat16 if bf16 else None)
         self._build_optimizer()
         if self.critic is not None:
             self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
