@@ -1,9 +1,12 @@
 """Everything a plugin touches, in one import: ``from streamrl.api import ...``.
 
 A *component* is a named, configurable piece a recipe picks by name. There are nine kinds; each
-has a base class here with its contract in typed methods, documented optional capabilities
-(with the default streamrl uses when you do not override them) and ``close()``. Subclassing the
-base class is the easy way to get the defaults; streamrl never probes objects with ``getattr``.
+has a base class here with its contract in typed methods, documented optional methods (with the
+default streamrl uses when you do not override them) and ``close()``. Engines and trainers also
+declare what they can do before they are built, in one place: the classmethod
+``capabilities(config)`` returning an :class:`EngineCapabilities` or a
+:class:`TrainerCapabilities`. Subclassing the base class is the easy way to get the defaults;
+streamrl never probes objects with ``getattr``.
 
 ================  =====================  ==============================  ======================
 kind              recipe section         base class                      lives on
@@ -69,25 +72,47 @@ class Component:
 
         return validate_section(self.config, section, path)
 
-    def declared(self, base: type, name: str, default: Any) -> Any:
-        """Class-level capability ``name`` of ``base`` (e.g. ``Engine.needs_model``) as the
-        factory declares it, when the factory is a subclass of ``base``; else ``default``
-        (a factory that is a plain function gets the base class's defaults)."""
+    def capabilities(self, config: BaseModel) -> Any:
+        """What the component declares for its validated ``config`` before it is built: an
+        :class:`EngineCapabilities` for an engine, a :class:`TrainerCapabilities` for a trainer
+        (the only kinds that declare any). The factory's own ``capabilities(config)`` when it is
+        a subclass of the kind's base class; a factory that is a plain function declares
+        nothing, so it gets the kind's defaults."""
+        base = DECLARING.get(self.kind)
+        if base is None:
+            raise TypeError(f"{self.kind} components declare no capabilities (only {', '.join(DECLARING)} do)")
         f = self.factory
-        return getattr(f, name) if isinstance(f, type) and issubclass(f, base) else default
+        return (f if isinstance(f, type) and issubclass(f, base) else base).capabilities(config)
+
+    def declared(self, base: type, name: str, default: Any) -> Any:
+        """Used only by the controller until it calls :meth:`capabilities` (then this goes): its
+        two trainer checks, ``declared(Trainer, "data_parallel", False)`` and ``declared(Trainer,
+        "shard", Trainer.shard) is not Trainer.shard``, answered from the trainer's capabilities
+        at its config's defaults."""
+        caps = self.capabilities(self.config.model_construct())
+        if name == "data_parallel":
+            return caps.data_parallel
+        if name == "shard":  # the controller compares the answer with the base class's method
+            return None if caps.shardable else default
+        raise ValueError(f"declared({name!r}): ask capabilities(config) instead")
 
     def build(self, section: dict, path: str, *args) -> Any:
         """Validate ``section`` and build the component (``args`` follow the config)."""
         return self.factory(self.validate(section, path), *args)
 
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
-from streamrl.contracts.generation import Engine, Transfer
+from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer
 from streamrl.contracts.inputs import Reward, Task
-from streamrl.contracts.learning import Algorithm, Trainer, TrainerContext
+from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.observing import MetricSink
+
+#: The kinds that declare capabilities before they are built, with the base class declaring
+#: their defaults (:meth:`Component.capabilities`).
+DECLARING = {"engine": Engine, "trainer": Trainer}
 
 __all__ = [
     "KINDS", "Component", "hookimpl", "Prompt", "Sample", "Group",
-    "Task", "Reward", "Engine", "Transfer", "Algorithm", "Trainer", "TrainerContext",
+    "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "Algorithm", "Trainer",
+    "TrainerCapabilities", "TrainerContext",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",
 ]

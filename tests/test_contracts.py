@@ -1,6 +1,7 @@
 """The component contracts end to end: a recipe-local module with one component of every kind
 (tests/data/every_kind.py, written against ``streamrl.api``) runs through the real CLI, and a
-component that cannot be built on a worker ends the run with one line, not a hang."""
+component that cannot be built on a worker ends the run with one line, not a hang; what engines
+and trainers declare (their capabilities)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import BaseModel
 
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import Component, Engine, EngineCapabilities, TrainerCapabilities, TrainerContext
+from streamrl.plugins import build_registry
+from streamrl.sim.capabilities import SimEngineCapabilities
+from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
 from tests.conftest import ROOT
 
 EVERY_KIND = """
@@ -116,3 +123,38 @@ def test_a_component_that_cannot_be_built_on_a_worker_ends_the_run_in_one_line(t
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("streamrl: error: trainer 'sgd' could not be built on worker train-0"), last
     assert "sgd_extras" in last and "Traceback" not in proc.stderr
+
+
+class HotConfig(BaseModel):
+    temperature: float = 0.5
+
+
+class HotEngine(Engine):
+    @classmethod
+    def capabilities(cls, config: HotConfig) -> EngineCapabilities:
+        return EngineCapabilities(temperature=config.temperature, needs_model=False)
+
+
+def test_capabilities_come_from_the_class_and_a_plain_function_factory_gets_the_defaults():
+    assert Component("engine", "hot", HotConfig, HotEngine).capabilities(HotConfig(temperature=0.7)) == \
+        EngineCapabilities(temperature=0.7, needs_model=False)
+    # a function building the same engine declares nothing: streamrl cannot see the class
+    assert Component("engine", "hot", HotConfig, lambda c: HotEngine()).capabilities(HotConfig()) == EngineCapabilities()
+    assert Component("trainer", "t", HotConfig, lambda c, ctx: None).capabilities(HotConfig()) == TrainerCapabilities()
+    with pytest.raises(TypeError, match="reward components declare no capabilities"):
+        Component("reward", "r", HotConfig, lambda c: None).capabilities(HotConfig())
+    reg = build_registry()
+    hf = reg.get("trainer", "hf", "trainer.name")
+    assert hf.capabilities(hf.config()) == TrainerCapabilities(data_parallel=True, shardable=True)
+    engine = reg.get("engine", "hf", "engine.name")
+    assert engine.capabilities(engine.config(temperature=0.3)).temperature == 0.3
+
+
+def test_the_sim_trainer_takes_its_cost_model_from_the_sim_engines_capabilities():
+    reg = build_registry()
+    sim = reg.get("engine", "sim", "engine.name")
+    caps = sim.capabilities(sim.config(time_scale=0.5))
+    assert isinstance(caps, SimEngineCapabilities) and not caps.needs_model and caps.time_scale == 0.5
+    assert SimTrainer(SimTrainerConfig(), TrainerContext(None, GRPO(GRPOConfig()), caps)).time_scale == 0.5
+    with pytest.raises(ValueError, match='needs engine.name = "sim"'):
+        SimTrainer(SimTrainerConfig(), TrainerContext(None, GRPO(GRPOConfig()), EngineCapabilities()))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
-from streamrl.api import TrainerContext
+from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.sample import Prompt
 from streamrl.training.logprobs import naive_token_logprobs, token_logprobs
@@ -15,8 +15,8 @@ from streamrl.training.trainer import HFTrainer, HFTrainerConfig, pad_batch
 
 
 def trainer(model, **config):
-    return HFTrainer(HFTrainerConfig(**{"lr": 1e-2, **config}), TrainerContext(str(model), GRPO(GRPOConfig()), 0.7,
-                                                                        HFEngineConfig()))
+    return HFTrainer(HFTrainerConfig(**{"lr": 1e-2, **config}), TrainerContext(str(model), GRPO(GRPOConfig()),
+                                                                        EngineCapabilities(temperature=0.7)))
 
 
 def sampled(model, n_prompts=6, n=4, temperature=0.7, dtype="float32"):

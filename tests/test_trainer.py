@@ -10,8 +10,7 @@ import torch
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.sample import Prompt, Sample
-from streamrl.api import TrainerContext
-from streamrl.engines.hf import HFEngineConfig
+from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig, pad_batch, token_logprobs
 
 
@@ -37,7 +36,7 @@ def make_groups(trainer: HFTrainer, n_groups=6, size=4, seed=0):
 
 
 def new_trainer(model_path):
-    return HFTrainer(HFTrainerConfig(lr=1e-2), TrainerContext(str(model_path), GRPO(GRPOConfig()), 1.0, HFEngineConfig()))
+    return HFTrainer(HFTrainerConfig(lr=1e-2), TrainerContext(str(model_path), GRPO(GRPOConfig()), EngineCapabilities(temperature=1.0)))
 
 
 def test_response_mask_lines_up_with_logprobs(tiny_model):
@@ -100,7 +99,7 @@ def test_ppo_trainer_fits_its_critic_and_reports_it(tiny_model):
     from streamrl.algorithms.ppo import PPO, PPOConfig
 
     trainer = HFTrainer(HFTrainerConfig(lr=1e-3, critic_lr=3e-3),
-                        TrainerContext(str(tiny_model), PPO(PPOConfig(critic_warmup_steps=2)), 1.0, HFEngineConfig()))
+                        TrainerContext(str(tiny_model), PPO(PPOConfig(critic_warmup_steps=2)), EngineCapabilities(temperature=1.0)))
     groups = make_groups(trainer)
     for g, group in enumerate(groups):  # a return the critic can learn: it depends on the prompt
         for s in group:
@@ -127,7 +126,7 @@ def test_a_checkpoint_restores_the_trainer_exactly(tiny_model, tmp_path, algorit
 
     def trainer():
         algo = PPO(PPOConfig()) if algorithm == "ppo" else ReinforcePP(ReinforcePPConfig())
-        context = TrainerContext(str(tiny_model), algo, 1.0, HFEngineConfig())
+        context = TrainerContext(str(tiny_model), algo, EngineCapabilities(temperature=1.0))
         return HFTrainer(HFTrainerConfig(lr=1e-3, warmup_steps=3), context)
 
     a = trainer()

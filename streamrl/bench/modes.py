@@ -9,8 +9,8 @@ the accounting windows (step boundary to boundary: wall time, controller overhea
 idle ratios are the pools' busy clocks over the same windows.
 
 Colocated gets the same devices as the disaggregated modes. On a real engine that is automatic:
-the train workers also generate. A trainer whose devices are virtual says how to size the
-colocated variant (``Trainer.colocated_overrides``; the ``sim`` trainer gives it ``G + T``
+the train workers also generate. The ``sim`` trainer's devices are virtual, so its capabilities
+say how to size the colocated variant (``SimTrainerCapabilities.colocated_overrides``: ``G + T``
 instances and ``G + T`` training GPUs where the recipe has ``G`` instances and ``T`` GPUs).
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.api import Engine, Trainer
 from streamrl.flow import runner
 from streamrl.recipe import load_recipe
+from streamrl.sim.capabilities import SimEngineCapabilities, SimTrainerCapabilities
 
 MODES = ("colocated", "batch", "stream", "async")
 
@@ -36,17 +36,16 @@ def describe(file: str, overrides: list[str]):
     """The recipe as given, validated once: ``(resolved, time_scale)``; ``time_scale`` (real
     seconds per simulated second) is None for a real engine."""
     resolved = runner.resolve(load_recipe(file, overrides))
-    e = resolved.engine
-    return resolved, e.component.declared(Engine, "simulated_time_scale", lambda c: None)(e.config)
+    engine = resolved.engine.capabilities()
+    return resolved, engine.time_scale if isinstance(engine, SimEngineCapabilities) else None
 
 
 def mode_overrides(resolved, mode: str) -> list[str]:
     """Overrides that turn the recipe into its ``mode`` variant with equal devices."""
     out = [f"run.mode={mode}"]
-    if mode == "colocated":
-        t = resolved.trainer
-        out += t.component.declared(Trainer, "colocated_overrides", lambda c, g: [])(
-            t.config, resolved.recipe.pools.generate.workers)
+    trainer = resolved.trainer.capabilities()
+    if mode == "colocated" and isinstance(trainer, SimTrainerCapabilities):  # virtual devices: add some
+        out += trainer.colocated_overrides(resolved.recipe.pools.generate.workers)
     return out
 
 

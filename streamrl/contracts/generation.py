@@ -4,6 +4,7 @@ Plugins import these from ``streamrl.api``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
@@ -14,6 +15,27 @@ if TYPE_CHECKING:  # torch is imported only where tensors are used
     import torch
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine declares about itself before any is built (:meth:`Engine.capabilities`).
+
+    streamrl reads it in the ``streamrl`` process to check the recipe, to tell the trainer the
+    sampling temperature and to plan; the defaults describe an ordinary engine that loads a
+    model. A simulator declares a subclass with its cost model (``streamrl/sim``)."""
+
+    needs_model: bool = True
+    """False for an engine that needs no ``[model]`` (a simulator)."""
+    temperature: float = 1.0
+    """The temperature the engine samples at; the trainer divides its logits by the same value
+    so engine and trainer logprobs agree."""
+    max_running: int = 0
+    """Most requests decoding at once on one engine (0: no cap but the KV cache); ``streamrl
+    plan`` models the engine's batch with it."""
+    kv_capacity_tokens: int = 0
+    """Context tokens one engine's KV cache holds, when fixed by the config (0: not known before
+    the engine starts; ``streamrl plan`` then takes it as unbounded)."""
+
+
 class Engine:
     """An inference engine, one per generate worker.
 
@@ -21,26 +43,18 @@ class Engine:
     worker); the engine batches concurrent requests itself.
     """
 
-    needs_model: bool = True
-    """False for engines that need no ``[model]`` (a simulator)."""
     version: int = 0
     """Policy version of the weights the engine generates with (0 = the initial model)."""
 
     @classmethod
-    def sampling_temperature(cls, config: BaseModel) -> float:
-        """The temperature the engine samples at; the trainer divides its logits by the same
-        value so engine and trainer logprobs agree. Default 1.0."""
-        return 1.0
-
-    @classmethod
-    def simulated_time_scale(cls, config: BaseModel) -> float | None:
-        """For a simulated engine: real seconds per simulated second (reports then say
-        SIMULATED and give simulated rates). None (the default): a real engine."""
-        return None
+    def capabilities(cls, config: BaseModel) -> EngineCapabilities:
+        """What the engine declares for its validated ``config``, before any is built (a model,
+        the sampling temperature, ...). Default: :class:`EngineCapabilities` as it is."""
+        return EngineCapabilities()
 
     def load(self, model_path: str | None) -> None:
         """Load the model (``from_pretrained``) and start generating. ``None`` when the recipe
-        has no model (only for ``needs_model = False``)."""
+        has no model (only for an engine declaring ``needs_model=False``)."""
         raise NotImplementedError
 
     def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:

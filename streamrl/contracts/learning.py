@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
+from streamrl.contracts.generation import EngineCapabilities
 from streamrl.sample import Group
 
 if TYPE_CHECKING:  # torch is imported only where tensors are used
@@ -92,16 +93,32 @@ class TrainerContext:
     """The policy model folder (``from_pretrained``), None when the recipe has none."""
     algorithm: Algorithm
     """The recipe's algorithm, built."""
-    temperature: float
-    """The engine's sampling temperature (divide logits by it)."""
-    engine_config: BaseModel
-    """The engine's validated config (a simulated trainer reads its cost model from it)."""
+    engine: EngineCapabilities
+    """What the recipe's engine declares (:meth:`Engine.capabilities`): divide logits by
+    ``engine.temperature``."""
     seed: int = 0
     """``run.seed``."""
     sharded: bool = False
     """The trainer will be sharded over the train pool (:meth:`Trainer.shard`): keep the model
     off the device until then (``fully_shard`` moves each rank's shard there), so a model
     that does not fit one device can still be built."""
+
+
+@dataclass(frozen=True)
+class TrainerCapabilities:
+    """What a trainer declares about itself before it is built (:meth:`Trainer.capabilities`).
+    The defaults describe a trainer of a real model on one train worker."""
+
+    needs_model: bool = True
+    """False for a trainer that needs no ``[model]`` (a simulator)."""
+    data_parallel: bool = False
+    """True: the trainer can train on several train workers at once (``pools.train.workers >
+    1``): streamrl joins them in one ``torch.distributed`` group before the run, gives each its
+    share of the micro-batches, and runs ``step()`` on every rank together, which must then sum
+    the gradients over the group (the ``hf`` trainer does)."""
+    shardable: bool = False
+    """True: the trainer implements :meth:`Trainer.shard`, so it can run with ``trainer.strategy
+    = "fsdp"`` over several train workers (with ``data_parallel``)."""
 
 
 class Trainer:
@@ -112,17 +129,14 @@ class Trainer:
     the batch was cut or in what order the pieces arrived (``stream`` equals ``batch``).
     """
 
-    needs_model: bool = True
-    """False for trainers that need no ``[model]`` (a simulator)."""
     version: int = 0
     """Policy version: the number of optimizer steps taken."""
 
     @classmethod
-    def colocated_overrides(cls, config: BaseModel, generate_workers: int) -> list[str]:
-        """``--set`` overrides that give the ``colocated`` variant of a recipe (in ``streamrl
-        bench modes``) as many devices as the disaggregated one. Default none: real train
-        workers generate too. A simulator whose devices are virtual adds them here."""
-        return []
+    def capabilities(cls, config: BaseModel) -> TrainerCapabilities:
+        """What the trainer declares for its validated ``config``, before it is built (a model,
+        data parallel, sharding). Default: :class:`TrainerCapabilities` as it is."""
+        return TrainerCapabilities()
 
     def micro_batch(self, groups: list[Group], scale: float) -> dict[str, float]:
         """Forward/backward on whole groups. Returns sums over the samples: ``samples``,
@@ -138,22 +152,17 @@ class Trainer:
         """The parameters a transfer sends to the engines (empty for a simulator)."""
         raise NotImplementedError
 
-    data_parallel: bool = False
-    """True: the trainer can train on several train workers at once (``pools.train.workers >
-    1``): streamrl joins them in one ``torch.distributed`` group before the run, gives each its
-    share of the micro-batches, and runs ``step()`` on every rank together, which must then sum
-    the gradients over the group (the ``hf`` trainer does)."""
-
     sharded: bool = False
     """True once :meth:`shard` has run."""
 
     def shard(self) -> None:
-        """Optional (``trainer.strategy = "fsdp"``): called on every rank together once the train
-        pool's process group is joined, before any step: split parameters, gradients and
-        optimizer state over the group and set :attr:`sharded`. From then on every forward/backward
-        is a collective: streamrl pairs the ranks' :meth:`micro_batch` calls (a rank with nothing to
-        train gets ``groups = []`` and must still take part), and runs :meth:`step`,
-        :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`save` on every rank together."""
+        """Optional (``trainer.strategy = "fsdp"``, for a trainer declaring ``shardable=True``):
+        called on every rank together once the train pool's process group is joined, before any
+        step: split parameters, gradients and optimizer state over the group and set
+        :attr:`sharded`. From then on every forward/backward is a collective: streamrl pairs the
+        ranks' :meth:`micro_batch` calls (a rank with nothing to train gets ``groups = []`` and
+        must still take part), and runs :meth:`step`, :meth:`save_checkpoint`,
+        :meth:`load_checkpoint` and :meth:`save` on every rank together."""
         raise NotImplementedError(f"{type(self).__name__} cannot shard its state")
 
     def save_checkpoint(self, path: str) -> None:

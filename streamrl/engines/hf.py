@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.api import Engine
+from streamrl.api import Engine, EngineCapabilities
 from streamrl.engines.seeded import group_generator, sample_group
 from streamrl.engines.static import decode_batch
 from streamrl.sample import Group, Prompt, Sample
@@ -102,9 +102,12 @@ class HFEngine(Engine):
     """Continuous-batching generation with per-token logprobs (built on the worker)."""
 
     @classmethod
-    def sampling_temperature(cls, config: HFEngineConfig) -> float:
-        """``engine.temperature``: the trainer divides its logits by it."""
-        return config.temperature
+    def capabilities(cls, config: HFEngineConfig) -> EngineCapabilities:
+        """``engine.temperature`` (the trainer divides its logits by it), ``max_running``, and
+        the KV cache's tokens when ``num_blocks`` sizes it (continuous batching)."""
+        fixed_kv = config.batching == "continuous" and not config.reproducible and not config.kv_memory_fraction
+        return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
+                                  kv_capacity_tokens=config.num_blocks * config.page_size if fixed_kv else 0)
 
     def __init__(self, config: HFEngineConfig):
         self.config = config

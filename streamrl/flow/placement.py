@@ -13,7 +13,7 @@ from functools import partial
 
 from distributed import Client
 
-from streamrl.api import Engine, TrainerContext
+from streamrl.api import TrainerContext
 from streamrl.flow import remote
 from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, Resident
 from streamrl.flow.resolve import Chosen, Resolved
@@ -30,10 +30,8 @@ def build_engine(engine: Chosen, model_path: str | None):
 def trainer_context(resolved: Resolved, sharded: bool = False) -> TrainerContext:
     """What the trainer's factory gets besides its config (``sharded``: it will be, over the
     train pool)."""
-    e = resolved.engine
     return TrainerContext(model_path=resolved.model_path, algorithm=resolved.algorithm.build(),
-                          temperature=e.component.declared(Engine, "sampling_temperature", lambda c: 1.0)(e.config),
-                          engine_config=e.config, seed=resolved.recipe.run.seed, sharded=sharded)
+                          engine=resolved.engine.capabilities(), seed=resolved.recipe.run.seed, sharded=sharded)
 
 
 def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], train_worker: str,

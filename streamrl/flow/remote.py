@@ -134,7 +134,7 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     cuts = [[order[j] for j in idx] for idx in
             pack([group_tokens(groups[i]) for i in order], micro_batch_tokens, groups_per_micro_batch)]
     passes = [[groups[i] for i in idx] for idx in cuts]
-    if getattr(trainer, "sharded", False):
+    if trainer.sharded:
         # sharded ranks run this task in rounds, one task each: every rank makes as many
         # passes as the busiest (the extra ones empty), so their collectives pair up
         from streamrl.training.fsdp import agree_passes

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from streamrl.api import Component, Engine, Trainer
+from streamrl.api import Component
 from streamrl.errors import UserError
 from streamrl.plugins import Registry, build_registry
 from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools
@@ -24,6 +24,11 @@ class Chosen:
     def build(self, *args) -> Any:
         """Build the object (``args`` after the config, e.g. a trainer's context)."""
         return self.component.factory(self.config, *args)
+
+    def capabilities(self) -> Any:
+        """What the component declares for this config (an engine's or a trainer's:
+        :meth:`Component.capabilities`)."""
+        return self.component.capabilities(self.config)
 
 
 @dataclass
@@ -81,9 +86,8 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     sinks = [choose(registry, "metric_sink", sec.name, sec.options(), f"metrics[{i}]", r.run.seed)
              for i, sec in enumerate(r.metrics)]
     out = Resolved(loaded, registry, sinks=sinks, **chosen)
-    needs_model = [f'{s}.name = "{tables[s].name}"' for s, c, base in
-                   (("engine", out.engine, Engine), ("trainer", out.trainer, Trainer))
-                   if c.component.declared(base, "needs_model", True)]
+    needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
+                   if c.capabilities().needs_model]
     if needs_model:
         path = loaded.model_path()
         if path is None:

@@ -24,6 +24,7 @@ from rich.table import Table
 from streamrl.errors import UserError
 from streamrl.planning.predict import Prediction, predict
 from streamrl.planning.profile import StageProfile
+from streamrl.sim.capabilities import SimTrainerCapabilities
 
 
 def recipe_split(resolved) -> tuple[int, int]:
@@ -33,8 +34,8 @@ def recipe_split(resolved) -> tuple[int, int]:
 
 
 def _train_devices(resolved) -> int:
-    gpus = getattr(resolved.trainer.config, "gpus", None)  # the sim trainer's virtual devices
-    return gpus if isinstance(gpus, int) else resolved.recipe.pools.train.workers
+    trainer = resolved.trainer.capabilities()  # the sim trainer's devices are virtual
+    return trainer.gpus if isinstance(trainer, SimTrainerCapabilities) else resolved.recipe.pools.train.workers
 
 
 def costs(resolved) -> tuple[float, float]:
@@ -54,8 +55,9 @@ def split_overrides(resolved, pred: Prediction) -> list[str]:
     keeps ``max_staleness + 1`` steps of groups on the generate workers: each needs a thread."""
     r = resolved.recipe
     out = [f"pools.generate.workers={pred.generate}"]
-    if isinstance(getattr(resolved.trainer.config, "gpus", None), int):
-        out.append(f"trainer.gpus={pred.train}")
+    trainer = resolved.trainer.capabilities()
+    if isinstance(trainer, SimTrainerCapabilities):
+        out += trainer.resize(pred.train)
     else:
         out.append(f"pools.train.workers={pred.train}")
     out.append(f"run.mode={pred.mode}")

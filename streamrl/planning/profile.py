@@ -22,6 +22,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from streamrl.sim.capabilities import SimEngineCapabilities, SimTrainerCapabilities
+
 
 class Group(BaseModel):
     """One observed prompt group."""
@@ -93,14 +95,14 @@ def from_cost_model(resolved, observe_steps: int = 4) -> StageProfile | None:
     Its observed groups are the first ``observe_steps`` steps' lengths as the sim engine will
     draw them: what a warm-up of that many steps would observe."""
     from streamrl.sim import latency
-    from streamrl.sim.engine import SimEngineConfig
     from streamrl.sim.workload import sample_length
 
-    e = resolved.engine.config
-    if not isinstance(e, SimEngineConfig):
+    e = resolved.engine.capabilities()
+    if not isinstance(e, SimEngineCapabilities):
         return None
     g = e.profile  # the generating device
-    tr = getattr(resolved.trainer.config, "device", None) or g  # the training device
+    trainer = resolved.trainer.capabilities()
+    tr = (trainer.device if isinstance(trainer, SimTrainerCapabilities) else None) or g  # the training device
     t = resolved.recipe.trainer
     task = resolved.task.build()
     groups = []
@@ -113,7 +115,7 @@ def from_cost_model(resolved, observe_steps: int = 4) -> StageProfile | None:
     return StageProfile(
         source=f"sim cost model ({observe_steps} steps of lengths)", simulated=True,
         decode_c0_s=c0, decode_per_context_token_s=per_ctx,
-        prefill_per_token_s=latency.prefill_time(g, 1), kv_capacity_tokens=latency.kv_capacity_tokens(g),
+        prefill_per_token_s=latency.prefill_time(g, 1), kv_capacity_tokens=e.kv_capacity_tokens,
         max_running=e.max_running, train_per_token_s=latency.train_time(tr, 1, 1),
         optimizer_step_s=tr.params * 16 / (tr.mem_bw * tr.bw_eff), weight_sync_s=latency.weight_sync_time(g),
         prompts_per_step=t.prompts_per_step, samples_per_prompt=t.samples_per_prompt, groups=groups)
@@ -194,13 +196,11 @@ def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> St
             g = groups.setdefault(f'{r["step"]}/{x["uid"].rsplit("-", 1)[0]}', Group(prompt_tokens=x["prompt_len"], lengths=[]))
             g.lengths.append(x["response_len"])
     t = resolved.recipe.trainer
-    cfg = resolved.engine.config
-    blocks, page = getattr(cfg, "num_blocks", None), getattr(cfg, "page_size", None)
+    engine = resolved.engine.capabilities()
     return StageProfile(
         source=f"measured: engine start-up profile + {len(records)} batch steps of the recipe ({run_dir.name})",
         decode_c0_s=c0, decode_per_context_token_s=per_ctx,
-        kv_capacity_tokens=blocks * page if blocks and page else 1 << 40,
-        max_running=getattr(cfg, "max_running", 0) or 0,
+        kv_capacity_tokens=engine.kv_capacity_tokens or 1 << 40, max_running=engine.max_running,
         train_per_token_s=statistics.median(r["train_s"] / max(tokens(r), 1) for r in records) * train_workers,
         weight_sync_s=statistics.median(r["weight_sync_s"] for r in records), **controller_costs(records),
         prompts_per_step=t.prompts_per_step, samples_per_prompt=t.samples_per_prompt, groups=list(groups.values()))

@@ -27,6 +27,7 @@ from streamrl.api import Engine
 from streamrl.sample import Group, Prompt, Sample
 from streamrl.sim import latency
 from streamrl.sim.batching import ContinuousBatch
+from streamrl.sim.capabilities import SimEngineCapabilities
 from streamrl.sim.latency import Profile
 from streamrl.sim.workload import sample_length
 
@@ -55,12 +56,13 @@ class SimEngineConfig(BaseModel):
 class SimEngine(Engine):
     """A simulated inference instance (built on a generate worker)."""
 
-    needs_model = False
-
     @classmethod
-    def simulated_time_scale(cls, config: SimEngineConfig) -> float:
-        """``time_scale``: everything this engine reports is simulated."""
-        return config.time_scale
+    def capabilities(cls, config: SimEngineConfig) -> SimEngineCapabilities:
+        """No model; the cost model (everything this engine reports is simulated), and its batch
+        limits as ``streamrl plan`` models them."""
+        return SimEngineCapabilities(profile=config.profile, time_scale=config.time_scale, seed=config.seed,
+                                     max_running=config.max_running,
+                                     kv_capacity_tokens=latency.kv_capacity_tokens(config.profile))
 
     def __init__(self, config: SimEngineConfig):
         self.config = config

@@ -1,9 +1,10 @@
 """The ``sim`` trainer: the train pool's cost model, paired with the ``sim`` engine.
 
 It sleeps what training the samples would take on ``gpus`` simulated GPUs
-(:func:`streamrl.sim.latency.train_time`) with the engine's cost model (``[engine.profile]``,
-``engine.time_scale``) and keeps the policy version, so the controller, accounting and weight
-publication run unchanged. No model, no gradients: *simulated*.
+(:func:`streamrl.sim.latency.train_time`) with the cost model the ``sim`` engine declares
+(``[engine.profile]``, ``engine.time_scale``; it reaches the trainer as ``context.engine``) and
+keeps the policy version, so the controller, accounting and weight publication run unchanged.
+No model, no gradients: *simulated*.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Trainer, TrainerContext
 from streamrl.sim import latency
-from streamrl.sim.engine import SimEngineConfig
+from streamrl.sim.capabilities import SimEngineCapabilities, SimTrainerCapabilities
 from streamrl.sim.latency import Profile
 
 
@@ -32,20 +33,16 @@ class SimTrainerConfig(BaseModel):
 class SimTrainer(Trainer):
     """Stands in for the ``hf`` trainer on the train worker (``[trainer] name = "sim"``)."""
 
-    needs_model = False
-
     @classmethod
-    def colocated_overrides(cls, config: SimTrainerConfig, generate_workers: int) -> list[str]:
-        """Colocated on virtual devices: ``G`` instances + ``T`` training GPUs become ``G + T - 1``
-        generate workers plus the train worker (``G + T`` instances), training on ``G + T`` GPUs."""
-        g, t = generate_workers, config.gpus
-        return [f"pools.generate.workers={g + t - 1}", f"trainer.gpus={g + t}"]
+    def capabilities(cls, config: SimTrainerConfig) -> SimTrainerCapabilities:
+        """No model; ``gpus`` virtual training devices."""
+        return SimTrainerCapabilities(gpus=config.gpus, device=config.device)
 
     def __init__(self, config: SimTrainerConfig, context: TrainerContext):
-        if not isinstance(context.engine_config, SimEngineConfig):
+        if not isinstance(context.engine, SimEngineCapabilities):
             raise ValueError('trainer.name = "sim" needs engine.name = "sim" (it uses the engine\'s cost model)')
-        self.config = context.engine_config  # profile and time_scale
-        self.profile = config.device or self.config.profile
+        self.time_scale = context.engine.time_scale
+        self.profile = config.device or context.engine.profile
         self.gpus = config.gpus
         self.version = 0
 
@@ -54,7 +51,7 @@ class SimTrainer(Trainer):
         t0 = time.perf_counter()
         samples = [s for g in groups for s in g]
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        time.sleep(latency.train_time(self.profile, tokens, self.gpus) * self.config.time_scale)
+        time.sleep(latency.train_time(self.profile, tokens, self.gpus) * self.time_scale)
         return {"samples": len(samples), "tokens": sum(len(s.response_ids) for s in samples),
                 "reward_sum": float(sum(s.reward for s in samples)), "loss_sum": 0.0,
                 "clip_frac_sum": 0.0, "kl_sum": 0.0, "seconds": time.perf_counter() - t0}
@@ -63,7 +60,7 @@ class SimTrainer(Trainer):
         """Sleep an Adam update (memory-bound: ~16 bytes per parameter, sharded over the GPUs)."""
         t0 = time.perf_counter()
         p = self.profile
-        time.sleep(p.params * 16 / (p.mem_bw * p.bw_eff * self.gpus) * self.config.time_scale)
+        time.sleep(p.params * 16 / (p.mem_bw * p.bw_eff * self.gpus) * self.time_scale)
         self.version += 1
         return {"version": self.version, "grad_norm": 0.0, "seconds": time.perf_counter() - t0}
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from streamrl.api import Trainer, TrainerContext
+from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.devices import worker_device
 from streamrl.sample import Group
 from streamrl.training import data_parallel as dp
@@ -83,14 +83,17 @@ token_logprobs = naive_token_logprobs  # the plain computation, for checks again
 class HFTrainer(Trainer):
     """A causal LM + AdamW (+ a frozen reference model and a critic when the algorithm asks)."""
 
-    data_parallel = True
+    @classmethod
+    def capabilities(cls, config: HFTrainerConfig) -> TrainerCapabilities:
+        """Data parallel over the train pool (``ddp``), and shardable (``fsdp``)."""
+        return TrainerCapabilities(data_parallel=True, shardable=True)
 
     def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
         self.algorithm = context.algorithm
-        self.temperature = context.temperature
+        self.temperature = context.engine.temperature
         self.device = device or worker_device()
         device = self.device
         self.bf16_params = config.precision == "bf16-params"

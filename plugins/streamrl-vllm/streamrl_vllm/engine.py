@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.api import Engine
+from streamrl.api import Engine, EngineCapabilities
 from streamrl.engines.hf import fit_decode_latency
 from streamrl.sample import Group, Prompt, Sample
 from streamrl_vllm.weights import swap_weights
@@ -90,9 +90,10 @@ class VLLMEngine(Engine):
     """Continuous-batching generation with per-token logprobs on vLLM (built on the worker)."""
 
     @classmethod
-    def sampling_temperature(cls, config: VLLMEngineConfig) -> float:
-        """``engine.temperature``: the trainer divides its logits by it."""
-        return config.temperature
+    def capabilities(cls, config: VLLMEngineConfig) -> EngineCapabilities:
+        """``engine.temperature`` (the trainer divides its logits by it) and ``max_running``
+        (vLLM sizes its KV cache when it starts)."""
+        return EngineCapabilities(temperature=config.temperature, max_running=config.max_running)
 
     def __init__(self, config: VLLMEngineConfig):
         self.config = config
