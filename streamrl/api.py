@@ -22,6 +22,11 @@ kind              recipe section         base class                      lives o
 ``scheduler``     ``[scheduler]``        :class:`Scheduler`              the ``streamrl`` process
 ================  =====================  ==============================  ======================
 
+Besides the base classes, a few pieces the built-ins are made of, for plugins to build on:
+:class:`ClippedSurrogate` (with :class:`ClippedConfig`), the PPO clipped loss an algorithm gets by
+giving only ``advantages``; :func:`fit_decode_latency`, the affine decode-step profile an engine
+returns from ``decode_latency``.
+
 Components built on workers are shipped there by value (cloudpickle), so a component defined
 in a file next to the recipe works without installing anything; an installed package must be
 installed wherever workers run.
@@ -100,8 +105,9 @@ class Component:
         """Validate ``section`` and build the component (``args`` follow the config)."""
         return self.factory(self.validate(section, path), *args)
 
+from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
-from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer
+from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer, fit_decode_latency
 from streamrl.contracts.inputs import Reward, Task
 from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.observing import MetricSink
@@ -115,4 +121,6 @@ __all__ = [
     "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",
+    # helpers a plugin builds on: the clipped policy-gradient loss, an engine's decode profile
+    "ClippedSurrogate", "ClippedConfig", "fit_decode_latency",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import textwrap
 
 import pytest
 
 from streamrl.errors import UserError
 from streamrl.plugins import build_registry
+from tests.conftest import ROOT
 
 LOCAL_REWARD = textwrap.dedent('''
     from pydantic import BaseModel, ConfigDict
@@ -81,3 +83,27 @@ def test_a_register_hook_that_raises_is_reported_and_skipped(tmp_path):
     with pytest.warns(PluginWarning, match="local:./bad.py.*register_rewards failed.*no rewards today"):
         reg = build_registry(["./bad.py"], tmp_path)
     assert reg.get("reward", "exact_match", "reward.name").plugin == "streamrl.builtins"
+
+
+def streamrl_imports(path) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import of a ``streamrl`` module in the file, at any depth
+    (``from streamrl import x`` counts as ``streamrl.x``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "streamrl":
+            found += [(node.lineno, f"streamrl.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append((node.lineno, node.module))
+    return [(line, m) for line, m in found if m == "streamrl" or m.startswith("streamrl.")]
+
+
+def test_shipped_plugins_import_nothing_from_streamrl_but_its_api():
+    # streamrl.api is the plugin surface: what a shipped plugin's package needs must be there
+    packages = [d for d in (ROOT / "plugins").glob("*/*") if (d / "__init__.py").is_file()]
+    assert {d.name for d in packages} >= {"streamrl_example", "streamrl_vllm"}
+    files = [f for d in packages for f in d.rglob("*.py")]
+    imports = {f"{f.relative_to(ROOT)}:{line}": m for f in files for line, m in streamrl_imports(f)}
+    assert "streamrl.api" in imports.values()  # the check sees the imports it is about
+    assert {k: m for k, m in imports.items() if m != "streamrl.api"} == {}

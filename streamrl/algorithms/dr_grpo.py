@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from streamrl.algorithms.grpo import GRPO, ClippedConfig
+from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 
 
 class DrGRPOConfig(ClippedConfig):
@@ -22,7 +22,7 @@ class DrGRPOConfig(ClippedConfig):
     ``max_new_tokens``."""
 
 
-class DrGRPO(GRPO):
+class DrGRPO(ClippedSurrogate):
     """Mean-centred advantages and a token-level clipped surrogate."""
 
     def advantages(self, rewards: list[float]) -> list[float]:
@@ -31,7 +31,8 @@ class DrGRPO(GRPO):
         return [r - mean for r in rewards]
 
     def loss(self, new, old, ref, adv, mask):
-        """As GRPO's, with each sample's token sum divided by ``max_tokens`` instead of its length."""
+        """The clipped surrogate's, each sample's token sum divided by ``max_tokens`` instead of
+        its length."""
         per_sample, stats = super().loss(new, old, ref, adv, mask)
         n_tokens = mask.sum(-1).clamp(min=1)
         return per_sample * n_tokens / self.config.max_tokens, stats

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from streamrl.algorithms.grpo import GRPO, ClippedConfig
+from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 
 
 class PPOConfig(ClippedConfig):
@@ -41,7 +41,7 @@ class PPOConfig(ClippedConfig):
     its advantages come from a critic that has seen some returns)."""
 
 
-class PPO(GRPO):
+class PPO(ClippedSurrogate):
     """Clipped surrogate with token-level GAE advantages from a learned critic."""
 
     needs_critic = True

@@ -16,7 +16,7 @@ import math
 
 from pydantic import Field
 
-from streamrl.algorithms.grpo import GRPO, ClippedConfig
+from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 
 
 class ReinforcePPConfig(ClippedConfig):
@@ -24,8 +24,8 @@ class ReinforcePPConfig(ClippedConfig):
     """Added to the running std before dividing."""
 
 
-class ReinforcePP(GRPO):
-    """Group-mean baseline, globally normalised advantages, GRPO's clipped loss."""
+class ReinforcePP(ClippedSurrogate):
+    """Group-mean baseline, globally normalised advantages, the clipped surrogate loss."""
 
     def __init__(self, config: ReinforcePPConfig):
         super().__init__(config)

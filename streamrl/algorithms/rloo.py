@@ -4,21 +4,21 @@ For a group of G samples of one prompt with rewards r_1..r_G:
 
     A_i = r_i - (sum_j r_j - r_i) / (G - 1)        # the mean of the *other* samples
 
-unbiased (GRPO's group mean includes the sample itself) and unscaled. The loss is GRPO's
-clipped surrogate, per-sample mean over tokens (``streamrl/algorithms/grpo.py``).
+unbiased (GRPO's group mean includes the sample itself) and unscaled. The loss is the
+clipped surrogate, per-sample mean over tokens (``streamrl/algorithms/clipped.py``).
 """
 
 from __future__ import annotations
 
-from streamrl.algorithms.grpo import GRPO, ClippedConfig
+from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 
 
 class RLOOConfig(ClippedConfig):
-    """``clip``, ``kl_coef``, ``off_policy_cap``: as GRPO's."""
+    """``clip``, ``kl_coef``, ``off_policy_cap``, ``epochs``: the clipped surrogate's."""
 
 
-class RLOO(GRPO):
-    """GRPO's loss with leave-one-out advantages."""
+class RLOO(ClippedSurrogate):
+    """The clipped surrogate loss with leave-one-out advantages."""
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """``r_i`` minus the mean of the group's other rewards (0 for a group of one)."""

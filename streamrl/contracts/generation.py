@@ -5,6 +5,7 @@ Plugins import these from ``streamrl.api``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
@@ -85,6 +86,24 @@ class Engine:
 
     def close(self) -> None:
         """Stop generating; requests still waiting must fail, never hang."""
+
+
+def affine_latency(c0: float, per_token: float, context: float) -> float:
+    """Seconds of one decode step at ``context`` running tokens, from a measured profile."""
+    return c0 + per_token * context
+
+
+def fit_decode_latency(points: list[tuple[float, float]]):
+    """Least-squares affine fit of ``[(context tokens, seconds per decode step)]``: one decode step
+    costs about ``c0 + per_context_token * total context tokens of the running batch``. A
+    picklable function for a scheduler, or None with fewer than two points. What an engine that
+    measures such points returns from :meth:`Engine.decode_latency` (``hf`` and ``vllm`` do)."""
+    if len(points) < 2:
+        return None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return partial(affine_latency, max(my - slope * mx, 0.0), slope)
 
 
 class Transfer:

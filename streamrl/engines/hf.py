@@ -22,35 +22,16 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as RequestTimeout
-from functools import partial
 from types import SimpleNamespace
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.api import Engine, EngineCapabilities
+from streamrl.api import Engine, EngineCapabilities, fit_decode_latency
 from streamrl.engines.seeded import group_generator, sample_group
 from streamrl.engines.static import decode_batch
 from streamrl.sample import Group, Prompt, Sample
-
-
-def affine_latency(c0: float, per_token: float, context: float) -> float:
-    """Seconds of one decode step at ``context`` running tokens, from a measured profile."""
-    return c0 + per_token * context
-
-
-def fit_decode_latency(points: list[tuple[float, float]]):
-    """Least-squares affine fit of ``[(context tokens, seconds per decode step)]``: one decode step
-    costs about ``c0 + per_context_token * total context tokens of the running batch``. A
-    picklable function for a scheduler, or None with fewer than two points. Any engine that
-    measures such points (``vllm`` too) can hand them to this."""
-    if len(points) < 2:
-        return None
-    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
-    var = sum((x - mx) ** 2 for x, _ in points)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
-    return partial(affine_latency, max(my - slope * mx, 0.0), slope)
 
 
 class HFEngineConfig(BaseModel):

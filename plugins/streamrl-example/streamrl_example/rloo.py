@@ -2,14 +2,15 @@
 
 Each sample's baseline is the mean reward of the *other* samples of its group,
 ``A_i = r_i - mean_{j != i} r_j``, which is unbiased (GRPO's group mean includes the sample
-itself) and unscaled. The loss is GRPO's clipped surrogate, reused from streamrl.
+itself) and unscaled. The loss is streamrl's clipped surrogate (``ClippedSurrogate``, the one
+GRPO uses), so this file only gives the advantages.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import ClippedConfig, ClippedSurrogate
 
 
 class RLOOConfig(BaseModel):
@@ -20,11 +21,11 @@ class RLOOConfig(BaseModel):
     """Weight of the KL penalty to the frozen initial policy."""
 
 
-class RLOO(GRPO):
-    """GRPO's loss with leave-one-out advantages."""
+class RLOO(ClippedSurrogate):
+    """The clipped surrogate loss with leave-one-out advantages."""
 
     def __init__(self, config: RLOOConfig):
-        super().__init__(GRPOConfig(clip=config.clip, kl_coef=config.kl_coef))
+        super().__init__(ClippedConfig(clip=config.clip, kl_coef=config.kl_coef))
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """``r_i`` minus the mean of the group's other rewards (0 for a group of one)."""

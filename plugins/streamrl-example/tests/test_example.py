@@ -1,7 +1,7 @@
 """The example plugin's own tests: its components, and that streamrl discovers them."""
 
 from streamrl.plugins import build_registry
-from streamrl.sample import Prompt
+from streamrl.api import Prompt
 from streamrl_example.digit_match import DigitMatch, DigitMatchConfig
 from streamrl_example.rloo import RLOO, RLOOConfig
 

