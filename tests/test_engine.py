@@ -2,32 +2,85 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
+import time
 
 import pytest
 
+from streamrl.engines import hf
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.sample import Prompt
 
 
-def test_hf_engine_generates_and_closing_it_fails_waiting_requests(tiny_model):
+def until(cond, within: float = 30.0):
+    """Wait for ``cond()``; the deadline only guards against a hang."""
+    deadline = time.time() + within
+    while not cond():
+        assert time.time() < deadline, "gave up waiting"
+        time.sleep(0.01)
+
+
+def test_hf_engine_generates_a_group_with_a_logprob_per_token(tiny_model):
     engine = HFEngine(HFEngineConfig(max_new_tokens=4))
     engine.load(str(tiny_model))
-    group = engine.generate(Prompt(uid="p0", text="1+2=", answer="3"), 2)
-    assert [len(s.response_ids) == len(s.logprobs) for s in group] == [True, True]
-    # a request the loop will never finish (as when a new engine replaces this one mid-step):
-    # closing must fail it, or the task waiting on it would hang its worker thread for good
-    stuck = Future()
-    engine._waiting["never"] = stuck
-    engine.close()
-    with pytest.raises(RuntimeError, match="closed before request never finished"):
-        stuck.result(timeout=5)
+    try:
+        group = engine.generate(Prompt(uid="p0", text="1+2=", answer="3"), 2)
+        assert [len(s.response_ids) == len(s.logprobs) for s in group] == [True, True]
+        assert engine.requests_in_flight() == (0, 0)
+    finally:
+        engine.close()
+    assert engine.is_closed()
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_closing_the_engine_fails_the_requests_still_waiting(tiny_model, monkeypatch, batching):
+    # requests the loop will not finish (as when a new engine replaces this one mid-step): closing
+    # must fail them, or the task waiting on them would hang its worker thread for good. The loop
+    # is held while the engine closes: the manager paused (continuous), the batch's decode
+    # waiting (static); max_running 1 leaves the group's second request in the engine's queue
+    go = threading.Event()
+    real = hf.decode_batch
+
+    def held(*a, **k):
+        go.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(hf, "decode_batch", held)
+    engine = HFEngine(HFEngineConfig(max_new_tokens=4, max_running=1, batching=batching, profile=False))
+    engine.load(str(tiny_model))
+    errors = []
+
+    def ask():
+        try:
+            engine.generate(Prompt(uid="p1", text="1+2=", answer="3"), 2)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    asker, closer = threading.Thread(target=ask, daemon=True), threading.Thread(target=engine.close, daemon=True)
+    if batching == "continuous":
+        with engine.manager.pause():
+            asker.start()
+            until(lambda: engine.requests_in_flight() == (1, 1))
+            closer.start()
+            until(engine.is_closed)
+    else:
+        asker.start()
+        until(lambda: engine.requests_in_flight() == (1, 1))
+        closer.start()
+        until(engine.is_closed)
+    go.set()
+    closer.join(30)
+    asker.join(30)
+    assert not asker.is_alive() and not closer.is_alive()
+    (error,) = errors
+    if batching == "static":  # the held batch finishes; the queued request is failed
+        assert error == "hf engine closed before request p1-1 finished"
+    else:  # failed by close, or refused by the stopping loop if the router was still there to route p1-0
+        assert error in ("hf engine closed before request p1-0 finished",
+                         "hf engine refused request p1-1: its generation loop is not running"), error
 
 
 def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
-    import threading
-    import time
-
     engine = HFEngine(HFEngineConfig(max_new_tokens=3, max_running=1))
     engine.load(str(tiny_model))
     done: dict[str, float] = {}
@@ -36,20 +89,14 @@ def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
         group = engine.generate(Prompt(uid=uid, text="1+2=", answer="3"), 1, priority=priority)
         done[uid] = group[0].times["gen_end"]
 
-    def until(cond):
-        deadline = time.time() + 10
-        while not cond():
-            assert time.time() < deadline
-            time.sleep(0.01)
-
     threads = []
     try:
         with engine.manager.pause():  # nothing finishes while the queue fills up
             for uid, priority in [("first", 0.0), ("low", 1.0), ("high", 9.0), ("mid", 5.0)]:
                 threads.append(threading.Thread(target=ask, args=(uid, priority)))
                 threads[-1].start()
-                until(lambda: engine._running + len(engine._queue) == len(threads))
-            assert engine._running == 1 and len(engine._queue) == 3  # the cap holds the rest back
+                until(lambda: sum(engine.requests_in_flight()) == len(threads))
+            assert engine.requests_in_flight() == (1, 3)  # the cap holds the rest back
         for t in threads:
             t.join(timeout=30)
         assert sorted(done, key=done.get) == ["first", "high", "mid", "low"]
@@ -58,8 +105,6 @@ def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
 
 
 def test_reproducible_engine_draws_the_same_samples_for_a_seed_whatever_runs_beside_it(tiny_model):
-    import threading
-
     import torch
 
     from streamrl.training.trainer import pad_batch, token_logprobs
@@ -103,8 +148,6 @@ def test_a_request_that_never_finishes_fails_after_request_timeout(tiny_model):
 
 
 def test_static_batching_logprobs_match_the_trainer_on_left_padded_prompts_and_after_a_weight_load(tiny_model):
-    import threading
-
     import torch
 
     from streamrl.training.trainer import pad_batch, token_logprobs
@@ -146,15 +189,15 @@ def test_static_batching_logprobs_match_the_trainer_on_left_padded_prompts_and_a
 
 
 def test_static_batching_takes_the_highest_priority_requests_first_under_max_running(tiny_model, monkeypatch):
-    import threading
-    import time
-
-    from streamrl.engines import hf
-
     batches = []  # the prompts of each decoded batch, in order
-    real = hf.decode_batch
-    monkeypatch.setattr(hf, "decode_batch", lambda model, prompts, *a, **k: batches.append(prompts) or
-                        real(model, prompts, *a, **k))
+    real, go = hf.decode_batch, threading.Event()
+
+    def recorded(model, prompts, *a, **k):
+        batches.append(prompts)
+        go.wait(30)  # the first batch waits until the others are queued behind it
+        return real(model, prompts, *a, **k)
+
+    monkeypatch.setattr(hf, "decode_batch", recorded)
     engine = HFEngine(HFEngineConfig(max_new_tokens=3, batching="static", max_running=2, profile=False))
     engine.load(str(tiny_model))
     texts = {"first": "0+0=", "low": "1+1=", "high": "2+2=", "mid": "3+3=", "top": "4+4="}
@@ -162,21 +205,15 @@ def test_static_batching_takes_the_highest_priority_requests_first_under_max_run
     def ask(uid, priority):
         engine.generate(Prompt(uid=uid, text=texts[uid], answer=""), 1, priority=priority)
 
-    def until(cond):
-        deadline = time.time() + 10
-        while not cond():
-            assert time.time() < deadline
-            time.sleep(0.01)
-
     threads = [threading.Thread(target=ask, args=a) for a in
                [("first", 0.0), ("low", 1.0), ("high", 9.0), ("mid", 5.0), ("top", 10.0)]]
     try:
-        with engine._model_lock:  # the loop takes "first", then waits for the model
-            threads[0].start()
-            until(lambda: engine._running == 1 and not engine._queue)
-            for t in threads[1:]:
-                t.start()
-            until(lambda: len(engine._queue) == 4)
+        threads[0].start()  # the loop takes "first" alone and holds it in its decode
+        until(lambda: engine.requests_in_flight() == (1, 0))
+        for t in threads[1:]:
+            t.start()
+        until(lambda: engine.requests_in_flight() == (1, 4))
+        go.set()
         for t in threads:
             t.join(timeout=30)
         by_text = {engine.encode(t)[1:][0]: uid for uid, t in texts.items()}  # first digit names the request

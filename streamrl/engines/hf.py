@@ -229,6 +229,17 @@ class HFEngine(Engine):
         profile."""
         return fit_decode_latency(self.latency_points)
 
+    def requests_in_flight(self) -> tuple[int, int]:
+        """``(running, queued)``, read together: requests decoding now (at most ``max_running``
+        when it is set) and requests waiting in the engine's priority queue. Read-only, for
+        monitoring and tests; reproducible mode decodes in the calling task and reports ``(0, 0)``."""
+        with self._lock:
+            return self._running, len(self._queue)
+
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` has begun (the generation loop is stopping or has stopped)."""
+        return self._closed.is_set()
+
     def encode(self, text: str) -> list[int]:
         """Prompt token ids as the engine feeds them: BOS, then the text."""
         return [self.tokenizer.bos_token_id] + self.tokenizer(text, add_special_tokens=False).input_ids
