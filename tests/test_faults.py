@@ -78,12 +78,18 @@ def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(
     # the other rank finds out inside a collective (gloo: connection reset), or the restarted
     # rank when its next task comes -- either way one line, within seconds, never a hang
     sharded = ["pools.train.workers=2", "trainer.strategy=fsdp"] if pool == "fsdp" else []
+    t0 = time.perf_counter()
     proc = start(tiny_recipe, tmp_path, "run.checkpoint_every=2", *sharded)
     run_dir = wait_for_steps(proc, tmp_path, 3)
+    started = time.perf_counter() - t0  # the cluster's start, the model loads and 3 steps
     kill_worker(run_dir, "train-1" if sharded else "train-0")
-    t0 = time.time()
-    _, err = proc.communicate(timeout=120)
-    assert time.time() - t0 < 30
+    t0 = time.perf_counter()
+    _, err = proc.communicate(timeout=300)  # a hang guard only
+    stopped = time.perf_counter() - t0
+    # "within seconds", measured against this run's own start on this machine: the loss is
+    # found and the run torn down in well under the time the run took to start and take 3
+    # steps (waiting out a heartbeat or a task timeout instead would take longer than that)
+    assert stopped < 0.5 * started, (stopped, started)
     assert proc.returncode == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     if sharded:

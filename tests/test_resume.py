@@ -70,16 +70,20 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
     stopped = tmp_path / "stopped"
     # Ctrl-C goes to the whole process group, the cluster's worker processes included;
     # kill -9 hits only the controller's process (the workers must not outlive it)
+    t0 = time.perf_counter()
     run = start_run(recipe, [*SAME, "run.checkpoint_every=2"], stopped, steps_done=3)
+    starting = time.perf_counter() - t0  # the cluster's start, the model loads and 3 steps
     children = psutil.Process(run.pid).children(recursive=True)
     assert children  # the embedded cluster's processes
     if how == "ctrl-c":
         os.killpg(run.pid, signal.SIGINT)
     else:
         os.kill(run.pid, signal.SIGKILL)
-    t0 = time.time()
-    _, err = run.communicate(timeout=60)
-    assert time.time() - t0 < 10, "a stop must take seconds"
+    t0 = time.perf_counter()
+    _, err = run.communicate(timeout=120)  # a hang guard only
+    stopping = time.perf_counter() - t0
+    # a stop takes seconds: well under what this run took to start and take 3 steps here
+    assert stopping < 0.5 * starting, ("a stop must take seconds", stopping, starting)
     folder = only_run(stopped)
     state = json.loads((folder / "status.json").read_text())
     if how == "ctrl-c":
@@ -92,9 +96,10 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
         resumed_at = json.loads(sorted((folder / "checkpoints").glob("step-*"))[-1].joinpath(
             "controller.json").read_text())["next_step"]
         assert resumed_at >= 2
-    deadline = time.time() + 20
+    # no orphans: the workers go too (the deadline is a generous guard, not a figure asserted)
+    deadline = time.time() + 60
     while [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
-        assert time.time() < deadline, "worker processes outlived the run"  # no orphans
+        assert time.time() < deadline, "worker processes outlived the run"
         time.sleep(0.2)
 
     proc = streamrl("recipe", "resume", str(folder))

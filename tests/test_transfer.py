@@ -3,6 +3,7 @@ delivery, and a missing receiver ends in a clear error within the timeout, not a
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -39,13 +40,33 @@ def test_every_receiver_gets_bit_identical_weights_in_small_buckets():
 
 
 def test_a_receiver_that_never_comes_fails_the_others_within_the_timeout():
-    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2))
-    sender.receivers = 2  # the second generate worker is dead
+    # two receivers come, the third generate worker is dead; each receiver gives up after its own
+    # timeout (1 s and 3 s), so the first fails well before the second -- a receiver that
+    # ignored its timeout would hang (the joins below only guard against that), and one that
+    # failed at once, whatever its timeout, would fail as late as the other
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=3))
+    sender.receivers = 3
     token = sender.send(weights(), version=4)
-    t0 = time.time()
-    with pytest.raises(RuntimeError, match="version 4 from .* not received within 2 s"):
-        TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2)).receive(token, 4)
-    assert time.time() - t0 < 20
+    errors, took = {}, {}
+
+    def receive(timeout_s):
+        t0 = time.perf_counter()
+        try:
+            TorchDistributedTransfer(TorchDistributedConfig(timeout_s=timeout_s)).receive(token, 4)
+        except RuntimeError as e:
+            errors[timeout_s] = str(e)
+        took[timeout_s] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=receive, args=(t,)) for t in (1, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a receiver hung"
+    for timeout_s in (1, 3):
+        assert re.fullmatch(rf"torch_distributed transfer: version 4 from \S+ not received within {timeout_s} s "
+                            r"\(\w+\); is every generate worker alive\?", errors[timeout_s]), errors
+    assert took[1] < 0.7 * took[3], took
 
 
 @pytest.mark.slow
