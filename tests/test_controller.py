@@ -1,6 +1,6 @@
-"""The controller's logic, fast: every mode over a few steps of the simulated engine and trainer
-on an in-process Dask cluster (real scheduler and workers, as threads of this process), and the
-metrics record built from train-task stats."""
+"""The controller's logic: every mode over a few steps of the simulated engine and trainer on an
+in-process Dask cluster (real scheduler and workers, as threads of this process). Each test
+starts or uses a cluster, so all are marked slow."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from distributed import Client, Scheduler, SpecCluster, Worker
 from streamrl.flow.controller import Controller
 from streamrl.flow.resolve import resolve
 from streamrl.recipe import load_recipe
-from streamrl.telemetry.record import summarize
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
 
 W3 = str(ROOT / "recipes" / "paper-7b-20k.toml")
 SMALL = ["pools.generate.workers=2", "pools.generate.threads=8", "trainer.prompts_per_step=6",
@@ -107,7 +108,7 @@ def test_epochs_step_the_optimizer_once_per_pass_and_publish_once_per_step(clien
     assert [r["policy_version"] for r in records] == [1, 2, 3]  # versions count batches
     assert all(r["epochs"] == 3 and r["samples"] == 12 for r in records)  # the first pass's samples only
     ctl = made[0]
-    steps = ctl.client.submit(lambda: resident(TRAINER).version, workers=[ctl.train_worker], pure=False).result()
+    steps = ctl.client.submit(lambda: resident(TRAINER).version, workers=[ctl.topology.trainer], pure=False).result()
     assert steps == 9  # three optimizer steps per batch
 
 
@@ -130,23 +131,6 @@ def test_scheduler_places_groups_and_reports_its_metrics(client):
     records = run_steps(client, ['scheduler={name="skew"}', 'ranker={name="oracle"}'], steps=2)
     for r in records:
         assert "long_tail_instances" in r and 0.0 <= r["ranker_recall"] <= 1.0 and r["generate_makespan_s"] > 0
-
-
-def micro(samples, **stats):
-    base = {"samples": samples, "tokens": 10 * samples, "reward_sum": 0.5 * samples, "loss_sum": 0.0,
-            "seconds": 1.0, "micro_batches": 1, "gen_end_max": 5.0, "policy_version_min": 3, "reward_errors": 0,
-            "sample_log": [{"uid": f"4-0-{i}", "version": 3} for i in range(samples)]}
-    return {**base, **stats}
-
-
-def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
-    rec = summarize(4, 5, [micro(2, kl_sum=0.2, entropy_sum=1.0), micro(2, entropy_sum=3.0)],
-                    {"grad_norm": 1.0, "seconds": 0.5}, t0=0.0, t_trained=8.0, t_end=10.0).as_dict()
-    assert rec["entropy"] == pytest.approx(1.0) and rec["kl"] == pytest.approx(0.05)
-    assert rec["clip_frac"] == 0.0 and rec["behaviour_weight"] == 1.0
-    assert rec["samples"] == 4 and rec["staleness_max"] == 1 and rec["train_tail_s"] == pytest.approx(3.0)
-    assert [x["staleness"] for x in rec["sample_log"]] == [1, 1, 1, 1]
-    assert list(rec)[-1] == "sample_log"
 
 
 def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(client, tmp_path):
@@ -213,6 +197,6 @@ def test_the_ranker_is_built_with_the_models_before_the_first_step(client):
     resolved = resolve(load_recipe(W3, SMALL + ['scheduler={name="skew"}', 'ranker={name="learned"}']))
     ctl = Controller(resolved, client, cluster.pool_workers(client))
     ctl.place_residents()
-    built = client.submit(lambda: get_worker().plugins[RANKER].obj is not None, workers=[ctl.rank_worker],
+    built = client.submit(lambda: get_worker().plugins[RANKER].obj is not None, workers=[ctl.topology.rank],
                           pure=False).result()
     assert built  # not left for the first step's placement to build (and import torch) on its critical path

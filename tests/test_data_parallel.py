@@ -9,7 +9,7 @@ import torch
 from distributed import wait
 
 from streamrl import cluster
-from streamrl.flow import remote
+from streamrl.flow import remote, submit
 from streamrl.flow.controller import Controller
 from streamrl.flow.runner import resolve
 from streamrl.training.trainer import weights_from_bytes
@@ -37,11 +37,17 @@ def held(ctl, name) -> tuple[int, int]:
         ps = list(resident(TRAINER).model.parameters())
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in ps)
         return local, sum(p.numel() for p in ps)
-    return ctl.client.submit(count, pure=False, **ctl.pin[name]).result()
+    return ctl.client.submit(count, pure=False, **ctl.topology.pins[name]).result()
 
 
 def weights(ctl, name, after, key):
-    return weights_from_bytes(ctl.client.submit(remote.trainer_weights, after=after, key=key, **ctl.pin[name]).result())
+    return weights_from_bytes(ctl.client.submit(remote.trainer_weights, after=after, key=key, **ctl.topology.pins[name]).result())
+
+
+def train(ctl, step, scored, stream):
+    """Every pass over ``scored`` on ``ctl``'s train pool: (every rank's optimizer step, the passes)."""
+    return submit.epochs(ctl.topology, ctl.recipe, ctl.epochs, step, scored, stream, after=None,
+                         samples=4 * len(scored))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -51,13 +57,13 @@ def test_two_train_workers_give_the_one_worker_update(setup, stream, strategy):
     one = Controller(resolved, client, {**pools, "train": {"train-0": pools["train"]["train-0"]}})
     one.place_residents()  # a fresh trainer on train-0, no process group: the oracle
     tag = 10 * (strategy == "fsdp") + stream
-    scored = one.submit_generation(step=60 + tag)
+    scored = one.generate(60 + tag)
     wait(scored)
     # fsdp: 3 of the 4 groups, so that one rank has a turn with nothing to train
     scored = scored if strategy == "ddp" else scored[:3]
     mode = f"{strategy}-{'stream' if stream else 'batch'}"
     resolved.recipe.trainer.groups_per_micro_batch = 1  # 1 group per train task to share out
-    step, _ = one.submit_epochs(200 + tag, scored, 4 * len(scored), stream)
+    step, _ = train(one, 200 + tag, scored, stream)
     alone = weights(one, "train-0", step, f"alone-{mode}")
 
     resolved.recipe.trainer.strategy = strategy
@@ -66,13 +72,13 @@ def test_two_train_workers_give_the_one_worker_update(setup, stream, strategy):
         two.place_residents()  # fresh trainers on both, joined in one group (and sharded: fsdp)
     finally:
         resolved.recipe.trainer.strategy = "ddp"
-    step, passes = two.submit_epochs(300 + tag, scored, 4 * len(scored), stream)
+    step, passes = train(two, 300 + tag, scored, stream)
     ranks = {x["trained_on"] for f in passes[0] for x in f.result()["sample_log"]}
-    rank0 = weights(two, "train-0", two.last_step, f"rank0-{mode}")
+    rank0 = weights(two, "train-0", step, f"rank0-{mode}")
     local, whole = held(two, "train-1")
     assert local == whole if strategy == "ddp" else local < 0.6 * whole  # fsdp: about half each
     if strategy == "ddp":
-        rank1 = weights(two, "train-1", two.last_step, f"rank1-{mode}")
+        rank1 = weights(two, "train-1", step, f"rank1-{mode}")
         assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), "the ranks must stay identical"
     assert rank0.keys() == alone.keys()
     gap = max((rank0[n] - alone[n]).abs().max().item() for n in rank0)  # measured: 1e-8 to 1.3e-6
@@ -96,10 +102,10 @@ def test_fsdp_with_bf16_params_keeps_float32_shards_and_gives_the_one_worker_upd
     try:
         one = Controller(resolved, client, {**pools, "train": {"train-0": pools["train"]["train-0"]}})
         one.place_residents()
-        scored = one.submit_generation(step=90)
+        scored = one.generate(90)
         wait(scored)
         resolved.recipe.trainer.groups_per_micro_batch = 1
-        step, _ = one.submit_epochs(400, scored, 4 * len(scored), True)
+        step, _ = train(one, 400, scored, True)
         alone = weights(one, "train-0", step, "alone-bf16")
         resolved.recipe.trainer.strategy = "fsdp"
         try:
@@ -107,8 +113,8 @@ def test_fsdp_with_bf16_params_keeps_float32_shards_and_gives_the_one_worker_upd
             two.place_residents()
         finally:
             resolved.recipe.trainer.strategy = "ddp"
-        two.submit_epochs(500, scored, 4 * len(scored), True)
-        rank0 = weights(two, "train-0", two.last_step, "rank0-bf16")
+        step, _ = train(two, 500, scored, True)
+        rank0 = weights(two, "train-0", step, "rank0-bf16")
     finally:
         config.precision = was
 
@@ -116,7 +122,7 @@ def test_fsdp_with_bf16_params_keeps_float32_shards_and_gives_the_one_worker_upd
         from streamrl.flow.resident import TRAINER, resident
 
         return {str(p.to_local().dtype) for p in resident(TRAINER).model.parameters()}
-    assert client.submit(shard_dtypes, pure=False, **two.pin["train-1"]).result() == {"torch.float32"}
+    assert client.submit(shard_dtypes, pure=False, **two.topology.pins["train-1"]).result() == {"torch.float32"}
     assert all(w.dtype == torch.bfloat16 for w in alone.values())  # one worker exports its bf16 policy
     assert rank0.keys() == alone.keys()
     # the same update within what bf16 compute and rounding allow: Adam's first step moves each

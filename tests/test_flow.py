@@ -9,7 +9,7 @@ import torch
 from distributed import wait
 
 from streamrl import cluster
-from streamrl.flow import remote
+from streamrl.flow import remote, submit
 from streamrl.flow.resident import ENGINE, resident
 from streamrl.flow.controller import Controller
 from streamrl.flow.runner import resolve
@@ -72,8 +72,8 @@ def fresh(controller):
 
 
 def on_generate_worker(ctl, fn):
-    addr = next(iter(ctl.generate_workers.values()))
-    return ctl.client.submit(fn, workers=[addr], allow_other_workers=False, pure=False).result()
+    name = ctl.topology.generate[0]
+    return ctl.client.submit(fn, workers=[name], allow_other_workers=False, pure=False).result()
 
 
 def engine_logprobs_match_trainer(ctl, key):
@@ -81,7 +81,7 @@ def engine_logprobs_match_trainer(ctl, key):
     bundle = ctl.client.submit(remote.generate_groups, [prompt], 4, key=f"{key}-gen", resources={"generate": 1})
     group = ctl.client.submit(operator.getitem, bundle, 0, key=f"{key}-group")
     recomputed = ctl.client.submit(remote.trainer_logprobs, group, key=f"{key}-lp",
-                                   workers=[ctl.train_worker]).result()
+                                   workers=[ctl.topology.trainer]).result()
     samples = group.result()
     assert all(len(s.response_ids) > 0 for s in samples)
     for s, lp in zip(samples, recomputed):
@@ -114,7 +114,7 @@ def test_step_publishes_weights_to_the_engine(fresh):
     assert m["policy_version"] == 1 and m["samples"] == 16
     assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
     trained = weights_from_bytes(controller.client.submit(remote.trainer_weights, key="check-export",
-                                                          workers=[controller.train_worker]).result())
+                                                          workers=[controller.topology.trainer]).result())
 
     def engine_weights():
         return {n: p.detach().clone() for n, p in resident(ENGINE).model.named_parameters()}
@@ -129,19 +129,21 @@ def test_step_publishes_weights_to_the_engine(fresh):
 
 
 def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_samples(controller):
-    scored = controller.submit_generation(step=50)  # generate + score once, keep the futures
+    scored = controller.generate(50)  # generate + score once, keep the futures
     wait(scored)  # before place_residents() below replaces the engine these tasks run on
     total = 16
 
-    def train(step, ready, stream, tokens=0, groups=1) -> dict:
+    def train(step, ready, stream, tokens=0, groups=1, epochs=1) -> dict:
         controller.place_residents()  # fresh trainer and engine from the initial weights
         controller.recipe.trainer.micro_batch_tokens = tokens
         controller.recipe.trainer.groups_per_micro_batch = groups
-        step_fut, passes = controller.submit_epochs(step, ready, total, stream)
+        last, passes = submit.epochs(controller.topology, controller.recipe, epochs, step, ready, stream,
+                                     after=None, samples=total)
+        step_fut = last[0]
         cuts.append(sum(f.result()["micro_batches"] for f in passes[0]))
         step_fut.result()
         return weights_from_bytes(controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
-                                                           workers=[controller.train_worker]).result())
+                                                           workers=[controller.topology.trainer]).result())
 
     cuts = []
     # stream: completion order, dynamic micro-batches of <= 40 tokens (about one group each);
@@ -149,9 +151,8 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
     streamed = train(100, scored, stream=True, tokens=40)
     batched = train(101, scored, stream=False, groups=4)
     initial = train(102, [], stream=False)  # no samples: one step with no gradient leaves AdamW at the start
-    controller.epochs = 2  # algorithm.epochs: a streamed pass, then one more over the whole batch
-    twice = train(103, scored, stream=True, tokens=40)
-    controller.epochs = 1
+    # algorithm.epochs = 2: a streamed pass, then one more over the whole batch
+    twice = train(103, scored, stream=True, tokens=40, epochs=2)
     controller.recipe.trainer.micro_batch_tokens, controller.recipe.trainer.groups_per_micro_batch = 0, 1
     assert cuts[0] > cuts[1] >= 1, cuts  # the same samples really were cut differently
     moved = max((batched[n] - initial[n]).abs().max().item() for n in batched)

@@ -119,7 +119,7 @@ def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(ca
 
 
 def test_a_task_must_give_the_prompts_asked_for_with_uids_new_to_the_run():
-    from streamrl.flow.controller import check_prompts
+    from streamrl.flow.submit import check_prompts
     from streamrl.sample import Prompt
 
     seen: set[str] = set()

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from streamrl import cluster
 from streamrl.errors import UserError
-from streamrl.flow import remote, runner
+from streamrl.flow import remote, runner, submit
 from streamrl.flow.controller import Controller
 from streamrl.recipe import load_recipe
 
@@ -44,8 +44,8 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
     try:
         ctl = Controller(resolved, client, cluster.check_pools(client))
         ctl.place_residents()
-        pins = list(ctl.generate_pins.values())
-        per_task = ctl.groups_per_task
+        pins = list(ctl.topology.generate_pins().values())
+        per_task = submit.groups_per_task(loaded.recipe)
         rows = []
         for step in range(warmup + steps):
             prompts = ctl.task.prompts(step, t.prompts_per_step)

@@ -22,7 +22,7 @@ from rich.table import Table
 from streamrl import cluster
 from streamrl.bench.engine import parse_variant
 from streamrl.bench.trainer import synthetic_groups
-from streamrl.flow import runner
+from streamrl.flow import runner, submit
 from streamrl.flow.controller import Controller
 from streamrl.recipe import load_recipe
 
@@ -62,7 +62,8 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     try:
         ctl = Controller(resolved, client, cluster.check_pools(client))
         ctl.place_residents()
-        vocab = client.submit(_vocab, pure=False, **ctl.train_pin).result()
+        topo = ctl.topology
+        vocab = client.submit(_vocab, pure=False, **topo.train_pin).result()
         groups = synthetic_groups(samples, t.samples_per_prompt, prompt, response, vocab, loaded.recipe.run.seed)
         n = sum(len(g) for g in groups)
         for s in (s for g in groups for s in g):
@@ -71,13 +72,13 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
         seconds = []
         for step in range(warmup + steps):
             t0 = time.perf_counter()
-            ctl.submit_epochs(step, bundles, n, stream=False)
-            client.gather(ctl.last_step)  # every rank's optimizer step
+            last, _ = submit.epochs(topo, loaded.recipe, ctl.epochs, step, bundles, False, after=None, samples=n)
+            client.gather(last)  # every rank's optimizer step
             if step >= warmup:
                 seconds.append(time.perf_counter() - t0)
-        ranks = {name: client.submit(held_state, pure=False, **ctl.pin[name]).result() for name in ctl.train_workers}
+        ranks = {name: client.submit(held_state, pure=False, **topo.pins[name]).result() for name in topo.train}
         client.cancel(bundles)  # (else stopping the cluster reports the scattered batch lost)
-        return {"train_workers": len(ctl.train_workers), "strategy": t.strategy, "samples": n,
+        return {"train_workers": len(topo.train), "strategy": t.strategy, "samples": n,
                 "tokens_per_step": n * (prompt + response), "step_s": seconds, "ranks": ranks}
     finally:
         cluster.stop(dask_cluster, client)

@@ -47,14 +47,15 @@ def measure(file: str, overrides: list[str], transfer: str, repeats: int) -> dic
     try:
         ctl = Controller(resolved, client, cluster.check_pools(client))
         ctl.place_residents()
-        size, copy_s = client.submit(memcpy_rate, pure=False, **ctl.train_pin).result()
+        topo = ctl.topology
+        size, copy_s = client.submit(memcpy_rate, pure=False, **topo.train_pin).result()
         seconds = []
         for version in range(1, repeats + 2):  # the first is a warm-up (connections, buffers)
             t0 = time.perf_counter()
-            wait_loaded(publish(client, None, version, ctl.train_pin, ctl.generate_pins, tag=f"-bench-{transfer}",
-                                trainer_id=ctl.trainer_ids))
+            wait_loaded(publish(client, None, version, topo.train_pin, topo.generate_pins(),
+                                tag=f"-bench-{transfer}", trainer_id=topo.incarnations))
             seconds.append(time.perf_counter() - t0)
-        return {"transfer": transfer, "model_bytes": size, "generate_workers": len(ctl.generate_pins),
+        return {"transfer": transfer, "model_bytes": size, "generate_workers": len(topo.generate),
                 "publish_s": seconds[1:], "memcpy_gb_s": size / copy_s / 1e9}
     finally:
         cluster.stop(dask_cluster, client)

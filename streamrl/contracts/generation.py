@@ -35,6 +35,11 @@ class EngineCapabilities:
     kv_capacity_tokens: int = 0
     """Context tokens one engine's KV cache holds, when fixed by the config (0: not known before
     the engine starts; ``streamrl plan`` then takes it as unbounded)."""
+    repeatable: bool = False
+    """True when a group's samples depend only on the weights, the seed and the prompt (not on
+    timing or on which requests share a batch). The controller then makes the rest of the run
+    repeatable too, in every mode: each step's generation sees a fixed policy version and the
+    trainer takes micro-batches in a fixed order (``run.seed`` then gives the same run twice)."""
 
 
 class Engine:

@@ -88,7 +88,8 @@ class HFEngine(Engine):
         the KV cache's tokens when ``num_blocks`` sizes it (continuous batching)."""
         fixed_kv = config.batching == "continuous" and not config.reproducible and not config.kv_memory_fraction
         return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
-                                  kv_capacity_tokens=config.num_blocks * config.page_size if fixed_kv else 0)
+                                  kv_capacity_tokens=config.num_blocks * config.page_size if fixed_kv else 0,
+                                  repeatable=config.reproducible)
 
     def __init__(self, config: HFEngineConfig):
         self.config = config

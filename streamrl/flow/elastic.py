@@ -48,7 +48,8 @@ from streamrl import cluster
 from streamrl.flow import remote
 from streamrl.flow.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
-from streamrl.recipe import ElasticConfig
+from streamrl.flow.topology import Topology
+from streamrl.recipe import ElasticConfig, Recipe
 
 #: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
 PROBE_STEPS = 3
@@ -136,9 +137,14 @@ def _running(client, addr: str) -> bool:
 class ElasticPool:
     """Grows and retires generate workers of one run; see the module docstring."""
 
-    def __init__(self, ctl, spec_cluster, cfg: ElasticConfig, log_level: int):
-        self.ctl, self.cluster, self.cfg, self.log_level = ctl, spec_cluster, cfg, log_level
-        self.next_index = 1 + max(int(n.rsplit("-", 1)[1]) for n in ctl.generate_workers)
+    def __init__(self, topology: Topology, spec_cluster, recipe: Recipe, cfg: ElasticConfig, log_level: int,
+                 placed: bool, ahead: bool):
+        """``placed``: a scheduler pins groups to workers; ``ahead``: generation runs ahead of
+        training (``async``), so the generate pool's use is judged over the whole step."""
+        self.topo, self.cluster, self.recipe, self.cfg, self.log_level = topology, spec_cluster, recipe, cfg, log_level
+        self.client = topology.client
+        self.placed, self.ahead = placed, ahead
+        self.next_index = topology.next_generate_index()
         self.starting: str | None = None  # its process is coming up
         self.started_at = 0.0
         self.activated: dict[str, str] = {}  # active since this boundary: {name: address}
@@ -177,19 +183,20 @@ class ElasticPool:
             if fut.status != "finished":
                 self._failed(name, fut)
                 return
-        slots = self.ctl.recipe.pools.generate.threads
-        addr = self._address(name)
-        self.ctl.client.run(_offer, slots, workers=[addr], on_error="ignore")  # lost: handled as any loss
-        self.ctl.generate_workers[name] = name
-        self.ctl.generate_pins[name] = self.ctl.pin[name]
+        slots = self.recipe.pools.generate.threads
+        addr = self.topo.address(name)
+        self.client.run(_offer, slots, workers=[addr], on_error="ignore")  # lost: handled as any loss
+        self.topo.add_generate(name)
         self.activated[name] = addr  # counted in the pool's accounting from the next step on
         self.probe = (name, self.baseline, len(self.rates) + 1)  # the step now ending had the old size
         self.events.append(f"+{name}")
         self.quiet = self.cfg.cooldown_steps
 
-    def after_record(self, record) -> None:
-        """At a step boundary, after its record: move the state machine on and decide."""
-        self.ctl.pools["generate"].update(self.activated)
+    def after_record(self, record, version: int) -> None:
+        """At a step boundary, after its record (the trainer now holds policy ``version``): move
+        the state machine on and decide."""
+        for name, addr in self.activated.items():
+            self.topo.account(name, addr)
         self.activated = {}
         for name, thread in list(self.draining.items()):
             if not thread.is_alive():
@@ -197,11 +204,11 @@ class ElasticPool:
                 self._forget(name)
         for futs in self.pinned.values():
             futs[:] = [f for f in futs if not f.done()]
-        if self.starting is not None and self._address(self.starting):
+        if self.starting is not None and self.topo.address(self.starting):
             name, self.starting = self.starting, None
-            self.ctl.pin.update(cluster.pins(self.ctl.client))
-            self._join(name, self.ctl.version)
-        elif self.starting is not None and time.time() - self.started_at > self.ctl.recipe.cluster.startup_timeout:
+            self.topo.refresh_pins()
+            self._join(name, version)
+        elif self.starting is not None and time.time() - self.started_at > self.recipe.cluster.startup_timeout:
             self.events.append(f"!{self.starting} did not start within cluster.startup_timeout")
             self.cluster.worker_spec.pop(self.starting, None)
             self.cluster.scale(len(self.cluster.worker_spec))
@@ -226,12 +233,12 @@ class ElasticPool:
         pools = record.pools
         if "generate" not in pools or "train" not in pools:
             return
-        n = len(self.ctl.generate_workers)
+        n = len(self.topo.generate)
         busy = generation_busy(pools["generate"]["busy_s"], record.accounting_window_s, record.generate_s, n,
-                               ahead=self.ctl.mode.feeds)
+                               ahead=self.ahead)
         change = decide(busy, pools["train"]["idle_ratio"], n, self.cfg)
         # a worker asked for now would join with too few steps left to pay for its start
-        left = self.ctl.recipe.run.steps - (record.step + 1)
+        left = self.recipe.run.steps - (record.step + 1)
         if change > 0 and self.hold == 0 and left > PROBE_STEPS + 1:
             self._start()
         elif change < 0:
@@ -247,7 +254,7 @@ class ElasticPool:
                 pass
         if self.starting is not None:
             deadline = time.time() + timeout
-            while self._address(self.starting) is None and time.time() < deadline:
+            while self.topo.address(self.starting) is None and time.time() < deadline:
                 time.sleep(RETIRE_POLL_S)
         for thread in self.draining.values():
             thread.join(timeout)
@@ -261,7 +268,7 @@ class ElasticPool:
     def _start(self) -> None:
         name = f"generate-{self.next_index}"
         self.next_index += 1
-        spec = cluster.pool_worker_spec(self.ctl.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
+        spec = cluster.pool_worker_spec(self.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
         self.cluster.worker_spec[name] = spec
         self.cluster.scale(len(self.cluster.worker_spec))  # SpecCluster starts what its spec lacks
         self.starting, self.started_at = name, time.time()
@@ -270,20 +277,20 @@ class ElasticPool:
         self.events.append(f"~{name}")
 
     def _join(self, name: str, version: int) -> None:
-        ctl = self.ctl
-        pin = ctl.pin[name]
+        client, topo = self.client, self.topo
+        pin = topo.pins[name]
         tag = f"join-{name}-{time.time_ns()}"
         if version == 0:  # the base weights: build the engine and the transfer end, nothing to load
-            engine = ctl.client.submit(remote.warm_up, ENGINE, key=f"load-engine-{tag}", pure=False, **pin)
-            fut = ctl.client.submit(remote.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
-                                    pure=False, **pin)
+            engine = client.submit(remote.warm_up, ENGINE, key=f"load-engine-{tag}", pure=False, **pin)
+            fut = client.submit(remote.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
+                                pure=False, **pin)
         else:
-            payload = ctl.client.submit(remote.export_weights, version, trainer_id=ctl.trainer_ids, receivers=1,
-                                        key=f"export-weights-{version}-{tag}", priority=LOAD_PRIORITY,
-                                        **ctl.train_pin)
+            payload = client.submit(remote.export_weights, version, trainer_id=topo.incarnations, receivers=1,
+                                    key=f"export-weights-{version}-{tag}", priority=LOAD_PRIORITY,
+                                    **topo.train_pin)
             wait([payload])  # exported before the next optimizer step can change the weights
-            fut = ctl.client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
-                                    priority=LOAD_PRIORITY, **pin)
+            fut = client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
+                                priority=LOAD_PRIORITY, **pin)
         self.joining = (name, version, fut)
 
     def _failed(self, name: str, fut: Future) -> None:
@@ -292,15 +299,14 @@ class ElasticPool:
         self._retire(name)
 
     def _drain(self, why: str = "") -> None:
-        name = max(self.ctl.generate_workers, key=lambda n: int(n.rsplit("-", 1)[1]))  # the newest
-        del self.ctl.generate_workers[name]
-        del self.ctl.generate_pins[name]
-        addr = self._address(name)
-        if addr and self.ctl.dispatcher.scheduler is None:
+        name = max(self.topo.generate, key=lambda n: int(n.rsplit("-", 1)[1]))  # the newest
+        self.topo.remove_generate(name)
+        addr = self.topo.address(name)
+        if addr and not self.placed:
             # generate tasks go to any worker with a free slot: stop new ones coming here; those
             # queued here go back to the others when it retires, as soon as it runs nothing.
             # (Groups a scheduler pinned here keep their slots and run out first.)
-            self.ctl.client.run(_offer, 0, workers=[addr], on_error="ignore")
+            self.client.run(_offer, 0, workers=[addr], on_error="ignore")
         # in the background: a later step may need a group queued here, so waiting for the next
         # step boundary could wait for ever
         thread = threading.Thread(target=self._retire_when_done, args=(name, addr, self.pinned.pop(name, [])),
@@ -314,14 +320,14 @@ class ElasticPool:
         """Background thread: wait for the tasks pinned to it (weight loads, placed groups) and
         for it to run nothing, then retire it gracefully (results only it holds are copied to
         another worker first; groups queued on it go to the others)."""
-        client = self.ctl.client
+        client = self.client
         wait(pinned)
         while addr and _running(client, addr):
             time.sleep(RETIRE_POLL_S)
         client.retire_workers(names=[name], close_workers=True)
 
     def _retire(self, name: str) -> None:
-        self.ctl.client.retire_workers(names=[name], close_workers=True)
+        self.client.retire_workers(names=[name], close_workers=True)
         self._forget(name)
 
     def _forget(self, name: str) -> None:
@@ -329,10 +335,4 @@ class ElasticPool:
         pool's accounting (from the next step on)."""
         self.cluster.worker_spec.pop(name, None)
         self.cluster.scale(len(self.cluster.worker_spec))
-        self.ctl.pools["generate"].pop(name, None)
-
-    def _address(self, name: str) -> str | None:
-        for addr, info in cluster.workers(self.ctl.client).items():
-            if str(info.get("name")) == name:
-                return addr
-        return None
+        self.topo.forget(name)

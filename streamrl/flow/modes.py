@@ -1,4 +1,4 @@
-"""The run modes (``run.mode``), each a small strategy over the same controller.
+"""The run modes (``run.mode``), each a small strategy over the same step loop.
 
 A mode answers two questions per step: which scored-group futures the step trains on (and
 whether the trainer may start before all are scored), and what to do with the weight loads of
@@ -14,15 +14,16 @@ the new version (wait for them, or let them overlap the next step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from distributed import Future, wait
 
 from streamrl.flow import admission
 from streamrl.flow.weights import wait_loaded
 
-if TYPE_CHECKING:
-    from streamrl.flow.controller import Controller
+#: What a mode calls to submit a step's generation: ``generate(step, min_version)`` returns the
+#: futures of its scored groups (``min_version`` None: the policy the engines hold now).
+Generate = Callable[[int, "int | None"], list[Future]]
 
 
 class Batch:
@@ -35,9 +36,9 @@ class Batch:
     controller can hand them to the trainer before its own bookkeeping
     (``Controller.step(feed_next=True)``)."""
 
-    def scored(self, ctl: Controller, step: int) -> list[Future]:
+    def scored(self, generate: Generate, step: int) -> list[Future]:
         """The step's scored groups."""
-        scored = ctl.submit_generation(step)
+        scored = generate(step, None)
         wait(scored)  # the trainer sees nothing until the whole batch is scored
         return scored
 
@@ -58,8 +59,8 @@ class Stream(Batch):
 
     streams = True
 
-    def scored(self, ctl: Controller, step: int) -> list[Future]:
-        return ctl.submit_generation(step)
+    def scored(self, generate: Generate, step: int) -> list[Future]:
+        return generate(step, None)
 
 
 class Async(Stream):
@@ -79,11 +80,11 @@ class Async(Stream):
         self.loaded_version = 0
         self.next_to_admit = 0
 
-    def scored(self, ctl: Controller, step: int) -> list[Future]:
-        self.admit(ctl, step)
+    def scored(self, generate: Generate, step: int) -> list[Future]:
+        self.admit(generate, step)
         return self.take(step)
 
-    def admit(self, ctl: Controller, step: int) -> None:
+    def admit(self, generate: Generate, step: int) -> None:
         """Admission at the start of training ``step``: wait for the loads the bound requires,
         then submit generation of the window ``step .. step + k``."""
         p = admission.plan(step, self.k, self.last_step, self.next_to_admit, self.loaded_version)
@@ -91,7 +92,7 @@ class Async(Stream):
             wait_loaded(self.loads.pop(v))
         self.loaded_version = max(self.loaded_version, p.wait_for_version)
         for g in p.admit:
-            self.in_flight[g] = ctl.submit_generation(g, min_version=self.loaded_version)
+            self.in_flight[g] = generate(g, self.loaded_version)
             self.next_to_admit = g + 1
 
     def ahead(self, step: int) -> bool:

@@ -201,7 +201,7 @@ def catch_up(engine, min_version: int) -> None:
                            f"needs v{min_version}: the published weights are older")
 
 
-def load_weights(payload, version: int) -> float:
+def load_weights(payload, version: int, after=None) -> float:
     """Generate pool: load published weights into the engine; returns the seconds it took.
 
     Loads of two versions may run on two threads of one worker (async mode, staleness >= 2);

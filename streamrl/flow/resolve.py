@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from streamrl.api import Component
 from streamrl.errors import UserError
 from streamrl.plugins import Registry, build_registry
-from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools
+from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section
 
 
 @dataclass
@@ -70,7 +70,7 @@ def with_seed(config: type[BaseModel], section: dict, seed: int) -> dict:
 def choose(registry: Registry, kind: str, name: str, options: dict, path: str, seed: int) -> Chosen:
     """Find component ``name`` of ``kind`` and validate its section (TOML ``path``)."""
     comp = registry.get(kind, name, f"{path}.name")
-    return Chosen(comp, comp.validate(with_seed(comp.config, options, seed), path))
+    return Chosen(comp, validate_section(comp.config, with_seed(comp.config, options, seed), path))
 
 
 def resolve(loaded: LoadedRecipe) -> Resolved:

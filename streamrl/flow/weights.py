@@ -25,16 +25,19 @@ LATEST = remote.LATEST
 
 
 def publish(client: Client, after: Future | None, version: int, train_pin: dict,
-            generate_pins: dict[str, dict], tag: str = "", trainer_id: str | dict | None = None) -> list[Future]:
+            generate_pins: dict[str, dict], tag: str = "", trainer_id: str | dict | None = None,
+            loads_after: list[Future] | None = None) -> list[Future]:
     """Submit the export (on the train worker, ``train_pin``: ``cluster.pins``) and one load per
-    generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds the load took). ``tag`` makes the keys new when
-    a version is published again (a resume), so Dask does not answer with a finished task."""
+    generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds
+    the load took). ``tag`` makes the keys new when a version is published again (a resume), so
+    Dask does not answer with a finished task. ``loads_after``: tasks every load waits for (a
+    repeatable run: the generation that must still see the older weights)."""
     payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id,
                             receivers=len(generate_pins), key=f"export-weights-{version}{tag}",
                             priority=LOAD_PRIORITY, **train_pin)
     Variable(LATEST, client=client).set(payload)
-    return [client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}{tag}-{name}",
-                          priority=LOAD_PRIORITY, **pin)
+    return [client.submit(remote.load_weights, payload, version, after=loads_after,
+                          key=f"load-weights-{version}{tag}-{name}", priority=LOAD_PRIORITY, **pin)
             for name, pin in generate_pins.items()]
 
 

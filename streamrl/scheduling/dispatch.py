@@ -18,25 +18,28 @@ from pathlib import Path
 from distributed import Client, Future
 
 from streamrl.api import DispatchContext, Prompt, Scheduler
+from streamrl.errors import UserError
 from streamrl.flow import remote
+from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
 
 
 class Dispatcher:
     """Ranks and places prompts before a step; teaches the ranker after it."""
 
-    def __init__(self, client: Client, generate_workers: dict[str, str], samples_per_prompt: int,
-                 scheduler: Scheduler | None, rank_worker: str | None):
+    def __init__(self, client: Client, topology: Topology, samples_per_prompt: int, scheduler: Scheduler | None):
+        """``topology``: where the generate workers (read at every placement: an elastic pool
+        changes them) and the ranker are."""
         self.client = client
-        self.generate_workers = generate_workers
+        self.topology = topology
         self.samples_per_prompt = samples_per_prompt
         self.scheduler = scheduler
-        self.rank_worker = rank_worker
-        """Address of the worker holding the ranker; None: no ranker."""
+        self.rank_worker = topology.rank
+        """Name of the worker holding the ranker; None: no ranker."""
         self.step_latency = None
         if scheduler is not None:  # the engines are alike: one instance's profile stands for all
             self.step_latency = client.submit(remote.engine_latency, key="engine-latency", pure=False,
-                                              workers=[next(iter(generate_workers.values()))]).result()
+                                              workers=[topology.generate[0]]).result()
         self.step_prompts: dict[int, list[Prompt]] = {}
         self.predicted: dict[int, list[float]] = {}
         self.scheduler_metrics: dict[int, dict] = {}
@@ -45,7 +48,7 @@ class Dispatcher:
         self.last_observe: Future | None = None
 
     def place(self, step: int, prompts: list[Prompt]) -> dict[int, tuple[str, float]]:
-        """``{prompt index: (worker address, priority)}``; empty without a scheduler (Dask
+        """``{prompt index: (worker name, priority)}``; empty without a scheduler (Dask
         places the tasks)."""
         self.step_prompts[step] = prompts
         scores = [0.0] * len(prompts)
@@ -57,9 +60,14 @@ class Dispatcher:
         if self.scheduler is None:
             return {}
         ctx = DispatchContext(self.samples_per_prompt, self.observed_lengths, self.prompt_tokens, self.step_latency)
-        placed = self.scheduler.dispatch(prompts, scores, list(self.generate_workers), ctx)
+        workers = list(self.topology.generate)
+        placed = self.scheduler.dispatch(prompts, scores, workers, ctx)
         self.scheduler_metrics[step] = dict(self.scheduler.metrics())
-        return {a.index: (self.generate_workers[a.worker], a.priority) for a in placed}
+        unknown = sorted({a.worker for a in placed} - set(workers))
+        if unknown:
+            raise UserError(f"scheduler: dispatch() placed a prompt on {unknown[0]!r}, which is not one of the "
+                            f"generate workers it was given ({', '.join(workers)})")
+        return {a.index: (a.worker, a.priority) for a in placed}
 
     def learn(self, step: int, sample_log: list[dict]) -> dict:
         """After a step: feed the observed lengths to the ranker; returns the record's dispatch

@@ -111,3 +111,11 @@ def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: 
         stats={**algorithm_stats(micro, samples),  # and what else the optimizer step reports
                **{k: v for k, v in step_stats.items() if k not in ("version", "grad_norm", "seconds")}},
         sample_log=sample_log)
+
+
+def last_epoch_stats(micro: list[dict], epochs: int) -> dict[str, float]:
+    """With ``algorithm.epochs > 1``: how far the last pass (its train tasks' stats ``micro``)
+    moved from the generating policy (its loss and clip fraction per sample)."""
+    n = sum(m["samples"] for m in micro)
+    return {"epochs": epochs, "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in micro) / n,
+            "last_epoch_loss": sum(m["loss_sum"] for m in micro) / n}

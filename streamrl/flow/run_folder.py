@@ -1,0 +1,145 @@
+"""A run's folder: ``runs/<name>-<time>/`` with ``recipe.toml``, ``status.json``,
+``metrics.jsonl``, ``checkpoints/`` and ``policy/``, and the metric sinks that mirror the metrics.
+
+:class:`RunFolder` is the one object that reads and writes them, so the runner says what
+happened (``mark``, ``record``) and never where it goes. ``status.json`` is written atomically
+(temporary file, then rename) at every state change, so a tool (or a person) looking at
+``runs/`` can tell a finished run from a crashed one without reading logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from streamrl.errors import UserError
+from streamrl.flow import checkpoints
+from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
+from streamrl.telemetry.metrics import MetricsLog
+
+STATUS = "status.json"
+
+
+class RunFolder:
+    """The files of one run; see the module docstring."""
+
+    def __init__(self, path: Path):
+        """An existing folder at ``path`` (:meth:`create` makes a new one)."""
+        self.path = Path(path).resolve()
+        self.metrics = MetricsLog(self.path / "metrics.jsonl")
+        """``metrics.jsonl``; :meth:`open` loads the records a resumed run keeps."""
+        self.sinks: list = []
+
+    @classmethod
+    def create(cls, loaded: LoadedRecipe) -> "RunFolder":
+        """``<run.out_dir>/<run.name>-<timestamp>`` with the resolved recipe in it."""
+        r = loaded.recipe
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path, n = Path(r.run.out_dir) / f"{r.run.name}-{stamp}", 1
+        while path.exists():
+            n += 1
+            path = Path(r.run.out_dir) / f"{r.run.name}-{stamp}-{n}"
+        try:
+            path.mkdir(parents=True)
+            (path / "recipe.toml").write_text(to_toml(r))
+        except OSError as exc:
+            raise UserError(f"run.out_dir: cannot create a run folder in {r.run.out_dir!r} ({exc.strerror})") from None
+        return cls(path)
+
+    @classmethod
+    def for_resume(cls, path: str | Path, overrides: list[str] = ()) -> tuple[LoadedRecipe, "RunFolder"]:
+        """The folder of a stopped run and the recipe it was started with (``--set`` overrides
+        on top); relative paths keep resolving against the original recipe's folder."""
+        folder = cls(path)
+        where = folder.path
+        if not (where / STATUS).is_file() or not (where / "recipe.toml").is_file():
+            raise UserError(f"{where}: not a run folder (expected status.json and recipe.toml in it)")
+        if folder.latest_checkpoint() is None:
+            raise UserError(f"{where}: no checkpoint to resume from (the run stopped before its first one)")
+        state = folder.status()
+        if state["state"] in ("starting", "running") and _alive(state.get("pid")):
+            raise UserError(f"{where}: the run is still going (pid {state['pid']}); stop it first (Ctrl-C)")
+        loaded = load_recipe(where / "recipe.toml", overrides)
+        return LoadedRecipe(loaded.recipe, Path(state["recipe_file"])), folder
+
+    # -- status.json --------------------------------------------------------------------------
+    def status(self) -> dict:
+        """The status record (``state``: starting, running, completed, interrupted, failed)."""
+        return json.loads((self.path / STATUS).read_text())
+
+    def mark(self, state: str, **fields) -> None:
+        """Record ``state`` with details, keeping the fields written before."""
+        path = self.path / STATUS
+        old = self.status() if path.exists() else {}
+        record = {**old, **fields, "state": state, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path)
+
+    def resume_command(self) -> str:
+        """The command that continues this run."""
+        return f"streamrl recipe resume {self.path}"
+
+    def failed(self, exc: BaseException) -> None:
+        """Mark the run failed (interrupted for Ctrl-C), with the error and, if there is a
+        checkpoint, how to go on."""
+        fields = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if self.latest_checkpoint() is not None:
+            fields["resume"] = self.resume_command()
+        self.mark("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", **fields)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return checkpoints.latest(self.path)
+
+    # -- metrics and sinks ------------------------------------------------------------------------
+    def open(self, loaded: LoadedRecipe, sinks: list, resumed: dict | None) -> None:
+        """Start (or go on with) the run: the recipe as run, ``status.json`` starting, the
+        metrics a resumed run keeps (``resumed``: its checkpoint's state; the steps after it are
+        run again), and the metric ``sinks`` opened on this folder."""
+        if resumed is not None:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
+            (self.path / "recipe.toml").write_text(to_toml(loaded.recipe))
+            self.metrics.keep_first(resumed["records"])
+        self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())
+        self.sinks = list(sinks)
+        for sink in self.sinks:
+            sink.open(self.path)
+
+    @property
+    def records(self) -> list[dict]:
+        """Every step's record of the run so far."""
+        return self.metrics.records
+
+    def record(self, m: dict, warn: Callable[[str], None]) -> None:
+        """Append a step's record to ``metrics.jsonl`` and every sink. A sink that fails is
+        dropped (``warn`` says so): metrics.jsonl has it all, and the run goes on."""
+        self.metrics.write(m)
+        for sink in list(self.sinks):
+            try:
+                sink.write(m)
+            except Exception as exc:
+                warn(f"metric sink {type(sink).__name__} failed and is dropped: {type(exc).__name__}: {exc}")
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        """Close the sinks."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def _alive(pid: int | None) -> bool:
+    """Is process ``pid`` running on this machine (a run killed with -9 leaves ``running``)?"""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,182 @@
+"""Submission: plain functions from a step's inputs (and futures) to the futures of its tasks.
+
+Nothing here keeps state between calls: the topology (``flow/topology.py``) says where work
+goes, the recipe how it is cut, and the futures passed in what it waits for. The controller
+(``flow/controller.py``) and the benchmarks call these; Dask moves the data worker to worker.
+
+Every pass accumulates gradients over the step's samples with the same scaling (1 / samples)
+and steps once, so ``batch``, ``stream`` and the reference loop give the same update. With
+``algorithm.epochs = E`` the first pass streams and E - 1 more go over the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from distributed import Future, as_completed
+
+from streamrl import cluster
+from streamrl.errors import UserError
+from streamrl.flow import remote
+from streamrl.flow.topology import Topology
+from streamrl.recipe import Recipe
+from streamrl.sample import Prompt
+
+
+def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[str]) -> None:
+    """A task must give ``wanted`` prompts with uids never used before in the run (``seen``,
+    updated): samples and tasks are keyed by uid, so a repeated one would be generated once and
+    trained many times."""
+    if len(prompts) != wanted:
+        raise UserError(f"task {task!r}: prompts(step={step}, n={wanted}) returned {len(prompts)} prompts")
+    uids = [p.uid for p in prompts]
+    again = sorted({u for u in uids if uids.count(u) > 1} | (set(uids) & seen))
+    if again:
+        raise UserError(f"task {task!r}: prompt uid {again[0]!r} repeats in step {step}; every prompt of "
+                        "a run needs its own uid (e.g. f\"{step}-{i}\")")
+    seen.update(uids)
+
+
+def groups_per_task(recipe: Recipe) -> int:
+    """Prompt groups per generate/reward task (``pools.generate.groups_per_task``)."""
+    return recipe.pools.generate.groups_per_task if recipe.pools.generate else 1
+
+
+def samples_per_step(recipe: Recipe) -> int:
+    """Samples a step trains on (every pass's gradients are scaled by one over this)."""
+    return recipe.trainer.prompts_per_step * recipe.trainer.samples_per_prompt
+
+
+def generation(topo: Topology, recipe: Recipe, prompts: list[Prompt], placed: dict[int, tuple[str, float]],
+               min_version: int, on_generate: Callable[[str | None, Future], None] | None = None) -> list[Future]:
+    """Generate + reward tasks for ``prompts`` (``placed``: a scheduler's ``{index: (worker,
+    priority)}``, else empty); returns the futures of the scored bundles (lists of
+    ``groups_per_task`` groups). ``min_version`` is the policy every engine holds by now; an
+    engine found older (its worker was restarted) catches up before it generates.
+    ``on_generate(worker, future)`` hears of each generate task (``worker``: the one a scheduler
+    pinned it to, else None)."""
+    client, n = topo.client, recipe.trainer.samples_per_prompt
+    # Bundles of groups_per_task prompts that go to the same place: the scheduler's worker (in
+    # its order), or any generate worker.
+    per_task = groups_per_task(recipe)
+    by_place: dict[str | None, list[int]] = {}
+    for i in range(len(prompts)):
+        by_place.setdefault(placed[i][0] if i in placed else None, []).append(i)
+    scored = []
+    for name, idx in by_place.items():
+        for j in range(0, len(idx), per_task):
+            chunk = idx[j:j + per_task]
+            bundle = [prompts[i] for i in chunk]
+            where: dict = {"resources": {"generate": 1}}
+            priorities = [placed[i][1] if i in placed else 0.0 for i in chunk]
+            if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
+                where = {**cluster.at(topo.pins[name], generate=1), "priority": int(max(priorities))}
+            key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
+            gen = client.submit(remote.generate_groups, bundle, n, submitted=time.time(),
+                                engine_priorities=priorities, min_version=min_version,
+                                key=f"generate-{key}", retries=1, **where)
+            scored.append(client.submit(remote.score_groups, gen, key=f"reward-{key}",
+                                        resources={"reward": 1}, retries=1))
+            if on_generate is not None:
+                on_generate(name, gen)
+    return scored
+
+
+def epochs(topo: Topology, recipe: Recipe, passes: int, step: int, scored: list[Future], stream: bool,
+           after: list[Future] | None, samples: int | None = None,
+           ordered: bool = False) -> tuple[list[Future], list[list[Future]]]:
+    """``passes`` passes over the step's groups (``algorithm.epochs``): the first as the mode
+    says (``stream``), the others over the whole batch in submission order once it is scored,
+    each after the last. Returns every rank's last optimizer step and each pass's train tasks."""
+    runs = []
+    for epoch in range(passes):
+        after, trains = training(topo, recipe, step, scored, stream and epoch == 0, epoch, after, samples, ordered)
+        runs.append(trains)
+    return after, runs
+
+
+def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], stream: bool,
+             epoch: int = 0, after: list[Future] | None = None, samples: int | None = None,
+             ordered: bool = False) -> tuple[list[Future], list[Future]]:
+    """Train tasks over the step's scored groups (after the optimizer steps ``after``), then one
+    optimizer step per rank; returns those optimizer steps and the train tasks. Gradients are
+    averaged over ``samples`` (default: the recipe's samples per step).
+
+    ``stream=False``: the groups in submission order (all are scored). ``stream=True``: in
+    completion order. Without a token budget, one train task per ``groups_per_micro_batch``
+    ready groups. With ``trainer.micro_batch_tokens``, whatever is ready each time fewer than
+    two train tasks per rank are outstanding (one running, one queued), cut to the budget on the
+    train worker (``flow/microbatch.py``).
+
+    ``ordered=True`` (a repeatable run): the same micro-batches in the same order every run,
+    whatever the timing -- fixed chunks of groups in submission order, round-robin over the
+    ranks, each rank's task after its last. Training still starts as soon as the first chunk is
+    scored, but a late group holds back the chunks after it.
+    """
+    client, t = topo.client, recipe.trainer
+    dynamic = t.micro_batch_tokens > 0
+    # each scored future is a bundle of groups_per_task groups
+    bundles_per_task = max(1, t.groups_per_micro_batch // groups_per_task(recipe))
+    scale = 1.0 / (samples or samples_per_step(recipe))
+    trains: list[Future] = []
+    suffix = f"-epoch{epoch}" if epoch else ""
+    ranks, sharded = topo.train, topo.sharded
+    world = len(ranks)
+    chained = sharded or ordered  # each rank runs its tasks in the order given
+    turns: dict[str, Future] = {}  # chained: each rank's last train task (the rounds' order)
+
+    def where() -> dict:
+        # one rank: pinned to it. Several (ddp): streamed micro-batches go to any free rank; a
+        # batch's, known up front, round-robin (balanced, and the same split every run).
+        # Sharded: round-robin always -- rounds of one task per rank, see below
+        if world == 1:
+            return cluster.at(topo.train_pin, train=1)
+        if stream and not chained:
+            return {"resources": {"train": 1}}
+        return cluster.at(topo.pins[ranks[len(trains) % world]], train=1)
+
+    def submit(chunk):
+        rank = ranks[len(trains) % world]
+        # sharded ranks must run their tasks in the order given, so that the k-th task of
+        # every rank meets the others' k-th in its collectives: each waits for its rank's last
+        later = [*(after or []), turns[rank]] if chained and rank in turns else after
+        trains.append(client.submit(
+            remote.train_groups, *chunk, scale=scale, micro_batch_tokens=t.micro_batch_tokens,
+            groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=later,
+            trainer_id=topo.incarnations, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
+        turns[rank] = trains[-1]
+
+    if not stream or ordered:
+        size = -(-len(scored) // world) if dynamic and not ordered else bundles_per_task
+        for i in range(0, len(scored), size):
+            submit(scored[i:i + size])
+    else:
+        ac = as_completed(scored)
+        expected, seen, buf = {f.key for f in scored}, 0, []
+        for fut in ac:
+            if fut.key in expected:
+                buf.append(fut)
+                seen += 1
+            if not buf:
+                continue
+            if dynamic:
+                # hand over what is ready only when the trainer is about to run dry
+                if sum(not f.done() for f in trains) < 2 * world or seen == len(scored):
+                    submit(buf)
+                    buf = []
+                    if seen < len(scored):
+                        ac.add(trains[-1])  # wake up when it finishes
+            elif len(buf) == bundles_per_task or seen == len(scored):
+                submit(buf)
+                buf = []
+            if seen == len(scored):
+                break
+    while sharded and len(trains) % world:  # the last round: the other ranks' empty turns
+        submit([])
+    # every rank steps, together (they sum their gradients first), after every micro-batch
+    steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations,
+                           key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
+                           **cluster.at(topo.pins[name], train=1))
+             for rank, name in enumerate(ranks)]
+    return steps, trains

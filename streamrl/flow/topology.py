@@ -1,0 +1,142 @@
+"""The shape of a run's cluster: which worker does what, how a task reaches a worker by name,
+and which trainer incarnation each train worker holds.
+
+A :class:`Topology` is the one owner of that shape. Submission (``flow/submit.py``) only reads
+it; the elastic pool asks it to add and remove generate workers (``add_generate``,
+``remove_generate``), and nothing else changes it. Work is addressed to workers by *name*: a
+worker its nanny restarts comes back on a new address with the same name, and tasks pinned to
+it wait for it instead of for ever (``cluster.pins``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from distributed import Client
+
+from streamrl import cluster
+from streamrl.errors import UserError
+from streamrl.flow import remote
+
+
+class Topology:
+    """Who generates, who trains, who ranks; pins by name; the train group's incarnations."""
+
+    def __init__(self, client: Client, pools: dict[str, dict[str, str]], *, sharded: bool = False,
+                 ranker: bool = False):
+        """``pools``: ``{pool: {worker name: address}}`` (``cluster.check_pools``); ``sharded``:
+        the train pool holds shards of one trainer (fsdp); ``ranker``: the run has a length
+        ranker, which lives on the rank pool, else on the first reward worker."""
+        self.client = client
+        self.pools = {pool: dict(members) for pool, members in pools.items()}
+        """``{pool: {name: address}}`` as the busy-clock accounting sees it (a worker added
+        counts from the step after it joined: :meth:`account`)."""
+        self.generate: list[str] = sorted(pools["generate"])
+        """Names of the generate workers that take part in dispatch and publication."""
+        # Rank 0 of the train pool exports, checkpoints and saves the policy. With one train
+        # worker every train task is pinned to it; with several, Dask gives each ready micro-batch
+        # to whichever rank is free and every rank takes part in the optimizer step.
+        self.train: list[str] = sorted(pools["train"])
+        """Names of the train workers, rank order."""
+        self.rank: str | None = sorted(pools.get("rank") or pools["reward"])[0] if ranker else None
+        """Name of the worker holding the length ranker (None: no ranker)."""
+        self.sharded = sharded and len(self.train) > 1
+        """The ranks hold shards: every forward/backward is a collective (``training/fsdp.py``)."""
+        self.pins: dict[str, dict] = cluster.pins(client)
+        """``{worker name: submit() keywords that run a task there}``."""
+        self.incarnations: dict[str, str] = {}
+        """``{train worker name: trainer incarnation}``: a train task landing on a restarted
+        rank (a fresh trainer at the base weights) fails instead of training the wrong policy."""
+
+    @classmethod
+    def of(cls, client: Client, pools: dict[str, dict[str, str]], trainer: str, strategy: str,
+           data_parallel: bool, shardable: bool, ranker: bool) -> "Topology":
+        """The topology of a recipe's cluster, checked against what its trainer (``trainer``,
+        ``trainer.strategy``) can do: one line naming the field when it cannot."""
+        world = len(pools["train"])
+        if world > 1 and not data_parallel:
+            raise UserError(f"pools.train.workers: trainer {trainer!r} trains on one worker; "
+                            f"set pools.train.workers = 1 (got {world})")
+        sharded = world > 1 and strategy == "fsdp"
+        if sharded and not shardable:
+            raise UserError(f"trainer.strategy: trainer {trainer!r} cannot shard its state; "
+                            "set trainer.strategy = \"ddp\"")
+        return cls(client, pools, sharded=sharded, ranker=ranker)
+
+    # -- reading ----------------------------------------------------------------------------
+    @property
+    def trainer(self) -> str:
+        """Rank 0 of the train pool: it exports, checkpoints and saves the policy."""
+        return self.train[0]
+
+    @property
+    def train_pin(self) -> dict:
+        """Where rank 0's tasks run."""
+        return self.pins[self.trainer]
+
+    def generate_pins(self) -> dict[str, dict]:
+        """``{name: pin}`` of the generate workers, in order (a fresh dict: a caller may keep it)."""
+        return {name: self.pins[name] for name in self.generate}
+
+    def writers(self) -> list[dict]:
+        """The ranks that write checkpoints and the policy: rank 0, or every rank if sharded."""
+        return [self.pins[name] for name in self.train] if self.sharded else [self.train_pin]
+
+    def train_pins(self) -> list[dict]:
+        """Every rank's pin, rank order."""
+        return [self.pins[name] for name in self.train]
+
+    # -- the train group ----------------------------------------------------------------------
+    def form_train_group(self, strategy: str, timeout: float) -> None:
+        """Join the train workers in one ``torch.distributed`` group (rendezvous at rank 0; one
+        worker: leave any group an earlier run on this cluster left), then read each rank's
+        trainer incarnation."""
+        client, world = self.client, len(self.train)
+        if world == 1:  # a group left from an earlier run on this cluster would wait for peers
+            client.submit(remote.join_train_group, 0, 1, "", 0.0, pure=False, **self.train_pin).result()
+        else:
+            address = client.submit(remote.rendezvous_address, key=f"rendezvous-{time.time_ns()}",
+                                    **self.train_pin).result()
+            joins = [client.submit(remote.join_train_group, rank, world, address, timeout, strategy,
+                                   pure=False, key=f"join-train-group-{name}", **self.pins[name])
+                     for rank, name in enumerate(self.train)]
+            for f in joins:
+                f.result()
+        self.incarnations = {
+            name: client.submit(remote.trainer_incarnation, key=f"trainer-id-{name}-{time.time_ns()}",
+                                **self.pins[name]).result()
+            for name in self.train}
+
+    # -- growing and shrinking (the elastic pool asks) ------------------------------------------
+    def next_generate_index(self) -> int:
+        """The index a new generate worker gets (``generate-<i>``, never reused in a run)."""
+        known = [*self.generate, *self.pools.get("generate", {})]
+        return 1 + max(int(n.rsplit("-", 1)[1]) for n in known)
+
+    def refresh_pins(self) -> None:
+        """Read the pins again (a worker started since)."""
+        self.pins.update(cluster.pins(self.client))
+
+    def add_generate(self, name: str) -> None:
+        """``name`` (up, loaded with the newest weights) joins dispatch and publication."""
+        if name not in self.generate:
+            self.generate.append(name)
+
+    def remove_generate(self, name: str) -> None:
+        """``name`` leaves dispatch and publication (it may still run what it holds)."""
+        self.generate.remove(name)
+
+    def account(self, name: str, address: str) -> None:
+        """Count ``name`` in the generate pool's busy-clock accounting from now on."""
+        self.pools.setdefault("generate", {})[name] = address
+
+    def forget(self, name: str) -> None:
+        """``name`` is gone: no longer counted in the generate pool's accounting."""
+        self.pools.get("generate", {}).pop(name, None)
+
+    def address(self, name: str) -> str | None:
+        """The current address of worker ``name`` (None: not up)."""
+        for addr, info in cluster.workers(self.client).items():
+            if str(info.get("name")) == name:
+                return addr
+        return None

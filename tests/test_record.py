@@ -1,0 +1,29 @@
+"""The ``metrics.jsonl`` record of a step, built from the train tasks' stats (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.telemetry.record import last_epoch_stats, summarize
+
+
+def micro(samples, **stats):
+    base = {"samples": samples, "tokens": 10 * samples, "reward_sum": 0.5 * samples, "loss_sum": 0.0,
+            "seconds": 1.0, "micro_batches": 1, "gen_end_max": 5.0, "policy_version_min": 3, "reward_errors": 0,
+            "sample_log": [{"uid": f"4-0-{i}", "version": 3} for i in range(samples)]}
+    return {**base, **stats}
+
+
+def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
+    rec = summarize(4, 5, [micro(2, kl_sum=0.2, entropy_sum=1.0), micro(2, entropy_sum=3.0)],
+                    {"grad_norm": 1.0, "seconds": 0.5}, t0=0.0, t_trained=8.0, t_end=10.0).as_dict()
+    assert rec["entropy"] == pytest.approx(1.0) and rec["kl"] == pytest.approx(0.05)
+    assert rec["clip_frac"] == 0.0 and rec["behaviour_weight"] == 1.0
+    assert rec["samples"] == 4 and rec["staleness_max"] == 1 and rec["train_tail_s"] == pytest.approx(3.0)
+    assert [x["staleness"] for x in rec["sample_log"]] == [1, 1, 1, 1]
+    assert list(rec)[-1] == "sample_log"
+
+
+def test_last_epoch_stats_are_per_sample_means_of_the_last_pass():
+    out = last_epoch_stats([micro(2, clip_frac_sum=0.5, loss_sum=1.0), micro(2, loss_sum=3.0)], epochs=3)
+    assert out == {"epochs": 3, "last_epoch_clip_frac": pytest.approx(0.125), "last_epoch_loss": pytest.approx(1.0)}
