@@ -89,18 +89,6 @@ class Component:
         f = self.factory
         return (f if isinstance(f, type) and issubclass(f, base) else base).capabilities(config)
 
-    def declared(self, base: type, name: str, default: Any) -> Any:
-        """Used only by the controller until it calls :meth:`capabilities` (then this goes): its
-        two trainer checks, ``declared(Trainer, "data_parallel", False)`` and ``declared(Trainer,
-        "shard", Trainer.shard) is not Trainer.shard``, answered from the trainer's capabilities
-        at its config's defaults."""
-        caps = self.capabilities(self.config.model_construct())
-        if name == "data_parallel":
-            return caps.data_parallel
-        if name == "shard":  # the controller compares the answer with the base class's method
-            return None if caps.shardable else default
-        raise ValueError(f"declared({name!r}): ask capabilities(config) instead")
-
     def build(self, section: dict, path: str, *args) -> Any:
         """Validate ``section`` and build the component (``args`` follow the config)."""
         return self.factory(self.validate(section, path), *args)
