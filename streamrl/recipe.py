@@ -278,6 +278,14 @@ def _describe(err: dict) -> str:
     return f"{loc}: {msg} (got {err.get('input')!r})"
 
 
+def with_seed(config: type[BaseModel], section: dict, seed: int) -> dict:
+    """``section`` with ``seed`` filled in from ``run.seed`` when the config has a ``seed`` field
+    the recipe left unset."""
+    if "seed" in config.model_fields and "seed" not in section:
+        return {**section, "seed": seed}
+    return section
+
+
 def validate_section(model: type[BaseModel], data: dict, path: str = "") -> BaseModel:
     """Validate ``data`` with ``model``; errors name the TOML path (``path.key``) in one line."""
     try:

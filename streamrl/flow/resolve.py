@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from streamrl.api import Component
 from streamrl.errors import UserError
 from streamrl.plugins import Registry, build_registry
-from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section
+from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_seed
 
 
 @dataclass
@@ -59,33 +59,21 @@ class Resolved:
         return str(path) if path else None
 
 
-def with_seed(config: type[BaseModel], section: dict, seed: int) -> dict:
-    """``section`` with ``seed`` filled in from ``run.seed`` when the config has a ``seed`` field
-    the recipe left unset."""
-    if "seed" in config.model_fields and "seed" not in section:
-        return {**section, "seed": seed}
-    return section
-
-
-def choose(registry: Registry, kind: str, name: str, options: dict, path: str, seed: int) -> Chosen:
-    """Find component ``name`` of ``kind`` and validate its section (TOML ``path``)."""
-    comp = registry.get(kind, name, f"{path}.name")
-    return Chosen(comp, validate_section(comp.config, with_seed(comp.config, options, seed), path))
-
-
 def resolve(loaded: LoadedRecipe) -> Resolved:
-    """Load the plugins, find every named component and validate its section, check the model."""
+    """Load the plugins, find every named component and validate its section, check the pools
+    and the model."""
     r = loaded.recipe
-    check_pools(r)
     registry = build_registry(r.plugins.modules, loaded.base)
-    chosen: dict[str, Chosen | None] = {}
     tables = dict(r)  # section name -> its table
-    for section, kind in SECTIONS.items():
-        sec = tables[section]
-        chosen[section] = None if sec is None else choose(registry, kind, sec.name, sec.options(), section, r.run.seed)
-    sinks = [choose(registry, "metric_sink", sec.name, sec.options(), f"metrics[{i}]", r.run.seed)
-             for i, sec in enumerate(r.metrics)]
-    out = Resolved(loaded, registry, sinks=sinks, **chosen)
+    # (TOML path, kind, table) of every component the recipe names, the metric sinks last
+    named = [(section, kind, tables[section]) for section, kind in SECTIONS.items() if tables[section] is not None]
+    named += [(f"metrics[{i}]", "metric_sink", sec) for i, sec in enumerate(r.metrics)]
+    found = [registry.get(kind, sec.name, f"{path}.name") for path, kind, sec in named]
+    chosen = {path: Chosen(comp, validate_section(comp.config, with_seed(comp.config, sec.options(), r.run.seed), path))
+              for comp, (path, _, sec) in zip(found, named)}
+    check_pools(r)
+    sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]
+    out = Resolved(loaded, registry, sinks=sinks, **{section: chosen.get(section) for section in SECTIONS})
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
                    if c.capabilities().needs_model]
     if needs_model:
