@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.bench.modes import summarize_run
+from streamrl.variants import summarize_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
 
 
 def test_skew_variants_switch_components_without_carrying_foreign_options():
-    from streamrl.bench.modes import describe
+    from streamrl.variants import describe
     from streamrl.bench.skew import variants_for
     from streamrl.flow import runner
     from streamrl.recipe import load_recipe

@@ -28,8 +28,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.bench.modes import describe, run_variants, write_result
+from streamrl.bench.modes import write_result
 from streamrl.errors import UserError
+from streamrl.variants import describe, run_variants
 
 
 def exactly_once(records: list[dict], prompts: int, samples_per_prompt: int) -> bool:

@@ -18,12 +18,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.bench.modes import describe, run_variants, write_result
+from streamrl.bench.modes import write_result
+from streamrl.variants import describe, run_variants
 
 
 def variants_for(resolved) -> dict[str, list[str]]:
     """The variants that make sense for the recipe's task (``resolved``: from
-    ``bench.modes.describe``)."""
+    ``streamrl.variants.describe``)."""
     answer = resolved.task.build().prompts(0, 1)[0].answer
 
     def use(section: str, name: str) -> str:

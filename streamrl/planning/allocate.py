@@ -22,26 +22,11 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.errors import UserError
+from streamrl.planning import profile as profiling
 from streamrl.planning.predict import Prediction, predict
 from streamrl.planning.profile import StageProfile
 from streamrl.sim.capabilities import SimTrainerCapabilities
-
-
-def recipe_split(resolved) -> tuple[int, int]:
-    """``(generate devices, train devices)`` of the recipe as written."""
-    r = resolved.recipe
-    return r.pools.generate.workers, _train_devices(resolved)
-
-
-def _train_devices(resolved) -> int:
-    trainer = resolved.trainer.capabilities()  # the sim trainer's devices are virtual
-    return trainer.gpus if isinstance(trainer, SimTrainerCapabilities) else resolved.recipe.pools.train.workers
-
-
-def costs(resolved) -> tuple[float, float]:
-    """Relative cost per device of the generate and the train pool."""
-    p = resolved.recipe.pools
-    return p.generate.cost_per_device, p.train.cost_per_device
+from streamrl.variants import costs, describe, recipe_split, run_variants
 
 
 def per_cost_hour(pred: Prediction, cost: tuple[float, float]) -> float:
@@ -109,9 +94,6 @@ def plan(file: str, overrides: list[str], devices: int | None, modes: list[str],
          steps: int, warmup: int, objective: str, check: bool, profile_file: str | None,
          save_profile: str | None, calibrate_steps: int, out: str | None, console: Console | None = None) -> dict:
     """The ``streamrl plan`` command; returns the JSON result it writes."""
-    from streamrl.bench.modes import describe, run_variants
-    from streamrl.planning import profile as profiling
-
     console = console or Console(stderr=True, width=140)
     resolved, time_scale = describe(file, overrides)
     if profile_file:
