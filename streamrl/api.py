@@ -93,6 +93,15 @@ class Component:
         """Validate ``section`` and build the component (``args`` follow the config)."""
         return self.factory(self.validate(section, path), *args)
 
+def close_component(obj: Any) -> None:
+    """Close a built component. Every base class here has ``close()``; an object from a
+    plain-function factory need not subclass one, so this is the one place that allows it to
+    have none (the counterpart of :meth:`Component.capabilities` for built objects)."""
+    close = getattr(obj, "close", None)
+    if close is not None:
+        close()
+
+
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
 from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer, fit_decode_latency
@@ -105,7 +114,7 @@ from streamrl.contracts.observing import MetricSink
 DECLARING = {"engine": Engine, "trainer": Trainer}
 
 __all__ = [
-    "KINDS", "Component", "hookimpl", "Prompt", "Sample", "Group",
+    "KINDS", "Component", "close_component", "hookimpl", "Prompt", "Sample", "Group",
     "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",

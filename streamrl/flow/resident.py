@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from distributed import WorkerPlugin, get_worker
 
+from streamrl.api import close_component
+
 # One build at a time per process: a colocated worker builds an engine and a trainer, and two
 # threads importing transformers at once trip over its lazy module loading.
 _BUILD_LOCK = threading.Lock()
@@ -97,10 +99,8 @@ class Resident(WorkerPlugin):
             return self.obj
 
     def teardown(self, worker) -> None:
-        # Duck-typed plugins need not subclass the api base classes, so close() is optional.
-        close = getattr(self.obj, "close", None)
-        if close is not None:
-            close()
+        if self.obj is not None:
+            close_component(self.obj)
 
 
 #: Per thread: the torch thread count last set in it (``Resident._torch``).
