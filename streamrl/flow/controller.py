@@ -73,9 +73,9 @@ class Controller:
         """Build the engines, trainer, reward, transfer and ranker on their workers, form the
         train group and start the clocks. Calling it again starts over from the initial weights."""
         topo, r = self.topology, self.recipe
+        self._start_over()
         placement.place(self.client, self.resolved, {n: n for n in topo.generate}, topo.trainer, topo.rank,
                         topo.sharded)
-        self._start_over()
         scheduler = self.resolved.scheduler.build() if self.resolved.scheduler else None
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary

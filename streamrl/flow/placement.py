@@ -42,10 +42,11 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
     seed = r.run.seed
     gen_threads = r.pools.generate.torch_threads if r.pools.generate else 1
     train_threads = r.pools.train.torch_threads if r.pools.train else 1
+    build_trainer = partial(resolved.trainer.build, trainer_context(resolved, sharded))
     client.register_plugin(Resident(ENGINE, partial(build_engine, resolved.engine, resolved.model_path),
                                     torch_threads=gen_threads, seed=seed, what=f"engine {r.engine.name!r}"))
-    client.register_plugin(Resident(TRAINER, partial(resolved.trainer.build, trainer_context(resolved, sharded)),
-                                    torch_threads=train_threads, seed=seed, what=f"trainer {r.trainer.name!r}"))
+    client.register_plugin(Resident(TRAINER, build_trainer, torch_threads=train_threads, seed=seed,
+                                    what=f"trainer {r.trainer.name!r}"))
     client.register_plugin(Resident(REWARD, resolved.reward.build, seed=seed, what=f"reward {r.reward.name!r}"))
     client.register_plugin(Resident(TRANSFER, resolved.transfer.build, seed=seed,
                                     what=f"transfer {r.transfer.name!r}"))
