@@ -41,7 +41,7 @@ class Controller:
         self.resolved, self.client = resolved, client
         can = resolved.trainer.capabilities()
         self.topology = Topology.of(client, pools, r.trainer.name, r.trainer.strategy, can.data_parallel,
-                                    can.shardable, ranker=resolved.ranker is not None)
+                                    can.shardable, ranker=resolved.ranker is not None, spec_cluster=spec_cluster)
         # an engine whose samples depend only on weights, seed and prompt: make the run repeat
         # (each step's generation sees a fixed version, training takes a fixed order)
         self.repeatable = resolved.engine.capabilities().repeatable
@@ -51,7 +51,6 @@ class Controller:
         # dispatcher (placement and lessons) and the submission counters are shared
         self.lock = threading.Lock()
         self.elastic: elastic.ElasticPool | None = None
-        self._spec_cluster = spec_cluster
         self._start_over()
 
     def _start_over(self) -> None:
@@ -81,9 +80,9 @@ class Controller:
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)
         cfg = r.pools.generate.elastic if r.pools.generate else None
-        if cfg is not None and self._spec_cluster is not None and self.elastic is None:  # (benchmarks pass none)
+        if cfg is not None and topo.can_grow and self.elastic is None:  # (benchmarks pass no cluster)
             level = logging.getLogger("distributed.worker").getEffectiveLevel()
-            self.elastic = elastic.ElasticPool(topo, self._spec_cluster, r, cfg, level,
+            self.elastic = elastic.ElasticPool(topo, r, cfg, level,
                                                placed=scheduler is not None, ahead=self.mode.feeds)
 
     # -- one step -------------------------------------------------------------------------

@@ -137,11 +137,12 @@ def _running(client, addr: str) -> bool:
 class ElasticPool:
     """Grows and retires generate workers of one run; see the module docstring."""
 
-    def __init__(self, topology: Topology, spec_cluster, recipe: Recipe, cfg: ElasticConfig, log_level: int,
+    def __init__(self, topology: Topology, recipe: Recipe, cfg: ElasticConfig, log_level: int,
                  placed: bool, ahead: bool):
-        """``placed``: a scheduler pins groups to workers; ``ahead``: generation runs ahead of
-        training (``async``), so the generate pool's use is judged over the whole step."""
-        self.topo, self.cluster, self.recipe, self.cfg, self.log_level = topology, spec_cluster, recipe, cfg, log_level
+        """``topology``: one that can grow (``Topology.can_grow``); ``placed``: a scheduler pins
+        groups to workers; ``ahead``: generation runs ahead of training (``async``), so the
+        generate pool's use is judged over the whole step."""
+        self.topo, self.recipe, self.cfg, self.log_level = topology, recipe, cfg, log_level
         self.client = topology.client
         self.placed, self.ahead = placed, ahead
         self.next_index = topology.next_generate_index()
@@ -201,7 +202,7 @@ class ElasticPool:
         for name, thread in list(self.draining.items()):
             if not thread.is_alive():
                 del self.draining[name]
-                self._forget(name)
+                self.topo.drop(name)
         for futs in self.pinned.values():
             futs[:] = [f for f in futs if not f.done()]
         if self.starting is not None and self.topo.address(self.starting):
@@ -210,8 +211,7 @@ class ElasticPool:
             self._join(name, version)
         elif self.starting is not None and time.time() - self.started_at > self.recipe.cluster.startup_timeout:
             self.events.append(f"!{self.starting} did not start within cluster.startup_timeout")
-            self.cluster.worker_spec.pop(self.starting, None)
-            self.cluster.scale(len(self.cluster.worker_spec))
+            self.topo.drop(self.starting)
             self.starting = None
         self.rates.append(record.tokens_per_s)
         self.hold = max(0, self.hold - 1)
@@ -269,8 +269,7 @@ class ElasticPool:
         name = f"generate-{self.next_index}"
         self.next_index += 1
         spec = cluster.pool_worker_spec(self.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
-        self.cluster.worker_spec[name] = spec
-        self.cluster.scale(len(self.cluster.worker_spec))  # SpecCluster starts what its spec lacks
+        self.topo.start_worker(name, spec)
         self.starting, self.started_at = name, time.time()
         # the first step (model warm-up, empty caches) is no baseline when others exist
         self.baseline = (self.rates[1:] or self.rates)[-BASELINE_STEPS:]
@@ -296,7 +295,7 @@ class ElasticPool:
     def _failed(self, name: str, fut: Future) -> None:
         """A worker that could not join is reported in the record and retired; the run goes on."""
         self.events.append(f"!{name} failed to join: {type(fut.exception()).__name__}: {fut.exception()}")
-        self._retire(name)
+        self.topo.stop_worker(name)
 
     def _drain(self, why: str = "") -> None:
         name = max(self.topo.generate, key=lambda n: int(n.rsplit("-", 1)[1]))  # the newest
@@ -325,14 +324,3 @@ class ElasticPool:
         while addr and _running(client, addr):
             time.sleep(RETIRE_POLL_S)
         client.retire_workers(names=[name], close_workers=True)
-
-    def _retire(self, name: str) -> None:
-        self.client.retire_workers(names=[name], close_workers=True)
-        self._forget(name)
-
-    def _forget(self, name: str) -> None:
-        """A retired worker leaves the cluster's spec (the SpecCluster closes its Nanny) and the
-        pool's accounting (from the next step on)."""
-        self.cluster.worker_spec.pop(name, None)
-        self.cluster.scale(len(self.cluster.worker_spec))
-        self.topo.forget(name)

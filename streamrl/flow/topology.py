@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from distributed import Client
+from distributed import Client, SpecCluster
 
 from streamrl import cluster
 from streamrl.errors import UserError
@@ -23,11 +23,14 @@ class Topology:
     """Who generates, who trains, who ranks; pins by name; the train group's incarnations."""
 
     def __init__(self, client: Client, pools: dict[str, dict[str, str]], *, sharded: bool = False,
-                 ranker: bool = False):
+                 ranker: bool = False, spec_cluster: SpecCluster | None = None):
         """``pools``: ``{pool: {worker name: address}}`` (``cluster.check_pools``); ``sharded``:
         the train pool holds shards of one trainer (fsdp); ``ranker``: the run has a length
-        ranker, which lives on the rank pool, else on the first reward worker."""
+        ranker, which lives on the rank pool, else on the first reward worker;
+        ``spec_cluster``: the embedded cluster, whose worker processes streamrl may start and
+        stop (:meth:`start_worker`; None: a cluster the user runs, which cannot grow)."""
         self.client = client
+        self.spec_cluster = spec_cluster
         self.pools = {pool: dict(members) for pool, members in pools.items()}
         """``{pool: {name: address}}`` as the busy-clock accounting sees it (a worker added
         counts from the step after it joined: :meth:`account`)."""
@@ -50,7 +53,8 @@ class Topology:
 
     @classmethod
     def of(cls, client: Client, pools: dict[str, dict[str, str]], trainer: str, strategy: str,
-           data_parallel: bool, shardable: bool, ranker: bool) -> "Topology":
+           data_parallel: bool, shardable: bool, ranker: bool,
+           spec_cluster: SpecCluster | None = None) -> "Topology":
         """The topology of a recipe's cluster, checked against what its trainer (``trainer``,
         ``trainer.strategy``) can do: one line naming the field when it cannot."""
         world = len(pools["train"])
@@ -61,7 +65,7 @@ class Topology:
         if sharded and not shardable:
             raise UserError(f"trainer.strategy: trainer {trainer!r} cannot shard its state; "
                             "set trainer.strategy = \"ddp\"")
-        return cls(client, pools, sharded=sharded, ranker=ranker)
+        return cls(client, pools, sharded=sharded, ranker=ranker, spec_cluster=spec_cluster)
 
     # -- reading ----------------------------------------------------------------------------
     @property
@@ -108,6 +112,30 @@ class Topology:
             for name in self.train}
 
     # -- growing and shrinking (the elastic pool asks) ------------------------------------------
+    @property
+    def can_grow(self) -> bool:
+        """Whether streamrl can start and stop worker processes (the embedded cluster)."""
+        return self.spec_cluster is not None
+
+    def start_worker(self, name: str, spec: dict) -> None:
+        """Start a worker process ``name`` from ``spec`` (``cluster.pool_worker_spec``): the
+        ``SpecCluster`` starts what its spec lacks. It takes no work until it is added."""
+        self.spec_cluster.worker_spec[name] = spec
+        self.spec_cluster.scale(len(self.spec_cluster.worker_spec))
+
+    def stop_worker(self, name: str) -> None:
+        """Retire worker ``name`` now (results only it holds are copied elsewhere first) and
+        :meth:`drop` it."""
+        self.client.retire_workers(names=[name], close_workers=True)
+        self.drop(name)
+
+    def drop(self, name: str) -> None:
+        """``name`` leaves the cluster's spec (the ``SpecCluster`` closes its nanny, if it is
+        still up) and the generate pool's accounting."""
+        self.spec_cluster.worker_spec.pop(name, None)
+        self.spec_cluster.scale(len(self.spec_cluster.worker_spec))
+        self.forget(name)
+
     def next_generate_index(self) -> int:
         """The index a new generate worker gets (``generate-<i>``, never reused in a run)."""
         known = [*self.generate, *self.pools.get("generate", {})]
