@@ -91,11 +91,9 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     r = loaded.recipe
     t = r.trainer
     trainer = resolved.trainer.build(trainer_context(resolved))
-    device = getattr(trainer, "device", "cpu")
-    model = getattr(trainer, "model", None)
-    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    vocab = model.config.vocab_size if model is not None else 1000
-    groups = synthetic_groups(samples, t.samples_per_prompt, prompt, response, vocab, r.run.seed)
+    held = trainer.footprint()
+    device, params = held.device, held.parameters
+    groups = synthetic_groups(samples, t.samples_per_prompt, prompt, response, held.vocab_size or 1000, r.run.seed)
     cuts = pack([group_tokens(g) for g in groups], t.micro_batch_tokens, t.groups_per_micro_batch)
     n = sum(len(g) for g in groups)
     if device == "cuda":
@@ -117,7 +115,7 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     name, peak = peak_flops(device)
     step_s = statistics.median(seconds)
     peak_mem = torch.cuda.max_memory_allocated() if device == "cuda" else sampler.stop()
-    return {"device": name, "trainer": r.trainer.name, "precision": getattr(trainer.config, "precision", None),
+    return {"device": name, "trainer": r.trainer.name, "precision": held.precision,
             "parameters": params, "samples": n, "tokens_per_step": tokens, "micro_batches": len(cuts),
             "step_s_median": step_s, "tokens_per_s": tokens / step_s,
             "mfu": 6 * params * tokens / step_s / peak if peak else None,

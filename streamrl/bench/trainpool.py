@@ -32,23 +32,13 @@ DEFAULT_VARIANTS = ["one:pools.train.workers=1", "ddp:pools.train.workers=2",
 
 def held_state() -> dict:
     """Train worker: bytes of parameters and optimizer state this rank holds (a shard's local
-    part only), and the process's peak resident memory so far."""
+    part only: ``Trainer.footprint``), and the process's peak resident memory so far."""
     import resource
 
     from streamrl.flow.resident import TRAINER, resident
 
-    trainer = resident(TRAINER)
-
-    def nbytes(t) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t  # a shard: only what is here
-        return t.numel() * t.element_size()
-
-    modules = [m for m in (trainer.model, getattr(trainer, "critic", None)) if m is not None]
-    optimizers = [o for o in (trainer.optimizer, getattr(getattr(trainer, "critic", None), "optimizer", None)) if o]
-    params = sum(nbytes(p) for m in modules for p in m.parameters())
-    optim = sum(nbytes(v) for o in optimizers for s in o.state.values() for v in s.values()
-                if hasattr(v, "numel") and v.dim() > 0)
-    return {"params_bytes": params, "optimizer_bytes": optim,
+    held = resident(TRAINER).footprint()
+    return {"params_bytes": held.params_bytes, "optimizer_bytes": held.optimizer_bytes,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -87,7 +77,7 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
 def _vocab() -> int:
     from streamrl.flow.resident import TRAINER, resident
 
-    return resident(TRAINER).model.config.vocab_size
+    return resident(TRAINER).footprint().vocab_size or 1000  # (no model: any token ids will do)
 
 
 def bench(file: str, overrides: list[str], variants: list[str], samples: int, prompt: int, response: int,

@@ -121,6 +121,26 @@ class TrainerCapabilities:
     = "fsdp"`` over several train workers (with ``data_parallel``)."""
 
 
+@dataclass(frozen=True)
+class TrainerFootprint:
+    """What a built trainer holds, as benchmarks report it (:meth:`Trainer.footprint`). The
+    defaults describe a trainer with no model (a simulator)."""
+
+    device: str = "cpu"
+    """Where it computes (``cuda`` or ``cpu``)."""
+    precision: str | None = None
+    """The precision it trains in (``fp32``, ``bf16-autocast``, ...; ``auto`` resolved), None
+    when that does not apply."""
+    parameters: int = 0
+    """The policy's parameters (the whole model's, sharded or not)."""
+    vocab_size: int | None = None
+    """The policy's vocabulary (token ids below it are valid), None without a model."""
+    params_bytes: int = 0
+    """Bytes of trained parameters this rank holds (policy and critic; a shard's local part only)."""
+    optimizer_bytes: int = 0
+    """Bytes of optimizer state this rank holds (a shard's local part only)."""
+
+
 class Trainer:
     """The policy being trained and its optimizer, on the train worker.
 
@@ -183,6 +203,12 @@ class Trainer:
     def save(self, out: str) -> str:
         """Write the policy to folder ``out`` (a transformers model folder for real models)."""
         raise NotImplementedError
+
+    def footprint(self) -> TrainerFootprint:
+        """Optional: device, precision, model size and the training state held, for benchmarks
+        (``streamrl bench trainer``, ``bench trainpool``). Default: :class:`TrainerFootprint` as
+        it is (no model)."""
+        return TrainerFootprint()
 
     def close(self) -> None:
         """Release the model and optimizer."""

@@ -49,7 +49,7 @@ def save(trainer, path: str) -> None:
         warnings.simplefilter("ignore")
         # no_dist: the ranks of a data-parallel train pool hold identical state; rank 0 writes it
         dcp.save(state, checkpoint_id=str(folder / "dcp"), no_dist=not trainer.sharded)
-    if not trainer.sharded or _rank() == 0:
+    if _rank() == 0:  # (unsharded, the only rank asked to write)
         torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
                     "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
                     "python_rng": random.getstate()}, folder / "trainer.pt")

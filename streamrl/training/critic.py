@@ -8,6 +8,8 @@ aligned with the policy's token logprobs and the response mask.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -35,12 +37,10 @@ class Critic(torch.nn.Module):
         # (a copy, not a view of the head's output: FSDP warns that a view can lose its hooks)
         return self.head(hidden).squeeze(-1).float().clone()
 
-    def step(self, max_grad_norm: float) -> float:
-        """Clip, step, clear; returns the gradient norm."""
-        norm = 0.0
-        if max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_grad_norm)
-            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # (sharded)
+    def step(self, clip_grad_norm: Callable[..., float], max_grad_norm: float) -> float:
+        """Clip (with the trainer strategy's ``clip_grad_norm(params, max_grad_norm)``, which
+        gathers a sharded norm), step, clear; returns the gradient norm."""
+        norm = clip_grad_norm(self.parameters(), max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm

@@ -5,6 +5,10 @@ Gradients of a batch accumulate over its micro-batches. Each micro-batch's loss 
 per-sample losses times ``scale = 1 / samples in the batch``, so the accumulated gradient is the
 same however the batch was cut into micro-batches and in whatever order they arrived -- which is
 why ``stream`` and ``batch`` modes give the same update.
+
+How the train pool holds the policy (one worker or ``ddp``: ``training/strategy.py``; ``fsdp``:
+``training/fsdp.py``) and the precision it trains in (``training/precision.py``) are objects the
+trainer is composed with, chosen once when it is built: the steps here do not branch on either.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
+from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
 from streamrl.sample import Group
-from streamrl.training import data_parallel as dp
 from streamrl.training import fsdp
 from streamrl.training.logprobs import naive_token_logprobs
 from streamrl.training.logprobs import TokenLogprobs
-from streamrl.training.precision import MasterWeights
+from streamrl.training.precision import precision_for
+from streamrl.training.strategy import Replicated, Strategy
 
 
 class HFTrainerConfig(BaseModel):
@@ -81,7 +86,9 @@ token_logprobs = naive_token_logprobs  # the plain computation, for checks again
 
 
 class HFTrainer(Trainer):
-    """A causal LM + AdamW (+ a frozen reference model and a critic when the algorithm asks)."""
+    """A causal LM + AdamW (+ a frozen reference model and a critic when the algorithm asks),
+    composed with a :class:`~streamrl.training.precision.Precision` (``trainer.precision``) and a
+    :class:`~streamrl.training.strategy.Strategy` (one worker or ddp; fsdp) chosen at build."""
 
     @classmethod
     def capabilities(cls, config: HFTrainerConfig) -> TrainerCapabilities:
@@ -95,38 +102,34 @@ class HFTrainer(Trainer):
         self.algorithm = context.algorithm
         self.temperature = context.engine.temperature
         self.device = device or worker_device()
-        device = self.device
-        self.bf16_params = config.precision == "bf16-params"
-        self.bf16 = config.precision == "bf16-autocast" or self.bf16_params or (config.precision == "auto" and device == "cuda")
+        self.precision = precision_for(config.precision, self.device)
+        self.strategy: Strategy = fsdp.FSDP(self.device) if context.sharded else Replicated()
+        built_on = self.strategy.build_device(self.device)
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        # about to be sharded: built on the CPU, and each rank's shard goes to the device in shard()
-        device = "cpu" if context.sharded else device
-        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
         self.model.train()
-        # bf16-params: sharded, FSDP keeps the float32 masters itself (shard())
-        self.master = MasterWeights(self.model) if self.bf16_params and not context.sharded else None
+        self.masters = self.strategy.masters(self.precision, self.model)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if self.algorithm.needs_reference:
-            # only ever run, never stepped: bf16 where the policy computes in bf16
-            dtype = torch.bfloat16 if self.master is not None else torch.float32
-            self.reference = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype).to(device).eval()
+            # only ever run, never stepped: kept in the dtype the policy is kept in (bf16-params: bf16)
+            dtype = next(self.model.parameters()).dtype
+            self.reference = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype).to(built_on).eval()
             self.reference.requires_grad_(False)
         self.critic = None
         if self.algorithm.needs_critic:
             from streamrl.training.critic import Critic
 
-            self.critic = Critic(context.model_path, config.critic_lr, device)
+            self.critic = Critic(context.model_path, config.critic_lr, built_on)
         # the policy's (and reference's) token log-probs, as modules: the unit fsdp shards
         self.policy = TokenLogprobs(self.model)
         self.reference_policy = TokenLogprobs(self.reference) if self.reference is not None else None
         self._build_optimizer()
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
-        self.sharded = False  # trainer.strategy = "fsdp" over several ranks (shard())
-        self.full: dict[str, torch.Tensor] | None = None  # sharded: the whole weights, on rank 0
+        self.sharded = False  # trainer.strategy = "fsdp" over several ranks, once shard() has run
 
     def _build_optimizer(self) -> None:
         # AdamW over the policy's parameters as they are now (sharded: over the shards; bf16-params:
@@ -139,29 +142,26 @@ class HFTrainer(Trainer):
     @property
     def stepped(self) -> torch.nn.Module:
         """The module whose parameters AdamW steps and checkpoints hold: the float32 master copy
-        under ``precision = "bf16-params"``, else the policy itself."""
-        return self.master.module if self.master is not None else self.model
+        under ``precision = "bf16-params"`` (unsharded), else the policy itself."""
+        return self.masters.module
 
     def shard(self) -> None:
         """Shard policy, reference and critic over the train pool (``training/fsdp.py``); the
         optimizers are built anew over the sharded parameters (no step has been taken yet)."""
-        for module in (self.policy, self.reference_policy, self.critic):
-            if module is not None:
-                bf16 = self.bf16_params and module is not self.critic
-                fsdp.shard(module, self.device, param_dtype=torch.bfloat16 if bf16 else None)
+        compute = self.precision.compute_dtype  # the critic computes from its float32 weights
+        units = [(self.policy, compute), (self.reference_policy, compute), (self.critic, None)]
+        self.strategy.shard([(m, dtype) for m, dtype in units if m is not None], self.model)
         self._build_optimizer()
         if self.critic is not None:
             self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
         self.sharded = True
-        self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
 
     def micro_batch(self, groups: list[Group], scale: float) -> dict:
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`. Sharded,
         ``groups = []`` runs an empty pass (every rank must run as many passes as the others)."""
         try:
             out = self._empty_pass() if not groups else self._forward_backward(groups, scale)
-            if self.master is not None:
-                self.master.accumulate()
+            self.masters.accumulate()
             return out
         except torch.OutOfMemoryError:
             samples = [s for g in groups for s in g]
@@ -187,10 +187,10 @@ class HFTrainer(Trainer):
                 # a sample with advantage 0 adds nothing to the gradient: leave it out of the
                 # forward/backward (GRPO groups whose samples all got the same reward)
                 keep = [i for i, a in enumerate(adv_list) if a != 0.0]
-                if not keep and self.sharded:  # every rank must still take part: a zero-loss pass
-                    return {**self._empty_pass(samples[0]), **counted, "skipped_sum": counted["samples"]}
-                if not keep:
-                    return self._no_gradient(counted, t0)
+                if not keep:  # (sharded, every rank must still take part: a zero-loss pass)
+                    self.strategy.without_gradient(lambda: self._empty_pass(samples[0]), self.model.parameters())
+                    return {**counted, "skipped_sum": counted["samples"], "loss_sum": 0.0,
+                            "seconds": time.perf_counter() - t0}
                 samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
         skipped = counted["samples"] - len(samples)
         ids, attn, resp, old = pad_batch(samples, self.tokenizer.pad_token_id)
@@ -201,7 +201,7 @@ class HFTrainer(Trainer):
             adv = torch.tensor(adv_list, dtype=torch.float32, device=self.device)
         else:  # token-level advantages from the critic; the critic learns in the same micro-batch
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device)
-            with self.autocast():
+            with self.precision.autocast():
                 values = self.critic.values(ids, attn).float()
             adv, returns = self.algorithm.token_advantages(rewards, values.detach(), resp)
             value_loss = self.algorithm.value_loss(values, values.detach(), returns, resp)
@@ -225,7 +225,7 @@ class HFTrainer(Trainer):
         # policy (with grad) and reference log-probs of the response tokens, in this order:
         # sharded, the real and the empty passes must make the same collectives
         chunk = self.config.logprob_chunk_tokens
-        with self.autocast():
+        with self.precision.autocast():
             new = self.policy(ids, attn, self.temperature, chunk, resp)
             ref = None
             if self.reference is not None:
@@ -249,7 +249,7 @@ class HFTrainer(Trainer):
         if self.critic is None:
             adv = torch.zeros(1, device=self.device)
         else:
-            with self.autocast():
+            with self.precision.autocast():
                 values = self.critic.values(ids, attn).float()
             adv = torch.zeros_like(values)
             critic_loss = values.sum() * 0.0
@@ -259,43 +259,22 @@ class HFTrainer(Trainer):
         return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
                 "seconds": time.perf_counter() - t0}
 
-    def autocast(self):
-        """bf16 autocast around forward passes when ``precision`` asks for it, else a no-op."""
-        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.bf16)
-
-    def _no_gradient(self, counted: dict, t0: float) -> dict:
-        # Nothing to back-propagate. Gradients that are still None become zeros, so the optimizer
-        # steps as it would on a zero gradient (AdamW skips a parameter whose grad is None:
-        # no momentum decay, no weight decay -- a different update).
-        for p in self.model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return {**counted, "skipped_sum": counted["samples"], "loss_sum": 0.0,
-                "seconds": time.perf_counter() - t0}
-
     def step(self) -> dict:
         """Clip, step the optimizer, clear gradients; the policy version goes up by one. Over a
         train pool of several workers the gradients are first summed over the ranks
-        (``training/data_parallel.py``), so every rank applies the one-worker update."""
+        (``training/data_parallel.py``; sharded, in each backward), so every rank applies the
+        one-worker update."""
         t0 = time.perf_counter()
-        if dp.world_size() > 1 and not self.sharded:  # (sharded: summed in each backward)
-            dp.all_reduce_gradients(self.stepped.parameters())
-            if self.critic is not None:
-                dp.all_reduce_gradients(self.critic.parameters())
-        norm = 0.0
-        if self.config.max_grad_norm > 0:
-            norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.stepped.parameters(), self.config.max_grad_norm)))
+        self.strategy.reduce_gradients([m for m in (self.stepped, self.critic) if m is not None])
+        norm = self.strategy.clip_grad_norm(self.stepped.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.master is not None:
-            self.master.copy_back()
-        if self.sharded:  # gathered now, while every rank is here: rank 0 exports them later
-            self.full = None  # (the last version's copy goes first: one whole copy at a time)
-            self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
+        self.masters.copy_back()
+        self.strategy.weights_changed(self.model)
         out = {"version": self.version + 1, "grad_norm": norm}
         if self.critic is not None:
-            out["critic_grad_norm"] = self.critic.step(self.config.max_grad_norm)
+            out["critic_grad_norm"] = self.critic.step(self.strategy.clip_grad_norm, self.config.max_grad_norm)
         self.version += 1
         return {**out, "seconds": time.perf_counter() - t0}
 
@@ -303,17 +282,12 @@ class HFTrainer(Trainer):
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The parameters, detached (tied weights once, as ``named_parameters`` gives them).
         Sharded: the whole weights gathered at the last step, on rank 0."""
-        if self.sharded:
-            if self.full is None:
-                raise RuntimeError("trainer: with trainer.strategy = 'fsdp' only rank 0 holds the whole weights")
-            return self.full
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        return self.strategy.named_weights(self.model)
 
     @torch.no_grad()
     def logprobs(self, group: Group) -> list[list[float]]:
         """Recomputed logprobs of each response's tokens under the current weights (for checks)."""
-        if self.sharded:  # a forward on one rank alone would wait for the others for ever
-            raise RuntimeError("trainer: logprobs are not recomputed with trainer.strategy = 'fsdp'")
+        self.strategy.alone("logprobs are not recomputed")
         ids, attn, resp, _ = pad_batch(group, self.tokenizer.pad_token_id)
         lp = token_logprobs(self.model, ids.to(self.device), attn.to(self.device), self.temperature).cpu()
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
@@ -329,31 +303,38 @@ class HFTrainer(Trainer):
         from streamrl.training import checkpoint
 
         checkpoint.load(self, path)
-        if self.master is not None:  # the checkpoint holds the float32 masters
-            self.master.copy_back()
-        if self.sharded:  # the export after a resume sends the restored weights
-            self.full = fsdp.full_weights(self.model, keep=fsdp.is_rank0())
+        self.masters.copy_back()  # (bf16-params: the checkpoint holds the float32 masters)
+        self.strategy.weights_changed(self.model)  # (sharded: the export after a resume sends these)
 
     def save(self, out: str) -> str:
-        """Write the current policy as a transformers model folder (``from_pretrained`` reloads it).
-        Sharded: every rank calls it (the weights are gathered), rank 0 writes."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            policy = get_model_state_dict(self.model, options=whole)
-            critic = get_model_state_dict(self.critic, options=whole) if self.critic is not None else None
-            if fsdp.is_rank0():
-                self.model.save_pretrained(out, state_dict=policy)
-                self.tokenizer.save_pretrained(out)
-                if critic is not None:
-                    self.critic.save(f"{out}/critic", state_dict=critic)
-            return out
-        self.stepped.save_pretrained(out)  # (bf16-params: the float32 masters)
-        self.tokenizer.save_pretrained(out)
-        if self.critic is not None:
-            self.critic.save(f"{out}/critic")
+        """Write the current policy as a transformers model folder (``from_pretrained`` reloads it;
+        bf16-params: the float32 masters). Sharded: every rank calls it (the weights are
+        gathered), rank 0 writes."""
+        policy = self.strategy.full_state(self.stepped)
+        critic = self.strategy.full_state(self.critic) if self.critic is not None else None
+        if self.strategy.writes:
+            self.stepped.save_pretrained(out, state_dict=policy)
+            self.tokenizer.save_pretrained(out)
+            if self.critic is not None:
+                self.critic.save(f"{out}/critic", state_dict=critic)
         return out
+
+    def footprint(self) -> TrainerFootprint:
+        """Device, precision, the policy's size and the training state this rank holds: the
+        policy's and critic's parameters and their AdamW state, a shard's local part only."""
+        from torch.distributed.tensor import DTensor
+
+        def nbytes(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t  # a shard: only what is here
+            return t.numel() * t.element_size()
+
+        modules = [m for m in (self.model, self.critic) if m is not None]
+        optimizers = [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
+        return TrainerFootprint(
+            device=self.device, precision=self.precision.name, parameters=sum(p.numel() for p in self.model.parameters()),
+            vocab_size=self.model.config.vocab_size, params_bytes=sum(nbytes(p) for m in modules for p in m.parameters()),
+            optimizer_bytes=sum(nbytes(v) for o in optimizers for st in o.state.values() for v in st.values()
+                                if isinstance(v, torch.Tensor) and v.dim() > 0))
 
 
 @torch.no_grad()
