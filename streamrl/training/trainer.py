@@ -331,8 +331,9 @@ class HFTrainer(Trainer):
         modules = [m for m in (self.model, self.critic) if m is not None]
         optimizers = [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
         return TrainerFootprint(
-            device=self.device, precision=self.precision.name, parameters=sum(p.numel() for p in self.model.parameters()),
-            vocab_size=self.model.config.vocab_size, params_bytes=sum(nbytes(p) for m in modules for p in m.parameters()),
+            device=self.device, precision=self.precision.name, vocab_size=self.model.config.vocab_size,
+            parameters=sum(p.numel() for p in self.model.parameters()),
+            params_bytes=sum(nbytes(p) for m in modules for p in m.parameters()),
             optimizer_bytes=sum(nbytes(v) for o in optimizers for st in o.state.values() for v in st.values()
                                 if isinstance(v, torch.Tensor) and v.dim() > 0))
 
