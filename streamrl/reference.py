@@ -27,21 +27,24 @@ from streamrl.api import Engine, Group, Trainer
 from streamrl.flow.placement import trainer_context
 from streamrl.flow.resolve import Resolved
 from streamrl.rewards.scoring import score_group
+from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
 
-def train_step(trainer: Trainer, groups: list[Group], groups_per_micro_batch: int, epochs: int = 1) -> dict:
+def train_step(trainer: Trainer, groups: list[Group], groups_per_micro_batch: int,
+               epochs: int = 1) -> tuple[TrainTaskStats, StepStats]:
     """Forward/backward over the groups in micro-batches, then one optimizer step; ``epochs``
     times. Every micro-batch's loss is scaled by 1 / samples, so the cut does not change the
     update. Returns the first pass's sums (the on-policy ones) and the last optimizer step's stats."""
     samples = sum(len(g) for g in groups)
-    first: dict[str, float] = {}
+    first = TrainTaskStats()
     for epoch in range(epochs):
         for i in range(0, len(groups), groups_per_micro_batch):
-            for k, v in trainer.micro_batch(groups[i:i + groups_per_micro_batch], 1.0 / samples).items():
-                if epoch == 0:
-                    first[k] = first.get(k, 0.0) + v
-        stepped = trainer.step()
-    return {**first, **stepped}
+            sums = trainer.micro_batch(groups[i:i + groups_per_micro_batch], 1.0 / samples)
+            if epoch == 0:
+                first.add(sums)
+                first.micro_batches += 1
+        stepped = StepStats.of(trainer.step())
+    return first, stepped
 
 
 def generate(engine: Engine, prompts, n: int) -> list[Group]:
@@ -72,12 +75,12 @@ def run(resolved: Resolved, steps: int, log: Callable[[str], None] = print) -> l
             groups = generate(engine, task.prompts(step, t.prompts_per_step), t.samples_per_prompt)
             for g in groups:
                 score_group(reward, g)
-            stats = train_step(trainer, groups, t.groups_per_micro_batch, context.algorithm.epochs)
+            stats, _ = train_step(trainer, groups, t.groups_per_micro_batch, context.algorithm.epochs)
             version = step + 1  # one published policy per step, as in the controller
             engine.load_weights(transfer.receive(transfer.send(trainer.named_weights(), version), version), version)
-            record = {"step": step, "policy_version": version, "samples": int(stats["samples"]),
-                      "reward_mean": stats["reward_sum"] / stats["samples"],
-                      "loss": stats["loss_sum"] / stats["samples"], "step_s": time.time() - t0}
+            record = {"step": step, "policy_version": version, "samples": stats.samples,
+                      "reward_mean": stats.reward_sum / stats.samples,
+                      "loss": stats.loss_sum / stats.samples, "step_s": time.time() - t0}
             records.append(record)
             log(f"step {step + 1:>3}/{steps}  reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
                 f"{record['samples'] / record['step_s']:.1f} samples/s  v{version}")

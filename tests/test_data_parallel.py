@@ -73,7 +73,7 @@ def test_two_train_workers_give_the_one_worker_update(setup, stream, strategy):
     finally:
         resolved.recipe.trainer.strategy = "ddp"
     step, passes = train(two, 300 + tag, scored, stream)
-    ranks = {x["trained_on"] for f in passes[0] for x in f.result()["sample_log"]}
+    ranks = {x["trained_on"] for f in passes[0] for x in f.result().sample_log}
     rank0 = weights(two, "train-0", step, f"rank0-{mode}")
     local, whole = held(two, "train-1")
     assert local == whole if strategy == "ddp" else local < 0.6 * whole  # fsdp: about half each

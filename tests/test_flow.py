@@ -140,7 +140,7 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
         last, passes = submit.epochs(controller.topology, controller.recipe, epochs, step, ready, stream,
                                      after=None, samples=total)
         step_fut = last[0]
-        cuts.append(sum(f.result()["micro_batches"] for f in passes[0]))
+        cuts.append(sum(f.result().micro_batches for f in passes[0]))
         step_fut.result()
         return weights_from_bytes(controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
                                                            workers=[controller.topology.trainer]).result())

@@ -5,18 +5,22 @@ from __future__ import annotations
 import pytest
 
 from streamrl.telemetry.record import last_epoch_stats, summarize
+from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
 
-def micro(samples, **stats):
-    base = {"samples": samples, "tokens": 10 * samples, "reward_sum": 0.5 * samples, "loss_sum": 0.0,
-            "seconds": 1.0, "micro_batches": 1, "gen_end_max": 5.0, "policy_version_min": 3, "reward_errors": 0,
-            "sample_log": [{"uid": f"4-0-{i}", "version": 3} for i in range(samples)]}
-    return {**base, **stats}
+def micro(samples, **sums):
+    """A train task's stats, from what the trainer returned (``sums``: its ``*_sum`` keys)."""
+    stats = TrainTaskStats(micro_batches=1, gen_end_max=5.0, policy_version_min=3, reward_errors=0,
+                           sample_log=[{"uid": f"4-0-{i}", "version": 3} for i in range(samples)])
+    stats.add({"samples": samples, "tokens": 10 * samples, "reward_sum": 0.5 * samples, "loss_sum": 0.0,
+               "seconds": 1.0, **sums})
+    return stats
 
 
 def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
-    rec = summarize(4, 5, [micro(2, kl_sum=0.2, entropy_sum=1.0), micro(2, entropy_sum=3.0)],
-                    {"grad_norm": 1.0, "seconds": 0.5}, t0=0.0, t_trained=8.0, t_end=10.0).as_dict()
+    step = StepStats.of({"version": 5, "grad_norm": 1.0, "seconds": 0.5})
+    rec = summarize(4, 5, [micro(2, kl_sum=0.2, entropy_sum=1.0), micro(2, entropy_sum=3.0)], step,
+                    t0=0.0, t_trained=8.0, t_end=10.0).as_dict()
     assert rec["entropy"] == pytest.approx(1.0) and rec["kl"] == pytest.approx(0.05)
     assert rec["clip_frac"] == 0.0 and rec["behaviour_weight"] == 1.0
     assert rec["samples"] == 4 and rec["staleness_max"] == 1 and rec["train_tail_s"] == pytest.approx(3.0)
@@ -27,3 +31,15 @@ def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
 def test_last_epoch_stats_are_per_sample_means_of_the_last_pass():
     out = last_epoch_stats([micro(2, clip_frac_sum=0.5, loss_sum=1.0), micro(2, loss_sum=3.0)], epochs=3)
     assert out == {"epochs": 3, "last_epoch_clip_frac": pytest.approx(0.125), "last_epoch_loss": pytest.approx(1.0)}
+
+
+def test_train_stats_keep_the_trainers_sums_and_pickle_as_dask_sends_them():
+    import pickle
+
+    task = micro(2, clip_frac_sum=0.5, skipped_sum=1, note=7)  # (a key that is no sum is not recorded)
+    task.add({"samples": 1, "tokens": 3, "reward_sum": 1.0, "loss_sum": 0.25, "seconds": 0.5, "clip_frac_sum": 0.25})
+    assert (task.samples, task.tokens, task.reward_sum, task.loss_sum) == (3, 23, 2.0, 0.25)
+    assert task.sums == {"clip_frac": 0.75, "skipped": 1.0}
+    step = StepStats.of({"version": 2, "grad_norm": 0.5, "critic_grad_norm": 0.1, "seconds": 1.0})
+    assert (step.version, step.extra) == (2, {"critic_grad_norm": 0.1})
+    assert pickle.loads(pickle.dumps(task)) == task and pickle.loads(pickle.dumps(step)) == step

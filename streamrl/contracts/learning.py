@@ -161,11 +161,13 @@ class Trainer:
     def micro_batch(self, groups: list[Group], scale: float) -> dict[str, float]:
         """Forward/backward on whole groups. Returns sums over the samples: ``samples``,
         ``tokens`` (response tokens), ``reward_sum``, ``loss_sum``, ``seconds``, and the
-        algorithm's ``*_sum`` stats."""
+        algorithm's ``*_sum`` stats (the train task adds them up into a
+        ``telemetry.stats.TrainTaskStats``)."""
         raise NotImplementedError
 
     def step(self) -> dict[str, float]:
-        """One optimizer step; returns ``version`` (the new one), ``grad_norm``, ``seconds``."""
+        """One optimizer step; returns ``version`` (the new one), ``grad_norm``, ``seconds``, and
+        anything else to record (read into a ``telemetry.stats.StepStats``)."""
         raise NotImplementedError
 
     def named_weights(self) -> dict[str, "torch.Tensor"]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from distributed import Client, Future, SpecCluster, wait
@@ -28,6 +29,7 @@ from streamrl.flow.weights import publish, wait_loaded
 from streamrl.scheduling.dispatch import Dispatcher
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import last_epoch_stats, summarize
+from streamrl.telemetry.stats import StepStats
 
 
 class Controller:
@@ -149,7 +151,8 @@ class Controller:
         t_trained = trained_at[0] if trained_at else time.time()
         self.version = version
         if self.epochs > 1:
-            step_stats = {**step_stats, **last_epoch_stats([f.result() for f in passes[-1]], self.epochs)}
+            last_epoch = last_epoch_stats([f.result() for f in passes[-1]], self.epochs)
+            step_stats = replace(step_stats, extra={**step_stats.extra, **last_epoch})
         # The step is done: later tasks need not depend on it. Holding it would make Dask, if the
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
         # (A fed next step holds its own optimizer steps.)
@@ -168,7 +171,7 @@ class Controller:
                 self.elastic.track(name, load)
         return loads
 
-    def _record(self, step: int, trains: list[Future], step_stats: dict, t0: float, t_trained: float,
+    def _record(self, step: int, trains: list[Future], step_stats: StepStats, t0: float, t_trained: float,
                 admitted: float, generate_workers: int) -> dict:
         """The step's record: the train tasks' stats, the pools' busy clocks, dispatch lessons."""
         before, self.clock = self.clock, bubbles.snapshot(self.client)

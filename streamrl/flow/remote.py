@@ -21,6 +21,7 @@ from streamrl.rewards import scoring
 from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
                                     resident)
 from streamrl.sample import Group, Prompt
+from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
 LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
 
@@ -104,7 +105,7 @@ def _peer_lost(exc: Exception) -> Exception:
 
 
 def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
-                 after=None, trainer_id: str | dict | None = None) -> dict:
+                 after=None, trainer_id: str | dict | None = None) -> TrainTaskStats:
     """See :func:`_train_groups`; a rank lost mid-collective becomes :class:`ResidentLost`."""
     try:
         return _train_groups(*bundles, scale=scale, micro_batch_tokens=micro_batch_tokens,
@@ -116,13 +117,13 @@ def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 
 
 
 def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
-                  trainer_id: str | dict | None = None) -> dict:
+                  trainer_id: str | dict | None = None) -> TrainTaskStats:
     """Train pool: forward/backward on whole groups (the scored bundles of ``score_groups``),
     cut into micro-batches by ``flow.microbatch.pack``; gradients accumulate until the
     optimizer step.
 
-    Returns the trainer's summed stats plus what the controller needs for accounting, so
-    samples themselves never travel to the controller.
+    Returns the trainer's summed stats plus what the controller needs for accounting
+    (``telemetry/stats.py``), so samples themselves never travel to the controller.
     """
     expect(TRAINER, trainer_id)
     trainer = resident(TRAINER)
@@ -140,34 +141,31 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
         from streamrl.training.fsdp import agree_passes
 
         passes += [[]] * (agree_passes(len(passes), trainer.device) - len(passes))
-    stats: dict = {}
+    stats = TrainTaskStats(micro_batches=len(cuts))
     for chunk in passes:
-        for k, v in trainer.micro_batch(chunk, scale).items():
-            stats[k] = stats.get(k, 0) + v
-    stats["micro_batches"] = len(cuts)
+        stats.add(trainer.micro_batch(chunk, scale))
     samples = [s for g in groups for s in g]
-    if not samples:  # a sharded rank's empty turn in a round
-        return {**stats, "samples": 0, "tokens": 0, "reward_sum": 0.0, "loss_sum": 0.0,
-                "reward_errors": 0, "sample_log": []}
+    if not samples:  # a sharded rank's empty turn in a round (its empty passes counted nothing)
+        return stats
     trained, rank = time.time(), str(get_worker().name)
     # one small record per sample: the controller checks ids (none lost, none twice) and
     # writes the timeline into metrics.jsonl
-    stats["sample_log"] = [
+    stats.sample_log = [
         {"uid": s.uid, "version": s.policy_version, "worker": s.worker, **{k: round(v, 4) for k, v in s.times.items()},
          "trained": round(trained, 4), "trained_on": rank, "response_len": len(s.response_ids),
          "prompt_len": len(s.prompt_ids)}
         for s in samples]
-    stats["gen_end_max"] = max(s.times["gen_end"] for s in samples)
-    stats["policy_version_min"] = min(s.policy_version for s in samples)
-    stats["reward_errors"] = sum(1 for s in samples if "reward_error" in s.times)
+    stats.gen_end_max = max(s.times["gen_end"] for s in samples)
+    stats.policy_version_min = min(s.policy_version for s in samples)
+    stats.reward_errors = sum(1 for s in samples if "reward_error" in s.times)
     return stats
 
 
-def optimizer_step(*micro_batch_stats: dict, trainer_id: str | dict | None = None, after=None) -> dict:
-    """Train pool: one optimizer step after every micro-batch of the batch (they are arguments)."""
+def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None = None, after=None) -> StepStats:
+    """Train pool: one optimizer step after every train task of the batch (they are arguments)."""
     expect(TRAINER, trainer_id)
     try:
-        return resident(TRAINER).step()
+        return StepStats.of(resident(TRAINER).step())
     except Exception as exc:
         raise _peer_lost(exc) from None
 

@@ -1,4 +1,5 @@
-"""The ``metrics.jsonl`` record of one step, built from the train tasks' stats and the clock.
+"""The ``metrics.jsonl`` record of one step, built from the train tasks' stats
+(``telemetry/stats.py``) and the clock.
 
 :class:`StepRecord` names every field streamrl writes; :meth:`StepRecord.as_dict` is the line
 in ``metrics.jsonl`` (and what metric sinks and ``on_step_end`` receive). An algorithm's extra
@@ -10,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from streamrl.telemetry.stats import StepStats, TrainTaskStats
+
 #: algorithm statistics reported even when an algorithm does not return them, with the per-sample
 #: value assumed then (a clip fraction and a KL of 0, a behaviour weight of 1)
 DEFAULT_STATS = {"clip_frac": 0.0, "kl": 0.0, "behaviour_weight": 1.0}
-
-#: sums the trainer itself returns, reported under their own names rather than as statistics
-_TRAIN_SUMS = {"reward_sum", "loss_sum"}
 
 
 @dataclass
@@ -77,45 +77,43 @@ class StepRecord:
         return {**d, **stats, **extra, "sample_log": log}
 
 
-def algorithm_stats(micro: list[dict], samples: int) -> dict[str, float]:
-    """Every ``<name>_sum`` the train tasks returned, as a per-sample mean ``<name>``."""
+def algorithm_stats(micro: list[TrainTaskStats], samples: int) -> dict[str, float]:
+    """Every statistic the train tasks summed (:attr:`TrainTaskStats.sums`), as a per-sample mean."""
     sums: dict[str, float] = {}
     for m in micro:
-        for k, v in m.items():
-            if k.endswith("_sum") and k not in _TRAIN_SUMS:
-                sums[k[:-4]] = sums.get(k[:-4], 0.0) + float(v)
+        for k, v in m.sums.items():
+            sums[k] = sums.get(k, 0.0) + v
     out = {k: v / samples for k, v in sums.items()}
     return {**DEFAULT_STATS, **out}
 
 
-def summarize(step: int, version: int, micro: list[dict], step_stats: dict, t0: float, t_trained: float,
-              t_end: float) -> StepRecord:
+def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: StepStats, t0: float,
+              t_trained: float, t_end: float) -> StepRecord:
     """The record of one step from the train tasks' stats and the wall clock."""
-    samples = sum(m["samples"] for m in micro)
-    sample_log = [dict(x, staleness=step - x["version"]) for m in micro for x in m.get("sample_log", [])]
-    tokens = sum(m["tokens"] for m in micro)
+    samples = sum(m.samples for m in micro)
+    sample_log = [dict(x, staleness=step - x["version"]) for m in micro for x in m.sample_log]
+    tokens = sum(m.tokens for m in micro)
     # (a sharded rank's empty turn in a round trained no sample: it has neither)
-    gen_end = max(m["gen_end_max"] for m in micro if "gen_end_max" in m)
-    oldest = min(m["policy_version_min"] for m in micro if "policy_version_min" in m)
+    gen_end = max(m.gen_end_max for m in micro if m.gen_end_max is not None)
+    oldest = min(m.policy_version_min for m in micro if m.policy_version_min is not None)
     step_s = t_end - t0
     return StepRecord(
         step=step, policy_version=version, samples=samples, train_tasks=len(micro),
-        micro_batches=sum(m["micro_batches"] for m in micro),
-        reward_mean=sum(m["reward_sum"] for m in micro) / samples,
-        loss=sum(m["loss_sum"] for m in micro) / samples,
-        response_len_mean=tokens / samples, reward_errors=sum(m["reward_errors"] for m in micro),
-        generated_policy_version_min=oldest, staleness_max=step - oldest, grad_norm=step_stats["grad_norm"],
+        micro_batches=sum(m.micro_batches for m in micro),
+        reward_mean=sum(m.reward_sum for m in micro) / samples,
+        loss=sum(m.loss_sum for m in micro) / samples,
+        response_len_mean=tokens / samples, reward_errors=sum(m.reward_errors for m in micro),
+        generated_policy_version_min=oldest, staleness_max=step - oldest, grad_norm=step_stats.grad_norm,
         samples_per_s=samples / step_s, tokens_per_s=tokens / step_s, generate_s=max(0.0, gen_end - t0),
-        train_s=sum(m["seconds"] for m in micro) + step_stats["seconds"], train_tail_s=t_trained - gen_end,
+        train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
-        stats={**algorithm_stats(micro, samples),  # and what else the optimizer step reports
-               **{k: v for k, v in step_stats.items() if k not in ("version", "grad_norm", "seconds")}},
+        stats={**algorithm_stats(micro, samples), **step_stats.extra},  # and what else the step reports
         sample_log=sample_log)
 
 
-def last_epoch_stats(micro: list[dict], epochs: int) -> dict[str, float]:
+def last_epoch_stats(micro: list[TrainTaskStats], epochs: int) -> dict[str, float]:
     """With ``algorithm.epochs > 1``: how far the last pass (its train tasks' stats ``micro``)
     moved from the generating policy (its loss and clip fraction per sample)."""
-    n = sum(m["samples"] for m in micro)
-    return {"epochs": epochs, "last_epoch_clip_frac": sum(m.get("clip_frac_sum", 0.0) for m in micro) / n,
-            "last_epoch_loss": sum(m["loss_sum"] for m in micro) / n}
+    n = sum(m.samples for m in micro)
+    return {"epochs": epochs, "last_epoch_clip_frac": sum(m.sums.get("clip_frac", 0.0) for m in micro) / n,
+            "last_epoch_loss": sum(m.loss_sum for m in micro) / n}
