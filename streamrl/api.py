@@ -106,7 +106,7 @@ from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
 from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer, fit_decode_latency
 from streamrl.contracts.inputs import Reward, Task
-from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext
+from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext, TrainerFootprint
 from streamrl.contracts.observing import MetricSink
 
 #: The kinds that declare capabilities before they are built, with the base class declaring
@@ -116,7 +116,7 @@ DECLARING = {"engine": Engine, "trainer": Trainer}
 __all__ = [
     "KINDS", "Component", "close_component", "hookimpl", "Prompt", "Sample", "Group",
     "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "Algorithm", "Trainer",
-    "TrainerCapabilities", "TrainerContext",
+    "TrainerCapabilities", "TrainerContext", "TrainerFootprint",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",
     # helpers a plugin builds on: the clipped policy-gradient loss, an engine's decode profile
     "ClippedSurrogate", "ClippedConfig", "fit_decode_latency",
