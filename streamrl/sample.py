@@ -22,6 +22,13 @@ class Prompt:
     """The prompt text given to the engine (it tokenizes)."""
     answer: Any = None
     """Whatever the reward needs to check a response (the expected answer, test cases, ...)."""
+    token_ids: list[int] | None = None
+    """Token ids the engine feeds as they are, when the task tokenized the prompt itself (a chat
+    template applied with the model's tokenizer: its special tokens are already in place, so
+    the engine adds none). None: the engine tokenizes :attr:`text`."""
+    columns: dict[str, Any] = field(default_factory=dict)
+    """Every other field of the prompt's dataset row (verl's ``data_source``, ``reward_model``,
+    ``extra_info``; a TRL dataset's extra columns), by name: rewards receive them."""
 
 
 @dataclass
@@ -43,6 +50,9 @@ class Sample:
     """Version of the weights that generated this sample (0 = the initial model)."""
     reward: float | None = None
     """Filled by the reward task."""
+    reward_info: dict[str, float] = field(default_factory=dict)
+    """Named values the reward reported beside the score (each function of a weighted sum, the
+    other keys of a verl-style dict result); each is logged per step as ``reward/<name>/mean``."""
     worker: str = ""
     """Name of the generate worker (engine instance) that made it."""
     times: dict[str, float] = field(default_factory=dict)

@@ -23,6 +23,11 @@ class Task:
         """The ``n`` prompts of ``step``; every ``Prompt.uid`` unique within the run."""
         raise NotImplementedError
 
+    def eval_prompts(self) -> list[Prompt]:
+        """Held-out prompts for evaluation (``[eval]``), the same every call; uids unique among
+        themselves (they never reach training). Empty: the task has no held-out set."""
+        return []
+
     def example(self, rng) -> tuple[str, str]:
         """One ``(prompt text, answer text)`` pair drawn with ``rng`` (``random.Random``), for
         the supervised warm start of ``streamrl model init``."""
