@@ -102,6 +102,7 @@ def close_component(obj: Any) -> None:
         close()
 
 
+from streamrl.recipe import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
 from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer, fit_decode_latency
@@ -114,7 +115,7 @@ from streamrl.contracts.observing import MetricSink
 DECLARING = {"engine": Engine, "trainer": Trainer}
 
 __all__ = [
-    "KINDS", "Component", "close_component", "hookimpl", "Prompt", "Sample", "Group",
+    "KINDS", "Component", "close_component", "hookimpl", "RecipePath", "PathOrHubId", "Prompt", "Sample", "Group",
     "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext", "TrainerFootprint",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",

@@ -16,10 +16,11 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from streamrl.errors import UserError
 
@@ -278,6 +279,33 @@ def _describe(err: dict) -> str:
     return f"{loc}: {msg} (got {err.get('input')!r})"
 
 
+def _recipe_dir(info: ValidationInfo) -> Path | None:
+    return (info.context or {}).get("recipe_dir")
+
+
+def _against_recipe(value: str, info: ValidationInfo) -> str:
+    base = _recipe_dir(info)
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() or base is None else (base / path).resolve())
+
+
+def _local_if_there(value: str, info: ValidationInfo) -> str:
+    base = _recipe_dir(info)
+    path = Path(value).expanduser()
+    if path.is_absolute() or base is None:
+        return str(path)
+    return str((base / path).resolve()) if (base / path).exists() else value
+
+
+RecipePath = Annotated[str, AfterValidator(_against_recipe)]
+"""A config field holding a path to a local file or folder: relative paths are resolved against
+the recipe's folder (like ``model.path``), whatever the working directory."""
+
+PathOrHubId = Annotated[str, AfterValidator(_local_if_there)]
+"""A config field holding a local path or a Hugging Face Hub id: a relative path that exists
+next to the recipe becomes absolute; anything else is kept as written (a hub id)."""
+
+
 def with_seed(config: type[BaseModel], section: dict, seed: int) -> dict:
     """``section`` with ``seed`` filled in from ``run.seed`` when the config has a ``seed`` field
     the recipe left unset."""
@@ -286,10 +314,11 @@ def with_seed(config: type[BaseModel], section: dict, seed: int) -> dict:
     return section
 
 
-def validate_section(model: type[BaseModel], data: dict, path: str = "") -> BaseModel:
-    """Validate ``data`` with ``model``; errors name the TOML path (``path.key``) in one line."""
+def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_dir: Path | None = None) -> BaseModel:
+    """Validate ``data`` with ``model``; errors name the TOML path (``path.key``) in one line.
+    ``recipe_dir``: the folder :data:`RecipePath` and :data:`PathOrHubId` fields resolve against."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"recipe_dir": recipe_dir})
     except ValidationError as exc:
         first = _describe(exc.errors()[0])
         more = len(exc.errors()) - 1
