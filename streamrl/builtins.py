@@ -18,6 +18,7 @@ from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
 from streamrl.sim.workload import LongTailSimConfig, LongTailSimTask, SimLengthConfig, SimLengthReward
 from streamrl.tasks.addition import AdditionConfig, AdditionTask
 from streamrl.tasks.countdown import CountdownConfig, CountdownReward, CountdownRewardConfig, CountdownTask
+from streamrl.tasks.dataset import DatasetConfig, DatasetTask
 from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
 from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
@@ -54,7 +55,8 @@ def register_rewards():
 def register_tasks():
     return [Component("task", "addition", AdditionConfig, AdditionTask),
             Component("task", "countdown", CountdownConfig, CountdownTask),
-            Component("task", "longtail-sim", LongTailSimConfig, LongTailSimTask)]
+            Component("task", "longtail-sim", LongTailSimConfig, LongTailSimTask),
+            Component("task", "dataset", DatasetConfig, DatasetTask)]
 
 
 @hookimpl

@@ -306,12 +306,13 @@ PathOrHubId = Annotated[str, AfterValidator(_local_if_there)]
 next to the recipe becomes absolute; anything else is kept as written (a hub id)."""
 
 
-def with_seed(config: type[BaseModel], section: dict, seed: int) -> dict:
-    """``section`` with ``seed`` filled in from ``run.seed`` when the config has a ``seed`` field
-    the recipe left unset."""
-    if "seed" in config.model_fields and "seed" not in section:
-        return {**section, "seed": seed}
-    return section
+def with_run_defaults(config: type[BaseModel], section: dict, seed: int, model_path: Path | None) -> dict:
+    """``section`` with what the run knows filled in where the config has the field and the
+    recipe left it unset: ``seed`` from ``run.seed``, ``model_path`` (e.g. a task that needs the
+    model's tokenizer) from ``[model] path``."""
+    run = {"seed": seed, "model_path": None if model_path is None else str(model_path)}
+    filled = {k: v for k, v in run.items() if k in config.model_fields and k not in section and v is not None}
+    return {**section, **filled}
 
 
 def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_dir: Path | None = None) -> BaseModel:

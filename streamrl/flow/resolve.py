@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from streamrl.api import Component
 from streamrl.errors import UserError
 from streamrl.plugins import Registry, build_registry
-from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_seed
+from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 
 
 @dataclass
@@ -69,8 +69,9 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     named = [(section, kind, tables[section]) for section, kind in SECTIONS.items() if tables[section] is not None]
     named += [(f"metrics[{i}]", "metric_sink", sec) for i, sec in enumerate(r.metrics)]
     found = [registry.get(kind, sec.name, f"{path}.name") for path, kind, sec in named]
-    chosen = {path: Chosen(comp, validate_section(comp.config, with_seed(comp.config, sec.options(), r.run.seed), path,
-                                                  loaded.base))
+    model = loaded.model_path()
+    chosen = {path: Chosen(comp, validate_section(comp.config, with_run_defaults(comp.config, sec.options(), r.run.seed,
+                                                                                 model), path, loaded.base))
               for comp, (path, _, sec) in zip(found, named)}
     check_pools(r)
     sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]

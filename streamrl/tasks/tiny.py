@@ -16,17 +16,28 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
+#: One token per chat role, and the end of a turn: what the tiny models' chat template writes.
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+#: The tiny models' chat template (Jinja, as ``tokenizer.apply_chat_template`` runs it): each
+#: message as ``<|role|>content<|end|>``, then ``<|assistant|>`` when a reply is asked for.
+CHAT_TEMPLATE = ("{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endfor -%}"
+                 "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
+
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """A tokenizer with one token per character of ``alphabet`` plus ``<pad> <bos> <eos>``."""
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    """A tokenizer with one token per character of ``alphabet`` plus ``<pad> <bos> <eos>`` and
+    the chat tokens, with a chat template (so the chat path runs end to end on a tiny model)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHAT_TOKENS)}
     for ch in alphabet:
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()  # join characters back without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>")
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  additional_special_tokens=CHAT_TOKENS)
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def tiny_llama(vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4,

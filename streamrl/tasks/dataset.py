@@ -1,0 +1,304 @@
+"""The ``dataset`` task: prompts from the user's own data, read with Hugging Face ``datasets``.
+
+A parquet, JSON/JSONL or CSV file, a folder written by ``Dataset.save_to_disk``, or (with
+network) a hub id. Two row layouts are recognised without configuration:
+
+* **verl**: ``prompt`` is a list of chat messages, the ground truth is
+  ``reward_model.ground_truth``, and ``data_source``, ``ability``, ``extra_info`` ride along;
+* **TRL**: ``prompt`` is a string or a list of chat messages; an ``answer``, ``solution`` or
+  ``ground_truth`` column is the answer; every other column rides along.
+
+Other layouts name their fields with ``prompt_key`` / ``answer_key`` (a dotted path reaches
+into a nested field, e.g. ``reward_model.ground_truth``). Every field of the row but the prompt
+reaches the reward (``Prompt.columns``). Chat messages go through the model's own chat template
+(``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and reach the engine as
+token ids; plain strings are used as they are.
+
+Order: the rows are shuffled once per epoch from ``seed`` (``run.seed`` unless set), and step
+``s`` takes the rows ``s * n .. s * n + n - 1`` of that sequence. The position in the dataset is
+therefore a function of the step, which the checkpoint holds: a resumed run hands out exactly
+the prompts the uninterrupted run would have, neither repeating nor skipping one.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from streamrl.api import PathOrHubId, Prompt, Task
+from streamrl.errors import UserError
+
+#: File suffixes and the ``datasets`` builder that reads them.
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+#: Columns taken as the answer when ``answer_key`` is not set, after verl's ground truth.
+ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
+
+
+class DatasetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    path: PathOrHubId
+    """A parquet / JSON / JSONL / CSV file, a ``save_to_disk`` folder, a folder of such files,
+    or a hub id. Relative paths are resolved against the recipe's folder."""
+    split: str = "train"
+    """The split to train on (a ``save_to_disk`` DatasetDict or a hub dataset; a single file is
+    one split)."""
+    prompt_key: str = "prompt"
+    """The field holding the prompt: a string, or a list of ``{"role", "content"}`` messages."""
+    answer_key: str | None = None
+    """The field holding the answer (``Prompt.answer``), dotted for a nested one. Default:
+    verl's ``reward_model.ground_truth``, else the first of ``answer``, ``solution``,
+    ``ground_truth`` the rows have; none: no answer."""
+    system_prompt: str | None = None
+    """A system message put before each prompt (turns a plain-string prompt into a chat)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments to ``apply_chat_template`` (e.g. ``{enable_thinking = false}``)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Drop rows whose prompt is longer than this many tokens (counted once, printed)."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the data; the run fails with a one-line error when it needs more. None: as
+    many as ``run.steps`` takes."""
+    eval_path: PathOrHubId | None = None
+    """A held-out file or dataset for evaluation (``[eval]``)."""
+    eval_split: str | None = None
+    """A held-out split: of ``eval_path``, or of ``path`` when ``eval_path`` is not set."""
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Without ``eval_path`` / ``eval_split``: hold this share of the training rows out for
+    evaluation (chosen from ``seed``, never trained on)."""
+    eval_max: int | None = Field(None, ge=1)
+    """Evaluate on at most this many held-out rows (the first ones, in a fixed order)."""
+    model_path: str | None = None
+    """The tokenizer for chat templates and ``max_prompt_tokens``; default: the recipe's model."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle and the held-out choice (default: ``run.seed``)."""
+
+    @model_validator(mode="after")
+    def _one_held_out_source(self) -> "DatasetConfig":
+        if self.eval_fraction and (self.eval_path or self.eval_split):
+            raise ValueError("set eval_fraction, or eval_path / eval_split, not both")
+        return self
+
+
+def load_rows(path: str, split: str, field: str) -> list[dict]:
+    """The rows of ``split`` of the dataset at ``path`` (see :class:`DatasetConfig`), as dicts;
+    ``field`` is the recipe field named in errors."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    local = Path(path)
+    try:
+        if local.is_file():
+            builder = BUILDERS.get(local.suffix.lower())
+            if builder is None:
+                raise UserError(f"{field}: {path} is not a dataset file (expected one of "
+                                f"{', '.join(BUILDERS)}, or a folder)")
+            data = datasets.load_dataset(builder, data_files=str(local), split="train")
+        elif local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()
+                                 or (local / "state.json").exists()):
+            data = datasets.load_from_disk(str(local))
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise UserError(f"{field}: {path} has no split {split!r} (it has {', '.join(data)})")
+                data = data[split]
+        elif local.is_dir():
+            data = datasets.load_dataset(str(local), split=split)
+        else:
+            data = datasets.load_dataset(path, split=split)
+    except UserError:
+        raise
+    except Exception as exc:  # datasets' own errors are long; the first line says what was wrong
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = "" if local.exists() else " (no such file or folder next to the recipe, and not found on the hub)"
+        raise UserError(f"{field}: cannot read {path}{where}: {first[:300]}") from None
+    return data.to_list()
+
+
+def dig(row: dict, dotted: str) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; KeyError when a part is missing."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def is_chat(value: Any) -> bool:
+    """Whether a prompt is a list of chat messages."""
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+class DatasetTask(Task):
+    """Hands out the rows of a dataset as prompts; see the module docstring."""
+
+    def __init__(self, config: DatasetConfig):
+        self.config = config
+        self._tokenizer = None
+        rows = load_rows(config.path, config.split, "task.path")
+        if not rows:
+            raise UserError(f"task.path: {config.path} has no rows")
+        if config.prompt_key not in rows[0]:
+            raise UserError(f"task.prompt_key: the rows of {config.path} have no field {config.prompt_key!r} "
+                            f"(they have {', '.join(sorted(rows[0]))})")
+        self.answer_key = config.answer_key or self._default_answer_key(rows[0])
+        held_out: list[dict] = []
+        if config.eval_path or config.eval_split:
+            held_out = load_rows(config.eval_path or config.path, config.eval_split or "train",
+                                 "task.eval_path" if config.eval_path else "task.eval_split")
+        elif config.eval_fraction:
+            order = list(range(len(rows)))
+            random.Random(config.seed * 1_000_003 - 1).shuffle(order)
+            cut = set(order[:max(1, int(len(rows) * config.eval_fraction))])
+            held_out = [r for i, r in enumerate(rows) if i in cut]
+            rows = [r for i, r in enumerate(rows) if i not in cut]
+        # rows become prompts when first handed out (a chat template needs the model's tokenizer)
+        self.rows, self.held_out_rows = rows, held_out[:config.eval_max]
+        # a held-out file may have a layout of its own
+        self.eval_answer_key = config.answer_key or (self._default_answer_key(held_out[0]) if held_out else None)
+        self._prompts: dict[int, Prompt] = {}
+        if config.max_prompt_tokens:
+            before = len(self.rows)
+            self.rows = [r for r in self.rows if self._length(self._prompt_of(r)) <= config.max_prompt_tokens]
+            self.held_out_rows = [r for r in self.held_out_rows
+                                  if self._length(self._prompt_of(r, held_out=True)) <= config.max_prompt_tokens]
+            if not self.rows:
+                raise UserError(f"task.max_prompt_tokens: every prompt of {config.path} is longer than "
+                                f"{config.max_prompt_tokens} tokens")
+            if len(self.rows) < before:  # said once, here: the run then goes on with the rest
+                print(f"task: {before - len(self.rows)} of {before} prompts are longer than "
+                      f"max_prompt_tokens = {config.max_prompt_tokens} and are left out", file=sys.stderr)
+        self._orders: dict[int, list[int]] = {}
+
+    # -- rows to prompts ------------------------------------------------------------------------
+    @staticmethod
+    def _default_answer_key(row: dict) -> str | None:
+        try:
+            dig(row, "reward_model.ground_truth")
+            return "reward_model.ground_truth"
+        except KeyError:
+            return next((c for c in ANSWER_COLUMNS if c in row), None)
+
+    def _messages(self, value: Any) -> list[dict] | None:
+        """The chat messages a prompt becomes (None: a plain string, used as it is)."""
+        if not is_chat(value) and not self.config.system_prompt:
+            return None
+        messages = list(value) if is_chat(value) else [{"role": "user", "content": str(value)}]
+        if self.config.system_prompt and not (messages and messages[0]["role"] == "system"):
+            messages = [{"role": "system", "content": self.config.system_prompt}, *messages]
+        return messages
+
+    def _prompt_of(self, row: dict, uid: str = "", held_out: bool = False) -> Prompt:
+        """A row as a ``Prompt`` (``uid``: set when it is handed out; ``held_out``: a row of the
+        evaluation set, whose answer may sit elsewhere)."""
+        if self.config.prompt_key not in row:
+            raise UserError(f"task.prompt_key: a row has no field {self.config.prompt_key!r} "
+                            f"(it has {', '.join(sorted(row))})")
+        value = row[self.config.prompt_key]
+        key = self.eval_answer_key if held_out else self.answer_key
+        try:
+            answer = dig(row, key) if key else None
+        except KeyError:
+            raise UserError(f"task.answer_key: a row has no field {key!r} (it has {', '.join(sorted(row))})") from None
+        columns = {k: v for k, v in row.items() if k != self.config.prompt_key}
+        messages = self._messages(value)
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **self.config.chat_template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            return Prompt(uid=uid, text=text, answer=answer, token_ids=list(ids), columns=columns)
+        if not isinstance(value, str):
+            raise UserError(f"task.prompt_key: a row's {self.config.prompt_key!r} is neither a string nor a list "
+                            f"of {{role, content}} messages (got {type(value).__name__})")
+        return Prompt(uid=uid, text=value, answer=answer, columns=columns)
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (loaded on first use: a plain-string dataset needs none)."""
+        if self._tokenizer is None:
+            if not self.config.model_path:
+                raise UserError("task: chat prompts need the model's tokenizer; add a [model] table "
+                                "(or set task.model_path)")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+            if self._tokenizer.chat_template is None:
+                raise UserError(f"task: the tokenizer of {self.config.model_path} has no chat template, and the "
+                                "dataset's prompts are chat messages (or task.system_prompt is set)")
+        return self._tokenizer
+
+    def _length(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            return len(prompt.token_ids)
+        return len(self.tokenizer(prompt.text, add_special_tokens=False).input_ids) + 1  # (+ BOS)
+
+    def _row(self, index: int) -> Prompt:
+        if index not in self._prompts:
+            self._prompts[index] = self._prompt_of(self.rows[index])
+        return self._prompts[index]
+
+    # -- the Task contract ----------------------------------------------------------------------
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is all a run needs
+        return self._orders[epoch]
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        """Rows ``step * n .. step * n + n - 1`` of the per-epoch shuffled sequence."""
+        out = []
+        for i in range(n):
+            epoch, at = divmod(step * n + i, len(self.rows))
+            if self.config.epochs is not None and epoch >= self.config.epochs:
+                last = self.config.epochs * len(self.rows) // n
+                raise UserError(f"task.epochs: {self.config.epochs} epoch(s) of {len(self.rows)} prompts end after "
+                                f"step {last} at {n} prompts per step; set run.steps <= {last} or raise task.epochs")
+            row = self._row(self._order(epoch)[at])
+            out.append(Prompt(uid=f"{step}-{i:03d}", text=row.text, answer=row.answer, token_ids=row.token_ids,
+                              columns=row.columns))
+        return out
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out rows (``eval_path``, ``eval_split`` or ``eval_fraction``), in file order."""
+        return [self._prompt_of(r, f"eval-{i}", held_out=True) for i, r in enumerate(self.held_out_rows)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # -- a tiny model for the data (``streamrl model init --task dataset``) ---------------------
+    def _texts(self, row: dict) -> tuple[str, str]:
+        """(the prompt's words, the response to warm-start on): the ``solution`` field when the
+        row has a string one, else the answer."""
+        value = row[self.config.prompt_key]
+        words = " ".join(m["content"] for m in value) if is_chat(value) else str(value)
+        solution = row.get("solution")
+        if not isinstance(solution, str):
+            answer = self._prompt_of(row).answer if self.answer_key else ""
+            solution = "" if answer is None else str(answer)
+        return words + (self.config.system_prompt or ""), solution
+
+    @property
+    def alphabet(self) -> str:
+        """Every character of the prompts and responses (a character-level tokenizer's vocabulary)."""
+        chars = set()
+        for row in self.rows:
+            chars.update("".join(self._texts(row)))
+        return "".join(sorted(chars))
+
+    def example(self, rng) -> tuple[str, str]:
+        """A random row: (the prompt text as the engine sees it, the response to learn)."""
+        row = rng.choice(self.rows)
+        prompt = self._prompt_of(row)
+        return prompt.text, self._texts(row)[1]
+
+    def max_prompt_chars(self) -> int:
+        """Longest prompt's words in characters, plus room for a chat template's few tokens."""
+        return max(len(self._texts(r)[0]) for r in self.rows) + 16
+
+    def max_response_chars(self) -> int:
+        """Longest response to learn, in characters."""
+        return max(len(self._texts(r)[1]) for r in self.rows)

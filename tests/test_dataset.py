@@ -1,0 +1,148 @@
+"""The ``dataset`` task: users' own files in verl's and TRL's layouts (and others by key), chat
+templates through the model's tokenizer, per-epoch shuffles, held-out sets, paths next to the
+recipe, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamrl.errors import UserError
+from streamrl.tasks.dataset import DatasetConfig, DatasetTask
+from streamrl.tasks.tiny import char_tokenizer
+
+
+def verl_rows(n: int) -> list[dict]:
+    return [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{i}+{i % 7}="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i + i % 7)},
+             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+
+
+@pytest.fixture
+def tokenizer(tmp_path):
+    out = tmp_path / "tok"
+    char_tokenizer("0123456789+= ").save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture
+def verl_parquet(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "verl.parquet"
+    pd.DataFrame(verl_rows(40)).to_parquet(path)
+    return str(path)
+
+
+@pytest.fixture
+def trl_jsonl(tmp_path):
+    path = tmp_path / "trl.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1), "level": i % 3}) + "\n"
+                            for i in range(9)))
+    return str(path)
+
+
+def test_a_verl_parquet_is_recognised_and_chat_prompts_go_through_the_template(verl_parquet, tokenizer):
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer))
+    (p,) = task.prompts(0, 1)
+    row = verl_rows(40)[p.columns["extra_info"]["index"]]
+    assert p.answer == row["reward_model"]["ground_truth"]
+    assert p.text == f"<|user|>{row['prompt'][0]['content']}<|end|><|assistant|>"
+    assert p.token_ids[0] == 4 and p.token_ids[-1] == 5  # <|user|> ... <|assistant|> as single tokens
+    assert set(p.columns) == {"data_source", "ability", "reward_model", "extra_info"}  # all but the prompt
+
+
+def test_a_trl_jsonl_is_recognised_and_plain_strings_stay_as_they_are(trl_jsonl):
+    task = DatasetTask(DatasetConfig(path=trl_jsonl))  # no tokenizer needed for plain strings
+    prompts = task.prompts(0, 9)
+    assert {p.text for p in prompts} == {f"{i}+1=" for i in range(9)}
+    assert all(p.token_ids is None and p.answer == p.columns["solution"] and "level" in p.columns for p in prompts)
+
+
+def test_other_layouts_name_their_keys_csv_and_a_saved_folder(tmp_path):
+    import datasets
+
+    rows = [{"question": f"q{i}", "meta": {"gold": str(i)}} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    task = DatasetTask(DatasetConfig(path=str(tmp_path / "saved"), prompt_key="question", answer_key="meta.gold"))
+    assert sorted((p.text, p.answer) for p in task.prompts(0, 5)) == [(f"q{i}", str(i)) for i in range(5)]
+    (tmp_path / "d.csv").write_text("text,label\nhello,1\nworld,2\n")
+    task = DatasetTask(DatasetConfig(path=str(tmp_path / "d.csv"), prompt_key="text", answer_key="label"))
+    assert sorted(p.text for p in task.prompts(0, 2)) == ["hello", "world"]
+
+
+def test_each_epoch_hands_out_every_row_once_in_a_seeded_order_and_a_fresh_task_repeats_it(verl_parquet, tokenizer):
+    config = DatasetConfig(path=verl_parquet, model_path=tokenizer, seed=3)
+    task = DatasetTask(config)
+    index = [[p.columns["extra_info"]["index"] for s in range(e * 8, e * 8 + 8) for p in task.prompts(s, 5)]
+             for e in range(2)]
+    assert sorted(index[0]) == sorted(index[1]) == list(range(40))  # 8 steps x 5 = one epoch each
+    assert index[0] != index[1]  # shuffled again for the second epoch
+    # a resumed run builds its task again and asks from the checkpoint's step on: the same prompts
+    again = DatasetTask(config)
+    assert [p.columns["extra_info"]["index"] for p in again.prompts(11, 5)] == index[1][15:20]
+    other = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, seed=4))
+    assert [p.columns["extra_info"]["index"] for p in other.prompts(0, 5)] != index[0][:5]
+
+
+def test_epochs_cap_the_data_in_one_line(verl_parquet, tokenizer):
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, epochs=1))
+    task.prompts(7, 5)  # the last step of the one epoch
+    with pytest.raises(UserError, match=r"task.epochs: 1 epoch\(s\) of 40 prompts end after step 8"):
+        task.prompts(8, 5)
+
+
+def test_held_out_rows_by_fraction_split_or_file_never_reach_training(verl_parquet, tokenizer, trl_jsonl):
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, eval_fraction=0.25))
+    held = {p.columns["extra_info"]["index"] for p in task.eval_prompts()}
+    trained = {p.columns["extra_info"]["index"] for s in range(10) for p in task.prompts(s, 3)}
+    assert len(held) == 10 and not held & trained and len(task) == 30
+    assert [p.uid for p in task.eval_prompts()][:2] == ["eval-0", "eval-1"]
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, eval_path=trl_jsonl, eval_max=4))
+    assert [p.text for p in task.eval_prompts()] == [f"{i}+1=" for i in range(4)] and len(task) == 40
+
+
+def test_prompts_over_max_prompt_tokens_are_left_out_and_counted_once(verl_parquet, tokenizer, capsys):
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=8))
+    assert len(task) == 40 and "are left out" not in capsys.readouterr().err
+    # "<|user|>a+b=<|end|><|assistant|>" is 7 tokens with a one-digit first operand, 8 with two
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=7))
+    assert len(task) == 10 and {p.answer for p in task.prompts(0, 10)} == {str(i + i % 7) for i in range(10)}
+    assert capsys.readouterr().err.count("30 of 40 prompts are longer than max_prompt_tokens = 7") == 1
+    with pytest.raises(UserError, match="task.max_prompt_tokens: every prompt"):
+        DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=6))
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, system_prompt="1"))
+    assert task.prompts(0, 1)[0].text.startswith("<|system|>1<|end|><|user|>")
+
+
+def test_mistakes_are_one_line_naming_the_field(tmp_path, trl_jsonl):
+    with pytest.raises(UserError, match="task.path: cannot read .*missing.parquet"):
+        DatasetTask(DatasetConfig(path=str(tmp_path / "missing.parquet")))
+    with pytest.raises(UserError, match=r"task.prompt_key: the rows of .* have no field 'question' \(they have level"):
+        DatasetTask(DatasetConfig(path=trl_jsonl, prompt_key="question"))
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(UserError, match="task.path: .*x.txt is not a dataset file"):
+        DatasetTask(DatasetConfig(path=str(tmp_path / "x.txt")))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}]}) + "\n")
+    with pytest.raises(UserError, match="chat prompts need the model's tokenizer"):
+        DatasetTask(DatasetConfig(path=str(chat))).prompts(0, 1)
+
+
+def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, tiny_model, monkeypatch):
+    from streamrl.flow.resolve import resolve
+    from streamrl.recipe import load_recipe
+    from tests.conftest import TINY_RECIPE
+
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
+    text = text.replace('[task]\nname = "addition"', '[task]\nname = "dataset"\npath = "data/train.jsonl"')
+    (folder / "r.toml").write_text(text)
+    monkeypatch.chdir(tmp_path)  # not the recipe's folder
+    resolved = resolve(load_recipe(folder / "r.toml"))
+    assert resolved.task.config.path == str((folder / "data" / "train.jsonl").resolve())
+    assert resolved.task.config.model_path == str(tiny_model.resolve())  # filled in from [model]
+    assert resolved.task.build().prompts(0, 1)[0].answer == "2"
