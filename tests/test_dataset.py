@@ -48,8 +48,8 @@ def test_a_verl_parquet_is_recognised_and_chat_prompts_go_through_the_template(v
     (p,) = task.prompts(0, 1)
     row = verl_rows(40)[p.columns["extra_info"]["index"]]
     assert p.answer == row["reward_model"]["ground_truth"]
-    assert p.text == f"<|user|>{row['prompt'][0]['content']}<|end|><|assistant|>"
-    assert p.token_ids[0] == 4 and p.token_ids[-1] == 5  # <|user|> ... <|assistant|> as single tokens
+    assert p.text == f"<bos><|user|>{row['prompt'][0]['content']}<|end|><|assistant|>"
+    assert p.token_ids[:2] == [1, 4] and p.token_ids[-1] == 5  # <bos><|user|> ... <|assistant|>, one token each
     assert set(p.columns) == {"data_source", "ability", "reward_model", "extra_info"}  # all but the prompt
 
 
@@ -104,16 +104,16 @@ def test_held_out_rows_by_fraction_split_or_file_never_reach_training(verl_parqu
 
 
 def test_prompts_over_max_prompt_tokens_are_left_out_and_counted_once(verl_parquet, tokenizer, capsys):
-    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=8))
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=9))
     assert len(task) == 40 and "are left out" not in capsys.readouterr().err
-    # "<|user|>a+b=<|end|><|assistant|>" is 7 tokens with a one-digit first operand, 8 with two
-    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=7))
+    # "<bos><|user|>a+b=<|end|><|assistant|>" is 8 tokens with a one-digit first operand, 9 with two
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=8))
     assert len(task) == 10 and {p.answer for p in task.prompts(0, 10)} == {str(i + i % 7) for i in range(10)}
-    assert capsys.readouterr().err.count("30 of 40 prompts are longer than max_prompt_tokens = 7") == 1
+    assert capsys.readouterr().err.count("30 of 40 prompts are longer than max_prompt_tokens = 8") == 1
     with pytest.raises(UserError, match="task.max_prompt_tokens: every prompt"):
-        DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=6))
+        DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, max_prompt_tokens=7))
     task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, system_prompt="1"))
-    assert task.prompts(0, 1)[0].text.startswith("<|system|>1<|end|><|user|>")
+    assert task.prompts(0, 1)[0].text.startswith("<bos><|system|>1<|end|><|user|>")
 
 
 def test_mistakes_are_one_line_naming_the_field(tmp_path, trl_jsonl):
@@ -146,3 +146,19 @@ def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, t
     assert resolved.task.config.path == str((folder / "data" / "train.jsonl").resolve())
     assert resolved.task.config.model_path == str(tiny_model.resolve())  # filled in from [model]
     assert resolved.task.build().prompts(0, 1)[0].answer == "2"
+
+
+def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet):
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.tasks.model_init import init_model
+    from streamrl.training.warmstart import prompt_ids
+
+    out = tmp_path / "model"
+    init_model("dataset", str(out), warmstart_steps=0, overrides=[f"path={verl_parquet}"])
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=str(out)))
+    (p,) = task.prompts(0, 1)
+    assert p.text.startswith("<bos><|user|>") and p.text.endswith("<|assistant|>")
+    assert prompt_ids(task.tokenizer, p.text) == p.token_ids  # one BOS, as the warm start feeds it
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == len(task.tokenizer) and max(p.token_ids) < len(task.tokenizer)

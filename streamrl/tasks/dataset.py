@@ -277,8 +277,10 @@ class DatasetTask(Task):
         words = " ".join(m["content"] for m in value) if is_chat(value) else str(value)
         solution = row.get("solution")
         if not isinstance(solution, str):
-            answer = self._prompt_of(row).answer if self.answer_key else ""
-            solution = "" if answer is None else str(answer)
+            try:
+                solution = str(dig(row, self.answer_key)) if self.answer_key else ""
+            except KeyError:
+                solution = ""
         return words + (self.config.system_prompt or ""), solution
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 from streamrl.errors import UserError
 
@@ -14,7 +15,7 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
     from transformers.utils import logging as hf_logging
 
     from streamrl.plugins import build_registry
-    from streamrl.recipe import parse_override
+    from streamrl.recipe import parse_override, with_run_defaults
     from streamrl.tasks.tiny import char_tokenizer, save, tiny_llama
     from streamrl.training.warmstart import greedy_accuracy, warm_start
 
@@ -23,11 +24,16 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
     for item in overrides:
         keys, value = parse_override(item)
         options[".".join(keys)] = value
-    task = build_registry().get("task", task_name, "--task").build(options, "task")
+    component = build_registry().get("task", task_name, "--task")
+    task = component.build(options, "task")
     if not task.alphabet:
         raise UserError(f"--task {task_name}: this task cannot build a tiny model (it has no alphabet)")
     torch.manual_seed(seed)
     tokenizer = char_tokenizer(task.alphabet)
+    if "model_path" in component.config.model_fields and "model_path" not in options:
+        # a task that reads the model's tokenizer (chat templates) reads the one made here
+        tokenizer.save_pretrained(out)
+        task = component.build(with_run_defaults(component.config, options, seed, Path(out)), "task")
     # context: BOS + prompt + response + EOS, rounded up (tasks without lengths keep the default)
     longest = task.max_response_chars()
     positions = max(64, -(-(task.max_prompt_chars() + longest + 2) // 32) * 32)

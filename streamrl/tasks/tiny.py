@@ -20,8 +20,9 @@ SPECIALS = ["<pad>", "<bos>", "<eos>"]
 CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 #: The tiny models' chat template (Jinja, as ``tokenizer.apply_chat_template`` runs it): each
-#: message as ``<|role|>content<|end|>``, then ``<|assistant|>`` when a reply is asked for.
-CHAT_TEMPLATE = ("{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endfor -%}"
+#: message as ``<|role|>content<|end|>`` after ``<bos>`` (as the engine starts a plain prompt), then
+#: ``<|assistant|>`` when a reply is asked for.
+CHAT_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endfor -%}"
                  "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
 
 

@@ -14,9 +14,16 @@ import time
 import torch
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the engine feeds it: BOS and its tokens, or its tokens alone when a chat
+    template already put BOS in front."""
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    return ids if ids[:1] == [tokenizer.bos_token_id] else [tokenizer.bos_token_id] + ids
+
+
 def encode_pair(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:
     """Token ids of ``<bos> prompt answer <eos>`` and the number of prompt tokens (with BOS)."""
-    p = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False).input_ids
+    p = prompt_ids(tokenizer, prompt)
     a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     return p + a, len(p)
 
@@ -62,7 +69,7 @@ def greedy_accuracy(model, tokenizer, example, n: int = 200, max_new_tokens: int
     right = 0
     for _ in range(n):
         prompt, answer = example(rng)
-        ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False).input_ids])
+        ids = torch.tensor([prompt_ids(tokenizer, prompt)])
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
