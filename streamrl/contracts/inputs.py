@@ -48,15 +48,32 @@ class Task:
 class Reward:
     """Scores one response (runs in reward tasks on the reward pool).
 
-    Must be thread-safe: a reward worker runs several tasks at once. A reward that raises, or
-    returns something that is not a finite number, scores that sample 0 and is counted in
-    ``reward_errors``; the run goes on.
+    Must be thread-safe: a reward worker runs several tasks at once. A score is a number, or a
+    dict with the number under ``"score"`` and other named numbers beside it, each logged per
+    step as ``reward/<name>/mean`` (the sample's :attr:`~streamrl.sample.Sample.reward_info`;
+    values that are not numbers are left out). A reward that raises, or gives something that is
+    not a finite number, scores that sample 0 and is counted in ``reward_errors``; the run goes on.
     """
 
-    def score(self, prompt: Prompt, response: str) -> float:
+    def score(self, prompt: Prompt, response: str) -> float | dict[str, float]:
         """The reward of ``response`` (decoded text) to ``prompt`` (``prompt.answer`` holds what
-        the task put there to check it)."""
+        the task put there to check it; ``prompt.columns`` the rest of its dataset row)."""
         raise NotImplementedError
+
+    def score_group(self, prompts: list[Prompt], responses: list[str]) -> list:
+        """The scores of several responses at once (a group: one prompt's samples), in order,
+        each what :meth:`score` returns, or the exception that sample failed with (scored 0 and
+        counted, like a raise from :meth:`score`). Override it to score in one call (a batched
+        reward model, a TRL-style function); :meth:`score` must still work: when this raises or
+        gives the wrong number of scores, every response is scored alone with it, so one bad
+        response fails alone. Default: :meth:`score` on each."""
+        out = []
+        for prompt, response in zip(prompts, responses):
+            try:
+                out.append(self.score(prompt, response))
+            except Exception as exc:  # that sample fails, not the group
+                out.append(exc)
+        return out
 
     def close(self) -> None:
         """Release resources (a reward model, a sandbox) when the worker shuts down."""

@@ -158,6 +158,7 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     stats.gen_end_max = max(s.times["gen_end"] for s in samples)
     stats.policy_version_min = min(s.policy_version for s in samples)
     stats.reward_errors = sum(1 for s in samples if "reward_error" in s.times)
+    stats.add_reward_info(s.reward_info for s in samples)
     return stats
 
 

@@ -63,6 +63,9 @@ class StepRecord:
     """Prompt groups it submitted during this step (async: those of later steps)."""
     generate_workers: int = 0
     """Generate workers that took this step's groups (an elastic pool changes it between steps)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """``reward/<name>/mean``: the mean of each named value the reward gave beside the score
+    (``Sample.reward_info``), over the samples that had it."""
     extra: dict = field(default_factory=dict)
     """Dispatch fields (``generate_makespan_s``, ``ranker_recall``, ...)."""
     sample_log: list[dict] = field(default_factory=list)
@@ -73,8 +76,8 @@ class StepRecord:
         # shallow, not ``dataclasses.asdict``: its deep copy of the per-sample log (512 dicts a
         # W1 step) was the controller's largest cost per step; nothing here is mutated later
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        stats, extra, log = d.pop("stats"), d.pop("extra"), d.pop("sample_log")
-        return {**d, **stats, **extra, "sample_log": log}
+        stats, rewards, extra, log = d.pop("stats"), d.pop("rewards"), d.pop("extra"), d.pop("sample_log")
+        return {**d, **stats, **rewards, **extra, "sample_log": log}
 
 
 def algorithm_stats(micro: list[TrainTaskStats], samples: int) -> dict[str, float]:
@@ -85,6 +88,17 @@ def algorithm_stats(micro: list[TrainTaskStats], samples: int) -> dict[str, floa
             sums[k] = sums.get(k, 0.0) + v
     out = {k: v / samples for k, v in sums.items()}
     return {**DEFAULT_STATS, **out}
+
+
+def reward_means(micro: list[TrainTaskStats]) -> dict[str, float]:
+    """``reward/<name>/mean`` of every value the train tasks' samples had in ``reward_info``."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for m in micro:
+        for k, v in m.reward_info_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] = counts.get(k, 0) + m.reward_info_counts[k]
+    return {f"reward/{k}/mean": sums[k] / counts[k] for k in sorted(sums)}
 
 
 def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: StepStats, t0: float,
@@ -108,7 +122,7 @@ def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: 
         train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
         stats={**algorithm_stats(micro, samples), **step_stats.extra},  # and what else the step reports
-        sample_log=sample_log)
+        rewards=reward_means(micro), sample_log=sample_log)
 
 
 def last_epoch_stats(micro: list[TrainTaskStats], epochs: int) -> dict[str, float]:

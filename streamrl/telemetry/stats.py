@@ -44,6 +44,10 @@ class TrainTaskStats:
     sample_log: list[dict] = field(default_factory=list)
     """One small record per sample (id, versions, worker, timeline), as ``metrics.jsonl``'s
     ``sample_log`` has them (without ``staleness``, which the controller adds)."""
+    reward_info_sums: dict[str, float] = field(default_factory=dict)
+    """Per name in the samples' ``Sample.reward_info``: the sum of its values."""
+    reward_info_counts: dict[str, int] = field(default_factory=dict)
+    """Per name: how many samples had it (a sample whose reward failed has none)."""
 
     def add(self, micro_batch: dict) -> None:
         """Add the sums one ``Trainer.micro_batch`` call returned. Keys that are neither counted
@@ -57,6 +61,14 @@ class TrainTaskStats:
             if key.endswith("_sum") and key not in _COUNTED:
                 name = key[:-len("_sum")]
                 self.sums[name] = self.sums.get(name, 0.0) + float(value)
+
+    def add_reward_info(self, infos) -> None:
+        """Count the named values the reward gave beside each score (each sample's
+        ``reward_info``), for their per-step means."""
+        for info in infos:
+            for name, value in info.items():
+                self.reward_info_sums[name] = self.reward_info_sums.get(name, 0.0) + float(value)
+                self.reward_info_counts[name] = self.reward_info_counts.get(name, 0) + 1
 
 
 @dataclass
