@@ -12,6 +12,8 @@ from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, LearnedRanker, LearnedRankerConfig,
                                       OracleRanker, OracleRankerConfig)
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
+from streamrl.rewards.math_reward import MathReward, MathRewardConfig
+from streamrl.rewards.python import PythonReward, PythonRewardConfig
 from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
@@ -48,7 +50,9 @@ def register_trainers():
 def register_rewards():
     return [Component("reward", "exact_match", ExactMatchConfig, ExactMatch),
             Component("reward", "sim_length", SimLengthConfig, SimLengthReward),
-            Component("reward", "countdown", CountdownRewardConfig, CountdownReward)]
+            Component("reward", "countdown", CountdownRewardConfig, CountdownReward),
+            Component("reward", "python", PythonRewardConfig, PythonReward),
+            Component("reward", "math", MathRewardConfig, MathReward)]
 
 
 @hookimpl

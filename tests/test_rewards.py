@@ -1,0 +1,423 @@
+"""The ``python`` reward (verl's and TRL's reward functions, weighted sums, failures contained,
+one-line errors at validation) and the ``math`` reward (math-verify in threads, with a timeout
+that works there), scored the way reward tasks score them (``rewards/scoring.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+
+import pytest
+
+from streamrl.api import Reward
+from streamrl.errors import UserError
+from streamrl.flow.resolve import resolve
+from streamrl.recipe import load_recipe, validate_section
+from streamrl.rewards.math_reward import MathReward, MathRewardConfig
+from streamrl.rewards.python import PythonReward, PythonRewardConfig
+from streamrl.rewards.scoring import score_group
+from streamrl.sample import Prompt, Sample
+from streamrl.telemetry.record import reward_means
+from streamrl.telemetry.stats import TrainTaskStats
+from tests.conftest import ROOT, TINY_RECIPE
+
+DATA = ROOT / "tests" / "data"
+
+
+def group(prompt: Prompt, *texts: str) -> list[Sample]:
+    return [Sample(uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0],
+                   response_text=text) for k, text in enumerate(texts)]
+
+
+def python_reward(**section) -> PythonReward:
+    """Built as a worker builds it: validated as the recipe's [reward] table (paths relative to
+    tests/data), pickled with cloudpickle, then built."""
+    import cloudpickle
+
+    config = validate_section(PythonRewardConfig, section, "reward", recipe_dir=DATA)
+    return cloudpickle.loads(cloudpickle.dumps(partial(PythonReward, config)))()
+
+
+def calls(reward: PythonReward) -> list:
+    return reward.functions[0].fn.__globals__["CALLS"]
+
+
+VERL_ROW = Prompt("0-000", "<templated> what is 6*7?", answer="42", columns={
+    "data_source": "openai/gsm8k", "ability": "math", "reward_model": {"style": "rule", "ground_truth": "42"},
+    "extra_info": {"split": "train", "index": 7}})
+
+
+# -- python: the conventions ------------------------------------------------------------------
+
+
+def test_a_verl_compute_score_gets_the_row_as_verl_passes_it():
+    reward = python_reward(path="python_rewards.py")  # compute_score, found by its name
+    g = score_group(reward, group(VERL_ROW, "42", " 41"))
+    assert [s.reward for s in g] == [1.0, 0.0] and all(s.reward_info == {} for s in g)
+    assert calls(reward) == [("compute_score", "openai/gsm8k", "42", "42", {"split": "train", "index": 7}),
+                             ("compute_score", "openai/gsm8k", " 41", "42", {"split": "train", "index": 7})]
+
+
+def test_a_verl_dict_gives_the_score_and_logs_its_other_numbers_per_step():
+    reward = python_reward(path="python_rewards.py", function="scored_dict")
+    g = score_group(reward, group(VERL_ROW, "42", "7", "no"))
+    assert [s.reward for s in g] == [2.0, -1.0, -1.0]  # (a dict once scored 0 as an error)
+    assert not any("reward_error" in s.times for s in g)
+    # the string among its values is left out; a bool is a number
+    assert g[0].reward_info == {"acc": 1.0, "length": 2.0} and g[1].reward_info == {"acc": 0.0, "length": 1.0}
+    # what a train task sends and the step's record makes of them: reward/<name>/mean
+    stats = TrainTaskStats()
+    stats.add_reward_info(s.reward_info for s in g)
+    assert reward_means([stats]) == {"reward/acc/mean": pytest.approx(1 / 3),
+                                     "reward/length/mean": pytest.approx(5 / 3)}
+
+
+def test_a_trl_function_is_called_once_per_group_with_the_rows_columns_as_lists():
+    reward = python_reward(path="python_rewards.py", function="contains_solution")
+    plain = Prompt("0-001", "Solve 2+3.", answer="5", columns={"solution": "5", "level": 1})
+    g = score_group(reward, group(plain, "it is 5", "it is 6", "5!"))
+    assert [s.reward for s in g] == [1.0, 0.0, 1.0]
+    assert [s.reward_info for s in g] == [{"none": 0.0}] * 3
+    ((_, prompts, completions, solution, kwargs),) = calls(reward)  # one call for the group
+    assert prompts == ["Solve 2+3."] * 3 and completions == ["it is 5", "it is 6", "5!"]
+    assert solution == ["5"] * 3 and kwargs == {"level": [1] * 3, "answer": ["5"] * 3}
+
+    # a chat row (the task kept its messages as the prompt column): completions are messages too;
+    # a row without a solution gets None from the function: no reward (0), counted, no error
+    messages = [{"role": "user", "content": "Solve 2+3."}]
+    chat = Prompt("0-002", "<|user|>Solve 2+3.<|assistant|>", answer=None,
+                  columns={"prompt": messages, "solution": None})
+    g = score_group(reward, group(chat, "5", "6"))
+    _, prompts, completions, solution, kwargs = calls(reward)[-1]
+    assert prompts == [messages, messages] and completions == [[{"role": "assistant", "content": "5"}],
+                                                               [{"role": "assistant", "content": "6"}]]
+    assert solution == [None, None] and kwargs == {}
+    assert [s.reward for s in g] == [0.0, 0.0] and [s.reward_info for s in g] == [{"none": 1.0}] * 2
+    assert not any("reward_error" in s.times for s in g)
+    # a row without the column at all: the function cannot be called, and each sample says why
+    g = score_group(reward, group(Prompt("0-003", "Solve 1+1."), "2"))
+    assert g[0].reward == 0.0 and "missing 1 required positional argument: 'solution'" in g[0].response_text
+
+
+def test_weighted_functions_sum_and_each_is_logged_under_its_name():
+    reward = python_reward(path="python_rewards.py", functions=[
+        {"function": "scored_dict", "weight": 0.5},
+        {"function": "contains_solution", "weight": 2.0, "name": "solved"},
+        {"path": str(DATA / "python_rewards.py"), "function": "shorter", "weight": 1.0}])
+    row = Prompt("0-003", "Solve 40+2.", answer="42", columns={"solution": "42"})
+    g = score_group(reward, group(row, "42", "the answer is 42"))
+    assert g[0].reward == pytest.approx(0.5 * 2.0 + 2.0 * 1.0 - 0.2)
+    assert g[1].reward == pytest.approx(0.5 * -1.0 + 2.0 * 1.0 - 1.6)
+    assert g[0].reward_info == {"scored_dict": 2.0, "scored_dict/acc": 1.0, "scored_dict/length": 2.0,
+                                "solved": 1.0, "solved/none": 0.0, "shorter": pytest.approx(-0.2)}
+
+
+# -- python: failures are contained per sample -------------------------------------------------
+
+
+def test_a_function_that_raises_or_returns_no_score_fails_only_its_sample():
+    reward = python_reward(path="python_rewards.py", function="misbehaves")
+    g = score_group(reward, group(VERL_ROW, "raise", "none", "text", "nan", "nodict", "fine"))
+    assert [s.reward for s in g] == [0.0] * 5 + [1.0]
+    assert ["reward_error" in s.times for s in g] == [True] * 5 + [False]
+    errors = [s.response_text.split("\n", 1)[1] for s in g[:5]]
+    assert "ZeroDivisionError: nothing to divide" in errors[0]
+    assert "returned None" in errors[1] and "returned str" in errors[2]
+    assert "reward is nan" in errors[3] and "without 'score'" in errors[4]
+    assert all(e.startswith("[reward error: RewardFunctionError: misbehaves: ") for e in errors)
+
+
+def test_a_trl_batch_that_fails_is_retried_one_completion_at_a_time():
+    reward = python_reward(path="python_rewards.py", function="wrong_length")
+    g = score_group(reward, group(VERL_ROW, "a", "b"))
+    assert [s.reward for s in g] == [1.0, 1.0] and not any("reward_error" in s.times for s in g)
+
+
+def test_a_reward_whose_batch_method_raises_is_scored_one_response_at_a_time():
+    class Batched(Reward):
+        def score(self, prompt, response):
+            return {"score": float(response == "ok"), "ok": 1.0}
+
+        def score_group(self, prompts, responses):
+            raise RuntimeError("the batch failed")
+
+    g = score_group(Batched(), group(VERL_ROW, "ok", "no"))
+    assert [(s.reward, s.reward_info) for s in g] == [(1.0, {"ok": 1.0}), (0.0, {"ok": 1.0})]
+
+
+def test_the_reward_travels_as_its_files_text_not_as_a_path(tmp_path):
+    import cloudpickle
+
+    shutil.copy(DATA / "python_rewards.py", tmp_path / "mine.py")
+    config = validate_section(PythonRewardConfig, {"path": "mine.py"}, "reward", recipe_dir=tmp_path)
+    blob = cloudpickle.dumps(partial(PythonReward, config))
+    (tmp_path / "mine.py").unlink()  # as on a worker of another machine
+    reward = cloudpickle.loads(blob)()
+    assert score_group(reward, group(VERL_ROW, "42"))[0].reward == 1.0
+    assert cloudpickle.loads(cloudpickle.dumps(reward)).score(VERL_ROW, "42") == {"score": 1.0}
+
+
+# -- python: one-line errors when the recipe is validated --------------------------------------
+
+SIM_RECIPE = """
+[run]
+name = "rewards"
+steps = 1
+out_dir = "runs"
+
+[pools.generate]
+[pools.train]
+[pools.reward]
+
+[task]
+name = "addition"
+
+[engine]
+name = "sim"
+
+[trainer]
+name = "sim"
+prompts_per_step = 2
+samples_per_prompt = 2
+
+[reward]
+name = "python"
+"""
+
+
+def validate(tmp_path, reward: str, rewards_file: str | None = None):
+    """``resolve(load_recipe(...))`` of a recipe whose [reward] table ends with ``reward``, next to
+    ``rewards.py`` (tests/data/python_rewards.py, or ``rewards_file``'s text)."""
+    if rewards_file is None:
+        shutil.copy(DATA / "python_rewards.py", tmp_path / "rewards.py")
+    else:
+        (tmp_path / "rewards.py").write_text(rewards_file)
+    (tmp_path / "recipe.toml").write_text(SIM_RECIPE + reward)
+    return resolve(load_recipe(tmp_path / "recipe.toml"))
+
+
+def test_a_valid_python_reward_resolves(tmp_path):
+    resolved = validate(tmp_path, 'path = "rewards.py"\n[[reward.functions]]\nfunction = "scored_dict"\n'
+                                  '[[reward.functions]]\nfunction = "contains_solution"\nweight = 0.5\n')
+    assert [f[1:] for f in resolved.reward.config.chosen()] == [("scored_dict", "scored_dict", 1.0),
+                                                                ("contains_solution", "contains_solution", 0.5)]
+    assert resolved.reward.config.functions[0].path == str(tmp_path / "rewards.py")
+
+
+@pytest.mark.parametrize("reward, rewards_file, expected", [
+    ('path = "missing.py"', None, "reward.path: no such file: {tmp}/missing.py (got 'missing.py')"),
+    ('path = "rewards.py"', "def compute_score(data_source, solution_str, ground_truth:\n    return 1\n",
+     "reward.path: cannot import it: SyntaxError: "),
+    ('path = "rewards.py"', "import no_such_package\n",
+     "reward.path: cannot import it: ModuleNotFoundError: No module named 'no_such_package'"),
+    ('path = "rewards.py"\nfunction = "nope"', None, "reward.function: rewards.py defines no function 'nope' (it "),
+    ('path = "rewards.py"', "def accuracy(prompts, completions, **kwargs):\n    return [1.0]\n",
+     "reward.function: rewards.py defines no function 'compute_score' (it defines: accuracy); "
+     'name it with function = "<name>"'),
+    ('path = "rewards.py"\nfunction = "two_args"', None,
+     "reward.function: cannot tell how to call it from its parameters (a, b): expected (data_source, "),
+    ('path = "rewards.py"', "def compute_score(data_source, solution_str, ground_truth, tokenizer):\n    return 1\n",
+     "reward.function: needs tokenizer, which verl's convention does not pass"),
+    ('path = "rewards.py"', "def compute_score(prompts, completions, completion_ids, **kwargs):\n    return []\n",
+     "reward.function: needs completion_ids, which streamrl does not pass (give it a default)"),
+    ('function = "compute_score"', None, "reward.path: required key missing"),
+    ('path = "rewards.py"\nfunction = "compute_score"\n[[reward.functions]]\nfunction = "shorter"', None,
+     "reward.function: give either function or [[reward.functions]] tables, not both"),
+    ('path = "rewards.py"\n[[reward.functions]]\nfunction = "shorter"\n[[reward.functions]]\nfunction = "shorter"',
+     None, "reward.functions: shorter named twice"),
+    ('path = "rewards.py"\n[[reward.functions]]\nfunction = "shorter"\n[[reward.functions]]\nfunction = "gone"',
+     None, "reward.functions.1.function: rewards.py defines no function 'gone'"),
+    ('[[reward.functions]]\nfunction = "shorter"', None,
+     "reward.functions.0.function: no file: give path here or reward.path"),
+    ('path = "rewards.py"\n[[reward.functions]]\npath = "other.py"\nfunction = "shorter"', None,
+     "reward.functions.0.path: no such file"),
+])
+def test_a_bad_python_reward_is_one_line_at_validation(tmp_path, reward, rewards_file, expected):
+    with pytest.raises(UserError) as err:
+        validate(tmp_path, reward, rewards_file)
+    message = str(err.value)
+    assert message.startswith(expected.format(tmp=tmp_path)), message
+    assert "\n" not in message
+
+
+def test_recipe_validate_prints_the_error_on_one_line(tmp_path):
+    shutil.copy(DATA / "python_rewards.py", tmp_path / "rewards.py")
+    (tmp_path / "recipe.toml").write_text(SIM_RECIPE + 'path = "rewards.py"\nfunction = "nope"\n')
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "validate", str(tmp_path / "recipe.toml")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("streamrl: error: reward.function: rewards.py defines no function 'nope'")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# -- math ---------------------------------------------------------------------------------------
+
+EQUIVALENT = [("0.5", "so the answer is \\boxed{\\frac{1}{2}}"), ("\\frac{1}{2}", "It is 1/2."),
+              ("1/2", "we get x = 0.5"), ("42", "First 40, then 2 more: 42"), ("3", "\\boxed{3.0}")]
+WRONG = [("0.5", "\\boxed{\\frac{1}{3}}"), ("42", "the answer is 41")]
+
+
+needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                                       reason="math-verify is not installed: pip install 'streamrl[math]'")
+
+
+@pytest.fixture
+def math_reward():
+    reward = MathReward(MathRewardConfig(timeout_s=5.0, processes=2))
+    yield reward
+    reward.close()
+
+
+@needs_math_verify
+def test_math_scores_equivalent_answers_from_several_threads_at_once(math_reward):
+    cases = (EQUIVALENT + WRONG) * 2
+    results: dict[int, float] = {}
+
+    def score(i, gold, response):
+        results[i] = math_reward.score(Prompt(f"0-{i}", "q", answer=gold), response)["score"]
+
+    threads = [threading.Thread(target=score, args=(i, *c)) for i, c in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [results.get(i) for i in range(len(cases))] == ([1.0] * len(EQUIVALENT) + [0.0] * len(WRONG)) * 2
+
+
+@needs_math_verify
+def test_math_verify_alone_scores_a_right_answer_0_in_a_thread_and_ours_scores_1(math_reward):
+    from math_verify import parse, verify
+
+    def as_verl_and_trl_call_it(gold, response):
+        # math-verify's default timeouts use signal.alarm: off the main thread it raises, and the
+        # reward's except turns every answer into a 0
+        try:
+            return float(verify(parse(gold), parse(response)))
+        except Exception:
+            return 0.0
+
+    gold, response = "0.5", "\\boxed{\\frac{1}{2}}"
+    assert as_verl_and_trl_call_it(gold, response) == 1.0  # in the main thread it works
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(
+        theirs=as_verl_and_trl_call_it(gold, response),
+        ours=math_reward.score(Prompt("0-0", "q", answer=gold), response)["score"]))
+    thread.start()
+    thread.join(timeout=60)
+    assert out == {"theirs": 0.0, "ours": 1.0}
+
+
+@needs_math_verify
+def test_math_cuts_off_a_check_that_would_hang_and_scores_it_0():
+    # verifying 9^(9^(9^9)) against 2 makes sympy compute without end (measured: over 20 s)
+    reward = MathReward(MathRewardConfig(timeout_s=1.0, processes=1))
+    try:
+        prompt = Prompt("0-0", "q", answer="2")
+        reward.score(prompt, "\\boxed{3}")  # (the check process started: the timeout is the check's)
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            g=score_group(reward, group(prompt, "\\boxed{9^{9^{9^{9}}}}", "\\boxed{2}"))))
+        start = time.monotonic()
+        worker.start()
+        worker.join(timeout=20)
+        elapsed = time.monotonic() - start
+        g = result["g"]
+        assert [s.reward for s in g] == [0.0, 1.0] and not any("reward_error" in s.times for s in g)
+        assert g[0].reward_info == {"answered": 0.0, "timeout": 1.0}
+        assert g[1].reward_info == {"answered": 1.0, "timeout": 0.0}  # a fresh process took over
+        assert 1.0 <= elapsed < 8.0, elapsed
+    finally:
+        reward.close()
+
+
+@needs_math_verify
+def test_a_check_left_running_by_a_dead_reward_ends_itself_at_its_cpu_limit():
+    from streamrl.rewards.math_reward import _Checker
+
+    checker = _Checker()
+    try:
+        # sent by hand, as a reward would before its process died: nobody waits to kill it
+        checker.proc.stdin.write(json.dumps({"gold": "2", "response": "\\boxed{9^{9^{9^{9}}}}", "cpu_s": 1.0})
+                                 .encode() + b"\n")
+        assert checker.proc.wait(timeout=30) == -signal.SIGXCPU
+    finally:
+        checker.kill()
+
+
+@needs_math_verify
+def test_math_reads_verls_ground_truth_and_gives_format_score_to_a_wrong_answer():
+    reward = MathReward(MathRewardConfig(format_score=0.1))
+    try:
+        row = Prompt("0-0", "q", columns={"reward_model": {"style": "rule", "ground_truth": "\\frac{3}{4}"}})
+        g = score_group(reward, group(row, "\\boxed{0.75}", "\\boxed{0.7}", "no idea"))
+        assert [s.reward for s in g] == [1.0, 0.1, 0.0]
+        assert [s.reward_info["answered"] for s in g] == [1.0, 1.0, 0.0]
+        g = score_group(reward, group(Prompt("0-1", "q"), "\\boxed{1}"))  # no ground truth: an error
+        assert g[0].reward == 0.0 and "no ground truth" in g[0].response_text
+    finally:
+        reward.close()
+
+
+def test_math_without_math_verify_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    expected = r"^reward.name = \"math\": needs math-verify .*pip install 'streamrl\[math\]'$"
+    with pytest.raises(UserError, match=expected):
+        validate_section(MathRewardConfig, {}, "reward")
+
+
+@pytest.mark.slow
+@needs_math_verify
+def test_math_scores_in_a_dask_worker_thread():
+    from distributed import Client, LocalCluster
+
+    import multiprocessing
+
+    reward = MathReward(MathRewardConfig(timeout_s=5.0))
+    with LocalCluster(n_workers=1, processes=True, threads_per_worker=2, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        # a Dask worker is a daemonic process: multiprocessing may not start children there
+        assert client.submit(lambda: multiprocessing.current_process().daemon).result()
+        groups = [group(Prompt(f"0-{i}", "q", answer=gold), response, "\\boxed{7}")
+                  for i, (gold, response) in enumerate(EQUIVALENT)]
+        futures = [client.submit(score_group, reward, g, pure=False) for g in groups]
+        scored = client.gather(futures)
+    assert [[s.reward for s in g] for g in scored] == [[1.0, 0.0]] * len(EQUIVALENT)
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny_model):
+    shutil.copy(DATA / "python_rewards.py", tmp_path / "rewards.py")
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
+        '[reward]\nname = "exact_match"\n',
+        '[reward]\nname = "python"\npath = "rewards.py"\n'
+        '[[reward.functions]]\nfunction = "scored_dict"\n'
+        '[[reward.functions]]\nfunction = "answer_in"\nweight = 0.5\n'
+        '[[reward.functions]]\nfunction = "shorter"\nweight = 0.1\nname = "brevity"\n')
+    (tmp_path / "recipe.toml").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(tmp_path / "recipe.toml")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert r["reward_errors"] == 0
+        means = {k: v for k, v in r.items() if k.startswith("reward/")}
+        assert set(means) == {f"reward/{k}/mean" for k in (
+            "scored_dict", "scored_dict/acc", "scored_dict/length", "answer_in", "answer_in/none", "brevity")}
+        assert 0.0 <= means["reward/scored_dict/acc/mean"] <= 1.0 and means["reward/answer_in/none/mean"] == 0.0
+        assert means["reward/brevity/mean"] == pytest.approx(-means["reward/scored_dict/length/mean"] / 10)
+        # the reward is the weighted sum of the functions
+        total = (means["reward/scored_dict/mean"] + 0.5 * means["reward/answer_in/mean"]
+                 + 0.1 * means["reward/brevity/mean"])
+        assert r["reward_mean"] == pytest.approx(total, abs=1e-6)
