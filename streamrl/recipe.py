@@ -227,6 +227,21 @@ class TrainerSection(Section):
     the ranks train in lockstep rounds of micro-batches."""
 
 
+class EvalConfig(Strict):
+    every: int = Field(10, ge=0)
+    """Evaluate the policy every this many steps, at the start (the initial model) and after the
+    last step; 0: only at the start and the end."""
+    samples: int = Field(1, ge=1)
+    """Responses per held-out prompt (``k`` of ``eval/pass@k``)."""
+    greedy: bool = True
+    """Decode greedily (argmax) when ``samples`` is 1 and the engine can; else sample at the
+    engine's temperature."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Evaluate on at most this many of the task's held-out prompts (the first ones)."""
+    pass_reward: float = 1.0
+    """A response passes (``eval/pass@1``, ``eval/pass@k``) when its reward reaches this."""
+
+
 class Recipe(Strict):
     run: RunConfig = RunConfig()
     """What to run and for how long."""
@@ -259,6 +274,9 @@ class Recipe(Strict):
     metrics: list[Section] = []
     """Extra metric sinks (``[[metrics]]`` tables, each a ``metric_sink`` component);
     ``metrics.jsonl`` is always written."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation on the generate pool while training goes on (the task's
+    ``eval_prompts``); none: no evaluation."""
 
 
 #: The pools every run needs, with what they are for (used in error messages).

@@ -35,6 +35,9 @@ class EngineCapabilities:
     kv_capacity_tokens: int = 0
     """Context tokens one engine's KV cache holds, when fixed by the config (0: not known before
     the engine starts; ``streamrl plan`` then takes it as unbounded)."""
+    greedy: bool = False
+    """True when the engine implements :meth:`Engine.generate_greedy` (held-out evaluation then
+    decodes greedily; otherwise it samples)."""
     repeatable: bool = False
     """True when a group's samples depend only on the weights, the seed and the prompt (not on
     timing or on which requests share a batch). The controller then makes the rest of the run
@@ -78,6 +81,11 @@ class Engine:
 
         with ThreadPoolExecutor(len(prompts), thread_name_prefix="streamrl-generate") as pool:
             return list(pool.map(lambda p, pr: self.generate(p, n, pr), prompts, priorities))
+
+    def generate_greedy(self, prompts: list[Prompt]) -> list[Group]:
+        """Optional, for held-out evaluation: one greedy (argmax) response per prompt, as groups
+        of one. Declare ``EngineCapabilities(greedy=True)`` when you implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot decode greedily")
 
     def load_weights(self, named_tensors: dict[str, "torch.Tensor"], version: int) -> None:
         """Overwrite the parameters in place (names as in ``model.named_parameters()``) and set

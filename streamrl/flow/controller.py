@@ -21,7 +21,7 @@ from pathlib import Path
 
 from distributed import Client, Future, SpecCluster, wait
 
-from streamrl.flow import checkpoints, elastic, modes, placement, remote, submit
+from streamrl.flow import checkpoints, elastic, evaluate, modes, placement, remote, submit
 from streamrl.flow.feed import Feed
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.topology import Topology
@@ -48,6 +48,7 @@ class Controller:
         # (each step's generation sees a fixed version, training takes a fixed order)
         self.repeatable = resolved.engine.capabilities().repeatable
         self.task = resolved.task.build()
+        self.evaluator = evaluate.for_run(client, self.task, r, resolved.engine.capabilities().greedy)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         # a feed admits generation from its thread while this one writes the record: the
         # dispatcher (placement and lessons) and the submission counters are shared
@@ -132,6 +133,8 @@ class Controller:
         step_fut = last[0]
         trained_at: list[float] = []
         step_fut.add_done_callback(lambda _: trained_at.append(time.time()))
+        if step == 0 and self.evaluator:  # the initial policy, for the before/after
+            self.evaluator.submit(0)
         version = step + 1  # one published policy per step, however many optimizer steps
         generate_workers = len(self.topology.generate)  # those that generated this step's groups
         if self.elastic:  # a worker that has joined takes part in this publication
@@ -141,6 +144,8 @@ class Controller:
         # right after it on the train worker (its priority is above any train task), without
         # waiting for the controller to hear of the step and come back.
         loads = self._publish(step_fut, version)
+        if self.evaluator and self.evaluator.due(version, self.recipe.run.steps):
+            self.evaluator.submit(version, after=loads)  # (on the generate pool once it holds the version)
         self.mode.published(version, loads)
         feeding = feed_next and self.mode.feeds and not self.elastic and self.mode.ahead(step + 1)
         if feeding:
@@ -190,6 +195,11 @@ class Controller:
         if self.elastic:
             self.elastic.after_record(record, self.version)
             record.extra["elastic"] = self.elastic.take_events()
+        if self.evaluator:  # a finished evaluation; after the last step, every one (the last waited for)
+            done = self.evaluator.finish() if step + 1 == self.recipe.run.steps else [self.evaluator.ready()]
+            record.extra.update(done[-1] if done else {})
+            if len(done) > 1 and done[0]:
+                record.extra["eval_unrecorded"] = done[:-1]
         return record.as_dict()
 
     def _feed(self, step: int, previous: Future) -> tuple[list[Future], list[list[Future]]]:
@@ -225,6 +235,8 @@ class Controller:
         """Cancel generation submitted ahead (``async``): a controller that resumes on the same
         cluster submits the same keys and must not be handed the old, stale samples."""
         self.client.cancel([f for fs in self.mode.pending() for f in fs])
+        if self.evaluator:
+            self.evaluator.cancel()
         if self.fed is not None:  # the next step's generation, taken by a feed in flight
             self.client.cancel(self.fed_scored)
 

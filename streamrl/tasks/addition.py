@@ -21,6 +21,8 @@ class AdditionConfig(BaseModel):
     seed: int = 0
     """Seed of the prompt stream (combined with the step number, so a resumed run sees the same
     prompts)."""
+    eval_size: int = Field(64, ge=0)
+    """Held-out prompts for ``[eval]``: a fixed set drawn from a stream of their own."""
 
 
 class AdditionTask(Task):
@@ -44,6 +46,15 @@ class AdditionTask(Task):
         for i in range(n):
             text, answer = self.example(rng)
             out.append(Prompt(uid=f"{step}-{i:03d}", text=text, answer=answer))
+        return out
+
+    def eval_prompts(self) -> list[Prompt]:
+        """``eval_size`` fixed prompts (the same every call and every run with this seed)."""
+        rng = random.Random(self.config.seed * 1_000_003 - 1)  # no step's stream starts here
+        out = []
+        for i in range(self.config.eval_size):
+            text, answer = self.example(rng)
+            out.append(Prompt(uid=f"eval-{i:03d}", text=text, answer=answer))
         return out
 
     def max_prompt_chars(self) -> int:

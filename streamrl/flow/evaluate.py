@@ -1,0 +1,129 @@
+"""Held-out evaluation (``[eval]``): the policy's answers to the task's held-out prompts, scored
+by the run's reward, while training goes on.
+
+An evaluation of policy version ``v`` is a batch of Dask tasks like a step's generation --
+generate (on the generate pool, after the loads of ``v``), reward (reward pool), and a small
+summary -- submitted at a Dask priority below training's generate tasks, so the generate pool
+takes it in its idle time and training never waits for it. Its result is merged into the record
+of the step during which it finished (``eval/policy_version`` says which policy it measured).
+Evaluations run at the start, every ``eval.every`` steps and after the last step; the last one
+is waited for.
+
+Metrics: ``eval/reward_mean`` (over every response), ``eval/pass@1`` (per prompt, the share of
+its ``k`` responses whose reward reaches ``eval.pass_reward``, averaged: the unbiased pass@1),
+``eval/pass@k`` (the share of prompts with at least one such response), ``eval/response_len_mean``
+and ``eval/prompts``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from distributed import Client, Future, wait
+
+from streamrl.api import Task
+from streamrl.errors import UserError
+from streamrl.flow import remote
+from streamrl.flow.resident import ENGINE, resident
+from streamrl.recipe import EvalConfig, Recipe
+from streamrl.sample import Group, Prompt
+
+#: Dask priority of evaluation's generate tasks: below training's (0 and up), so the generate
+#: pool runs them only when no training generation is waiting.
+EVAL_PRIORITY = -1
+
+def eval_groups(prompts: list[Prompt], n: int, greedy: bool, after=None) -> list[Group]:
+    """Generate pool: ``n`` responses to each prompt (``greedy``: one argmax response) from the
+    engine's current policy (the loads in ``after`` are done)."""
+    engine = resident(ENGINE)
+    if greedy:
+        return engine.generate_greedy(prompts)
+    return engine.generate_groups(prompts, n, [float(EVAL_PRIORITY)] * len(prompts))
+
+
+def eval_summary(groups: list[Group]) -> list[dict]:
+    """Reward pool: what the controller needs of each scored group (not the samples)."""
+    return [{"rewards": [float(s.reward or 0.0) for s in g], "lengths": [len(s.response_ids) for s in g]}
+            for g in groups]
+
+
+def metrics(summaries: list[dict], k: int, pass_reward: float = 1.0) -> dict:
+    """The ``eval/*`` metrics of one evaluation from its groups' summaries."""
+    rewards = [r for g in summaries for r in g["rewards"]]
+    lengths = [n for g in summaries for n in g["lengths"]]
+    passed = [[r >= pass_reward for r in g["rewards"]] for g in summaries]
+    return {"eval/prompts": len(summaries),
+            "eval/reward_mean": sum(rewards) / len(rewards),
+            "eval/pass@1": sum(sum(p) / len(p) for p in passed) / len(passed),
+            f"eval/pass@{k}": sum(any(p) for p in passed) / len(passed),
+            "eval/response_len_mean": sum(lengths) / len(lengths)}
+
+
+class Evaluator:
+    """Submits evaluations and hands back their metrics once they are done; see the module
+    docstring."""
+
+    def __init__(self, client: Client, prompts: list[Prompt], cfg: EvalConfig, groups_per_task: int, greedy: bool):
+        """``prompts``: the held-out set; ``greedy``: decode greedily (``eval.greedy`` with one
+        sample, and an engine that can)."""
+        self.client, self.cfg, self.per_task = client, cfg, groups_per_task
+        self.prompts = prompts[:cfg.max_prompts]
+        self.greedy = greedy and cfg.samples == 1
+        self.pending: list[tuple[int, list[Future]]] = []  # (version, summary futures), oldest first
+
+    def due(self, version: int, steps: int) -> bool:
+        """Whether policy ``version`` is evaluated: the initial one, every ``eval.every``-th, the last."""
+        every = self.cfg.every
+        return version == 0 or version == steps or bool(every and version % every == 0)
+
+    def submit(self, version: int, after: list[Future] | None = None) -> None:
+        """Evaluate policy ``version`` once ``after`` (its weight loads) are done."""
+        stamp = time.time_ns()  # fresh keys: a version evaluated again (a resume) is evaluated anew
+        summaries = []
+        for i in range(0, len(self.prompts), self.per_task):
+            key = f"eval-v{version}-{i:04d}-{stamp}"
+            gen = self.client.submit(eval_groups, self.prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
+                                     after=after, key=f"generate-{key}", resources={"generate": 1},
+                                     priority=EVAL_PRIORITY, retries=1)
+            scored = self.client.submit(remote.score_groups, gen, key=f"reward-{key}", resources={"reward": 1},
+                                        priority=EVAL_PRIORITY, retries=1)
+            summaries.append(self.client.submit(eval_summary, scored, key=f"summary-{key}", resources={"reward": 1},
+                                                priority=EVAL_PRIORITY))
+        self.pending.append((version, summaries))
+
+    def ready(self) -> dict:
+        """The metrics of the oldest finished evaluation not handed back yet ({}: none)."""
+        if self.pending and all(f.done() for f in self.pending[0][1]):
+            return self._take()
+        return {}
+
+    def finish(self) -> list[dict]:
+        """Wait for every evaluation submitted; their metrics, oldest first."""
+        out = []
+        while self.pending:
+            wait(self.pending[0][1])
+            out.append(self._take())
+        return out
+
+    def cancel(self) -> None:
+        """Drop evaluations still running (a stopped run)."""
+        self.client.cancel([f for _, fs in self.pending for f in fs])
+        self.pending = []
+
+    def _take(self) -> dict:
+        version, futures = self.pending.pop(0)
+        summaries = [g for f in futures for g in f.result()]
+        return {"eval/policy_version": version, **metrics(summaries, self.cfg.samples, self.cfg.pass_reward)}
+
+
+def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluator | None:
+    """The run's evaluator (None without ``[eval]``): the task's held-out prompts, bundled as
+    the run bundles its groups; ``greedy``: the engine can decode greedily."""
+    if recipe.eval is None:
+        return None
+    held_out = task.eval_prompts()
+    if not held_out:
+        raise UserError(f"eval: task {recipe.task.name!r} has no held-out prompts (the dataset task holds some out "
+                        "with eval_fraction, eval_split or eval_path)")
+    per_task = recipe.pools.generate.groups_per_task if recipe.pools.generate else 1
+    return Evaluator(client, held_out, recipe.eval, per_task, greedy)
