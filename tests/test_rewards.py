@@ -421,3 +421,25 @@ def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny
         total = (means["reward/scored_dict/mean"] + 0.5 * means["reward/answer_in/mean"]
                  + 0.1 * means["reward/brevity/mean"])
         assert r["reward_mean"] == pytest.approx(total, abs=1e-6)
+
+
+@pytest.mark.slow
+@needs_math_verify
+def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path):
+    # verl's layout (chat prompts, reward_model.ground_truth) through the dataset task, checked by
+    # math-verify on the reward workers of a real run
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=ROOT / "models" / "tiny-word-problems")
+    text = text.replace('[task]\nname = "addition"\n',
+                        f'[task]\nname = "dataset"\npath = "{ROOT / "data" / "word-problems" / "train.parquet"}"\n')
+    text = text.replace('[reward]\nname = "exact_match"\n', '[reward]\nname = "math"\n')
+    text = text.replace("max_new_tokens = 6", "max_new_tokens = 16")
+    (tmp_path / "recipe.toml").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(tmp_path / "recipe.toml")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_errors"] for r in records] == [0, 0]
+    assert all(r["reward/timeout/mean"] == 0.0 for r in records)
+    # the warm-started model boxes its answers: math-verify reads them
+    assert all(r["reward/answered/mean"] > 0.5 for r in records), [r["reward/answered/mean"] for r in records]
