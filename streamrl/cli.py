@@ -12,6 +12,7 @@
     streamrl bench elastic recipes/longtail-cpu.toml # fixed vs elastic generate pool
     streamrl bench trainpool recipes/ppo.toml        # one train worker vs ddp vs fsdp
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
+    streamrl eval models/tiny-addition runs/addition-grpo-<time>  # held-out scores, before and after
     streamrl plan recipes/paper-7b-20k.toml --devices 12 --check   # split devices between the pools
 
 User mistakes print one line and exit with status 2.
@@ -64,6 +65,14 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--random", action="store_true", help="with --arch: random weights, no training")
     init.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                       help="with --arch: dtype of the saved weights")
+
+    ev = sub.add_parser("eval", help="score saved policies (model or run folders) on a recipe's held-out prompts")
+    ev.add_argument("targets", nargs="+", metavar="MODEL_OR_RUN_DIR",
+                    help="model folders or run folders (their policy/), scored one after the other")
+    ev.add_argument("--recipe", help="the recipe whose task and reward score them (default: a run folder's own)")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe value, e.g. --set eval.samples=4")
+    ev.add_argument("--out", help="also write the rows as JSON to this file")
 
     ref = sub.add_parser("reference", help="run a recipe's components in this process, no Dask (the reference loop)")
     ref.add_argument("file", help="recipe TOML file")
@@ -277,6 +286,13 @@ def cmd_reference(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from streamrl.flow.score_models import score
+
+    score(args.targets, args.recipe, args.overrides, args.out)
+    return 0
+
+
 def cmd_plugins(args) -> int:
     from streamrl.plugins import build_registry
 
@@ -315,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     _one_line_plugin_warnings()
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
-                "bench": cmd_bench, "reference": cmd_reference, "plan": cmd_plan}[args.group](args)
+                "bench": cmd_bench, "reference": cmd_reference, "plan": cmd_plan,
+                "eval": cmd_eval}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

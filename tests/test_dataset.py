@@ -50,7 +50,8 @@ def test_a_verl_parquet_is_recognised_and_chat_prompts_go_through_the_template(v
     assert p.answer == row["reward_model"]["ground_truth"]
     assert p.text == f"<bos><|user|>{row['prompt'][0]['content']}<|end|><|assistant|>"
     assert p.token_ids[:2] == [1, 4] and p.token_ids[-1] == 5  # <bos><|user|> ... <|assistant|>, one token each
-    assert set(p.columns) == {"data_source", "ability", "reward_model", "extra_info"}  # all but the prompt
+    assert set(p.columns) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}  # the whole row
+    assert p.columns["prompt"] == row["prompt"]  # as written: chat messages
 
 
 def test_a_trl_jsonl_is_recognised_and_plain_strings_stay_as_they_are(trl_jsonl):

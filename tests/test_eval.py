@@ -59,3 +59,27 @@ def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_th
     assert last["eval/policy_version"] == 5 and last["eval/prompts"] == 6  # the last one is waited for
     assert 0.0 <= last["eval/pass@1"] <= last["eval/pass@2"] <= 1.0 and last["eval/response_len_mean"] > 0
     assert all(r["samples"] == 16 for r in records)  # training took no eval sample
+
+
+@pytest.mark.slow
+def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(tiny_recipe, tiny_model, tmp_path):
+    run(tiny_recipe, tmp_path, ["run.steps=2", "task.eval_size=5"])
+    (run_dir,) = (tmp_path / "out").iterdir()
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "eval", str(tiny_model), str(run_dir), "--recipe",
+                           str(tiny_recipe), "--set", "task.eval_size=5", "--set", "eval.samples=3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["model"] for r in rows] == [str(tiny_model), str(run_dir)]
+    assert all(r["eval/prompts"] == 5 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1.0 for r in rows)
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "eval", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "neither a model folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_what_the_reward_reports_beside_the_score_is_averaged_by_name():
+    summaries = [{"rewards": [1.0, 0.0], "lengths": [1, 1], "info": [{"answered": 1.0}, {"answered": 0.0}]},
+                 {"rewards": [1.0], "lengths": [1], "info": [{"answered": 1.0, "timeout": 0.0}]}]
+    m = metrics(summaries, k=2)
+    assert m["eval/reward/answered/mean"] == pytest.approx(2 / 3) and m["eval/reward/timeout/mean"] == 0.0

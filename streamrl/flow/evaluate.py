@@ -11,8 +11,8 @@ is waited for.
 
 Metrics: ``eval/reward_mean`` (over every response), ``eval/pass@1`` (per prompt, the share of
 its ``k`` responses whose reward reaches ``eval.pass_reward``, averaged: the unbiased pass@1),
-``eval/pass@k`` (the share of prompts with at least one such response), ``eval/response_len_mean``
-and ``eval/prompts``.
+``eval/pass@k`` (the share of prompts with at least one such response), ``eval/response_len_mean``,
+``eval/prompts``, and ``eval/reward/<name>/mean`` for what the reward reports beside its score.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def eval_groups(prompts: list[Prompt], n: int, greedy: bool, after=None) -> list
 
 def eval_summary(groups: list[Group]) -> list[dict]:
     """Reward pool: what the controller needs of each scored group (not the samples)."""
-    return [{"rewards": [float(s.reward or 0.0) for s in g], "lengths": [len(s.response_ids) for s in g]}
-            for g in groups]
+    return [{"rewards": [float(s.reward or 0.0) for s in g], "lengths": [len(s.response_ids) for s in g],
+             "info": [s.reward_info for s in g]} for g in groups]
 
 
 def metrics(summaries: list[dict], k: int, pass_reward: float = 1.0) -> dict:
@@ -52,7 +52,13 @@ def metrics(summaries: list[dict], k: int, pass_reward: float = 1.0) -> dict:
     rewards = [r for g in summaries for r in g["rewards"]]
     lengths = [n for g in summaries for n in g["lengths"]]
     passed = [[r >= pass_reward for r in g["rewards"]] for g in summaries]
-    return {"eval/prompts": len(summaries),
+    named: dict[str, list[float]] = {}  # what the reward reported beside the score, by name
+    for g in summaries:
+        for info in g.get("info", []):
+            for name, value in info.items():
+                named.setdefault(name, []).append(value)
+    return {**{f"eval/reward/{name}/mean": sum(v) / len(v) for name, v in sorted(named.items())},
+            "eval/prompts": len(summaries),
             "eval/reward_mean": sum(rewards) / len(rewards),
             "eval/pass@1": sum(sum(p) / len(p) for p in passed) / len(passed),
             f"eval/pass@{k}": sum(any(p) for p in passed) / len(passed),

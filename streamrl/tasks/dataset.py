@@ -9,8 +9,8 @@ network) a hub id. Two row layouts are recognised without configuration:
   ``ground_truth`` column is the answer; every other column rides along.
 
 Other layouts name their fields with ``prompt_key`` / ``answer_key`` (a dotted path reaches
-into a nested field, e.g. ``reward_model.ground_truth``). Every field of the row but the prompt
-reaches the reward (``Prompt.columns``). Chat messages go through the model's own chat template
+into a nested field, e.g. ``reward_model.ground_truth``). Every field of the row
+reaches the reward (``Prompt.columns``; the prompt too, as the row has it). Chat messages go through the model's own chat template
 (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and reach the engine as
 token ids; plain strings are used as they are.
 
@@ -203,7 +203,7 @@ class DatasetTask(Task):
             answer = dig(row, key) if key else None
         except KeyError:
             raise UserError(f"task.answer_key: a row has no field {key!r} (it has {', '.join(sorted(row))})") from None
-        columns = {k: v for k, v in row.items() if k != self.config.prompt_key}
+        columns = dict(row)  # the prompt too, as written (a TRL reward gets chat prompts as messages)
         messages = self._messages(value)
         if messages is not None:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,

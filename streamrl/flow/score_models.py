@@ -1,0 +1,80 @@
+"""``streamrl eval``: score saved policies on a recipe's held-out prompts, for a before/after table.
+
+    streamrl eval models/tiny-word-problems runs/dataset-20261124-101500 --recipe recipes/dataset.toml
+
+Each argument is a model folder (a transformers model) or a run folder (its ``policy/``; its own
+``recipe.toml`` when ``--recipe`` is not given). All are scored on one cluster, one after the
+other, exactly as ``[eval]`` scores a run (``flow/evaluate.py``; the recipe's ``[eval]`` table,
+or its defaults).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrl import cluster
+from streamrl.errors import UserError
+from streamrl.flow import evaluate
+from streamrl.flow.controller import Controller
+from streamrl.flow.resolve import resolve
+from streamrl.flow.run_folder import STATUS
+from streamrl.recipe import EvalConfig, LoadedRecipe, load_recipe
+
+
+def model_and_recipe(target: str, recipe: str | None, overrides: list[str]) -> tuple[Path, LoadedRecipe]:
+    """The model folder ``target`` names and the recipe to score it with."""
+    path = Path(target).resolve()
+    if (path / STATUS).is_file() and (path / "recipe.toml").is_file():  # a run folder
+        model = path / "policy"
+        if not (model / "config.json").is_file():
+            raise UserError(f"{target}: the run has no saved policy yet (policy/ is written when it completes)")
+        if recipe is None:
+            original = json.loads((path / STATUS).read_text()).get("recipe_file", str(path / "recipe.toml"))
+            loaded = load_recipe(path / "recipe.toml", overrides)
+            return model, LoadedRecipe(loaded.recipe, Path(original))
+    elif (path / "config.json").is_file():
+        model = path
+    else:
+        raise UserError(f"{target}: neither a model folder (config.json) nor a run folder (status.json, recipe.toml)")
+    if recipe is None:
+        raise UserError(f"{target}: a model folder needs --recipe (the task whose held-out prompts score it)")
+    return model, load_recipe(recipe, overrides)
+
+
+def score(targets: list[str], recipe: str | None, overrides: list[str], out: str | None) -> list[dict]:
+    """Score every target; print the table, write JSON to ``out``; returns one row per target."""
+    rows = []
+    plan = [(t, *model_and_recipe(t, recipe, overrides)) for t in targets]  # every mistake before a cluster
+    first = plan[0][2].recipe
+    dask_cluster, client = cluster.start(first)
+    try:
+        pools = cluster.check_pools(client)
+        for target, model, loaded in plan:
+            r = loaded.recipe.model_copy(deep=True)
+            r.model.path = str(model)
+            r.eval = r.eval or EvalConfig()
+            ctl = Controller(resolve(LoadedRecipe(r, loaded.file)), client, pools)
+            ctl.place_residents()
+            ctl.evaluator.submit(0)
+            (result,) = ctl.evaluator.finish()
+            result.pop("eval/policy_version")
+            rows.append({"model": target, **result})
+    finally:
+        cluster.stop(dask_cluster, client)
+    table = Table(title="held-out evaluation")
+    keys = [k for k in rows[0] if k != "model"]
+    for col in ["model", *keys]:
+        table.add_column(col.removeprefix("eval/"))
+    for row in rows:
+        table.add_row(row["model"], *(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    Console().print(table)
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+__all__ = ["score", "model_and_recipe", "evaluate"]
