@@ -13,6 +13,7 @@ folder ``run.out_dir`` is relative to the current directory.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +182,15 @@ class PoolsConfig(Strict):
 
 class ModelConfig(Strict):
     path: str
-    """Folder of a transformers model + tokenizer (``from_pretrained``), relative to the recipe."""
+    """Folder of a transformers model + tokenizer (``from_pretrained``), relative to the recipe;
+    or a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) when no such folder exists, which
+    every worker then downloads (it needs the network)."""
+
+
+def is_hub_id(text: str) -> bool:
+    """``org/name``: what a Hub model or dataset id looks like (a relative path may too; callers
+    look for a local folder first)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None and not text.startswith(".")
 
 
 class PluginsConfig(Strict):
@@ -383,10 +392,12 @@ class LoadedRecipe:
         return self.file.parent
 
     def model_path(self) -> Path | None:
-        """Absolute path of the policy model folder (None when the recipe has no ``[model]``)."""
+        """Absolute path of the policy model folder (None when the recipe has no ``[model]``); a
+        Hub id as written when no folder of that name is next to the recipe."""
         if self.recipe.model is None:
             return None
-        return (self.base / self.recipe.model.path).resolve()
+        local = (self.base / self.recipe.model.path).resolve()
+        return local if local.exists() or not is_hub_id(self.recipe.model.path) else Path(self.recipe.model.path)
 
 
 def load_recipe(file: str | Path, overrides: list[str] = ()) -> LoadedRecipe:

@@ -80,6 +80,8 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
                    if c.capabilities().needs_model]
     if needs_model:
         path = loaded.model_path()
+        if path is not None and not path.is_absolute():  # a Hub id: checked where it is downloaded
+            return out
         if path is None:
             raise UserError(f'model: missing; {needs_model[0]} needs one: '
                             'add a [model] table with path = "<folder of a transformers model>"')
