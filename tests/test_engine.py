@@ -7,8 +7,12 @@ import time
 
 import pytest
 
-from streamrl.engines import hf
+from streamrl.api import EngineCapabilities
+from streamrl.engines import static
+from streamrl.engines.continuous import ContinuousEngine
 from streamrl.engines.hf import HFEngine, HFEngineConfig
+from streamrl.engines.seeded import SeededEngine
+from streamrl.engines.static import StaticEngine
 from streamrl.sample import Prompt
 
 
@@ -18,6 +22,23 @@ def until(cond, within: float = 30.0):
     while not cond():
         assert time.time() < deadline, "gave up waiting"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("config,variant,kv_tokens", [
+    ({}, ContinuousEngine, 256 * 32),
+    ({"kv_memory_fraction": 0.5}, ContinuousEngine, 0),  # sized from free memory once built
+    ({"batching": "static"}, StaticEngine, 0),
+    ({"reproducible": True}, SeededEngine, 0),
+    ({"reproducible": True, "batching": "static"}, SeededEngine, 0),  # reproducible wins
+])
+def test_the_config_picks_the_variant_and_its_capabilities(config, variant, kv_tokens):
+    config = HFEngineConfig(temperature=0.7, max_running=3, **config)
+    engine = HFEngine(config)  # what the registered factory does
+    assert type(engine) is variant and engine.config is config and engine.requests_in_flight() == (0, 0)
+    assert HFEngine.capabilities(config) == EngineCapabilities(
+        temperature=0.7, max_running=3, kv_capacity_tokens=kv_tokens, repeatable=config.reproducible)
+    engine.close()  # before load: nothing started, nothing to fail
+    assert engine.is_closed()
 
 
 def test_hf_engine_generates_a_group_with_a_logprob_per_token(tiny_model):
@@ -39,13 +60,13 @@ def test_closing_the_engine_fails_the_requests_still_waiting(tiny_model, monkeyp
     # is held while the engine closes: the manager paused (continuous), the batch's decode
     # waiting (static); max_running 1 leaves the group's second request in the engine's queue
     go = threading.Event()
-    real = hf.decode_batch
+    real = static.decode_batch
 
     def held(*a, **k):
         go.wait(30)
         return real(*a, **k)
 
-    monkeypatch.setattr(hf, "decode_batch", held)
+    monkeypatch.setattr(static, "decode_batch", held)
     engine = HFEngine(HFEngineConfig(max_new_tokens=4, max_running=1, batching=batching, profile=False))
     engine.load(str(tiny_model))
     errors = []
@@ -190,14 +211,14 @@ def test_static_batching_logprobs_match_the_trainer_on_left_padded_prompts_and_a
 
 def test_static_batching_takes_the_highest_priority_requests_first_under_max_running(tiny_model, monkeypatch):
     batches = []  # the prompts of each decoded batch, in order
-    real, go = hf.decode_batch, threading.Event()
+    real, go = static.decode_batch, threading.Event()
 
     def recorded(model, prompts, *a, **k):
         batches.append(prompts)
         go.wait(30)  # the first batch waits until the others are queued behind it
         return real(model, prompts, *a, **k)
 
-    monkeypatch.setattr(hf, "decode_batch", recorded)
+    monkeypatch.setattr(static, "decode_batch", recorded)
     engine = HFEngine(HFEngineConfig(max_new_tokens=3, batching="static", max_running=2, profile=False))
     engine.load(str(tiny_model))
     texts = {"first": "0+0=", "low": "1+1=", "high": "2+2=", "mid": "3+3=", "top": "4+4="}

@@ -1,0 +1,127 @@
+"""The request queue the ``hf`` engine's batching loops share.
+
+Generate tasks (one per Dask worker thread) put their requests here and wait on a future per
+request; a batching loop (continuous or static) takes them out, highest ``priority`` first and
+then in arrival order, and hands each one's :class:`Response` back. That priority order is how a
+scheduler's longest-first ordering and a long-tail instance's smaller batch (``max_running``)
+reach the engine, whichever loop runs it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as RequestTimeout
+from dataclasses import dataclass
+
+
+@dataclass
+class Response:
+    """What a batching loop hands back for one request."""
+
+    tokens: list[int]
+    """Sampled token ids, ending at the first EOS (included) or after ``max_new_tokens``."""
+    logprobs: list[float]
+    """Logprob of each sampled token under the tempered distribution."""
+    version: int | None = None
+    """Policy version that generated the response; None when the loop cannot tell (continuous
+    batching loads weights between decode steps), and the version the group was asked under
+    stands."""
+    error: str | None = None
+    """Why the request failed; None when it did not."""
+
+
+class RequestQueue:
+    """Requests waiting for a batching loop, a future per request id, and how many run now."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # a loop waiting for requests sleeps on this; put() and wake() rouse it
+        self._ready = threading.Condition(self._lock)
+        self._heap: list[tuple[float, int, str, list[int]]] = []  # (-priority, order, id, prompt ids)
+        self._order = itertools.count()
+        self._futures: dict[str, Future] = {}
+        self._running = 0
+
+    def put(self, requests: list[tuple[str, list[int], float]]) -> dict[str, Future]:
+        """Queue ``(request id, prompt ids, priority)`` requests, all under one lock so a loop
+        taking a batch sees all or none of them, and wake a waiting loop. Returns each
+        request's future, resolved with its :class:`Response`."""
+        futures = {}
+        with self._lock:
+            for rid, ids, priority in requests:
+                futures[rid] = self._futures[rid] = Future()
+                heapq.heappush(self._heap, (-priority, next(self._order), rid, ids))
+            self._ready.notify()
+        return futures
+
+    def admit(self, start: Callable[[str, list[int]], bool], limit: int) -> None:
+        """Start waiting requests, highest priority first, while fewer than ``limit`` (0: no cap)
+        run. ``start(request id, prompt ids)`` hands one to the loop and returns False when the
+        loop refused it (it died or is stopping): that request fails, naming itself, rather
+        than wait forever (Dask retries the task)."""
+        room = limit or float("inf")
+        refused = []
+        with self._lock:  # held while starting, so concurrent tasks cannot reorder the queue
+            while self._heap and self._running < room:
+                _, _, rid, ids = heapq.heappop(self._heap)
+                if start(rid, ids):
+                    self._running += 1
+                else:
+                    refused.append((rid, self._futures.pop(rid)))
+        for rid, fut in refused:
+            fut.set_exception(RuntimeError(f"hf engine refused request {rid}: its generation loop is not running"))
+
+    def next_batch(self, limit: int, closed: threading.Event) -> list[tuple[str, list[int]]]:
+        """Wait until requests are queued (or ``closed`` is set), then take up to ``limit``
+        (0: all) of them, highest priority first, as ``[(request id, prompt ids)]``, and count
+        them running until :meth:`finish`."""
+        with self._ready:
+            while not self._heap and not closed.is_set():
+                self._ready.wait(0.5)
+            batch = [heapq.heappop(self._heap)[2:] for _ in range(min(limit or len(self._heap), len(self._heap)))]
+            self._running += len(batch)
+        return batch
+
+    def finish(self, rid: str, response: Response) -> None:
+        """Hand ``response`` to the task waiting on request ``rid`` (if any still does) and
+        free its running slot."""
+        with self._lock:
+            fut = self._futures.pop(rid, None)
+            self._running -= 1
+        if fut is not None:
+            fut.set_result(response)
+
+    def wake(self) -> None:
+        """Rouse a loop waiting in :meth:`next_batch` (to see that the engine closed)."""
+        with self._ready:
+            self._ready.notify_all()
+
+    def fail_all(self) -> None:
+        """Fail every request not finished yet and empty the queue (the engine is closing): a
+        task blocked on a request that will never finish would hang its worker thread."""
+        with self._lock:
+            waiting, self._futures, self._heap = self._futures, {}, []
+        for rid, fut in waiting.items():
+            fut.set_exception(RuntimeError(f"hf engine closed before request {rid} finished"))
+
+    def counts(self) -> tuple[int, int]:
+        """``(running, queued)``, read together."""
+        with self._lock:
+            return self._running, len(self._heap)
+
+
+def await_response(rid: str, future: Future, timeout: float) -> Response:
+    """The response to request ``rid``, waiting at most ``timeout`` seconds; raises naming the
+    request when it failed or got no response (a stuck generation loop must not hang the step)."""
+    try:
+        out = future.result(timeout=timeout)
+    except RequestTimeout:  # concurrent.futures' own class before Python 3.11
+        raise RuntimeError(f"hf engine: request {rid} got no response within "
+                           f"{timeout:.0f} s (engine.request_timeout)") from None
+    if out.error:
+        raise RuntimeError(f"hf engine failed request {rid}: {out.error}")
+    return out
