@@ -36,7 +36,7 @@ def test_the_config_picks_the_variant_and_its_capabilities(config, variant, kv_t
     engine = HFEngine(config)  # what the registered factory does
     assert type(engine) is variant and engine.config is config and engine.requests_in_flight() == (0, 0)
     assert HFEngine.capabilities(config) == EngineCapabilities(
-        temperature=0.7, max_running=3, kv_capacity_tokens=kv_tokens, repeatable=config.reproducible)
+        temperature=0.7, max_running=3, kv_capacity_tokens=kv_tokens, repeatable=config.reproducible, greedy=True)
     engine.close()  # before load: nothing started, nothing to fail
     assert engine.is_closed()
 
@@ -263,3 +263,31 @@ def test_static_decode_prefills_each_distinct_prompt_once_and_every_row_continue
         ids = torch.tensor([prompt + tokens])
         want = token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt) - 1:]
         assert torch.allclose(want, torch.tensor(logprobs), atol=1e-5), (prompt, tokens)
+
+
+@pytest.mark.parametrize("config", [{}, {"batching": "static"}, {"reproducible": True}])
+def test_greedy_decoding_is_the_models_argmax_in_every_variant_and_token_ids_are_fed_as_they_are(tiny_model, config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.sample import Prompt
+
+    engine = HFEngine(HFEngineConfig(max_new_tokens=5, profile=False, **config))
+    engine.load(str(tiny_model))
+    try:
+        prompts = [Prompt(uid="a", text="12+7="), Prompt(uid="b", text="3+45=")]
+        groups = engine.generate_greedy(prompts)
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+        for p, (s,) in zip(prompts, groups):
+            ids = torch.tensor([engine.encode(p.text)])
+            want = model.generate(ids, do_sample=False, max_new_tokens=5, eos_token_id=engine.tokenizer.eos_token_id,
+                                  pad_token_id=engine.tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+            assert s.response_ids == want[:len(s.response_ids)] and s.uid == f"{p.uid}-0"
+        # a prompt the task tokenized itself is fed exactly as given: no BOS added
+        ids = engine.encode("12+7=")[1:]
+        ((s,),) = engine.generate_greedy([Prompt(uid="c", text="ignored", token_ids=ids)])
+        assert s.prompt_ids == ids
+        (sampled,) = engine.generate_groups([Prompt(uid="d", text="ignored", token_ids=ids)], 2, [0.0])
+        assert all(x.prompt_ids == ids for x in sampled)
+    finally:
+        engine.close()

@@ -19,11 +19,11 @@ import threading
 import time
 from contextlib import AbstractContextManager
 
-from streamrl.engines.hf import HFEngine, HFEngineConfig
+from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.request_queue import Response
 
 
-class ContinuousEngine(HFEngine):
+class ContinuousEngine(TransformersEngine):
     """The ``hf`` engine on transformers' continuous batching."""
 
     @classmethod

@@ -17,8 +17,8 @@ import zlib
 
 import torch
 
-from streamrl.engines.hf import HFEngine
-from streamrl.engines.static import decode_batch
+from streamrl.engines.base import TransformersEngine
+from streamrl.engines.decode import decode_batch
 from streamrl.sample import Group, Prompt
 
 
@@ -35,7 +35,7 @@ def sample_group(model, ids: list[int], n: int, max_new_tokens: int, temperature
     return decode_batch(model, [ids] * n, max_new_tokens, temperature, eos_id, generator=generator)
 
 
-class SeededEngine(HFEngine):
+class SeededEngine(TransformersEngine):
     """The ``hf`` engine decoding each group alone with its own seeded generator; no loop, no
     queue (its :meth:`requests_in_flight` stays ``(0, 0)``), no latency profile."""
 
@@ -45,7 +45,7 @@ class SeededEngine(HFEngine):
         return [self._generate_seeded(p, n) for p in prompts]
 
     def _generate_seeded(self, prompt: Prompt, n: int) -> Group:
-        ids = self.encode(prompt.text)
+        ids = self.prompt_ids(prompt)
         with self._model_lock:
             start, version = time.time(), self.version
             out = sample_group(self.model, ids, n, self.config.max_new_tokens, self.config.temperature,

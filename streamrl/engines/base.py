@@ -1,0 +1,245 @@
+"""What the ``hf`` engine's variants share: a transformers model and tokenizer loaded with
+``from_pretrained``, weight loads, prompt encoding, greedy decoding for held-out evaluation, the
+decode latency profile, and -- for the two batching variants -- the priority queue of requests
+(``engines/request_queue.py``). ``engines/hf.py`` picks the variant a recipe asks for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamrl.api import Engine, fit_decode_latency
+from streamrl.engines.decode import decode_batch
+from streamrl.engines.request_queue import RequestQueue, await_response
+from streamrl.sample import Group, Prompt, Sample
+
+
+class HFEngineConfig(BaseModel):
+    """The ``[engine]`` table of ``name = "hf"``: sampling, batching and the KV cache."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    max_new_tokens: int = Field(16, ge=1)
+    """Most tokens generated per response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. The trainer divides its logits by the same value, so the engine's
+    logprobs and the trainer's agree."""
+    max_batch_tokens: int = Field(1024, ge=16)
+    """Most tokens in one forward pass of the continuous-batching loop."""
+    num_blocks: int = Field(256, ge=1)
+    """KV-cache blocks (of ``page_size`` tokens each) reserved on the worker."""
+    page_size: int = Field(32, ge=1)
+    """Tokens per KV-cache block."""
+    batching: Literal["continuous", "static"] = "continuous"
+    """``continuous``: transformers' continuous batching, requests join the running batch at any
+    decode step (long or uneven outputs). ``static``: the requests waiting when a batch starts
+    are decoded together as one padded batch until all finish (``engines/static.py``); faster
+    when outputs are short and arrive together, as in W1."""
+    max_running: int = Field(0, ge=0)
+    """Most requests in the running batch at once; the rest wait in the engine's queue, highest
+    priority first. 0: no cap (every request goes straight into the batch)."""
+    profile: bool = True
+    """Measure the decode step latency at a few batch sizes when the engine starts (about a
+    second on CPU); a scheduler (``skew``) uses it to decide how many instances the long tail
+    gets. False: no profile, schedulers only balance predicted work."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Torch dtype the engine loads the model in. ``auto``: bfloat16 on a GPU, float32 on CPU
+    (where float32 keeps engine and trainer logprobs within 1e-5)."""
+    cuda_graph: bool = True
+    """On a GPU, let continuous batching replay CUDA graphs of its decode steps (measured ~1.9x
+    tokens/s on an H100 for a 0.5B model). Ignored on CPU."""
+    kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
+    """Size the KV cache as this share of the device's free memory instead of ``num_blocks``
+    (continuous batching; leave room for a train worker sharing the GPU)."""
+    reproducible: bool = False
+    """True: each group is decoded alone with a random generator seeded by ``seed`` and the
+    prompt, so a seed gives the same samples every run (and a resumed run the same samples as an
+    uninterrupted one); no continuous batching across groups, so slower under load."""
+    seed: int | None = None
+    """Seed of ``reproducible`` sampling (default: ``run.seed``)."""
+    request_timeout: float = Field(600.0, gt=0)
+    """Seconds a generate task waits for one response before it fails (naming the request)
+    instead of hanging the step on a stuck generation loop."""
+
+class TransformersEngine(Engine):
+    """Generation with per-token logprobs from a transformers model (built on the worker).
+
+    The variants subclass it and fill in the hooks: :meth:`_start` (their loop),
+    :meth:`_submitted` (requests were queued), :meth:`_profile_batch`, :meth:`_weights_paused`
+    and :meth:`_stop`.
+    """
+
+    @classmethod
+    def kv_capacity_tokens(cls, config: HFEngineConfig) -> int:
+        """Tokens the KV cache holds, fixed by ``config`` before the engine is built; 0: not
+        fixed (the cache grows with each batch)."""
+        return 0
+
+    def __init__(self, config: HFEngineConfig):
+        self.config = config
+        self.version = 0
+        self.model = None
+        """The transformers model, set by :meth:`load`."""
+        self.tokenizer = None
+        """Its tokenizer, set by :meth:`load`."""
+        self.latency_points: list[tuple[float, float]] = []
+        """The decode latency profile: ``[(context tokens, seconds per decode step)]``."""
+        self._queue = RequestQueue()  # requests waiting for (or in) the batching loop
+        self._closed = threading.Event()
+        # held while a batch or group decodes and while weights are copied in, so a batch or
+        # group never sees two policies (static batching, seeded)
+        self._model_lock = threading.Lock()
+
+    def load(self, model_path: str | None, device: str | None = None) -> None:
+        """Load model + tokenizer with ``from_pretrained`` onto ``device`` (default: the pool's,
+        ``streamrl.devices.worker_device``) and start the generation loop."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from streamrl.devices import worker_device
+
+        device = device or worker_device()
+        dtype = self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(device).eval()
+        self._start(device)
+
+    def _start(self, device: str) -> None:
+        """Start the variant's generation loop (and profile it) once the model is loaded.
+        Default: nothing runs between requests."""
+
+    def _profile(self, batches=(8, 1, 8, 32, 96), prompt: int = 8, steps: int = 24) -> list[tuple[float, float]]:
+        """``[(context tokens, seconds per decode step)]`` measured through the real loop.
+
+        Each point runs ``b`` requests that cannot stop early (no EOS) for ``steps`` tokens
+        (:meth:`_profile_batch`); the context is the batch's mean total. Runs before the loop
+        takes requests, so it drives the engine itself. The first batch size is a warm-up and
+        is not kept.
+        """
+        ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
+        points = []
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            self._profile_batch(ids, b, steps, f"profile-{i}")
+            if i > 0:
+                points.append((b * (prompt + steps / 2), (time.perf_counter() - t0) / steps))
+        return points
+
+    def _profile_batch(self, ids: list[int], batch: int, steps: int, tag: str) -> None:
+        """Decode ``batch`` copies of ``ids`` for ``steps`` tokens each, ignoring EOS (request
+        ids, if the loop needs any, start with ``tag``)."""
+        raise NotImplementedError
+
+    def decode_latency(self):
+        """The profile's least-squares affine fit (:func:`fit_decode_latency`); None without a
+        profile."""
+        return fit_decode_latency(self.latency_points)
+
+    def requests_in_flight(self) -> tuple[int, int]:
+        """``(running, queued)``, read together: requests decoding now (at most ``max_running``
+        when it is set) and requests waiting in the engine's priority queue. Read-only, for
+        monitoring and tests; reproducible mode decodes in the calling task and reports ``(0, 0)``."""
+        return self._queue.counts()
+
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` has begun (the generation loop is stopping or has stopped)."""
+        return self._closed.is_set()
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt token ids as the engine feeds them: BOS, then the text."""
+        return [self.tokenizer.bos_token_id] + self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """What the engine feeds for ``prompt``: its ``token_ids`` when the task tokenized it (a
+        chat template applied, its special tokens in place), else :meth:`encode` of its text."""
+        return list(prompt.token_ids) if prompt.token_ids is not None else self.encode(prompt.text)
+
+    def generate_greedy(self, prompts: list[Prompt]) -> list[Group]:
+        """One greedy (argmax) response per prompt, for held-out evaluation: the prompts decoded
+        as one padded batch beside whatever the loop runs, never during a weight load."""
+        ids = [self.prompt_ids(p) for p in prompts]
+        with self._model_lock:
+            start, version = time.time(), self.version
+            out = decode_batch(self.model, ids, self.config.max_new_tokens, 1.0, self.tokenizer.eos_token_id,
+                               pad_id=self.tokenizer.pad_token_id or 0, greedy=True)
+        end = time.time()
+        return [[self._sample(p, i, f"{p.uid}-0", tokens, logprobs, version, start, end)]
+                for p, i, (tokens, logprobs) in zip(prompts, ids, out)]
+
+    def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
+        """Sample ``n`` responses to ``prompt`` (blocks the calling task until all are done).
+
+        ``priority`` orders the engine's queue (higher first); it matters once ``max_running``
+        requests are running, or when many requests arrive together."""
+        return self.generate_groups([prompt], n, [priority])[0]
+
+    def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
+        """One group of ``n`` samples per prompt; every request is queued before the loop is
+        woken, so a static batch takes them all at once."""
+        version, start = self.version, time.time()
+        asked = [(p, self.prompt_ids(p), [f"{p.uid}-{k}" for k in range(n)], priority)
+                 for p, priority in zip(prompts, priorities)]
+        futures = self._queue.put([(rid, ids, priority) for _, ids, rids, priority in asked for rid in rids])
+        self._submitted()
+        return [self._collect(p, ids, [(rid, futures[rid]) for rid in rids], version, start)
+                for p, ids, rids, _ in asked]
+
+    def _submitted(self) -> None:
+        """Requests were just queued. Default: nothing to do (a loop waiting on the queue wakes
+        by itself)."""
+
+    def _collect(self, prompt: Prompt, ids: list[int], futures: list[tuple[str, Future]], version: int,
+                 start: float) -> Group:
+        group = []
+        for rid, fut in futures:
+            out = await_response(rid, fut, self.config.request_timeout)
+            group.append(self._sample(prompt, ids, rid, out.tokens, out.logprobs,
+                                      version if out.version is None else out.version, start, time.time()))
+        return group
+
+    def _sample(self, prompt: Prompt, ids: list[int], rid: str, tokens: list[int], logprobs: list[float],
+                version: int, start: float, end: float) -> Sample:
+        """One response as a :class:`Sample` (its text decoded, generated between ``start`` and
+        ``end`` under policy ``version``)."""
+        return Sample(uid=rid, prompt=prompt, prompt_ids=list(ids), response_ids=list(tokens),
+                      logprobs=[float(x) for x in logprobs],
+                      response_text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                      policy_version=version, times={"gen_start": start, "gen_end": end})
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy new parameters in place while the generation loop is paused (between decode
+        steps, batches or groups, :meth:`_weights_paused`)."""
+        params = dict(self.model.named_parameters())
+        missing = set(params) - set(named_tensors)
+        if missing:
+            raise ValueError(f"weights for version {version} lack {sorted(missing)[:3]}...")
+        with self._model_lock, self._weights_paused():  # (greedy evaluation decodes under the lock too)
+            for name, p in params.items():
+                p.copy_(named_tensors[name].to(p.dtype))
+            self.version = version
+
+    def _weights_paused(self) -> AbstractContextManager:
+        """Held, inside the model lock, while weights are copied in. Default: nothing more (the
+        static and seeded variants decode under the model lock)."""
+        return nullcontext()
+
+    def close(self) -> None:
+        """Stop the generation loop; fail requests still waiting.
+
+        A task blocked on a request that will never finish would hang its worker thread (and
+        the run) forever; failing it lets Dask retry the group on the engine that replaces this one.
+        """
+        self._closed.set()
+        self._stop()
+        self._queue.fail_all()
+
+    def _stop(self) -> None:
+        """Stop the variant's generation loop (:attr:`is_closed` is already set). Default:
+        nothing runs."""
