@@ -232,7 +232,8 @@ class VLLMEngine(Engine):
     def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
         """One vLLM request with ``n`` samples per prompt, all handed to the loop at once."""
         start = time.time()
-        encoded = [self.encode(p.text) for p in prompts]
+        # a prompt the task tokenized (a chat template applied) is fed as it is
+        encoded = [list(p.token_ids) if p.token_ids is not None else self.encode(p.text) for p in prompts]
         asked = [(p, ids, Future()) for p, ids in zip(prompts, encoded)]
         params = self._params(n)
 
