@@ -11,6 +11,7 @@
     streamrl bench transfer recipes/addition.toml    # seconds and GB/s per weight publication
     streamrl bench elastic recipes/longtail-cpu.toml # fixed vs elastic generate pool
     streamrl bench trainpool recipes/ppo.toml        # one train worker vs ddp vs fsdp
+    streamrl bench eval recipes/addition.toml        # samples/s without and with [eval] every 10 steps
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
     streamrl eval models/tiny-addition runs/addition-grpo-<time>  # held-out scores, before and after
     streamrl plan recipes/paper-7b-20k.toml --devices 12 --check   # split devices between the pools
@@ -142,6 +143,15 @@ def parser() -> argparse.ArgumentParser:
     elastic.add_argument("--repeats", type=int, default=1, help="passes of the three variants, interleaved; the "
                                                                  "median ratio to fixed-min is reported")
     elastic.add_argument("--out", default=None, help="write the JSON result here")
+    bench_eval = bench.add_parser("eval", help="the recipe without and with [eval] every N steps: what evaluation "
+                                               "costs training's samples/s")
+    _recipe_args(bench_eval)
+    bench_eval.add_argument("--every", type=int, default=10, help="eval.every of the variant with evaluation")
+    bench_eval.add_argument("--steps", type=int, default=30, help="measured steps per variant")
+    bench_eval.add_argument("--warmup", type=int, default=3, help="steps run first and left out of the figures")
+    bench_eval.add_argument("--repeats", type=int, default=1, help="passes of both variants, interleaved; the "
+                                                                   "median ratio is reported")
+    bench_eval.add_argument("--out", default=None, help="write the JSON result here")
     plan = sub.add_parser("plan", help="pick the split of devices between generation and training, the mode "
                                        "and the staleness bound, from a profile of the recipe")
     _recipe_args(plan)
@@ -261,6 +271,11 @@ def cmd_bench(args) -> int:
 
         elastic.bench(args.file, args.overrides, args.lo, args.hi, args.steps, args.warmup, args.out,
                       repeats=args.repeats)
+        return 0
+    if args.cmd == "eval":
+        from streamrl.bench import evaluation
+
+        evaluation.bench(args.file, args.overrides, args.every, args.steps, args.warmup, args.repeats, args.out)
         return 0
     if args.cmd == "skew":
         skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,18 @@ def test_what_the_reward_reports_beside_the_score_is_averaged_by_name():
                  {"rewards": [1.0], "lengths": [1], "info": [{"answered": 1.0, "timeout": 0.0}]}]
     m = metrics(summaries, k=2)
     assert m["eval/reward/answered/mean"] == pytest.approx(2 / 3) and m["eval/reward/timeout/mean"] == 0.0
+
+
+@pytest.mark.slow
+def test_bench_eval_runs_the_recipe_without_and_with_eval_and_reports_the_ratio(tiny_recipe, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "eval", str(tiny_recipe), "--every", "1",
+                           "--steps", "2", "--warmup", "0", "--repeats", "2", "--set", "task.eval_size=4",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["passes"]) == len(result["ratios"]) == 2 and result["median_ratio"] > 0
+    for p, ratio in zip(result["passes"], result["ratios"]):
+        assert ratio == pytest.approx(p["eval every 1"]["samples_per_s"] / p["no eval"]["samples_per_s"])
+        with_eval = (Path(p["eval every 1"]["run_dir"]) / "metrics.jsonl").read_text()
+        assert "eval/pass@1" in with_eval and "eval/" not in (Path(p["no eval"]["run_dir"]) / "metrics.jsonl").read_text()
