@@ -195,11 +195,8 @@ class Controller:
         if self.elastic:
             self.elastic.after_record(record, self.version)
             record.extra["elastic"] = self.elastic.take_events()
-        if self.evaluator:  # a finished evaluation; after the last step, every one (the last waited for)
-            done = self.evaluator.finish() if step + 1 == self.recipe.run.steps else [self.evaluator.ready()]
-            record.extra.update(done[-1] if done else {})
-            if len(done) > 1 and done[0]:
-                record.extra["eval_unrecorded"] = done[:-1]
+        if self.evaluator:
+            record.extra.update(self.evaluator.for_record(last=step + 1 == self.recipe.run.steps))
         return record.as_dict()
 
     def _feed(self, step: int, previous: Future) -> tuple[list[Future], list[list[Future]]]:

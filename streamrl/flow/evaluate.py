@@ -103,6 +103,15 @@ class Evaluator:
             return self._take()
         return {}
 
+    def for_record(self, last: bool) -> dict:
+        """What a step's record gets: the oldest finished evaluation's metrics; after the last
+        step (``last``), every evaluation is waited for and the record gets the newest, with any
+        others not recorded yet under ``eval_unrecorded``."""
+        if not last:
+            return self.ready()
+        done = self.finish()
+        return {**(done[-1] if done else {}), **({"eval_unrecorded": done[:-1]} if len(done) > 1 else {})}
+
     def finish(self) -> list[dict]:
         """Wait for every evaluation submitted; their metrics, oldest first."""
         out = []
