@@ -291,3 +291,15 @@ def test_greedy_decoding_is_the_models_argmax_in_every_variant_and_token_ids_are
         assert all(x.prompt_ids == ids for x in sampled)
     finally:
         engine.close()
+
+
+def test_a_request_id_already_waiting_is_refused_not_left_to_hang():
+    from streamrl.engines.request_queue import RequestQueue
+
+    queue = RequestQueue()
+    queue.put([("a-0", [1, 2], 0.0)])
+    with pytest.raises(ValueError, match="request a-0 is already waiting"):
+        queue.put([("b-0", [1], 0.0), ("a-0", [3], 0.0)])
+    with pytest.raises(ValueError, match="request c-0 is already waiting"):
+        queue.put([("c-0", [1], 0.0), ("c-0", [1], 0.0)])
+    assert queue.counts() == (0, 1)  # nothing of the refused batches was queued

@@ -51,11 +51,12 @@ def run(tiny_recipe, tmp_path, overrides: list[str]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "batch"])
 def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_the_last(tiny_recipe, tmp_path, mode):
-    records = run(tiny_recipe, tmp_path, [f"run.mode={mode}", "run.steps=5", "eval.every=2", "eval.samples=2",
+    # every step: evaluations overlap (the same held-out prompts in flight twice at once)
+    records = run(tiny_recipe, tmp_path, [f"run.mode={mode}", "run.steps=5", "eval.every=1", "eval.samples=2",
                                           "eval.greedy=false", "task.eval_size=6"])
     versions = [e["eval/policy_version"] for r in records
                 for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
-    assert versions == [0, 2, 4, 5]  # every evaluation recorded once, in order
+    assert versions == [0, 1, 2, 3, 4, 5]  # every evaluation recorded once, in order
     last = records[-1]
     assert last["eval/policy_version"] == 5 and last["eval/prompts"] == 6  # the last one is waited for
     assert 0.0 <= last["eval/pass@1"] <= last["eval/pass@2"] <= 1.0 and last["eval/response_len_mean"] > 0
@@ -99,3 +100,30 @@ def test_bench_eval_runs_the_recipe_without_and_with_eval_and_reports_the_ratio(
         assert ratio == pytest.approx(p["eval every 1"]["samples_per_s"] / p["no eval"]["samples_per_s"])
         with_eval = (Path(p["eval every 1"]["run_dir"]) / "metrics.jsonl").read_text()
         assert "eval/pass@1" in with_eval and "eval/" not in (Path(p["no eval"]["run_dir"]) / "metrics.jsonl").read_text()
+
+
+def test_two_evaluations_in_flight_ask_the_engine_under_different_request_ids():
+    """The engine keys requests by prompt uid (a second request under a waiting id is refused):
+    evaluations of two versions at once must not share uids. The Dask client is faked (it only
+    records what would be submitted)."""
+    from streamrl.flow.evaluate import Evaluator, eval_groups
+    from streamrl.recipe import EvalConfig
+    from streamrl.sample import Prompt
+
+    class RecordingClient:
+        def __init__(self):
+            self.asked = []
+
+        def submit(self, fn, *args, **kwargs):
+            if fn is eval_groups:
+                self.asked.append([p.uid for p in args[0]])
+            return object()
+
+    client = RecordingClient()
+    held_out = [Prompt(uid=f"eval-{i}", text=f"{i}+1=", answer=str(i + 1)) for i in range(3)]
+    evaluator = Evaluator(client, held_out, EvalConfig(every=1), groups_per_task=2, greedy=False)
+    evaluator.submit(1)
+    evaluator.submit(2)
+    uids = [u for bundle in client.asked for u in bundle]
+    assert len(client.asked) == 4 and len(uids) == len(set(uids)) == 6
+    assert [p.uid for p in held_out] == ["eval-0", "eval-1", "eval-2"]  # the task's own prompts untouched

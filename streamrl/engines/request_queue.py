@@ -52,6 +52,10 @@ class RequestQueue:
         request's future, resolved with its :class:`Response`."""
         futures = {}
         with self._lock:
+            again = sorted({rid for rid, _, _ in requests if rid in self._futures}
+                           | {rid for i, (rid, _, _) in enumerate(requests) if rid in [r[0] for r in requests[:i]]})
+            if again:  # one future per id: a second request under it would leave the first waiting for ever
+                raise ValueError(f"hf engine: request {again[0]} is already waiting; every request needs its own id")
             for rid, ids, priority in requests:
                 futures[rid] = self._futures[rid] = Future()
                 heapq.heappush(self._heap, (-priority, next(self._order), rid, ids))

@@ -18,6 +18,7 @@ its ``k`` responses whose reward reaches ``eval.pass_reward``, averaged: the unb
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from distributed import Client, Future, wait
 
@@ -85,10 +86,12 @@ class Evaluator:
     def submit(self, version: int, after: list[Future] | None = None) -> None:
         """Evaluate policy ``version`` once ``after`` (its weight loads) are done."""
         stamp = time.time_ns()  # fresh keys: a version evaluated again (a resume) is evaluated anew
+        # the engine keys requests by uid, and two evaluations may be in flight at once
+        prompts = [replace(p, uid=f"v{version}-{p.uid}") for p in self.prompts]
         summaries = []
-        for i in range(0, len(self.prompts), self.per_task):
+        for i in range(0, len(prompts), self.per_task):
             key = f"eval-v{version}-{i:04d}-{stamp}"
-            gen = self.client.submit(eval_groups, self.prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
+            gen = self.client.submit(eval_groups, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
                                      after=after, key=f"generate-{key}", resources={"generate": 1},
                                      priority=EVAL_PRIORITY, retries=1)
             scored = self.client.submit(remote.score_groups, gen, key=f"reward-{key}", resources={"reward": 1},
