@@ -71,7 +71,7 @@ class DatasetConfig(BaseModel):
     evaluation (chosen from ``seed``, never trained on)."""
     eval_max: int | None = Field(None, ge=1)
     """Evaluate on at most this many held-out rows (the first ones, in a fixed order)."""
-    model_path: str | None = None
+    model_path: PathOrHubId | None = None
     """The tokenizer for chat templates and ``max_prompt_tokens``; default: the recipe's model."""
     seed: int = 0
     """Seed of the per-epoch shuffle and the held-out choice (default: ``run.seed``)."""
