@@ -183,8 +183,9 @@ class PoolsConfig(Strict):
 class ModelConfig(Strict):
     path: str
     """Folder of a transformers model + tokenizer (``from_pretrained``), relative to the recipe;
-    or a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) when no such folder exists, which
-    every worker then downloads (it needs the network)."""
+    or a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) when nothing of that name is next to
+    the recipe. Workers run offline (``HF_HUB_OFFLINE=1``) and load a Hub model from the local
+    Hugging Face cache: download it once first (``huggingface-cli download <id>``)."""
 
 
 def is_hub_id(text: str) -> bool:
@@ -396,8 +397,12 @@ class LoadedRecipe:
         Hub id as written when no folder of that name is next to the recipe."""
         if self.recipe.model is None:
             return None
-        local = (self.base / self.recipe.model.path).resolve()
-        return local if local.exists() or not is_hub_id(self.recipe.model.path) else Path(self.recipe.model.path)
+        path = self.recipe.model.path
+        local = (self.base / path).resolve()
+        # a Hub id only when nothing of the path is there: "models/tiny" with a models/ folder
+        # next to the recipe is a missing local model, and says so
+        hub = is_hub_id(path) and not local.exists() and not (self.base / path.split("/")[0]).exists()
+        return Path(path) if hub else local
 
 
 def load_recipe(file: str | Path, overrides: list[str] = ()) -> LoadedRecipe:

@@ -163,3 +163,12 @@ def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet
     assert prompt_ids(task.tokenizer, p.text) == p.token_ids  # one BOS, as the warm start feeds it
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.vocab_size == len(task.tokenizer) and max(p.token_ids) < len(task.tokenizer)
+
+
+def test_a_split_of_one_file_and_a_fraction_that_leaves_nothing_are_one_line(verl_parquet, tmp_path):
+    with pytest.raises(UserError, match="task.eval_split: .* is one file, one split"):
+        DatasetTask(DatasetConfig(path=verl_parquet, eval_split="test"))
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(UserError, match="task.eval_fraction: .* leaves none to train on"):
+        DatasetTask(DatasetConfig(path=str(one), eval_fraction=0.5))

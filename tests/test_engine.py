@@ -293,13 +293,48 @@ def test_greedy_decoding_is_the_models_argmax_in_every_variant_and_token_ids_are
         engine.close()
 
 
-def test_a_request_id_already_waiting_is_refused_not_left_to_hang():
+def test_a_request_id_asked_again_while_waiting_fails_the_old_ask_instead_of_leaving_it_to_hang():
     from streamrl.engines.request_queue import RequestQueue
 
     queue = RequestQueue()
-    queue.put([("a-0", [1, 2], 0.0)])
-    with pytest.raises(ValueError, match="request a-0 is already waiting"):
-        queue.put([("b-0", [1], 0.0), ("a-0", [3], 0.0)])
-    with pytest.raises(ValueError, match="request c-0 is already waiting"):
+    old = queue.put([("a-0", [1, 2], 0.0)])["a-0"]
+    new = queue.put([("b-0", [1], 0.0), ("a-0", [3], 0.0)])["a-0"]  # e.g. Dask retrying a timed-out task
+    with pytest.raises(RuntimeError, match="request a-0 was asked again while waiting"):
+        old.result(timeout=1)
+    assert not new.done()
+    with pytest.raises(ValueError, match="request c-0 asked twice at once"):
         queue.put([("c-0", [1], 0.0), ("c-0", [1], 0.0)])
-    assert queue.counts() == (0, 1)  # nothing of the refused batches was queued
+    assert queue.counts() == (0, 3)  # a-0 twice in the heap (the loop answers the newest ask), b-0
+
+
+def test_greedy_evaluation_while_continuous_batching_generates_gives_the_idle_answers(tiny_model):
+    import threading
+
+    from streamrl.sample import Prompt
+
+    engine = HFEngine(HFEngineConfig(max_new_tokens=5, profile=False))
+    engine.load(str(tiny_model))
+    try:
+        prompts = [Prompt(uid=f"e{i}", text=f"{i}+{i}=") for i in range(4)]
+        idle = [g[0].response_ids for g in engine.generate_greedy(prompts)]
+        stop = threading.Event()
+
+        def busy(t):
+            k = 0
+            while not stop.is_set():
+                engine.generate_groups([Prompt(uid=f"b{t}-{k}-{j}", text="12+34=") for j in range(4)], 4, [0.0] * 4)
+                k += 1
+
+        threads = [threading.Thread(target=busy, args=(t,)) for t in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            busy_answers = [[g[0].response_ids for g in engine.generate_greedy(prompts)] for _ in range(4)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert all(answers == idle for answers in busy_answers)
+        assert [g[0].response_ids for g in engine.generate_greedy(prompts)] == idle  # the model is unharmed
+    finally:
+        engine.close()

@@ -98,3 +98,16 @@ def test_the_gpu_recipe_validates_with_local_stand_ins(tmp_path, tiny_model):
                            "--set", f'task.eval_path="{tmp_path / "train.parquet"}"'],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith(": ok"), proc.stderr
+
+
+def test_a_missing_local_model_is_one_line_and_a_hub_id_is_left_to_the_hub(tmp_path, tiny_model):
+    from streamrl.errors import UserError
+    from streamrl.flow.resolve import resolve
+    from streamrl.recipe import load_recipe
+
+    (tmp_path / "models").mkdir()
+    file = recipe(tmp_path, tiny_model, '[task]\nname = "addition"\n', '[reward]\nname = "exact_match"\n')
+    with pytest.raises(UserError, match="model.path: no transformers model at"):
+        resolve(load_recipe(file, ['model.path="models/missing"']))
+    resolved = resolve(load_recipe(file, ['model.path="Qwen/Qwen2.5-0.5B-Instruct"']))
+    assert resolved.model_path == "Qwen/Qwen2.5-0.5B-Instruct"

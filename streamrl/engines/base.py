@@ -162,9 +162,11 @@ class TransformersEngine(Engine):
 
     def generate_greedy(self, prompts: list[Prompt]) -> list[Group]:
         """One greedy (argmax) response per prompt, for held-out evaluation: the prompts decoded
-        as one padded batch beside whatever the loop runs, never during a weight load."""
+        as one padded batch while the generation loop waits (as for a weight load)."""
         ids = [self.prompt_ids(p) for p in prompts]
-        with self._model_lock:
+        # paused like a weight load: transformers' forward writes the model's config while it
+        # runs, so two forwards at once (this and continuous batching's loop) corrupt each other
+        with self._model_lock, self._weights_paused():
             start, version = time.time(), self.version
             out = decode_batch(self.model, ids, self.config.max_new_tokens, 1.0, self.tokenizer.eos_token_id,
                                pad_id=self.tokenizer.pad_token_id or 0, greedy=True)

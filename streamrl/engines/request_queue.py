@@ -51,15 +51,23 @@ class RequestQueue:
         taking a batch sees all or none of them, and wake a waiting loop. Returns each
         request's future, resolved with its :class:`Response`."""
         futures = {}
+        ids_asked = [rid for rid, _, _ in requests]
+        twice = sorted({rid for rid in ids_asked if ids_asked.count(rid) > 1})
+        if twice:  # one future per id: two requests under one id in one call is a caller's mistake
+            raise ValueError(f"hf engine: request {twice[0]} asked twice at once; every request needs its own id")
+        superseded = []
         with self._lock:
-            again = sorted({rid for rid, _, _ in requests if rid in self._futures}
-                           | {rid for i, (rid, _, _) in enumerate(requests) if rid in [r[0] for r in requests[:i]]})
-            if again:  # one future per id: a second request under it would leave the first waiting for ever
-                raise ValueError(f"hf engine: request {again[0]} is already waiting; every request needs its own id")
             for rid, ids, priority in requests:
+                # An id still waiting is a request asked again (Dask retrying a generate task whose
+                # wait timed out): the new ask takes the id, and the old one fails at once rather
+                # than wait for a response that now goes to the new one.
+                if rid in self._futures:
+                    superseded.append((rid, self._futures[rid]))
                 futures[rid] = self._futures[rid] = Future()
                 heapq.heappush(self._heap, (-priority, next(self._order), rid, ids))
             self._ready.notify()
+        for rid, fut in superseded:
+            fut.set_exception(RuntimeError(f"hf engine: request {rid} was asked again while waiting"))
         return futures
 
     def admit(self, start: Callable[[str, list[int]], bool], limit: int) -> None:

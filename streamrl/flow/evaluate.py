@@ -3,8 +3,11 @@ by the run's reward, while training goes on.
 
 An evaluation of policy version ``v`` is a batch of Dask tasks like a step's generation --
 generate (on the generate pool, after the loads of ``v``), reward (reward pool), and a small
-summary -- submitted at a Dask priority below training's generate tasks, so the generate pool
-takes it in its idle time and training never waits for it. Its result is merged into the record
+summary -- submitted at a Dask priority below training's generate tasks, so queued training generation
+goes first and evaluation fills the generate pool's idle time. (Once started, an evaluation
+task holds its slot, and greedy decoding pauses the engine's loop while it runs; measured on
+W1 async with eval every 10 steps: no loss of samples/s, docs/benchmarks.md.) An evaluation
+that fails is reported in the record (``eval_error``) and training goes on. Its result is merged into the record
 of the step during which it finished (``eval/policy_version`` says which policy it measured).
 Evaluations run at the start, every ``eval.every`` steps and after the last step; the last one
 is waited for.
@@ -24,7 +27,7 @@ from distributed import Client, Future, wait
 
 from streamrl.api import Task
 from streamrl.errors import UserError
-from streamrl.flow import remote
+from streamrl.flow import remote, submit
 from streamrl.flow.resident import ENGINE, resident
 from streamrl.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
@@ -33,10 +36,13 @@ from streamrl.sample import Group, Prompt
 #: pool runs them only when no training generation is waiting.
 EVAL_PRIORITY = -1
 
-def eval_groups(prompts: list[Prompt], n: int, greedy: bool, after=None) -> list[Group]:
+def eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 0, after=None) -> list[Group]:
     """Generate pool: ``n`` responses to each prompt (``greedy``: one argmax response) from the
-    engine's current policy (the loads in ``after`` are done)."""
+    engine's current policy (the loads in ``after`` are done); an engine older than
+    ``min_version`` (its worker was restarted) catches up first."""
     engine = resident(ENGINE)
+    if engine.version < min_version:
+        remote.catch_up(engine, min_version)
     if greedy:
         return engine.generate_greedy(prompts)
     return engine.generate_groups(prompts, n, [float(EVAL_PRIORITY)] * len(prompts))
@@ -75,7 +81,7 @@ class Evaluator:
         sample, and an engine that can)."""
         self.client, self.cfg, self.per_task = client, cfg, groups_per_task
         self.prompts = prompts[:cfg.max_prompts]
-        self.greedy = greedy and cfg.samples == 1
+        self.greedy = greedy and cfg.greedy and cfg.samples == 1
         self.pending: list[tuple[int, list[Future]]] = []  # (version, summary futures), oldest first
 
     def due(self, version: int, steps: int) -> bool:
@@ -92,7 +98,7 @@ class Evaluator:
         for i in range(0, len(prompts), self.per_task):
             key = f"eval-v{version}-{i:04d}-{stamp}"
             gen = self.client.submit(eval_groups, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
-                                     after=after, key=f"generate-{key}", resources={"generate": 1},
+                                     version, after=after, key=f"generate-{key}", resources={"generate": 1},
                                      priority=EVAL_PRIORITY, retries=1)
             scored = self.client.submit(remote.score_groups, gen, key=f"reward-{key}", resources={"reward": 1},
                                         priority=EVAL_PRIORITY, retries=1)
@@ -130,7 +136,11 @@ class Evaluator:
 
     def _take(self) -> dict:
         version, futures = self.pending.pop(0)
-        summaries = [g for f in futures for g in f.result()]
+        try:
+            summaries = [g for f in futures for g in f.result()]
+        except Exception as exc:  # an evaluation that failed is reported in the record; training goes on
+            self.client.cancel(futures)
+            return {"eval/policy_version": version, "eval_error": f"{type(exc).__name__}: {exc}"[:500]}
         return {"eval/policy_version": version, **metrics(summaries, self.cfg.samples, self.cfg.pass_reward)}
 
 
@@ -143,5 +153,9 @@ def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluat
     if not held_out:
         raise UserError(f"eval: task {recipe.task.name!r} has no held-out prompts (the dataset task holds some out "
                         "with eval_fraction, eval_split or eval_path)")
-    per_task = recipe.pools.generate.groups_per_task if recipe.pools.generate else 1
-    return Evaluator(client, held_out, recipe.eval, per_task, greedy)
+    uids = [p.uid for p in held_out]
+    again = sorted({u for u in uids if uids.count(u) > 1})
+    if again:
+        raise UserError(f"task {recipe.task.name!r}: eval_prompts() repeats uid {again[0]!r}; each held-out prompt "
+                        "needs its own uid")
+    return Evaluator(client, held_out, recipe.eval, submit.groups_per_task(recipe), greedy)

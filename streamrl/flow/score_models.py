@@ -54,6 +54,8 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
     try:
         pools = cluster.check_pools(client)
         for target, model, loaded in plan:
+            if loaded.recipe.model is None:
+                raise UserError(f"{target}: its recipe has no [model] table to put the policy in")
             r = loaded.recipe.model_copy(deep=True)
             r.model.path = str(model)
             r.eval = r.eval or EvalConfig()
@@ -66,11 +68,12 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
     finally:
         cluster.stop(dask_cluster, client)
     table = Table(title="held-out evaluation")
-    keys = [k for k in rows[0] if k != "model"]
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "model"))  # (targets may differ)
     for col in ["model", *keys]:
         table.add_column(col.removeprefix("eval/"))
     for row in rows:
-        table.add_row(row["model"], *(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+        table.add_row(row["model"], *(f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, ""))
+                                      for k in keys))
     Console().print(table)
     if out:
         Path(out).write_text(json.dumps(rows, indent=2))

@@ -146,6 +146,9 @@ class DatasetTask(Task):
                             f"(they have {', '.join(sorted(rows[0]))})")
         self.answer_key = config.answer_key or self._default_answer_key(rows[0])
         held_out: list[dict] = []
+        if config.eval_split and not config.eval_path and Path(config.path).is_file():
+            raise UserError(f"task.eval_split: {config.path} is one file, one split; hold rows out with "
+                            "eval_fraction, or name a held-out file with eval_path")
         if config.eval_path or config.eval_split:
             held_out = load_rows(config.eval_path or config.path, config.eval_split or "train",
                                  "task.eval_path" if config.eval_path else "task.eval_split")
@@ -155,6 +158,9 @@ class DatasetTask(Task):
             cut = set(order[:max(1, int(len(rows) * config.eval_fraction))])
             held_out = [r for i, r in enumerate(rows) if i in cut]
             rows = [r for i, r in enumerate(rows) if i not in cut]
+            if not rows:
+                raise UserError(f"task.eval_fraction: holding out {config.eval_fraction} of {len(cut)} rows "
+                                "leaves none to train on")
         # rows become prompts when first handed out (a chat template needs the model's tokenizer)
         self.rows, self.held_out_rows = rows, held_out[:config.eval_max]
         # a held-out file may have a layout of its own
