@@ -127,3 +127,11 @@ def test_two_evaluations_in_flight_ask_the_engine_under_different_request_ids():
     uids = [u for bundle in client.asked for u in bundle]
     assert len(client.asked) == 4 and len(uids) == len(set(uids)) == 6
     assert [p.uid for p in held_out] == ["eval-0", "eval-1", "eval-2"]  # the task's own prompts untouched
+
+
+@pytest.mark.slow
+def test_greedy_evaluation_on_the_default_continuous_engine_runs_end_to_end(tiny_recipe, tmp_path):
+    records = run(tiny_recipe, tmp_path, ["run.mode=async", "run.steps=3", "eval.every=1", "task.eval_size=4"])
+    evals = [e for r in records for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
+    assert [e["eval/policy_version"] for e in evals] == [0, 1, 2, 3] and not any("eval_error" in e for e in evals)
+    assert all(e["eval/prompts"] == 4 and 0.0 <= e["eval/pass@1"] <= 1.0 for e in evals)
