@@ -55,15 +55,26 @@ class RunFolder:
         on top); relative paths keep resolving against the original recipe's folder."""
         folder = cls(path)
         where = folder.path
-        if not (where / STATUS).is_file() or not (where / "recipe.toml").is_file():
+        if not cls.is_run(where):
             raise UserError(f"{where}: not a run folder (expected status.json and recipe.toml in it)")
         if folder.latest_checkpoint() is None:
             raise UserError(f"{where}: no checkpoint to resume from (the run stopped before its first one)")
         state = folder.status()
         if state["state"] in ("starting", "running") and _alive(state.get("pid")):
             raise UserError(f"{where}: the run is still going (pid {state['pid']}); stop it first (Ctrl-C)")
-        loaded = load_recipe(where / "recipe.toml", overrides)
-        return LoadedRecipe(loaded.recipe, Path(state["recipe_file"])), folder
+        return folder.recipe(overrides), folder
+
+    @staticmethod
+    def is_run(path: str | Path) -> bool:
+        """Whether ``path`` is a run folder (it has status.json and recipe.toml)."""
+        return (Path(path) / STATUS).is_file() and (Path(path) / "recipe.toml").is_file()
+
+    def recipe(self, overrides: list[str] = ()) -> LoadedRecipe:
+        """The recipe the run was started with (``--set`` overrides on top); relative paths keep
+        resolving against the original recipe's folder."""
+        loaded = load_recipe(self.path / "recipe.toml", overrides)
+        original = self.status().get("recipe_file", str(self.path / "recipe.toml"))
+        return LoadedRecipe(loaded.recipe, Path(original))
 
     # -- status.json --------------------------------------------------------------------------
     def status(self) -> dict:

@@ -21,21 +21,19 @@ from streamrl.errors import UserError
 from streamrl.flow import evaluate
 from streamrl.flow.controller import Controller
 from streamrl.flow.resolve import resolve
-from streamrl.flow.run_folder import STATUS
+from streamrl.flow.run_folder import RunFolder
 from streamrl.recipe import EvalConfig, LoadedRecipe, load_recipe
 
 
 def model_and_recipe(target: str, recipe: str | None, overrides: list[str]) -> tuple[Path, LoadedRecipe]:
     """The model folder ``target`` names and the recipe to score it with."""
     path = Path(target).resolve()
-    if (path / STATUS).is_file() and (path / "recipe.toml").is_file():  # a run folder
+    if RunFolder.is_run(path):
         model = path / "policy"
         if not (model / "config.json").is_file():
             raise UserError(f"{target}: the run has no saved policy yet (policy/ is written when it completes)")
         if recipe is None:
-            original = json.loads((path / STATUS).read_text()).get("recipe_file", str(path / "recipe.toml"))
-            loaded = load_recipe(path / "recipe.toml", overrides)
-            return model, LoadedRecipe(loaded.recipe, Path(original))
+            return model, RunFolder(path).recipe(overrides)
     elif (path / "config.json").is_file():
         model = path
     else:
