@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 
 from streamrl.errors import Interrupted, RunFailed, UserError
 
@@ -32,6 +33,15 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="recipe TOML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe value, e.g. --set trainer.lr=1e-5 (repeatable)")
+
+
+def _display_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plain", action="store_true", help="one line per step, no live display (the default "
+                                                       "when the output is not a terminal)")
+    p.add_argument("--profile", action="store_true", help="write Dask's performance report (dask-report.html) "
+                                                         "into the run folder")
+    p.add_argument("--no-report", dest="report", action="store_false", default=None,
+                   help="do not write report.md and its plots at the end")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,11 +53,13 @@ def parser() -> argparse.ArgumentParser:
     run = recipe.add_parser("run", help="run a recipe")
     _recipe_args(run)
     run.add_argument("--verbose", action="store_true", help="show Dask's own logs")
+    _display_args(run)
     resume = recipe.add_parser("resume", help="continue a stopped or failed run from its newest checkpoint")
     resume.add_argument("run_dir", help="the run folder (runs/<name>-<time>)")
     resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a value of the run's recipe, e.g. --set run.steps=400 to go on longer")
     resume.add_argument("--verbose", action="store_true", help="show Dask's own logs")
+    _display_args(resume)
     _recipe_args(recipe.add_parser("show", help="print the resolved recipe"))
     _recipe_args(recipe.add_parser("validate", help="check a recipe without running it"))
 
@@ -81,6 +93,10 @@ def parser() -> argparse.ArgumentParser:
                      help="override a recipe value (repeatable)")
     ref.add_argument("--steps", type=int, default=None, help="steps to run (default: run.steps)")
 
+    report = sub.add_parser("report", help="plots and report.md for run folders (several: overlaid)")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>-<time>)")
+    report.add_argument("--out", default=None, help="folder for report.md and the plots (default: the first run "
+                                                    "folder)")
     plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="cmd", required=True)
     plugins.add_parser("list", help="every registered component")
 
@@ -201,7 +217,8 @@ def cmd_recipe(args) -> int:
         from streamrl.flow import runner
 
         loaded, run_dir = runner.load_for_resume(args.run_dir, args.overrides)
-        print(runner.run(loaded, verbose=args.verbose, resume_dir=run_dir))
+        print(runner.run(loaded, verbose=args.verbose, resume_dir=run_dir, plain=args.plain,
+                         profile=args.profile, report=args.report))
         return 0
     loaded = load_recipe(args.file, args.overrides)
     if args.cmd == "show":
@@ -213,7 +230,7 @@ def cmd_recipe(args) -> int:
         runner.resolve(loaded)
         print(f"{args.file}: ok")
         return 0
-    run_dir = runner.run(loaded, verbose=args.verbose)
+    run_dir = runner.run(loaded, verbose=args.verbose, plain=args.plain, profile=args.profile, report=args.report)
     print(run_dir)
     return 0
 
@@ -308,6 +325,13 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from streamrl.telemetry.report import write_report
+
+    print(write_report([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None))
+    return 0
+
+
 def cmd_plugins(args) -> int:
     from streamrl.plugins import build_registry
 
@@ -347,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
                 "bench": cmd_bench, "reference": cmd_reference, "plan": cmd_plan,
-                "eval": cmd_eval}[args.group](args)
+                "eval": cmd_eval, "report": cmd_report}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

@@ -58,6 +58,12 @@ class RunConfig(Strict):
     continues from the newest one."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints a run folder keeps."""
+    profile: bool = False
+    """Write Dask's ``performance_report`` (an HTML page of task streams, worker profiles and
+    bandwidth) for the whole run into the run folder as ``dask-report.html`` (``--profile`` too)."""
+    report: bool = True
+    """At the end of the run, write ``report.md`` and its plots into the run folder
+    (``streamrl report``); ``--no-report`` turns it off for one run."""
 
 
 class ClusterConfig(Strict):

@@ -19,6 +19,9 @@ from streamrl.flow.resolve import Resolved, resolve
 from streamrl.flow.run_folder import RunFolder
 from streamrl.flow.stopping import StopRequest, sigint_ignored
 from streamrl.recipe import LoadedRecipe
+from streamrl.telemetry import dashboard
+from streamrl.telemetry.report import write_report
+from streamrl.telemetry.trace import TraceRecorder
 
 __all__ = ["resolve", "run", "summary", "load_for_resume"]
 
@@ -54,10 +57,13 @@ def step_line(m: dict, steps: int) -> str:
 
 
 def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None,
-        resolved: Resolved | None = None, resume_dir: Path | None = None) -> Path:
+        resolved: Resolved | None = None, resume_dir: Path | None = None, plain: bool | None = None,
+        profile: bool = False, report: bool | None = None) -> Path:
     """Run a validated recipe end to end, or go on with the run in ``resume_dir`` from its newest
     checkpoint; returns the run folder. A stop signal ends it with :class:`Interrupted` after a
-    checkpoint."""
+    checkpoint. ``plain`` forces one line per step (default: when the console is not a terminal);
+    ``profile`` (or ``run.profile``) writes Dask's performance report; ``report``
+    (default ``run.report``) writes ``report.md`` and its plots at the end."""
     console = console or Console(stderr=True)
     r = loaded.recipe
     resolved = resolved or resolve(loaded)
@@ -73,7 +79,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     t_start = time.time()
     warn = lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True)  # noqa: E731
     stop = StopRequest(warn)
-    dask_cluster = client = None
+    dask_cluster = client = trace = None
     try:
         with sigint_ignored():  # the cluster's processes inherit the ignore (``flow/stopping.py``)
             dask_cluster, client = cluster.start(r, verbose)
@@ -81,6 +87,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {folder.path}",
                       soft_wrap=True)
         console.print(f"dashboard: {client.dashboard_link}")
+        page = dashboard.install(client)
+        if page:
+            console.print(f"streamrl page: {page}")
+        trace = TraceRecorder(client, folder.path)
         pools = cluster.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
         controller = Controller(resolved, client, pools, dask_cluster)
@@ -102,6 +112,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             # checkpoint must capture the weights right after this step.
             m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
             folder.record(m, warn)
+            trace.step(m)
+            dashboard.publish(client, m)
             hooks.on_step_end(step=step, metrics=m)
             console.print(step_line(m, r.run.steps), soft_wrap=True)
             done = step + 1
@@ -137,6 +149,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     finally:
         stop.uninstall()
         folder.close()
+        if trace is not None:
+            trace.close()
+        if (r.run.report if report is None else report) and folder.records:
+            write_report([folder.path])
         try:
             hooks.on_run_end(run_dir=folder.path, metrics=folder.records)
         except Exception as exc:  # an observer's failure must not hide the run's outcome
