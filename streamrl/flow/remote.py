@@ -192,7 +192,7 @@ def catch_up(engine, min_version: int) -> None:
 
     with worker_client() as client:  # leaves the worker's thread pool while it waits
         payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
-        version = int(re.match(r"export-weights-(\d+)", str(payload_future.key)).group(1))
+        version = int(re.search(r"export-weights-(\d+)", str(payload_future.key)).group(1))
         payload = payload_future.result(timeout=CATCH_UP_TIMEOUT)
     load_weights(payload, version)  # the same receive, lock and version check as a publication
     if engine.version < min_version:
