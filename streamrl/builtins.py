@@ -22,6 +22,10 @@ from streamrl.tasks.addition import AdditionConfig, AdditionTask
 from streamrl.tasks.countdown import CountdownConfig, CountdownReward, CountdownRewardConfig, CountdownTask
 from streamrl.tasks.dataset import DatasetConfig, DatasetTask
 from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
+from streamrl.telemetry.trackers.mlflow import MLflowConfig, MLflowSink
+from streamrl.telemetry.trackers.tensorboard import TensorBoardConfig, TensorBoardSink
+from streamrl.telemetry.trackers.trackio import TrackioConfig, TrackioSink
+from streamrl.telemetry.trackers.wandb import WandbConfig, WandbSink
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
 from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
 from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
@@ -83,4 +87,8 @@ def register_schedulers():
 
 @hookimpl
 def register_metric_sinks():
-    return [Component("metric_sink", "csv", CSVSinkConfig, CSVSink)]
+    return [Component("metric_sink", "csv", CSVSinkConfig, CSVSink),
+            Component("metric_sink", "tensorboard", TensorBoardConfig, TensorBoardSink),
+            Component("metric_sink", "wandb", WandbConfig, WandbSink),
+            Component("metric_sink", "mlflow", MLflowConfig, MLflowSink),
+            Component("metric_sink", "trackio", TrackioConfig, TrackioSink)]
