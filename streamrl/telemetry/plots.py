@@ -1,0 +1,291 @@
+"""The report's figures, one PNG each, drawn with matplotlib's Agg canvas (no display, no
+pyplot state: safe at the end of a run in any process).
+
+Every function takes ``series``, a list of ``(label, records)`` (a run's ``metrics.jsonl``
+records, oldest first), draws every run on the same axes in its own colour (``C0``, ``C1``, ...
+in list order) and returns whether it wrote ``path`` (False: nothing to draw, e.g. no ranker).
+The per-worker timeline is the exception: one run per figure (:func:`timeline`).
+
+matplotlib and numpy are imported by the caller's first use of this module, never by
+``import streamrl``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from streamrl.telemetry import timeline as tl
+
+Series = list[tuple[str, list[dict]]]
+
+DPI = 100
+WIDE = (9.0, 3.6)
+KIND_COLOURS = {tl.GENERATE: "#4C72B0", tl.REWARD: "#DD8452", tl.TRAIN: "#55A868", tl.OPTIMIZER: "#1B4D2B"}
+KIND_LEGEND = {tl.GENERATE: "generate (engine had requests)", tl.REWARD: "reward (gen. end to scored, upper bound)",
+               tl.TRAIN: "train task", tl.OPTIMIZER: "optimizer step (upper bound)"}
+
+
+def _figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
+    fig = Figure(figsize=size, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False, **kw)
+    return fig, list(axes.flat)
+
+
+def _save(fig, path: Path) -> bool:
+    fig.savefig(path, dpi=DPI)
+    return True
+
+
+def _steps(records: list[dict]) -> np.ndarray:
+    """1-based step numbers (what the console prints as ``step k/n``)."""
+    return np.array([r.get("step", i) + 1 for i, r in enumerate(records)], dtype=float)
+
+
+def _values(records: list[dict], key: str) -> np.ndarray:
+    return np.array([r.get(key, np.nan) if isinstance(r.get(key), (int, float)) else np.nan for r in records],
+                    dtype=float)
+
+
+def smoothing(n: int) -> int:
+    """Trailing-mean window for a curve of ``n`` steps: about a fifteenth of the run, so a long
+    run's trend shows through its per-step noise and a short run is drawn as is."""
+    return max(1, round(n / 15))
+
+
+def _trend(ax, x: np.ndarray, y: np.ndarray, colour: str, label: str) -> int:
+    """Per-step values as a thin line and their trailing mean as a bold one; returns the window."""
+    w = smoothing(len(y))
+    if w == 1:
+        ax.plot(x, y, color=colour, lw=1.8, marker="o" if len(y) <= 12 else None, ms=3, label=label)
+        return 1
+    ax.plot(x, y, color=colour, lw=0.8, alpha=0.35)
+    # (a NaN in the window, e.g. a step without the field, blanks that point only)
+    mean = np.convolve(np.nan_to_num(y), np.ones(w) / w, mode="valid")
+    ax.plot(x[w - 1:], mean, color=colour, lw=2.0, label=label)
+    return w
+
+
+def _legend(ax, series: Series, **kw) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, **kw)
+
+
+def reward(series: Series, path: Path) -> bool:
+    """Training reward per step; beside it the held-out evaluation (``eval/...``) by policy
+    version when any run has one."""
+    evals = [(label, eval_points(records)) for label, records in series]
+    with_eval = any(points for _, points in evals)
+    fig, axes = _figure((11.0, 3.8) if with_eval else WIDE, cols=2 if with_eval else 1)
+    ax = axes[0]
+    windows = set()
+    for i, (label, records) in enumerate(series):
+        windows.add(_trend(ax, _steps(records), _values(records, "reward_mean"), f"C{i}", label))
+    how = "" if windows == {1} else f"  (thin: per step; bold: mean of the last {'/'.join(map(str, sorted(windows)))})"
+    ax.set(title="Training reward" + how, xlabel="step", ylabel="mean reward of the step's samples")
+    ax.title.set_fontsize(10)
+    ax.grid(alpha=0.3)
+    _legend(ax, series)
+    if with_eval:
+        ax = axes[1]
+        styles = ["-", "--", ":", "-."]
+        metrics = sorted({k for _, points in evals for p in points for k in p if k != "eval/policy_version"},
+                         key=lambda k: (k != "eval/pass@1", k))
+        for i, (label, points) in enumerate(evals):
+            x = [p["eval/policy_version"] for p in points]
+            for j, key in enumerate(metrics):
+                y = [p.get(key, np.nan) for p in points]
+                name = key.removeprefix("eval/")
+                ax.plot(x, y, color=f"C{i}", ls=styles[j % len(styles)], marker="o", ms=4,
+                        label=name if len(series) == 1 else f"{label}: {name}")
+        ax.set(title="Held-out evaluation", xlabel="policy version (steps trained)", ylabel="score")
+        ax.title.set_fontsize(10)
+        ax.grid(alpha=0.3)
+        _legend(ax, series)
+    return _save(fig, path)
+
+
+def eval_points(records: list[dict]) -> list[dict]:
+    """Every evaluation of a run (its ``eval/...`` numbers, ``eval/policy_version`` first), one
+    per policy version, oldest first: those in the records and those the last record lists as
+    not recorded (``eval_unrecorded``). Failed evaluations (no numbers) are left out."""
+    found: dict[int, dict] = {}
+    for rec in records:
+        for ev in [rec, *rec.get("eval_unrecorded", ())]:
+            if "eval/policy_version" not in ev:
+                continue
+            nums = {k: v for k, v in ev.items() if k.startswith("eval/") and k != "eval/prompts"
+                    and isinstance(v, (int, float))}
+            if len(nums) > 1:
+                found[int(ev["eval/policy_version"])] = nums
+    return [found[v] for v in sorted(found)]
+
+
+def response_length(series: Series, path: Path) -> bool:
+    """Response-length distribution per step: median line, 10th-90th percentile band, max."""
+    fig, (ax,) = _figure(WIDE)
+    for i, (label, records) in enumerate(series):
+        x, q = _steps(records), np.full((len(records), 4), np.nan)
+        for j, rec in enumerate(records):
+            lens = [s["response_len"] for s in rec.get("sample_log", ()) if "response_len" in s]
+            if lens:
+                q[j] = np.percentile(lens, [10, 50, 90, 100])
+            elif "response_len_mean" in rec:  # no per-sample log: the mean is all there is
+                q[j, 1] = rec["response_len_mean"]
+        ax.fill_between(x, q[:, 0], q[:, 2], color=f"C{i}", alpha=0.2, lw=0)
+        ax.plot(x, q[:, 1], color=f"C{i}", lw=1.8, label=label if len(series) > 1 else "median")
+        ax.plot(x, q[:, 3], color=f"C{i}", lw=0.8, ls=":", label=None if len(series) > 1 else "longest")
+    if len(series) == 1:
+        ax.fill_between([], [], [], color="C0", alpha=0.2, lw=0, label="10th-90th percentile")
+    ax.set(title="Response length per step" + ("  (line: median, band: 10th-90th percentile, dotted: longest)"
+                                               if len(series) > 1 else ""),
+           xlabel="step", ylabel="response length (tokens)")
+    ax.title.set_fontsize(10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    _legend(ax, series)
+    return _save(fig, path)
+
+
+def throughput(series: Series, path: Path) -> bool:
+    """Samples and tokens trained per second of step time, per step."""
+    fig, axes = _figure((11.0, 3.6), cols=2)
+    for key, ax, what in (("samples_per_s", axes[0], "samples/s"), ("tokens_per_s", axes[1], "tokens/s")):
+        windows = set()
+        for i, (label, records) in enumerate(series):
+            windows.add(_trend(ax, _steps(records), _values(records, key), f"C{i}", label))
+        how = "" if windows == {1} else f"  (bold: mean of the last {'/'.join(map(str, sorted(windows)))} steps)"
+        ax.set(title=f"Throughput: {what}{how}", xlabel="step",
+               ylabel=f"{what} (trained, per second of step)")
+        ax.title.set_fontsize(10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    _legend(axes[0], series)
+    return _save(fig, path)
+
+
+def idle(series: Series, path: Path) -> bool:
+    """Each pool's idle ratio per step, as the workers' busy clocks measured it (``pools``)."""
+    pools = list(dict.fromkeys(p for _, records in series for r in records for p in r.get("pools", {})))
+    if not pools:
+        return False
+    fig, axes = _figure((3.6 * len(pools) + 0.6, 3.4), cols=len(pools), sharey=True)
+    for ax, pool in zip(axes, pools):
+        for i, (label, records) in enumerate(series):
+            y = np.array([r.get("pools", {}).get(pool, {}).get("idle_ratio", np.nan) for r in records], dtype=float)
+            _trend(ax, _steps(records), 100 * y, f"C{i}", label)
+        ax.set(title=f"{pool} pool", xlabel="step")
+        ax.title.set_fontsize(10)
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("idle, % of worker time")
+    fig.suptitle("Bubbles: share of each pool's worker time spent idle, per step (measured by the workers)",
+                 fontsize=10)
+    _legend(axes[0], series)
+    return _save(fig, path)
+
+
+def staleness(series: Series, path: Path) -> bool:
+    """Histogram of sample staleness (policy versions between generating and training a sample)."""
+    counts = [Counter(s["staleness"] for r in records for s in r.get("sample_log", ()) if "staleness" in s)
+              for _, records in series]
+    if not any(counts):
+        return False
+    fig, (ax,) = _figure((max(4.5, 1.2 + 0.9 * len({k for c in counts for k in c}) * len(series) ** 0.5), 3.4))
+    width = 0.8 / len(series)
+    for i, ((label, _), c) in enumerate(zip(series, counts)):
+        total = sum(c.values()) or 1
+        xs = sorted(c)
+        bars = ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], [100 * c[x] / total for x in xs], width,
+                      color=f"C{i}", label=label)
+        if len(series) == 1:
+            ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
+    ax.set_xticks(sorted({k for c in counts for k in c}))
+    ax.set(title="Sample staleness", xlabel="staleness (policy versions behind the trained one)",
+           ylabel="% of samples")
+    ax.title.set_fontsize(10)
+    ax.grid(alpha=0.3, axis="y")
+    if len(series) > 1:
+        _legend(ax, series)
+    return _save(fig, path)
+
+
+def ranker(series: Series, path: Path) -> bool:
+    """The length ranker's recall of each step's longest 20% of responses (``ranker_recall``)."""
+    have = [(i, label, records) for i, (label, records) in enumerate(series)
+            if any("ranker_recall" in r for r in records)]
+    if not have:
+        return False
+    fig, (ax,) = _figure(WIDE)
+    for i, label, records in have:
+        ax.plot(_steps(records), _values(records, "ranker_recall"), color=f"C{i}", marker="o", ms=3, label=label)
+    ax.axhline(0.2, color="grey", ls="--", lw=1, label="a random guess (0.2)")
+    ax.set(title="Length ranker: share of the step's longest 20% of responses it predicted in its top 20%",
+           xlabel="step", ylabel="recall")
+    ax.title.set_fontsize(10)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    _legend(ax, series)
+    return _save(fig, path)
+
+
+def window(records: list[dict], steps: int) -> tuple[int, int]:
+    """The steps the timeline shows: the last ``steps`` before the final one, whose end is not
+    typical (nothing is generated ahead for a step that will not come). Indices, inclusive."""
+    n = len(records)
+    hi = n - 2 if n > steps else n - 1
+    return max(0, hi - steps + 1), hi
+
+
+MAX_ROWS = 24
+
+
+def timeline(label: str, records: list[dict], path: Path, serial_train: bool = True, steps: int = 3) -> bool:
+    """One run's per-worker busy timeline over a few recent steps: one row per worker, a bar while
+    it worked (see ``telemetry/timeline.py`` for what each bar is drawn from), its busy share at
+    the right; the gaps are the bubbles."""
+    timed = [r for r in records if "time" in r and "step_s" in r]
+    if not timed:
+        return False
+    lo, hi = window(timed, steps)
+    t0, t1 = timed[lo]["time"] - timed[lo]["step_s"], timed[hi]["time"]
+    # the step before (where a worker's previous task ended) and the ones after (their samples
+    # may have been generated inside the window)
+    rows = tl.busy_bars(timed[max(0, lo - 1):hi + 3], serial_train)
+    if not rows:
+        return False
+    names = list(rows)[:MAX_ROWS]
+    fig, (ax,) = _figure((10.0, 1.9 + 0.42 * len(names)))
+    for y, name in enumerate(names):
+        for kind in tl.KINDS:
+            spans = [(max(b.start, t0) - t0, min(b.end, t1) - max(b.start, t0)) for b in rows[name]
+                     if b.kind == kind and b.end > t0 and b.start < t1]
+            if spans:
+                ax.broken_barh(spans, (y - 0.36, 0.72), facecolors=KIND_COLOURS[kind], edgecolor="white", lw=0.3)
+        busy = tl.busy_fraction(rows[name], t0, t1)
+        ax.text(1.005, y, f"{busy:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8)
+    for k in range(lo, hi + 1):  # alternate step backgrounds, labelled at the top
+        a, b = timed[k]["time"] - timed[k]["step_s"] - t0, timed[k]["time"] - t0
+        if (k - lo) % 2 == 0:
+            ax.axvspan(a, b, color="0.93", zorder=0)
+        ax.text((a + b) / 2, len(names) - 0.45, f"step {timed[k].get('step', k) + 1}", ha="center",
+                va="bottom", fontsize=8, color="0.35")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(len(names) - 0.4 + 0.35, -0.6)
+    ax.set_xlim(0, t1 - t0)
+    ax.text(1.005, 1.0, "busy", transform=ax.transAxes, va="bottom", fontsize=8)
+    more = f" (first {MAX_ROWS} of {len(rows)} workers)" if len(rows) > MAX_ROWS else ""
+    ax.set(xlabel=f"seconds since the start of step {timed[lo].get('step', lo) + 1}",
+           title=f"{label}: who was busy when, steps {timed[lo].get('step', lo) + 1}-{timed[hi].get('step', hi) + 1} "
+                 f"of {len(records)}{more}   (gaps: idle, waiting)")
+    ax.title.set_fontsize(10)
+    kinds = [k for k in tl.KINDS if any(b.kind == k for n in names for b in rows[n])]
+    fig.legend(handles=[Patch(color=KIND_COLOURS[k], label=KIND_LEGEND[k]) for k in kinds], loc="outside lower center",
+               ncol=len(kinds), fontsize=8, frameon=False)
+    return _save(fig, path)
