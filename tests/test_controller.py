@@ -51,6 +51,32 @@ def run_steps(client, overrides, steps=3, controller=None, feed=False):
     return [ctl.step(s, feed_next=feed) for s in range(steps)]
 
 
+def test_each_steps_tasks_run_in_a_dask_span_of_that_step_and_phase(client):
+    """The dashboard's span views break time down by step and phase: a step's generate, reward,
+    train and publish tasks (async: submitted during the step before) sit in its own spans."""
+    run_steps(client, ["run.mode=async", "run.max_staleness=1"], steps=3)
+
+    def spans_of_tasks(dask_scheduler):
+        ext = dask_scheduler.extensions["spans"]
+        return {str(tg.name): ext.spans[tg.span_id].name for tg in dask_scheduler.task_groups.values()
+                if tg.span_id and tg.name.split("-")[0] in ("generate", "reward", "train", "optimizer", "export",
+                                                             "load")}
+
+    def all_span_names(dask_scheduler):
+        return sorted({s.name for s in dask_scheduler.extensions["spans"].spans.values()})
+
+    live = client.run_on_scheduler(spans_of_tasks)
+    for group, name in live.items():  # those still held (e.g. the last step's)
+        step = int(group.rsplit("-", 1)[1]) - (1 if group.startswith(("export", "load")) else 0)
+        phase = {"optimizer": "train", "export": "publish", "load": "publish"}.get(group.split("-")[0],
+                                                                                    group.split("-")[0])
+        assert name == (f"step {step}", phase), (group, name)
+    names = client.run_on_scheduler(all_span_names)
+    for step in range(3):
+        for phase in ("generate", "reward", "train", "publish"):
+            assert (f"step {step}", phase) in names, (step, phase, names)
+
+
 @pytest.mark.parametrize("mode", ["batch", "stream", "async"])
 def test_every_mode_trains_every_sample_once_in_order(client, mode):
     records = run_steps(client, [f"run.mode={mode}", "run.max_staleness=1"])
@@ -66,9 +92,13 @@ def test_every_mode_trains_every_sample_once_in_order(client, mode):
         assert all(r["generated_policy_version_min"] == r["step"] for r in records)
 
 
-def scheduler_keys(client, prefix: str) -> list[str]:
-    return client.run_on_scheduler(lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks
-                                                            if str(k).startswith(prefix)])
+def scheduler_keys(client, prefix: str | tuple[str, ...]) -> list[str]:
+    """Keys on the scheduler whose text (a tuple key's parts joined by ``-``) starts with ``prefix``."""
+    def text(k):
+        return "-".join(map(str, k)) if isinstance(k, tuple) else str(k)
+
+    return client.run_on_scheduler(lambda dask_scheduler: [text(k) for k in dask_scheduler.tasks
+                                                            if text(k).startswith(prefix)])
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
@@ -122,8 +152,8 @@ def test_groups_per_task_bundles_groups_and_still_trains_every_sample_once(clien
         uids = [x["uid"] for x in r["sample_log"]]
         assert len(uids) == len(set(uids)) == 12
     # 6 prompts in bundles of at most 4 (a scheduler bundles only groups it sent to one worker)
-    keys = [k for k in made[0].client.who_has() if str(k).startswith("generate-1-")]
-    sizes = sorted(1 + int(str(k).split("+")[1]) if "+" in str(k) else 1 for k in keys)
+    keys = [k[1] for k in made[0].client.who_has() if isinstance(k, tuple) and k[0] == "generate-1"]
+    sizes = sorted(1 + int(k.split("+")[1]) if "+" in k else 1 for k in keys)
     assert sum(sizes) == 6 and max(sizes) <= 4 and len(keys) < 6, keys
 
 

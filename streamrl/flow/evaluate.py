@@ -31,6 +31,7 @@ from streamrl.flow import remote, submit
 from streamrl.flow.resident import ENGINE, resident
 from streamrl.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
+from streamrl.telemetry import spans
 
 #: Dask priority of evaluation's generate tasks: below training's (0 and up), so the generate
 #: pool runs them only when no training generation is waiting.
@@ -95,15 +96,16 @@ class Evaluator:
         # the engine keys requests by uid, and two evaluations may be in flight at once
         prompts = [replace(p, uid=f"v{version}-{p.uid}") for p in self.prompts]
         summaries = []
-        for i in range(0, len(prompts), self.per_task):
-            key = f"eval-v{version}-{i:04d}-{stamp}"
-            gen = self.client.submit(eval_groups, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
-                                     version, after=after, key=f"generate-{key}", resources={"generate": 1},
-                                     priority=EVAL_PRIORITY, retries=1)
-            scored = self.client.submit(remote.score_groups, gen, key=f"reward-{key}", resources={"reward": 1},
-                                        priority=EVAL_PRIORITY, retries=1)
-            summaries.append(self.client.submit(eval_summary, scored, key=f"summary-{key}", resources={"reward": 1},
-                                                priority=EVAL_PRIORITY))
+        with spans.phase(max(version - 1, 0), "eval"):  # (v0, the initial policy: with step 0)
+            for i in range(0, len(prompts), self.per_task):
+                rest = f"{i:04d}-{stamp}"
+                gen = self.client.submit(eval_groups, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
+                                         version, after=after, key=spans.step_key("eval-generate", version, rest),
+                                         resources={"generate": 1}, priority=EVAL_PRIORITY, retries=1)
+                scored = self.client.submit(remote.score_groups, gen, key=spans.step_key("eval-reward", version, rest),
+                                            resources={"reward": 1}, priority=EVAL_PRIORITY, retries=1)
+                summaries.append(self.client.submit(eval_summary, scored, key=spans.step_key("eval-summary", version, rest),
+                                                    resources={"reward": 1}, priority=EVAL_PRIORITY))
         self.pending.append((version, summaries))
 
     def ready(self) -> dict:

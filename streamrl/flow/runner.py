@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
+from distributed import performance_report, span
 from rich.console import Console
 
 from streamrl import cluster
@@ -20,10 +22,11 @@ from streamrl.flow.run_folder import RunFolder
 from streamrl.flow.stopping import StopRequest, sigint_ignored
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
+from streamrl.telemetry.console import RunDisplay, WarningsLog, summary_table
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
 
-__all__ = ["resolve", "run", "summary", "load_for_resume"]
+__all__ = ["resolve", "run", "load_for_resume"]
 
 
 def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[LoadedRecipe, Path]:
@@ -31,29 +34,54 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Loa
     loaded, folder = RunFolder.for_resume(run_dir, overrides)
     return loaded, folder.path
 
-def summary(records: list[dict], window: int = 10) -> str:
-    """One line: did reward go up (mean of the first vs the last ``window`` steps), how fast."""
-    if not records:
-        return "no steps run"
-    k = min(window, len(records))
-    first = sum(r["reward_mean"] for r in records[:k]) / k
-    last = sum(r["reward_mean"] for r in records[-k:]) / k
-    rate = sum(r["samples"] for r in records) / max(sum(r["step_s"] for r in records), 1e-9)
-    return (f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
-            f"{rate:.1f} samples/s over {len(records)} steps")
+def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopRequest, display: RunDisplay,
+           trace: TraceRecorder, client, hooks, warn) -> None:
+    """The run's steps from ``first``: each step's record to the folder, the trace, the dashboard
+    page, the plugins and the display; checkpoints as ``run.checkpoint_every`` says, and after a
+    stop request (then :class:`Interrupted`)."""
+    every = r.run.checkpoint_every
+
+    def checkpoint_after(done: int) -> bool:
+        return done == r.run.steps or bool(every and done % every == 0)
+
+    for step in range(first, r.run.steps):
+        # The next step's training may start before this step's record is written, unless a
+        # checkpoint must capture the weights right after this step.
+        m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
+        folder.record(m, warn)
+        trace.step(m)
+        dashboard.publish(client, m)
+        hooks.on_step_end(step=step, metrics=m)
+        display.step(m)
+        done = step + 1
+        if stop.requested and controller.fed is not None:
+            continue  # the next step is already training: stop after it
+        if stop.requested or checkpoint_after(done):
+            with span("checkpoint"):
+                saved = controller.checkpoint(folder.path, done, len(folder.records))
+            folder.mark("running", step=done, checkpoint=str(saved))
+        if stop.requested and done < r.run.steps:
+            folder.mark("interrupted", step=done)
+            raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
+                              f"Resume with: {folder.resume_command()}")
 
 
-def step_line(m: dict, steps: int) -> str:
-    """The console line of one step."""
-    return (f"step {m['step'] + 1:>3}/{steps}  reward {m['reward_mean']:.3f}  "
-            f"samples/s {m['samples_per_s']:6.1f}  gen {m['generate_s']:.2f}s  "
-            f"train {m['train_s']:.2f}s  sync {m['weight_sync_s']:.3f}s  idle "
-            + " ".join(f"{p[:3]} {a['idle_ratio']:.0%}" for p, a in m["pools"].items())
-            + f"  v{m['policy_version']}"
-            # an elastic pool: how many generated, and what changed after the step
-            + (f"  gen x{m['generate_workers']} {m['elastic']}".rstrip() if "elastic" in m else "")
-            # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
-            + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}[/]" if m.get("reward_errors") else ""))
+def _write_views(folder: RunFolder, trace: TraceRecorder | None, report: bool, warn) -> dict[str, Path]:
+    """After the run, however it ended: the trace and the report, written from what the run
+    recorded (a failure here is a warning: the run's own outcome matters more). Returns the
+    files there are, by label."""
+    files = {"run folder": folder.path}
+    try:
+        if trace is not None and (path := trace.close()) is not None:
+            files["trace (Perfetto)"] = path.name
+        if report and folder.records:
+            if (path := write_report([folder.path])) is not None:
+                files["report"] = path.relative_to(folder.path) if path.is_relative_to(folder.path) else path
+    except Exception as exc:
+        warn(f"writing the run's trace or report failed: {type(exc).__name__}: {exc}")
+    if (folder.path / "dask-report.html").exists():
+        files["dask report"] = "dask-report.html"
+    return files
 
 
 def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None,
@@ -79,20 +107,22 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     t_start = time.time()
     warn = lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True)  # noqa: E731
     stop = StopRequest(warn)
+    warnings_log = WarningsLog(folder.path / "warnings.log")
     dask_cluster = client = trace = None
     try:
         with sigint_ignored():  # the cluster's processes inherit the ignore (``flow/stopping.py``)
             dask_cluster, client = cluster.start(r, verbose)
         stop.install()
+        warnings_log.attach(client)
         console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {folder.path}",
                       soft_wrap=True)
         console.print(f"dashboard: {client.dashboard_link}")
         page = dashboard.install(client)
         if page:
             console.print(f"streamrl page: {page}")
-        trace = TraceRecorder(client, folder.path)
         pools = cluster.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
+        trace = TraceRecorder(client, folder.path)
         controller = Controller(resolved, client, pools, dask_cluster)
         controller.place_residents()
         first = 0
@@ -102,38 +132,13 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         hooks.on_run_start(recipe=r, run_dir=folder.path)
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
         folder.mark("running", step=first, scheduler=client.scheduler.address)
-        every = r.run.checkpoint_every
-
-        def checkpoint_after(done: int) -> bool:
-            return done == r.run.steps or bool(every and done % every == 0)
-
-        for step in range(first, r.run.steps):
-            # The next step's training may start before this step's record is written, unless a
-            # checkpoint must capture the weights right after this step.
-            m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
-            folder.record(m, warn)
-            trace.step(m)
-            dashboard.publish(client, m)
-            hooks.on_step_end(step=step, metrics=m)
-            console.print(step_line(m, r.run.steps), soft_wrap=True)
-            done = step + 1
-            if stop.requested and controller.fed is not None:
-                continue  # the next step is already training: stop after it
-            if stop.requested or checkpoint_after(done):
-                saved = controller.checkpoint(folder.path, done, len(folder.records))
-                folder.mark("running", step=done, checkpoint=str(saved))
-            if stop.requested and done < r.run.steps:
-                folder.mark("interrupted", step=done)
-                raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
-                                  f"Resume with: {folder.resume_command()}")
+        with ExitStack() as stack:
+            if profile or r.run.profile:  # Dask's own report of every task, worker and transfer
+                stack.enter_context(performance_report(filename=str(folder.path / "dask-report.html")))
+            display = stack.enter_context(RunDisplay(console, r.run.name, r.run.steps, first, plain))
+            _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn)
         policy = controller.save_policy(folder.path / "policy")
         folder.mark("completed", step=r.run.steps, policy=str(policy))
-        console.print(summary(folder.records))
-        errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
-        if errors:
-            console.print(f"[yellow]reward errors: {errors} of {sum(rec['samples'] for rec in folder.records)} "
-                          "samples scored 0 (the reward raised or returned a non-number; see metrics.jsonl)[/]")
-        console.print(f"policy saved: {policy}  ({time.time() - t_start:.0f}s in all)")
     except Interrupted:
         raise
     except BaseException as exc:
@@ -148,15 +153,22 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         raise
     finally:
         stop.uninstall()
+        warnings_log.detach()
         folder.close()
-        if trace is not None:
-            trace.close()
-        if (r.run.report if report is None else report) and folder.records:
-            write_report([folder.path])
+        files = _write_views(folder, trace, r.run.report if report is None else report, warn)
         try:
             hooks.on_run_end(run_dir=folder.path, metrics=folder.records)
         except Exception as exc:  # an observer's failure must not hide the run's outcome
             warn(f"on_run_end failed: {type(exc).__name__}: {exc}")
         if dask_cluster is not None or client is not None:
             cluster.stop(dask_cluster, client)
+    errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
+    if errors:
+        console.print(f"[yellow]reward errors: {errors} of {sum(rec['samples'] for rec in folder.records)} "
+                      "samples scored 0 (the reward raised or returned a non-number; see metrics.jsonl)[/]")
+    if warnings_log.count:
+        files["library warnings"] = f"{warnings_log.path.name} ({warnings_log.count})"
+    table = summary_table(folder.records, {**files, "policy": Path(policy).name})
+    table.caption = f"{time.time() - t_start:.0f}s in all"
+    console.print(table)
     return folder.path

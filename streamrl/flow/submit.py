@@ -22,6 +22,7 @@ from streamrl.flow import remote
 from streamrl.flow.topology import Topology
 from streamrl.recipe import Recipe
 from streamrl.sample import Prompt
+from streamrl.telemetry import spans
 
 
 def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[str]) -> None:
@@ -48,11 +49,12 @@ def samples_per_step(recipe: Recipe) -> int:
     return recipe.trainer.prompts_per_step * recipe.trainer.samples_per_prompt
 
 
-def generation(topo: Topology, recipe: Recipe, prompts: list[Prompt], placed: dict[int, tuple[str, float]],
-               min_version: int, on_generate: Callable[[str | None, Future], None] | None = None) -> list[Future]:
-    """Generate + reward tasks for ``prompts`` (``placed``: a scheduler's ``{index: (worker,
-    priority)}``, else empty); returns the futures of the scored bundles (lists of
-    ``groups_per_task`` groups). ``min_version`` is the policy every engine holds by now; an
+def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
+               placed: dict[int, tuple[str, float]], min_version: int,
+               on_generate: Callable[[str | None, Future], None] | None = None) -> list[Future]:
+    """Generate + reward tasks for step ``step``'s ``prompts`` (``placed``: a scheduler's
+    ``{index: (worker, priority)}``, else empty); returns the futures of the scored bundles (lists
+    of ``groups_per_task`` groups). ``min_version`` is the policy every engine holds by now; an
     engine found older (its worker was restarted) catches up before it generates.
     ``on_generate(worker, future)`` hears of each generate task (``worker``: the one a scheduler
     pinned it to, else None)."""
@@ -73,11 +75,13 @@ def generation(topo: Topology, recipe: Recipe, prompts: list[Prompt], placed: di
             if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
                 where = {**cluster.at(topo.pins[name], generate=1), "priority": int(max(priorities))}
             key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
-            gen = client.submit(remote.generate_groups, bundle, n, submitted=time.time(),
-                                engine_priorities=priorities, min_version=min_version,
-                                key=f"generate-{key}", retries=1, **where)
-            scored.append(client.submit(remote.score_groups, gen, key=f"reward-{key}",
-                                        resources={"reward": 1}, retries=1))
+            with spans.phase(step, "generate"):
+                gen = client.submit(remote.generate_groups, bundle, n, submitted=time.time(),
+                                    engine_priorities=priorities, min_version=min_version,
+                                    key=spans.step_key("generate", step, key), retries=1, **where)
+            with spans.phase(step, "reward"):
+                scored.append(client.submit(remote.score_groups, gen, key=spans.step_key("reward", step, key),
+                                            resources={"reward": 1}, retries=1))
             if on_generate is not None:
                 on_generate(name, gen)
     return scored
@@ -120,7 +124,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
     bundles_per_task = max(1, t.groups_per_micro_batch // groups_per_task(recipe))
     scale = 1.0 / (samples or samples_per_step(recipe))
     trains: list[Future] = []
-    suffix = f"-epoch{epoch}" if epoch else ""
+    suffix = f"epoch{epoch}-" if epoch else ""
     ranks, sharded = topo.train, topo.sharded
     world = len(ranks)
     chained = sharded or ordered  # each rank runs its tasks in the order given
@@ -141,10 +145,12 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         # sharded ranks must run their tasks in the order given, so that the k-th task of
         # every rank meets the others' k-th in its collectives: each waits for its rank's last
         later = [*(after or []), turns[rank]] if chained and rank in turns else after
-        trains.append(client.submit(
-            remote.train_groups, *chunk, scale=scale, micro_batch_tokens=t.micro_batch_tokens,
-            groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=later,
-            trainer_id=topo.incarnations, key=f"train-{step}{suffix}-{len(trains):03d}", **where()))
+        with spans.phase(step, "train"):
+            trains.append(client.submit(
+                remote.train_groups, *chunk, scale=scale, micro_batch_tokens=t.micro_batch_tokens,
+                groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=later,
+                trainer_id=topo.incarnations, key=spans.step_key("train", step, f"{suffix}{len(trains):03d}"),
+                **where()))
         turns[rank] = trains[-1]
 
     if not stream or ordered:
@@ -175,8 +181,9 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
     while sharded and len(trains) % world:  # the last round: the other ranks' empty turns
         submit([])
     # every rank steps, together (they sum their gradients first), after every micro-batch
-    steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations,
-                           key=f"optimizer-step-{step}{suffix}" + (f"-rank{rank}" if rank else ""),
-                           **cluster.at(topo.pins[name], train=1))
-             for rank, name in enumerate(ranks)]
+    with spans.phase(step, "train"):
+        steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations,
+                               key=spans.step_key("optimizer-step", step, f"{suffix}rank{rank}"),
+                               **cluster.at(topo.pins[name], train=1))
+                 for rank, name in enumerate(ranks)]
     return steps, trains

@@ -14,6 +14,7 @@ from distributed import Client, Future, Variable, wait
 from streamrl.errors import RunFailed
 from streamrl.flow import remote
 from streamrl.flow.resident import ResidentLost
+from streamrl.telemetry import spans
 
 #: Dask priority of weight export/load tasks: above any generate task (schedulers use the
 #: predicted-length rank, at most the prompts per step, as generate priorities).
@@ -32,13 +33,15 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
     the load took). ``tag`` makes the keys new when a version is published again (a resume), so
     Dask does not answer with a finished task. ``loads_after``: tasks every load waits for (a
     repeatable run: the generation that must still see the older weights)."""
-    payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id,
-                            receivers=len(generate_pins), key=f"export-weights-{version}{tag}",
-                            priority=LOAD_PRIORITY, **train_pin)
-    Variable(LATEST, client=client).set(payload)
-    return [client.submit(remote.load_weights, payload, version, after=loads_after,
-                          key=f"load-weights-{version}{tag}-{name}", priority=LOAD_PRIORITY, **pin)
-            for name, pin in generate_pins.items()]
+    with spans.phase(version - 1, "publish"):  # the step that made this version
+        payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id,
+                                receivers=len(generate_pins), key=spans.step_key("export-weights", version, f"v{version}{tag}"),
+                                priority=LOAD_PRIORITY, **train_pin)
+        Variable(LATEST, client=client).set(payload)
+        return [client.submit(remote.load_weights, payload, version, after=loads_after,
+                              key=spans.step_key("load-weights", version, f"{name}{tag}"), priority=LOAD_PRIORITY,
+                              **pin)
+                for name, pin in generate_pins.items()]
 
 
 #: Seconds a weight load may take, a worker restart included, before the run gives up on it.
@@ -52,7 +55,7 @@ def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
         wait(loads, timeout=timeout)
     except TimeoutError:
         pending = [f for f in loads if not f.done()]
-        keys = sorted(str(f.key) for f in pending) or ["?"]
+        keys = sorted(spans.key_text(f.key) for f in pending) or ["?"]
         raise RunFailed(f"weight load {keys[0]} did not finish within {timeout:.0f} s (is that generate "
                         "worker alive? see the dashboard)") from None
     for f in loads:
@@ -61,4 +64,4 @@ def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
         except ResidentLost:  # its export found the trainer restarted: that is the news
             raise
         except Exception as exc:  # e.g. a broadcast that timed out: say which load, in one line
-            raise RunFailed(f"weight load {f.key} failed: {exc}") from None
+            raise RunFailed(f"weight load {spans.key_text(f.key)} failed: {exc}") from None

@@ -1,0 +1,211 @@
+"""What a run shows on the terminal: a live display, or one plain line per step, and a summary.
+
+On a terminal, :class:`RunDisplay` is a ``rich`` live display: a progress bar (step N/M, elapsed,
+ETA) over a small table of the latest figures (reward, eval score, samples/s, each pool's busy
+share, staleness, policy version). Without a terminal (CI, a log file, ``--plain``) it prints
+one line per step instead, every figure named. Messages printed meanwhile (warnings, elastic
+events) scroll above the live part.
+
+Library warnings (transformers' deprecations and the like) go to ``warnings.log`` in the run
+folder, not the terminal: :class:`WarningsToEvents` sends each distinct one from the workers
+as a Dask event, and :class:`WarningsLog` writes those and this process's own to the file.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from distributed import WorkerPlugin
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+#: Dask event topic the workers' warnings travel on
+TOPIC = "streamrl-warnings"
+
+
+def eval_score(m: dict) -> tuple[str, float] | None:
+    """The evaluation figure a step's record carries (pass@1, else the mean reward), if any."""
+    for key in ("eval/pass@1", "eval/reward_mean"):
+        if key in m:
+            return key.removeprefix("eval/"), m[key]
+    return None
+
+
+def busy(m: dict) -> str:
+    """Each pool's busy share in the step, e.g. ``generate 40% train 95% reward 3%``."""
+    return " ".join(f"{p} {1 - a['idle_ratio']:.0%}" for p, a in m.get("pools", {}).items())
+
+
+def step_line(m: dict, steps: int) -> str:
+    """The plain line of one step. Generation that overlapped the previous step (``async``)
+    says so instead of showing 0 s."""
+    gen = f"{m['generate_s']:.2f}s" if m["generate_s"] > 0 else "overlapped"
+    score = eval_score(m)
+    return (f"step {m['step'] + 1:>3}/{steps}  reward {m['reward_mean']:.3f}"
+            + (f"  eval {score[0]} {score[1]:.3f}" if score else "")
+            + f"  samples/s {m['samples_per_s']:6.1f}  step {m['step_s']:.2f}s (generation {gen}, "
+            f"training {m['train_s']:.2f}s, weight sync {m['weight_sync_s']:.3f}s)  busy {busy(m)}"
+            f"  staleness {m['staleness_max']}  v{m['policy_version']}"
+            # an elastic pool: how many generated, and what changed after the step
+            + (f"  generate workers {m['generate_workers']} {m['elastic']}".rstrip() if "elastic" in m else "")
+            # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
+            + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}[/]" if m.get("reward_errors") else ""))
+
+
+class RunDisplay:
+    """The run's progress on ``console``: live on a terminal, else (or ``plain``) one line per step."""
+
+    def __init__(self, console: Console, name: str, steps: int, first: int = 0, plain: bool = False):
+        self.console, self.steps = console, steps
+        self.live_mode = console.is_terminal and not plain
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("steps"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=console)
+        self.task = self.progress.add_task(name, total=steps, completed=first)
+        self.latest: dict | None = None
+        self.live: Live | None = None
+
+    def __enter__(self) -> "RunDisplay":
+        if self.live_mode:
+            # 4 refreshes a second from rich's own thread: the controller's loop never draws
+            self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+            self.live = None
+
+    def step(self, m: dict) -> None:
+        """Show one finished step's record."""
+        if self.live is None:
+            self.console.print(step_line(m, self.steps), soft_wrap=True)
+            return
+        self.latest = m
+        self.progress.update(self.task, completed=m["step"] + 1)
+        self.live.update(self._render())
+        if m.get("reward_errors") or m.get("elastic") or m.get("eval_error"):  # events worth a line of their own
+            self.console.print(step_line(m, self.steps), soft_wrap=True)
+
+    def _render(self):
+        if self.latest is None:
+            return self.progress
+        m = self.latest
+        table = Table.grid(padding=(0, 2))
+        row = {"reward": f"{m['reward_mean']:.3f}"}
+        score = eval_score(m)
+        if score:
+            row[f"eval {score[0]}"] = f"{score[1]:.3f}"
+        row["samples/s"] = f"{m['samples_per_s']:.1f}"
+        for p, a in m.get("pools", {}).items():
+            row[f"{p} busy"] = f"{1 - a['idle_ratio']:.0%}"
+        row["staleness"] = str(m["staleness_max"])
+        row["policy"] = f"v{m['policy_version']}"
+        for k in row:
+            table.add_column(k, justify="right")
+        table.add_row(*[f"[dim]{k}[/]" for k in row])
+        table.add_row(*row.values())
+        return Group(self.progress, table)
+
+
+def summary_table(records: list[dict], files: dict[str, str], window: int = 10) -> Table:
+    """The end-of-run table: reward first -> last, evaluation, throughput, each pool's idle share,
+    and where the run's files are (``files``: label -> path)."""
+    k = min(window, len(records))
+    t = Table(title="[bold]run summary[/]", show_header=False, title_justify="left", box=None, padding=(0, 2))
+    t.add_column(style="dim", no_wrap=True)
+    t.add_column(overflow="fold")
+    if records:
+        first = sum(r["reward_mean"] for r in records[:k]) / k
+        last = sum(r["reward_mean"] for r in records[-k:]) / k
+        t.add_row("reward", f"{first:.3f} (first {k} steps) -> {last:.3f} (last {k})")
+        scores = [(r["step"], eval_score(r)) for r in records if eval_score(r)]
+        if scores:
+            (s0, (name, v0)), (s1, (_, v1)) = scores[0], scores[-1]
+            t.add_row(f"eval {name}", f"{v0:.3f} (step {s0 + 1}) -> {v1:.3f} (step {s1 + 1})")
+        wall = sum(r["step_s"] for r in records)
+        t.add_row("throughput", f"{sum(r['samples'] for r in records) / max(wall, 1e-9):.1f} samples/s, "
+                                f"{sum(r['tokens_per_s'] * r['step_s'] for r in records) / max(wall, 1e-9):.0f} "
+                                f"tokens/s over {len(records)} steps")
+        idle: dict[str, list[float]] = {}
+        for r in records:
+            for p, a in r.get("pools", {}).items():
+                idle.setdefault(p, [0.0, 0.0])
+                idle[p][0] += a["idle_s"]
+                idle[p][1] += a["idle_s"] + a["busy_s"]
+        t.add_row("idle", "  ".join(f"{p} {i / max(c, 1e-9):.0%}" for p, (i, c) in idle.items()))
+    for label, path in files.items():
+        t.add_row(label, str(path))
+    return t
+
+
+class WarningsToEvents(WorkerPlugin):
+    """On a worker: each distinct Python warning (category and text) is sent once as a Dask event
+    on :data:`TOPIC` instead of printed to the worker's stderr (which is the user's terminal for
+    the embedded cluster). Works on any cluster: events travel through the scheduler."""
+
+    name = "streamrl-warnings-to-events"
+
+    def setup(self, worker) -> None:
+        seen: set[tuple[str, str]] = set()
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            key = (category.__name__, str(message))
+            if key not in seen:
+                seen.add(key)
+                # ("name": the scheduler overwrites a "worker" field with the address)
+                worker.log_event(TOPIC, {"name": str(worker.name), "category": category.__name__,
+                                         "message": str(message), "where": f"{filename}:{lineno}"})
+
+        warnings.showwarning = show
+
+
+class WarningsLog:
+    """``warnings.log`` in the run folder: the workers' warnings (from their events) and this
+    process's own library warnings while the run goes. Counts what it wrote."""
+
+    def __init__(self, path: Path):
+        self.path, self.count = Path(path), 0
+        self.lock = threading.Lock()
+        self.seen: set[tuple[str, str]] = set()
+        self._default = None
+
+    def write(self, where: str, category: str, message: str, origin: str) -> None:
+        """Append one warning (once per distinct category, text and origin)."""
+        with self.lock:
+            if (where, category, message) in self.seen:
+                return
+            self.seen.add((where, category, message))
+            self.count += 1
+            with self.path.open("a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} [{where}] {category}: {message} ({origin})\n")
+
+    def attach(self, client) -> None:
+        """Take the workers' warnings (events) and this process's library warnings from now on.
+        streamrl's own warnings (``PluginWarning``) stay on the terminal."""
+        from streamrl.errors import PluginWarning
+
+        client.subscribe_topic(TOPIC, lambda event: self.write(
+            event[1]["name"], event[1]["category"], event[1]["message"], event[1]["where"]))
+        client.register_plugin(WarningsToEvents())
+        self._default = default = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, PluginWarning):
+                default(message, category, filename, lineno, file, line)
+            else:
+                self.write("streamrl", category.__name__, str(message), f"{filename}:{lineno}")
+
+        warnings.showwarning = show
+
+    def detach(self) -> None:
+        """Give this process's warnings back to the terminal."""
+        if self._default is not None:
+            warnings.showwarning = self._default
+            self._default = None

@@ -1,0 +1,105 @@
+"""What a run shows: the live display, the plain lines, the summary, library warnings kept in the
+run folder, and Dask's performance report (spans by step and phase: tests/test_controller.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from streamrl.telemetry.console import RunDisplay, step_line, summary_table
+from tests.conftest import ROOT, TINY_RECIPE
+
+
+def record(step: int, generate_s: float = 0.4, **more) -> dict:
+    return {"step": step, "reward_mean": 0.25 + step / 100, "samples_per_s": 100.0 + step, "step_s": 1.0,
+            "generate_s": generate_s, "train_s": 0.5, "weight_sync_s": 0.01, "staleness_max": 1,
+            "policy_version": step + 1, "samples": 16, "tokens_per_s": 800.0,
+            "pools": {"generate": {"busy_s": 0.6, "idle_s": 0.4, "idle_ratio": 0.4},
+                      "train": {"busy_s": 0.9, "idle_s": 0.1, "idle_ratio": 0.1}}, **more}
+
+
+def test_a_plain_line_names_every_figure_and_says_when_generation_overlapped():
+    line = step_line(record(2, generate_s=0.0), steps=10)
+    assert line.startswith("step   3/10  reward 0.270")
+    assert "generation overlapped" in line and "0.00s" not in line
+    assert "busy generate 60% train 90%" in line and "staleness 1" in line and line.endswith("v3")
+    assert "generation 0.40s" in step_line(record(2), steps=10)
+    assert "eval pass@1 0.500" in step_line(record(2, **{"eval/pass@1": 0.5}), steps=10)
+
+
+def test_the_live_display_shows_progress_and_the_latest_figures_on_a_terminal():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with RunDisplay(console, "tiny", steps=5) as display:
+        assert display.live is not None
+        for s in range(3):
+            display.step(record(s, **({"eval/pass@1": 0.75} if s == 2 else {})))
+    text = out.getvalue()
+    assert "3/5" in text and "ETA" in text
+    assert "0.270" in text and "pass@1" in text and "0.750" in text and "generate busy" in text
+    assert "step   1/5" not in text  # no plain lines on a terminal
+
+
+def test_without_a_terminal_or_with_plain_one_line_per_step():
+    for console, plain in [(Console(file=io.StringIO(), width=200), False),
+                           (Console(file=io.StringIO(), force_terminal=True, color_system=None, width=200), True)]:
+        with RunDisplay(console, "tiny", steps=2, plain=plain) as display:
+            assert display.live is None
+            display.step(record(0))
+            display.step(record(1))
+        lines = console.file.getvalue().splitlines()
+        assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+
+
+def test_the_summary_says_reward_first_to_last_eval_throughput_idle_and_where_the_files_are():
+    records = [record(s, **({"eval/pass@1": 0.2 + s / 10} if s % 2 == 0 else {})) for s in range(4)]
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table(records, {"run folder": "/runs/x", "trace (Perfetto)": "trace.json"},
+                                                     window=2))
+    text = out.getvalue()
+    assert "0.255 (first 2 steps) -> 0.275 (last 2)" in text
+    assert "0.200 (step 1) -> 0.400 (step 3)" in text
+    assert "generate 40%" in text and "train 10%" in text
+    assert "/runs/x" in text and "trace.json" in text
+
+
+WARNING_REWARD = '''
+import warnings
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    warnings.warn("this reward API is deprecated", FutureWarning)
+    return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
+'''
+
+
+@pytest.mark.slow
+def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_report(tmp_path, tiny_model):
+    (tmp_path / "warns.py").write_text(WARNING_REWARD)
+    recipe = tmp_path / "tiny.toml"
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
+        '[reward]\nname = "exact_match"', '[reward]\nname = "python"\npath = "warns.py"')
+    recipe.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe), "--profile",
+                           "--no-report"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    # the reward worker's warning went to the run folder, once, not to the terminal
+    assert "deprecated" not in proc.stderr and "FutureWarning" not in proc.stderr
+    logged = (run_dir / "warnings.log").read_text().splitlines()
+    assert sum("this reward API is deprecated" in line for line in logged) == 1
+    assert "[reward-0] FutureWarning" in next(line for line in logged if "deprecated" in line)
+    assert "warnings.log (" in proc.stderr and "run summary" in proc.stderr
+    # plain lines (no terminal here), one per step
+    assert [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
+    # --profile: Dask's performance report, the run's tasks (by phase, as the task stream colours them) in it
+    html = (run_dir / "dask-report.html").read_text()
+    assert "Dask Performance Report" in html
+    for name in ["generate", "reward", "train", "optimizer-step", "export-weights", "load-weights"]:
+        assert name in html, name
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
