@@ -102,7 +102,8 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
         resolved = runner.resolve(loaded)  # a variant's own mistakes are one line too
         console.print(f"bench {label}: {name} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
         t0 = time.time()
-        run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved)
+        # (no report per variant: `streamrl report` on the run folders overlays them)
+        run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved, report=False)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale,
                                     (*costs(resolved), recipe_split(resolved)[1]))
