@@ -19,6 +19,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import AutoLocator, MaxNLocator
 
 from streamrl.telemetry import timeline as tl
 
@@ -35,6 +36,8 @@ def _figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, **kw)
+    for ax in axes.flat:  # steps, versions and staleness are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig, list(axes.flat)
 
 
@@ -95,7 +98,9 @@ def reward(series: Series, path: Path) -> bool:
     if with_eval:
         ax = axes[1]
         styles = ["-", "--", ":", "-."]
-        metrics = sorted({k for _, points in evals for p in points for k in p if k != "eval/policy_version"},
+        # the scores only (a response length or a reward's side values would need axes of their own)
+        metrics = sorted({k for _, points in evals for p in points for k in p
+                          if k == "eval/reward_mean" or k.startswith("eval/pass@")},
                          key=lambda k: (k != "eval/pass@1", k))
         for i, (label, points) in enumerate(evals):
             x = [p["eval/policy_version"] for p in points]
@@ -128,23 +133,23 @@ def eval_points(records: list[dict]) -> list[dict]:
 
 
 def response_length(series: Series, path: Path) -> bool:
-    """Response-length distribution per step: median line, 10th-90th percentile band, max."""
+    """Response-length distribution per step: the mean, the 10th-90th percentile band and the
+    longest response."""
     fig, (ax,) = _figure(WIDE)
+    one = len(series) == 1
     for i, (label, records) in enumerate(series):
-        x, q = _steps(records), np.full((len(records), 4), np.nan)
+        x, q = _steps(records), np.full((len(records), 3), np.nan)
         for j, rec in enumerate(records):
             lens = [s["response_len"] for s in rec.get("sample_log", ()) if "response_len" in s]
             if lens:
-                q[j] = np.percentile(lens, [10, 50, 90, 100])
-            elif "response_len_mean" in rec:  # no per-sample log: the mean is all there is
-                q[j, 1] = rec["response_len_mean"]
-        ax.fill_between(x, q[:, 0], q[:, 2], color=f"C{i}", alpha=0.2, lw=0)
-        ax.plot(x, q[:, 1], color=f"C{i}", lw=1.8, label=label if len(series) > 1 else "median")
-        ax.plot(x, q[:, 3], color=f"C{i}", lw=0.8, ls=":", label=None if len(series) > 1 else "longest")
-    if len(series) == 1:
-        ax.fill_between([], [], [], color="C0", alpha=0.2, lw=0, label="10th-90th percentile")
-    ax.set(title="Response length per step" + ("  (line: median, band: 10th-90th percentile, dotted: longest)"
-                                               if len(series) > 1 else ""),
+                q[j] = np.percentile(lens, [10, 90, 100])
+        # the mean, not the median: lengths of a few tokens make a median jump between integers
+        ax.fill_between(x, q[:, 0], q[:, 1], color=f"C{i}", alpha=0.25 if one else 0.12, lw=0,
+                        label="10th-90th percentile" if one else None)
+        ax.plot(x, _values(records, "response_len_mean"), color=f"C{i}", lw=1.8, label="mean" if one else label)
+        ax.plot(x, q[:, 2], color=f"C{i}", lw=0.8, ls=":", label="longest" if one else None)
+    ax.set(title="Response length per step" + ("" if one else "  (line: mean, band: 10th-90th percentile, "
+                                                               "dotted: longest)"),
            xlabel="step", ylabel="response length (tokens)")
     ax.title.set_fontsize(10)
     ax.set_ylim(bottom=0)
@@ -156,7 +161,7 @@ def response_length(series: Series, path: Path) -> bool:
 def throughput(series: Series, path: Path) -> bool:
     """Samples and tokens trained per second of step time, per step."""
     fig, axes = _figure((11.0, 3.6), cols=2)
-    for key, ax, what in (("samples_per_s", axes[0], "samples/s"), ("tokens_per_s", axes[1], "tokens/s")):
+    for key, ax, what in (("samples_per_s", axes[0], "samples/s"), ("tokens_per_s", axes[1], "response tokens/s")):
         windows = set()
         for i, (label, records) in enumerate(series):
             windows.add(_trend(ax, _steps(records), _values(records, key), f"C{i}", label))
@@ -211,8 +216,8 @@ def staleness(series: Series, path: Path) -> bool:
            ylabel="% of samples")
     ax.title.set_fontsize(10)
     ax.grid(alpha=0.3, axis="y")
-    if len(series) > 1:
-        _legend(ax, series)
+    if len(series) > 1:  # beside the axes: the bars reach the top
+        _legend(ax, series, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
@@ -246,6 +251,18 @@ def window(records: list[dict], steps: int) -> tuple[int, int]:
 MAX_ROWS = 24
 
 
+def clocks(records: list[dict]) -> str:
+    """The pools' busy share over ``records`` as the workers' busy clocks measured it (a line to
+    check the drawn bars against), or "" without ``pools``."""
+    parts = []
+    for pool in dict.fromkeys(p for r in records for p in r.get("pools", {})):
+        busy = sum(r["pools"].get(pool, {}).get("busy_s", 0.0) for r in records)
+        free = sum(r["pools"].get(pool, {}).get("idle_s", 0.0) for r in records)
+        if busy + free > 0:
+            parts.append(f"{pool} {busy / (busy + free):.0%}")
+    return "\nbusy as measured on the workers (pool average): " + ", ".join(parts) if parts else ""
+
+
 def timeline(label: str, records: list[dict], path: Path, serial_train: bool = True, steps: int = 3) -> bool:
     """One run's per-worker busy timeline over a few recent steps: one row per worker, a bar while
     it worked (see ``telemetry/timeline.py`` for what each bar is drawn from), its busy share at
@@ -262,6 +279,7 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
         return False
     names = list(rows)[:MAX_ROWS]
     fig, (ax,) = _figure((10.0, 1.9 + 0.42 * len(names)))
+    ax.xaxis.set_major_locator(AutoLocator())  # seconds
     for y, name in enumerate(names):
         for kind in tl.KINDS:
             spans = [(max(b.start, t0) - t0, min(b.end, t1) - max(b.start, t0)) for b in rows[name]
@@ -281,7 +299,7 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
     ax.set_xlim(0, t1 - t0)
     ax.text(1.005, 1.0, "busy", transform=ax.transAxes, va="bottom", fontsize=8)
     more = f" (first {MAX_ROWS} of {len(rows)} workers)" if len(rows) > MAX_ROWS else ""
-    ax.set(xlabel=f"seconds since the start of step {timed[lo].get('step', lo) + 1}",
+    ax.set(xlabel=f"seconds since the start of step {timed[lo].get('step', lo) + 1}" + clocks(timed[lo:hi + 1]),
            title=f"{label}: who was busy when, steps {timed[lo].get('step', lo) + 1}-{timed[hi].get('step', hi) + 1} "
                  f"of {len(records)}{more}   (gaps: idle, waiting)")
     ax.title.set_fontsize(10)

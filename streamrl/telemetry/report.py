@@ -136,7 +136,7 @@ def _write(run_dirs: list[Path], out: Path | None) -> Path:
                 "How long the responses were, step by step: the median and the spread between the "
                 "10th and 90th percentiles (the dotted line is the longest)."),
                ("throughput", "Throughput", plots.throughput,
-                "Samples and tokens trained per second of wall time, per step."),
+                "Samples and response tokens trained per second of wall time, per step."),
                ("idle", "Idle per pool", plots.idle,
                 "Share of each pool's worker time spent idle in each step, from the busy clocks on the "
                 "workers: the bubbles streaming and async are meant to shrink."),
@@ -147,7 +147,7 @@ def _write(run_dirs: list[Path], out: Path | None) -> Path:
                 "How well the output-length ranker picked out the step's longest responses.")]
     sections = []
     for stem, title, draw, blurb in figures:
-        png = _draw(draw, series, plot_dir / f"{stem}.png", title)
+        png = _draw(draw, series, plot_dir / f"{stem}.png", title.lower())
         if png:
             sections.append(f"## {title}\n\n{blurb}\n\n![{title}](plots/{png.name})\n")
     timelines = []
@@ -203,14 +203,15 @@ def _label(runs: list[Run]) -> None:
 
 def summary_table(runs: list[Run]) -> str:
     """The markdown table of the runs: recipe name, mode, steps, reward first -> last (mean of the
-    first and last ten steps, as the run's last console line), samples/s, run time, idle per pool."""
+    first and last ten steps, as the run's last console line; a quarter of a shorter run),
+    samples/s, run time, idle per pool."""
     pools = list(dict.fromkeys(p for run in runs for r in run.records for p in r.get("pools", {})))
     head = ["run", "mode", "steps", "state", "reward first → last", "samples/s", "run time",
             *(f"idle {p}" for p in pools), "folder"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         recs = run.records
-        k = min(10, len(recs))
+        k = min(10, max(1, len(recs) // 4))
         first = sum(r["reward_mean"] for r in recs[:k]) / k
         last = sum(r["reward_mean"] for r in recs[-k:]) / k
         wall = sum(r.get("step_s", 0.0) for r in recs)
@@ -225,8 +226,9 @@ def summary_table(runs: list[Run]) -> str:
                  run.state, f"{first:.3f} → {last:.3f}", f"{rate:.1f}", _duration(wall), *idle,
                  f"`{run.path}`"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nReward: mean of the first and of the last ten steps. Idle: share of the pool's " \
-                              "worker time, over the whole run.\n"
+    return "\n".join(lines) + ("\n\nReward: mean of the first and of the last ten steps (a quarter of a shorter run). "
+                                "Idle: share of the pool's worker time over the whole run, from the workers' "
+                                "busy clocks.\n")
 
 
 def _duration(seconds: float) -> str:

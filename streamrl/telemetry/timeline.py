@@ -54,7 +54,7 @@ def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def busy_bars(records: list[dict], serial_train: bool = True) -> dict[str, list[Bar]]:
     """Every worker's busy bars over ``records`` (consecutive ``metrics.jsonl`` records, oldest
     first), keyed by row: each generate worker, :data:`REWARD_ROW`, each train worker (in that
-    order). ``serial_train``: train workers run one task at a time (``pools.train.threads = 1``),
+    order; a colocated worker's generate bars are on its train row). ``serial_train``: train workers run one task at a time (``pools.train.threads = 1``),
     so a task starts no earlier than the worker's previous one ended. See the module docstring
     for what each bar is drawn from."""
     gen: dict[str, list[tuple[float, float]]] = {}
@@ -88,13 +88,14 @@ def busy_bars(records: list[dict], serial_train: bool = True) -> dict[str, list[
             for worker in {w for w, _ in tasks}:
                 train[worker].append(Bar(last_trained, max(last_trained, stepped), OPTIMIZER))
                 prev_end[worker] = max(last_trained, stepped)
+    # one row per worker: one that generates and trains (colocated) has both kinds of bar
     rows: dict[str, list[Bar]] = {}
-    for worker in sorted(gen):
+    for worker in sorted(set(gen) - set(train)):
         rows[worker] = [Bar(a, b, GENERATE) for a, b in merge(gen[worker])]
     if reward:
         rows[REWARD_ROW] = [Bar(a, b, REWARD) for a, b in merge(reward)]
     for worker in sorted(train):
-        rows[worker if worker not in rows else f"{worker} (train)"] = train[worker]
+        rows[worker] = [Bar(a, b, GENERATE) for a, b in merge(gen.get(worker, []))] + train[worker]
     return rows
 
 

@@ -1,0 +1,277 @@
+"""``streamrl report``: the busy intervals behind the worker timeline (from hand-made sample
+logs), the report of made-up run folders (eval, ranker, a plot that fails, a broken folder), and
+end to end on real runs through the CLI the way a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrl.errors import UserError
+from streamrl.telemetry import timeline as tl
+from streamrl.telemetry.report import write_report
+from tests.conftest import ROOT, TINY_RECIPE
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def streamrl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def sample(uid, worker="generate-0", gen=(0.0, 1.0), reward_end=1.2, trained=2.0, on="train-0", version=0,
+           step=0, response_len=4):
+    return {"uid": uid, "version": version, "worker": worker, "submitted": gen[0], "gen_start": gen[0],
+            "gen_end": gen[1], "reward_end": reward_end, "trained": trained, "trained_on": on,
+            "response_len": response_len, "prompt_len": 5, "staleness": step - version}
+
+
+def record(step, log, time, step_s=1.0, weight_sync_s=0.0, **extra):
+    return {"step": step, "policy_version": step + 1, "samples": len(log), "reward_mean": 0.1 * step,
+            "response_len_mean": sum(s["response_len"] for s in log) / max(len(log), 1),
+            "samples_per_s": len(log) / step_s, "tokens_per_s": 4 * len(log) / step_s, "step_s": step_s,
+            "weight_sync_s": weight_sync_s, "time": time, "staleness_max": 0,
+            "pools": {"generate": {"busy_s": 0.5, "idle_s": 0.5, "idle_ratio": 0.5},
+                      "train": {"busy_s": 0.8, "idle_s": 0.2, "idle_ratio": 0.2}},
+            **extra, "sample_log": log}
+
+
+# -- the busy intervals ----------------------------------------------------------------------
+
+def test_merge_joins_overlapping_and_touching_intervals():
+    assert tl.merge([(3, 4), (0, 1), (0.5, 2), (2, 2.5), (5, 6)]) == [(0, 2.5), (3, 4), (5, 6)]
+    assert tl.merge([]) == []
+
+
+def test_busy_bars_from_a_hand_made_sample_log():
+    log = [
+        # generate-0 had two overlapping requests (0-1, 0.5-1.5), then one more (3-4)
+        sample("0-000-0", gen=(0.0, 1.0), reward_end=1.6, trained=2.5),
+        sample("0-000-1", gen=(0.5, 1.5), reward_end=1.6, trained=2.5),  # group scored at 1.6
+        sample("0-001-0", gen=(3.0, 4.0), reward_end=4.2, trained=5.0),
+        sample("0-002-0", worker="generate-1", gen=(0.2, 0.8), reward_end=1.0, trained=2.5),
+    ]
+    rows = tl.busy_bars([record(0, log, time=5.5, step_s=5.5, weight_sync_s=0.2)])
+    assert list(rows) == ["generate-0", "generate-1", tl.REWARD_ROW, "train-0"]
+    as_tuples = {name: [(b.start, b.end, b.kind) for b in bars] for name, bars in rows.items()}
+    assert as_tuples["generate-0"] == [(0.0, 1.5, tl.GENERATE), (3.0, 4.0, tl.GENERATE)]
+    assert as_tuples["generate-1"] == [(0.2, 0.8, tl.GENERATE)]
+    # a group from its last sample generated to scored: 0.8-1.0, 1.5-1.6 and 4.0-4.2
+    assert as_tuples[tl.REWARD_ROW] == [(0.8, 1.0, tl.REWARD), (1.5, 1.6, tl.REWARD), (4.0, 4.2, tl.REWARD)]
+    # two train tasks (trained at 2.5 and at 5.0): each from its last input scored (1.6, 4.2) to
+    # trained; then the optimizer step until the controller heard of it (time - weight_sync_s)
+    assert as_tuples["train-0"] == [(1.6, 2.5, tl.TRAIN), (4.2, 5.0, tl.TRAIN), (5.0, 5.3, tl.OPTIMIZER)]
+
+
+def test_a_one_task_train_worker_starts_a_task_when_its_previous_one_ended():
+    # both tasks' inputs were scored at 1.0; one thread: the second ran after the first (2.0-3.0)
+    log = [sample("0-000-0", reward_end=1.0, trained=2.0), sample("0-001-0", reward_end=1.0, trained=3.0)]
+    step0 = record(0, log, time=3.5, step_s=3.5, weight_sync_s=0.1)
+    # the next step's task waited for the optimizer step (until 3.4), though its input was ready
+    step1 = record(1, [sample("1-000-0", gen=(2.0, 2.5), reward_end=2.6, trained=4.0, version=1, step=1)],
+                   time=4.5, step_s=1.0)
+    serial = [(b.start, b.end, b.kind) for b in tl.busy_bars([step0, step1])["train-0"]]
+    assert serial == [(1.0, 2.0, tl.TRAIN), (2.0, 3.0, tl.TRAIN), (3.0, 3.4, tl.OPTIMIZER),
+                      (3.4, 4.0, tl.TRAIN), (4.0, 4.5, tl.OPTIMIZER)]
+    # several threads: a task may have run from the moment its inputs were ready
+    parallel = [(b.start, b.end) for b in tl.busy_bars([step0], serial_train=False)["train-0"] if b.kind == tl.TRAIN]
+    assert parallel == [(1.0, 2.0), (1.0, 3.0)]
+
+
+def test_a_colocated_worker_has_one_row_with_both_kinds_and_busy_fraction_is_the_union():
+    log = [sample("0-000-0", worker="train-0", gen=(0.0, 1.0), reward_end=1.5, trained=3.0),
+           sample("0-001-0", worker="generate-0", gen=(0.0, 1.0), reward_end=1.5, trained=3.0)]
+    rows = tl.busy_bars([record(0, log, time=4.0, step_s=4.0)])
+    assert list(rows) == ["generate-0", tl.REWARD_ROW, "train-0"]
+    assert [b.kind for b in rows["train-0"]] == [tl.GENERATE, tl.TRAIN, tl.OPTIMIZER]
+    # train-0 busy 0-1 and 1.5-4.0 of 0-4; a window 2-3 inside a bar is all busy
+    assert tl.busy_fraction(rows["train-0"], 0.0, 4.0) == pytest.approx(3.5 / 4)
+    assert tl.busy_fraction(rows["train-0"], 2.0, 3.0) == pytest.approx(1.0)
+    assert tl.busy_fraction(rows["generate-0"], 5.0, 6.0) == 0.0
+
+
+# -- the report of made-up run folders ----------------------------------------------------------
+
+def made_up_run(folder: Path, steps: int = 12, mode: str = "stream", name: str = "made-up", **extra_last) -> Path:
+    """A run folder with ``steps`` plausible records (8 samples a step, a step a second), an
+    evaluation every 4 steps and a ranker's recall."""
+    folder.mkdir(parents=True)
+    lines = []
+    for k in range(steps):
+        t = 100.0 + k
+        log = [sample(f"{k}-{g:03d}-{i}", gen=(t + 0.05 * g, t + 0.3 + 0.05 * g), reward_end=t + 0.4 + 0.05 * g,
+                      trained=t + 0.6 + 0.1 * g, version=k, step=k, response_len=2 + (i + k) % 5)
+               for g in range(2) for i in range(4)]
+        extra = {"ranker_recall": 0.5}
+        if k % 4 == 3:
+            extra.update({"eval/policy_version": k, "eval/pass@1": 0.1 * k, "eval/reward_mean": 0.05 * k})
+        lines.append(json.dumps(record(k, log, time=t + 1.0, weight_sync_s=0.1, **extra)))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "recipe.toml").write_text(f'[run]\nname = "{name}"\nmode = "{mode}"\nsteps = {steps}\n')
+    (folder / "status.json").write_text(json.dumps({"state": "completed", "pid": 1}))
+    return folder
+
+
+def linked_images(report: Path) -> list[Path]:
+    return [report.parent / link for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report.read_text())]
+
+
+def check_png(path: Path) -> None:
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    assert 5_000 < path.stat().st_size < 400_000, (path, path.stat().st_size)
+    with Image.open(path) as im:
+        w, h = im.size
+    assert 400 <= w <= 1600 and 200 <= h <= 1200, (path, im.size)
+
+
+def test_a_report_of_a_run_with_eval_and_a_ranker_shows_them(tmp_path):
+    run = made_up_run(tmp_path / "run")
+    report = write_report([run])
+    assert report == run / "report.md"
+    images = linked_images(report)
+    names = {p.name for p in images}
+    assert names == {"reward.png", "response-length.png", "throughput.png", "idle.png", "staleness.png",
+                     "ranker.png", "timeline.png"}
+    for png in images:
+        check_png(png)
+    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(names)  # nothing unlinked
+    text = report.read_text()
+    assert "| made-up | stream | 12 | completed |" in text
+    # the reward of the first and last 3 steps (a quarter of 12): 0.1 and 1.0
+    assert "0.100 → 1.000" in text
+
+
+def test_several_runs_overlay_with_one_timeline_each(tmp_path):
+    a = made_up_run(tmp_path / "a", mode="batch")
+    b = made_up_run(tmp_path / "b", mode="async", steps=6)
+    report = write_report([a, b], tmp_path / "out")
+    assert report == tmp_path / "out" / "report.md"
+    text = report.read_text()
+    assert "made-up (batch)" in text and "made-up (async)" in text
+    names = {p.name for p in linked_images(report)}
+    assert {"timeline-1.png", "timeline-2.png", "reward.png"} <= names
+    assert not (a / "report.md").exists()  # --out: the run folders are left alone
+
+
+def test_runs_of_the_same_name_and_mode_get_their_folder_time_in_the_label(tmp_path):
+    a = made_up_run(tmp_path / "made-up-20260101-120000")
+    b = made_up_run(tmp_path / "made-up-20260101-130000")
+    text = write_report([a, b], tmp_path / "out").read_text()
+    assert "Worker timeline of made-up (stream, 120000)" in text
+    assert "Worker timeline of made-up (stream, 130000)" in text
+
+
+def test_a_plot_that_fails_is_a_warning_and_the_rest_is_written(tmp_path, monkeypatch, capsys):
+    from streamrl.telemetry import plots
+
+    def broken(series, path):
+        raise ValueError("no luck")
+
+    monkeypatch.setattr(plots, "staleness", broken)
+    report = write_report([made_up_run(tmp_path / "run")])
+    assert "staleness.png" not in report.read_text() and "reward.png" in report.read_text()
+    assert "streamrl: warning: report: the staleness plot failed: ValueError: no luck" in capsys.readouterr().err
+
+
+def test_a_damaged_last_line_is_skipped_with_a_warning(tmp_path, capsys):
+    run = made_up_run(tmp_path / "run", steps=5)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "reward_mean": 0.')  # a run killed while writing
+    assert "| made-up | stream | 5 | completed |" in write_report([run]).read_text()
+    assert "skipped 1 unreadable line" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, "", "\n\n"])
+def test_a_folder_without_steps_is_a_user_error_naming_it(tmp_path, content):
+    folder = tmp_path / "empty-run"
+    folder.mkdir()
+    if content is not None:
+        (folder / "metrics.jsonl").write_text(content)
+    with pytest.raises(UserError, match=re.escape(str(folder))):
+        write_report([folder])
+
+
+def test_the_runs_own_end_of_run_report_only_warns(tmp_path, capsys):
+    # the runner calls write_report in its `finally`: status.json names this process
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "status.json").write_text(json.dumps({"state": "failed", "pid": os.getpid()}))
+    (folder / "metrics.jsonl").write_text("")
+    assert write_report([folder]) is None
+    err = capsys.readouterr().err
+    assert err.startswith("streamrl: warning: report: not written:") and str(folder) in err
+
+
+def test_the_report_command_on_a_bad_folder_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "nothing-here").mkdir()
+    proc = streamrl("report", str(tmp_path / "nothing-here"), timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("streamrl: error:"), proc.stderr
+    assert str(tmp_path / "nothing-here") in lines[0] and "metrics.jsonl" in lines[0]
+
+
+def test_importing_streamrl_and_the_runner_does_not_import_matplotlib():
+    code = ("import sys, streamrl, streamrl.flow.runner, streamrl.telemetry.report; "
+            "print('matplotlib' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
+# -- real runs, through the CLI ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, tiny_model) -> list[Path]:
+    """A tiny recipe run in stream and in batch mode, with the end-of-run report (the default)."""
+    folder = tmp_path_factory.mktemp("report-runs")
+    recipe = folder / "tiny.toml"
+    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
+    runs = []
+    for mode in ("stream", "batch"):
+        before = set((folder / "runs").iterdir()) if (folder / "runs").exists() else set()
+        proc = streamrl("recipe", "run", str(recipe), "--set", f"run.mode={mode}", "--set", "run.steps=3")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "streamrl: warning: report" not in proc.stderr, proc.stderr[-3000:]
+        (run,) = set((folder / "runs").iterdir()) - before
+        runs.append(run)
+    return runs
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_report_and_streamrl_report_draws_it_again(two_runs, tmp_path):
+    run = two_runs[0]
+    # the end-of-run report
+    assert (run / "report.md").is_file()
+    assert {p.name for p in linked_images(run / "report.md")} >= {"reward.png", "timeline.png"}
+    # the command, elsewhere
+    proc = streamrl("report", str(run), "--out", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = Path(proc.stdout.strip())
+    assert report == tmp_path / "out" / "report.md"
+    images = linked_images(report)
+    assert {p.name for p in images} == {"reward.png", "response-length.png", "throughput.png", "idle.png",
+                                        "staleness.png", "timeline.png"}  # no eval, no ranker in this recipe
+    for png in images:
+        check_png(png)
+    assert "| tiny | stream | 3 | completed |" in report.read_text()
+
+
+@pytest.mark.slow
+def test_streamrl_report_overlays_two_real_runs(two_runs, tmp_path):
+    proc = streamrl("report", *map(str, two_runs), "--out", str(tmp_path / "both"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "both" / "report.md").read_text()
+    assert "| tiny | stream |" in text and "| tiny | batch |" in text
+    assert "Worker timeline of tiny (stream)" in text and "Worker timeline of tiny (batch)" in text
+    for png in linked_images(tmp_path / "both" / "report.md"):
+        check_png(png)
