@@ -207,3 +207,15 @@ def test_every_setting_is_documented(sink):
     config = build_registry().get("metric_sink", sink, "metrics[0].name").config
     assert config.model_config["extra"] == "forbid"
     assert [name for name, f in config.model_fields.items() if not f.description] == []
+
+
+def test_wandb_online_without_an_account_is_one_line_before_the_cluster_starts(tiny_recipe, tmp_path):
+    Path(tiny_recipe).write_text(Path(tiny_recipe).read_text() + '\n[[metrics]]\nname = "wandb"\n')
+    (tmp_path / "netrc").write_text("")  # no W&B key from this machine's ~/.netrc
+    env = {**offline_env(tmp_path), "NETRC": str(tmp_path / "netrc")}
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # (W&B's own words in between: "No API key configured...")
+    assert last.startswith('streamrl: error: metrics: name = "wandb": ') and last.endswith('mode = "offline")'), last
+    assert "dashboard:" not in proc.stderr  # no cluster was started

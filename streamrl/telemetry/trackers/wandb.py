@@ -56,8 +56,8 @@ class WandbSink(TrackerSink):
                                   settings=settings)
         except wandb.errors.Error as exc:  # not logged in, no network, no such entity: the user's to fix
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f'metrics: name = "wandb": {first} (log in with `wandb login`, '
-                            'or set mode = "offline" to keep the run local)') from None
+            raise UserError(f'metrics: name = "wandb": {first} (to keep the run local, with no account: '
+                            'mode = "offline")') from None
 
     def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:
         """Log ``metrics`` at ``step``."""
