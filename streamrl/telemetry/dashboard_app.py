@@ -37,25 +37,26 @@ def attach(dask_scheduler) -> dict | None:
     event loop (``client.run_on_scheduler(attach)``, or a preload's ``dask_setup``).
 
     Returns ``{"path": "/streamrl", "port": 8787}`` (the path under the dashboard's prefix and the
-    dashboard's port), or None when the scheduler serves no dashboard.
+    dashboard's port), or None when the scheduler serves no dashboard pages: started with
+    ``dashboard=False`` (its HTTP server then has only health and metrics routes) or without a
+    usable Bokeh.
     """
     scheduler = dask_scheduler
     routing = getattr(scheduler, "http_application", None)
     server = getattr(scheduler, "http_server", None)
-    if routing is None or server is None or "dashboard" not in getattr(scheduler, "services", {}):
+    if routing is None or server is None:
         return None
-    prefix = ""
+    prefix = None
     for app in routing.applications:
         ours = getattr(app, "streamrl_page", None)
         if ours is not None:  # already attached (a preload, or an earlier run on this scheduler)
             return ours
         if "/status" in getattr(app, "app_paths", ()):  # Dask's own pages: share their prefix
             prefix = app.prefix  # "" or "/some/prefix" (BokehTornado strips the slashes)
-    try:
-        from distributed.dashboard.core import BokehApplication
-        from tornado.ioloop import IOLoop
-    except ImportError:  # bokeh missing or too old: Dask shows no dashboard pages either
+    if prefix is None:  # no Dask pages: the dashboard is off, and stays off
         return None
+    from distributed.dashboard.core import BokehApplication
+    from tornado.ioloop import IOLoop
 
     variables = _template_variables(scheduler)
     app = BokehApplication({"/" + PATH: page_doc}, scheduler, prefix=prefix, template_variables=variables)
@@ -159,14 +160,7 @@ class StreamrlPage:
 
         self.reward = fig("Reward", "reward")
         self.reward.line("step", "reward", source=self.steps, line_width=2, legend_label="train reward")
-        self.reward.line("step", "eval_reward", source=self.evals, color="#d62728", line_dash="dashed",
-                         legend_label="eval reward")
-        self.reward.scatter("step", "eval_reward", source=self.evals, color="#d62728", size=7,
-                            legend_label="eval reward")
-        self.reward.line("step", "eval_pass1", source=self.evals, color="#2ca02c", line_dash="dotted",
-                         legend_label="eval pass@1")
-        self.reward.scatter("step", "eval_pass1", source=self.evals, color="#2ca02c", size=6,
-                            marker="square", legend_label="eval pass@1")
+        self.eval_shown = False  # eval lines come with the first evaluation (most runs have none)
         self.reward.add_tools(HoverTool(tooltips=[("step", "@step"), ("reward", "@reward{0.000}"),
                                                   ("version", "v@version")], mode="vline",
                                         renderers=[self.reward.renderers[0]]))
@@ -235,6 +229,8 @@ class StreamrlPage:
             self.last_step = max(self.last_step, step)
             self.updated = t
             added.append(msg)
+        if not self.eval_shown and self._eval_columns(added)["step"]:
+            self._add_evals()
         pools = [p for m in added for p in m.get("busy", {}) if p not in self.pools]
         if pools:
             for p in dict.fromkeys(pools):
@@ -252,6 +248,15 @@ class StreamrlPage:
             if evals["step"]:
                 self.evals.stream(evals)
         self.header.text = self._header_html()
+
+    def _add_evals(self) -> None:
+        self.eval_shown = True
+        f, src = self.reward, self.evals
+        f.line("step", "eval_reward", source=src, color="#d62728", line_dash="dashed", legend_label="eval reward")
+        f.scatter("step", "eval_reward", source=src, color="#d62728", size=7, legend_label="eval reward")
+        f.line("step", "eval_pass1", source=src, color="#2ca02c", line_dash="dotted", legend_label="eval pass@1")
+        f.scatter("step", "eval_pass1", source=src, color="#2ca02c", size=6, marker="square",
+                  legend_label="eval pass@1")
 
     def _add_pool(self, pool: str) -> None:
         from bokeh.palettes import Category10
