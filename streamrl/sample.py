@@ -55,6 +55,9 @@ class Sample:
     other keys of a verl-style dict result); each is logged per step as ``reward/<name>/mean``."""
     worker: str = ""
     """Name of the generate worker (engine instance) that made it."""
+    reward_error: str = ""
+    """What the reward raised (``"ValueError: ..."``) or why its value was not a score, when it
+    failed for this sample (scored 0); empty otherwise."""
     times: dict[str, float] = field(default_factory=dict)
     """Wall-clock timestamps: ``gen_start``, ``gen_end``, ``reward_end``."""
 

@@ -25,6 +25,8 @@ class DrGRPOConfig(ClippedConfig):
 class DrGRPO(ClippedSurrogate):
     """Mean-centred advantages and a token-level clipped surrogate."""
 
+    min_group_size = 2  # a group baseline: a sample alone gets advantage 0
+
     def advantages(self, rewards: list[float]) -> list[float]:
         """``r_i - mean(r)``."""
         mean = sum(rewards) / len(rewards)

@@ -28,6 +28,8 @@ class GRPOConfig(ClippedConfig):
 class GRPO(ClippedSurrogate):
     """Group-relative advantages and the clipped surrogate loss."""
 
+    min_group_size = 2  # a group baseline: a sample alone gets advantage 0
+
     def advantages(self, rewards: list[float]) -> list[float]:
         """Group-normalised advantages; an all-equal group gets zeros (no signal, no update)."""
         r = torch.tensor(rewards, dtype=torch.float32)

@@ -27,6 +27,8 @@ class ReinforcePPConfig(ClippedConfig):
 class ReinforcePP(ClippedSurrogate):
     """Group-mean baseline, globally normalised advantages, the clipped surrogate loss."""
 
+    min_group_size = 2  # the group-mean baseline: a sample alone is centred to 0
+
     def __init__(self, config: ReinforcePPConfig):
         super().__init__(config)
         self.n, self.mean, self.m2 = 0, 0.0, 0.0  # running statistics of centred rewards

@@ -20,6 +20,8 @@ class RLOOConfig(ClippedConfig):
 class RLOO(ClippedSurrogate):
     """The clipped surrogate loss with leave-one-out advantages."""
 
+    min_group_size = 2  # a group baseline: a sample alone gets advantage 0
+
     def advantages(self, rewards: list[float]) -> list[float]:
         """``r_i`` minus the mean of the group's other rewards (0 for a group of one)."""
         n = len(rewards)

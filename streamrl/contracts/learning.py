@@ -38,6 +38,11 @@ class Algorithm:
     KL, entropy or value term): the trainer then skips its forward/backward -- the same update
     for less work (GRPO groups whose samples all got the same reward). Its stats count it as a
     sample with zero loss."""
+    min_group_size: int = 1
+    """Fewest samples per prompt (``trainer.samples_per_prompt``) the advantages need. 2 for a
+    group baseline (GRPO, RLOO, Dr. GRPO, REINFORCE++'s group mean): a sample alone in its group
+    is its own baseline, its advantage is 0 and nothing is learned -- a recipe that asks for
+    fewer is refused at validation."""
     epochs: int = 1
     """Optimizer steps per batch of samples. The first pass streams as groups are scored; later
     passes go over the whole batch again and see samples one more update old each time, so

@@ -15,21 +15,46 @@ What the run learned about output lengths is saved too: ``ranker.pt`` (the lengt
 ``state_dict`` after the lessons of every step up to the checkpoint) and ``dispatch.json`` (the
 lengths the scheduler sizes its work by), so a resumed run ranks and places its prompts as the
 uninterrupted run would have.
+
+Every checkpoint is checked before a run resumes from it. Its last file, ``manifest.json``,
+written once everything else is there, lists every file with its size and SHA-256; a
+checkpoint whose files do not match it (one deleted or cut short, a shard of a sharded trainer
+gone, a byte changed) is passed over for the one before it with a one-line warning naming what
+is wrong (:func:`latest`), and a run with none that matches cannot resume (one line naming
+each). A checkpoint written before checkpoints had a manifest is checked by reading it: its JSON
+files parse, ``trainer.pt`` loads, every byte range its DCP metadata names is in its files.
+Hashing reads every byte once more when a checkpoint is written and once when it is resumed
+from (about a second per GB per core here, the files hashed in parallel).
+
+A checkpoint that cannot be written (a full disk) stops the run in one line
+(:class:`~streamrl.errors.CheckpointFailed`): its partial ``.tmp-`` folder is removed, and the
+older checkpoints are left as they were.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
-import time
 import shutil
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from distributed import Client, Future
+from distributed import Client, Future, wait
 
+from streamrl.errors import CheckpointFailed, RunFailed, RunWarning
 from streamrl.flow import remote
+from streamrl.flow.resident import ComponentError, ResidentLost
 
 PREFIX = "step-"
+MANIFEST = "manifest.json"
+"""The checkpoint's table of contents (``{"files": {path: {"bytes": n, "sha256": hex}}}``), written last."""
+DAMAGED = "damaged-"
+"""Prefix a damaged checkpoint is set aside under once a run resumes from an older one
+(:func:`set_aside`): kept for a look, no longer counted among the checkpoints."""
 
 
 def folder(run_dir: Path) -> Path:
@@ -37,10 +62,202 @@ def folder(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def _all(run_dir: Path) -> list[Path]:
+    # (``.tmp-`` folders are writes that never finished; ``damaged-`` ones were set aside)
+    return sorted(p for p in folder(run_dir).glob(f"{PREFIX}*") if p.is_dir())
+
+
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    done = sorted(p for p in folder(run_dir).glob(f"{PREFIX}*") if (p / "controller.json").exists())
-    return done[-1] if done else None
+    """The newest checkpoint of a run that verifies (:func:`verify`), or None. Each newer one
+    that does not is passed over with a one-line warning (:class:`~streamrl.errors.RunWarning`)."""
+    best, problems = usable(run_dir)
+    for problem in problems:
+        then = f"using {best.name}, the newest one that is" if best else "no older one is usable either"
+        warnings.warn(f"checkpoint {problem}; {then}", RunWarning, stacklevel=2)
+    return best
+
+
+def usable(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies (or None), and what is wrong with each newer one
+    (``"step-000040 is not usable: trainer/trainer.pt is 812 bytes, 5303 were written"``)."""
+    problems = []
+    for ckpt in reversed(_all(run_dir)):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt, problems
+        problems.append(f"{ckpt.name} is not usable: {problem}")
+    return None, problems
+
+
+def set_aside(run_dir: Path, resumed_from: Path) -> list[str]:
+    """Rename every checkpoint newer than ``resumed_from`` (each failed :func:`verify`) to
+    ``damaged-step-...``: a resumed run writes those steps again, and the damaged ones must
+    neither stand in for them nor take the place of a good one among ``run.keep_checkpoints``.
+    Returns the new names."""
+    moved = []
+    for ckpt in _all(run_dir):
+        if ckpt.name > resumed_from.name:
+            target, n = ckpt.with_name(DAMAGED + ckpt.name), 1
+            while target.exists():
+                n += 1
+                target = ckpt.with_name(f"{DAMAGED}{ckpt.name}-{n}")
+            os.replace(ckpt, target)
+            moved.append(target.name)
+    return moved
+
+
+# -- verification ------------------------------------------------------------------------------
+_VERIFIED: dict[str, tuple] = {}
+"""Checkpoint folder -> the sizes and times of its files when they last verified: the run
+checks the one it resumes from more than once, and need not hash it again."""
+
+
+def _signature(ckpt: Path, names) -> tuple:
+    stats = [(name, (ckpt / name).stat()) for name in sorted(names)]
+    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _hashes(paths: list[Path]) -> list[str]:
+    # (hashlib lets go of the GIL while it hashes: the files of a sharded trainer in parallel)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def verify(ckpt: Path) -> str | None:
+    """What is wrong with checkpoint folder ``ckpt`` (one phrase), or None when it is whole:
+    every file its manifest lists is there with the size and SHA-256 it was written with; a
+    checkpoint without a manifest (written by an older streamrl) is checked by reading it."""
+    manifest = ckpt / MANIFEST
+    if not manifest.exists():
+        return _verify_legacy(ckpt)
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        wanted = {str(name): (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{MANIFEST} cannot be read ({type(exc).__name__})"
+    for name, (size, _) in sorted(wanted.items()):
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, {size} were written"
+    try:
+        signature = _signature(ckpt, [*wanted, MANIFEST])
+    except OSError as exc:
+        return f"its files cannot be read ({exc.strerror})"
+    if _VERIFIED.get(str(ckpt)) == signature:
+        return None
+    names = sorted(wanted)
+    try:
+        digests = _hashes([ckpt / n for n in names])
+    except OSError as exc:
+        return f"its files cannot be read ({exc.strerror})"
+    for name, digest in zip(names, digests):
+        if digest != wanted[name][1]:
+            return f"{name} does not hold what was written (its SHA-256 differs)"
+    _VERIFIED[str(ckpt)] = signature
+    return None
+
+
+def _verify_legacy(ckpt: Path) -> str | None:
+    """A checkpoint without a manifest: everything in it that can be read is read."""
+    import torch
+
+    state = ckpt / "controller.json"
+    if not state.exists():
+        return "controller.json is missing"
+    for name in ("controller.json", "dispatch.json"):
+        try:
+            if (ckpt / name).exists():
+                json.loads((ckpt / name).read_text())
+        except (OSError, ValueError) as exc:
+            return f"{name} cannot be read ({type(exc).__name__})"
+    trainer = ckpt / "trainer"
+    if (trainer / "trainer.pt").exists() or (trainer / "dcp").exists():
+        try:
+            torch.load(trainer / "trainer.pt", weights_only=False)  # (the run's own small file)
+        except Exception as exc:
+            return f"trainer/trainer.pt cannot be loaded ({type(exc).__name__})"
+        problem = _dcp_problem(trainer / "dcp")
+        if problem:
+            return problem
+    return None
+
+
+def _dcp_problem(dcp: Path) -> str | None:
+    """Every byte range the DCP metadata of folder ``dcp`` names lies inside its files."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(dcp)).read_metadata()
+    except Exception as exc:
+        return f"trainer/dcp/.metadata cannot be read ({type(exc).__name__})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = dcp / name
+        if not path.is_file():
+            return f"trainer/dcp/{name} is missing"
+        if path.stat().st_size < end:
+            return f"trainer/dcp/{name} is {path.stat().st_size} bytes, its metadata needs {end}"
+    return None
+
+
+def _write_manifest(tmp: Path) -> list[str]:
+    """List every file under ``tmp`` with its size and SHA-256 in ``manifest.json``, last;
+    returns the names listed."""
+    paths = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
+    names = [p.relative_to(tmp).as_posix() for p in paths]
+    files = {n: {"bytes": p.stat().st_size, "sha256": h} for n, p, h in zip(names, paths, _hashes(paths))}
+    (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    return names
+
+
+# -- writing -------------------------------------------------------------------------------------
+def _no_space(exc: BaseException) -> bool:
+    """A full disk somewhere in ``exc``'s chain (``ENOSPC``, or its text, which is what arrives
+    from a worker when the error was re-raised there)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _a_write_error(exc: BaseException) -> bool:
+    """An error of the file system (rather than a bug): an ``OSError``, or torch's zip writer,
+    which reports a failed write (a full disk among others) as a ``RuntimeError``."""
+    text = str(exc)
+    return (isinstance(exc, OSError) or _no_space(exc)
+            or (isinstance(exc, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text)))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def _failed_write(exc: Exception, final: Path, run_dir: Path) -> CheckpointFailed:
+    """The one line a checkpoint that could not be written ends the run with."""
+    where = folder(run_dir)
+    try:
+        free = f"; {_gib(shutil.disk_usage(where).free)} free there now"
+    except OSError:
+        free = ""
+    cause = "no space left on device" if _no_space(exc) else \
+        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+    older = ", the older checkpoints are kept" if _all(run_dir) else ""
+    return CheckpointFailed(f"checkpoint {final.name} could not be written to {where}: {cause}{free}; "
+                            f"its partial folder was removed{older}")
 
 
 def write(client: Client, train_pins: list[dict], after: Future | None, run_dir: Path, next_step: int,
@@ -48,24 +265,36 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
           files: dict[str, bytes] | None = None) -> Path:
     """Write the checkpoint taken after step ``next_step - 1``; returns its folder. The trainer's
     part is written by the ranks in ``train_pins`` together (rank 0 alone unless sharded);
-    ``files`` (name: bytes) go beside it (the dispatcher's and ranker's state)."""
+    ``files`` (name: bytes) go beside it (the dispatcher's and ranker's state); ``manifest.json``
+    last. A write that fails on the file system (a full disk) raises
+    :class:`~streamrl.errors.CheckpointFailed` once the partial folder is removed."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    stamp = time.time_ns()
-    # (a fresh key: the same step written again -- a resumed run -- must not be answered with
-    # the first write's finished task, which wrote into a folder that is gone)
-    client.gather([client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after, trainer_id=trainer_id,
-                                 key=f"checkpoint-{next_step}-{stamp}-{i}", pure=False, **pin)
-                   for i, pin in enumerate(train_pins)])
-    for name, blob in (files or {}).items():
-        (tmp / name).write_bytes(blob)
-    (tmp / "controller.json").write_text(json.dumps(
-        {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
+    try:
+        tmp.mkdir(parents=True)
+        stamp = time.time_ns()
+        # (a fresh key: the same step written again -- a resumed run -- must not be answered with
+        # the first write's finished task, which wrote into a folder that is gone)
+        saves = [client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after,
+                               trainer_id=trainer_id, key=f"checkpoint-{next_step}-{stamp}-{i}", pure=False, **pin)
+                 for i, pin in enumerate(train_pins)]
+        wait(saves)  # every rank done (or failed) before anything is removed under its feet
+        client.gather(saves)
+        for name, blob in (files or {}).items():
+            (tmp / name).write_bytes(blob)
+        (tmp / "controller.json").write_text(json.dumps(
+            {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
+        listed = _write_manifest(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and not isinstance(exc, (ResidentLost, RunFailed)) and _a_write_error(exc):
+            raise _failed_write(exc, final, run_dir) from None
+        raise
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
     os.replace(tmp, final)
-    for old in sorted(folder(run_dir).glob(f"{PREFIX}*"))[:-keep]:
+    _VERIFIED[str(final)] = _signature(final, [*listed, MANIFEST])  # just hashed: no need to again
+    for old in _all(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -77,8 +306,19 @@ def read(checkpoint: Path) -> dict:
 
 def restore_trainer(client: Client, train_pins: list[dict], checkpoint: Path) -> None:
     """Load the trainer's part into the (freshly placed) trainer of every rank, all at once
-    (sharded ranks read their shards together)."""
+    (sharded ranks read their shards together). A checkpoint that verified but cannot be
+    loaded (made by another trainer set-up) stops the resume in one line."""
     stamp = time.time_ns()
-    client.gather([client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"),
-                                 key=f"restore-{checkpoint.name}-{stamp}-{i}", pure=False, **pin)
-                   for i, pin in enumerate(train_pins)])
+    loads = [client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"),
+                           key=f"restore-{checkpoint.name}-{stamp}-{i}", pure=False, **pin)
+             for i, pin in enumerate(train_pins)]
+    try:
+        client.gather(loads)
+    except (ResidentLost, ComponentError, RunFailed):
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise RunFailed(f"checkpoint {checkpoint.name}: the trainer could not load it ({type(exc).__name__}: "
+                        f"{text[:300]}); was the run resumed with another trainer set-up (trainer.strategy, "
+                        f"pools.train.workers, the algorithm)? Resume with the run's own, or move "
+                        f"{checkpoint} aside to resume from the checkpoint before it") from None

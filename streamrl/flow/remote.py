@@ -16,6 +16,7 @@ import time
 
 from distributed import get_worker
 
+from streamrl.errors import RewardFailed, RunStopped
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.rewards import scoring
 from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
@@ -158,15 +159,36 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     stats.gen_end_max = max(s.times["gen_end"] for s in samples)
     stats.policy_version_min = min(s.policy_version for s in samples)
     stats.reward_errors = sum(1 for s in samples if "reward_error" in s.times)
+    stats.reward_error_first = next((s.reward_error for s in samples if s.reward_error), None)
     stats.add_reward_info(s.reward_info for s in samples)
     return stats
 
 
 def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None = None, after=None) -> StepStats:
-    """Train pool: one optimizer step after every train task of the batch (they are arguments)."""
+    """Train pool: one optimizer step after every train task of the batch (they are arguments:
+    every rank sees the whole batch's, and decides the same).
+
+    A batch in which the reward failed for every sample (raised, or gave no number) is not
+    trained on: :class:`~streamrl.errors.RewardFailed` stops the run before the update, naming
+    the first error. A reward that fails for every sample of a step is a bug, not a signal;
+    training on its zeros would go on in silence. A batch in which only some failed trains (those
+    score 0, counted in ``reward_errors``)."""
     expect(TRAINER, trainer_id)
+    samples = sum(t.samples for t in train_tasks)
+    errors = sum(t.reward_errors for t in train_tasks)
+    if samples and errors >= samples:
+        first = next((t.reward_error_first for t in train_tasks if t.reward_error_first), "no error text")
+        trainer = resident(TRAINER)
+        epochs = max(1, getattr(getattr(trainer, "algorithm", None), "epochs", 1))
+        version = getattr(trainer, "version", None)  # (optimizer steps so far; a plugin trainer may not count)
+        step = f"step {version // epochs + 1}" if isinstance(version, int) else "a step"
+        raise RewardFailed(f"{step}: the reward failed for all {samples} samples (the first: {first}), so the step "
+                           "was not trained on; a reward that fails for every sample is a bug, not a learning "
+                           "signal: fix the reward")
     try:
         return StepStats.of(resident(TRAINER).step())
+    except RunStopped:  # the trainer refused the step (a loss that is not finite): that is the news
+        raise
     except Exception as exc:
         raise _peer_lost(exc) from None
 

@@ -3,7 +3,9 @@ validated, giving a :class:`Resolved` that the controller builds from. Needs no 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -76,6 +78,7 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     check_pools(r)
     sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]
     out = Resolved(loaded, registry, sinks=sinks, **{section: chosen.get(section) for section in SECTIONS})
+    _check_group_size(out)
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
                    if c.capabilities().needs_model]
     if needs_model:
@@ -93,4 +96,40 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
         if not weights:
             raise UserError(f"model.path: {path} has a config.json but no weights "
                             "(expected model.safetensors or pytorch_model.bin)")
+        if out.engine.capabilities().needs_model:
+            _check_positions(out, path)
     return out
+
+
+def _check_group_size(out: Resolved) -> None:
+    """An algorithm with a group baseline learns nothing from groups of one sample."""
+    r = out.recipe
+    need = getattr(out.algorithm.build(), "min_group_size", 1)  # (algorithms are light to build)
+    if r.trainer.samples_per_prompt < need:
+        raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with algorithm.name = "
+                        f'"{r.algorithm.name}", whose baseline is the mean of a prompt\'s samples: a sample alone '
+                        f"gets advantage 0 and nothing is learned; use {need} or more (8 is usual)")
+
+
+#: Where a model's config.json says how many positions (prompt and response together) it has.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def _check_positions(out: Resolved, model: Path) -> None:
+    """``max_new_tokens`` of the engine must leave room for a prompt in the model's positions
+    (beyond them a model with learned positions fails, and one with rotary ones goes where it
+    was never trained)."""
+    wanted = getattr(out.engine.config, "max_new_tokens", None)
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.path: {model / 'config.json'} cannot be read ({type(exc).__name__})") from None
+    config = {**config, **(config.get("text_config") or {})}  # (a multimodal model's language part)
+    key = next((k for k in POSITION_KEYS if isinstance(config.get(k), int)), None)
+    if not isinstance(wanted, int) or key is None:
+        return
+    limit = config[key]
+    if wanted >= limit:
+        raise UserError(f"engine.max_new_tokens: {wanted} does not fit the model's {limit} positions "
+                        f"({key} in {model / 'config.json'}), which the prompt and the response share; "
+                        f"use less than {limit}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
-from streamrl.errors import UserError
+from streamrl.errors import RunStopped, RunWarning, UserError
 from streamrl.flow import checkpoints
 from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
@@ -58,6 +59,9 @@ class RunFolder:
         if not cls.is_run(where):
             raise UserError(f"{where}: not a run folder (expected status.json and recipe.toml in it)")
         if folder.latest_checkpoint() is None:
+            _, problems = checkpoints.usable(where)
+            if problems:  # (each was warned about just now, too)
+                raise UserError(f"{where}: no usable checkpoint to resume from ({'; '.join(problems)})")
             raise UserError(f"{where}: no checkpoint to resume from (the run stopped before its first one)")
         state = folder.status()
         if state["state"] in ("starting", "running") and _alive(state.get("pid")):
@@ -96,9 +100,15 @@ class RunFolder:
 
     def failed(self, exc: BaseException) -> None:
         """Mark the run failed (interrupted for Ctrl-C), with the error and, if there is a
-        checkpoint, how to go on."""
+        checkpoint, how to go on. A :class:`~streamrl.errors.RunStopped` (raised where the run
+        folder is not known) gets the last checkpoint and the resume command added to its message."""
+        ckpt = self.latest_checkpoint()
+        if isinstance(exc, RunStopped):
+            exc.resume_from(f"the last checkpoint is {ckpt.name} (resume with: {self.resume_command()}, "
+                            "--set to change the recipe)" if ckpt is not None
+                            else "no checkpoint was written yet (run.checkpoint_every)")
         fields = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        if self.latest_checkpoint() is not None:
+        if ckpt is not None:
             fields["resume"] = self.resume_command()
         self.mark("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", **fields)
 
@@ -115,6 +125,11 @@ class RunFolder:
         if resumed is not None:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
             (self.path / "recipe.toml").write_text(to_toml(loaded.recipe))
             self.metrics.keep_first(resumed["records"])
+            ckpt = self.latest_checkpoint()
+            if ckpt is not None:  # newer ones failed to verify: out of the way of the steps run again
+                for name in checkpoints.set_aside(self.path, ckpt):
+                    warnings.warn(f"checkpoints/{name}: the damaged checkpoint is kept under this name",
+                                  RunWarning, stacklevel=2)
         self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())
         self.sinks = list(sinks)
         for sink in self.sinks:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from distributed import Client, Future, Variable, wait
 
-from streamrl.errors import RunFailed
+from streamrl.errors import RunFailed, RunStopped
 from streamrl.flow import remote
 from streamrl.flow.resident import ResidentLost
 from streamrl.telemetry import spans
@@ -61,7 +61,7 @@ def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
     for f in loads:
         try:
             f.result()
-        except ResidentLost:  # its export found the trainer restarted: that is the news
+        except (ResidentLost, RunStopped):  # the trainer restarted, or refused the step: that is the news
             raise
         except Exception as exc:  # e.g. a broadcast that timed out: say which load, in one line
             raise RunFailed(f"weight load {spans.key_text(f.key)} failed: {exc}") from None

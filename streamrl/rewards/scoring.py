@@ -41,8 +41,8 @@ def reward_value(value: Any) -> tuple[float, dict[str, float]]:
 def score_group(reward: Reward, group: Group) -> Group:
     """Score every sample in place, with one :meth:`Reward.score_group` call. A reward that
     raises or gives no finite number for a sample is contained: reward 0, the sample flagged
-    (``times["reward_error"]``, counted in ``reward_errors``) and the error appended to its text.
-    Returns the group."""
+    (``times["reward_error"]``, counted in ``reward_errors``), the error kept in
+    ``Sample.reward_error`` and appended to its text. Returns the group."""
     prompts, responses = [s.prompt for s in group], [s.response_text for s in group]
     try:
         values = list(reward.score_group(prompts, responses))
@@ -64,6 +64,7 @@ def score_group(reward: Reward, group: Group) -> Group:
         except Exception as exc:  # one bad sample must not fail the step
             s.reward, s.reward_info = 0.0, {}
             s.times["reward_error"] = 1.0
-            s.response_text += f"\n[reward error: {type(exc).__name__}: {exc}]"
+            s.reward_error = f"{type(exc).__name__}: {exc}"[:500]  # (the step's first goes into its record)
+            s.response_text += f"\n[reward error: {s.reward_error}]"
         s.times["reward_end"] = end
     return group

@@ -1,10 +1,18 @@
 """``metrics.jsonl``: one JSON record per optimizer step, flushed as it is written (a crash
-keeps every finished step)."""
+keeps every finished step).
+
+A crash in the middle of writing a record leaves its line cut off: :func:`read` drops such a
+last line with a one-line warning. A line that cannot be read anywhere else was not torn by a
+crash, and reading stops with a one-line error naming the file and the line.
+"""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+
+from streamrl.errors import RunWarning, UserError
 
 
 class MetricsLog:
@@ -30,5 +38,26 @@ class MetricsLog:
 
 
 def read(path: str | Path) -> list[dict]:
-    """All records of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """All records of a ``metrics.jsonl`` file. A last line cut off by a crash mid-write is
+    dropped (warned about, :class:`~streamrl.errors.RunWarning`); a line that is not a JSON
+    object anywhere else raises :class:`~streamrl.errors.UserError` naming it."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as exc:
+            if number == len(lines):  # the record being written when the run stopped
+                warnings.warn(f"{path}: its last line (line {number}) was cut off, as a crash in the middle of "
+                              "writing it leaves it, and is dropped", RunWarning, stacklevel=2)
+                break
+            raise UserError(f"{path}: line {number} of {len(lines)} is not a JSON record ({exc}); only a last line "
+                            "is ever cut off by a crash: mend or remove that line") from None
+        records.append(record)
+    return records

@@ -32,7 +32,9 @@ class StepRecord:
     loss: float
     response_len_mean: float
     reward_errors: int
-    """Samples whose reward raised or was not a finite number (scored 0)."""
+    """Samples whose reward raised or was not a finite number (scored 0). A step in which every
+    sample's did is not recorded: the run stops before its update (``remote.optimizer_step``),
+    since a reward that always fails is a bug, not a learning signal."""
     generated_policy_version_min: int
     staleness_max: int
     """Versions between the policy being trained (``step``) and its oldest sample."""
@@ -68,6 +70,9 @@ class StepRecord:
     (``Sample.reward_info``), over the samples that had it."""
     extra: dict = field(default_factory=dict)
     """Dispatch fields (``generate_makespan_s``, ``ranker_recall``, ...)."""
+    reward_error_first: str | None = None
+    """What the reward raised for the step's first sample whose reward failed
+    (``"ValueError: ..."``), so that the error is seen somewhere; None when none failed."""
     sample_log: list[dict] = field(default_factory=list)
     """Per sample: id, generating version, staleness, worker and timeline (epoch seconds)."""
 
@@ -122,7 +127,8 @@ def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: 
         train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
         stats={**algorithm_stats(micro, samples), **step_stats.extra},  # and what else the step reports
-        rewards=reward_means(micro), sample_log=sample_log)
+        rewards=reward_means(micro), sample_log=sample_log,
+        reward_error_first=next((m.reward_error_first for m in micro if m.reward_error_first), None))
 
 
 def last_epoch_stats(micro: list[TrainTaskStats], epochs: int) -> dict[str, float]:

@@ -37,6 +37,8 @@ class TrainTaskStats:
     """Micro-batches the task was cut into."""
     reward_errors: int = 0
     """Samples whose reward raised or was not a finite number (scored 0)."""
+    reward_error_first: str | None = None
+    """What the reward raised for the first of them (``Sample.reward_error``); None without any."""
     gen_end_max: float | None = None
     """When the last of its samples was generated (epoch seconds); None without samples."""
     policy_version_min: int | None = None

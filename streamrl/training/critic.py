@@ -37,13 +37,16 @@ class Critic(torch.nn.Module):
         # (a copy, not a view of the head's output: FSDP warns that a view can lose its hooks)
         return self.head(hidden).squeeze(-1).float().clone()
 
-    def step(self, clip_grad_norm: Callable[..., float], max_grad_norm: float) -> float:
-        """Clip (with the trainer strategy's ``clip_grad_norm(params, max_grad_norm)``, which
-        gathers a sharded norm), step, clear; returns the gradient norm."""
-        norm = clip_grad_norm(self.parameters(), max_grad_norm)
+    def clip(self, clip_grad_norm: Callable[..., float], max_grad_norm: float) -> float:
+        """Clip with the trainer strategy's ``clip_grad_norm(params, max_grad_norm)`` (which
+        gathers a sharded norm); returns the gradient norm. The trainer checks it is finite
+        before :meth:`apply`."""
+        return clip_grad_norm(self.parameters(), max_grad_norm)
+
+    def apply(self) -> None:
+        """Step the critic's optimizer and clear its gradients."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def save(self, out: str, state_dict: dict | None = None) -> None:
         """The backbone as a transformers folder, the head as ``value_head.pt`` beside it.

@@ -51,6 +51,18 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def any_rank(flag: bool, device: str) -> bool:
+    """``flag`` of any rank (a collective on every rank of a group; ``flag`` itself without one).
+    ``device``: where the group's backend takes tensors (gloo: CPU, NCCL: CUDA)."""
+    if world_size() == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 @torch.no_grad()
 def all_reduce_gradients(params) -> None:
     """Sum every parameter's gradient over the ranks, in place. A rank that has no gradient for

@@ -44,10 +44,17 @@ class Strategy:
         raise NotImplementedError
 
     def clip_grad_norm(self, params, max_norm: float) -> float:
-        """Clip the gradients of ``params`` to ``max_norm`` (0: no clipping); their norm before."""
+        """Clip the gradients of ``params`` to ``max_norm`` (0: no clipping); their norm before,
+        the whole pool's (measured without clipping too: a norm that is not finite stops the step)."""
         if max_norm <= 0:
-            return 0.0
+            grads = [p.grad for p in params if p.grad is not None]
+            return float(self.whole(torch.nn.utils.get_total_norm(grads))) if grads else 0.0
         return float(self.whole(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+
+    def any_rank(self, flag: bool, device: str) -> bool:
+        """Whether ``flag`` holds on any rank of the train pool, so that every rank takes the
+        same decision (a collective over a group of several: every rank calls it)."""
+        return dp.any_rank(flag, device)
 
     def without_gradient(self, empty_pass: Callable[[], object], params) -> None:
         """A micro-batch with nothing to back-propagate: make the optimizer step as on a zero

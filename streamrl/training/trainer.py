@@ -13,6 +13,7 @@ trainer is composed with, chosen once when it is built: the steps here do not br
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Literal
 
@@ -24,6 +25,7 @@ from safetensors.torch import save as save_safetensors
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
+from streamrl.errors import NonFiniteStep
 from streamrl.sample import Group
 from streamrl.training import fsdp
 from streamrl.training.logprobs import naive_token_logprobs
@@ -59,6 +61,13 @@ class HFTrainerConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory per token (longer micro-batches fit), about a third more compute."""
+    max_nonfinite_steps: int = Field(0, ge=0)
+    """Optimizer steps in a row whose loss or gradient may be not finite (NaN or inf) and are
+    skipped -- no update, the policy version still counted, ``nonfinite_skipped`` = 1 in the
+    step's record -- before the run stops. 0: the first one stops the run (a one-line error
+    naming the step and the last checkpoint). Either way a non-finite update is never applied,
+    published or checkpointed. A few isolated skips can ride out a rare numerical spike; every
+    step non-finite is a learning rate far too high or an algorithm that returns NaN."""
 
 
 def pad_batch(samples, pad_id: int):
@@ -130,6 +139,13 @@ class HFTrainer(Trainer):
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.sharded = False  # trainer.strategy = "fsdp" over several ranks, once shard() has run
+        self.nonfinite_loss: str | None = None
+        """A loss of this step's micro-batches on this rank that was not finite (its value), or None."""
+        self.nonfinite_in_a_row = 0
+        """Optimizer steps skipped in a row for a non-finite loss or gradient (``max_nonfinite_steps``)."""
+        self.probe = None
+        """A sample this rank trained in this step: after the update, the new policy's
+        log-probabilities of it must be finite before the weights go anywhere."""
 
     def _build_optimizer(self) -> None:
         # AdamW over the policy's parameters as they are now (sharded: over the shards; bf16-params:
@@ -193,6 +209,7 @@ class HFTrainer(Trainer):
                             "seconds": time.perf_counter() - t0}
                 samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
         skipped = counted["samples"] - len(samples)
+        self.probe = samples[0]
         ids, attn, resp, old = pad_batch(samples, self.tokenizer.pad_token_id)
         ids, attn, resp, old = (t.to(self.device) for t in (ids, attn, resp, old))
         stats: dict = {}
@@ -212,11 +229,18 @@ class HFTrainer(Trainer):
         stats.update(algo_stats)
         if self.version < self.algorithm.critic_warmup_steps:
             per_sample = per_sample * 0.0  # critic warm-up: the policy does not move yet
-        (per_sample.sum() * scale + critic_loss).backward()
+        loss = per_sample.sum()
+        (loss * scale + critic_loss).backward()
+        loss_sum = float(loss.item())
+        # remembered for the optimizer step, which refuses the update: a NaN loss whose gradient
+        # happens to be finite (a detached term) would otherwise pass the gradient-norm check
+        for value in (loss_sum, float(stats.get("value_loss_sum", 0.0))):
+            if not math.isfinite(value) and self.nonfinite_loss is None:
+                self.nonfinite_loss = str(value)
         return {
             **counted,
             "skipped_sum": skipped,  # metrics.jsonl: "skipped", the share left out of the backward
-            "loss_sum": float(per_sample.sum().item()),
+            "loss_sum": loss_sum,
             "seconds": time.perf_counter() - t0,
             **{k: float(v) for k, v in stats.items()},
         }
@@ -267,16 +291,86 @@ class HFTrainer(Trainer):
         t0 = time.perf_counter()
         self.strategy.reduce_gradients([m for m in (self.stepped, self.critic) if m is not None])
         norm = self.strategy.clip_grad_norm(self.stepped.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
-        self.lr_schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.masters.copy_back()
-        self.strategy.weights_changed(self.model)
-        out = {"version": self.version + 1, "grad_norm": norm}
+        out = {"version": self.version + 1, "grad_norm": norm, "nonfinite_skipped": 0}
         if self.critic is not None:
-            out["critic_grad_norm"] = self.critic.step(self.strategy.clip_grad_norm, self.config.max_grad_norm)
+            out["critic_grad_norm"] = self.critic.clip(self.strategy.clip_grad_norm, self.config.max_grad_norm)
+        problem = self._nonfinite(norm, out.get("critic_grad_norm", 0.0))
+        if problem is not None:
+            self._refuse(problem)  # raises, unless max_nonfinite_steps lets this step be skipped
+            out["nonfinite_skipped"] = 1
+        else:
+            self.nonfinite_in_a_row = 0
+            self.optimizer.step()
+            self.lr_schedule.step()
+            if self.critic is not None:
+                self.critic.apply()
+            self.masters.copy_back()
+            # Finite gradients and a finite learning rate make finite weights, short of an
+            # overflow; but an update far too large (trainer.lr = 1e9) makes finite weights whose
+            # outputs are not, and the engines would be the first to find out, a step later, in
+            # their sampling. The next thing done with the weights is to publish them: check them
+            # (a pass over the weights) and the new policy's log-probabilities of one sample (a
+            # forward pass of one sequence) first.
+            broken = None
+            if not _finite(self.stepped.parameters()):
+                broken = "made the weights not finite"
+            elif not self._probe_finite():
+                broken = "made the policy's log-probabilities not finite"
+            if self.strategy.any_rank(broken is not None, self.device):
+                raise NonFiniteStep(f"{self._step_name()}: the update {broken or 'was not finite on another rank'} "
+                                    f"(trainer.lr = {self.config.lr:g}); nothing of this step was published or "
+                                    f"checkpointed; lower trainer.lr or check the algorithm "
+                                    f"({type(self.algorithm).__name__})")
+            self.strategy.weights_changed(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {**out, "seconds": time.perf_counter() - t0}
+
+    def _step_name(self) -> str:
+        # the run's step as the console counts it (from 1): the version counts optimizer steps,
+        # ``algorithm.epochs`` of them per step
+        return f"step {self.version // max(1, self.algorithm.epochs) + 1}"
+
+    @torch.no_grad()
+    def _probe_finite(self) -> bool:
+        """The updated policy's log-probabilities of this step's :attr:`probe` are finite (a
+        rank that trained nothing probes a pad token: sharded, every rank's forward takes part)."""
+        from streamrl.sample import Sample
+
+        like, self.probe = self.probe, None
+        pad = self.tokenizer.pad_token_id
+        if like is None:
+            like = Sample(uid="probe", prompt=None, prompt_ids=[pad], response_ids=[pad], logprobs=[0.0])
+        ids, attn, resp, _ = (t.to(self.device) for t in pad_batch([like], pad))
+        with self.precision.autocast():
+            new = self.policy(ids, attn, self.temperature, self.config.logprob_chunk_tokens, resp)
+        return bool(torch.isfinite(new[resp > 0]).all())
+
+    def _nonfinite(self, norm: float, critic_norm: float) -> str | None:
+        """What was not finite in this step (the same answer on every rank), or None."""
+        local, self.nonfinite_loss = self.nonfinite_loss, None
+        # (the norms are the whole pool's already; a loss is one rank's)
+        if self.strategy.any_rank(local is not None, self.device):
+            return f"the loss is not finite ({local or 'on another rank'})"
+        if not math.isfinite(norm):
+            return f"the gradient is not finite (norm {norm})"
+        if not math.isfinite(critic_norm):
+            return f"the critic's gradient is not finite (norm {critic_norm})"
+        return None
+
+    def _refuse(self, problem: str) -> None:
+        """A step whose loss or gradient is not finite: raise :class:`NonFiniteStep`, unless
+        ``max_nonfinite_steps`` lets it be skipped (the caller then clears the gradients)."""
+        self.nonfinite_in_a_row += 1
+        allowed = self.config.max_nonfinite_steps
+        if self.nonfinite_in_a_row <= allowed:
+            return
+        in_a_row = f" ({self.nonfinite_in_a_row} steps in a row; trainer.max_nonfinite_steps = {allowed})" if allowed else ""
+        raise NonFiniteStep(f"{self._step_name()}: {problem}{in_a_row}, so the update was not applied and nothing of "
+                            f"this step was published or checkpointed; lower trainer.lr (now {self.config.lr:g}) "
+                            f"or check the algorithm ({type(self.algorithm).__name__})")
 
     @torch.no_grad()
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -348,6 +442,15 @@ def critic_stats(values, returns, mask, value_loss) -> dict:
     n = mask.shape[0]
     return {"value_loss_sum": value_loss.sum(), "explained_variance_sum": ev * n,
             "value_mean_sum": ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()}
+
+
+@torch.no_grad()
+def _finite(params) -> bool:
+    """Every value of ``params`` is finite (a shard: its local part)."""
+    from torch.distributed.tensor import DTensor
+
+    checks = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in params]
+    return bool(torch.stack(checks).all()) if checks else True
 
 
 def weights_to_bytes(named: dict[str, torch.Tensor]) -> bytes:
