@@ -1,19 +1,181 @@
-"""``trace.json``: the run as a Chrome trace (Perfetto opens it). Being written; see TraceRecorder."""
+"""``trace.json``: the run as a Chrome trace, which Perfetto (``vizviewer``, ui.perfetto.dev) and
+chrome://tracing open; ``docs/trace.md`` says what is in it.
+
+While the run goes, :class:`TraceRecorder` only appends Dask's task stream (every task's worker
+and start/stop times, kept by the scheduler in a bounded buffer) to ``trace-tasks.jsonl`` in the
+run folder: one small request to the scheduler per step. At the end it builds ``trace.json``
+(:func:`write_trace`) from that file and ``metrics.jsonl`` (whose ``sample_log`` has each
+sample's timeline), streaming both, so memory stays bounded however long the run. A resumed run
+appends to ``trace-tasks.jsonl`` and rewrites ``trace.json`` over the whole run.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import time
 from pathlib import Path
+
+from streamrl.telemetry.trace_events import (TaskIndex, Tracks, marker, reserve_task_lanes, sample_events, step_events,
+                                             task_events)
+
+log = logging.getLogger(__name__)
+
+TRACE = "trace.json"
+TASKS = "trace-tasks.jsonl"
+"""The task stream as recorded: a ``{"segment": ...}`` line where each run or resume began, then
+one line per task (``key``, ``worker``, ``status``, ``startstops`` as ``[action, start, stop, from]``)."""
+METRICS = "metrics.jsonl"  # (flow/run_folder.py writes it)
+
+#: seconds a request to the scheduler may take before the trace gives up on it (a dying cluster)
+RPC_TIMEOUT = 10.0
+
+#: per-sample slices written at most (about 200 bytes each): a trace much larger than this no
+#: longer opens in a browser; past it, tasks, steps and counters go on, and a marker says so
+MAX_SAMPLE_EVENTS = 1_000_000
 
 
 class TraceRecorder:
-    """Collects the timeline of a run step by step and writes ``trace.json`` at the end."""
+    """Records the timeline of a run step by step and writes ``trace.json`` at the end.
+
+    Built once the cluster is up (its first request installs the scheduler's task-stream
+    plugin, so every task after it is kept); a failure here is logged and never stops the run."""
 
     def __init__(self, client, run_dir: Path):
         self.client, self.run_dir = client, Path(run_dir)
+        self.costs: list[float] = []
+        """Seconds each :meth:`step` took (it runs between steps)."""
+        self._names: dict[str, str] = {}
+        self._index = 0  # task-stream records taken so far (the scheduler numbers them in order)
+        self._file = None
+        try:
+            resumed = (self.run_dir / TASKS).exists()
+            self._file = open(self.run_dir / TASKS, "a", encoding="utf-8")
+            self._file.write(json.dumps({"segment": {"start": time.time(), "resumed": resumed}}) + "\n")
+            self._collect()
+        except Exception as exc:  # the trace is an observer: the run goes on without it
+            self._give_up(exc)
 
     def step(self, record: dict) -> None:
-        """Called after each step's record is written."""
+        """Called after each step's record is written: take the tasks finished since the last
+        call (the buffer on the scheduler is bounded) and append them to ``trace-tasks.jsonl``.
+        The record itself is read back from ``metrics.jsonl`` at :meth:`close`."""
+        t0 = time.perf_counter()
+        if self._file is not None:
+            try:
+                self._collect()
+            except Exception as exc:
+                self._give_up(exc)
+        self.costs.append(time.perf_counter() - t0)
 
     def close(self) -> Path | None:
-        """Write ``trace.json``; returns its path (None if nothing was recorded)."""
-        return None
+        """Take the last tasks (when the cluster still answers) and write ``trace.json``; returns
+        its path (None if nothing was recorded or it could not be written)."""
+        if self._file is not None:
+            try:
+                if getattr(self.client, "status", "running") == "running":
+                    self._collect()
+            except Exception as exc:  # after a failure the cluster may be gone: write what there is
+                log.debug("trace: last task-stream request failed: %s", exc)
+            self._file.close()
+            self._file = None
+        try:
+            return write_trace(self.run_dir)
+        except Exception as exc:
+            log.warning("trace: could not write %s: %s: %s", self.run_dir / TRACE, type(exc).__name__, exc)
+            return None
+
+    def _collect(self) -> None:
+        """Append the task-stream records since the last request, worker addresses as names."""
+        records = self.client.sync(self.client.scheduler.get_task_stream, start_index=self._index,
+                                   callback_timeout=RPC_TIMEOUT)
+        self._index += len(records)
+        lines = []
+        for r in records:
+            stops = [[s["action"], round(s["start"], 6), round(s["stop"], 6), self._name(s.get("source"))]
+                     for s in r.get("startstops", ())]
+            key = list(r["key"]) if isinstance(r["key"], tuple) else r["key"]
+            lines.append(json.dumps({"key": key, "worker": self._name(r["worker"]), "status": r.get("status", ""),
+                                     "startstops": stops}, default=str))
+        if lines:
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()  # a killed run keeps what it had
+
+    def _name(self, address: str | None) -> str | None:
+        """A worker's name (``generate-0``) from its address; the address if the worker is gone."""
+        if not address:
+            return None
+        if address not in self._names:
+            workers = self.client.scheduler_info(n_workers=-1).get("workers", {})
+            self._names.update({a: str(w.get("name", a)) for a, w in workers.items()})
+        return self._names.setdefault(address, address)
+
+    def _give_up(self, exc: BaseException) -> None:
+        log.warning("trace: recording stopped (%s: %s); trace.json will have the steps but fewer tasks",
+                    type(exc).__name__, exc)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _lines(path: Path):
+    """The JSON objects of a JSON-lines file, one at a time (a torn last line is skipped)."""
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+def write_trace(run_dir: Path) -> Path | None:
+    """Build ``trace.json`` in ``run_dir`` from ``trace-tasks.jsonl`` and ``metrics.jsonl``;
+    returns its path, or None when neither has anything. Written to a temporary file and
+    renamed, so a reader never sees half a trace."""
+    run_dir = Path(run_dir)
+    tracks, index = Tracks(), TaskIndex()
+    out_path, tmp = run_dir / TRACE, run_dir / (TRACE + ".tmp")
+    written = samples = 0
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.write('{"displayTimeUnit": "ms", "otherData": {"run": %s, "source": "streamrl"},\n"traceEvents": [\n'
+                  % json.dumps(run_dir.name))
+
+        def emit(events: list[dict]) -> None:
+            nonlocal written
+            for e in events:
+                out.write((",\n" if written else "") + json.dumps(e, separators=(",", ":")))
+                written += 1
+
+        tracks.thread(tracks.process("controller", 0), "steps")  # the controller first, as pid 1
+        reserve_task_lanes(tracks, (t for t in _lines(run_dir / TASKS) if t.get("worker")))
+        # tasks before samples: they index the reward and train tasks the samples are matched to
+        for line in _lines(run_dir / TASKS):
+            if "segment" in line:
+                if line["segment"].get("resumed"):
+                    emit([marker("resumed", line["segment"]["start"], tracks)])
+            elif line.get("worker"):
+                emit(task_events(line, tracks, index))
+        capped = False
+        for i, record in enumerate(_lines(run_dir / METRICS)):
+            emit(step_events(record, tracks, first=i == 0))
+            if capped:
+                continue
+            events = sample_events(record, tracks, index)
+            if samples + len(events) > MAX_SAMPLE_EVENTS:
+                capped = True
+                emit([marker("sample slices stop here", record["time"] - record.get("step_s", 0.0), tracks,
+                             {"max_sample_events": MAX_SAMPLE_EVENTS})])
+                continue
+            samples += len(events)
+            emit(events)
+        if not written:
+            out.close()
+            tmp.unlink()
+            return None
+        emit(tracks.meta)
+        out.write("\n]}\n")
+    os.replace(tmp, out_path)
+    return out_path
