@@ -1,9 +1,9 @@
 """The names every tracker sink logs a step under: :func:`tracker_metrics`.
 
 ``metrics.jsonl`` keeps streamrl's own field names (``reward_mean``, ``step_s``); a tracker gets
-the grouped names the other RL libraries use (verl's ``timing_s/...``, ``perf/...``,
-``actor/...``, ``critic/...``; TRL's ``reward``, ``completions/...``), so one dashboard reads
-runs of either. ``docs/metrics.md`` has the table.
+names grouped the way verl groups its own (``timing_s/...``, ``perf/...``, ``actor/...``,
+``critic/...``, ``response_length/mean``), so runs of both sit side by side in one dashboard.
+``docs/metrics.md`` has the table.
 """
 
 from __future__ import annotations
