@@ -190,6 +190,19 @@ def test_a_damaged_last_line_is_skipped_with_a_warning(tmp_path, capsys):
     assert "skipped 1 unreadable line" in capsys.readouterr().err
 
 
+def test_a_long_run_reads_the_sample_log_of_every_kth_step_and_the_last_ones(tmp_path, monkeypatch):
+    from streamrl.telemetry import report
+
+    monkeypatch.setattr(report, "MAX_LOGGED_STEPS", 10)
+    run = report.load_run(made_up_run(tmp_path / "run", steps=40))
+    assert [r["step"] for r in run.records] == list(range(40))  # every step's numbers
+    logged = [r["step"] for r in run.records if "sample_log" in r]
+    assert logged == [0, 4, 8, 12, 16, 20, 24, 28, 32] + list(range(40 - report.LAST_STEPS, 40))
+    assert all(len(r["sample_log"]) == 8 for r in run.records if "sample_log" in r)
+    # and the report of it draws (the timeline from the last steps)
+    assert "timeline.png" in report.write_report([run.path]).read_text()
+
+
 @pytest.mark.parametrize("content", [None, "", "\n\n"])
 def test_a_folder_without_steps_is_a_user_error_naming_it(tmp_path, content):
     folder = tmp_path / "empty-run"
@@ -231,30 +244,25 @@ def test_importing_streamrl_and_the_runner_does_not_import_matplotlib():
 # -- real runs, through the CLI ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, tiny_model) -> list[Path]:
-    """A tiny recipe run in stream and in batch mode, with the end-of-run report (the default)."""
-    folder = tmp_path_factory.mktemp("report-runs")
+def real_run(tmp_path_factory, tiny_model) -> Path:
+    """A tiny recipe run in stream mode, with its end-of-run report (the default)."""
+    folder = tmp_path_factory.mktemp("report-run")
     recipe = folder / "tiny.toml"
     recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
-    runs = []
-    for mode in ("stream", "batch"):
-        before = set((folder / "runs").iterdir()) if (folder / "runs").exists() else set()
-        proc = streamrl("recipe", "run", str(recipe), "--set", f"run.mode={mode}", "--set", "run.steps=3")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "streamrl: warning: report" not in proc.stderr, proc.stderr[-3000:]
-        (run,) = set((folder / "runs").iterdir()) - before
-        runs.append(run)
-    return runs
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=stream", "--set", "run.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "streamrl: warning: report" not in proc.stderr, proc.stderr[-3000:]
+    (run,) = (folder / "runs").iterdir()
+    return run
 
 
 @pytest.mark.slow
-def test_a_run_writes_its_report_and_streamrl_report_draws_it_again(two_runs, tmp_path):
-    run = two_runs[0]
+def test_a_run_writes_its_report_and_streamrl_report_draws_it_again(real_run, tmp_path):
     # the end-of-run report
-    assert (run / "report.md").is_file()
-    assert {p.name for p in linked_images(run / "report.md")} >= {"reward.png", "timeline.png"}
+    assert (real_run / "report.md").is_file()
+    assert {p.name for p in linked_images(real_run / "report.md")} >= {"reward.png", "timeline.png"}
     # the command, elsewhere
-    proc = streamrl("report", str(run), "--out", str(tmp_path / "out"), timeout=120)
+    proc = streamrl("report", str(real_run), "--out", str(tmp_path / "out"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = Path(proc.stdout.strip())
     assert report == tmp_path / "out" / "report.md"
@@ -267,11 +275,12 @@ def test_a_run_writes_its_report_and_streamrl_report_draws_it_again(two_runs, tm
 
 
 @pytest.mark.slow
-def test_streamrl_report_overlays_two_real_runs(two_runs, tmp_path):
-    proc = streamrl("report", *map(str, two_runs), "--out", str(tmp_path / "both"), timeout=120)
+def test_streamrl_report_overlays_a_real_run_and_another(real_run, tmp_path):
+    other = made_up_run(tmp_path / "other", mode="async", name="other")
+    proc = streamrl("report", str(real_run), str(other), "--out", str(tmp_path / "both"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "both" / "report.md").read_text()
-    assert "| tiny | stream |" in text and "| tiny | batch |" in text
-    assert "Worker timeline of tiny (stream)" in text and "Worker timeline of tiny (batch)" in text
+    assert "| tiny | stream |" in text and "| other | async |" in text
+    assert "Worker timeline of tiny (stream)" in text and "Worker timeline of other (async)" in text
     for png in linked_images(tmp_path / "both" / "report.md"):
         check_png(png)

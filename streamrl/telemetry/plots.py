@@ -138,15 +138,17 @@ def response_length(series: Series, path: Path) -> bool:
     fig, (ax,) = _figure(WIDE)
     one = len(series) == 1
     for i, (label, records) in enumerate(series):
-        x, q = _steps(records), np.full((len(records), 3), np.nan)
-        for j, rec in enumerate(records):
-            lens = [s["response_len"] for s in rec.get("sample_log", ()) if "response_len" in s]
-            if lens:
-                q[j] = np.percentile(lens, [10, 90, 100])
+        # the steps with a per-sample log (a long run's report reads every k-th step's)
+        logged = [(x, [s["response_len"] for s in rec["sample_log"] if "response_len" in s])
+                  for x, rec in zip(_steps(records), records) if rec.get("sample_log")]
+        logged = [(x, lens) for x, lens in logged if lens]
+        x = np.array([x for x, _ in logged], dtype=float)
+        q = np.array([np.percentile(lens, [10, 90, 100]) for _, lens in logged]).reshape(-1, 3)
         # the mean, not the median: lengths of a few tokens make a median jump between integers
         ax.fill_between(x, q[:, 0], q[:, 1], color=f"C{i}", alpha=0.25 if one else 0.12, lw=0,
                         label="10th-90th percentile" if one else None)
-        ax.plot(x, _values(records, "response_len_mean"), color=f"C{i}", lw=1.8, label="mean" if one else label)
+        ax.plot(_steps(records), _values(records, "response_len_mean"), color=f"C{i}", lw=1.8,
+                label="mean" if one else label)
         ax.plot(x, q[:, 2], color=f"C{i}", lw=0.8, ls=":", label="longest" if one else None)
     ax.set(title="Response length per step" + ("" if one else "  (line: mean, band: 10th-90th percentile, "
                                                                "dotted: longest)"),

@@ -57,18 +57,15 @@ def load_run(path: Path) -> Run:
         raise UserError(f"{path}: no such run folder")
     if not metrics.is_file():
         raise UserError(f"{path}: no metrics.jsonl (not a run folder, or the run stopped before its first step)")
+    lines = [line for line in metrics.read_text(errors="replace").splitlines() if line.strip()]
+    keep = logged_steps(len(lines))
     records, bad = [], 0
-    for line in metrics.read_text(errors="replace").splitlines():
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(rec, dict) and "reward_mean" in rec:
-                records.append(rec)
-            else:
-                bad += 1
+    for i, line in enumerate(lines):
+        rec = _parse(line, with_log=keep(i))
+        if isinstance(rec, dict) and "reward_mean" in rec:
+            records.append(rec)
+        else:
+            bad += 1
     if not records:
         raise UserError(f"{path}: metrics.jsonl has no step records")
     if bad:
@@ -85,6 +82,37 @@ def load_run(path: Path) -> Run:
     # (a folder is <name>-<yyyymmdd>-<hhmmss>[-n]; without its recipe that is the best name)
     name = run.get("name") or re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", path.resolve().name)
     return Run(path, records, name, run.get("mode", "?"), state, recipe)
+
+
+#: steps whose per-sample log is read, at most (spread over the run, the last ones always):
+#: parsing it is most of the cost of a long run's report, and the plots need no more
+MAX_LOGGED_STEPS = 240
+#: the last steps, whose per-sample log the worker timeline needs
+LAST_STEPS = TIMELINE_STEPS + 3
+LOG_KEY = ', "sample_log": ['
+
+
+def logged_steps(n: int):
+    """For a run of ``n`` lines: whether line ``i``'s ``sample_log`` is read (all of a run of
+    up to :data:`MAX_LOGGED_STEPS` steps; else every k-th step and the last few)."""
+    every = -(-n // MAX_LOGGED_STEPS)
+    return lambda i: i % every == 0 or i >= n - LAST_STEPS
+
+
+def _parse(line: str, with_log: bool) -> dict | None:
+    """One ``metrics.jsonl`` line; without ``with_log``, its ``sample_log`` (written last, the
+    bulk of the line) is cut off unparsed. None for a damaged line."""
+    if not with_log:
+        cut = line.find(LOG_KEY)
+        if cut > 0:
+            try:
+                return json.loads(line[:cut] + "}")
+            except ValueError:
+                pass  # (the key inside some text value: parse it all)
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def _own_run(paths: list[Path]) -> bool:
