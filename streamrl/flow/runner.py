@@ -103,13 +103,14 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     if resumed is not None and resumed["next_step"] >= r.run.steps:
         raise UserError(f"run.steps: the run already has {resumed['next_step']} steps; "
                         "pass --set run.steps=N with a larger N to go on")
-    folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
     t_start = time.time()
     warn = lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True)  # noqa: E731
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
     dask_cluster = client = trace = None
     try:
+        # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
+        folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
         with sigint_ignored():  # the cluster's processes inherit the ignore (``flow/stopping.py``)
             dask_cluster, client = cluster.start(r, verbose)
         stop.install()
