@@ -1,13 +1,15 @@
 """Screenshot of the streamrl page on the Dask dashboard, taken by headless Chromium while a real
 run goes on.
 
-    python scripts/dashboard_screenshot.py                      # recipes/addition.toml, 40 steps
-    python scripts/dashboard_screenshot.py --after 25 --out /tmp/page.png --set run.steps=60
+    python scripts/dashboard_screenshot.py                      # recipes/addition.toml, 60 steps
+    python scripts/dashboard_screenshot.py --after 25 --out /tmp/page.png --set run.steps=40
 
 The run is ``streamrl recipe run`` done in this process (``flow.runner.run``) on the embedded
-cluster; once ``--after`` steps are published, Chromium (Debian: ``apt-get install chromium``)
-opens the page the runner printed and saves a PNG, and the run goes on to its end. The PNG is
-palette-quantized to stay small enough to keep in the repository (docs/img/dashboard.png).
+cluster, with a held-out evaluation every 10 steps so the page shows one; once ``--after`` steps
+are published, Chromium (Debian: ``apt-get install chromium``) opens the page the runner printed
+and saves a PNG, and the run goes on to its end. The PNG is palette-quantized to stay small
+enough to keep in the repository (docs/img/dashboard.png). It also prints what ``publish`` cost
+the run per step.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def screenshot(url: str, out: Path, width: int = 1400, height: int = 900, settle_s: float = 2.0,
+def screenshot(url: str, out: Path, width: int = 1400, height: int = 720, settle_s: float = 2.0,
                timeout: float = 120) -> None:
     """Headless Chromium opens ``url`` and writes the window to ``out`` as PNG once Bokeh has drawn
     the page.
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "addition.toml"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "img" / "dashboard.png"))
-    ap.add_argument("--after", type=int, default=25, help="steps published before the screenshot")
+    ap.add_argument("--after", type=int, default=45, help="steps published before the screenshot")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe overrides, as for streamrl recipe run")
     args = ap.parse_args(argv)
@@ -131,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # defaults for a screenshot: a short run, its folder in a temporary place, a free port
     tmp = Path(tempfile.mkdtemp(prefix="streamrl-screenshot-"))
-    overrides = ["run.steps=40", f"run.out_dir={tmp}", "run.report=false", "cluster.dashboard_port=0",
-                 *args.overrides]
+    overrides = ["run.steps=60", f"run.out_dir={tmp}", "run.report=false", "cluster.dashboard_port=0",
+                 "eval.every=10", "eval.max_prompts=128", *args.overrides]
     loaded = load_recipe(args.recipe, overrides)
     r = loaded.recipe
     if args.after > r.run.steps:
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     # The page's header shows the run's name, mode and step count when install() is given them;
     # a runner that does not pass them yet gets them here (what it passes itself wins).
     real_install, real_publish = dashboard.install, dashboard.publish
-    state: dict = {"url": None, "steps": 0, "thread": None, "error": None}
+    state: dict = {"url": None, "steps": 0, "thread": None, "error": None, "cost": []}
 
     def install(client, **kw):
         state["url"] = real_install(client, **{"name": r.run.name, "mode": r.run.mode, "steps": r.run.steps, **kw})
@@ -156,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             state["error"] = exc
 
     def publish(client, record):
+        t = time.perf_counter()
         real_publish(client, record)
+        state["cost"].append(time.perf_counter() - t)
         state["steps"] += 1
         if state["steps"] == args.after and state["url"]:
             state["thread"] = threading.Thread(target=shoot, daemon=True)
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shrink(out)
     print(f"{out} ({out.stat().st_size // 1024} KB) of {state['url']} after step {args.after}; run folder {folder}")
+    cost = sorted(state["cost"])
+    print(f"publish() per step: median {cost[len(cost) // 2] * 1e6:.0f} us, max {cost[-1] * 1e6:.0f} us "
+          f"over {len(cost)} steps")
     return 0
 
 

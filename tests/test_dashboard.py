@@ -122,8 +122,8 @@ def test_install_attaches_the_page_to_a_running_scheduler_once(scheduler_only):
     assert page["steps"]["busy_generate"] == pytest.approx([0.75] * 4)
     assert page["steps"]["staleness"] == [0, 1, 0, 1]
     assert page["evals"] == {"step": [2], "eval_reward": [0.3], "eval_pass1": [0.25]}
-    for text in ("<b>demo</b>", "mode async", "step 4/4", "policy v4", "reward 0.300",
-                 "eval pass@1 0.250 (step 3)", "finished"):
+    for text in ("<b>demo</b>", "mode async", "4/4 steps", "policy v4", "reward 0.300",
+                 "eval pass@1 0.250 at step 2", "finished"):
         assert text in page["header"]
 
 
@@ -161,7 +161,7 @@ def test_the_page_updates_live_and_follows_the_newest_run(scheduler_only):
     assert [(s, r) for s, r, _ in seen] == [
         ([0], [0.1]), ([0, 1, 2], [0.1, 0.2, 0.3]), ([0, 1, 2], [0.1, 0.2, 0.3]),
         ([0, 1, 2], [0.1, 0.9, 0.3]), ([0], [0.7]), ([0], [0.7])]
-    assert "step 3" in seen[1][2] and "step 1" in seen[4][2]
+    assert "3 steps" in seen[1][2] and "1 step " in seen[4][2]
 
 
 def test_publish_never_raises_and_warns_once(scheduler_only, recwarn):
@@ -217,7 +217,7 @@ def test_hand_started_scheduler_with_the_preload_serves_the_page_before_any_run(
                 dashboard.publish(client, record(step, reward=0.5 + step))
             assert [m["reward"] for m in events(client, 2)] == [0.5, 1.5]
             shown = pulled(page)
-            assert shown["steps"]["reward"] == [0.5, 1.5] and "step 2/2" in shown["header"]
+            assert shown["steps"]["reward"] == [0.5, 1.5] and "2/2 steps" in shown["header"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -262,7 +262,7 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     assert seen["page"]["steps"]["reward"] == pytest.approx([r["reward_mean"] for r in metrics])
     assert sorted(k for k in seen["page"]["steps"] if k.startswith("busy_")) == [
         "busy_generate", "busy_reward", "busy_train"]
-    assert f"step {steps}" in seen["page"]["header"]
+    assert f"{steps} steps" in seen["page"]["header"]
     # publish returns at once: the send happens on the client's loop (measured: ~10 us a step)
     assert statistics.median(seen["cost"]) < 0.005
     assert not [w for w in recwarn if "streamrl page" in str(w.message)]

@@ -306,17 +306,18 @@ class StreamrlPage:
             parts.append(f"mode {esc(str(last['mode']))}")
         total = last.get("steps")
         done = self.last_step + 1
-        parts.append(f"step {done}/{total}" if total else f"step {done}")
+        # a count, as the console's "step 51/60" is; the figures' x axis is metrics.jsonl's step index
+        parts.append(f"{done}/{total} steps" if total else f"{done} step" + "s" * (done != 1))
         parts.append(f"policy v{last.get('version')}")
         parts.append(f"reward {_num(last.get('reward')):.3f}")
         parts.append(f"{_num(last.get('samples_per_s')):.1f} samples/s")
         parts.append(f"staleness {last.get('staleness')}")
         if self.last_eval:
-            at, ev = self.last_eval[0] + 1, self.last_eval[1]
+            at, ev = self.last_eval
             if "pass@1" in ev:
-                parts.append(f"eval pass@1 {_num(ev['pass@1']):.3f} (step {at})")
+                parts.append(f"eval pass@1 {_num(ev['pass@1']):.3f} at step {at}")
             elif "error" in ev:
-                parts.append(f"eval failed (step {at})")
+                parts.append(f"eval failed at step {at}")
         if total and done >= total:
             state = "finished"
         else:
