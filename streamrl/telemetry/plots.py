@@ -37,7 +37,7 @@ def _figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, **kw)
     for ax in axes.flat:  # steps, versions and staleness are whole numbers
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     return fig, list(axes.flat)
 
 
@@ -123,7 +123,7 @@ def eval_points(records: list[dict]) -> list[dict]:
     found: dict[int, dict] = {}
     for rec in records:
         for ev in [rec, *rec.get("eval_unrecorded", ())]:
-            if "eval/policy_version" not in ev:
+            if not isinstance(ev, dict) or not isinstance(ev.get("eval/policy_version"), (int, float)):
                 continue
             nums = {k: v for k, v in ev.items() if k.startswith("eval/") and k != "eval/prompts"
                     and isinstance(v, (int, float))}

@@ -158,10 +158,11 @@ def _write(run_dirs: list[Path], out: Path | None) -> Path:
 
     series = [(r.label, r.records) for r in runs]
     figures = [("reward", "Reward", plots.reward,
-                "Mean reward of each step's training samples; with an `[eval]` section, the held-out "
-                "evaluation beside it by the policy version evaluated."),
+                "Mean reward of each step's training samples" + (
+                    "; beside it the held-out evaluation (`[eval]`), by the policy version evaluated."
+                    if any(plots.eval_points(r.records) for r in runs) else ".")),
                ("response-length", "Response length", plots.response_length,
-                "How long the responses were, step by step: the median and the spread between the "
+                "How long the responses were, step by step: the mean and the spread between the "
                 "10th and 90th percentiles (the dotted line is the longest)."),
                ("throughput", "Throughput", plots.throughput,
                 "Samples and response tokens trained per second of wall time, per step."),
@@ -255,8 +256,8 @@ def summary_table(runs: list[Run]) -> str:
                  f"`{run.path}`"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nReward: mean of the first and of the last ten steps (a quarter of a shorter run). "
-                                "Idle: share of the pool's worker time over the whole run, from the workers' "
-                                "busy clocks.\n")
+                                "Run time: the steps' wall time (starting the cluster and saving not included). Idle: "
+                                "share of the pool's worker time over the whole run, from the workers' busy clocks.\n")
 
 
 def _duration(seconds: float) -> str:
