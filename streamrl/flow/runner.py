@@ -118,7 +118,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {folder.path}",
                       soft_wrap=True)
         console.print(f"dashboard: {client.dashboard_link}")
-        page = dashboard.install(client)
+        page = dashboard.install(client, name=r.run.name, mode=r.run.mode, steps=r.run.steps)
         if page:
             console.print(f"streamrl page: {page}")
         pools = cluster.check_pools(client)
