@@ -69,13 +69,16 @@ def _trend(ax, x: np.ndarray, y: np.ndarray, colour: str, label: str) -> int:
         ax.plot(x, y, color=colour, lw=1.8, marker="o" if len(y) <= 12 else None, ms=3, label=label)
         return 1
     ax.plot(x, y, color=colour, lw=0.8, alpha=0.35)
-    # (a NaN in the window, e.g. a step without the field, blanks that point only)
-    mean = np.convolve(np.nan_to_num(y), np.ones(w) / w, mode="valid")
+    # the mean of the values there are (a step without the field counts neither way)
+    have = ~np.isnan(y)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (np.convolve(np.where(have, y, 0.0), np.ones(w), mode="valid")
+                / np.convolve(have.astype(float), np.ones(w), mode="valid"))
     ax.plot(x[w - 1:], mean, color=colour, lw=2.0, label=label)
     return w
 
 
-def _legend(ax, series: Series, **kw) -> None:
+def _legend(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, **kw)
 
@@ -94,7 +97,7 @@ def reward(series: Series, path: Path) -> bool:
     ax.set(title="Training reward" + how, xlabel="step", ylabel="mean reward of the step's samples")
     ax.title.set_fontsize(10)
     ax.grid(alpha=0.3)
-    _legend(ax, series)
+    _legend(ax)
     if with_eval:
         ax = axes[1]
         styles = ["-", "--", ":", "-."]
@@ -112,7 +115,7 @@ def reward(series: Series, path: Path) -> bool:
         ax.set(title="Held-out evaluation", xlabel="policy version (steps trained)", ylabel="score")
         ax.title.set_fontsize(10)
         ax.grid(alpha=0.3)
-        _legend(ax, series)
+        _legend(ax)
     return _save(fig, path)
 
 
@@ -156,12 +159,12 @@ def response_length(series: Series, path: Path) -> bool:
     ax.title.set_fontsize(10)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    _legend(ax, series)
+    _legend(ax)
     return _save(fig, path)
 
 
 def throughput(series: Series, path: Path) -> bool:
-    """Samples and tokens trained per second of step time, per step."""
+    """Samples and response tokens trained per second of step time, per step."""
     fig, axes = _figure((11.0, 3.6), cols=2)
     for key, ax, what in (("samples_per_s", axes[0], "samples/s"), ("tokens_per_s", axes[1], "response tokens/s")):
         windows = set()
@@ -173,7 +176,7 @@ def throughput(series: Series, path: Path) -> bool:
         ax.title.set_fontsize(10)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    _legend(axes[0], series)
+    _legend(axes[0])
     return _save(fig, path)
 
 
@@ -194,7 +197,7 @@ def idle(series: Series, path: Path) -> bool:
     axes[0].set_ylabel("idle, % of worker time")
     fig.suptitle("Bubbles: share of each pool's worker time spent idle, per step (measured by the workers)",
                  fontsize=10)
-    _legend(axes[0], series)
+    _legend(axes[0])
     return _save(fig, path)
 
 
@@ -219,7 +222,7 @@ def staleness(series: Series, path: Path) -> bool:
     ax.title.set_fontsize(10)
     ax.grid(alpha=0.3, axis="y")
     if len(series) > 1:  # beside the axes: the bars reach the top
-        _legend(ax, series, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
@@ -238,7 +241,7 @@ def ranker(series: Series, path: Path) -> bool:
     ax.title.set_fontsize(10)
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    _legend(ax, series)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -279,7 +282,10 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
     rows = tl.busy_bars(timed[max(0, lo - 1):hi + 3], serial_train)
     if not rows:
         return False
-    names = list(rows)[:MAX_ROWS]
+    names = list(rows)
+    if len(names) > MAX_ROWS:  # a big generate pool: its first workers, and every other row
+        others = [n for n in names if any(b.kind != tl.GENERATE for b in rows[n])]
+        names = [n for n in names if n not in others][:max(1, MAX_ROWS - len(others))] + others
     fig, (ax,) = _figure((10.0, 1.9 + 0.42 * len(names)))
     ax.xaxis.set_major_locator(AutoLocator())  # seconds
     for y, name in enumerate(names):
@@ -290,17 +296,17 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
                 ax.broken_barh(spans, (y - 0.36, 0.72), facecolors=KIND_COLOURS[kind], edgecolor="white", lw=0.3)
         busy = tl.busy_fraction(rows[name], t0, t1)
         ax.text(1.005, y, f"{busy:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8)
-    for k in range(lo, hi + 1):  # alternate step backgrounds, labelled at the top
+    for k in range(lo, hi + 1):  # alternate step backgrounds, labelled under the bars
         a, b = timed[k]["time"] - timed[k]["step_s"] - t0, timed[k]["time"] - t0
         if (k - lo) % 2 == 0:
             ax.axvspan(a, b, color="0.93", zorder=0)
         ax.text((a + b) / 2, len(names) - 0.45, f"step {timed[k].get('step', k) + 1}", ha="center",
                 va="bottom", fontsize=8, color="0.35")
     ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set_ylim(len(names) - 0.4 + 0.35, -0.6)
+    ax.set_ylim(len(names) - 0.05, -0.6)  # (inverted: the first row on top, room for the labels below)
     ax.set_xlim(0, t1 - t0)
     ax.text(1.005, 1.0, "busy", transform=ax.transAxes, va="bottom", fontsize=8)
-    more = f" (first {MAX_ROWS} of {len(rows)} workers)" if len(rows) > MAX_ROWS else ""
+    more = f" ({len(names)} of {len(rows)} rows)" if len(names) < len(rows) else ""
     ax.set(xlabel=f"seconds since the start of step {timed[lo].get('step', lo) + 1}" + clocks(timed[lo:hi + 1]),
            title=f"{label}: who was busy when, steps {timed[lo].get('step', lo) + 1}-{timed[hi].get('step', hi) + 1} "
                  f"of {len(records)}{more}   (gaps: idle, waiting)")
