@@ -54,9 +54,10 @@ def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def busy_bars(records: list[dict], serial_train: bool = True) -> dict[str, list[Bar]]:
     """Every worker's busy bars over ``records`` (consecutive ``metrics.jsonl`` records, oldest
     first), keyed by row: each generate worker, :data:`REWARD_ROW`, each train worker (in that
-    order; a colocated worker's generate bars are on its train row). ``serial_train``: train workers run one task at a time (``pools.train.threads = 1``),
-    so a task starts no earlier than the worker's previous one ended. See the module docstring
-    for what each bar is drawn from."""
+    order; a colocated worker's generate bars are on its train row). ``serial_train``: train
+    workers run one task at a time (``pools.train.threads = 1``), so a task starts no earlier
+    than the worker's previous one ended. See the module docstring for what each bar is drawn
+    from."""
     gen: dict[str, list[tuple[float, float]]] = {}
     reward: list[tuple[float, float]] = []
     train: dict[str, list[Bar]] = {}
