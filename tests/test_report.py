@@ -5,7 +5,6 @@ end to end on real runs through the CLI the way a user runs it."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -213,15 +212,20 @@ def test_a_folder_without_steps_is_a_user_error_naming_it(tmp_path, content):
         write_report([folder])
 
 
-def test_the_runs_own_end_of_run_report_only_warns(tmp_path, capsys):
-    # the runner calls write_report in its `finally`: status.json names this process
-    folder = tmp_path / "run"
-    folder.mkdir()
-    (folder / "status.json").write_text(json.dumps({"state": "failed", "pid": os.getpid()}))
-    (folder / "metrics.jsonl").write_text("")
-    assert write_report([folder]) is None
-    err = capsys.readouterr().err
-    assert err.startswith("streamrl: warning: report: not written:") and str(folder) in err
+def test_the_runs_own_end_of_run_report_only_warns(tmp_path):
+    # the runner writes the report in its `finally`: a report that fails is a warning, never the run's error
+    from streamrl.flow.run_folder import RunFolder
+    from streamrl.flow.runner import _write_views
+
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir()
+    folder.metrics.records.append({"step": 0})  # a step in memory, none readable on disk
+    (folder.path / "metrics.jsonl").write_text("")
+    warned = []
+    files = _write_views(folder, None, True, warned.append)
+    assert "report" not in files and files["run folder"] == folder.path
+    assert len(warned) == 1 and warned[0].startswith("writing the run's trace or report failed") \
+        and str(folder.path) in warned[0]
 
 
 def test_the_report_command_on_a_bad_folder_is_one_line_and_exit_2(tmp_path):

@@ -11,7 +11,6 @@ the run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -115,34 +114,12 @@ def _parse(line: str, with_log: bool) -> dict | None:
         return None
 
 
-def _own_run(paths: list[Path]) -> bool:
-    """Whether this process is the run that writes one of ``paths`` (``status.json`` names its
-    pid): the runner's end-of-run report, which must never fail the run."""
-    for p in paths:
-        try:
-            if json.loads((Path(p) / "status.json").read_text()).get("pid") == os.getpid():
-                return True
-        except (OSError, ValueError, AttributeError):
-            pass
-    return False
-
-
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
     """Write the plots and ``report.md`` (into ``out``, default the first run folder); returns
     the report's path.
 
-    A folder without steps is a one-line :class:`UserError` naming it (``streamrl report``);
-    called by the run itself at its end, any failure is a warning and None is returned."""
-    if _own_run(run_dirs):
-        try:
-            return _write(run_dirs, out)
-        except Exception as exc:  # the run's outcome matters more than its report
-            warn(f"not written: {exc if isinstance(exc, UserError) else f'{type(exc).__name__}: {exc}'}")
-            return None
-    return _write(run_dirs, out)
-
-
-def _write(run_dirs: list[Path], out: Path | None) -> Path:
+    A folder without steps is a one-line :class:`UserError` naming it (``streamrl report``).
+    The run's own end-of-run call catches any failure and warns: the run's outcome matters more."""
     if not run_dirs:
         raise UserError("report: name at least one run folder")
     runs = [load_run(Path(d)) for d in run_dirs]
