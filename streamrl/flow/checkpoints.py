@@ -73,8 +73,14 @@ def latest(run_dir: Path) -> Path | None:
     best, problems = usable(run_dir)
     for problem in problems:
         then = f"using {best.name}, the newest one that is" if best else "no older one is usable either"
-        warnings.warn(f"checkpoint {problem}; {then}", RunWarning, stacklevel=2)
+        text = f"checkpoint {problem}; {then}"
+        if text not in _WARNED:  # (a resume asks more than once; the warnings module's memory is
+            _WARNED.add(text)    # wiped whenever an import changes its filters)
+            warnings.warn(text, RunWarning, stacklevel=2)
     return best
+
+
+_WARNED: set[str] = set()
 
 
 def usable(run_dir: Path) -> tuple[Path | None, list[str]]:

@@ -128,8 +128,8 @@ class RunFolder:
             ckpt = self.latest_checkpoint()
             if ckpt is not None:  # newer ones failed to verify: out of the way of the steps run again
                 for name in checkpoints.set_aside(self.path, ckpt):
-                    warnings.warn(f"checkpoints/{name}: the damaged checkpoint is kept under this name",
-                                  RunWarning, stacklevel=2)
+                    warnings.warn(f"checkpoints/{name.removeprefix(checkpoints.DAMAGED)} is kept as {name} "
+                                  "(the resumed run writes that step again)", RunWarning, stacklevel=2)
         self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())
         self.sinks = list(sinks)
         for sink in self.sinks:

@@ -1,0 +1,251 @@
+"""Damaged run folders, as a hostile but fair user (or a crash, or a full disk) leaves them.
+
+The newest checkpoint cut short, a shard of a sharded trainer deleted, a byte changed: a resume
+passes it over for the one before, with a one-line warning naming what is wrong, and finishes
+the run; with no usable checkpoint it stops in one line. A torn last line of ``metrics.jsonl``
+(a crash mid-write) is dropped with a warning; a bad line in the middle is a one-line error. A
+disk that fills while a checkpoint is written stops the run in one line, leaves no partial
+folder and keeps the older checkpoints.
+
+One real run (fsdp over two train workers, so its checkpoints hold two shards) makes the
+checkpoints every test here damages a copy of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.errors import RunWarning, UserError
+from streamrl.flow import checkpoints
+from tests.conftest import ROOT, TINY_RECIPE
+from tests.test_cli import streamrl
+
+SHARDED = ["run.mode=batch", "run.steps=4", "run.checkpoint_every=2", "pools.train.workers=2",
+           "trainer.strategy=fsdp", "engine.reproducible=true"]
+
+
+def sets(*values: str) -> list[str]:
+    return [a for v in values for a in ("--set", v)]
+
+
+def stderr_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_model, tmp_path_factory) -> Path:
+    """A finished run with checkpoints step-000002 and step-000004 (never modified: copy it)."""
+    folder = tmp_path_factory.mktemp("ckpt-faults")
+    recipe = folder / "tiny.toml"
+    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
+    proc = streamrl("recipe", "run", str(recipe), *sets(*SHARDED), "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (folder / "runs").iterdir()
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-000002", "step-000004"]
+    return run
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path) -> Path:
+    """A copy of the finished run to damage (``recipe.toml``'s model path is absolute)."""
+    copy = tmp_path / finished.name
+    shutil.copytree(finished, copy)
+    return copy
+
+
+def cut(path: Path, keep: float = 0.5) -> None:
+    """Truncate ``path`` to a share of its bytes, as a crash or a full disk leaves a file."""
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def flip(path: Path) -> None:
+    """Change one byte in the middle of ``path`` (same size)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def newest_usable(run: Path) -> tuple[Path | None, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        best = checkpoints.latest(run)
+    return best, [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+
+
+# -- passed over for the one before ----------------------------------------------------------------
+DAMAGES = {
+    "trainer.pt cut short": (lambda c: cut(c / "trainer" / "trainer.pt"), "trainer/trainer.pt is"),
+    "dispatch.json cut short": (lambda c: cut(c / "dispatch.json"), "dispatch.json is"),
+    "a shard deleted": (lambda c: (c / "trainer" / "dcp" / "__1_0.distcp").unlink(),
+                        "trainer/dcp/__1_0.distcp is missing"),
+    "the DCP metadata cut short": (lambda c: cut(c / "trainer" / "dcp" / ".metadata", 0.9), "trainer/dcp/.metadata is"),
+    "a byte of a shard changed": (lambda c: flip(c / "trainer" / "dcp" / "__0_0.distcp"),
+                                  "trainer/dcp/__0_0.distcp does not hold what was written (its SHA-256 differs)"),
+    "controller.json cut short": (lambda c: cut(c / "controller.json"), "controller.json is"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_newest_checkpoint_is_passed_over_with_a_warning_naming_what_is_wrong(finished, run_copy, damage):
+    do, says = DAMAGES[damage]
+    do(run_copy / "checkpoints" / "step-000004")
+    best, warned = newest_usable(run_copy)
+    assert best is not None and best.name == "step-000002"
+    assert len(warned) == 1 and warned[0].startswith(f"checkpoint step-000004 is not usable: {says}"), warned
+    assert warned[0].endswith("using step-000002, the newest one that is") and "\n" not in warned[0]
+    # the undamaged run is taken as it is, nothing warned: the check is no false alarm
+    intact, none = newest_usable(finished)
+    assert intact is not None and intact.name == "step-000004" and none == []
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_before_manifests_is_still_checked_by_reading_it(run_copy):
+    for ckpt in (run_copy / "checkpoints").iterdir():
+        (ckpt / checkpoints.MANIFEST).unlink()
+    best, warned = newest_usable(run_copy)
+    assert best is not None and best.name == "step-000004" and warned == []  # an older run's folder resumes
+    cut(run_copy / "checkpoints" / "step-000004" / "trainer" / "dcp" / "__1_0.distcp", 0.5)
+    best, warned = newest_usable(run_copy)
+    assert best is not None and best.name == "step-000002"
+    assert warned[0].startswith("checkpoint step-000004 is not usable: trainer/dcp/__1_0.distcp is "), warned
+    cut(run_copy / "checkpoints" / "step-000002" / "trainer" / "trainer.pt")
+    best, problems = checkpoints.usable(run_copy)
+    assert best is None and problems[1].startswith("step-000002 is not usable: trainer/trainer.pt cannot be loaded")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["trainer.pt cut short", "a shard deleted"])
+def test_a_resume_goes_on_from_the_checkpoint_before_a_damaged_one_and_finishes_the_run(run_copy, damage):
+    do, says = DAMAGES[damage]
+    do(run_copy / "checkpoints" / "step-000004")
+    proc = streamrl("recipe", "resume", str(run_copy), "--set", "run.steps=5", "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    warned = [line for line in stderr_lines(proc) if line.startswith("streamrl: warning: checkpoint")]
+    assert len(warned) == 2, proc.stderr  # once, on one line each
+    assert warned[0].startswith(f"streamrl: warning: checkpoint step-000004 is not usable: {says}")
+    assert warned[0].endswith("using step-000002, the newest one that is")
+    assert warned[1] == ("streamrl: warning: checkpoints/step-000004 is kept as damaged-step-000004 "
+                         "(the resumed run writes that step again)")
+    assert "resumed from step-000002" in proc.stderr
+    records = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # steps 3 and 4 run again, then step 5
+    names = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
+    # the damaged checkpoint is kept aside for a look, and the steps it held were written anew
+    assert names == ["damaged-step-000004", "step-000004", "step-000005"]
+    assert checkpoints.verify(run_copy / "checkpoints" / "step-000004") is None
+
+
+@pytest.mark.slow
+def test_a_resume_with_no_usable_checkpoint_is_one_line_naming_each(run_copy):
+    cut(run_copy / "checkpoints" / "step-000004" / "trainer" / "trainer.pt")
+    (run_copy / "checkpoints" / "step-000002" / "trainer" / "dcp" / "__0_0.distcp").unlink()
+    proc = streamrl("recipe", "resume", str(run_copy))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in stderr_lines(proc) if not line.startswith("streamrl: warning:")]
+    assert errors == [f"streamrl: error: {run_copy}: no usable checkpoint to resume from "
+                      f"(step-000004 is not usable: {errors[0].split('step-000004 is not usable: ')[1]}"]
+    assert "trainer/trainer.pt is" in errors[0] and "step-000002 is not usable: trainer/dcp/__0_0.distcp is missing" in errors[0]
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_the_run_resumes_from_it(run_copy):
+    from streamrl.flow.run_folder import RunFolder
+
+    metrics = run_copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    # a crash in the middle of writing step 5's record (the checkpoint is after step 4)
+    metrics.write_text("\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    loaded, folder = RunFolder.for_resume(run_copy, ["run.steps=6"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder.open(loaded, [], checkpoints.read(folder.latest_checkpoint()))
+    warned = [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+    assert warned == [f"{metrics}: its last line (line 5) was cut off, as a crash in the middle of writing it "
+                      "leaves it, and is dropped"]
+    assert [r["step"] for r in folder.records] == [0, 1, 2, 3]
+    assert metrics.read_text().splitlines() == lines  # the file is whole again
+
+
+@pytest.mark.slow
+def test_a_bad_metrics_line_in_the_middle_is_a_one_line_error_naming_the_file_and_the_line(run_copy):
+    metrics = run_copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[1] = lines[1][:40]
+    metrics.write_text("\n".join(lines) + "\n")
+    proc = streamrl("recipe", "resume", str(run_copy), "--set", "run.steps=6")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert stderr_lines(proc) == [f"streamrl: error: {metrics}: line 2 of 4 is not a JSON record "
+                                  f"({stderr_lines(proc)[0].split('is not a JSON record (')[1]}"]
+    assert "only a last line is ever cut off by a crash" in proc.stderr
+    from streamrl.telemetry.metrics import read
+
+    with pytest.raises(UserError, match="line 2 of 4"):
+        read(metrics)
+
+
+# -- a full disk ------------------------------------------------------------------------------------
+# The embedded cluster's processes (and the run's own) import this at start-up: fsync of any file
+# of the second checkpoint fails as a full disk makes it fail. (A small tmpfs would be the real
+# thing, but mounting one needs root.) torch.distributed.checkpoint fsyncs every file it writes.
+FULL_DISK = """
+import errno, os
+
+_fsync = os.fsync
+
+
+def fsync(fd):
+    if "/.tmp-step-000004/" in os.readlink(f"/proc/self/fd/{fd}"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _fsync(fd)
+
+
+os.fsync = fsync
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_older_checkpoints_simulated_enospc(
+        tiny_model, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK)
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
+                           *sets(*SHARDED, "run.steps=6"), "--plain", "--no-report"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    errors = [line for line in stderr_lines(proc) if line.startswith("streamrl: error:")]
+    assert errors == [f"streamrl: error: checkpoint step-000004 could not be written to {run / 'checkpoints'}: "
+                      f"no space left on device; {errors[0].split('no space left on device; ')[1]}"]
+    assert errors[0].endswith(f"its partial folder was removed, the older checkpoints are kept; the last "
+                              f"checkpoint is step-000002 (resume with: streamrl recipe resume {run}, "
+                              "--set to change the recipe)")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]  # no .tmp-step-000004 left
+    assert checkpoints.verify(run / "checkpoints" / "step-000002") is None
+    state = json.loads((run / "status.json").read_text())
+    assert state["state"] == "failed" and state["error"].startswith("CheckpointFailed: checkpoint step-000004")
+    # the older checkpoint is whole: a resume (with room on the disk again) finishes the run
+    proc = streamrl("recipe", "resume", str(run), "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step-000002" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000006"]
+    loaded = torch.load(run / "checkpoints" / "step-000006" / "trainer" / "trainer.pt", weights_only=False)
+    assert loaded["version"] == 6
