@@ -3,7 +3,8 @@ chrome://tracing open; ``docs/trace.md`` says what is in it.
 
 While the run goes, :class:`TraceRecorder` only appends Dask's task stream (every task's worker
 and start/stop times, kept by the scheduler in a bounded buffer) to ``trace-tasks.jsonl`` in the
-run folder: one small request to the scheduler per step. At the end it builds ``trace.json``
+run folder: one small request to the scheduler per step, made on the client's event loop so the
+step loop does not wait for it. At the end it builds ``trace.json``
 (:func:`write_trace`) from that file and ``metrics.jsonl`` (whose ``sample_log`` has each
 sample's timeline), streaming both, so memory stays bounded however long the run. A resumed run
 appends to ``trace-tasks.jsonl`` and rewrites ``trace.json`` over the whole run.
@@ -11,6 +12,7 @@ appends to ``trace-tasks.jsonl`` and rewrites ``trace.json`` over the whole run.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -40,7 +42,9 @@ class TraceRecorder:
     """Records the timeline of a run step by step and writes ``trace.json`` at the end.
 
     Built once the cluster is up (its first request installs the scheduler's task-stream
-    plugin, so every task after it is kept); a failure here is logged and never stops the run."""
+    plugin, so every task after it is kept). Requests run on the client's event loop, one after
+    another, and :meth:`step` does not wait for them: between steps it only schedules one. A
+    failure here is logged and never stops the run."""
 
     def __init__(self, client, run_dir: Path):
         self.client, self.run_dir = client, Path(run_dir)
@@ -48,25 +52,25 @@ class TraceRecorder:
         """Seconds each :meth:`step` took (it runs between steps)."""
         self._names: dict[str, str] = {}
         self._index = 0  # task-stream records taken so far (the scheduler numbers them in order)
+        self._lock = None  # an asyncio.Lock, made on the event loop: one request at a time, in order
         self._file = None
         try:
             resumed = (self.run_dir / TASKS).exists()
             self._file = open(self.run_dir / TASKS, "a", encoding="utf-8")
             self._file.write(json.dumps({"segment": {"start": time.time(), "resumed": resumed}}) + "\n")
-            self._collect()
+            self._file.flush()
+            self.client.sync(self._collect, callback_timeout=RPC_TIMEOUT)
         except Exception as exc:  # the trace is an observer: the run goes on without it
             self._give_up(exc)
 
     def step(self, record: dict) -> None:
-        """Called after each step's record is written: take the tasks finished since the last
-        call (the buffer on the scheduler is bounded) and append them to ``trace-tasks.jsonl``.
-        The record itself is read back from ``metrics.jsonl`` at :meth:`close`."""
+        """Called after each step's record is written: have the event loop take the tasks
+        finished since the last request (the scheduler's buffer is bounded) and append them to
+        ``trace-tasks.jsonl``. The record itself is read back from ``metrics.jsonl`` at
+        :meth:`close`."""
         t0 = time.perf_counter()
         if self._file is not None:
-            try:
-                self._collect()
-            except Exception as exc:
-                self._give_up(exc)
+            self.client.loop.add_callback(self._collect)
         self.costs.append(time.perf_counter() - t0)
 
     def close(self) -> Path | None:
@@ -75,48 +79,63 @@ class TraceRecorder:
         if self._file is not None:
             try:
                 if getattr(self.client, "status", "running") == "running":
-                    self._collect()
+                    # queued behind the requests steps scheduled, so those are done when it returns
+                    self.client.sync(self._collect, callback_timeout=RPC_TIMEOUT)
             except Exception as exc:  # after a failure the cluster may be gone: write what there is
                 log.debug("trace: last task-stream request failed: %s", exc)
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            if file is not None:
+                file.close()
+        cost = {}
+        if self.costs:  # what recording cost the run, between its steps
+            cost = {"recorder_step_ms_mean": round(1e3 * sum(self.costs) / len(self.costs), 4),
+                    "recorder_step_ms_max": round(1e3 * max(self.costs), 4), "recorder_steps": len(self.costs)}
+            log.info("trace: step() took %.3f ms a step on average (max %.3f ms, %d steps)",
+                     cost["recorder_step_ms_mean"], cost["recorder_step_ms_max"], len(self.costs))
         try:
-            return write_trace(self.run_dir)
+            return write_trace(self.run_dir, cost)
         except Exception as exc:
             log.warning("trace: could not write %s: %s: %s", self.run_dir / TRACE, type(exc).__name__, exc)
             return None
 
-    def _collect(self) -> None:
-        """Append the task-stream records since the last request, worker addresses as names."""
-        records = self.client.sync(self.client.scheduler.get_task_stream, start_index=self._index,
-                                   callback_timeout=RPC_TIMEOUT)
-        self._index += len(records)
-        lines = []
-        for r in records:
-            stops = [[s["action"], round(s["start"], 6), round(s["stop"], 6), self._name(s.get("source"))]
-                     for s in r.get("startstops", ())]
-            key = list(r["key"]) if isinstance(r["key"], tuple) else r["key"]
-            lines.append(json.dumps({"key": key, "worker": self._name(r["worker"]), "status": r.get("status", ""),
-                                     "startstops": stops}, default=str))
-        if lines:
-            self._file.write("\n".join(lines) + "\n")
-            self._file.flush()  # a killed run keeps what it had
+    async def _collect(self) -> None:
+        """On the event loop: append the task-stream records since the last request, worker
+        addresses as names."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._file is None:
+                return
+            try:
+                records = await self.client.scheduler.get_task_stream(start_index=self._index)
+                self._index += len(records)
+                addresses = {r["worker"] for r in records} | {s.get("source") for r in records
+                                                              for s in r.get("startstops", ())}
+                if addresses - self._names.keys() - {None}:
+                    workers = (await self.client.scheduler.identity(n_workers=-1)).get("workers", {})
+                    self._names.update({a: str(w.get("name", a)) for a, w in workers.items()})
+                lines = [self._line(r) for r in records]
+                if lines:
+                    self._file.write("\n".join(lines) + "\n")
+                    self._file.flush()  # a killed run keeps what it had
+            except Exception as exc:
+                self._give_up(exc)
 
-    def _name(self, address: str | None) -> str | None:
-        """A worker's name (``generate-0``) from its address; the address if the worker is gone."""
-        if not address:
-            return None
-        if address not in self._names:
-            workers = self.client.scheduler_info(n_workers=-1).get("workers", {})
-            self._names.update({a: str(w.get("name", a)) for a, w in workers.items()})
-        return self._names.setdefault(address, address)
+    def _line(self, r: dict) -> str:
+        """One task-stream record as a line of ``trace-tasks.jsonl``."""
+        name = lambda a: self._names.get(a, a) if a else None  # noqa: E731  (a gone worker: its address)
+        stops = [[s["action"], round(s["start"], 6), round(s["stop"], 6), name(s.get("source"))]
+                 for s in r.get("startstops", ())]
+        key = list(r["key"]) if isinstance(r["key"], tuple) else r["key"]
+        return json.dumps({"key": key, "worker": name(r["worker"]), "status": r.get("status", ""),
+                           "startstops": stops}, default=str)
 
     def _give_up(self, exc: BaseException) -> None:
         log.warning("trace: recording stopped (%s: %s); trace.json will have the steps but fewer tasks",
                     type(exc).__name__, exc)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
 
 def _lines(path: Path):
@@ -131,17 +150,17 @@ def _lines(path: Path):
                 continue
 
 
-def write_trace(run_dir: Path) -> Path | None:
-    """Build ``trace.json`` in ``run_dir`` from ``trace-tasks.jsonl`` and ``metrics.jsonl``;
-    returns its path, or None when neither has anything. Written to a temporary file and
-    renamed, so a reader never sees half a trace."""
+def write_trace(run_dir: Path, other: dict | None = None) -> Path | None:
+    """Build ``trace.json`` in ``run_dir`` from ``trace-tasks.jsonl`` and ``metrics.jsonl``
+    (``other``: more fields for its ``otherData``); returns its path, or None when neither has
+    anything. Written to a temporary file and renamed, so a reader never sees half a trace."""
     run_dir = Path(run_dir)
     tracks, index = Tracks(), TaskIndex()
     out_path, tmp = run_dir / TRACE, run_dir / (TRACE + ".tmp")
     written = samples = 0
     with open(tmp, "w", encoding="utf-8") as out:
-        out.write('{"displayTimeUnit": "ms", "otherData": {"run": %s, "source": "streamrl"},\n"traceEvents": [\n'
-                  % json.dumps(run_dir.name))
+        other = {"run": run_dir.name, "source": "streamrl", **(other or {})}
+        out.write('{"displayTimeUnit": "ms", "otherData": %s,\n"traceEvents": [\n' % json.dumps(other))
 
         def emit(events: list[dict]) -> None:
             nonlocal written
