@@ -6,12 +6,13 @@ run. And every slice is one Perfetto can draw: no two overlap on one thread."""
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from streamrl.telemetry.trace import TASKS, write_trace
+from streamrl.telemetry.trace import TASKS, TraceRecorder, write_trace
 from streamrl.telemetry.trace_events import us, worker_of
 from tests.conftest import TINY_RECIPE
 from tests.test_cli import streamrl
@@ -144,6 +145,31 @@ def test_the_builder_places_samples_and_tasks_on_their_workers(tmp_path):
     # a pool's processes and threads are named for Perfetto
     assert {"controller", "generate pool", "reward pool", "train pool", "generate-0 samples",
             "train-0 samples"} <= set(trace.process.values())
+
+
+def test_the_recorder_takes_tasks_between_steps_and_writes_after_its_cluster_is_gone(tmp_path):
+    # a real (in-process) cluster: step() only schedules the request; close() after the client
+    # closed (a run that failed) still writes what was recorded, at once
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp://", host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        recorder = TraceRecorder(client, tmp_path)
+        client.submit(sum, [1, 2], key=("train-0", "000")).result()
+        recorder.step({"step": 0})
+        assert recorder.costs[0] < 0.05
+        deadline = time.time() + 30
+        while "train-0" not in (tmp_path / TASKS).read_text():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        client.submit(sum, [3, 4], key=("optimizer-step-0", "rank0")).result()
+    t0 = time.time()
+    path = recorder.close()
+    assert time.time() - t0 < 5
+    trace = Trace(path)
+    check_well_formed(trace)
+    assert [e["args"]["step"] for e in trace.slices("task", "train")] == [0]
+    assert [json.loads(line).get("key") for line in (tmp_path / TASKS).read_text().splitlines()][1:] == [["train-0", "000"]]
 
 
 def test_an_empty_folder_writes_no_trace(tmp_path):
