@@ -155,6 +155,7 @@ def test_the_recorder_takes_tasks_between_steps_and_writes_after_its_cluster_is_
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp://", host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as client:
         recorder = TraceRecorder(client, tmp_path)
+        recorder.every = 0  # (a request after every step, not every few seconds)
         client.submit(sum, [1, 2], key=("train-0", "000")).result()
         recorder.step({"step": 0})
         assert recorder.costs[0] < 0.05

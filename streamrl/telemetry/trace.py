@@ -1,10 +1,10 @@
-"""``trace.json``: the run as a Chrome trace, which Perfetto (``vizviewer``, ui.perfetto.dev) and
-chrome://tracing open; ``docs/trace.md`` says what is in it.
+"""``trace.json``: the run as a Chrome trace, which Perfetto opens (``vizviewer``,
+ui.perfetto.dev); ``docs/trace.md`` says what is in it.
 
 While the run goes, :class:`TraceRecorder` only appends Dask's task stream (every task's worker
 and start/stop times, kept by the scheduler in a bounded buffer) to ``trace-tasks.jsonl`` in the
-run folder: one small request to the scheduler per step, made on the client's event loop so the
-step loop does not wait for it. At the end it builds ``trace.json``
+run folder: a small request to the scheduler after a step every few seconds, made on the
+client's event loop so the step loop does not wait for it. At the end it builds ``trace.json``
 (:func:`write_trace`) from that file and ``metrics.jsonl`` (whose ``sample_log`` has each
 sample's timeline), streaming both, so memory stays bounded however long the run. A resumed run
 appends to ``trace-tasks.jsonl`` and rewrites ``trace.json`` over the whole run.
@@ -33,6 +33,11 @@ METRICS = "metrics.jsonl"  # (flow/run_folder.py writes it)
 #: seconds a request to the scheduler may take before the trace gives up on it (a dying cluster)
 RPC_TIMEOUT = 10.0
 
+#: seconds between task-stream requests at most one a step: the scheduler keeps the last 100,000
+#: tasks (W1 runs about 15 a step), and each request is work for the event loop the scheduler
+#: and the controller share, at the step boundary where both are busiest
+REQUEST_EVERY_S = 5.0
+
 #: per-sample slices written at most (about 200 bytes each): a trace much larger than this no
 #: longer opens in a browser; past it, tasks, steps and counters go on, and a marker says so
 MAX_SAMPLE_EVENTS = 1_000_000
@@ -43,7 +48,7 @@ class TraceRecorder:
 
     Built once the cluster is up (its first request installs the scheduler's task-stream
     plugin, so every task after it is kept). Requests run on the client's event loop, one after
-    another, and :meth:`step` does not wait for them: between steps it only schedules one. A
+    another, and :meth:`step` does not wait for them: between steps it at most schedules one. A
     failure here is logged and never stops the run."""
 
     def __init__(self, client, run_dir: Path):
@@ -53,6 +58,9 @@ class TraceRecorder:
         self._names: dict[str, str] = {}
         self._index = 0  # task-stream records taken so far (the scheduler numbers them in order)
         self._lock = None  # an asyncio.Lock, made on the event loop: one request at a time, in order
+        self.every = REQUEST_EVERY_S
+        """Seconds between requests (:data:`REQUEST_EVERY_S`)."""
+        self._last = time.monotonic()
         self._file = None
         try:
             resumed = (self.run_dir / TASKS).exists()
@@ -64,12 +72,13 @@ class TraceRecorder:
             self._give_up(exc)
 
     def step(self, record: dict) -> None:
-        """Called after each step's record is written: have the event loop take the tasks
-        finished since the last request (the scheduler's buffer is bounded) and append them to
-        ``trace-tasks.jsonl``. The record itself is read back from ``metrics.jsonl`` at
-        :meth:`close`."""
+        """Called after each step's record is written: every :attr:`every` seconds, have the
+        event loop take the tasks finished since the last request (the scheduler's buffer is
+        bounded) and append them to ``trace-tasks.jsonl``. The record itself is read back from
+        ``metrics.jsonl`` at :meth:`close`."""
         t0 = time.perf_counter()
-        if self._file is not None:
+        if self._file is not None and time.monotonic() - self._last >= self.every:
+            self._last = time.monotonic()
             self.client.loop.add_callback(self._collect)
         self.costs.append(time.perf_counter() - t0)
 

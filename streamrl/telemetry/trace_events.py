@@ -19,9 +19,6 @@ import re
 #: pools in the order of their ``process_sort_index`` (Perfetto lists processes by slice count instead)
 POOL_ORDER = ("generate", "reward", "train")
 
-#: the per-sample phases, in the order a sample goes through them
-PHASES = ("queued", "generate", "score", "wait", "train")
-
 #: task-key prefixes whose number is the policy version they carry, not the step (``flow/weights.py``)
 VERSIONED = ("export-weights", "load-weights", "eval-generate", "eval-reward", "eval-summary")
 
@@ -229,7 +226,8 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
         if gen_start is not None and gen_end is not None:
             pid = tracks.samples(worker)
             queued = x.get("submitted") or gen_start  # (0: a task that was not told when it was asked)
-            tid = tracks.place(pid, f"{worker} samples", queued, gen_end)
+            # (from the earlier of the two: the controller's and the worker's clocks may differ)
+            tid = tracks.place(pid, f"{worker} samples", min(queued, gen_start), gen_end)
             if queued < gen_start:
                 out.append(slice_event("queued", "sample", pid, tid, queued, gen_start, args))
             out.append(slice_event("generate", "sample", pid, tid, gen_start, gen_end, args))
@@ -247,7 +245,7 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
             ready = reward_end if reward_end is not None else gen_end if gen_end is not None else trained
             start = min(max(task[0], ready), trained) if task else ready
             pid = tracks.samples(tworker)
-            tid = tracks.place(pid, f"{tworker} samples", ready, trained)
+            tid = tracks.place(pid, f"{tworker} samples", min(ready, start), trained)
             if ready < start:
                 out.append(slice_event("wait", "sample", pid, tid, ready, start, args))
             out.append(slice_event("train", "sample", pid, tid, start, trained, args))
