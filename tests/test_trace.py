@@ -197,6 +197,7 @@ def run(tiny_model, tmp_path_factory) -> Path:
 
 
 def records_of(run: Path) -> list[dict]:
+    """The run's ``metrics.jsonl`` records."""
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 

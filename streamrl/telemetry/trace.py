@@ -33,9 +33,9 @@ METRICS = "metrics.jsonl"  # (flow/run_folder.py writes it)
 #: seconds a request to the scheduler may take before the trace gives up on it (a dying cluster)
 RPC_TIMEOUT = 10.0
 
-#: seconds between task-stream requests at most one a step: the scheduler keeps the last 100,000
-#: tasks (W1 runs about 15 a step), and each request is work for the event loop the scheduler
-#: and the controller share, at the step boundary where both are busiest
+#: seconds at least between two task-stream requests (made after a step): the scheduler keeps the
+#: last 100,000 tasks (W1 runs about 15 a step), and each request is work for the event loop the
+#: scheduler and the controller share, at the step boundary where both are busiest
 REQUEST_EVERY_S = 5.0
 
 #: per-sample slices written at most (about 200 bytes each): a trace much larger than this no
