@@ -72,8 +72,12 @@ class RunDisplay:
 
     def __enter__(self) -> "RunDisplay":
         if self.live_mode:
-            # 4 refreshes a second from rich's own thread: the controller's loop never draws
-            self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+            # Redrawn from rich's own thread, once a second (the clock columns tick), and at each
+            # step: the controller's loop never draws. The embedded scheduler shares this
+            # process (and its GIL): a redraw takes ~1.5 ms, so not more often than needed. Other
+            # output is not captured (``redirect_*``): it scrolls above without passing through rich.
+            self.live = Live(self._render(), console=self.console, refresh_per_second=1, transient=False,
+                             redirect_stdout=False, redirect_stderr=False)
             self.live.__enter__()
         return self
 
@@ -89,7 +93,7 @@ class RunDisplay:
             return
         self.latest = m
         self.progress.update(self.task, completed=m["step"] + 1)
-        self.live.update(self._render())
+        self.live.update(self._render(), refresh=True)
         if m.get("reward_errors") or m.get("elastic") or m.get("eval_error"):  # events worth a line of their own
             self.console.print(step_line(m, self.steps), soft_wrap=True)
 
