@@ -68,15 +68,32 @@ class RunConfig(Strict):
 
 class ClusterConfig(Strict):
     address: str = ""
-    """Scheduler address (``tcp://host:8786``) of an existing Dask cluster. Empty: start an
-    embedded local cluster from the ``[pools.*]`` tables."""
+    """Scheduler address (``tcp://host:8786``) of an existing Dask cluster, whose workers offer
+    the pools as resources (``docs/deploy.md``); streamrl leaves it running after the run. Empty:
+    start a cluster from ``factory``, or else the embedded local cluster from the ``[pools.*]``
+    tables."""
+    factory: str = ""
+    """A callable that returns a Dask cluster for this run: ``"dask_jobqueue.SLURMCluster"``,
+    ``"package.module:make_cluster"`` (importable where ``streamrl`` runs) or
+    ``"cluster.py:make_cluster"`` (a file, relative to the recipe). streamrl calls it with
+    ``factory_options``, starts ``[pools.<name>] workers`` workers per pool with their resources
+    and names where the cluster's worker specification allows it (``docs/deploy.md``), and
+    closes the cluster at the end. Empty: the embedded cluster (or ``address``)."""
+    factory_options: dict[str, Any] = {}
+    """Keyword arguments for ``factory`` (for SLURMCluster e.g. ``cores``, ``memory``,
+    ``queue``, ``walltime``, ``scheduler_options``)."""
+    pool_options: dict[Literal["generate", "train", "reward", "rank"], dict[str, Any]] = {}
+    """Per pool, options of the factory's worker specification that differ for that pool's
+    workers, over ``factory_options`` (``[cluster.pool_options.train] job_extra_directives =
+    ["--gres=gpu:4"]`` for a SLURM train job)."""
     host: str = "127.0.0.1"
     """Interface the embedded cluster (scheduler, workers, dashboard) listens on. The default keeps
-    everything on this machine."""
+    everything on this machine. A ``factory`` cluster listens where its options say."""
     dashboard_port: int = Field(8787, ge=0, le=65535)
     """Port of the Dask dashboard of the embedded cluster (0 picks a free one)."""
     startup_timeout: float = Field(120.0, gt=0)
-    """Seconds to wait for the workers of every pool to come up."""
+    """Seconds to wait for the workers of every pool to come up (for a factory on a batch
+    system, include the time its jobs wait in the queue)."""
     connect_timeout: float = Field(10.0, gt=0)
     """Seconds to wait for the scheduler at ``address`` to answer."""
 
@@ -88,6 +105,30 @@ class ClusterConfig(Strict):
         if value and (":" not in rest or not rest.rsplit(":", 1)[1].isdigit()):
             raise ValueError("expected a scheduler address like tcp://host:8786")
         return value
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, value: str, info: ValidationInfo) -> str:
+        # checked for its shape here (one line from ``recipe validate``); imported only when
+        # the run starts, so a recipe for a SLURM cluster validates on a laptop without dask-jobqueue
+        if not value:
+            return value
+        target, _, attr = value.rpartition(":" if ":" in value else ".")
+        if not target or not attr or not attr.isidentifier():
+            raise ValueError("expected an importable callable like 'dask_jobqueue.SLURMCluster', "
+                             "'mypackage.module:make_cluster' or 'cluster.py:make_cluster'")
+        if target.endswith(".py"):  # a file next to the recipe: keep it working from any directory
+            return f"{_against_recipe(target, info)}:{attr}"
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ClusterConfig":
+        if self.address and self.factory:
+            raise ValueError("address and factory are both set (an existing cluster, or one to start: remove one)")
+        if not self.factory and (self.factory_options or self.pool_options):
+            unused = "factory_options" if self.factory_options else "pool_options"
+            raise ValueError(f"{unused} is set but factory is not (options for which cluster?)")
+        return self
 
 
 class PoolConfig(Strict):
