@@ -151,6 +151,11 @@ def test_a_reward_that_raises_or_returns_non_numbers_is_counted_and_scored_zero(
     (run_dir,) = (tmp_path / "runs").iterdir()
     recs = records(run_dir)
     assert [r["reward_errors"] for r in recs] == [12, 12, 12]
+    # and what the reward raised is kept, the step's first error in its record
+    assert all(r["reward_error_first"] in ("RuntimeError: the grader crashed", "ValueError: reward is nan",
+                                           "ValueError: reward is inf",
+                                           "ValueError: could not convert string to float: 'great'") for r in recs), \
+        [r["reward_error_first"] for r in recs]
     assert all(r["reward_mean"] == pytest.approx(0.25) for r in recs)  # errors count as 0, never NaN
 
     from safetensors.torch import load_file

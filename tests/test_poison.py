@@ -1,0 +1,243 @@
+"""Nothing poisons, nothing is silent.
+
+A step whose loss or gradient is not finite (a plugin algorithm returning NaN, a learning rate
+far too high) is refused on the train worker before its update is applied, so no NaN weights
+are ever published or checkpointed, and the run stops in one line naming the step and the last
+checkpoint (``trainer.max_nonfinite_steps`` can let a few be skipped). A reward that fails for
+every sample of a step stops the run in one line with its error; when only some fail, the
+step's first error is kept in its record. Recipes that would train nothing, or past the model's
+positions, are refused at validation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import EngineCapabilities, TrainerContext
+from streamrl.cli import main
+from streamrl.errors import NonFiniteStep
+from streamrl.training.trainer import HFTrainer, HFTrainerConfig
+from tests.test_cli import streamrl
+from tests.test_trainer import make_groups
+
+
+class NaNAfter(GRPO):
+    """GRPO whose loss turns NaN while ``poisoned`` is set (a plugin's bug, on demand)."""
+
+    poisoned = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False  # every sample reaches the loss, whatever its reward
+
+    def loss(self, new, old, ref, adv, mask):
+        per_sample, stats = super().loss(new, old, ref, adv, mask)
+        return (per_sample * float("nan") if self.poisoned else per_sample), stats
+
+
+def trainer_with(model, algorithm=None, **config) -> HFTrainer:
+    return HFTrainer(HFTrainerConfig(**{"lr": 1e-2, **config}),
+                     TrainerContext(str(model), algorithm or NaNAfter(GRPOConfig()), EngineCapabilities(temperature=1.0)))
+
+
+def weights(trainer: HFTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def train_one_batch(trainer: HFTrainer, seed: int = 0) -> None:
+    groups = make_groups(trainer, n_groups=3, seed=seed)
+    for g in groups:
+        trainer.micro_batch([g], scale=1.0 / 12)
+
+
+# -- in the trainer -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])  # 0: no clipping, the norm is still measured
+def test_a_nan_loss_is_refused_before_the_update_and_leaves_the_weights_as_they_were(tiny_model, max_grad_norm):
+    trainer = trainer_with(tiny_model, max_grad_norm=max_grad_norm)
+    train_one_batch(trainer)
+    trainer.step()  # a good step first: the refused one must leave this one's weights
+    before, lr = weights(trainer), trainer.optimizer.param_groups[0]["lr"]
+    adam = {k: v.clone() for k, v in trainer.optimizer.state[next(iter(trainer.model.parameters()))].items()}
+    trainer.algorithm.poisoned = True
+    train_one_batch(trainer, seed=1)
+    with pytest.raises(NonFiniteStep) as caught:
+        trainer.step()
+    assert str(caught.value) == ("step 2: the loss is not finite (nan), so the update was not applied and nothing "
+                                 "of this step was published or checkpointed; lower trainer.lr (now 0.01) or check "
+                                 "the algorithm (NaNAfter)")
+    assert same(weights(trainer), before) and trainer.version == 1
+    assert trainer.optimizer.param_groups[0]["lr"] == lr
+    after = trainer.optimizer.state[next(iter(trainer.model.parameters()))]
+    assert all(torch.equal(adam[k], after[k]) for k in adam)  # AdamW's moments and step count untouched
+
+
+def test_an_update_that_makes_the_policy_not_finite_is_refused_before_its_weights_go_anywhere(tiny_model):
+    # finite gradients, a learning rate far too high: AdamW moves every weight by ~1e9, which is
+    # finite, but the policy's outputs are not -- the engines would find out first, in sampling
+    trainer = trainer_with(tiny_model, algorithm=GRPO(GRPOConfig()), lr=1e9)
+    train_one_batch(trainer)
+    with pytest.raises(NonFiniteStep, match=r"^step 1: the update made the (weights|policy's log-probabilities) not "
+                                            r"finite \(trainer.lr = 1e\+09\); nothing of this step was published or "
+                                            r"checkpointed; lower trainer.lr or check the algorithm \(GRPO\)$"):
+        trainer.step()
+    assert trainer.version == 0  # the step never finished: no export, no checkpoint waits on it
+
+
+def test_max_nonfinite_steps_skips_a_few_in_a_row_and_stops_at_one_more(tiny_model):
+    trainer = trainer_with(tiny_model, max_nonfinite_steps=1)
+    before = weights(trainer)
+    trainer.algorithm.poisoned = True
+    train_one_batch(trainer)
+    out = trainer.step()  # skipped: no update, the version still counted
+    assert out["nonfinite_skipped"] == 1 and out["version"] == 1 and trainer.version == 1
+    assert same(weights(trainer), before) and not trainer.optimizer.state
+    assert all(p.grad is None for p in trainer.model.parameters())  # nothing carried into the next step
+    trainer.algorithm.poisoned = False
+    train_one_batch(trainer, seed=1)
+    assert trainer.step()["nonfinite_skipped"] == 0 and not same(weights(trainer), before)  # and the count starts over
+    trainer.algorithm.poisoned = True
+    train_one_batch(trainer, seed=2)
+    assert trainer.step()["nonfinite_skipped"] == 1
+    train_one_batch(trainer, seed=3)
+    with pytest.raises(NonFiniteStep, match=r"^step 4: the loss is not finite \(nan\) \(2 steps in a row; "
+                                            r"trainer.max_nonfinite_steps = 1\), so the update was not applied"):
+        trainer.step()
+
+
+# -- a real run -----------------------------------------------------------------------------------------
+NAN_ALGORITHM = '''
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import Component, hookimpl
+
+
+class NaNLater(GRPO):
+    """GRPO until its loss has run 4 times (step 1's micro-batches), NaN after."""
+
+    calls = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False  # every sample reaches the loss, whatever its reward
+
+    def loss(self, new, old, ref, adv, mask):
+        per_sample, stats = super().loss(new, old, ref, adv, mask)
+        self.calls += 1
+        return (per_sample if self.calls <= 4 else per_sample * float("nan")), stats
+
+
+@hookimpl
+def register_algorithms():
+    return [Component("algorithm", "nan_later", GRPOConfig, NaNLater)]
+'''
+
+BROKEN_REWARD = '''
+from pydantic import BaseModel
+
+from streamrl.api import Component, Reward, hookimpl
+
+
+class Empty(BaseModel):
+    pass
+
+
+class Broken(Reward):
+    def __init__(self, config):
+        pass
+
+    def score(self, prompt, response):
+        raise KeyError("answer")
+
+
+@hookimpl
+def register_rewards():
+    return [Component("reward", "broken", Empty, Broken)]
+'''
+
+
+def with_plugin(recipe: Path, name: str, code: str, section: str) -> Path:
+    (recipe.parent / f"{name}.py").write_text(code)
+    text = recipe.read_text()
+    text = (text.replace('name = "exact_match"', f'name = "{name}"') if section == "reward"
+            else text + f'\n[algorithm]\nname = "{name}"\n')
+    out = recipe.parent / f"{name}.toml"
+    out.write_text(text + f'\n[plugins]\nmodules = ["{name}.py"]\n')
+    return out
+
+
+def error_lines(proc) -> list[str]:
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return [line for line in proc.stderr.splitlines() if line.startswith("streamrl: error")]
+
+
+@pytest.mark.slow
+def test_a_plugin_algorithm_returning_nan_stops_the_run_in_one_line_and_nothing_of_it_is_kept(tiny_recipe, tmp_path):
+    recipe = with_plugin(tiny_recipe, "nan_later", NAN_ALGORITHM, "algorithm")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--set", "run.checkpoint_every=1",
+                    "--set", "run.mode=batch", "--plain", "--no-report")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert error_lines(proc) == [
+        "streamrl: error: step 2: the loss is not finite (nan), so the update was not applied and nothing of this "
+        "step was published or checkpointed; lower trainer.lr (now 0.001) or check the algorithm (NaNLater); the "
+        f"last checkpoint is step-000001 (resume with: streamrl recipe resume {run}, --set to change the recipe)"]
+    # the step after the last good one is in neither the checkpoints nor the metrics
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000001"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
+    state = json.loads((run / "status.json").read_text())
+    assert state["state"] == "failed" and state["error"].startswith("NonFiniteStep: step 2:")
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its_error(tiny_recipe, tmp_path):
+    recipe = with_plugin(tiny_recipe, "broken", BROKEN_REWARD, "reward")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--plain", "--no-report")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert error_lines(proc) == [
+        "streamrl: error: step 1: the reward failed for all 16 samples (the first: KeyError: 'answer'), so the "
+        "step was not trained on; a reward that fails for every sample is a bug, not a learning signal: fix the "
+        "reward; no checkpoint was written yet (run.checkpoint_every)"]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text() == ""  # no step recorded
+    assert not (run / "policy").exists()
+
+
+# -- validation --------------------------------------------------------------------------------------------
+def validate(capsys, recipe: Path, *overrides: str) -> tuple[int, str]:
+    code = main(["recipe", "validate", str(recipe), *[a for o in overrides for a in ("--set", o)]])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err.strip()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "dr_grpo", "reinforce_pp"])
+def test_a_group_baseline_with_one_sample_per_prompt_is_refused_at_validation(capsys, tiny_recipe, algorithm):
+    code, err = validate(capsys, tiny_recipe, "trainer.samples_per_prompt=1", f'algorithm.name="{algorithm}"')
+    assert code == 2
+    assert err == (f'streamrl: error: trainer.samples_per_prompt: 1 with algorithm.name = "{algorithm}", whose '
+                   "baseline is the mean of a prompt's samples: a sample alone gets advantage 0 and nothing is "
+                   "learned; use 2 or more (8 is usual)")
+    assert validate(capsys, tiny_recipe, "trainer.samples_per_prompt=2", f'algorithm.name="{algorithm}"')[0] == 0
+
+
+def test_one_sample_per_prompt_is_fine_for_an_algorithm_with_a_critic(capsys, tiny_recipe):
+    assert validate(capsys, tiny_recipe, "trainer.samples_per_prompt=1", 'algorithm.name="ppo"')[0] == 0
+
+
+def test_max_new_tokens_past_the_models_positions_is_refused_at_validation(capsys, tiny_recipe, tiny_model):
+    limit = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    code, err = validate(capsys, tiny_recipe, "engine.max_new_tokens=100000000")
+    assert code == 2
+    assert err == (f"streamrl: error: engine.max_new_tokens: 100000000 does not fit the model's {limit} positions "
+                   f"(max_position_embeddings in {tiny_model.resolve() / 'config.json'}), which the prompt and the "
+                   f"response share; use less than {limit}")
+    assert validate(capsys, tiny_recipe, f"engine.max_new_tokens={limit}")[0] == 2
+    assert validate(capsys, tiny_recipe, f"engine.max_new_tokens={limit - 1}")[0] == 0
