@@ -95,7 +95,8 @@ def test_the_gpu_recipe_validates_with_local_stand_ins(tmp_path, tiny_model):
     write_verl(tmp_path, 8)
     proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "validate", "recipes/gpu-qwen-gsm8k.toml",
                            "--set", f'model.path="{tiny_model}"', "--set", f'task.path="{tmp_path / "train.parquet"}"',
-                           "--set", f'task.eval_path="{tmp_path / "train.parquet"}"'],
+                           "--set", f'task.eval_path="{tmp_path / "train.parquet"}"',
+                           "--set", "engine.max_new_tokens=32"],  # (the stand-in model has 64 positions)
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith(": ok"), proc.stderr
 
