@@ -30,6 +30,9 @@ def test_a_plain_line_names_every_figure_and_says_when_generation_overlapped():
     assert "busy generate 60% train 90%" in line and "staleness 1" in line and line.endswith("v3")
     assert "generation 0.40s" in step_line(record(2), steps=10)
     assert "eval pass@1 0.500" in step_line(record(2, **{"eval/pass@1": 0.5}), steps=10)
+    # a slow reward names itself: the longest wait from generated to scored
+    log = [{"gen_end": 10.0, "reward_end": 10.5}, {"gen_end": 11.0, "reward_end": 41.25}]
+    assert "scoring <=30.25s" in step_line(record(2, sample_log=log), steps=10)
 
 
 def test_the_live_display_shows_progress_and_the_latest_figures_on_a_terminal():

@@ -41,15 +41,23 @@ def busy(m: dict) -> str:
     return " ".join(f"{p} {1 - a['idle_ratio']:.0%}" for p, a in m.get("pools", {}).items())
 
 
+def scoring_s(m: dict) -> float | None:
+    """The longest a sample of the step waited from generated to scored (its reward's queue and
+    call), from the per-sample log; None without one. A slow reward shows here."""
+    waits = [x["reward_end"] - x["gen_end"] for x in m.get("sample_log", ()) if "reward_end" in x and "gen_end" in x]
+    return max(waits) if waits else None
+
+
 def step_line(m: dict, steps: int) -> str:
     """The plain line of one step. Generation that overlapped the previous step (``async``)
     says so instead of showing 0 s."""
     gen = f"{m['generate_s']:.2f}s" if m["generate_s"] > 0 else "overlapped"
-    score = eval_score(m)
+    score, scoring = eval_score(m), scoring_s(m)
     return (f"step {m['step'] + 1:>3}/{steps}  reward {m['reward_mean']:.3f}"
             + (f"  eval {score[0]} {score[1]:.3f}" if score else "")
             + f"  samples/s {m['samples_per_s']:6.1f}  step {m['step_s']:.2f}s (generation {gen}, "
-            f"training {m['train_s']:.2f}s, weight sync {m['weight_sync_s']:.3f}s)  busy {busy(m)}"
+            + (f"scoring <={scoring:.2f}s, " if scoring is not None else "")
+            + f"training {m['train_s']:.2f}s, weight sync {m['weight_sync_s']:.3f}s)  busy {busy(m)}"
             f"  staleness {m['staleness_max']}  v{m['policy_version']}"
             # an elastic pool: how many generated, and what changed after the step
             + (f"  generate workers {m['generate_workers']} {m['elastic']}".rstrip() if "elastic" in m else "")
@@ -107,6 +115,8 @@ class RunDisplay:
         if score:
             row[f"eval {score[0]}"] = f"{score[1]:.3f}"
         row["samples/s"] = f"{m['samples_per_s']:.1f}"
+        if (scoring := scoring_s(m)) is not None:
+            row["scoring"] = f"<={scoring:.2f}s"
         for p, a in m.get("pools", {}).items():
             row[f"{p} busy"] = f"{1 - a['idle_ratio']:.0%}"
         row["staleness"] = str(m["staleness_max"])
