@@ -73,12 +73,12 @@ class ClusterConfig(Strict):
     start a cluster from ``factory``, or else the embedded local cluster from the ``[pools.*]``
     tables."""
     factory: str = ""
-    """A callable that returns a Dask cluster for this run: ``"dask_jobqueue.SLURMCluster"``,
-    ``"package.module:make_cluster"`` (importable where ``streamrl`` runs) or
-    ``"cluster.py:make_cluster"`` (a file, relative to the recipe). streamrl calls it with
-    ``factory_options``, starts ``[pools.<name>] workers`` workers per pool with their resources
-    and names where the cluster's worker specification allows it (``docs/deploy.md``), and
-    closes the cluster at the end. Empty: the embedded cluster (or ``address``)."""
+    """A callable that returns a Dask cluster for this run: ``"dask_jobqueue.SLURMCluster"`` or
+    ``"package.module:make_cluster"``, importable where ``streamrl`` runs (your own module: on
+    ``PYTHONPATH``). streamrl calls it with ``factory_options``, starts ``[pools.<name>] workers``
+    workers per pool with their resources and names where the cluster's worker specification
+    allows it (``docs/deploy.md``), and closes the cluster at the end. Empty: the embedded cluster
+    (or ``address``)."""
     factory_options: dict[str, Any] = {}
     """Keyword arguments for ``factory`` (for SLURMCluster e.g. ``cores``, ``memory``,
     ``queue``, ``walltime``, ``scheduler_options``)."""
@@ -108,17 +108,14 @@ class ClusterConfig(Strict):
 
     @field_validator("factory")
     @classmethod
-    def _factory(cls, value: str, info: ValidationInfo) -> str:
+    def _factory(cls, value: str) -> str:
         # checked for its shape here (one line from ``recipe validate``); imported only when
         # the run starts, so a recipe for a SLURM cluster validates on a laptop without dask-jobqueue
-        if not value:
-            return value
         target, _, attr = value.rpartition(":" if ":" in value else ".")
-        if not target or not attr or not attr.isidentifier():
-            raise ValueError("expected an importable callable like 'dask_jobqueue.SLURMCluster', "
-                             "'mypackage.module:make_cluster' or 'cluster.py:make_cluster'")
-        if target.endswith(".py"):  # a file next to the recipe: keep it working from any directory
-            return f"{_against_recipe(target, info)}:{attr}"
+        if value and not (target and attr.isidentifier()
+                          and all(part.isidentifier() for part in target.split("."))):
+            raise ValueError("expected an importable callable like 'dask_jobqueue.SLURMCluster' or "
+                             "'mypackage.module:make_cluster'")
         return value
 
     @model_validator(mode="after")
