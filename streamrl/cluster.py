@@ -1,22 +1,30 @@
-"""Pools as Dask worker resources: the embedded local cluster, or an existing one.
+"""Pools as Dask worker resources: the embedded local cluster, one from a factory, or an existing one.
 
 A pool is a label on workers: a worker of pool ``generate`` offers the resource ``generate``
 (one unit per task slot) and is named ``generate-<i>``. Tasks ask for the resource, so the
 scheduler sends them only there. The embedded cluster is a ``SpecCluster`` of ``Nanny`` worker
 processes bound to ``cluster.host`` (127.0.0.1 by default: nothing listens outside the machine).
-For several machines, start ``dask scheduler`` and on each machine
-``dask worker tcp://SCHED:8786 --resources "generate=16" --name generate-0 --nthreads 16``,
-then set ``cluster.address``.
+``cluster.factory`` names a callable that returns a cluster (``dask_jobqueue.SLURMCluster``,
+``distributed.LocalCluster``, your own); ``streamrl/factories.py`` labels its workers.
+``cluster.address`` connects to a cluster someone started (``dask scheduler`` and, per worker,
+``dask worker tcp://SCHED:8786 --name generate-0 --nthreads 16 --resources "generate=16"``);
+streamrl leaves that one running and takes the run's state off it when the run ends
+(``docs/deploy.md``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
+import sys
 import time
+import warnings
+from pathlib import Path
 
 import dask
-from distributed import Client, Nanny, Scheduler, SpecCluster, WorkerPlugin
+from distributed import Client, Nanny, Scheduler, SchedulerPlugin, SpecCluster, Variable, WorkerPlugin
+from distributed.deploy import Cluster
 
 from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.errors import UserError
@@ -47,22 +55,26 @@ def gpu_ids(ids: list[str], per_worker: int, i: int) -> list[str]:
     return [ids[(i * per_worker + k) % len(ids)] for k in range(per_worker)] if ids else []
 
 
-def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
-    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
-    spec = {}
+def pool_worker_names(recipe: Recipe) -> list[tuple[str, int]]:
+    """``(pool, i)`` of every worker the recipe's ``[pools.*]`` tables ask for, pool by pool."""
+    out = []
     for pool in [*REQUIRED_POOLS, "rank"]:
         cfg = getattr(recipe.pools, pool)
-        if cfg is None:  # an optional pool left out
-            continue
-        for i in range(cfg.workers):
-            spec[f"{pool}-{i}"] = pool_worker_spec(recipe, pool, i, log_level)
-    return spec
+        if cfg is not None:  # (an optional pool left out)
+            out += [(pool, i) for i in range(cfg.workers)]
+    return out
 
 
-def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
-                     slots: int | None = None) -> dict:
-    """The spec of worker ``<pool>-<i>``: a Nanny offering ``slots`` units of the pool's resource
-    (default: its threads; 0 for a worker that must not take the pool's tasks yet)."""
+def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
+    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
+    return {f"{pool}-{i}": pool_worker_spec(recipe, pool, i, log_level) for pool, i in pool_worker_names(recipe)}
+
+
+def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> dict:
+    """What makes worker ``<pool>-<i>`` one of its pool, whatever starts it: ``name``,
+    ``nthreads``, ``resources`` (``slots`` units of the pool's resource, default its threads; 0
+    for a worker that must not take the pool's tasks yet) and ``env`` (the pool's settings, and
+    its GPUs when ``cuda_visible_devices`` lists some)."""
     cfg = getattr(recipe.pools, pool)
     env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
     gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
@@ -78,9 +90,16 @@ def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging
         gen = recipe.pools.generate.threads
         threads, resources = cfg.threads + gen, {"train": cfg.threads, "generate": gen}
     resources[PIN + name] = PIN_SLOTS  # lets a task follow this worker through a restart (pin())
+    return {"name": name, "nthreads": threads, "resources": resources, "env": env}
+
+
+def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
+                     slots: int | None = None) -> dict:
+    """The embedded cluster's spec of worker ``<pool>-<i>``: a Nanny as :func:`pool_worker` says,
+    bound to ``cluster.host``."""
+    w = pool_worker(recipe, pool, i, slots)
     return {"cls": Nanny, "options": {
-        "name": name, "nthreads": threads, "resources": resources,
-        "host": recipe.cluster.host, "memory_limit": cfg.memory_limit, "env": env,
+        **w, "host": recipe.cluster.host, "memory_limit": getattr(recipe.pools, pool).memory_limit,
         "silence_logs": log_level,
     }}
 
@@ -167,64 +186,317 @@ def quiet_dask(verbose: bool) -> int:
     return level
 
 
-def start(recipe: Recipe, verbose: bool = False) -> tuple[SpecCluster | None, Client]:
-    """Connect to ``cluster.address`` or start the embedded cluster; wait for every pool."""
+def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client]:
+    """Start the run's cluster (the embedded one, or ``cluster.factory``'s) or connect to
+    ``cluster.address``; wait for every pool and check that its workers can load what the recipe
+    runs there. Returns the cluster streamrl started (None for one it did not) and a client."""
     level = quiet_dask(verbose)
-    if recipe.cluster.address:
-        try:
-            client = Client(recipe.cluster.address, timeout=recipe.cluster.connect_timeout)
-        except OSError as exc:
-            raise UserError(f"cluster.address: cannot reach scheduler {recipe.cluster.address} ({exc})") from None
-        cluster = None
-    else:
-        host = recipe.cluster.host
-        dask.config.set({f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in PRE_SPAWN_ENV.items()})
-        cluster = SpecCluster(
-            workers=worker_spec(recipe, level),
-            scheduler={"cls": Scheduler, "options": {
-                "host": host, "dashboard_address": f"{host}:{recipe.cluster.dashboard_port}"}},
-            silence_logs=level, name="streamrl",
-        )
-        client = Client(cluster)
-        try:
-            client.wait_for_workers(len(cluster.worker_spec), timeout=recipe.cluster.startup_timeout)
-        except TimeoutError:
-            client.close()
-            cluster.close()
-            raise UserError(f"cluster.startup_timeout: workers did not start within "
-                            f"{recipe.cluster.startup_timeout}s") from None
-        client.register_plugin(QuickExit())  # only on workers we started ourselves
-        client.register_plugin(QuietShutdown())
-        if not verbose:
-            client.register_plugin(QuietTaskErrors())
-    check_pools(client)
+    c = recipe.cluster
+    # glibc's malloc settings for every worker a Nanny in this process spawns (see PRE_SPAWN_ENV)
+    dask.config.set({f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in PRE_SPAWN_ENV.items()})
+    cluster: Cluster | None = None
+    client: Client | None = None
+    try:
+        if c.address:
+            try:
+                client = Client(c.address, timeout=c.connect_timeout)
+            except OSError as exc:
+                raise UserError(f"cluster.address: cannot reach scheduler {c.address} ({exc})") from None
+            try:
+                claim(client, recipe)
+            except BaseException:
+                client.close()  # (not stop(): what is on the cluster belongs to the run that has it)
+                client = None
+                raise
+        elif c.factory:
+            from streamrl import factories  # imports the factory's library only now
+
+            if recipe.pools.generate is not None and recipe.pools.generate.elastic is not None:
+                raise UserError("pools.generate.elastic: grows the embedded cluster only; with cluster.factory, "
+                                "set pools.generate.workers instead")
+            cluster = factories.create(recipe)
+            labelled = factories.labellable(cluster)
+            if labelled:
+                factories.label(cluster, recipe)
+            client = Client(cluster)
+            wait_for_pools(client, recipe, "" if labelled else
+                           f" (cluster.factory {c.factory}: streamrl cannot label this cluster's workers, so they "
+                           "must offer the pools' resources themselves; see docs/deploy.md)")
+        else:
+            host = c.host
+            cluster = SpecCluster(
+                workers=worker_spec(recipe, level),
+                scheduler={"cls": Scheduler, "options": {
+                    "host": host, "dashboard_address": f"{host}:{c.dashboard_port}"}},
+                silence_logs=level, name="streamrl",
+            )
+            client = Client(cluster)
+            try:
+                client.wait_for_workers(len(cluster.worker_spec), timeout=c.startup_timeout)
+            except TimeoutError:
+                raise UserError(f"cluster.startup_timeout: workers did not start within "
+                                f"{c.startup_timeout}s") from None
+        check_pools(client, recipe)
+        if c.address or c.factory:
+            # workers that may run elsewhere, from another environment: before anything of the
+            # run is sent there, each must load what its pool will build
+            check_worker_imports(client, recipe)
+            name_pins(client)
+        if cluster is not None:  # only on workers we started ourselves
+            client.register_plugin(QuickExit())
+            client.register_plugin(QuietShutdown())
+            if not verbose:
+                client.register_plugin(QuietTaskErrors())
+    except BaseException:
+        # a cluster streamrl started must not outlive the failure (SLURM jobs would keep running)
+        if client is not None or cluster is not None:
+            stop(cluster, client)
+        raise
     return cluster, client
 
 
-def stop(cluster: SpecCluster | None, client: Client, timeout: float = 10.0) -> None:
-    """Shut down in order: workers first, then the client and scheduler.
+def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) -> None:
+    """End the run's use of the cluster: shut down a cluster streamrl started, workers first;
+    take the run's state off one it did not (:func:`release`) and leave that one running.
 
     Closing the scheduler while workers still run makes each worker log a heartbeat traceback
-    on its way out; retiring them first keeps the end of a run quiet. An external cluster
-    (``cluster.address``) is left running: only our client disconnects.
+    on its way out; retiring them first keeps the end of a run quiet.
     """
-    if cluster is not None:
-        # Results the controller still holds (the last optimizer step) go with their workers;
-        # that is the point of stopping, so the scheduler need not warn about it.
-        logging.getLogger("distributed.scheduler").setLevel(logging.ERROR)
+    if cluster is None:
+        if client is not None:
+            release(client)
+            client.close()
+        return
+    # Results the controller still holds (the last optimizer step) go with their workers;
+    # that is the point of stopping, so the scheduler need not warn about it.
+    logging.getLogger("distributed.scheduler").setLevel(logging.ERROR)
+    if isinstance(cluster, SpecCluster):
         try:
             cluster.scale(0)
             deadline = time.monotonic() + timeout
             # Wait for the Nanny processes themselves (SpecCluster drops them once closed), not
             # only for the scheduler to forget them: a worker still closing when the scheduler
             # goes away logs a heartbeat traceback (seen about one run in four before this).
-            while (cluster.workers or workers(client)) and time.monotonic() < deadline:
+            while (cluster.workers or (client is not None and workers(client))) and time.monotonic() < deadline:
                 time.sleep(0.1)
         except Exception:  # shutting down anyway; never hide the run's real error behind this
             pass
-    client.close()
-    if cluster is not None:
-        cluster.close()
+    if client is not None:
+        client.close()
+    cluster.close()
+
+
+def wait_for_pools(client: Client, recipe: Recipe, why: str = "") -> None:
+    """Wait up to ``cluster.startup_timeout`` until every pool has the workers its
+    ``[pools.<name>] workers`` asks for (a factory's workers come up in their own time: a
+    batch job waits in its queue); ``why`` ends the timeout's message."""
+    want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank"]
+            if getattr(recipe.pools, pool) is not None}
+    deadline = time.monotonic() + recipe.cluster.startup_timeout
+    while True:
+        have = pool_workers(client)
+        short = {p: len(have.get(p, {})) for p, n in want.items() if len(have.get(p, {})) < n}
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            counts = ", ".join(f"{p} {n} of {want[p]}" for p, n in short.items())
+            raise UserError(f"cluster.startup_timeout: after {recipe.cluster.startup_timeout:g}s the pools still "
+                            f"lack workers ({counts}){why}")
+        time.sleep(0.2)
+
+
+#: A Dask ``Variable`` on the scheduler naming the client of the streamrl run that uses a cluster
+#: streamrl did not start (:func:`claim`).
+OWNER = "streamrl-run"
+
+
+def claim(client: Client, recipe: Recipe) -> None:
+    """Make this run the one streamrl run on a cluster it did not start, after taking off what an
+    earlier run left there (:func:`release`).
+
+    Two runs on one cluster would replace each other's engines and trainer (worker plugins of
+    one name) and share task keys; a run that ended without :func:`stop` (killed) leaves its
+    engines in the workers' memory and its last weights on the scheduler, under keys the next
+    run asks for again -- which Dask answers with the *old* result. So: another live run is a
+    one-line error; a dead one's leftovers are removed.
+    """
+    try:
+        owner = Variable(OWNER, client=client).get(timeout=0)
+    except TimeoutError:  # (no run has claimed it, or the last one released it)
+        owner = None
+
+    def client_ids(dask_scheduler) -> list[str]:  # (nested: sent by value, see release())
+        return list(dask_scheduler.clients)
+
+    if owner and owner.get("client") in client.run_on_scheduler(client_ids):
+        raise UserError(f"cluster.address: streamrl run {owner.get('run')!r} (started {owner.get('since')}) is still "
+                        f"using the cluster at {client.scheduler.address}; one run at a time per cluster")
+    release(client)
+    Variable(OWNER, client=client).set({"client": client.id, "run": recipe.run.name,
+                                        "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def release(client: Client) -> None:
+    """Take every trace of streamrl runs off a cluster that stays up: the worker and scheduler
+    plugins named ``streamrl-*`` (their teardown closes the engines and trainers, freeing their
+    memory) and the ``streamrl-*`` variables (the published weights, which hold their tasks'
+    results under keys a later run uses again). Best effort: it never raises."""
+
+    def state(dask_scheduler) -> dict[str, list[str]]:
+        # Nested, so Dask sends it by value: a scheduler started by hand need not have streamrl
+        variables = getattr(dask_scheduler.extensions.get("variables"), "variables", {})
+        return {kind: [n for n in names if str(n).startswith("streamrl-")] for kind, names in
+                (("worker_plugins", dask_scheduler.worker_plugins), ("scheduler_plugins", dask_scheduler.plugins),
+                 ("variables", variables))}
+
+    try:
+        names = client.run_on_scheduler(state)
+    except Exception:  # a scheduler that is gone holds nothing
+        return
+    for name in names["worker_plugins"]:
+        try:
+            client.unregister_worker_plugin(name)
+        except Exception:
+            pass
+    for name in names["scheduler_plugins"]:
+        try:
+            client.unregister_scheduler_plugin(name)
+        except Exception:
+            pass
+    for name in names["variables"]:
+        try:
+            Variable(name, client=client).delete()
+        except Exception:
+            pass
+
+
+#: Which component kinds each pool builds (:func:`check_worker_imports`): a generate worker its
+#: engine and the receiving end of the transfer, a train worker the trainer, its algorithm and
+#: the sending end; a reward worker the reward, a rank worker the ranker.
+BUILT_ON = {"generate": ("engine", "transfer"), "train": ("trainer", "algorithm", "transfer"),
+            "reward": ("reward",), "rank": ("ranker",)}
+
+
+def check_worker_imports(client: Client, recipe: Recipe) -> None:
+    """Every worker must be able to load the components its pool will build: each is sent to
+    the pool's workers pickled, as the run sends it, and unpickled there now. A package missing
+    on a worker (a plugin installed only where ``streamrl`` runs, or streamrl itself) is one
+    line naming the worker, the module and the component, instead of a failure mid-run."""
+    components = _recipe_components(recipe)
+    for pool, names in pool_workers(client).items():
+        for kind in BUILT_ON.get(pool, ()):
+            for comp, origin in components.get(kind, []):
+                blob = _pickled(comp)
+                if blob is None:
+                    continue
+                results = client.run(pickle.loads, blob, workers=list(names.values()), on_error="return")
+                by_addr = {addr: name for name, addr in names.items()}
+                for addr, result in results.items():
+                    if isinstance(result, BaseException):
+                        missing = getattr(result, "name", None) if isinstance(result, ImportError) else None
+                        what = (f"cannot import {missing!r}" if missing else
+                                f"cannot load it ({type(result).__name__}: {result})")
+                        raise UserError(f"pools.{pool}: worker {by_addr.get(addr, addr)} {what}, which {kind} "
+                                        f"{comp.name!r} needs ({origin}); install it in that worker's Python "
+                                        "environment")
+
+
+def _recipe_components(recipe: Recipe) -> dict[str, list]:
+    """``{kind: [(component, where it comes from)]}`` of the components the recipe names."""
+    from streamrl.plugins import Registry, build_registry
+    from streamrl.recipe import SECTIONS
+
+    with warnings.catch_warnings():  # (a broken plugin was reported when the recipe was resolved)
+        warnings.simplefilter("ignore")
+        registry = build_registry()
+        # recipe-local modules: the ones resolve() imported (importing them again would run their
+        # code twice); their code travels by value, but what they import does not
+        for path in recipe.plugins.modules:
+            module = sys.modules.get(f"streamrl_local_{Path(path).stem}")
+            if module is not None and registry.pm.get_plugin(f"local:{path}") is None:
+                registry.pm.register(module, name=f"local:{path}")
+                registry.origins[f"local:{path}"] = (path, "")
+        registry = Registry(registry.pm, registry.origins)
+    out: dict[str, list] = {}
+    tables = dict(recipe)
+    for section, kind in SECTIONS.items():
+        table = tables.get(section)
+        for comp in registry.components[kind].get(table.name, []) if table is not None else []:
+            dist, version = registry.origins.get(comp.plugin, (comp.plugin, ""))
+            out.setdefault(kind, []).append((comp, f"plugin {comp.plugin}, from {dist} {version}".rstrip()))
+    return out
+
+
+def _pickled(comp) -> bytes | None:
+    """A component's factory and config class pickled as the run pickles them (cloudpickle, so a
+    recipe-local module travels by value); None if it cannot be pickled here at all (the run
+    then fails on it with its own message)."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((comp.factory, comp.config))
+    except Exception:
+        return None
+
+
+class NamePins(WorkerPlugin):
+    """Worker side of :func:`name_pins`: the worker's own ``worker:<name>`` resource in its
+    state (the scheduler side adds it to the scheduler's view, :class:`NamePinsOnScheduler`)."""
+
+    name = "streamrl-name-pins"
+
+    def setup(self, worker) -> None:
+        key = PIN + str(worker.name)
+        if key not in worker.state.total_resources:
+            worker.state.total_resources[key] = PIN_SLOTS
+            worker.state.available_resources[key] = PIN_SLOTS
+
+
+class NamePinsOnScheduler(SchedulerPlugin):
+    """Scheduler side of :func:`name_pins`. ``add_worker`` runs before the scheduler hands a
+    newly registered worker the tasks that waited for it, so a worker its nanny restarted gets
+    back the work pinned to it; the worker side is in place before the worker reads them (it
+    sets up its plugins before it listens to the scheduler)."""
+
+    name = "streamrl-name-pins"
+
+    async def start(self, scheduler) -> None:
+        for ws in list(scheduler.workers.values()):
+            self._pin(scheduler, ws)
+
+    def add_worker(self, scheduler, worker: str) -> None:
+        ws = scheduler.workers.get(worker)
+        if ws is not None:
+            self._pin(scheduler, ws)
+
+    @staticmethod
+    def _pin(scheduler, ws) -> None:
+        key = PIN + str(ws.name)
+        if key not in ws.resources:
+            # Scheduler.add_resources would also zero the worker's used resources; add only this one
+            ws.resources[key] = PIN_SLOTS
+            ws.used_resources[key] = 0
+            scheduler.resources.setdefault(key, {})[ws.address] = PIN_SLOTS
+
+
+def name_pins(client: Client) -> None:
+    """Give every worker of a cluster streamrl did not label a ``worker:<name>`` resource
+    (:data:`PIN`), now and whenever it (re)connects: work pinned to a worker then follows it
+    through a restart, even if it was started with only its pool's resource. Without it, a
+    generate worker killed and restarted by its nanny left the run waiting on a weight load
+    pinned to its old address (measured: a hand-started cluster, the run timed out after 600 s).
+    Needs streamrl on the scheduler; without it, a worker that lacks the resource is one line."""
+    try:
+        client.register_plugin(NamePinsOnScheduler())
+    except Exception as exc:
+        lacking = [str(w.get("name")) for w in workers(client).values()
+                   if PIN + str(w.get("name")) not in w.get("resources", {})]
+        if lacking:
+            raise UserError(f"cluster.address: workers {', '.join(lacking)} offer no 'worker:<name>' resource and the "
+                            f"scheduler cannot add it ({type(exc).__name__}: {exc}); start each with --resources "
+                            f"\"<pool>=<threads> worker:<name>=1000000\"") from None
+        return
+    client.register_plugin(NamePins())
 
 
 #: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
@@ -270,12 +542,16 @@ def at(pin: dict, **resources: int) -> dict:
     return {**pin, "resources": {**pin.get("resources", {}), **resources}}
 
 
-def check_pools(client: Client) -> dict[str, dict[str, str]]:
-    """Every pool the run uses must have a worker, or its tasks would wait forever."""
+def check_pools(client: Client, recipe: Recipe | None = None) -> dict[str, dict[str, str]]:
+    """Every pool the run uses must have a worker, or its tasks would wait forever; the message
+    says how to start one (with the pool's threads when ``recipe`` is given)."""
     pools = pool_workers(client)
+    address = client.scheduler.address
     for pool, what in REQUIRED_POOLS.items():
         if not pools.get(pool):
+            cfg = getattr(recipe.pools, pool) if recipe is not None else None
+            n = cfg.threads if cfg is not None else 1
             raise UserError(
-                f"pools.{pool}: no worker of cluster {client.scheduler.address} offers resource "
-                f"{pool!r} (this pool {what}); start one with: dask worker ADDRESS --resources \"{pool}=1\"")
+                f"pools.{pool}: no worker of cluster {address} offers resource {pool!r} (this pool {what}); "
+                f"start one with: dask worker {address} --name {pool}-0 --nthreads {n} --resources \"{pool}={n}\"")
     return pools
