@@ -124,6 +124,15 @@ class FSDP(Strategy):
         self.full = None  # (the last version's copy goes first: one whole copy at a time)
         self.full = full_weights(model, keep=is_rank0())
 
+    def forward_only_done(self, module: torch.nn.Module) -> None:
+        """Reshard every unit of ``module``: FSDP keeps the root's weights gathered after a
+        forward pass, for the backward it expects, and none comes."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def named_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole weights gathered at the last step, on rank 0."""
         if self.full is None:

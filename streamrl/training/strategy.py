@@ -65,6 +65,11 @@ class Strategy:
         """After an optimizer step or a checkpoint load of the policy ``model``, every rank together."""
         raise NotImplementedError
 
+    def forward_only_done(self, module: torch.nn.Module) -> None:
+        """After a forward pass of ``module`` that no backward follows (a check of the weights):
+        let go of whatever it gathered."""
+        raise NotImplementedError
+
     def named_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The policy's parameters as the engines receive them."""
         raise NotImplementedError
@@ -120,6 +125,9 @@ class Replicated(Strategy):
 
     def weights_changed(self, model: torch.nn.Module) -> None:
         """Nothing to do: the policy is exported as it is."""
+
+    def forward_only_done(self, module: torch.nn.Module) -> None:
+        """Nothing to do: nothing was gathered."""
 
     @torch.no_grad()
     def named_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

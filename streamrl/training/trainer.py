@@ -346,6 +346,7 @@ class HFTrainer(Trainer):
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch([like], pad))
         with self.precision.autocast():
             new = self.policy(ids, attn, self.temperature, self.config.logprob_chunk_tokens, resp)
+        self.strategy.forward_only_done(self.policy)
         return bool(torch.isfinite(new[resp > 0]).all())
 
     def _nonfinite(self, norm: float, critic_norm: float) -> str | None:
