@@ -104,7 +104,11 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
 def _check_group_size(out: Resolved) -> None:
     """An algorithm with a group baseline learns nothing from groups of one sample."""
     r = out.recipe
-    need = getattr(out.algorithm.build(), "min_group_size", 1)  # (algorithms are light to build)
+    # a class attribute (``Algorithm.min_group_size``): asked of the class when the factory is
+    # one, so validation builds nothing; a factory function's object is built (algorithms are light)
+    factory = out.algorithm.component.factory
+    made = factory if isinstance(factory, type) else out.algorithm.build()
+    need = getattr(made, "min_group_size", 1)
     if r.trainer.samples_per_prompt < need:
         raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with algorithm.name = "
                         f'"{r.algorithm.name}", whose baseline is the mean of a prompt\'s samples: a sample alone '
