@@ -287,7 +287,13 @@ class HFTrainer(Trainer):
         """Clip, step the optimizer, clear gradients; the policy version goes up by one. Over a
         train pool of several workers the gradients are first summed over the ranks
         (``training/data_parallel.py``; sharded, in each backward), so every rank applies the
-        one-worker update."""
+        one-worker update.
+
+        Nothing that is not finite gets past it, on every rank alike: a loss or gradient norm
+        that is not finite is no update (:class:`~streamrl.errors.NonFiniteStep`, or a skipped
+        step under ``max_nonfinite_steps``), and after an update the weights and the new
+        policy's log-probabilities of one of the step's samples are checked before the weights
+        can be exported or checkpointed (both wait for this step)."""
         t0 = time.perf_counter()
         self.strategy.reduce_gradients([m for m in (self.stepped, self.critic) if m is not None])
         norm = self.strategy.clip_grad_norm(self.stepped.parameters(), self.config.max_grad_norm)
