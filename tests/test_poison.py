@@ -113,6 +113,19 @@ def test_max_nonfinite_steps_skips_a_few_in_a_row_and_stops_at_one_more(tiny_mod
         trainer.step()
 
 
+def test_a_checkpoint_holding_nan_weights_is_refused_at_load_so_they_are_never_published(tiny_model, tmp_path):
+    # (written before steps that are not finite were refused)
+    from streamrl.errors import RunFailed
+
+    trainer = trainer_with(tiny_model)
+    with torch.no_grad():
+        next(iter(trainer.model.parameters()))[0, 0] = float("nan")
+    trainer.save_checkpoint(str(tmp_path / "step-000003" / "trainer"))
+    with pytest.raises(RunFailed, match=r"^checkpoint step-000003: its weights are not finite \(NaN or inf\); move "
+                                        r".*step-000003 aside to resume from the checkpoint before it$"):
+        trainer_with(tiny_model).load_checkpoint(str(tmp_path / "step-000003" / "trainer"))
+
+
 # -- a real run -----------------------------------------------------------------------------------------
 NAN_ALGORITHM = '''
 from streamrl.algorithms.grpo import GRPO, GRPOConfig

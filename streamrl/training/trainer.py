@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -25,7 +26,7 @@ from safetensors.torch import save as save_safetensors
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
-from streamrl.errors import NonFiniteStep
+from streamrl.errors import NonFiniteStep, RunFailed
 from streamrl.sample import Group
 from streamrl.training import fsdp
 from streamrl.training.logprobs import naive_token_logprobs
@@ -404,6 +405,11 @@ class HFTrainer(Trainer):
         from streamrl.training import checkpoint
 
         checkpoint.load(self, path)
+        # a checkpoint written before steps that are not finite were refused may hold NaN
+        # weights: they must not be published to the engines after a resume
+        if self.strategy.any_rank(not _finite(self.stepped.parameters()), self.device):
+            raise RunFailed(f"checkpoint {Path(path).parent.name}: its weights are not finite (NaN or inf); "
+                            f"move {Path(path).parent} aside to resume from the checkpoint before it")
         self.masters.copy_back()  # (bf16-params: the checkpoint holds the float32 masters)
         self.strategy.weights_changed(self.model)  # (sharded: the export after a resume sends these)
 
