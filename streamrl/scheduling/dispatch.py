@@ -18,7 +18,7 @@ from pathlib import Path
 from distributed import Client, Future
 
 from streamrl.api import DispatchContext, Prompt, Scheduler
-from streamrl.errors import UserError
+from streamrl.errors import RunWarning, UserError
 from streamrl.flow import remote
 from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
@@ -107,7 +107,7 @@ class Dispatcher:
                     workers=[self.rank_worker], allow_other_workers=False).result()
             except Exception as exc:  # the checkpoint is still written: a resume's ranker learns again
                 warnings.warn(f"ranker: its state could not be saved ({type(exc).__name__}: {exc}); "
-                              "a resumed run's ranker learns again", stacklevel=2)
+                              "a resumed run's ranker learns again", RunWarning, stacklevel=2)
         return files
 
     def restore(self, checkpoint: Path) -> None:
@@ -127,4 +127,4 @@ class Dispatcher:
             except Exception as exc:  # a ranker plugin's mistake must not end a resume: it only orders work
                 self.last_observe = None
                 warnings.warn(f"ranker: could not take back its state from {blob} ({type(exc).__name__}: {exc}); "
-                              "it learns again from this run's samples", stacklevel=2)
+                              "it learns again from this run's samples", RunWarning, stacklevel=2)
