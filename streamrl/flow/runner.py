@@ -11,6 +11,7 @@ from pathlib import Path
 
 from distributed import performance_report, span
 from rich.console import Console
+from rich.markup import escape
 
 from streamrl import cluster
 from streamrl.errors import Interrupted, RunFailed, UserError
@@ -165,8 +166,11 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             cluster.stop(dask_cluster, client)
     errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
     if errors:
+        first = next((rec["reward_error_first"] for rec in folder.records if rec.get("reward_error_first")), None)
         console.print(f"[yellow]reward errors: {errors} of {sum(rec['samples'] for rec in folder.records)} "
-                      "samples scored 0 (the reward raised or returned a non-number; see metrics.jsonl)[/]")
+                      "samples scored 0 (the reward raised or returned a non-number"
+                      + (f"; the first: {escape(str(first))}" if first else "") + "; see metrics.jsonl)[/]",
+                      highlight=False)
     if warnings_log.count:
         files["library warnings"] = f"{warnings_log.path.name} ({warnings_log.count})"
     table = summary_table(folder.records, {**files, "policy": Path(policy).name})

@@ -21,6 +21,7 @@ from pathlib import Path
 from distributed import WorkerPlugin
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -62,7 +63,9 @@ def step_line(m: dict, steps: int) -> str:
             # an elastic pool: how many generated, and what changed after the step
             + (f"  generate workers {m['generate_workers']} {m['elastic']}".rstrip() if "elastic" in m else "")
             # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
-            + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}[/]" if m.get("reward_errors") else ""))
+            + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}"
+               + (f" ({escape(str(m['reward_error_first'])[:120])})" if m.get("reward_error_first") else "") + "[/]"
+               if m.get("reward_errors") else ""))
 
 
 class RunDisplay:
