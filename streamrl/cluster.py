@@ -250,7 +250,10 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
     except BaseException:
         # a cluster streamrl started must not outlive the failure (SLURM jobs would keep running)
         if client is not None or cluster is not None:
-            stop(cluster, client)
+            try:
+                stop(cluster, client)
+            except Exception:  # the start's own error is the one to report
+                pass
         raise
     return cluster, client
 

@@ -89,7 +89,8 @@ def create(recipe: Recipe) -> Cluster:
         raise
     except Exception as exc:
         text = " ".join(str(exc).split())  # some libraries' messages span lines: keep it one
-        raise UserError(f"cluster.factory: {c.factory}(**factory_options) failed: {type(exc).__name__}: {text}") from None
+        raise UserError(f"cluster.factory: {c.factory}(**factory_options) failed: "
+                        f"{type(exc).__name__}: {text}") from None
     if not isinstance(made, Cluster):
         close = getattr(made, "close", None)
         if callable(close):
@@ -97,8 +98,8 @@ def create(recipe: Recipe) -> Cluster:
                 close()
             except Exception:
                 pass
-        raise UserError(f"cluster.factory: {c.factory} returned a {type(made).__name__}, not a Dask cluster "
-                        "(distributed.deploy.Cluster)")
+        raise UserError(f"cluster.factory: {c.factory} returned a value of type {type(made).__name__}, not a Dask "
+                        "cluster (distributed.deploy.Cluster)")
     return made
 
 
@@ -141,7 +142,10 @@ def pool_specs(cluster: SpecCluster, recipe: Recipe) -> dict[str, dict]:
         w = pools.pool_worker(recipe, pool, i)
         extra = recipe.cluster.pool_options.get(pool, {})
         cls = base["cls"]
-        opts = _job_options(cls, base["options"], w, extra) if _is_job(cls) else _worker_options(cls, base["options"], w, extra, recipe, pool)
+        if _is_job(cls):
+            opts = _job_options(cls, base["options"], w, extra)
+        else:
+            opts = _worker_options(cls, base["options"], w, extra, recipe, pool)
         out[w["name"]] = {"cls": cls, "options": opts}  # (no "group": one worker per spec)
     return out
 
@@ -191,6 +195,13 @@ def label(cluster: SpecCluster, recipe: Recipe) -> None:
         # in this thread instead of logged on the loop
         cluster.sync(cluster._correct_state)
     except Exception as exc:
+        from distributed.core import Status
+
+        for w in getattr(cluster, "_created", ()):
+            if w.status == Status.created:
+                # its start failed, so nothing of it runs; SpecCluster.close() insists that
+                # every worker it created be closed or failed, and would raise over this error
+                w.status = Status.failed
         text = " ".join(str(exc).split())
         raise UserError(f"cluster.factory: {type(cluster).__name__} could not start the pools' workers: "
                         f"{type(exc).__name__}: {text}") from None
@@ -216,7 +227,8 @@ def preview(recipe: Recipe) -> dict[str, str]:
     made = create(recipe)
     try:
         if not (labellable(made) and _is_job(made.new_spec["cls"])):
-            raise UserError(f"cluster.factory: {recipe.cluster.factory} is not a dask-jobqueue cluster (no job scripts)")
+            raise UserError(f"cluster.factory: {recipe.cluster.factory} is not a dask-jobqueue cluster "
+                            "(no job scripts)")
         return job_scripts(made, pool_specs(made, recipe))
     finally:
         made.close()

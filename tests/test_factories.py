@@ -246,6 +246,21 @@ def test_a_factory_whose_package_is_missing_or_whose_options_are_wrong_is_one_li
                  "pools.generate.elastic={min=1,max=2}").startswith("pools.generate.elastic: grows the embedded")
 
 
+def test_a_batch_system_that_refuses_the_jobs_is_one_line_and_closes_the_cluster(tiny_recipe, tmp_path, monkeypatch):
+    from distributed.core import Status
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here (nor anything else)
+    made = []
+    create = factories.create
+    monkeypatch.setattr(factories, "create", lambda recipe: made.append(create(recipe)) or made[-1])
+    recipe = load_recipe(with_cluster_table(tiny_recipe, SLURM)).recipe
+    with pytest.raises(UserError) as err:
+        cluster.start(recipe)
+    assert str(err.value) == ("cluster.factory: SLURMCluster could not start the pools' workers: FileNotFoundError: "
+                              "[Errno 2] No such file or directory: 'sbatch'")
+    assert made[0].status == Status.closed  # its scheduler too: nothing of the failed start is left
+
+
 def test_recipe_mistakes_about_the_factory_are_one_line(tiny_recipe):
     def error(*sets: str) -> str:
         proc = streamrl("recipe", "validate", str(tiny_recipe), *[a for s in sets for a in ("--set", s)])
