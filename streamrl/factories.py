@@ -36,7 +36,7 @@ import dask
 from distributed import Nanny, SpecCluster, Worker
 from distributed.deploy import Cluster
 
-from streamrl import cluster as pools
+from streamrl import pool_workers as pools
 from streamrl.errors import UserError
 from streamrl.recipe import Recipe
 
@@ -151,7 +151,7 @@ def pool_specs(cluster: SpecCluster, recipe: Recipe) -> dict[str, dict]:
 
 
 def _worker_options(cls: type, base: dict, w: dict, extra: dict, recipe: Recipe, pool: str) -> dict:
-    """A ``Nanny``/``Worker`` spec's options for worker ``w`` (:func:`streamrl.cluster.pool_worker`)."""
+    """A ``Nanny``/``Worker`` spec's options for worker ``w`` (:func:`streamrl.pool_workers.pool_worker`)."""
     opts = {**base, **extra, "name": w["name"], "nthreads": w["nthreads"]}
     opts["resources"] = {**(opts.get("resources") or {}), **w["resources"]}
     limit = getattr(recipe.pools, pool).memory_limit

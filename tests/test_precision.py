@@ -164,7 +164,7 @@ def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_an_error(monkeypa
 
 
 def test_pools_hand_out_gpus_and_advertise_them(tiny_recipe):
-    from streamrl.cluster import worker_spec
+    from streamrl.pool_workers import worker_spec
     from streamrl.recipe import load_recipe
 
     recipe = load_recipe(str(tiny_recipe), ["pools.generate.workers=2", 'pools.generate.cuda_visible_devices=["0","1","2","3"]',

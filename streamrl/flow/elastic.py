@@ -44,7 +44,7 @@ import time
 
 from distributed import Future, wait
 
-from streamrl import cluster
+from streamrl import pool_workers
 from streamrl.flow import remote
 from streamrl.flow.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
@@ -268,7 +268,7 @@ class ElasticPool:
     def _start(self) -> None:
         name = f"generate-{self.next_index}"
         self.next_index += 1
-        spec = cluster.pool_worker_spec(self.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
+        spec = pool_workers.pool_worker_spec(self.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
         self.topo.start_worker(name, spec)
         self.starting, self.started_at = name, time.time()
         # the first step (model warm-up, empty caches) is no baseline when others exist

@@ -118,7 +118,7 @@ class Topology:
         return self.spec_cluster is not None
 
     def start_worker(self, name: str, spec: dict) -> None:
-        """Start a worker process ``name`` from ``spec`` (``cluster.pool_worker_spec``): the
+        """Start a worker process ``name`` from ``spec`` (``pool_workers.pool_worker_spec``): the
         ``SpecCluster`` starts what its spec lacks. It takes no work until it is added."""
         self.spec_cluster.worker_spec[name] = spec
         self.spec_cluster.scale(len(self.spec_cluster.worker_spec))

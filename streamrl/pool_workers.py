@@ -1,0 +1,93 @@
+"""What makes a worker one of a pool's, whatever starts it (the embedded cluster, a factory, a
+job script): its name, threads, resources, environment, and the pin resource that lets a task
+follow it through a restart. ``cluster.py`` and ``factories.py`` both build on this."""
+
+from __future__ import annotations
+
+import logging
+
+from distributed import Nanny
+
+from streamrl.devices import ENV as DEVICE_ENV
+from streamrl.recipe import REQUIRED_POOLS, Recipe
+
+#: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
+#: ``workers=`` into the worker's address when the task is submitted, so a task pinned that way
+#: waits for ever once a nanny restarts the worker on a new address; a resource comes back with
+#: the restarted worker. Plenty of slots, so it never limits how many tasks run.
+PIN = "worker:"
+PIN_SLOTS = 1_000_000
+
+
+#: Set in the Nanny's process before it spawns a worker (``distributed.nanny.pre-spawn-environ``):
+#: glibc reads its malloc settings once, at process start. Dask sets MALLOC_TRIM_THRESHOLD_=65536
+#: there (give freed memory back to the OS); setting any malloc threshold also freezes the mmap
+#: threshold at 128 KiB, so every activation and gradient above that is a fresh mmap with page
+#: faults on each use -- a tiny model's forward/backward ran 2x slower on a worker than in a
+#: plain process (0.58 s vs 0.29 s per 512 W1 samples). Big blocks come from the heap again
+#: (32 MiB is glibc's ceiling); the trim stays, but above 64 MiB of padding at the top of the
+#: heap: with the trim alone, each step's freed activations went back to the OS and came back
+#: as page faults (a W1 training step of 512 samples: 0.208 s vs 0.192 s with the padding).
+PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TOP_PAD_": str(64 * 1024 * 1024)}
+
+#: Environment every worker gets: quiet libraries, no hub access, no tokenizer thread pools.
+WORKER_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+def gpu_ids(ids: list[str], per_worker: int, i: int) -> list[str]:
+    """The GPU ids worker ``i`` gets: ``per_worker`` consecutive ones, wrapping around the list."""
+    return [ids[(i * per_worker + k) % len(ids)] for k in range(per_worker)] if ids else []
+
+
+def pool_worker_names(recipe: Recipe) -> list[tuple[str, int]]:
+    """``(pool, i)`` of every worker the recipe's ``[pools.*]`` tables ask for, pool by pool."""
+    out = []
+    for pool in [*REQUIRED_POOLS, "rank"]:
+        cfg = getattr(recipe.pools, pool)
+        if cfg is not None:  # (an optional pool left out)
+            out += [(pool, i) for i in range(cfg.workers)]
+    return out
+
+
+def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
+    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
+    return {f"{pool}-{i}": pool_worker_spec(recipe, pool, i, log_level) for pool, i in pool_worker_names(recipe)}
+
+
+def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> dict:
+    """What makes worker ``<pool>-<i>`` one of its pool, whatever starts it: ``name``,
+    ``nthreads``, ``resources`` (``slots`` units of the pool's resource, default its threads; 0
+    for a worker that must not take the pool's tasks yet) and ``env`` (the pool's settings, and
+    its GPUs when ``cuda_visible_devices`` lists some)."""
+    cfg = getattr(recipe.pools, pool)
+    env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
+    gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    name = f"{pool}-{i}"
+    threads, resources = cfg.threads, {pool: cfg.threads if slots is None else slots}
+    if gpus or cfg.device == "cuda":  # tasks that need a GPU can ask Dask for one
+        resources["GPU"] = len(gpus) or cfg.gpus_per_worker
+    if recipe.run.mode == "colocated" and pool == "train":
+        # time-sharing: a train worker is also a generate worker (generation and
+        # training alternate, so the slots never compete)
+        gen = recipe.pools.generate.threads
+        threads, resources = cfg.threads + gen, {"train": cfg.threads, "generate": gen}
+    resources[PIN + name] = PIN_SLOTS  # lets a task follow this worker through a restart (pin())
+    return {"name": name, "nthreads": threads, "resources": resources, "env": env}
+
+
+def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
+                     slots: int | None = None) -> dict:
+    """The embedded cluster's spec of worker ``<pool>-<i>``: a Nanny as :func:`pool_worker` says,
+    bound to ``cluster.host``."""
+    w = pool_worker(recipe, pool, i, slots)
+    return {"cls": Nanny, "options": {
+        **w, "host": recipe.cluster.host, "memory_limit": getattr(recipe.pools, pool).memory_limit,
+        "silence_logs": log_level,
+    }}
