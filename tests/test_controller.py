@@ -76,6 +76,16 @@ def test_each_steps_tasks_run_in_a_dask_span_of_that_step_and_phase(client):
         for phase in ("generate", "reward", "train", "publish"):
             assert (f"step {step}", phase) in names, (step, phase, names)
 
+    def spans_named(dask_scheduler):
+        out = {}
+        for sp in dask_scheduler.extensions["spans"].spans.values():
+            out[sp.name] = out.get(sp.name, 0) + 1
+        return out
+
+    # one span per step and phase, however many calls submitted its tasks (12 groups a step here)
+    counts = client.run_on_scheduler(spans_named)
+    assert counts[("step 1", "generate")] == 1 and counts[("step 1", "train")] == 1, counts
+
 
 @pytest.mark.parametrize("mode", ["batch", "stream", "async"])
 def test_every_mode_trains_every_sample_once_in_order(client, mode):

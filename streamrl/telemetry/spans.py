@@ -13,10 +13,11 @@ group is the phase of one step, and the task stream still colours by phase (``ge
 
 from __future__ import annotations
 
+import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
-from distributed import span
+import dask
 
 
 def step_key(phase: str, step: int, rest: str) -> tuple[str, str]:
@@ -24,10 +25,28 @@ def step_key(phase: str, step: int, rest: str) -> tuple[str, str]:
     return (f"{phase}-{step}", rest)
 
 
+#: Span ids of recent (step, phase) pairs. ``distributed.span`` makes new ids at every ``with``,
+#: and the scheduler keeps every span: a step submits its tasks in many calls (a generate and a
+#: reward task per prompt bundle, a train task per micro-batch), which made ~150 spans a W1 step
+#: and thousands of scheduler objects a minute. One id per step and per (step, phase) makes one
+#: span each; only the last steps' ids are kept (async submits at most a few steps ahead).
+_IDS: dict[tuple, str] = {}
+_KEEP = 512
+
+
+def _id(key: tuple) -> str:
+    if key not in _IDS:
+        if len(_IDS) >= _KEEP:
+            del _IDS[next(iter(_IDS))]  # the oldest
+        _IDS[key] = str(uuid.uuid4())
+    return _IDS[key]
+
+
 @contextmanager
 def phase(step: int, name: str) -> Iterator[None]:
-    """Tasks submitted inside belong to span ``("step <step>", name)``."""
-    with span(f"step {step}", name):
+    """Tasks submitted inside belong to span ``("step <step>", name)``, the same span however many
+    times it is entered (the annotation ``distributed.span`` sets, with ids kept per step)."""
+    with dask.annotate(span={"name": (f"step {step}", name), "ids": (_id((step,)), _id((step, name)))}):
         yield
 
 
