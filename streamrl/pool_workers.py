@@ -9,6 +9,7 @@ import logging
 from distributed import Nanny
 
 from streamrl.devices import ENV as DEVICE_ENV
+from streamrl.learners import config as learners_config
 from streamrl.recipe import REQUIRED_POOLS, Recipe
 
 #: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
@@ -55,8 +56,31 @@ def pool_worker_names(recipe: Recipe) -> list[tuple[str, int]]:
 
 
 def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
-    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables."""
-    return {f"{pool}-{i}": pool_worker_spec(recipe, pool, i, log_level) for pool, i in pool_worker_names(recipe)}
+    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables, and
+    one worker per learner that does not train on the train pool (``learner-<name>``)."""
+    spec = {f"{pool}-{i}": pool_worker_spec(recipe, pool, i, log_level) for pool, i in pool_worker_names(recipe)}
+    if recipe.learners and recipe.pools.train is not None:
+        main = learners_config.main_learner(recipe.learners, recipe.run.serve)
+        spec.update({f"learner-{lr.name}": learner_worker_spec(recipe, lr.name, log_level)
+                     for lr in recipe.learners if lr.name != main})
+    return spec
+
+
+#: The resource of a learner's own worker: not ``train``, so no task of the train pool lands there.
+LEARN = "learn"
+
+
+def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.WARNING) -> dict:
+    """The embedded cluster's spec of learner ``learner``'s worker: a train pool worker (its
+    threads, device, memory and environment) named ``learner-<learner>`` offering ``learn``."""
+    w = pool_worker(recipe, "train", 0)
+    name = f"learner-{learner}"
+    w.update(name=name, nthreads=recipe.pools.train.threads,
+             resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})
+    return {"cls": Nanny, "options": {
+        **w, "host": recipe.cluster.host, "memory_limit": recipe.pools.train.memory_limit,
+        "silence_logs": log_level,
+    }}
 
 
 def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> dict:

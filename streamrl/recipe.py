@@ -24,6 +24,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 from streamrl.errors import UserError
+from streamrl.learners.config import LearnerConfig
+from streamrl.learners import config as learners_config
 
 
 class Strict(BaseModel):
@@ -64,6 +66,10 @@ class RunConfig(Strict):
     report: bool = True
     """At the end of the run, write ``report.md`` and its plots into the run folder
     (``streamrl report``); ``--no-report`` turns it off for one run."""
+    serve: str = ""
+    """With ``[[learners]]``: the learner whose weights the generate pool serves (default: the
+    first), or ``"initial"`` -- the starting model serves the whole run and every learner learns
+    off-policy from it."""
 
 
 class ClusterConfig(Strict):
@@ -328,9 +334,17 @@ class Recipe(Strict):
     metrics: list[Section] = []
     """Extra metric sinks (``[[metrics]]`` tables, each a ``metric_sink`` component);
     ``metrics.jsonl`` is always written."""
+    learners: list[LearnerConfig] = []
+    """Several algorithms learning from the one stream (``[[learners]]`` tables,
+    ``streamrl/learners/config.py``); none: the one learner of ``[algorithm]`` and ``[trainer]``."""
     eval: EvalConfig | None = None
     """Held-out evaluation on the generate pool while training goes on (the task's
     ``eval_prompts``); none: no evaluation."""
+
+    @model_validator(mode="after")
+    def _learners(self):
+        learners_config.check(self.learners, self.run.serve)
+        return self
 
 
 #: The pools every run needs, with what they are for (used in error messages).
@@ -348,6 +362,8 @@ def _describe(err: dict) -> str:
     if err["type"] == "missing":
         return f"{loc}: required key missing"
     msg = err["msg"].replace("Input should be", "expected").removeprefix("Value error, ")
+    if not loc:  # a check over the whole recipe: its message names the field
+        return msg
     return f"{loc}: {msg} (got {err.get('input')!r})"
 
 

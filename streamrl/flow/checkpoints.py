@@ -42,6 +42,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from distributed import Client, Future, wait
 
@@ -268,11 +269,11 @@ def _failed_write(exc: Exception, final: Path, run_dir: Path) -> CheckpointFaile
 
 def write(client: Client, train_pins: list[dict], after: Future | None, run_dir: Path, next_step: int,
           version: int, records: int, keep: int, trainer_id: str | dict | None = None,
-          files: dict[str, bytes] | None = None) -> Path:
+          files: dict[str, bytes] | None = None, also: Callable[[Path], None] | None = None) -> Path:
     """Write the checkpoint taken after step ``next_step - 1``; returns its folder. The trainer's
     part is written by the ranks in ``train_pins`` together (rank 0 alone unless sharded);
-    ``files`` (name: bytes) go beside it (the dispatcher's and ranker's state); ``manifest.json``
-    last. A write that fails on the file system (a full disk) raises
+    ``files`` (name: bytes) go beside it (the dispatcher's and ranker's state); ``also(folder)``
+    writes more into it (the other learners' states); ``manifest.json`` last. A write that fails on the file system (a full disk) raises
     :class:`~streamrl.errors.CheckpointFailed` once the partial folder is removed."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
@@ -289,6 +290,8 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         client.gather(saves)
         for name, blob in (files or {}).items():
             (tmp / name).write_bytes(blob)
+        if also is not None:
+            also(tmp)
         (tmp / "controller.json").write_text(json.dumps(
             {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
         listed = _write_manifest(tmp)

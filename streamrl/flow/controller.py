@@ -26,6 +26,7 @@ from streamrl.flow.feed import Feed
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.topology import Topology
 from streamrl.flow.weights import publish, wait_loaded
+from streamrl.learners import runtime as learners
 from streamrl.scheduling.dispatch import Dispatcher
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import last_epoch_stats, summarize
@@ -54,6 +55,7 @@ class Controller:
         # dispatcher (placement and lessons) and the submission counters are shared
         self.lock = threading.Lock()
         self.elastic: elastic.ElasticPool | None = None
+        self.fanout = None  # the side learners (``learners/``), placed with the residents
         self._start_over()
 
     def _start_over(self) -> None:
@@ -82,6 +84,7 @@ class Controller:
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)
+        self.fanout = learners.start(self.client, self.resolved, topo.pins, self.repeatable)
         cfg = r.pools.generate.elastic if r.pools.generate else None
         if cfg is not None and topo.can_grow and self.elastic is None:  # (benchmarks pass no cluster)
             level = logging.getLogger("distributed.worker").getEffectiveLevel()
@@ -98,6 +101,7 @@ class Controller:
         with self.lock:
             placed = self.dispatcher.place(step, prompts)
         version = self.version if min_version is None else min_version
+        version = 0 if self.resolved.serves_initial else version  # (the engines keep the starting model)
 
         def submitted(name: str | None, gen: Future) -> None:
             if name is not None and self.elastic:  # a retired worker first runs out its groups
@@ -124,11 +128,14 @@ class Controller:
         fed, self.fed = self.fed, None
         if fed is not None and fed.step == step:
             last, passes = fed.result()
+            scored = self.fed_scored
         else:
             scored = self.mode.scored(self.generate, step)
             last, passes = submit.epochs(self.topology, self.recipe, self.epochs, step, scored,
                                          self.mode.streams, self.last_step, ordered=self.repeatable)
         admitted = time.time()
+        if self.fanout:  # the same groups to every other learner
+            self.fanout.hand_over(step, scored)
         self.last_step = last
         step_fut = last[0]
         trained_at: list[float] = []
@@ -143,7 +150,7 @@ class Controller:
         # Published before the step is done: the export depends on the optimizer step and runs
         # right after it on the train worker (its priority is above any train task), without
         # waiting for the controller to hear of the step and come back.
-        loads = self._publish(step_fut, version)
+        loads = [] if self.resolved.serves_initial else self._publish(step_fut, version)
         if self.evaluator and self.evaluator.due(version, self.recipe.run.steps):
             self.evaluator.submit(version, after=loads)  # (on the generate pool once it holds the version)
         self.mode.published(version, loads)
@@ -197,6 +204,8 @@ class Controller:
             record.extra["elastic"] = self.elastic.take_events()
         if self.evaluator:
             record.extra.update(self.evaluator.for_record(last=step + 1 == self.recipe.run.steps))
+        if self.fanout:
+            record.extra["learners"] = learners.record(self.fanout, self.resolved, record)
         return record.as_dict()
 
     def _feed(self, step: int, previous: Future) -> tuple[list[Future], list[list[Future]]]:
@@ -212,9 +221,10 @@ class Controller:
     def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
         """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
         files = self.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")
+        also = learners.checkpoint(self.fanout, next_step, checkpoints.latest(run_dir)) if self.fanout else None
         return checkpoints.write(self.client, self.topology.writers(), self.last_step, run_dir, next_step,
                                  self.version, records, self.recipe.run.keep_checkpoints,
-                                 self.topology.incarnations, files=files)
+                                 self.topology.incarnations, files=files, also=also)
 
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
@@ -224,7 +234,9 @@ class Controller:
         checkpoints.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
         self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
         self.version = state["policy_version"]
-        wait_loaded(self._publish(None, self.version, tag=f"-resume-{time.time_ns()}"))
+        self.fanout = learners.resume(self.fanout, self.client, self.resolved, self.topology.pins, checkpoint)
+        if not self.resolved.serves_initial:
+            wait_loaded(self._publish(None, self.version, tag=f"-resume-{time.time_ns()}"))
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
 
@@ -242,6 +254,10 @@ class Controller:
         self.dispatcher.finish()
         if self.elastic:
             self.elastic.finish()
+        if self.fanout:  # the other learners' policies beside the main one's
+            self.fanout.drain()
+            self.fanout.save_policies(out)
+        out = learners.policy_folder(self.resolved, out)
         stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
         return self.client.gather([
             self.client.submit(remote.save_policy, str(out), after=self.last_step,

@@ -106,11 +106,12 @@ def _peer_lost(exc: Exception) -> Exception:
 
 
 def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
-                 after=None, trainer_id: str | dict | None = None) -> TrainTaskStats:
-    """See :func:`_train_groups`; a rank lost mid-collective becomes :class:`ResidentLost`."""
+                 after=None, trainer_id: str | dict | None = None, trainer: str = TRAINER) -> TrainTaskStats:
+    """See :func:`_train_groups`; a rank lost mid-collective becomes :class:`ResidentLost`.
+    ``trainer``: the resident it trains (a learner's own, ``learners/``)."""
     try:
         return _train_groups(*bundles, scale=scale, micro_batch_tokens=micro_batch_tokens,
-                             groups_per_micro_batch=groups_per_micro_batch, trainer_id=trainer_id)
+                             groups_per_micro_batch=groups_per_micro_batch, trainer_id=trainer_id, name=trainer)
     except ResidentLost:
         raise
     except Exception as exc:
@@ -118,7 +119,7 @@ def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 
 
 
 def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
-                  trainer_id: str | dict | None = None) -> TrainTaskStats:
+                  trainer_id: str | dict | None = None, name: str = TRAINER) -> TrainTaskStats:
     """Train pool: forward/backward on whole groups (the scored bundles of ``score_groups``),
     cut into micro-batches by ``flow.microbatch.pack``; gradients accumulate until the
     optimizer step.
@@ -126,8 +127,8 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     Returns the trainer's summed stats plus what the controller needs for accounting
     (``telemetry/stats.py``), so samples themselves never travel to the controller.
     """
-    expect(TRAINER, trainer_id)
-    trainer = resident(TRAINER)
+    expect(name, trainer_id)
+    trainer = resident(name)
     groups = [g for bundle in bundles for g in bundle]
     # Shortest groups first: a micro-batch is padded to its longest sequence, so neighbours of
     # similar length waste little (measured on W2, whose lengths span 5-255 tokens: batch mode
@@ -164,7 +165,8 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     return stats
 
 
-def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None = None, after=None) -> StepStats:
+def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None = None, after=None,
+                   trainer: str = TRAINER) -> StepStats:
     """Train pool: one optimizer step after every train task of the batch (they are arguments:
     every rank sees the whole batch's, and decides the same).
 
@@ -173,12 +175,13 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
     the first error. A reward that fails for every sample of a step is a bug, not a signal;
     training on its zeros would go on in silence. A batch in which only some failed trains (those
     score 0, counted in ``reward_errors``)."""
-    expect(TRAINER, trainer_id)
+    name = trainer
+    expect(name, trainer_id)
     samples = sum(t.samples for t in train_tasks)
     errors = sum(t.reward_errors for t in train_tasks)
     if samples and errors >= samples:
         first = next((t.reward_error_first for t in train_tasks if t.reward_error_first), "no error text")
-        trainer = resident(TRAINER)
+        trainer = resident(name)
         epochs = max(1, getattr(getattr(trainer, "algorithm", None), "epochs", 1))
         version = getattr(trainer, "version", None)  # (optimizer steps so far; a plugin trainer may not count)
         step = f"step {version // epochs + 1}" if isinstance(version, int) else "a step"
@@ -186,7 +189,7 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
                            "was not trained on; a reward that fails for every sample is a bug, not a learning "
                            "signal: fix the reward")
     try:
-        return StepStats.of(resident(TRAINER).step())
+        return StepStats.of(resident(name).step())
     except RunStopped:  # the trainer refused the step (a loss that is not finite): that is the news
         raise
     except Exception as exc:
@@ -242,18 +245,18 @@ def trainer_logprobs(group: Group) -> list[list[float]]:
     return resident(TRAINER).logprobs(group)
 
 
-def trainer_weights(after=None) -> bytes:
+def trainer_weights(after=None, trainer: str = TRAINER) -> bytes:
     """Train pool: the trainer's parameters, as safetensors bytes (checks and tests; Dask's own
     tensor serializer goes through numpy, which has no bfloat16). ``weights_from_bytes`` reads them."""
     from streamrl.training.trainer import weights_to_bytes
 
-    return weights_to_bytes(resident(TRAINER).named_weights())  # (detached and on the CPU there)
+    return weights_to_bytes(resident(trainer).named_weights())  # (detached and on the CPU there)
 
 
-def save_policy(out: str, after=None, trainer_id: str | dict | None = None) -> str:
+def save_policy(out: str, after=None, trainer_id: str | dict | None = None, trainer: str = TRAINER) -> str:
     """Train pool: write the current policy as a transformers model folder."""
-    expect(TRAINER, trainer_id)
-    return resident(TRAINER).save(out)
+    expect(trainer, trainer_id)
+    return resident(trainer).save(out)
 
 
 def engine_latency():
@@ -267,10 +270,10 @@ def warm_up(name: str) -> str:
     return name
 
 
-def save_trainer_checkpoint(path: str, after=None, trainer_id: str | dict | None = None) -> str:
+def save_trainer_checkpoint(path: str, after=None, trainer_id: str | dict | None = None, trainer: str = TRAINER) -> str:
     """Train pool: the trainer's full state into the folder ``path``."""
-    expect(TRAINER, trainer_id)
-    resident(TRAINER).save_checkpoint(path)
+    expect(trainer, trainer_id)
+    resident(trainer).save_checkpoint(path)
     return path
 
 
@@ -294,13 +297,13 @@ def join_train_group(rank: int, world: int, address: str, timeout_s: float, stra
     return rank
 
 
-def trainer_incarnation() -> str:
+def trainer_incarnation(trainer: str = TRAINER) -> str:
     """Train pool: the id of the trainer resident on this worker."""
-    resident(TRAINER)  # built now if not yet
-    return incarnation(TRAINER)
+    resident(trainer)  # built now if not yet
+    return incarnation(trainer)
 
 
-def load_trainer_checkpoint(path: str) -> str:
+def load_trainer_checkpoint(path: str, trainer: str = TRAINER) -> str:
     """Train pool: restore the trainer from ``path``."""
-    resident(TRAINER).load_checkpoint(path)
+    resident(trainer).load_checkpoint(path)
     return path

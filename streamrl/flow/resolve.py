@@ -12,6 +12,8 @@ from pydantic import BaseModel
 
 from streamrl.api import Component
 from streamrl.errors import UserError
+from streamrl.learners import config as learners_config
+from streamrl.learners.config import LearnerPlan
 from streamrl.plugins import Registry, build_registry
 from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 
@@ -48,6 +50,19 @@ class Resolved:
     ranker: Chosen | None
     scheduler: Chosen | None
     sinks: list[Chosen]
+    learners: list[LearnerPlan] = None
+    """Every learner, the main one (which ``algorithm`` and ``trainer`` above are) first; one
+    for a recipe without ``[[learners]]``."""
+
+    @property
+    def side_learners(self) -> list[LearnerPlan]:
+        """The learners that train on their own workers (all but the first)."""
+        return self.learners[1:]
+
+    @property
+    def serves_initial(self) -> bool:
+        """The generate pool keeps the starting model (``run.serve = "initial"``)."""
+        return self.recipe.run.serve == learners_config.INITIAL
 
     @property
     def recipe(self) -> Recipe:
@@ -78,7 +93,10 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     check_pools(r)
     sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]
     out = Resolved(loaded, registry, sinks=sinks, **{section: chosen.get(section) for section in SECTIONS})
-    _check_group_size(out)
+    out.learners = _learners(out, model)
+    out.algorithm, out.trainer = out.learners[0].algorithm, out.learners[0].trainer
+    for plan in out.learners:
+        _check_group_size(out, plan)
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
                    if c.capabilities().needs_model]
     if needs_model:
@@ -101,18 +119,53 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     return out
 
 
-def _check_group_size(out: Resolved) -> None:
+def _learners(out: Resolved, model: Path | None) -> list[LearnerPlan]:
+    """The run's learners, the main one first (``learners.config.main_learner``): the recipe's
+    ``[algorithm]`` and ``[trainer]`` alone, or each ``[[learners]]`` table over them."""
+    r = out.recipe
+    if not r.learners:
+        return [LearnerPlan("main", out.algorithm, out.trainer, served=True)]
+    served = learners_config.served_name(r.learners, r.run.serve)
+    main = learners_config.main_learner(r.learners, r.run.serve)
+    plans = [learner_plan(out, i, lr.model_dump(), served == lr.name, model)
+             for i, lr in enumerate(r.learners)]
+    return sorted(plans, key=lambda p: p.name != main)
+
+
+def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, model: Path | None = None) -> LearnerPlan:
+    """One ``[[learners]]`` table (``learners.config.LearnerConfig`` as a dict) resolved against
+    the recipe: its algorithm table over nothing (or the recipe's ``[algorithm]``), its trainer
+    options over ``[trainer]``'s. A learner that is not served learns off-policy: an algorithm
+    with ``off_policy_cap`` left unset gets ``learners.config.OFF_POLICY_CAP``."""
+    r, where = out.recipe, f"learners[{index}]"
+    algo = dict(table.get("algorithm") or {"name": r.algorithm.name, **r.algorithm.options()})
+    name = algo.pop("name")
+    comp = out.registry.get("algorithm", name, f"{where}.algorithm.name")
+    if not served and "off_policy_cap" in comp.config.model_fields and "off_policy_cap" not in algo:
+        algo["off_policy_cap"] = learners_config.OFF_POLICY_CAP
+    algorithm = Chosen(comp, validate_section(comp.config, with_run_defaults(comp.config, algo, r.run.seed, model),
+                                              f"{where}.algorithm", out.loaded.base))
+    tcomp = out.trainer.component
+    options = {**r.trainer.options(), **(table.get("trainer") or {})}
+    trainer = Chosen(tcomp, validate_section(tcomp.config, with_run_defaults(tcomp.config, options, r.run.seed, model),
+                                             f"{where}.trainer", out.loaded.base))
+    return LearnerPlan(table["name"], algorithm, trainer, queue=table.get("queue", 2),
+                       when_full=table.get("when_full", "skip"), served=served, table=dict(table))
+
+
+def _check_group_size(out: Resolved, plan: LearnerPlan) -> None:
     """An algorithm with a group baseline learns nothing from groups of one sample."""
     r = out.recipe
     # a class attribute (``Algorithm.min_group_size``): asked of the class when the factory is
     # one, so validation builds nothing; a factory function's object is built (algorithms are light)
-    factory = out.algorithm.component.factory
-    made = factory if isinstance(factory, type) else out.algorithm.build()
+    factory = plan.algorithm.component.factory
+    made = factory if isinstance(factory, type) else plan.algorithm.build()
     need = getattr(made, "min_group_size", 1)
     if r.trainer.samples_per_prompt < need:
-        raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with algorithm.name = "
-                        f'"{r.algorithm.name}", whose baseline is the mean of a prompt\'s samples: a sample alone '
-                        f"gets advantage 0 and nothing is learned; use {need} or more (8 is usual)")
+        field = "algorithm.name" if plan.name == "main" else f"learner {plan.name!r}'s algorithm"
+        raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with {field} = "
+                        f'"{plan.algorithm.component.name}", whose baseline is the mean of a prompt\'s samples: a sample '
+                        f"alone gets advantage 0 and nothing is learned; use {need} or more (8 is usual)")
 
 
 #: Where a model's config.json says how many positions (prompt and response together) it has.

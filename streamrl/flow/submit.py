@@ -127,6 +127,9 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
     suffix = f"epoch{epoch}-" if epoch else ""
     ranks, sharded = topo.train, topo.sharded
     world = len(ranks)
+    # a learner's own worker (``learners/fanout.py``) offers its own resource and holds its
+    # trainer under its own name; its keys say whose they are
+    res, held, tag = topo.train_resource, topo.trainer_resident, topo.key_tag
     chained = sharded or ordered  # each rank runs its tasks in the order given
     turns: dict[str, Future] = {}  # chained: each rank's last train task (the rounds' order)
 
@@ -135,10 +138,10 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         # batch's, known up front, round-robin (balanced, and the same split every run).
         # Sharded: round-robin always -- rounds of one task per rank, see below
         if world == 1:
-            return cluster.at(topo.train_pin, train=1)
+            return cluster.at(topo.train_pin, **{res: 1})
         if stream and not chained:
-            return {"resources": {"train": 1}}
-        return cluster.at(topo.pins[ranks[len(trains) % world]], train=1)
+            return {"resources": {res: 1}}
+        return cluster.at(topo.pins[ranks[len(trains) % world]], **{res: 1})
 
     def submit(chunk):
         rank = ranks[len(trains) % world]
@@ -149,8 +152,8 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
             trains.append(client.submit(
                 remote.train_groups, *chunk, scale=scale, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=later,
-                trainer_id=topo.incarnations, key=spans.step_key("train", step, f"{suffix}{len(trains):03d}"),
-                **where()))
+                trainer_id=topo.incarnations, trainer=held,
+                key=spans.step_key(f"train{tag}", step, f"{suffix}{len(trains):03d}"), **where()))
         turns[rank] = trains[-1]
 
     if not stream or ordered:
@@ -182,8 +185,8 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         submit([])
     # every rank steps, together (they sum their gradients first), after every micro-batch
     with spans.phase(step, "train"):
-        steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations,
-                               key=spans.step_key("optimizer-step", step, f"{suffix}rank{rank}"),
-                               **cluster.at(topo.pins[name], train=1))
+        steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations, trainer=held,
+                               key=spans.step_key(f"optimizer-step{tag}", step, f"{suffix}rank{rank}"),
+                               **cluster.at(topo.pins[name], **{res: 1}))
                  for rank, name in enumerate(ranks)]
     return steps, trains

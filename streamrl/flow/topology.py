@@ -17,10 +17,18 @@ from distributed import Client, SpecCluster
 from streamrl import cluster
 from streamrl.errors import UserError
 from streamrl.flow import remote
+from streamrl.flow.resident import TRAINER
 
 
 class Topology:
     """Who generates, who trains, who ranks; pins by name; the train group's incarnations."""
+
+    train_resource = "train"
+    """The resource train tasks ask for (a learner's own worker offers ``learn``)."""
+    trainer_resident = TRAINER
+    """The name the trained trainer is held under on its workers."""
+    key_tag = ""
+    """Appended to the phase of train task keys (``train-<learner>``)."""
 
     def __init__(self, client: Client, pools: dict[str, dict[str, str]], *, sharded: bool = False,
                  ranker: bool = False, spec_cluster: SpecCluster | None = None):

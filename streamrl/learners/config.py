@@ -1,0 +1,112 @@
+"""``[[learners]]``: several algorithms learning from one stream of generated samples.
+
+A recipe without ``[[learners]]`` has one learner, made of its ``[algorithm]`` and ``[trainer]``.
+With them, each table is a learner: a name, an algorithm table (default: the recipe's
+``[algorithm]``) and the trainer options that differ (over ``[trainer]``'s). ``run.serve`` picks
+the learner whose weights the generate pool serves; it trains on the train pool exactly as a
+single-learner run does. Every other learner trains on its own worker (``learner-<name>``) from
+the same scored groups, off-policy: the samples carry the served policy's per-token log-probs,
+and a learner whose algorithm corrects for stale samples (``off_policy_cap``) does so with a
+truncated importance weight (set to 2.0 here when the learner's table leaves it unset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: The serve value that keeps the starting model on the generate pool for the whole run.
+INITIAL = "initial"
+
+#: Truncation of the behaviour importance weight for learners that are not served, when their
+#: algorithm has ``off_policy_cap`` and the recipe leaves it unset (0 would clip every token of
+#: a policy that has moved away from the served one, and the learner would learn nothing).
+OFF_POLICY_CAP = 2.0
+
+#: ``[trainer]`` keys that shape the stream itself: every learner sees the same batches.
+STREAM_KEYS = ("name", "prompts_per_step", "samples_per_prompt", "groups_per_micro_batch", "micro_batch_tokens",
+               "strategy")
+
+
+class LearnerConfig(BaseModel):
+    """One ``[[learners]]`` table."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_]{0,31}$")
+    """The learner's name: lower-case letters, digits and ``_`` (it names its worker,
+    ``learner-<name>``, its metrics, checkpoints and saved policy)."""
+    algorithm: dict[str, Any] | None = None
+    """Its algorithm, a table like ``[algorithm]`` (``name`` and options); none: the recipe's."""
+    trainer: dict[str, Any] = {}
+    """Trainer options that differ for this learner (``lr``, ``weight_decay``, ``critic_lr``, ...),
+    over ``[trainer]``'s; the batch shape (``prompts_per_step``, ...) is the stream's and cannot."""
+    queue: int = Field(2, ge=1, le=64)
+    """Steps of scored groups that may wait for this learner (not the served one) while it trains
+    an earlier one. A slow learner never holds generation back by more than this."""
+    when_full: Literal["skip", "pace"] = "skip"
+    """What a full queue does: ``skip`` -- this learner does not train on the step (counted in
+    its ``skipped_steps``; generation goes on); ``pace`` -- the run waits for the learner before
+    the step's groups are handed over (every learner sees every step; generation slows to it)."""
+
+
+@dataclass
+class LearnerPlan:
+    """A learner with its components found and configured (``flow/resolve.py``)."""
+
+    name: str
+    algorithm: Any  # resolve.Chosen (an import here would be circular)
+    trainer: Any
+    queue: int = 2
+    when_full: str = "skip"
+    served: bool = False
+    """The generate pool serves this learner's weights."""
+    added: bool = False
+    """Added while the run went on (``streamrl learners add``)."""
+    table: dict = None
+    """Its ``[[learners]]`` table as written (a checkpoint keeps it, to place it again)."""
+
+    @property
+    def resident(self) -> str:
+        """The name its trainer is held under on its worker."""
+        return f"streamrl-trainer-{self.name}"
+
+    @property
+    def worker(self) -> str:
+        """The name of the worker it trains on."""
+        return f"learner-{self.name}"
+
+
+def check(learners: list[LearnerConfig], serve: str) -> None:
+    """Names are unique, ``serve`` names one of them (or ``initial``), and no learner changes the
+    stream's batch shape; ``ValueError`` (the recipe loader turns it into one line)."""
+    names = [lr.name for lr in learners]
+    again = sorted({n for n in names if names.count(n) > 1})
+    if again:
+        raise ValueError(f"learners: name {again[0]!r} is used twice; each learner needs its own")
+    if not learners:
+        if serve:
+            raise ValueError(f"run.serve = {serve!r} needs [[learners]] tables; remove it or add learners")
+        return
+    if serve and serve != INITIAL and serve not in names:
+        raise ValueError(f"run.serve: {serve!r} is not a learner; expected one of {', '.join(names)} or {INITIAL!r}")
+    for i, lr in enumerate(learners):
+        fixed = sorted(set(lr.trainer) & set(STREAM_KEYS))
+        if fixed:
+            raise ValueError(f"learners[{i}].trainer.{fixed[0]}: the batch shape is the stream's, set it in "
+                             "[trainer] (every learner sees the same batches)")
+        if lr.algorithm is not None and "name" not in lr.algorithm:
+            raise ValueError(f"learners[{i}].algorithm.name: required key missing")
+
+
+def served_name(learners: list[LearnerConfig], serve: str) -> str:
+    """The learner the generate pool serves (the first when ``serve`` is unset), or ``initial``."""
+    return serve or learners[0].name
+
+
+def main_learner(learners: list[LearnerConfig], serve: str) -> str:
+    """The learner that trains on the train pool and drives the steps: the served one, or the
+    first when the starting model is served."""
+    name = served_name(learners, serve)
+    return learners[0].name if name == INITIAL else name

@@ -1,0 +1,224 @@
+"""Fan-out: every scored group of the stream goes to every learner.
+
+The main learner (the served one) trains on the train pool in the controller's step loop, as in a
+run with one learner. Each other learner -- a *side learner* -- holds its own trainer (model,
+optimizer, critic) on its own worker, ``learner-<name>``, under its own resident name, and gets
+the step's scored-group futures once the main learner's training of them is submitted. Dask moves
+each group to every worker that trains on it: generation and scoring happen once.
+
+A side learner is its own failure domain. Its tasks run on its worker only; the controller looks
+at them without waiting (:meth:`Fanout.harvest`), so a learner that raises, refuses a non-finite
+step or loses its worker (a fresh trainer there fails the incarnation check) is marked failed in
+one line and the stream goes on. A slow learner has a bounded queue of steps
+(``queue``): when it is full the step is skipped for it, counted (``when_full = "skip"``), or the
+controller waits for it (``"pace"``). Its steps are chained (each after its last optimizer step),
+so none is trained twice or out of order.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distributed import Client, Future, wait
+
+from streamrl.errors import RunWarning, UserError
+from streamrl.flow import remote, submit
+from streamrl.flow.resident import Resident
+from streamrl.learners.config import LearnerPlan
+from streamrl.pool_workers import LEARN
+from streamrl.recipe import Recipe
+from streamrl.telemetry.record import algorithm_stats
+from streamrl.telemetry.stats import StepStats, TrainTaskStats
+
+
+class LearnerView:
+    """What submission (``flow/submit.training``) reads of a topology, for one side learner: one
+    rank, its worker's pin, its own resource, resident name and key tag."""
+
+    sharded = False
+    train_resource = LEARN
+
+    def __init__(self, client: Client, plan: LearnerPlan, pins: dict[str, dict]):
+        self.client = client
+        self.train = [plan.worker]
+        self.pins = {plan.worker: pins[plan.worker]}
+        self.trainer_resident = plan.resident
+        self.key_tag = f"-{plan.name}"
+        self.incarnations: dict[str, str] = {}
+
+    @property
+    def train_pin(self) -> dict:
+        """Where the learner's tasks run."""
+        return self.pins[self.train[0]]
+
+
+@dataclass
+class InFlight:
+    """One step submitted to a side learner."""
+
+    step: int
+    last: list[Future]
+    trains: list[Future]
+    submitted: float
+
+
+@dataclass
+class SideLearner:
+    """A learner training on its own worker, and what it has done so far."""
+
+    plan: LearnerPlan
+    view: LearnerView
+    epochs: int = 1
+    state: str = "training"
+    """``training``, ``failed`` or ``removed``."""
+    failure: str | None = None
+    inflight: list[InFlight] = field(default_factory=list)
+    steps_trained: int = 0
+    skipped_steps: int = 0
+    samples_trained: int = 0
+    last_step: int | None = None
+    """The last stream step it trained on."""
+    last: dict = field(default_factory=dict)
+    """The last trained step's figures (``metrics.jsonl`` ``learners.<name>``)."""
+    joined_at: int = 0
+    """The first step handed to it."""
+
+    @property
+    def name(self) -> str:
+        """The learner's name."""
+        return self.plan.name
+
+    def summary(self) -> dict:
+        """What ``metrics.jsonl`` and ``learners.json`` say of it."""
+        return {"state": self.state, "served": self.plan.served, "worker": self.plan.worker,
+                "algorithm": self.plan.algorithm.component.name, "steps_trained": self.steps_trained,
+                "skipped_steps": self.skipped_steps, "samples_trained": self.samples_trained,
+                "queued_steps": len(self.inflight), "last_step": self.last_step, "joined_at": self.joined_at,
+                **({"failure": self.failure} if self.failure else {}), **self.last}
+
+
+def place(client: Client, recipe: Recipe, plan: LearnerPlan, trainer_context, pins: dict[str, dict],
+          joined_at: int = 0) -> SideLearner:
+    """Register the learner's trainer as a resident, build it on its worker (the model loads now)
+    and read its incarnation. ``trainer_context``: ``flow/placement.trainer_context``'s for this
+    learner's algorithm. One line naming the worker when it is not in the cluster."""
+    if plan.worker not in pins:
+        threads = recipe.pools.train.threads if recipe.pools.train else 1
+        raise UserError(f"learners: learner {plan.name!r} trains on a worker named {plan.worker!r}, and the cluster "
+                        f"has none; start one with: dask worker {client.scheduler.address} --name {plan.worker} "
+                        f"--nthreads {threads} --resources \"{LEARN}={threads}\"")
+    from functools import partial
+
+    threads = recipe.pools.train.torch_threads if recipe.pools.train else 1
+    client.register_plugin(Resident(plan.resident, partial(plan.trainer.build, trainer_context), torch_threads=threads,
+                                    seed=recipe.run.seed, what=f"learner {plan.name!r}'s trainer"))
+    view = LearnerView(client, plan, pins)
+    view.incarnations = {plan.worker: client.submit(
+        remote.trainer_incarnation, plan.resident, key=f"trainer-id-{plan.name}-{time.time_ns()}",
+        **view.train_pin).result()}
+    return SideLearner(plan, view, epochs=trainer_context.algorithm.epochs, joined_at=joined_at)
+
+
+class Fanout:
+    """The side learners of a run: hands them each step's groups and reads what they did."""
+
+    def __init__(self, client: Client, recipe: Recipe, learners: list[SideLearner] = (), repeatable: bool = False):
+        self.client, self.recipe, self.repeatable = client, recipe, repeatable
+        self.learners: dict[str, SideLearner] = {lr.name: lr for lr in learners}
+
+    def add(self, learner: SideLearner) -> None:
+        """A learner placed while the run goes on takes part from the next step handed over."""
+        self.learners[learner.name] = learner
+
+    def training(self) -> list[SideLearner]:
+        """The learners still training."""
+        return [lr for lr in self.learners.values() if lr.state == "training"]
+
+    def hand_over(self, step: int, scored: list[Future]) -> None:
+        """Give step ``step``'s scored-group futures to every learner still training (see the
+        module docstring for a full queue)."""
+        for lr in self.training():
+            self._harvest(lr)
+            if lr.state != "training":
+                continue
+            if len(lr.inflight) >= lr.plan.queue:
+                if lr.plan.when_full == "skip":
+                    lr.skipped_steps += 1
+                    continue
+                wait([lr.inflight[0].last[0]])  # pace: the stream waits for this learner
+                self._harvest(lr)
+                if lr.state != "training":
+                    continue
+            # after its last step (none trained twice, none out of order); a chain of steps only
+            # as long as its queue, since finished ones are harvested
+            after = lr.inflight[-1].last if lr.inflight else None
+            last, passes = submit.epochs(lr.view, self.recipe, lr.epochs, step, scored, False, after,
+                                         ordered=self.repeatable)
+            lr.inflight.append(InFlight(step, last, passes[0], time.time()))
+
+    def harvest(self) -> dict[str, dict]:
+        """Read every finished step of every learner, without waiting; ``{name: summary}``."""
+        for lr in self.learners.values():
+            self._harvest(lr)
+        return {name: lr.summary() for name, lr in self.learners.items()}
+
+    def _harvest(self, lr: SideLearner) -> None:
+        while lr.inflight and lr.inflight[0].last[0].done():
+            entry = lr.inflight.pop(0)
+            try:
+                stats: StepStats = entry.last[0].result()
+                trains: list[TrainTaskStats] = [f.result() for f in entry.trains]
+            except Exception as exc:  # contained: the learner stops, the stream goes on
+                self.fail(lr, entry.step, exc)
+                return
+            samples = sum(t.samples for t in trains)
+            lr.steps_trained += 1
+            lr.samples_trained += samples
+            lr.last_step = entry.step
+            n = max(1, samples)
+            lr.last = {"step": entry.step, "policy_version": lr.steps_trained,
+                       "reward_mean": round(sum(t.reward_sum for t in trains) / n, 6),
+                       "loss": round(sum(t.loss_sum for t in trains) / n, 6), "grad_norm": round(stats.grad_norm, 6),
+                       "train_s": round(sum(t.seconds for t in trains) + stats.seconds, 4),
+                       "lag_s": round(time.time() - entry.submitted, 4),
+                       **{k: round(v, 6) for k, v in algorithm_stats(trains, n).items()}}
+
+    def fail(self, lr: SideLearner, step: int, exc: BaseException) -> None:
+        """Mark ``lr`` failed (one line, naming it), drop its queued steps; the others go on."""
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        lr.state, lr.failure = "failed", f"step {step}: {type(exc).__name__}: {text}"[:300]
+        self.client.cancel([f for e in lr.inflight for f in (*e.last, *e.trains)])
+        lr.inflight.clear()
+        warnings.warn(RunWarning(f"learner {lr.name!r} failed at {lr.failure}; generation and the other learners "
+                                 f"go on (its last checkpoint and policy stay)"), stacklevel=2)
+
+    def drain(self, timeout: float = 600.0) -> None:
+        """Wait for every queued step of every learner (the end of the run, a checkpoint), then
+        read them."""
+        pending = [e.last[0] for lr in self.training() for e in lr.inflight]
+        if pending:
+            try:
+                wait(pending, timeout=timeout)
+            except TimeoutError:
+                pass  # read what finished; the rest stays queued (a learner whose worker is gone)
+        self.harvest()
+
+    def save_policies(self, out: Path) -> dict[str, str]:
+        """Write each learner's policy to ``out/<name>`` (failed ones too: their last good
+        weights); ``{name: folder}`` of those written."""
+        saved = {}
+        for lr in self.learners.values():
+            if lr.state == "removed" and lr.plan.name in saved:
+                continue
+            target = out / lr.name
+            try:
+                saved[lr.name] = self.client.submit(
+                    remote.save_policy, str(target), trainer=lr.plan.resident, key=f"save-policy-{lr.name}-{time.time_ns()}",
+                    **lr.view.train_pin).result(timeout=600)
+            except Exception as exc:  # its worker is gone: say so, save the others
+                warnings.warn(RunWarning(f"learner {lr.name!r}: policy not saved ({type(exc).__name__}: {exc})"),
+                              stacklevel=2)
+        return saved

@@ -1,0 +1,115 @@
+"""What the controller asks of the side learners: place them, record them, checkpoint, resume
+and save them. The controller holds a :class:`~streamrl.learners.fanout.Fanout` (None for a run
+with one learner) and calls these at the points of its loop where the main learner does the same.
+
+A checkpoint waits for every side learner's queued steps first (``Fanout.drain``), so each has
+trained every step before the checkpoint's (or skipped it, counted): a resumed run hands them the
+next step, and nothing is trained twice or lost for them. Their states sit in the checkpoint's
+folder, ``learners/<name>/`` and ``learners.json``, under the same manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+from distributed import Client
+
+from streamrl.errors import RunWarning
+from streamrl.flow import remote
+from streamrl.flow.placement import trainer_context
+from streamrl.learners.config import LearnerPlan
+from streamrl.learners.fanout import Fanout, SideLearner, place
+
+STATE = "learners.json"
+
+
+def start(client: Client, resolved, pins: dict[str, dict], repeatable: bool) -> Fanout | None:
+    """Place the recipe's side learners (``resolved.side_learners``) on their workers; None
+    when the run has one learner."""
+    if not resolved.side_learners:
+        return None
+    placed = [place_one(client, resolved, plan, pins) for plan in resolved.side_learners]
+    return Fanout(client, resolved.recipe, placed, repeatable)
+
+
+def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0) -> SideLearner:
+    """Build one side learner's trainer on its worker."""
+    return place(client, resolved.recipe, plan, trainer_context(resolved, algorithm=plan.algorithm), pins, joined_at)
+
+
+def record(fanout: Fanout, resolved, step_record) -> dict[str, dict]:
+    """``metrics.jsonl``'s ``learners``: every learner's figures by name, the main one's from
+    this step's record (it trained on this step), the side learners' from their last finished
+    step (they may lag by their queue)."""
+    main = resolved.learners[0]
+    out = {main.name: {"state": "training", "served": main.served, "worker": "train pool",
+                       "algorithm": main.algorithm.component.name, "steps_trained": step_record.step + 1,
+                       "step": step_record.step, "policy_version": step_record.policy_version,
+                       "reward_mean": step_record.reward_mean, "loss": step_record.loss,
+                       "grad_norm": step_record.grad_norm}}
+    out.update(fanout.harvest())
+    return out
+
+
+def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
+    """The ``also`` of ``checkpoints.write``: each side learner's trainer into
+    ``learners/<name>/`` and their states into ``learners.json``. A learner that failed keeps the
+    state of the checkpoint before (``previous``), when it had one there."""
+    def write(folder: Path) -> None:
+        fanout.drain()
+        states = {}
+        for lr in fanout.learners.values():
+            target = folder / "learners" / lr.name
+            target.parent.mkdir(exist_ok=True)
+            saved = False
+            if lr.state == "training":
+                fanout.client.submit(remote.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
+                                     trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
+                saved = True
+            elif previous is not None and (previous / "learners" / lr.name).is_dir():
+                shutil.copytree(previous / "learners" / lr.name, target)
+                saved = True
+            states[lr.name] = {"table": lr.plan.table, "summary": lr.summary(), "has_state": saved}
+        (folder / STATE).write_text(json.dumps({"next_step": next_step, "learners": states}, indent=1))
+    return write
+
+
+def resume(fanout: Fanout | None, client: Client, resolved, pins: dict[str, dict], checkpoint: Path) -> Fanout | None:
+    """Restore every side learner of ``checkpoint`` (those added during the run are placed
+    again first) into its freshly built trainer; returns the fan-out (new when the recipe had
+    none but the run had added some)."""
+    path = checkpoint / STATE
+    if not path.exists():
+        return fanout
+    from streamrl.flow.resolve import learner_plan
+
+    saved = json.loads(path.read_text())["learners"]
+    for name, entry in saved.items():
+        if fanout is None or name not in fanout.learners:
+            plan = learner_plan(resolved, name, entry["table"], served=False)
+            plan.added = True
+            learner = place_one(client, resolved, plan, pins, entry["summary"].get("joined_at", 0))
+            fanout = fanout or Fanout(client, resolved.recipe, [], False)
+            fanout.add(learner)
+        lr = fanout.learners[name]
+        summary = entry["summary"]
+        for key in ("steps_trained", "skipped_steps", "samples_trained", "last_step"):
+            setattr(lr, key, summary.get(key, getattr(lr, key)))
+        if summary.get("state") in ("failed", "removed"):
+            lr.state, lr.failure = summary["state"], summary.get("failure")
+        if entry["has_state"] and lr.state == "training":
+            client.submit(remote.load_trainer_checkpoint, str(checkpoint / "learners" / name), lr.plan.resident,
+                          pure=False, **lr.view.train_pin).result()
+        elif lr.state == "training":
+            warnings.warn(RunWarning(f"learner {name!r}: the checkpoint holds no state of it; it starts over"),
+                          stacklevel=2)
+    return fanout
+
+
+def policy_folder(resolved, out: Path) -> Path:
+    """Where the main learner's policy goes: ``out`` alone, or ``out/<name>`` beside the other
+    learners' when the recipe has ``[[learners]]``."""
+    return out / resolved.learners[0].name if resolved.recipe.learners else out
