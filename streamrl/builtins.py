@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from streamrl.algorithms.dpo import DPO, DPOConfig
 from streamrl.algorithms.dr_grpo import DrGRPO, DrGRPOConfig
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.algorithms.ppo import PPO, PPOConfig
@@ -36,7 +37,7 @@ def register_algorithms():
     return [Component("algorithm", "grpo", GRPOConfig, GRPO), Component("algorithm", "rloo", RLOOConfig, RLOO),
             Component("algorithm", "dr_grpo", DrGRPOConfig, DrGRPO),
             Component("algorithm", "reinforce_pp", ReinforcePPConfig, ReinforcePP),
-            Component("algorithm", "ppo", PPOConfig, PPO)]
+            Component("algorithm", "ppo", PPOConfig, PPO), Component("algorithm", "dpo", DPOConfig, DPO)]
 
 
 @hookimpl

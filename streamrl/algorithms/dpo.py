@@ -1,0 +1,114 @@
+"""DPO (Rafailov et al., 2023, "Direct Preference Optimization"): learn from a preferred and a
+dispreferred response to the same prompt, against a frozen reference policy, with no reward
+model and no policy-gradient estimator.
+
+Each group of samples of one prompt gives at most one pair: its highest-reward sample is the
+*chosen* one (advantage +1), its lowest-reward sample the *rejected* one (advantage -1), every
+other sample gets 0 (first one on ties, both ways); a group whose rewards are all equal gives no
+pair and nothing is learned. With ``logp`` the policy's and ``logp_ref`` the reference's (the
+frozen initial policy's) summed log-probabilities of a response:
+
+    z_i = sum_t (logp_t - logp_ref_t) * mask_t                  # sequence log-ratio of sample i
+    d   = beta * (z_chosen - z_rejected)
+    L   = -(1 - ls) * logsigmoid(d) - ls * logsigmoid(-d)       # ls: label smoothing (cDPO)
+
+``beta * z`` is DPO's implicit reward; ``d`` the reward margin of the pair. ``ls > 0`` is
+conservative DPO (Mitchell, 2023): each preference label is taken as flipped with probability
+``ls``, so the loss no longer pushes the margin up without bound.
+
+The trainer gives the loss whole groups, laid out group by group in group order, and leaves
+samples with advantage 0 out of the forward/backward (``zero_advantage_no_gradient``), keeping
+their order. Each group holds exactly one chosen and one rejected sample, in whatever order
+inside the group, so the k-th sample with advantage > 0 of a micro-batch and its k-th sample with
+advantage < 0 are the two sides of the same pair. The pair's loss ``L`` sits on the chosen
+sample's position of ``per_sample``, 0 on the rejected one's; the trainer sums ``per_sample``
+and scales by 1 / samples in the batch (every sample of every group counted, the ones left out
+too), so a batch's loss is the mean of ``L`` over its pairs divided by the samples per prompt --
+fold that into ``trainer.lr``.
+
+DPO is off-policy by construction: the loss reads the policy's and the reference's
+log-probabilities only, never those of the policy that generated the samples (``old`` is unused).
+Samples from another policy, stale samples (``async`` mode) and several ``epochs`` over a batch
+need no correction.
+
+torch is imported in :meth:`DPO.loss` only, like ``clipped.py``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamrl.contracts.learning import Algorithm
+
+
+class DPOConfig(BaseModel):
+    """DPO's options."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    beta: float = Field(0.1, gt=0)
+    """DPO temperature: the weight of the log-ratio to the reference in the implicit reward
+    ``beta * z``. Smaller lets the policy go further from the reference before the loss
+    saturates (0.1 is usual)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Probability that a pair's preference is wrong (conservative DPO, cDPO): 0 is plain DPO;
+    > 0 mixes in the loss of the flipped pair, so the margin settles instead of growing forever."""
+    epochs: int = Field(1, ge=1, le=64)
+    """Optimizer steps over each batch. DPO's loss does not depend on the generating policy, so
+    later epochs need no correction; the weights are published once, after the last epoch, so
+    the policy version still counts batches."""
+
+
+class DPO(Algorithm):
+    """Group -> (chosen, rejected) pair advantages and the DPO loss against the frozen reference."""
+
+    needs_reference = True  # the frozen initial policy: z_i is the log-ratio to it
+    zero_advantage_no_gradient = True  # only the pair's two samples enter the loss
+    min_group_size = 2  # a pair needs two samples of the prompt
+
+    def __init__(self, config: DPOConfig):
+        self.config = config
+        self.epochs = config.epochs
+
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """+1 for the highest-reward sample, -1 for the lowest, 0 for every other (first one on
+        ties); all zeros for a group whose rewards are all equal (no pair)."""
+        adv = [0.0] * len(rewards)
+        if len(rewards) < 2 or min(rewards) == max(rewards):
+            return adv
+        best = max(range(len(rewards)), key=lambda i: rewards[i])  # max/min keep the first on ties
+        worst = min(range(len(rewards)), key=lambda i: rewards[i])
+        adv[best], adv[worst] = 1.0, -1.0
+        return adv
+
+    def loss(self, new, old, ref, adv, mask):
+        """Per-sample loss ``[B]``: each pair's DPO loss on its chosen sample's position, 0 on
+        its rejected sample's and on samples outside any pair. ``old`` is unused (off-policy)."""
+        import torch
+        import torch.nn.functional as F
+
+        if adv.dim() != 1:
+            raise ValueError(f"dpo: advantages must be one per sample [B], got shape {tuple(adv.shape)}")
+        chosen = (adv > 0).nonzero().flatten()
+        rejected = (adv < 0).nonzero().flatten()
+        if len(chosen) != len(rejected):
+            raise ValueError(f"dpo: a micro-batch must hold as many chosen samples (advantage > 0) as "
+                             f"rejected ones (advantage < 0), got {len(chosen)} and {len(rejected)}: "
+                             "its groups must be whole, each with one pair")
+        if len(chosen) == 0:  # no pair (the trainer's empty pass): zero, still in new's graph
+            zero = new.new_zeros(())
+            stats = {"reward_margin_sum": zero, "pair_accuracy_sum": zero, "pairs_sum": zero}
+            return (new * mask).sum(-1) * 0.0, stats
+        if ref is None:
+            raise ValueError("dpo: needs the reference policy's logprobs (needs_reference), got ref = None")
+        z = ((new - ref) * mask).sum(-1)  # [B] sequence log-ratio to the reference
+        margin = self.config.beta * (z[chosen] - z[rejected])  # [pairs]
+        ls = self.config.label_smoothing
+        pair_loss = -(1 - ls) * F.logsigmoid(margin) - ls * F.logsigmoid(-margin)
+        per_sample = torch.zeros_like(z).index_put((chosen,), pair_loss)
+        with torch.no_grad():
+            stats = {
+                "reward_margin_sum": margin.sum(),
+                "pair_accuracy_sum": (z[chosen] > z[rejected]).float().sum(),
+                "pairs_sum": torch.tensor(float(len(chosen)), device=z.device),
+            }
+        return per_sample, stats
