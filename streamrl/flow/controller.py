@@ -84,7 +84,7 @@ class Controller:
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)
-        self.fanout = learners.start(self.client, self.resolved, topo.pins, self.repeatable)
+        self.fanout = learners.start(self.client, self.resolved, topo.pins, self.repeatable, self.task)
         cfg = r.pools.generate.elastic if r.pools.generate else None
         if cfg is not None and topo.can_grow and self.elastic is None:  # (benchmarks pass no cluster)
             level = logging.getLogger("distributed.worker").getEffectiveLevel()
@@ -257,6 +257,7 @@ class Controller:
         if self.fanout:  # the other learners' policies beside the main one's
             self.fanout.drain()
             self.fanout.save_policies(out)
+            self.fanout.finish_evaluations()
         out = learners.policy_folder(self.resolved, out)
         stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
         return self.client.gather([

@@ -77,13 +77,19 @@ class Evaluator:
     """Submits evaluations and hands back their metrics once they are done; see the module
     docstring."""
 
-    def __init__(self, client: Client, prompts: list[Prompt], cfg: EvalConfig, groups_per_task: int, greedy: bool):
+    def __init__(self, client: Client, prompts: list[Prompt], cfg: EvalConfig, groups_per_task: int, greedy: bool,
+                 generate=eval_groups, where: dict | None = None, tag: str = "", priority: int = EVAL_PRIORITY,
+                 **options):
         """``prompts``: the held-out set; ``greedy``: decode greedily (``eval.greedy`` with one
-        sample, and an engine that can)."""
+        sample, and an engine that can). A learner's own evaluation (``learners/evaluate.py``)
+        passes its ``generate`` function (same arguments as :func:`eval_groups`, and
+        ``options``), the pin of its worker (``where``), a key ``tag`` and its ``priority``."""
         self.client, self.cfg, self.per_task = client, cfg, groups_per_task
         self.prompts = prompts[:cfg.max_prompts]
         self.greedy = greedy and cfg.greedy and cfg.samples == 1
         self.pending: list[tuple[int, list[Future]]] = []  # (version, summary futures), oldest first
+        self.generate, self.tag, self.priority, self.options = generate, tag, priority, options
+        self.where = where or {"resources": {"generate": 1}}
 
     def due(self, version: int, steps: int) -> bool:
         """Whether policy ``version`` is evaluated: the initial one, every ``eval.every``-th, the last."""
@@ -99,12 +105,14 @@ class Evaluator:
         with spans.phase(max(version - 1, 0), "eval"):  # (v0, the initial policy: with step 0)
             for i in range(0, len(prompts), self.per_task):
                 rest = f"{i:04d}-{stamp}"
-                gen = self.client.submit(eval_groups, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
-                                         version, after=after, key=spans.step_key("eval-generate", version, rest),
-                                         resources={"generate": 1}, priority=EVAL_PRIORITY, retries=1)
-                scored = self.client.submit(remote.score_groups, gen, key=spans.step_key("eval-reward", version, rest),
+                gen = self.client.submit(self.generate, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
+                                         version, after=after, key=spans.step_key(f"eval-generate{self.tag}", version, rest),
+                                         priority=self.priority, retries=1, **self.where, **self.options)
+                scored = self.client.submit(remote.score_groups, gen,
+                                            key=spans.step_key(f"eval-reward{self.tag}", version, rest),
                                             resources={"reward": 1}, priority=EVAL_PRIORITY, retries=1)
-                summaries.append(self.client.submit(eval_summary, scored, key=spans.step_key("eval-summary", version, rest),
+                summaries.append(self.client.submit(eval_summary, scored,
+                                                    key=spans.step_key(f"eval-summary{self.tag}", version, rest),
                                                     resources={"reward": 1}, priority=EVAL_PRIORITY))
         self.pending.append((version, summaries))
 

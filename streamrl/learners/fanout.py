@@ -26,6 +26,7 @@ from distributed import Client, Future, wait
 
 from streamrl.errors import RunWarning, UserError
 from streamrl.flow import remote, submit
+from streamrl.flow.evaluate import Evaluator
 from streamrl.flow.resident import Resident
 from streamrl.learners.config import LearnerPlan
 from streamrl.pool_workers import LEARN
@@ -85,6 +86,12 @@ class SideLearner:
     """The last trained step's figures (``metrics.jsonl`` ``learners.<name>``)."""
     joined_at: int = 0
     """The first step handed to it."""
+    evaluator: Evaluator | None = None
+    """Its policy on the held-out prompts (``learners/evaluate.py``), None without ``[eval]``."""
+    evaluated: dict = field(default_factory=dict)
+    """The newest evaluation's ``eval/*`` figures."""
+    eval_versions: list[int] = field(default_factory=list)
+    """The versions (its steps trained) evaluations were asked for."""
 
     @property
     def name(self) -> str:
@@ -97,11 +104,17 @@ class SideLearner:
                 "algorithm": self.plan.algorithm.component.name, "steps_trained": self.steps_trained,
                 "skipped_steps": self.skipped_steps, "samples_trained": self.samples_trained,
                 "queued_steps": len(self.inflight), "last_step": self.last_step, "joined_at": self.joined_at,
-                **({"failure": self.failure} if self.failure else {}), **self.last}
+                **({"failure": self.failure} if self.failure else {}), **self.last, **self.evaluated}
+
+    def evaluate(self, version: int, after=None) -> None:
+        """Evaluate its policy as of ``version`` steps trained (after the futures ``after``)."""
+        if self.evaluator is not None and version not in self.eval_versions:
+            self.eval_versions.append(version)
+            self.evaluator.submit(version, after=after)
 
 
 def place(client: Client, recipe: Recipe, plan: LearnerPlan, trainer_context, pins: dict[str, dict],
-          joined_at: int = 0) -> SideLearner:
+          joined_at: int = 0, make_evaluator=None) -> SideLearner:
     """Register the learner's trainer as a resident, build it on its worker (the model loads now)
     and read its incarnation. ``trainer_context``: ``flow/placement.trainer_context``'s for this
     learner's algorithm. One line naming the worker when it is not in the cluster."""
@@ -119,7 +132,11 @@ def place(client: Client, recipe: Recipe, plan: LearnerPlan, trainer_context, pi
     view.incarnations = {plan.worker: client.submit(
         remote.trainer_incarnation, plan.resident, key=f"trainer-id-{plan.name}-{time.time_ns()}",
         **view.train_pin).result()}
-    return SideLearner(plan, view, epochs=trainer_context.algorithm.epochs, joined_at=joined_at)
+    learner = SideLearner(plan, view, epochs=trainer_context.algorithm.epochs, joined_at=joined_at)
+    if make_evaluator is not None:  # ``learners/evaluate.py``; the starting policy first
+        learner.evaluator = make_evaluator(plan, view.train_pin)
+        learner.evaluate(0)
+    return learner
 
 
 class Fanout:
@@ -158,6 +175,9 @@ class Fanout:
             last, passes = submit.epochs(lr.view, self.recipe, lr.epochs, step, scored, False, after,
                                          ordered=self.repeatable)
             lr.inflight.append(InFlight(step, last, passes[0], time.time()))
+            version = lr.steps_trained + len(lr.inflight)  # its steps trained once this one is
+            if lr.evaluator is not None and lr.evaluator.due(version, self.recipe.run.steps):
+                lr.evaluate(version, after=last)
 
     def harvest(self) -> dict[str, dict]:
         """Read every finished step of every learner, without waiting; ``{name: summary}``."""
@@ -166,6 +186,8 @@ class Fanout:
         return {name: lr.summary() for name, lr in self.learners.items()}
 
     def _harvest(self, lr: SideLearner) -> None:
+        if lr.evaluator is not None:
+            lr.evaluated.update(lr.evaluator.ready())
         while lr.inflight and lr.inflight[0].last[0].done():
             entry = lr.inflight.pop(0)
             try:
@@ -192,6 +214,8 @@ class Fanout:
         lr.state, lr.failure = "failed", f"step {step}: {type(exc).__name__}: {text}"[:300]
         self.client.cancel([f for e in lr.inflight for f in (*e.last, *e.trains)])
         lr.inflight.clear()
+        if lr.evaluator is not None:
+            lr.evaluator.cancel()
         warnings.warn(RunWarning(f"learner {lr.name!r} failed at {lr.failure}; generation and the other learners "
                                  f"go on (its last checkpoint and policy stay)"), stacklevel=2)
 
@@ -205,6 +229,16 @@ class Fanout:
             except TimeoutError:
                 pass  # read what finished; the rest stays queued (a learner whose worker is gone)
         self.harvest()
+
+    def finish_evaluations(self) -> None:
+        """At the end: evaluate each learner still training as it ends (unless that version was
+        evaluated) and wait for every evaluation."""
+        for lr in self.training():
+            lr.evaluate(lr.steps_trained)
+            if lr.evaluator is not None:
+                done = lr.evaluator.finish()
+                if done:
+                    lr.evaluated.update(done[-1])
 
     def save_policies(self, out: Path) -> dict[str, str]:
         """Write each learner's policy to ``out/<name>`` (failed ones too: their last good

@@ -20,24 +20,36 @@ from distributed import Client
 from streamrl.errors import RunWarning
 from streamrl.flow import remote
 from streamrl.flow.placement import trainer_context
+from streamrl.pool_workers import LEARN
+from streamrl.learners import evaluate
 from streamrl.learners.config import LearnerPlan
 from streamrl.learners.fanout import Fanout, SideLearner, place
 
 STATE = "learners.json"
 
 
-def start(client: Client, resolved, pins: dict[str, dict], repeatable: bool) -> Fanout | None:
+def start(client: Client, resolved, pins: dict[str, dict], repeatable: bool, task=None) -> Fanout | None:
     """Place the recipe's side learners (``resolved.side_learners``) on their workers; None
-    when the run has one learner."""
+    when the run has one learner. ``task``: the run's built task (its held-out prompts)."""
     if not resolved.side_learners:
         return None
-    placed = [place_one(client, resolved, plan, pins) for plan in resolved.side_learners]
-    return Fanout(client, resolved.recipe, placed, repeatable)
+    fanout = Fanout(client, resolved.recipe, [], repeatable)
+    fanout.task = task
+    for plan in resolved.side_learners:
+        fanout.add(place_one(client, resolved, plan, pins, task=task))
+    return fanout
 
 
-def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0) -> SideLearner:
-    """Build one side learner's trainer on its worker."""
-    return place(client, resolved.recipe, plan, trainer_context(resolved, algorithm=plan.algorithm), pins, joined_at)
+def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0,
+              task=None) -> SideLearner:
+    """Build one side learner's trainer on its worker (and its evaluation engine, with ``[eval]``)."""
+    greedy = resolved.engine.capabilities().greedy
+
+    def make_evaluator(plan: LearnerPlan, pin: dict):
+        return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy)
+
+    return place(client, resolved.recipe, plan, trainer_context(resolved, algorithm=plan.algorithm), pins, joined_at,
+                 make_evaluator if task is not None and resolved.recipe.eval is not None else None)
 
 
 def record(fanout: Fanout, resolved, step_record) -> dict[str, dict]:
@@ -45,11 +57,12 @@ def record(fanout: Fanout, resolved, step_record) -> dict[str, dict]:
     this step's record (it trained on this step), the side learners' from their last finished
     step (they may lag by their queue)."""
     main = resolved.learners[0]
+    evaluated = {k: v for k, v in step_record.extra.items() if k.startswith("eval/")}
     out = {main.name: {"state": "training", "served": main.served, "worker": "train pool",
                        "algorithm": main.algorithm.component.name, "steps_trained": step_record.step + 1,
                        "step": step_record.step, "policy_version": step_record.policy_version,
                        "reward_mean": step_record.reward_mean, "loss": step_record.loss,
-                       "grad_norm": step_record.grad_norm}}
+                       "grad_norm": step_record.grad_norm, **evaluated}}
     out.update(fanout.harvest())
     return out
 
@@ -91,7 +104,8 @@ def resume(fanout: Fanout | None, client: Client, resolved, pins: dict[str, dict
         if fanout is None or name not in fanout.learners:
             plan = learner_plan(resolved, name, entry["table"], served=False)
             plan.added = True
-            learner = place_one(client, resolved, plan, pins, entry["summary"].get("joined_at", 0))
+            learner = place_one(client, resolved, plan, pins, entry["summary"].get("joined_at", 0),
+                                task=getattr(fanout, "task", None))
             fanout = fanout or Fanout(client, resolved.recipe, [], False)
             fanout.add(learner)
         lr = fanout.learners[name]

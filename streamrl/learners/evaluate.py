@@ -1,0 +1,55 @@
+"""Each learner's policy on the held-out prompts (``[eval]``), where its weights already live.
+
+The served policy is evaluated on the generate pool (``flow/evaluate.py``). A side learner's
+policy is on its own worker: an engine of the recipe's kind is kept there too (a second resident,
+``streamrl-engine-<name>``), loads the trainer's weights in the same process -- no transfer, no
+publication -- and answers the same held-out prompts, scored on the reward pool by the run's
+reward. Nothing of it touches the generate pool, so the stream is not disturbed; on the learner's
+worker it runs right after the optimizer step it measures (a priority above its next step's train
+tasks), which may delay that learner by the evaluation's time.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from distributed import Client
+
+from streamrl.flow.evaluate import Evaluator, for_run
+from streamrl.flow.placement import build_engine
+from streamrl.flow.resident import Resident, resident
+from streamrl.sample import Group, Prompt
+
+
+def engine_resident(learner: str) -> str:
+    """The name a learner's evaluation engine is held under on its worker."""
+    return f"streamrl-engine-{learner}"
+
+
+def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 0, after=None,
+                        trainer: str = "", engine: str = "") -> list[Group]:
+    """A learner's worker: its engine takes the trainer's current weights, then answers
+    ``prompts`` (as ``flow.evaluate.eval_groups``)."""
+    eng, held = resident(engine), resident(trainer)
+    if eng.version != held.version:
+        eng.load_weights(held.named_weights(), held.version)
+    if greedy:
+        return eng.generate_greedy(prompts)
+    return eng.generate_groups(prompts, n, [0.0] * len(prompts))
+
+
+def evaluator(client: Client, resolved, task, name: str, trainer: str, pin: dict, resource: str,
+              greedy: bool) -> Evaluator | None:
+    """The evaluation of learner ``name`` (trainer resident ``trainer`` on the worker ``pin``
+    names), or None without ``[eval]``; registers its engine resident."""
+    base = for_run(client, task, resolved.recipe, greedy)
+    if base is None:
+        return None
+    r = resolved.recipe
+    engine = engine_resident(name)
+    client.register_plugin(Resident(engine, partial(build_engine, resolved.engine, resolved.model_path),
+                                    seed=r.run.seed, what=f"learner {name!r}'s evaluation engine"))
+    where = {**pin, "resources": {**pin.get("resources", {}), resource: 1}}
+    # (priority 1: before the learner's next train tasks, right after the step it measures)
+    return Evaluator(client, base.prompts, base.cfg, base.per_task, greedy, generate=learner_eval_groups,
+                     where=where, tag=f"-{name}", priority=1, trainer=trainer, engine=engine)
