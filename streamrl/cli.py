@@ -63,6 +63,25 @@ def parser() -> argparse.ArgumentParser:
     _recipe_args(recipe.add_parser("show", help="print the resolved recipe"))
     _recipe_args(recipe.add_parser("validate", help="check a recipe without running it"))
 
+    learners = sub.add_parser("learners", help="the learners of a run: list, or add and remove them while it "
+                                               "runs").add_subparsers(dest="cmd", required=True)
+    ls = learners.add_parser("list", help="every learner of a run, as its newest record says")
+    ls.add_argument("run_dir", help="the run folder")
+    add = learners.add_parser("add", help="add a learner to a running run; it trains from the next step")
+    add.add_argument("run_dir", help="the run folder")
+    add.add_argument("--name", required=True, help="the learner's name (lower-case letters, digits, _)")
+    add.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="a key of its [[learners]] table, e.g. --set algorithm.name=rloo --set trainer.lr=1e-4")
+    add.add_argument("--from", dest="start", choices=["served", "initial"], default="served",
+                     help="start from the served policy's current weights (default) or the initial model")
+    add.add_argument("--resume", action="store_true",
+                     help="start from its own state in the newest checkpoint (a learner that failed or was removed)")
+    add.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run's answer")
+    rm = learners.add_parser("remove", help="remove a learner from a running run (its policy is saved)")
+    rm.add_argument("run_dir", help="the run folder")
+    rm.add_argument("name", help="the learner's name")
+    rm.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run's answer")
+
     model = sub.add_parser("model", help="tiny local models").add_subparsers(dest="cmd", required=True)
     init = model.add_parser("init", help="create a tiny model + tokenizer for a task, with a supervised warm start")
     init.add_argument("--task", default="addition", help="task component name")
@@ -325,6 +344,40 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_learners(args) -> int:
+    from streamrl.learners import control
+    from streamrl.recipe import apply_overrides
+
+    run_dir = Path(args.run_dir)
+    if args.cmd == "list":
+        rows = control.listing(run_dir)
+        cols = ["name", "algorithm", "state", "served", "steps_trained", "skipped_steps", "reward_mean",
+                "eval/reward_mean", "worker"]
+        table = [cols] + [[_cell(row.get(c)) for c in cols] for row in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
+        for r in table:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        for row in rows:
+            if row.get("failure"):
+                print(f"{row['name']}: failed at {row['failure']}")
+        return 0
+    if args.cmd == "add":
+        table = apply_overrides({"name": args.name}, args.overrides)
+        print(control.ask(run_dir, {"op": "add", "table": table, "start": args.start, "resume": args.resume},
+                          args.timeout))
+        return 0
+    print(control.ask(run_dir, {"op": "remove", "name": args.name}, args.timeout))
+    return 0
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
 def cmd_report(args) -> int:
     from streamrl.telemetry.report import write_report
 
@@ -371,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
                 "bench": cmd_bench, "reference": cmd_reference, "plan": cmd_plan,
-                "eval": cmd_eval, "report": cmd_report}[args.group](args)
+                "eval": cmd_eval, "report": cmd_report, "learners": cmd_learners}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

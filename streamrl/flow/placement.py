@@ -27,10 +27,12 @@ def build_engine(engine: Chosen, model_path: str | None):
     return obj
 
 
-def trainer_context(resolved: Resolved, sharded: bool = False, algorithm: Chosen | None = None) -> TrainerContext:
+def trainer_context(resolved: Resolved, sharded: bool = False, algorithm: Chosen | None = None,
+                    model_path: str | None = None) -> TrainerContext:
     """What the trainer's factory gets besides its config (``sharded``: it will be, over the
-    train pool; ``algorithm``: a learner's, default the main learner's)."""
-    return TrainerContext(model_path=resolved.model_path, algorithm=(algorithm or resolved.algorithm).build(),
+    train pool; ``algorithm``: a learner's, default the main learner's; ``model_path``: a model
+    folder other than the recipe's, e.g. a policy saved during the run)."""
+    return TrainerContext(model_path=model_path or resolved.model_path, algorithm=(algorithm or resolved.algorithm).build(),
                           engine=resolved.engine.capabilities(), seed=resolved.recipe.run.seed, sharded=sharded)
 
 

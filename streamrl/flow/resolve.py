@@ -135,14 +135,11 @@ def _learners(out: Resolved, model: Path | None) -> list[LearnerPlan]:
 def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, model: Path | None = None) -> LearnerPlan:
     """One ``[[learners]]`` table (``learners.config.LearnerConfig`` as a dict) resolved against
     the recipe: its algorithm table over nothing (or the recipe's ``[algorithm]``), its trainer
-    options over ``[trainer]``'s. A learner that is not served learns off-policy: an algorithm
-    with ``off_policy_cap`` left unset gets ``learners.config.OFF_POLICY_CAP``."""
+    options over ``[trainer]``'s."""
     r, where = out.recipe, f"learners[{index}]"
     algo = dict(table.get("algorithm") or {"name": r.algorithm.name, **r.algorithm.options()})
     name = algo.pop("name")
     comp = out.registry.get("algorithm", name, f"{where}.algorithm.name")
-    if not served and "off_policy_cap" in comp.config.model_fields and "off_policy_cap" not in algo:
-        algo["off_policy_cap"] = learners_config.OFF_POLICY_CAP
     algorithm = Chosen(comp, validate_section(comp.config, with_run_defaults(comp.config, algo, r.run.seed, model),
                                               f"{where}.algorithm", out.loaded.base))
     tcomp = out.trainer.component

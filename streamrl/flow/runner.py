@@ -21,6 +21,7 @@ from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
 from streamrl.flow.run_folder import RunFolder
 from streamrl.flow.stopping import StopRequest, sigint_ignored
+from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
 from streamrl.telemetry.console import RunDisplay, WarningsLog, summary_table
@@ -36,7 +37,7 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Loa
     return loaded, folder.path
 
 def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopRequest, display: RunDisplay,
-           trace: TraceRecorder, client, hooks, warn) -> None:
+           trace: TraceRecorder, client, hooks, warn, console_line=print) -> None:
     """The run's steps from ``first``: each step's record to the folder, the trace, the dashboard
     page, the plugins and the display; checkpoints as ``run.checkpoint_every`` says, and after a
     stop request (then :class:`Interrupted`)."""
@@ -55,6 +56,8 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
         hooks.on_step_end(step=step, metrics=m)
         display.step(m)
         done = step + 1
+        for line in learners_control.serve(controller, folder.path, done):  # ``streamrl learners add|remove``
+            console_line(line)
         if stop.requested and controller.fed is not None:
             continue  # the next step is already training: stop after it
         if stop.requested or checkpoint_after(done):
@@ -138,7 +141,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             if profile or r.run.profile:  # Dask's own report of every task, worker and transfer
                 stack.enter_context(performance_report(filename=str(folder.path / "dask-report.html")))
             display = stack.enter_context(RunDisplay(console, r.run.name, r.run.steps, first, plain))
-            _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn)
+            _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn,
+                   lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
         policy = controller.save_policy(folder.path / "policy")
         folder.mark("completed", step=r.run.steps, policy=str(policy))
     except Interrupted:

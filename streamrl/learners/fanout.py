@@ -240,12 +240,13 @@ class Fanout:
                 if done:
                     lr.evaluated.update(done[-1])
 
-    def save_policies(self, out: Path) -> dict[str, str]:
-        """Write each learner's policy to ``out/<name>`` (failed ones too: their last good
-        weights); ``{name: folder}`` of those written."""
+    def save_policies(self, out: Path, only: list[str] | None = None) -> dict[str, str]:
+        """Write each learner's policy (or those named in ``only``) to ``out/<name>`` (failed ones
+        too: their last good weights; removed ones were saved when they left);
+        ``{name: folder}`` of those written."""
         saved = {}
         for lr in self.learners.values():
-            if lr.state == "removed" and lr.plan.name in saved:
+            if (only is not None and lr.name not in only) or (only is None and lr.state == "removed"):
                 continue
             target = out / lr.name
             try:

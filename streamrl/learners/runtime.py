@@ -41,14 +41,16 @@ def start(client: Client, resolved, pins: dict[str, dict], repeatable: bool, tas
 
 
 def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0,
-              task=None) -> SideLearner:
-    """Build one side learner's trainer on its worker (and its evaluation engine, with ``[eval]``)."""
+              task=None, model_path: str | None = None) -> SideLearner:
+    """Build one side learner's trainer on its worker (and its evaluation engine, with ``[eval]``)
+    from the recipe's model, or from ``model_path`` (a policy saved during the run)."""
     greedy = resolved.engine.capabilities().greedy
 
     def make_evaluator(plan: LearnerPlan, pin: dict):
         return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy)
 
-    return place(client, resolved.recipe, plan, trainer_context(resolved, algorithm=plan.algorithm), pins, joined_at,
+    context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path)
+    return place(client, resolved.recipe, plan, context, pins, joined_at,
                  make_evaluator if task is not None and resolved.recipe.eval is not None else None)
 
 
