@@ -234,7 +234,7 @@ class Controller:
         checkpoints.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
         self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
         self.version = state["policy_version"]
-        self.fanout = learners.resume(self.fanout, self.client, self.resolved, self.topology.pins, checkpoint)
+        self.fanout = learners.resume(self.fanout, self.client, self.resolved, self.topology, checkpoint)
         if not self.resolved.serves_initial:
             wait_loaded(self._publish(None, self.version, tag=f"-resume-{time.time_ns()}"))
         self.mode.resume(state["next_step"], self.version)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,9 @@ class SideLearner:
     """The last trained step's figures (``metrics.jsonl`` ``learners.<name>``)."""
     joined_at: int = 0
     """The first step handed to it."""
+    trained: list = field(default_factory=list)
+    """``[step, samples, crc32 of its sorted sample uids]`` of each step trained since the last
+    record (``metrics.jsonl`` ``learners.<name>.trained``: none lost, none twice)."""
     evaluator: Evaluator | None = None
     """Its policy on the held-out prompts (``learners/evaluate.py``), None without ``[eval]``."""
     evaluated: dict = field(default_factory=dict)
@@ -180,10 +184,14 @@ class Fanout:
                 lr.evaluate(version, after=last)
 
     def harvest(self) -> dict[str, dict]:
-        """Read every finished step of every learner, without waiting; ``{name: summary}``."""
-        for lr in self.learners.values():
+        """Read every finished step of every learner, without waiting; ``{name: summary}`` with
+        the steps trained since the last call (``trained``)."""
+        out = {}
+        for name, lr in self.learners.items():
             self._harvest(lr)
-        return {name: lr.summary() for name, lr in self.learners.items()}
+            out[name] = {**lr.summary(), "trained": lr.trained}
+            lr.trained = []
+        return out
 
     def _harvest(self, lr: SideLearner) -> None:
         if lr.evaluator is not None:
@@ -197,6 +205,8 @@ class Fanout:
                 self.fail(lr, entry.step, exc)
                 return
             samples = sum(t.samples for t in trains)
+            uids = sorted(x["uid"] for t in trains for x in t.sample_log)
+            lr.trained.append([entry.step, samples, zlib.crc32("\n".join(uids).encode())])
             lr.steps_trained += 1
             lr.samples_trained += samples
             lr.last_step = entry.step

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -54,6 +55,25 @@ def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict]
                  make_evaluator if task is not None and resolved.recipe.eval is not None else None)
 
 
+def ensure_worker(client: Client, topo, recipe, name: str) -> None:
+    """Learner ``name``'s worker is up: the embedded cluster starts it when it is not (a learner
+    added during the run, on a resume); ``topo.pins`` is brought up to date either way."""
+    from streamrl import cluster
+    from streamrl.pool_workers import learner_worker_spec
+
+    worker = f"learner-{name}"
+    up = cluster.pins(client)  # (the topology's pins keep workers that have left)
+    if worker not in up and topo.can_grow:
+        topo.start_worker(worker, learner_worker_spec(recipe, name))
+        deadline = time.time() + recipe.cluster.startup_timeout
+        while worker not in up and time.time() < deadline:
+            time.sleep(0.2)
+            up = cluster.pins(client)
+    topo.pins.update(up)
+    if worker not in up:
+        topo.pins.pop(worker, None)  # (place() then says how to start it)
+
+
 def record(fanout: Fanout, resolved, step_record) -> dict[str, dict]:
     """``metrics.jsonl``'s ``learners``: every learner's figures by name, the main one's from
     this step's record (it trained on this step), the side learners' from their last finished
@@ -92,7 +112,7 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
     return write
 
 
-def resume(fanout: Fanout | None, client: Client, resolved, pins: dict[str, dict], checkpoint: Path) -> Fanout | None:
+def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Path) -> Fanout | None:
     """Restore every side learner of ``checkpoint`` (those added during the run are placed
     again first) into its freshly built trainer; returns the fan-out (new when the recipe had
     none but the run had added some)."""
@@ -104,9 +124,12 @@ def resume(fanout: Fanout | None, client: Client, resolved, pins: dict[str, dict
     saved = json.loads(path.read_text())["learners"]
     for name, entry in saved.items():
         if fanout is None or name not in fanout.learners:
+            if entry["summary"].get("state") == "removed":
+                continue  # (left the run before this checkpoint: nothing to place)
             plan = learner_plan(resolved, name, entry["table"], served=False)
             plan.added = True
-            learner = place_one(client, resolved, plan, pins, entry["summary"].get("joined_at", 0),
+            ensure_worker(client, topo, resolved.recipe, name)
+            learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
                                 task=getattr(fanout, "task", None))
             fanout = fanout or Fanout(client, resolved.recipe, [], False)
             fanout.add(learner)
