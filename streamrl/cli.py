@@ -12,6 +12,7 @@
     streamrl bench elastic recipes/longtail-cpu.toml # fixed vs elastic generate pool
     streamrl bench trainpool recipes/ppo.toml        # one train worker vs ddp vs fsdp
     streamrl bench eval recipes/addition.toml        # samples/s without and with [eval] every 10 steps
+    streamrl bench learners recipes/ppo.toml --learners ppo,grpo,dpo  # one stream, three learners vs each alone
     streamrl reference recipes/addition.toml         # the same algorithm in one process, no Dask
     streamrl eval models/tiny-addition runs/addition-grpo-<time>  # held-out scores, before and after
     streamrl plan recipes/paper-7b-20k.toml --devices 12 --check   # split devices between the pools
@@ -187,6 +188,18 @@ def parser() -> argparse.ArgumentParser:
     bench_eval.add_argument("--repeats", type=int, default=1, help="passes of both variants, interleaved; the "
                                                                    "median ratio is reported")
     bench_eval.add_argument("--out", default=None, help="write the JSON result here")
+    bench_learners = bench.add_parser("learners", help="several learners on one stream ([[learners]]) vs each "
+                                                       "alone, back to back: wall time, generated tokens, rewards")
+    _recipe_args(bench_learners)
+    bench_learners.add_argument("--learners", default="ppo,grpo,dpo",
+                                help="comma-separated learners, each named after its algorithm; the first is served")
+    bench_learners.add_argument("--set-learner", dest="set_learner", action="append", default=[],
+                                metavar="NAME.KEY=VALUE", help="one learner's option in both variants, e.g. "
+                                "dpo.trainer.lr=1e-4 or dpo.algorithm.beta=0.2 (repeatable)")
+    bench_learners.add_argument("--steps", type=int, default=None, help="run.steps of every run (default: the "
+                                                                        "recipe's)")
+    bench_learners.add_argument("--out", default=None, help="write the JSON result here (default: "
+                                                            "bench-learners.json beside the run folders)")
     plan = sub.add_parser("plan", help="pick the split of devices between generation and training, the mode "
                                        "and the staleness bound, from a profile of the recipe")
     _recipe_args(plan)
@@ -280,6 +293,12 @@ def cmd_bench(args) -> int:
             raise UserError("--repeats must be >= 1")
         transfer.bench(args.file, args.overrides, [t.strip() for t in args.transfers.split(",") if t.strip()],
                        args.repeats, args.out)
+        return 0
+    if args.cmd == "learners":
+        from streamrl.bench import learners
+
+        learners.bench(args.file, args.overrides, [n.strip() for n in args.learners.split(",") if n.strip()],
+                       args.set_learner, args.steps, args.out)
         return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")

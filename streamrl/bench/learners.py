@@ -1,0 +1,283 @@
+"""``streamrl bench learners RECIPE``: several learners on one stream, against each alone.
+
+    streamrl bench learners recipes/ppo.toml --learners ppo,grpo,dpo --steps 40 \\
+        --set-learner dpo.trainer.lr=1e-4
+
+Two variants of the recipe, run one after another in this process (each its own embedded
+cluster, ``--set`` overrides applied to both):
+
+- **together**: one ``[[learners]]`` table per name in ``--learners`` (the name is the learner's
+  and its algorithm's; the first is served). A learner whose name is the recipe's
+  ``[algorithm] name`` takes the recipe's ``[algorithm]`` options; any other gets a bare
+  ``algorithm = {name = X}`` (options of one algorithm are unknown keys to another).
+- **apart**: each learner alone, back to back: ``[algorithm] name = X`` (the recipe's options
+  only for its own algorithm), no ``[[learners]]``.
+
+``--set-learner NAME.trainer.KEY=V`` / ``NAME.algorithm.KEY=V`` set one learner's option in
+both variants (its table's ``trainer``/``algorithm`` together, ``[trainer]``/``[algorithm]``
+alone); ``NAME.queue`` and ``NAME.when_full`` only mean something together.
+
+Figures: wall seconds of the run(s) (cluster start and stop included; apart: the sum),
+generated tokens (``samples * response_len_mean`` summed over the records; together the
+stream is counted once), and per learner the mean training reward of the last 10 steps and
+the held-out reward (``[eval]``; added as ``every = 10`` when the recipe has none) at the first
+and the newest evaluation in the records. Side learners train on the served policy's samples,
+so their training reward is the stream's; and their evaluation after the last step is not in
+``metrics.jsonl`` (it finishes after the last record), so their "last" is an earlier version
+(``eval_last_version`` says which).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from streamrl.errors import UserError
+from streamrl.flow import runner
+from streamrl.recipe import load_recipe, parse_override
+
+DEFAULT_LEARNERS = ("ppo", "grpo", "dpo")
+#: Steps at the end whose training reward is averaged.
+LAST_STEPS = 10
+#: ``[eval] every`` added to both variants when the recipe has no ``[eval]``.
+EVAL_EVERY = 10
+#: Keys of a ``[[learners]]`` table that ``--set-learner`` may set besides ``trainer.*`` and ``algorithm.*``.
+TABLE_KEYS = ("queue", "when_full")
+
+
+def toml_value(value) -> str:
+    """``value`` as one-line TOML (an inline table for a dict), for a ``--set`` override."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise UserError(f"cannot write {value!r} ({type(value).__name__}) as a recipe value")
+
+
+def learner_overrides(items: list[str], learners: list[str]) -> dict[str, dict]:
+    """``--set-learner NAME.key=value`` items as ``{name: {"trainer": {...}, "algorithm": {...},
+    "table": {...}}}``; one line for a learner not in ``learners`` or a key a table has not."""
+    out = {name: {"trainer": {}, "algorithm": {}, "table": {}} for name in learners}
+    for item in items:
+        keys, value = parse_override(item)
+        name, rest = keys[0], keys[1:]
+        if name not in out:
+            raise UserError(f"--set-learner {item!r}: {name!r} is not in --learners ({', '.join(learners)})")
+        if len(rest) >= 2 and rest[0] in ("trainer", "algorithm"):
+            node = out[name][rest[0]]
+            for k in rest[1:-1]:
+                node = node.setdefault(k, {})
+            node[rest[-1]] = value
+        elif len(rest) == 1 and rest[0] in TABLE_KEYS:
+            out[name]["table"][rest[0]] = value
+        elif rest == ["algorithm", "name"] or rest == ["algorithm"] or rest == ["name"]:
+            raise UserError(f"--set-learner {item!r}: the learner's name is its algorithm; pick it in --learners")
+        else:
+            raise UserError(f"--set-learner {item!r}: expected NAME.trainer.KEY=V, NAME.algorithm.KEY=V, "
+                            f"NAME.queue=N or NAME.when_full=skip|pace")
+    for name, o in out.items():
+        if "name" in o["algorithm"]:
+            raise UserError(f"--set-learner {name}.algorithm.name: the learner's name is its algorithm; "
+                            "pick it in --learners")
+    return out
+
+
+def variant_overrides(algorithm: dict, learners: list[str], per_learner: dict[str, dict] | None = None,
+                      add_eval: bool = False, steps: int | None = None) -> dict:
+    """The extra ``--set`` overrides of both variants, from the recipe's ``[algorithm]`` table
+    (``{"name": ..., **options}``) and the learners' names (each its algorithm's; the first
+    served): ``{"together": [...], "apart": {name: [...]}}``. ``per_learner``: from
+    :func:`learner_overrides`; ``add_eval``: the recipe has no ``[eval]``; ``steps``: run.steps."""
+    if not learners:
+        raise UserError("--learners: name at least one learner")
+    again = sorted({n for n in learners if learners.count(n) > 1})
+    if again:
+        raise UserError(f"--learners: {again[0]!r} is named twice")
+    per_learner = per_learner or {}
+    own = algorithm["name"]
+    options = {k: v for k, v in algorithm.items() if k != "name"}
+    common = ([f"eval.every={EVAL_EVERY}"] if add_eval else []) + ([f"run.steps={steps}"] if steps else [])
+    tables, apart = [], {}
+    for name in learners:
+        o = per_learner.get(name) or {"trainer": {}, "algorithm": {}, "table": {}}
+        table = {"name": name}
+        if name != own or o["algorithm"]:  # the recipe's own algorithm with no changes: omitted, its [algorithm]
+            table["algorithm"] = {"name": name, **(options if name == own else {}), **o["algorithm"]}
+        if o["trainer"]:
+            table["trainer"] = dict(o["trainer"])
+        table.update(o["table"])
+        tables.append(table)
+        alone = [f"algorithm={toml_value({'name': name, **(options if name == own else {})})}", "learners=[]",
+                 'run.serve=""']
+        alone += [f"algorithm.{k}={toml_value(v)}" for k, v in o["algorithm"].items()]
+        alone += [f"trainer.{k}={toml_value(v)}" for k, v in o["trainer"].items()]
+        apart[name] = common + alone
+    together = common + [f"learners={toml_value(tables)}", f"run.serve={toml_value(learners[0])}"]
+    return {"together": together, "apart": apart}
+
+
+def generated_tokens(records: list[dict]) -> float:
+    """Tokens the run generated for training: ``samples * response_len_mean`` over its records."""
+    return sum(r.get("samples", 0) * r.get("response_len_mean", 0.0) for r in records)
+
+
+def _evals(entries: list[dict]) -> dict:
+    """First and newest held-out reward among ``entries`` (dicts with ``eval/*`` keys), by policy version."""
+    seen = {}
+    for e in entries:
+        for ev in [e, *e.get("eval_unrecorded", [])]:
+            if ev.get("eval/reward_mean") is not None and ev.get("eval/policy_version") is not None:
+                seen[ev["eval/policy_version"]] = ev
+    if not seen:
+        return {"eval_first": None, "eval_last": None, "eval_first_version": None, "eval_last_version": None}
+    lo, hi = min(seen), max(seen)
+    return {"eval_first": seen[lo]["eval/reward_mean"], "eval_last": seen[hi]["eval/reward_mean"],
+            "eval_first_version": lo, "eval_last_version": hi,
+            "eval_pass@1_last": seen[hi].get("eval/pass@1")}
+
+
+def _train_reward(values: list) -> float | None:
+    values = [v for v in values if v is not None][-LAST_STEPS:]
+    return sum(values) / len(values) if values else None
+
+
+def summarize_alone(records: list[dict]) -> dict:
+    """A learner alone: its run's figures."""
+    return {"served": True, "steps_trained": len(records), "skipped_steps": 0,
+            "train_reward": _train_reward([r.get("reward_mean") for r in records]), **_evals(records)}
+
+
+def summarize_together(records: list[dict], names: list[str]) -> dict[str, dict]:
+    """Each learner of the together run, from ``learners.<name>`` of the records."""
+    out = {}
+    for name in names:
+        mine = [r["learners"][name] for r in records if name in r.get("learners", {})]
+        last = mine[-1] if mine else {}
+        served = bool(last.get("served"))
+        # the served learner's evaluations are the record's own eval/* (also under learners.<name>)
+        evals = _evals(records) if served else _evals(mine)
+        out[name] = {"served": served, "state": last.get("state"), "algorithm": last.get("algorithm"),
+                     "steps_trained": last.get("steps_trained"), "skipped_steps": last.get("skipped_steps", 0),
+                     "train_reward": _train_reward([m.get("reward_mean") for m in mine]), **evals}
+    return out
+
+
+def _run(file: str, overrides: list[str], extra: list[str], label: str, console: Console) -> dict:
+    """One run of the recipe with ``extra`` overrides: its folder, wall seconds and records."""
+    loaded = load_recipe(file, list(overrides) + list(extra) + ["cluster.dashboard_port=0",
+                                                                 f'run.name="bench-learners-{label}"'])
+    resolved = runner.resolve(loaded)
+    console.print(f"bench learners: {label} ({loaded.recipe.run.steps} steps)", markup=False)
+    t0 = time.time()
+    # (plain, no report: `streamrl report` on the run folders overlays them)
+    run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved, plain=True, report=False)
+    wall = time.time() - t0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"run_dir": str(run_dir), "wall_s": round(wall, 2), "steps": len(records),
+            "generated_tokens": round(generated_tokens(records), 1), "records": records}
+
+
+def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNERS, set_learner: list[str] = (),
+          steps: int | None = None, out: str | None = None, console: Console | None = None) -> dict:
+    """Run together, then each learner apart; print the table, write the JSON; returns the result."""
+    console = console or Console(width=120)
+    learners = list(learners)
+    if steps is not None and steps < 1:
+        raise UserError("--steps must be >= 1")
+    base = load_recipe(file, overrides).recipe
+    add_eval = base.eval is None
+    algorithm = {"name": base.algorithm.name, **base.algorithm.options()}
+    extra = variant_overrides(algorithm, learners, learner_overrides(list(set_learner), learners), add_eval, steps)
+    # every variant validated before any runs: a learner's bad option is one line, not a failed run later
+    for label, ov in [("together", extra["together"]), *((f"{n} alone", ov) for n, ov in extra["apart"].items())]:
+        try:
+            runner.resolve(load_recipe(file, list(overrides) + ov))
+        except UserError as exc:
+            raise UserError(f"bench learners, {label}: {exc}") from None
+    if add_eval:
+        console.print(f"bench learners: {file} has no [eval]; both variants get [eval] every = {EVAL_EVERY}",
+                      markup=False)
+
+    together = _run(file, overrides, extra["together"], "together", console)
+    together["learners"] = summarize_together(together.pop("records"), learners)
+    apart = {}
+    for name in learners:
+        run = _run(file, overrides, extra["apart"][name], name, console)
+        run["learner"] = summarize_alone(run.pop("records"))
+        apart[name] = run
+    apart_wall = sum(r["wall_s"] for r in apart.values())
+    apart_tokens = sum(r["generated_tokens"] for r in apart.values())
+    result = {
+        "recipe": str(file), "overrides": list(overrides), "learners": learners, "set_learner": list(set_learner),
+        "steps": steps or base.run.steps, "eval_added": add_eval,
+        "variants": {
+            "together": together,
+            "apart": {"wall_s": round(apart_wall, 2), "generated_tokens": round(apart_tokens, 1), "runs": apart},
+        },
+        "ratios": {
+            "wall_together_over_apart": together["wall_s"] / apart_wall if apart_wall else None,
+            "tokens_together_over_apart": together["generated_tokens"] / apart_tokens if apart_tokens else None,
+        },
+    }
+    console.print(table(result))
+    ratios = result["ratios"]
+    console.print(f"wall together / apart: {_num(ratios['wall_together_over_apart'], '.3f')}   "
+                  f"tokens together / apart: {_num(ratios['tokens_together_over_apart'], '.3f')}")
+    path = Path(out) if out else Path(together["run_dir"]).parent / "bench-learners.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"result: {path}", markup=False)
+    return result
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(result: dict) -> Table:
+    """Both variants, a row per learner."""
+    t = Table(title=escape(f"streamrl bench learners {result['recipe']} ({result['steps']} steps"
+                           f"{f', [eval] every = {EVAL_EVERY} added' if result['eval_added'] else ''})"),
+              caption=f"train reward: mean of the last {LAST_STEPS} steps (a side learner's is the stream's); "
+                      "eval: held-out reward at the first and the newest evaluation recorded, v = policy version")
+    for col in ("variant", "learner", "wall s", "gen tokens", "trained", "skipped", "train reward", "eval first",
+                "eval last", "eval v"):
+        t.add_column(col, justify="left" if col in ("variant", "learner") else "right", no_wrap=col == "learner")
+    v = result["variants"]
+
+    def row(variant: str, name: str, run: dict | None, lr: dict, together: bool = False) -> None:
+        versions = f"{lr['eval_first_version']}->{lr['eval_last_version']}" if lr["eval_first"] is not None else "-"
+        t.add_row(variant, name + (" (served)" if together and lr.get("served") else ""),
+                  f"{run['wall_s']:.1f}" if run else "", f"{run['generated_tokens']:,.0f}" if run else "",
+                  str(lr.get("steps_trained", "-")), str(lr.get("skipped_steps", 0)),
+                  _num(lr["train_reward"], ".3f"), _num(lr["eval_first"], ".3f"), _num(lr["eval_last"], ".3f"),
+                  versions)
+
+    for i, name in enumerate(result["learners"]):
+        row("together" if i == 0 else "", name, v["together"] if i == 0 else None, v["together"]["learners"][name],
+            together=True)
+    for i, name in enumerate(result["learners"]):
+        run = v["apart"]["runs"][name]
+        row("apart" if i == 0 else "", name, run, run["learner"])
+    t.add_row("apart, sum", "", f"{v['apart']['wall_s']:.1f}", f"{v['apart']['generated_tokens']:,.0f}",
+              *[""] * 6)
+    return t
