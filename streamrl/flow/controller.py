@@ -258,6 +258,7 @@ class Controller:
             self.fanout.drain()
             self.fanout.save_policies(out)
             self.fanout.finish_evaluations()
+            learners.write_final(self.fanout, out.parent / "learners.json")
         out = learners.policy_folder(self.resolved, out)
         stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
         return self.client.gather([

@@ -238,7 +238,8 @@ class Fanout:
                 wait(pending, timeout=timeout)
             except TimeoutError:
                 pass  # read what finished; the rest stays queued (a learner whose worker is gone)
-        self.harvest()
+        for lr in self.learners.values():
+            self._harvest(lr)  # (what they trained stays for the next record)
 
     def finish_evaluations(self) -> None:
         """At the end: evaluate each learner still training as it ends (unless that version was

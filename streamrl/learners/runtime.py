@@ -152,3 +152,9 @@ def policy_folder(resolved, out: Path) -> Path:
     """Where the main learner's policy goes: ``out`` alone, or ``out/<name>`` beside the other
     learners' when the recipe has ``[[learners]]``."""
     return out / resolved.learners[0].name if resolved.recipe.learners else out
+
+
+def write_final(fanout: Fanout, path: Path) -> None:
+    """At the end of the run: every side learner as it ended (what it trained after the last
+    record, its final evaluation) into ``learners.json`` in the run folder."""
+    path.write_text(json.dumps(fanout.harvest(), indent=1))

@@ -1,0 +1,215 @@
+"""Adding and removing learners while the run goes on: ``streamrl learners list|add|remove RUN_DIR``.
+
+The control channel is the run's own Dask scheduler (its address is in the run folder's
+``status.json``). A command puts a request on the Dask ``Queue`` :data:`REQUESTS` and waits for
+the answer in a Dask ``Variable`` named after the request; the controller reads the queue at each
+step boundary (:func:`serve`), so a learner added joins at the next step and one removed leaves
+before it. ``list`` needs no channel: it reads the run folder's newest record.
+
+An added learner starts from the served policy's current weights (saved into the run folder,
+``learners/start-<name>/``, and loaded from there, so any trainer that can ``save`` and be built
+from a model folder can be copied), from the initial model (``--from initial``), or from its own
+state in the newest checkpoint (``--resume``: a learner that failed or was removed). With the
+embedded cluster streamrl starts its worker (``learner-<name>``); on a cluster you run, start one
+first (the answer says how).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from distributed import Client, Queue, Variable
+
+from streamrl.errors import UserError
+
+#: The Dask queue requests travel on (one run per scheduler at a time).
+REQUESTS = "streamrl-learners-control"
+
+#: Seconds a command waits for the run to answer (a step boundary must come).
+ANSWER_TIMEOUT = 600.0
+
+
+# -- the command side --------------------------------------------------------------------------------
+def scheduler_of(run_dir: Path) -> str:
+    """The address of the running run's scheduler, from ``status.json``; one line if the run is
+    not running."""
+    status = run_dir / "status.json"
+    try:
+        state = json.loads(status.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{run_dir}: not a run folder (no status.json)") from None
+    except ValueError:
+        raise UserError(f"{status}: not readable JSON") from None
+    if state.get("state") != "running" or not state.get("scheduler"):
+        raise UserError(f"{run_dir}: the run is not running (state {state.get('state')!r}); learners are added "
+                        "and removed while it runs")
+    return state["scheduler"]
+
+
+def ask(run_dir: Path, request: dict, timeout: float = ANSWER_TIMEOUT) -> str:
+    """Send ``request`` to the run in ``run_dir`` and return its answer (raises
+    :class:`UserError` with the run's message when it refused)."""
+    address = scheduler_of(run_dir)
+    try:
+        client = Client(address, timeout=10, set_as_default=False)
+    except OSError as exc:
+        raise UserError(f"{run_dir}: cannot reach the run's scheduler at {address} ({exc})") from None
+    try:
+        rid = uuid.uuid4().hex
+        answer = Variable(f"{REQUESTS}-{rid}", client=client)
+        Queue(REQUESTS, client=client).put({**request, "id": rid})
+        try:
+            reply = answer.get(timeout=timeout)
+            answer.delete()
+        except TimeoutError:
+            raise UserError(f"{run_dir}: no answer from the run within {timeout:.0f} s (it reads requests between "
+                            "steps; is a step that long?)") from None
+        except OSError:  # (CommClosedError) the scheduler went away: the run ended first
+            raise UserError(f"{run_dir}: the run ended before it read the request") from None
+    finally:
+        client.close()
+    if not reply.get("ok"):
+        raise UserError(reply.get("message", "refused"))
+    return reply.get("message", "done")
+
+
+def listing(run_dir: Path) -> list[dict]:
+    """Every learner of the run as its newest record says (``metrics.jsonl``'s ``learners``)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        raise UserError(f"{run_dir}: no metrics.jsonl yet (not a run folder, or no step has finished)")
+    last = None
+    for line in metrics.read_text().splitlines():
+        try:
+            last = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+    if last is None:
+        raise UserError(f"{metrics}: no record yet")
+    learners = last.get("learners")
+    if not learners:
+        return [{"name": "main", "state": "training", "served": True, "steps_trained": last["step"] + 1,
+                 "reward_mean": last.get("reward_mean"), "eval/reward_mean": last.get("eval/reward_mean")}]
+    return [{"name": name, **entry} for name, entry in learners.items()]
+
+
+# -- the run side ------------------------------------------------------------------------------------
+def serve(controller, run_dir: Path, step: int) -> list[str]:
+    """At a step boundary (``step``: the next one): carry out every request waiting; returns a
+    line per request for the console. A refused request is answered, never raised: the run goes on."""
+    client = controller.client
+    try:
+        requests = Queue(REQUESTS, client=client).get(batch=True)
+    except Exception:
+        return []
+    lines = []
+    for request in requests:
+        try:
+            if request.get("op") == "add":
+                message = add(controller, run_dir, step, request)
+            elif request.get("op") == "remove":
+                message = remove(controller, run_dir, request["name"])
+            else:
+                raise UserError(f"unknown request {request.get('op')!r}")
+            reply = {"ok": True, "message": message}
+        except Exception as exc:
+            text = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+            reply = {"ok": False, "message": text.splitlines()[0] if text else type(exc).__name__}
+        lines.append(reply["message"])
+        Variable(f"{REQUESTS}-{request.get('id')}", client=client).set(reply)
+    return lines
+
+
+def add(controller, run_dir: Path, step: int, request: dict) -> str:
+    """Place a new learner (``request``: ``table`` -- a ``[[learners]]`` table -- ``start``:
+    ``served`` | ``initial``, ``resume``) to train from step ``step``."""
+    from dataclasses import replace
+
+    from streamrl.flow import checkpoints, remote
+    from streamrl.flow.resolve import learner_plan
+    from streamrl.learners import runtime
+    from streamrl.learners.config import LearnerConfig
+    from streamrl.learners.fanout import Fanout
+    from streamrl.recipe import validate_section
+
+    resolved, topo = controller.resolved, controller.topology
+    table = validate_section(LearnerConfig, request["table"], "learner").model_dump()
+    name = table["name"]
+    fanout = controller.fanout
+    known = fanout.learners if fanout else {}
+    if name in known and known[name].state == "training":
+        raise UserError(f"learner {name!r} is already training; remove it first or pick another name")
+    if name == resolved.learners[0].name:
+        raise UserError(f"learner {name!r} is the main learner (it trains on the train pool)")
+    resume_from = None
+    if request.get("resume"):
+        latest = checkpoints.latest(run_dir)
+        saved = latest / "learners" / name if latest else None
+        if saved is None or not saved.is_dir():
+            raise UserError(f"learner {name!r}: no state of it in the newest checkpoint "
+                            f"({latest.name if latest else 'none yet'}) to resume from")
+        resume_from = saved
+        if not request["table"].get("algorithm") and (latest / runtime.STATE).exists():
+            table = json.loads((latest / runtime.STATE).read_text())["learners"][name]["table"]
+    plan = learner_plan(resolved, name, table, served=False)
+    plan.added = True
+    worker = plan.worker
+    runtime.ensure_worker(controller.client, topo, resolved.recipe, name)
+    start = request.get("start", "served")
+    start_model = None
+    if start == "served" and resume_from is None:
+        # the served policy as it is now, after the last step: saved, and the new trainer built from it
+        folder = run_dir / "learners" / f"start-{name}"
+        controller.client.submit(remote.save_policy, str(folder), after=controller.last_step,
+                                 trainer_id=topo.incarnations, key=f"save-start-{name}-{time.time_ns()}",
+                                 **topo.train_pin).result()
+        start_model = str(folder)
+    learner = runtime.place_one(controller.client, resolved, plan, topo.pins, joined_at=step,
+                                task=getattr(fanout, "task", controller.task), model_path=start_model)
+    if resume_from is not None:
+        controller.client.submit(remote.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
+                                 **learner.view.train_pin).result()
+        if name in known:  # its counts go on
+            old = known[name]
+            learner = replace(learner, steps_trained=old.steps_trained, skipped_steps=old.skipped_steps,
+                              samples_trained=old.samples_trained, last_step=old.last_step)
+    if controller.fanout is None:
+        controller.fanout = Fanout(controller.client, resolved.recipe, [], controller.repeatable)
+        controller.fanout.task = controller.task
+    controller.fanout.add(learner)
+    where = {"served": "the served policy's current weights", "initial": "the initial model"}.get(start, start)
+    origin = f"its state in {resume_from.parent.parent.name}" if resume_from is not None else where
+    return f"learner {name!r} ({plan.algorithm.component.name}) added on worker {worker}, from {origin}; " \
+           f"it trains from step {step + 1}"
+
+
+def remove(controller, run_dir: Path, name: str) -> str:
+    """Stop learner ``name`` after the steps it has queued: save its policy to
+    ``policy/<name>/``, release its trainer and (embedded cluster) its worker."""
+    fanout = controller.fanout
+    if name == controller.resolved.learners[0].name:
+        raise UserError(f"learner {name!r} is the main learner; it cannot be removed while the run goes on")
+    if fanout is None or name not in fanout.learners or fanout.learners[name].state == "removed":
+        known = ", ".join(fanout.learners) if fanout else "none"
+        raise UserError(f"no learner {name!r} to remove (side learners: {known})")
+    lr = fanout.learners[name]
+    if lr.state == "training":
+        fanout.drain()
+    saved = fanout.save_policies(run_dir / "policy", only=[name])
+    lr.state = "removed"
+    if lr.evaluator is not None:
+        lr.evaluator.cancel()
+    from streamrl.learners.evaluate import engine_resident
+
+    for resident_name in (lr.plan.resident, engine_resident(name)):
+        try:
+            controller.client.unregister_worker_plugin(resident_name)
+        except Exception:
+            pass  # (not registered: no [eval])
+    if controller.topology.can_grow and lr.plan.worker in (controller.topology.spec_cluster.worker_spec or {}):
+        controller.topology.stop_worker(lr.plan.worker)
+    where = saved.get(name)
+    return f"learner {name!r} removed after {lr.steps_trained} steps" + (f"; its policy is in {where}" if where else "")

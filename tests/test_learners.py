@@ -1,0 +1,233 @@
+"""Many learners on one stream: ``[[learners]]``, the fan-out, isolation, and adding/removing
+learners while a run goes on -- with real Dask workers, real kills and the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from streamrl.errors import UserError
+from streamrl.flow.resolve import resolve
+from streamrl.pool_workers import worker_spec
+from streamrl.recipe import load_recipe
+from tests.conftest import ROOT
+from tests.test_cli import streamrl
+
+LEARNERS = """
+[[learners]]
+name = "grpo"
+
+[[learners]]
+name = "rloo"
+algorithm = {{ name = "rloo" }}
+trainer = {{ lr = 2e-3 }}
+{more}
+"""
+
+
+def with_learners(recipe: Path, more: str = "", head: str = "") -> Path:
+    out = recipe.with_name("learners.toml")
+    out.write_text(head + recipe.read_text() + LEARNERS.format(more=more))
+    return out
+
+
+# -- validation (no cluster) ------------------------------------------------------------------
+@pytest.mark.parametrize("extra, message", [
+    ('[[learners]]\nname = "a"\n[[learners]]\nname = "a"\n', "learners: name 'a' is used twice"),
+    ('[[learners]]\nname = "a"\ntrainer = { prompts_per_step = 2 }\n', "learners[0].trainer.prompts_per_step: the batch shape"),
+    ('[[learners]]\nname = "a"\nalgorithm = { clip = 0.1 }\n', "learners[0].algorithm.name: required key missing"),
+    ('[[learners]]\nname = "Bad-Name"\n', "learners.0.name: String should match pattern"),
+])
+def test_a_bad_learners_table_is_one_line_naming_it(tiny_recipe, extra, message):
+    path = tiny_recipe.with_name("bad.toml")
+    path.write_text(tiny_recipe.read_text() + extra)
+    with pytest.raises(UserError) as caught:
+        load_recipe(path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_serve_must_name_a_learner(tiny_recipe):
+    path = with_learners(tiny_recipe)
+    with pytest.raises(UserError, match="run.serve: 'ppo' is not a learner; expected one of grpo, rloo or 'initial'"):
+        load_recipe(path, ["run.serve=ppo"])
+    with pytest.raises(UserError, match=r"run.serve = 'grpo' needs \[\[learners\]\]"):
+        load_recipe(tiny_recipe, ["run.serve=grpo"])
+    with pytest.raises(UserError, match=r"^learners\[1\].algorithm.name: .*'nope'"):
+        resolve(_with_algo(path, "nope"))
+
+
+def _with_algo(path: Path, name: str):
+    text = path.read_text().replace('algorithm = { name = "rloo" }', f'algorithm = {{ name = "{name}" }}')
+    path.write_text(text)
+    return load_recipe(path)
+
+
+def test_the_served_learner_is_the_main_one_and_each_other_gets_its_own_worker(tiny_recipe):
+    loaded = load_recipe(with_learners(tiny_recipe), ["run.serve=rloo"])
+    resolved = resolve(loaded)
+    assert [p.name for p in resolved.learners] == ["rloo", "grpo"]  # the served one trains on the train pool
+    assert resolved.learners[0].served and not resolved.learners[1].served
+    assert resolved.algorithm.component.name == "rloo" and resolved.trainer.config.lr == 2e-3
+    assert resolved.learners[1].trainer.config.lr == 1e-3  # [trainer]'s
+    spec = worker_spec(loaded.recipe)
+    assert "learner-grpo" in spec and "learner-rloo" not in spec
+    assert "train" not in spec["learner-grpo"]["options"]["resources"]  # no train-pool task lands there
+    # serving the initial model: the first learner drives the steps, nothing is published
+    initial = resolve(load_recipe(with_learners(tiny_recipe), ["run.serve=initial"]))
+    assert initial.serves_initial and [p.name for p in initial.learners] == ["grpo", "rloo"]
+    assert not any(p.served for p in initial.learners)
+
+
+# -- a run: fan-out, a failing learner and a killed one --------------------------------------------
+FAULTY = '''
+"""Algorithms that fail on their learner's worker (tests/test_learners.py)."""
+import os
+
+from streamrl.api import hookimpl
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import Component
+
+
+class Raises(GRPO):
+    calls = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False  # (an untrained model's groups all score 0)
+
+    def loss(self, *args):
+        Raises.calls += 1
+        if Raises.calls > 1:  # its second micro-batch
+            raise RuntimeError("this learner's bug")
+        return super().loss(*args)
+
+
+class Dies(GRPO):
+    calls = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False  # (an untrained model's groups all score 0)
+
+    def loss(self, *args):
+        Dies.calls += 1
+        if Dies.calls > 1:
+            os._exit(17)  # the worker process dies (its nanny starts a fresh one)
+        return super().loss(*args)
+
+
+@hookimpl
+def register_algorithms():
+    return [Component("algorithm", "raises", GRPOConfig, Raises), Component("algorithm", "dies", GRPOConfig, Dies)]
+'''
+
+
+def uid_crcs(records) -> dict[int, int]:
+    return {r["step"]: zlib.crc32("\n".join(sorted(x["uid"] for x in r["sample_log"])).encode()) for r in records}
+
+
+@pytest.mark.slow
+def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others_going(tiny_recipe):
+    (tiny_recipe.parent / "faulty.py").write_text(FAULTY)
+    more = ('\n[[learners]]\nname = "raises"\nalgorithm = { name = "raises" }\n'
+            '\n[[learners]]\nname = "dies"\nalgorithm = { name = "dies" }\n'
+            '\n[plugins]\nmodules = ["faulty.py"]\n')
+    path = with_learners(tiny_recipe, more)
+    res = streamrl("recipe", "run", str(path), "--plain", "--no-report", "--set", "run.steps=4",
+                   "--set", "trainer.groups_per_micro_batch=4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = Path(res.stdout.strip().splitlines()[-1])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = json.loads((run_dir / "learners.json").read_text())
+    # generation happened once: every step's samples are the stream's, trained by the main learner
+    main = uid_crcs(records)
+    # the healthy side learner trained every step on exactly the stream's samples, each once
+    trained = [t for r in records for t in r["learners"]["rloo"]["trained"]] + final["rloo"]["trained"]
+    assert [t[0] for t in trained] == [0, 1, 2, 3]
+    assert all(samples == 16 and crc == main[step] for step, samples, crc in trained)
+    assert final["rloo"]["state"] == "training" and final["rloo"]["steps_trained"] == 4
+    # the failing ones are marked failed, each in one line naming it; generation went on
+    assert final["raises"]["state"] == "failed" and "RuntimeError: this learner's bug" in final["raises"]["failure"]
+    assert final["dies"]["state"] == "failed", final["dies"]
+    assert "learner 'raises' failed at step" in res.stderr and "learner 'dies' failed at step" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert len(records) == 4 and records[-1]["learners"]["grpo"]["steps_trained"] == 4
+    # every learner's policy, as a transformers model folder
+    for name in ("grpo", "rloo", "raises"):
+        assert (run_dir / "policy" / name / "config.json").exists(), name
+
+
+# -- add and remove while the run goes on -------------------------------------------------------------------
+def wait_for(check, timeout: float = 180.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError("timed out")
+
+
+def records_of(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_others(tiny_recipe, tmp_path):
+    path = with_learners(tiny_recipe)
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(path), "--plain", "--no-report",
+                             "--set", "run.steps=400", "--set", "run.checkpoint_every=0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        runs = tmp_path / "runs"
+        run_dir = wait_for(lambda: next(iter(runs.glob("tiny-*")), None) if runs.exists() else None)
+        wait_for(lambda: len(records_of(run_dir)) >= 2)
+        added = streamrl("learners", "add", str(run_dir), "--name", "dr", "--set", "algorithm.name=dr_grpo",
+                         "--from", "initial")
+        assert added.returncode == 0, added.stderr
+        assert "learner 'dr' (dr_grpo) added on worker learner-dr, from the initial model" in added.stdout
+        joined = int(added.stdout.split("trains from step ")[1].split()[0]) - 1  # (0-based)
+        wait_for(lambda: any(r["learners"].get("dr", {}).get("steps_trained", 0) >= 2 for r in records_of(run_dir)))
+        removed = streamrl("learners", "remove", str(run_dir), "rloo")
+        assert removed.returncode == 0, removed.stderr
+        assert "learner 'rloo' removed after" in removed.stdout
+        assert (run_dir / "policy" / "rloo" / "config.json").exists()
+        n = len(records_of(run_dir))
+        wait_for(lambda: len(records_of(run_dir)) >= n + 3)
+        listed = streamrl("learners", "list", str(run_dir))
+        assert listed.returncode == 0 and "rloo" in listed.stdout and "removed" in listed.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err[-3000:]
+    records = records_of(run_dir)
+    dr = [t for r in records for t in r["learners"].get("dr", {}).get("trained", [])]
+    main = uid_crcs(records)
+    steps = [t[0] for t in dr]
+    assert steps and steps[0] == joined and steps == sorted(set(steps))  # from the next step, none twice
+    assert all(crc == main[step] for step, _, crc in dr)
+    skipped = records[-1]["learners"]["dr"]["skipped_steps"]
+    assert steps[-1] - joined + 1 == len(steps) + skipped  # every step handed over: trained or skipped, counted
+    rloo = [t for r in records for t in r["learners"]["rloo"]["trained"]]  # until it was removed
+    gone = records[-1]["learners"]["rloo"]
+    assert gone["state"] == "removed" and [t[0] for t in rloo] == sorted({t[0] for t in rloo})
+    assert len(rloo) == gone["steps_trained"] and all(crc == main[step] for step, _, crc in rloo)
+    assert rloo[-1][0] + 1 == gone["steps_trained"] + gone["skipped_steps"]  # from step 0, none lost
+    assert os.path.isdir(run_dir / "checkpoints")
