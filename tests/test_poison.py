@@ -231,13 +231,13 @@ def validate(capsys, recipe: Path, *overrides: str) -> tuple[int, str]:
     return code, err.strip()
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "dr_grpo", "reinforce_pp"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "dr_grpo", "reinforce_pp", "dpo"])
 def test_a_group_baseline_with_one_sample_per_prompt_is_refused_at_validation(capsys, tiny_recipe, algorithm):
     code, err = validate(capsys, tiny_recipe, "trainer.samples_per_prompt=1", f'algorithm.name="{algorithm}"')
     assert code == 2
-    assert err == (f'streamrl: error: trainer.samples_per_prompt: 1 with algorithm.name = "{algorithm}", whose '
-                   "baseline is the mean of a prompt's samples: a sample alone gets advantage 0 and nothing is "
-                   "learned; use 2 or more (8 is usual)")
+    assert err == (f'streamrl: error: trainer.samples_per_prompt: 1 with algorithm.name = "{algorithm}", which '
+                   "learns from the differences between a prompt's samples (a group baseline, or a preference "
+                   "pair): a sample alone gets advantage 0 and nothing is learned; use 2 or more (8 is usual)")
     assert validate(capsys, tiny_recipe, "trainer.samples_per_prompt=2", f'algorithm.name="{algorithm}"')[0] == 0
 
 

@@ -166,11 +166,14 @@ def summarize_alone(records: list[dict]) -> dict:
             "train_reward": _train_reward([r.get("reward_mean") for r in records]), **_evals(records)}
 
 
-def summarize_together(records: list[dict], names: list[str]) -> dict[str, dict]:
-    """Each learner of the together run, from ``learners.<name>`` of the records."""
+def summarize_together(records: list[dict], names: list[str], final: dict | None = None) -> dict[str, dict]:
+    """Each learner of the together run, from ``learners.<name>`` of the records and, for the side
+    learners, ``final`` (the run folder's ``learners.json``: their state at the end, with the
+    final evaluation, which lands after the last record)."""
     out = {}
     for name in names:
         mine = [r["learners"][name] for r in records if name in r.get("learners", {})]
+        mine += [final[name]] if final and name in final else []
         last = mine[-1] if mine else {}
         served = bool(last.get("served"))
         # the served learner's evaluations are the record's own eval/* (also under learners.<name>)
@@ -192,8 +195,10 @@ def _run(file: str, overrides: list[str], extra: list[str], label: str, console:
     run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved, plain=True, report=False)
     wall = time.time() - t0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    final = run_dir / "learners.json"
     return {"run_dir": str(run_dir), "wall_s": round(wall, 2), "steps": len(records),
-            "generated_tokens": round(generated_tokens(records), 1), "records": records}
+            "generated_tokens": round(generated_tokens(records), 1), "records": records,
+            "final": json.loads(final.read_text()) if final.exists() else {}}
 
 
 def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNERS, set_learner: list[str] = (),
@@ -218,7 +223,7 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
                       markup=False)
 
     together = _run(file, overrides, extra["together"], "together", console)
-    together["learners"] = summarize_together(together.pop("records"), learners)
+    together["learners"] = summarize_together(together.pop("records"), learners, together.pop("final"))
     apart = {}
     for name in learners:
         run = _run(file, overrides, extra["apart"][name], name, console)

@@ -254,12 +254,7 @@ class Controller:
         self.dispatcher.finish()
         if self.elastic:
             self.elastic.finish()
-        if self.fanout:  # the other learners' policies beside the main one's
-            self.fanout.drain()
-            self.fanout.save_policies(out)
-            self.fanout.finish_evaluations()
-            learners.write_final(self.fanout, out.parent / "learners.json")
-        out = learners.policy_folder(self.resolved, out)
+        out = learners.finish(self.fanout, self.resolved, out)  # the other learners' policies beside it
         stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
         return self.client.gather([
             self.client.submit(remote.save_policy, str(out), after=self.last_step,

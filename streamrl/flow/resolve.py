@@ -161,8 +161,9 @@ def _check_group_size(out: Resolved, plan: LearnerPlan) -> None:
     if r.trainer.samples_per_prompt < need:
         field = "algorithm.name" if plan.name == "main" else f"learner {plan.name!r}'s algorithm"
         raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with {field} = "
-                        f'"{plan.algorithm.component.name}", whose baseline is the mean of a prompt\'s samples: a sample '
-                        f"alone gets advantage 0 and nothing is learned; use {need} or more (8 is usual)")
+                        f'"{plan.algorithm.component.name}", which learns from the differences between a prompt\'s samples '
+                        f"(a group baseline, or a preference pair): a sample alone gets advantage 0 and nothing is "
+                        f"learned; use {need} or more (8 is usual)")
 
 
 #: Where a model's config.json says how many positions (prompt and response together) it has.

@@ -148,9 +148,15 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
     return fanout
 
 
-def policy_folder(resolved, out: Path) -> Path:
-    """Where the main learner's policy goes: ``out`` alone, or ``out/<name>`` beside the other
-    learners' when the recipe has ``[[learners]]``."""
+def finish(fanout: Fanout | None, resolved, out: Path) -> Path:
+    """At the end of the run: every side learner's queued steps, policy (``out/<name>``) and
+    final evaluation, and ``learners.json`` beside ``out``; returns where the main learner's
+    policy goes: ``out`` alone, or ``out/<name>`` when the recipe has ``[[learners]]``."""
+    if fanout is not None:
+        fanout.drain()
+        fanout.save_policies(out)
+        fanout.finish_evaluations()
+        write_final(fanout, out.parent / "learners.json")
     return out / resolved.learners[0].name if resolved.recipe.learners else out
 
 
