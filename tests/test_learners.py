@@ -231,3 +231,25 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
     assert len(rloo) == gone["steps_trained"] and all(crc == main[step] for step, _, crc in rloo)
     assert rloo[-1][0] + 1 == gone["steps_trained"] + gone["skipped_steps"]  # from step 0, none lost
     assert os.path.isdir(run_dir / "checkpoints")
+
+
+def test_dual_clip_bounds_what_a_token_far_likelier_than_its_behaviour_policy_pulls():
+    """Off-policy, a learner's ratio to the behaviour policy can be far above 1; with a negative
+    advantage the plain clipped surrogate then pulls with the whole ratio, dual-clip with c * |A|."""
+    import torch
+
+    from streamrl.algorithms.grpo import GRPO, GRPOConfig
+
+    new = torch.tensor([[0.0, 3.0, -3.0]], requires_grad=True)  # ratios 1, e^3, e^-3 to the behaviour log-probs 0
+    old, mask, adv = torch.zeros(1, 3), torch.ones(1, 3), torch.tensor([-1.0])
+    plain, _ = GRPO(GRPOConfig()).loss(new, old, None, adv, mask)
+    (g_plain,) = torch.autograd.grad(plain.sum(), new)
+    dual, _ = GRPO(GRPOConfig(dual_clip=3.0)).loss(new, old, None, adv, mask)
+    (g_dual,) = torch.autograd.grad(dual.sum(), new)
+    assert plain.item() == pytest.approx((1.0 + torch.e ** 3 + 0.8) / 3, rel=1e-5)  # (e^-3 is clipped at 1 - 0.2)
+    assert dual.item() == pytest.approx((1.0 + 3.0 + 0.8) / 3, rel=1e-5)
+    assert g_plain[0, 1] > 6 and g_dual[0, 1] == 0  # the far-likelier token no longer pulls
+    assert g_dual[0, 0] == g_plain[0, 0]  # an in-range token is untouched
+    positive, _ = GRPO(GRPOConfig(dual_clip=3.0)).loss(new, old, None, -adv, mask)
+    same, _ = GRPO(GRPOConfig()).loss(new, old, None, -adv, mask)
+    assert torch.equal(positive, same)  # a positive advantage is already bounded by the clip

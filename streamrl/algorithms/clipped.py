@@ -38,6 +38,11 @@ class ClippedConfig(BaseModel):
     off_policy_cap: float = Field(0.0, ge=0)
     """0: the ratio is to the generating policy. > 0: decoupled PPO with the behaviour
     importance weight capped at this value (e.g. 2.0), for stale samples in ``async`` mode."""
+    dual_clip: float = Field(0.0, ge=0)
+    """0: off. ``c > 1``: dual-clip PPO (Ye et al., 2020) -- for a negative advantage the per-token
+    loss is at most ``c * |A|``, so a token the trained policy finds far likelier than the policy
+    that generated it (a ratio far above 1, as for a learner that is not served) cannot pull with
+    an unbounded weight."""
     epochs: int = Field(1, ge=1, le=64)
     """Optimizer steps over each batch (PPO epochs). Epoch ``e`` trains on samples ``e - 1``
     updates older than the policy, on top of any ``async`` staleness; the clip bounds how far
@@ -70,7 +75,10 @@ class ClippedSurrogate(Algorithm):
             ratio = torch.exp(new - old)
         clipped = torch.clamp(ratio, 1 - self.config.clip, 1 + self.config.clip)
         a = adv[:, None] if adv.dim() == 1 else adv  # per sample [B] or per token [B, T]
-        per_token = -torch.minimum(ratio * a, clipped * a) * behaviour_weight
+        surrogate = torch.minimum(ratio * a, clipped * a)
+        if self.config.dual_clip > 1:  # (a >= 0 is untouched: its surrogate is already at most (1 + e) * a)
+            surrogate = torch.where(a < 0, torch.maximum(surrogate, self.config.dual_clip * a), surrogate)
+        per_token = -surrogate * behaviour_weight
         kl = torch.zeros_like(new)
         if ref is not None:
             d = ref - new
