@@ -21,9 +21,13 @@ from pathlib import Path
 from distributed import WorkerPlugin
 from rich.console import Console, Group
 from rich.live import Live
+from rich.padding import Padding
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
+
+from streamrl.telemetry.report import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
 
 #: Dask event topic the workers' warnings travel on
 TOPIC = "streamrl-warnings"
@@ -131,11 +135,37 @@ class RunDisplay:
         return Group(self.progress, table)
 
 
-def summary_table(records: list[dict], files: dict[str, str], window: int = 10) -> Table:
+class SummaryTable(Table):
+    """A table with renderables printed below it (``below``: the run's learners, as wide as the
+    console allows, not squeezed into a cell), its caption last."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.below: list = []
+
+    def __rich_console__(self, console, options):
+        if not self.below:
+            yield from super().__rich_console__(console, options)
+            return
+        caption, self.caption = self.caption, None
+        try:
+            table = list(super().__rich_console__(console, options))
+        finally:
+            self.caption = caption
+        yield from table
+        yield from self.below
+        if caption:
+            yield Padding(console.render_str(caption, style="table.caption") if isinstance(caption, str) else caption,
+                          (0, 0, 0, 2), expand=False)
+
+
+def summary_table(records: list[dict], files: dict[str, str], window: int = 10) -> SummaryTable:
     """The end-of-run table: reward first -> last, evaluation, throughput, each pool's idle share,
-    and where the run's files are (``files``: label -> path)."""
+    with several learners one row each (:func:`learners_summary`; their final state from
+    ``learners.json`` in ``files["run folder"]``), and where the run's files are (``files``:
+    label -> path)."""
     k = min(window, len(records))
-    t = Table(title="[bold]run summary[/]", show_header=False, title_justify="left", box=None, padding=(0, 2))
+    t = SummaryTable(title="[bold]run summary[/]", show_header=False, title_justify="left", box=None, padding=(0, 2))
     t.add_column(style="dim", no_wrap=True)
     t.add_column(overflow="fold")
     if records:
@@ -157,9 +187,46 @@ def summary_table(records: list[dict], files: dict[str, str], window: int = 10) 
                 idle[p][0] += a["idle_s"]
                 idle[p][1] += a["idle_s"] + a["busy_s"]
         t.add_row("idle", "  ".join(f"{p} {i / max(c, 1e-9):.0%}" for p, (i, c) in idle.items()))
+        if any(r.get("learners") for r in records):
+            folder = files.get("run folder")
+            t.below.append(learners_summary(records, learners_final(folder) if folder else {}))
     for label, path in files.items():
         t.add_row(label, str(path))
     return t
+
+
+class Fitted(Table):
+    """A borderless table (two spaces between columns) whose headers wrap to their cells' width
+    when it is too wide for the console (rich would wrap the cells first): each column as wide
+    as its widest cell or its header's longest word."""
+
+    def __rich_console__(self, console, options):
+        cells = [[Text.from_markup(str(c)).cell_len for c in column.cells] for column in self.columns]
+        natural = sum(max(len(str(column.header)), *cs) for column, cs in zip(self.columns, cells) if cs)
+        if cells and natural + 2 * (len(cells) - 1) > options.max_width:
+            for column, cs in zip(self.columns, cells):
+                column.width = max(*map(len, str(column.header).split() or [""]), *cs, 1)
+        yield from super().__rich_console__(console, options)
+
+
+def learners_summary(records: list[dict], final: dict | None = None):
+    """A run's learners side by side (``telemetry/report.learner_figures``): name, algorithm,
+    state, steps trained / skipped, train reward of the last ten steps it trained, held-out
+    reward first -> newest (vN: N steps trained); a failed learner's reason under the table."""
+    rows = learner_figures(records, final)
+    cells = [[escape(c) for c in learner_cells(row)] for row in rows]
+    t = Fitted(box=None, padding=(0, 2), collapse_padding=True, pad_edge=False, header_style="dim")
+    for i, col in enumerate(LEARNER_COLUMNS):
+        t.add_column(col.format(arrow="->"), justify="right" if i in (3, 4) else "left", overflow="fold")
+    for row, line in zip(rows, cells):
+        if row["state"] == "failed":
+            line[2] = f"[red]{line[2]}[/]"
+        elif row["state"] != "training":
+            line[2] = f"[dim]{line[2]}[/]"
+        t.add_row(*line)
+    failures = [Text(f"{row['name']} failed at {row['failure']}", style="red") for row in rows if row["failure"]]
+    return Group(Text.from_markup("[bold]learners[/]", style="table.title"),
+                 Padding(Group(t, *failures), (0, 0, 0, 2), expand=False))
 
 
 class WarningsToEvents(WorkerPlugin):

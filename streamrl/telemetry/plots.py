@@ -4,7 +4,8 @@ pyplot state: safe at the end of a run in any process).
 Every function takes ``series``, a list of ``(label, records)`` (a run's ``metrics.jsonl``
 records, oldest first), draws every run on the same axes in its own colour (``C0``, ``C1``, ...
 in list order) and returns whether it wrote ``path`` (False: nothing to draw, e.g. no ranker).
-The per-worker timeline is the exception: one run per figure (:func:`timeline`).
+The per-worker timeline and the learners are the exceptions: one run per figure (:func:`timeline`,
+:func:`learners`).
 
 matplotlib and numpy are imported by the caller's first use of this module, never by
 ``import streamrl``.
@@ -314,4 +315,39 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
     kinds = [k for k in tl.KINDS if any(b.kind == k for n in names for b in rows[n])]
     fig.legend(handles=[Patch(color=KIND_COLOURS[k], label=KIND_LEGEND[k]) for k in kinds], loc="outside lower center",
                ncol=len(kinds), fontsize=8, frameon=False)
+    return _save(fig, path)
+
+
+def learners(label: str, rows: list[dict], path: Path) -> bool:
+    """One run's learners (``report.learner_figures``), one line each, labelled with its name and
+    algorithm: the held-out reward of every evaluation by the stream step its policy had trained
+    through, or, when no learner was evaluated, the train loss per step. The served learner is
+    drawn bold; a failed learner's last point is a cross."""
+    with_eval = any(row["evals"] for row in rows)
+    if not (with_eval or any(row["loss"] for row in rows)):
+        return False
+    fig, (ax,) = _figure(WIDE)
+    windows = set()
+    for i, row in enumerate(rows):
+        points = [(x, y) for x, _, y in row["evals"]] if with_eval else row["loss"]
+        if not points:
+            continue
+        x, y = np.array(points, dtype=float).T
+        name = f"{row['name']} ({row['algorithm']}" + (", served" if row["served"] else "") + (
+            f", {row['state']}" if row["state"] != "training" else "") + ")"
+        if with_eval:
+            ax.plot(x, y, color=f"C{i}", lw=2.4 if row["served"] else 1.5, marker="o", ms=3.5, label=name)
+        else:
+            windows.add(_trend(ax, x, y, f"C{i}", name))
+        if row["state"] == "failed":
+            ax.plot(x[-1:], y[-1:], color=f"C{i}", marker="X", ms=10, ls="none")
+    if with_eval:
+        ax.set(title=f"{label}: held-out reward per learner", ylabel="held-out mean reward",
+               xlabel="stream step (the evaluated policy had trained through it)")
+    else:
+        how = "" if windows <= {1} else f"; thin: per step, bold: mean of the last {'/'.join(map(str, sorted(windows)))}"
+        ax.set(title=f"{label}: train loss per learner (no held-out evaluation{how})", xlabel="step", ylabel="loss")
+    ax.title.set_fontsize(10)
+    ax.grid(alpha=0.3)
+    _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)

@@ -2,8 +2,9 @@
 
 :func:`write_report` reads each folder's ``metrics.jsonl`` (and ``recipe.toml`` for its name and
 mode), draws the figures of ``telemetry/plots.py`` into ``plots/`` (several runs overlaid on
-the same axes, except the per-worker timeline: one per run) and writes ``report.md`` beside it
-with a summary table and the images. The runner calls it at the end of every run, so it is
+the same axes, except the per-worker timeline and the learners: one per run) and writes
+``report.md`` beside it with a summary table and the images. A run with several learners
+(``[[learners]]``) gets a table of them and ``learners.png``, one curve per learner. The runner calls it at the end of every run, so it is
 cheap (about a second for a 120-step run) and a plot that fails is a warning, never the end of
 the run.
 """
@@ -165,6 +166,17 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
             timelines.append(f"![Worker timeline of {run.label}](plots/{png.name})\n")
     if timelines:
         sections.append("## Who was busy when\n\n" + TIMELINE_HELP + "\n\n" + "\n".join(timelines))
+    # many learners on one stream: a table and a plot per run that had them, right after the summary
+    with_learners = [(run, rows) for run in runs if (rows := learner_figures(run.records, learners_final(run.path)))]
+    parts = []
+    for i, (run, rows) in enumerate(with_learners):
+        name = f"learners-{i + 1}.png" if len(with_learners) > 1 else "learners.png"
+        png = _draw(lambda s, p, run=run, rows=rows: plots.learners(run.label, rows, p), series,
+                    plot_dir / name, f"learners of {run.label}")
+        parts.append((f"### {run.label}\n\n" if len(with_learners) > 1 else "") + learners_table(rows)
+                     + (f"\n![Learners of {run.label}](plots/{png.name})\n" if png else ""))
+    if parts:
+        sections.insert(0, "## Learners\n\n" + LEARNERS_HELP + "\n\n" + "\n".join(parts))
     report = out / "report.md"
     text = (f"# streamrl report\n\n{len(runs)} run{'s' if len(runs) > 1 else ''}, written "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')}.\n\n{summary_table(runs)}\n" + "\n".join(sections))
@@ -235,6 +247,109 @@ def summary_table(runs: list[Run]) -> str:
     return "\n".join(lines) + ("\n\nReward: mean of the first and of the last ten steps (a quarter of a shorter run). "
                                 "Run time: the steps' wall time (starting the cluster and saving not included). Idle: "
                                 "share of the pool's worker time over the whole run, from the workers' busy clocks.\n")
+
+
+#: a learner's train reward: the mean of its last this many trained steps (as ``bench learners``)
+LEARNER_WINDOW = 10
+
+
+def _num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def learners_final(path: Path) -> dict:
+    """The run folder's ``learners.json`` (each side learner as the run ended), {} without one."""
+    try:
+        final = json.loads((Path(path) / "learners.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in final.items() if isinstance(v, dict)} if isinstance(final, dict) else {}
+
+
+def learner_figures(records: list[dict], final: dict | None = None, window: int = LEARNER_WINDOW) -> list[dict]:
+    """Each learner of a run with several (``metrics.jsonl``'s ``learners``; ``final``: the run
+    folder's ``learners.json``), in order of appearance: ``name``, ``served``, ``algorithm``,
+    ``state``, ``steps_trained``, ``skipped_steps``, ``failure``, ``train_reward`` (the mean
+    ``reward_mean`` of its last ``window`` trained steps, each counted once: a side learner
+    repeats its last step's figures while it lags), ``evals`` (``(x, version, reward_mean)`` of
+    every held-out evaluation, by version; ``x``: the stream step the evaluated policy had
+    trained through, 0 before any) and ``loss`` (``(step, loss)`` per trained step, 1-based).
+    [] for a run without ``learners``."""
+    entries: dict[str, list[dict]] = {}
+    for rec in records:
+        for name, e in (rec.get("learners") or {}).items():
+            if isinstance(e, dict):
+                entries.setdefault(name, []).append(e)
+    for name, e in (final or {}).items():
+        entries.setdefault(name, []).append(e)
+    rows = []
+    for name, mine in entries.items():
+        last = mine[-1]
+        served = bool(last.get("served"))
+        trained: dict = {}  # the learner's stream step -> its entry (the newest)
+        for i, e in enumerate(mine):
+            if _num(e.get("reward_mean")) or _num(e.get("loss")):
+                trained[e["step"] if _num(e.get("step")) else ("entry", i)] = e
+        rewards = [e["reward_mean"] for e in trained.values() if _num(e.get("reward_mean"))][-window:]
+        # the stream step its policy had trained through, by steps trained (version)
+        joined = last.get("joined_at") if _num(last.get("joined_at")) else 0
+        through = {0: joined}
+        for e in mine:
+            if _num(e.get("steps_trained")) and _num(e.get("step")):
+                through[int(e["steps_trained"])] = int(e["step"]) + 1
+        # the served learner's evaluations are the record's own eval/* (with those that landed
+        # after the last record, ``eval_unrecorded``); a side learner's, its entries' and the final
+        found: dict[int, float] = {}
+        for e in (records if served else []) + mine:
+            for ev in [e, *(e.get("eval_unrecorded") or ())]:
+                if isinstance(ev, dict) and _num(ev.get("eval/policy_version")) and _num(ev.get("eval/reward_mean")):
+                    found[int(ev["eval/policy_version"])] = ev["eval/reward_mean"]
+        failure = next((e["failure"] for e in reversed(mine) if e.get("failure")), None)
+        rows.append({"name": name, "served": served, "algorithm": last.get("algorithm", "?"),
+                     "state": last.get("state", "?"), "steps_trained": last.get("steps_trained"),
+                     "skipped_steps": last.get("skipped_steps", 0), "failure": failure,
+                     "train_reward": sum(rewards) / len(rewards) if rewards else None,
+                     "evals": [(through.get(v, joined + v), v, found[v]) for v in sorted(found)],
+                     "loss": [(k + 1, e["loss"]) for k, e in trained.items() if _num(k) and _num(e.get("loss"))]})
+    return rows
+
+
+LEARNER_COLUMNS = ["learner", "algorithm", "state", "steps trained / skipped",
+                   f"train reward (last {LEARNER_WINDOW})", "eval first {arrow} last"]
+
+
+def learner_cells(row: dict, arrow: str = "->") -> list[str]:
+    """A learner's cells under :data:`LEARNER_COLUMNS` (the failure is left to the caller)."""
+    evals = row["evals"]
+    if evals:
+        (_, v0, e0), (_, v1, e1) = evals[0], evals[-1]
+        ev = f"{e0:.3f} (v{v0})" + (f" {arrow} {e1:.3f} (v{v1})" if len(evals) > 1 else "")
+    else:
+        ev = "-"
+    steps = row["steps_trained"] if row["steps_trained"] is not None else "-"
+    return [row["name"] + (" (served)" if row["served"] else ""), str(row["algorithm"]), str(row["state"]),
+            f"{steps} / {row['skipped_steps'] or 0}",
+            f"{row['train_reward']:.3f}" if row["train_reward"] is not None else "-", ev]
+
+
+def learners_table(rows: list[dict]) -> str:
+    """The markdown table of a run's learners (one row each; a failure's text last, when one failed)."""
+    failed = any(row["failure"] for row in rows)
+    head = [c.format(arrow="→") for c in LEARNER_COLUMNS] + (["failure"] if failed else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = learner_cells(row, "→") + ([row["failure"] or ""] if failed else [])
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+LEARNERS_HELP = (
+    "One row per learner: its state, the steps it trained and skipped, its train reward (the mean of "
+    f"its last {LEARNER_WINDOW} trained steps: the stream's samples, so learners that trained the same steps read "
+    "alike) and its held-out reward at its first and newest evaluation (vN: N steps trained; a side "
+    "learner's final one from `learners.json`): what tells them apart. The plot draws every "
+    "evaluation by the stream step the evaluated policy had trained through (without `[eval]`: "
+    "each learner's train loss per step).")
 
 
 def _duration(seconds: float) -> str:
