@@ -74,9 +74,13 @@ def test_micro_batching_and_order_do_not_change_the_update(tiny_model):
     for name in whole:
         # the accumulated gradient is the same up to float summation order ...
         assert torch.allclose(grads_b[name], grads_s[name], rtol=1e-4, atol=1e-7), name
-        # ... and so is the AdamW step, whose size is ~lr per element; Adam divides by |g|, so
-        # near-zero gradient entries amplify summation noise: allow 2% of one step
-        assert torch.allclose(whole[name], streamed[name], atol=0.02 * 1e-2), name
+        # ... and so is the AdamW step, whose size is ~lr per element. Adam's first step is
+        # ~lr * g / |g|, so an entry whose gradient is summation noise (|g| ~ 1e-8, both orders
+        # agreeing to the atol above) may move by anything up to a step: compare the step where
+        # the gradient is well above that noise, and bound it by one step elsewhere
+        clear = grads_b[name].abs() > 1e-6
+        assert torch.allclose(whole[name][clear], streamed[name][clear], atol=0.02 * 1e-2), name
+        assert (whole[name] - streamed[name]).abs().max().item() <= 2 * 1e-2 + 1e-6, name
 
 
 def test_gae_spreads_the_final_reward_over_the_response_tokens():
