@@ -225,3 +225,18 @@ def test_a_recipe_names_dpo(capsys, tiny_recipe):
     assert "samples_per_prompt" in capsys.readouterr().err
     assert main(["recipe", "validate", str(tiny_recipe), "--set", "algorithm.clip=0.2"]) == 2
     assert "algorithm.clip" in capsys.readouterr().err
+
+
+def test_nll_coef_adds_the_chosen_responses_mean_token_nll():
+    """RPO: the pair's loss gains ``-nll * mean_t logp_chosen``, on the chosen sample only, and
+    its gradient raises every chosen token by ``nll / tokens`` more than plain DPO does."""
+    new = torch.tensor(NEW, requires_grad=True)
+    args = (torch.zeros(2, 3), torch.tensor(REF), torch.tensor([1.0, -1.0]), torch.tensor(MASK))
+    plain, _ = DPO(DPOConfig(beta=0.5)).loss(new, *args)
+    rpo, _ = DPO(DPOConfig(beta=0.5, nll_coef=2.0)).loss(new, *args)
+    assert rpo[0].item() == pytest.approx(plain[0].item() + 2.0 * (0.5 + 1.0) / 2, rel=1e-6)  # chosen: mean of -0.5, -1
+    assert rpo[1].item() == 0.0
+    (g_plain,) = torch.autograd.grad(plain.sum(), new)
+    (g_rpo,) = torch.autograd.grad(rpo.sum(), new)
+    assert torch.allclose(g_rpo[0, :2] - g_plain[0, :2], torch.full((2,), -1.0))  # -2.0 / 2 tokens
+    assert torch.equal(g_rpo[1], g_plain[1]) and g_rpo[0, 2] == 0  # rejected and masked untouched

@@ -253,3 +253,26 @@ def test_dual_clip_bounds_what_a_token_far_likelier_than_its_behaviour_policy_pu
     positive, _ = GRPO(GRPOConfig(dual_clip=3.0)).loss(new, old, None, -adv, mask)
     same, _ = GRPO(GRPOConfig()).loss(new, old, None, -adv, mask)
     assert torch.equal(positive, same)  # a positive advantage is already bounded by the clip
+
+
+def test_behaviour_kl_anchors_the_trained_policy_to_the_behaviour_one():
+    """``behaviour_kl``: the k3 estimate of KL(behaviour || trained) on the sampled tokens, ``r - 1 -
+    log r``: 0 where the trained policy agrees with the behaviour one, a gradient ``beta * (r - 1)``
+    toward it elsewhere -- also on a sample whose advantage is 0, which then is not skipped."""
+    import torch
+
+    from streamrl.algorithms.grpo import GRPO, GRPOConfig
+
+    old, mask, adv = torch.zeros(1, 3), torch.ones(1, 3), torch.tensor([0.0])
+    new = torch.tensor([[0.0, 1.0, -1.0]], requires_grad=True)  # ratios 1, e, 1/e to the behaviour
+    algo = GRPO(GRPOConfig(behaviour_kl=0.5))
+    assert not algo.zero_advantage_no_gradient and GRPO(GRPOConfig()).zero_advantage_no_gradient
+    loss, stats = algo.loss(new, old, None, adv, mask)
+    k3 = [0.0, torch.e - 2.0, torch.e ** -1]  # e^d - d - 1
+    assert loss.item() == pytest.approx(0.5 * sum(k3) / 3, rel=1e-5)
+    assert stats["behaviour_kl_sum"].item() == pytest.approx(sum(k3) / 3, rel=1e-5)
+    (g,) = torch.autograd.grad(loss.sum(), new)
+    expected = torch.tensor([[0.0, torch.e - 1.0, torch.e ** -1 - 1.0]]) * 0.5 / 3
+    assert torch.allclose(g, expected, atol=1e-6)  # descent pulls each token's log-prob back to the behaviour's
+    plain, _ = GRPO(GRPOConfig()).loss(new, old, None, adv, mask)
+    assert plain.item() == 0.0

@@ -11,8 +11,13 @@ frozen initial policy's) summed log-probabilities of a response:
     z_i = sum_t (logp_t - logp_ref_t) * mask_t                  # sequence log-ratio of sample i
     d   = beta * (z_chosen - z_rejected)
     L   = -(1 - ls) * logsigmoid(d) - ls * logsigmoid(-d)       # ls: label smoothing (cDPO)
+    L  += -nll * sum_t(logp_chosen_t * mask_t) / sum_t(mask_t)  # nll: optional (RPO)
 
-``beta * z`` is DPO's implicit reward; ``d`` the reward margin of the pair. ``ls > 0`` is
+``beta * z`` is DPO's implicit reward; ``d`` the reward margin of the pair. ``nll > 0`` adds
+the chosen response's mean token negative log-likelihood, ``- nll * mean_t logp_chosen_t`` (RPO:
+Pang et al., 2024, "Iterative Reasoning Preference Optimization"): plain DPO can lower the
+likelihood of the chosen response too, as long as the rejected one falls faster, and greedy
+decoding then drifts to responses neither side ever showed. ``ls > 0`` is
 conservative DPO (Mitchell, 2023): each preference label is taken as flipped with probability
 ``ls``, so the loss no longer pushes the margin up without bound.
 
@@ -52,6 +57,9 @@ class DPOConfig(BaseModel):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Probability that a pair's preference is wrong (conservative DPO, cDPO): 0 is plain DPO;
     > 0 mixes in the loss of the flipped pair, so the margin settles instead of growing forever."""
+    nll_coef: float = Field(0.0, ge=0)
+    """Weight of the chosen response's mean token negative log-likelihood added to each pair's
+    loss (RPO); 0 is plain DPO. Keeps the chosen responses likely while the margin grows."""
     epochs: int = Field(1, ge=1, le=64)
     """Optimizer steps over each batch. DPO's loss does not depend on the generating policy, so
     later epochs need no correction; the weights are published once, after the last epoch, so
@@ -104,6 +112,9 @@ class DPO(Algorithm):
         margin = self.config.beta * (z[chosen] - z[rejected])  # [pairs]
         ls = self.config.label_smoothing
         pair_loss = -(1 - ls) * F.logsigmoid(margin) - ls * F.logsigmoid(-margin)
+        if self.config.nll_coef > 0:  # RPO: the chosen response's mean token NLL
+            n_chosen = mask[chosen].sum(-1).clamp(min=1)
+            pair_loss = pair_loss - self.config.nll_coef * (new[chosen] * mask[chosen]).sum(-1) / n_chosen
         per_sample = torch.zeros_like(z).index_put((chosen,), pair_loss)
         with torch.no_grad():
             stats = {
