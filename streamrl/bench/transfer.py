@@ -20,7 +20,7 @@ from rich.table import Table
 from streamrl import cluster
 from streamrl.flow import runner
 from streamrl.flow.controller import Controller
-from streamrl.flow.weights import publish, wait_loaded
+from streamrl.flow.weights import publish, relay_sites, wait_loaded
 from streamrl.recipe import load_recipe
 
 
@@ -53,7 +53,8 @@ def measure(file: str, overrides: list[str], transfer: str, repeats: int) -> dic
         for version in range(1, repeats + 2):  # the first is a warm-up (connections, buffers)
             t0 = time.perf_counter()
             wait_loaded(publish(client, None, version, topo.train_pin, topo.generate_pins(),
-                                tag=f"-bench-{transfer}", trainer_id=topo.incarnations))
+                                tag=f"-bench-{transfer}", trainer_id=topo.incarnations,
+                                sites=relay_sites(resolved.transfer.config, topo.generate)))
             seconds.append(time.perf_counter() - t0)
         return {"transfer": transfer, "model_bytes": size, "generate_workers": len(topo.generate),
                 "publish_s": seconds[1:], "memcpy_gb_s": size / copy_s / 1e9}

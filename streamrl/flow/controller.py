@@ -25,7 +25,7 @@ from streamrl.flow import checkpoints, elastic, evaluate, modes, placement, remo
 from streamrl.flow.feed import Feed
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.topology import Topology
-from streamrl.flow.weights import publish, wait_loaded
+from streamrl.flow.weights import publish, relay_sites, wait_loaded
 from streamrl.learners import runtime as learners
 from streamrl.scheduling.dispatch import Dispatcher
 from streamrl.telemetry import bubbles
@@ -177,7 +177,8 @@ class Controller:
         with self.lock:  # repeatable: generation admitted under older versions finishes with them
             older = [f for v in sorted(self.generating) if v < version for f in self.generating.pop(v)]
         loads = publish(self.client, after, version, topo.train_pin, topo.generate_pins(), tag=tag,
-                        trainer_id=topo.incarnations, loads_after=[f for f in older if not f.done()] or None)
+                        trainer_id=topo.incarnations, loads_after=[f for f in older if not f.done()] or None,
+                        sites=relay_sites(self.resolved.transfer.config, topo.generate))
         if self.elastic:
             for name, load in zip(topo.generate, loads):
                 self.elastic.track(name, load)

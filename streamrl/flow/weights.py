@@ -5,6 +5,12 @@ streamrl orders and prioritises the work so a transfer only moves tensors: the e
 the step (it depends on it), every load after the export, both at a Dask priority above any
 generate task (on a busy generate worker a load must not queue behind generation submitted
 earlier), and a load never takes an engine back to an older version (``remote.load_weights``).
+
+With a relay (the ``dask`` transfer's ``relay``) the generate workers of a site take the payload
+from one of them, not from the train worker: a ``relay-weights-<v>`` task pinned to the site's
+first worker depends on the export, and the site's loads depend on the relay's key. Dask fetches
+a dependency from a worker that holds it, and only the relay worker holds that key, so the
+payload crosses the link between the pools once per site.
 """
 
 from __future__ import annotations
@@ -25,20 +31,46 @@ LOAD_PRIORITY = 1_000_000
 LATEST = remote.LATEST
 
 
+def relay(payload):
+    """Generate worker, one per site: the payload itself. Its result lives on this worker only,
+    so the site's loads, which depend on this task's key, fetch the payload from here."""
+    return payload
+
+
+def relay_sites(transfer_config, generate: list[str]) -> list[list[str]] | None:
+    """The sites a publication relays to (``transfer_config``: the recipe's transfer config;
+    ``generate``: the generate workers now), or None without a relay. A transfer with no
+    ``relay`` option (one whose payload is a token) never relays."""
+    if not getattr(transfer_config, "relay", False):
+        return None
+    return [list(site) for site in transfer_config.sites] or [list(generate)]
+
+
 def publish(client: Client, after: Future | None, version: int, train_pin: dict,
             generate_pins: dict[str, dict], tag: str = "", trainer_id: str | dict | None = None,
-            loads_after: list[Future] | None = None) -> list[Future]:
+            loads_after: list[Future] | None = None, sites: list[list[str]] | None = None) -> list[Future]:
     """Submit the export (on the train worker, ``train_pin``: ``cluster.pins``) and one load per
     generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds
     the load took). ``tag`` makes the keys new when a version is published again (a resume), so
     Dask does not answer with a finished task. ``loads_after``: tasks every load waits for (a
-    repeatable run: the generation that must still see the older weights)."""
+    repeatable run: the generation that must still see the older weights). ``sites``: generate
+    workers grouped by site (:func:`relay_sites`); in a site of two or more workers now in
+    ``generate_pins``, the first relays to the others; None: every load fetches from the train
+    worker."""
     with spans.phase(version - 1, "publish"):  # the step that made this version
         payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id,
                                 receivers=len(generate_pins), key=spans.step_key("export-weights", version, f"v{version}{tag}"),
                                 priority=LOAD_PRIORITY, **train_pin)
         Variable(LATEST, client=client).set(payload)
-        return [client.submit(remote.load_weights, payload, version, after=loads_after,
+        source = {name: payload for name in generate_pins}
+        for site in sites or []:
+            here = [name for name in site if name in generate_pins]
+            if len(here) < 2:  # (a relay for one worker would only add a hop)
+                continue
+            relayed = client.submit(relay, payload, key=spans.step_key("relay-weights", version, f"{here[0]}{tag}"),
+                                    priority=LOAD_PRIORITY, **generate_pins[here[0]])
+            source.update(dict.fromkeys(here, relayed))
+        return [client.submit(remote.load_weights, source[name], version, after=loads_after,
                               key=spans.step_key("load-weights", version, f"{name}{tag}"), priority=LOAD_PRIORITY,
                               **pin)
                 for name, pin in generate_pins.items()]

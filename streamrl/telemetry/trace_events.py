@@ -20,7 +20,7 @@ import re
 POOL_ORDER = ("generate", "reward", "train")
 
 #: task-key prefixes whose number is the policy version they carry, not the step (``flow/weights.py``)
-VERSIONED = ("export-weights", "load-weights", "eval-generate", "eval-reward", "eval-summary")
+VERSIONED = ("export-weights", "relay-weights", "load-weights", "eval-generate", "eval-reward", "eval-summary")
 
 #: seconds a sample's time may fall outside the task stream's span of the task that holds it:
 #: Dask moves task times to the scheduler's clock (a heartbeat's estimate), samples keep the worker's
