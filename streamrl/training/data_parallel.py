@@ -8,6 +8,12 @@ clips and steps: all ranks apply the same update and stay identical, as DDP keep
 module wrapper is not used because it synchronises inside backward, once per micro-batch, and
 requires every rank to run the same number of them; in a streamed step a rank may train three
 groups while another trains none. A rank that trained nothing contributes zeros.
+
+Every socket of the group listens on the interface the train workers' Dask addresses are on
+(127.0.0.1 on the embedded cluster), never on all of them: rank 0's store is handed a socket bound
+there (:func:`listen`; a ``TCPStore`` opened by torch's ``tcp://`` rendezvous listens on every
+interface, and anyone who reaches it can write the group's keys), and gloo's own sockets (NCCL's
+too) are bound to that interface by name (:func:`bind_collectives_to`).
 """
 
 from __future__ import annotations
@@ -21,17 +27,88 @@ import torch
 BUCKET_BYTES = 32 * 2**20
 
 
+_RESERVED: dict[str, socket.socket] = {}
+"""``host:port`` -> the listening socket :func:`free_address` opened there, for rank 0's store."""
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host`` (one interface) at ``port`` (0: any free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host.strip("[]"), port), family=family, backlog=1024)
+
+
 def free_address(host: str) -> str:
-    """``host:port`` with a port free on this machine now, for rank 0's rendezvous."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
+    """``host:port`` for rank 0's rendezvous, with a socket already listening there that rank 0's
+    :func:`join` hands to its store: no other process can take the port in between, and the
+    store listens on ``host`` alone. Sockets reserved earlier and never used are closed."""
+    for old in _RESERVED.values():
+        old.close()
+    _RESERVED.clear()
+    s = listen(host)
+    address = f"{host}:{s.getsockname()[1]}"
+    _RESERVED[address] = s
+    return address
+
+
+def store(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta, listener=None):
+    """The group's ``TCPStore``: rank 0 serves it on ``listener`` (a socket listening on
+    ``host``, opened now if None; the store owns it from here on), the others connect."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout=timeout)
+    listener = listener or listen(host, port)
+    # (master_listen_fd: torch's store would otherwise bind the port on every interface)
+    return dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds address ``host`` (``lo`` for 127.0.0.1), or
+    None when none does (a host name that does not resolve to one of this machine's addresses)."""
+    import psutil
+
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None)}
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] in wanted for a in addresses):
+            return name
+    return None
+
+
+def own_host() -> str:
+    """The interface this Dask worker listens on (127.0.0.1 outside a worker): where its process
+    groups listen too, since that is where the pool already talks."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().address.split("://", 1)[-1].rsplit(":", 1)[0]
+    except ValueError:  # not inside a worker (tests)
+        return "127.0.0.1"
+
+
+def bind_collectives_to(host: str, backend: str) -> None:
+    """Make gloo (and NCCL, when the backend has it) listen on the interface of ``host`` only.
+    Left to themselves they pick the address the machine's host name resolves to (gloo) or the
+    first non-loopback interface (NCCL): on the embedded cluster that is a socket reachable
+    from outside the machine. A choice the user made (``GLOO_SOCKET_IFNAME``,
+    ``NCCL_SOCKET_IFNAME``) stands."""
+    import os
+
+    name = interface_of(host)
+    if name is None:
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    if "nccl" in backend:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
 def join(rank: int, world: int, address: str, timeout_s: float, backend: str | None = None) -> None:
     """Join the train pool's process group, leaving any earlier one first (every rank joins
-    anew at a fresh address); ``world = 1`` only leaves. ``backend`` None: gloo for CPU tensors,
-    plus NCCL for CUDA tensors where CUDA is available (one group serves both)."""
+    anew at a fresh address, rank 0's from :func:`free_address` on its own worker); ``world = 1``
+    only leaves. ``backend`` None: gloo for CPU tensors, plus NCCL for CUDA tensors where CUDA
+    is available (one group serves both)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -40,8 +117,11 @@ def join(rank: int, world: int, address: str, timeout_s: float, backend: str | N
         return
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    host, port = address.rsplit(":", 1)
+    bind_collectives_to(own_host(), backend)  # (each rank on its own interface; rank 0's is host)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    group_store = store(host, int(port), rank, world, timeout, _RESERVED.pop(address, None) if rank == 0 else None)
+    dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
 
 
 def world_size() -> int:

@@ -10,6 +10,9 @@ buffers. A group per version keeps no state between publications, so a generate 
 in between simply joins the next one. Every collective has ``timeout_s``: a receiver that never
 comes (a dead worker) fails the others' loads with one line, never a hang.
 
+The store and gloo's sockets listen on the interface of the worker's Dask address only (127.0.0.1
+on the embedded cluster), as the train pool's group does (``training/data_parallel.py``).
+
 Gloo carries CPU tensors; a CUDA deployment would use NCCL the same way.
 """
 
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import threading
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,12 +56,9 @@ def _buckets(layout: list[tuple[str, list[int], str]], bucket_bytes: float) -> l
 
 def _host() -> str:
     """The interface this Dask worker listens on (the group meets where Dask already talks)."""
-    try:
-        from distributed import get_worker
+    from streamrl.training.data_parallel import own_host
 
-        return get_worker().address.split("://", 1)[-1].rsplit(":", 1)[0]
-    except ValueError:  # not inside a worker (tests)
-        return "127.0.0.1"
+    return own_host()
 
 
 class TorchDistributedTransfer(Transfer):
@@ -71,7 +70,12 @@ class TorchDistributedTransfer(Transfer):
     def _group(self, store, rank: int, world: int):
         import torch.distributed as dist
 
-        return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=self.config.timeout_s))
+        # gloo's own sockets on this worker's interface: by default gloo listens on whatever the
+        # machine's host name resolves to, which may be reachable from outside the machine
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_host())]
+        options._timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        return dist.ProcessGroupGloo(store, rank, world, options)
 
     def send(self, weights, version: int) -> dict:
         """Snapshot the weights, open this version's group and broadcast in the background;
@@ -81,16 +85,17 @@ class TorchDistributedTransfer(Transfer):
         import torch
         import torch.distributed as dist
 
+        from streamrl.training.data_parallel import listen
+
         names = list(weights)
         snapshot = [weights[n].detach().to("cpu").clone() for n in names]  # the trainer may step on
         layout = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, snapshot)]
         world = 1 + self.receivers
         host = _host()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        listener = listen(host)  # (torch's store would listen on every interface, not only host's)
+        port = listener.getsockname()[1]
         store = dist.TCPStore(host, port, world, True, timeout=datetime.timedelta(seconds=self.config.timeout_s),
-                              wait_for_workers=False)
+                              wait_for_workers=False, master_listen_fd=listener.detach())
 
         def broadcast():
             try:
