@@ -15,6 +15,11 @@ applications when it closes.
 
 Bokeh and Dask's dashboard modules are imported inside the functions: the client process
 imports this module only to send :func:`attach` by reference.
+
+:func:`attach` also makes the whole dashboard (Dask's pages too) answer only requests whose
+``Host`` header names the server itself (:func:`guard_host`): a web page on another site can
+point its own DNS name at 127.0.0.1 ("DNS rebinding") and then read a loopback dashboard from
+the user's browser as same-origin; its requests carry that foreign name as their ``Host``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def attach(dask_scheduler) -> dict | None:
     server = getattr(scheduler, "http_server", None)
     if routing is None or server is None:
         return None
+    guard_host(routing, server)
     prefix = None
     for app in routing.applications:
         ours = getattr(app, "streamrl_page", None)
@@ -66,6 +72,48 @@ def attach(dask_scheduler) -> dict | None:
     app.initialize(IOLoop.current())
     app.start()
     return info
+
+
+def allowed_hosts(bound: str) -> set[str]:
+    """The host names a dashboard bound to address ``bound`` answers to: that address, and
+    ``localhost`` / ``127.0.0.1`` / ``::1``; bound to every interface (``0.0.0.0``, ``::``), also
+    this machine's own names and addresses. An IP literal of the machine is never a rebinding."""
+    names = {bound.strip("[]").lower(), "localhost", "127.0.0.1", "::1"}
+    if names & {"", "0.0.0.0", "::"}:
+        import socket
+
+        import psutil
+
+        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        names |= {a.address.split("%", 1)[0].lower() for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return names
+
+
+def guard_host(routing, server) -> None:
+    """Make the dashboard's tornado application (``routing``, served by ``server``) refuse with
+    403 every request whose ``Host`` is not one of :func:`allowed_hosts` with the server's port
+    (a DNS-rebinding page's requests, its websocket too). Once per application."""
+    if getattr(routing, "streamrl_host_guard", False):
+        return
+    from tornado import httputil, web
+
+    class ForeignHost(web.RequestHandler):
+        def prepare(self):
+            self.set_status(403)
+            self.finish("403: this dashboard answers its own host name only (Host header refused)\n")
+
+    names = allowed_hosts(str(getattr(server, "address", "") or ""))
+    port = int(server.port)
+    find = routing.find_handler
+
+    def find_handler(request, **kwargs):
+        host, given = httputil.split_host_and_port((request.host or "").lower())
+        if host.strip("[]") not in names or (given if given is not None else 80) != port:
+            return routing.get_handler_delegate(request, ForeignHost)
+        return find(request, **kwargs)
+
+    routing.find_handler = find_handler  # (tornado's router asks the application for a handler)
+    routing.streamrl_host_guard = True
 
 
 def _template_variables(scheduler) -> dict:
