@@ -5,6 +5,11 @@
 happened (``mark``, ``record``) and never where it goes. ``status.json`` is written atomically
 (temporary file, then rename) at every state change, so a tool (or a person) looking at
 ``runs/`` can tell a finished run from a crashed one without reading logs.
+
+A run folder is its owner's alone (mode 0o700, set when it is made and again when a run resumes
+in it), which covers everything below it: checkpoints (which a resume loads), the recipe, the
+metrics. ``status.json`` is created 0o600 on top of that, since it is the file tools are pointed
+at (and copied around). The process umask is left alone: other files the user writes are theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
 
 STATUS = "status.json"
+OWNER_ONLY = 0o700
+"""A run folder's mode: its owner reads, writes and enters it; nobody else."""
 
 
 class RunFolder:
@@ -45,6 +52,7 @@ class RunFolder:
             path = Path(r.run.out_dir) / f"{r.run.name}-{stamp}-{n}"
         try:
             path.mkdir(parents=True)
+            os.chmod(path, OWNER_ONLY)  # (mkdir's mode is cut by the umask; chmod's is not)
             (path / "recipe.toml").write_text(to_toml(r))
         except OSError as exc:
             raise UserError(f"run.out_dir: cannot create a run folder in {r.run.out_dir!r} ({exc.strerror})") from None
@@ -91,7 +99,10 @@ class RunFolder:
         old = self.status() if path.exists() else {}
         record = {**old, **fields, "state": state, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # (a .tmp left by an older streamrl keeps its mode through O_CREAT)
+            f.write(json.dumps(record, indent=2))
         os.replace(tmp, path)
 
     def resume_command(self) -> str:
@@ -123,6 +134,7 @@ class RunFolder:
         metrics a resumed run keeps (``resumed``: its checkpoint's state; the steps after it are
         run again), and the metric ``sinks`` opened on this folder."""
         if resumed is not None:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
+            _owner_only(self.path)  # (a folder an older streamrl made, readable by others)
             (self.path / "recipe.toml").write_text(to_toml(loaded.recipe))
             self.metrics.keep_first(resumed["records"])
             ckpt = self.latest_checkpoint()
@@ -156,6 +168,15 @@ class RunFolder:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def _owner_only(path: Path) -> None:
+    """Make ``path`` the owner's alone (:data:`OWNER_ONLY`), when this user may (a folder of
+    someone else's is left as it is: the resume then reads what its owner lets it read)."""
+    try:
+        os.chmod(path, OWNER_ONLY)
+    except PermissionError:
+        pass
 
 
 def _alive(pid: int | None) -> bool:
