@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from distributed import Nanny
+from distributed import Nanny, Worker
 
 from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.learners import config as learners_config
@@ -38,6 +38,24 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
+
+
+class PoolWorker(Worker):
+    """The embedded cluster's worker: a Dask ``Worker`` that ignores SIGINT and SIGTERM.
+
+    Its process is in the ``streamrl`` process's process group, so a signal sent to the group
+    (Ctrl-C, ``kill -- -PGID``, systemd or Slurm stopping the run) reaches it too; dying of it
+    would lose the step's work and the trainer's state, and its nanny would restart it in the
+    middle of the stop. The ``streamrl`` process handles the signal and closes the workers in
+    order (``flow/stopping.py``). Set here, when the worker is built, because a worker that a
+    nanny restarts (or the elastic pool adds) is spawned while the ``streamrl`` process has its
+    own handler installed, which a new process does not inherit."""
+
+    def __init__(self, *args, **kwargs):
+        from streamrl.flow.stopping import ignore_stop_signals
+
+        ignore_stop_signals()
+        super().__init__(*args, **kwargs)
 
 
 def gpu_ids(ids: list[str], per_worker: int, i: int) -> list[str]:
@@ -79,7 +97,7 @@ def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.W
              resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})
     return {"cls": Nanny, "options": {
         **w, "host": recipe.cluster.host, "memory_limit": recipe.pools.train.memory_limit,
-        "silence_logs": log_level,
+        "silence_logs": log_level, "worker_class": PoolWorker,
     }}
 
 
@@ -113,5 +131,5 @@ def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging
     w = pool_worker(recipe, pool, i, slots)
     return {"cls": Nanny, "options": {
         **w, "host": recipe.cluster.host, "memory_limit": getattr(recipe.pools, pool).memory_limit,
-        "silence_logs": log_level,
+        "silence_logs": log_level, "worker_class": PoolWorker,
     }}

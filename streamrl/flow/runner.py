@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 from distributed import performance_report, span
@@ -20,7 +20,7 @@ from streamrl.flow.controller import Controller
 from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
 from streamrl.flow.run_folder import RunFolder
-from streamrl.flow.stopping import StopRequest, sigint_ignored
+from streamrl.flow.stopping import StopRequest, stop_signals_ignored
 from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
@@ -115,7 +115,9 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
-        with sigint_ignored():  # the cluster's processes inherit the ignore (``flow/stopping.py``)
+        # the cluster's processes inherit the ignore (``flow/stopping.py``); connecting to
+        # cluster.address starts none, so a stop signal meanwhile ends the command at once
+        with stop_signals_ignored() if not r.cluster.address else nullcontext():
             dask_cluster, client = cluster.start(r, verbose)
         stop.install()
         warnings_log.attach(client)
@@ -172,7 +174,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     if errors:
         first = next((rec["reward_error_first"] for rec in folder.records if rec.get("reward_error_first")), None)
         console.print(f"[yellow]reward errors: {errors} of {sum(rec['samples'] for rec in folder.records)} "
-                      "samples scored 0 (the reward raised or returned a non-number"
+                      "samples scored 0 (the reward raised, returned a non-number or was late (reward.score_timeout_s)"
                       + (f"; the first: {escape(str(first))}" if first else "") + "; see metrics.jsonl)[/]",
                       highlight=False)
     if warnings_log.count:
