@@ -51,3 +51,9 @@ class RewardFailed(RunStopped):
 class CheckpointFailed(RunStopped):
     """A checkpoint could not be written (the disk is full, ...): its partial folder is removed
     and the older checkpoints are kept."""
+
+
+class WeightShapeMismatch(ValueError):
+    """Published weights whose shapes are not the engine's: nothing of them was loaded. The
+    message names the first parameter that differs, both shapes, and (added on the generate
+    worker) the transfer that carried them."""

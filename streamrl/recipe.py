@@ -261,6 +261,24 @@ class Section(BaseModel):
         return dict(self.model_extra or {})
 
 
+class RewardSection(Section):
+    """``[reward]``: ``name`` picks the reward component; ``score_timeout_s`` belongs to
+    streamrl; every other key to the reward component's own config."""
+
+    score_timeout_s: float = Field(60.0, ge=0)
+    """Seconds one response's score may take; 0: no limit. A score that has not come back
+    in time (a grader waiting on a dead service, a solution that loops) scores 0 and is counted
+    like a reward that raised (``reward_errors``; ``reward_error_first`` says ``RewardTimeout:
+    reward.score_timeout_s ...``), and the step goes on. A reward that scores a group in one
+    call (``score_group``) gets this many seconds per response for the call, then each response
+    is scored alone with its own limit. Python cannot stop a function running in a thread: the
+    call runs on a thread of its own, and when it is late it is abandoned, not stopped -- it goes
+    on in the background until it returns, and what it returns is dropped. A reward that hangs
+    for good keeps one idle thread per hung call until the worker ends, and one that only runs
+    slow keeps using CPU meanwhile; a grader that can run away belongs in a process it can kill
+    (the ``math`` reward's own ``timeout_s`` does that, well below this limit)."""
+
+
 class TrainerSection(Section):
     """``[trainer]``: ``name`` picks the trainer component (``hf`` by default, ``sim`` for the
     simulator); the batch shape below belongs to streamrl; every other key (``lr``, ...) to the
@@ -317,8 +335,8 @@ class Recipe(Strict):
     """Prompt source (a ``task`` component)."""
     engine: Section = Section(name="hf")
     """Inference engine on the generate pool (an ``engine`` component)."""
-    reward: Section
-    """Reward function (a ``reward`` component)."""
+    reward: RewardSection
+    """Reward function (a ``reward`` component) and how long one score may take."""
     algorithm: Section = Section(name="grpo")
     """RL algorithm (an ``algorithm`` component)."""
     transfer: Section = Section(name="dask")

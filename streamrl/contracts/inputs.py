@@ -51,8 +51,10 @@ class Reward:
     Must be thread-safe: a reward worker runs several tasks at once. A score is a number, or a
     dict with the number under ``"score"`` and other named numbers beside it, each logged per
     step as ``reward/<name>/mean`` (the sample's :attr:`~streamrl.sample.Sample.reward_info`;
-    values that are not numbers are left out). A reward that raises, or gives something that is
-    not a finite number, scores that sample 0 and is counted in ``reward_errors``; the run goes on.
+    values that are not numbers are left out). A reward that raises, gives something that is
+    not a finite number, or has not returned within ``reward.score_timeout_s`` (the late call is
+    abandoned on its thread, not stopped) scores that sample 0 and is counted in
+    ``reward_errors``; the run goes on.
     """
 
     def score(self, prompt: Prompt, response: str) -> float | dict[str, float]:

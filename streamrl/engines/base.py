@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Engine, fit_decode_latency
+from streamrl.errors import WeightShapeMismatch
 from streamrl.engines.decode import decode_batch
 from streamrl.engines.request_queue import RequestQueue, await_response
 from streamrl.sample import Group, Prompt, Sample
@@ -222,6 +223,15 @@ class TransformersEngine(Engine):
         missing = set(params) - set(named_tensors)
         if missing:
             raise ValueError(f"weights for version {version} lack {sorted(missing)[:3]}...")
+        # checked before anything is copied, so the engine keeps its last whole version; torch's
+        # own message would name neither the parameter nor where the weights came from
+        wrong = [(name, tuple(p.shape), tuple(named_tensors[name].shape)) for name, p in params.items()
+                 if named_tensors[name].shape != p.shape]
+        if wrong:
+            name, expected, received = wrong[0]
+            more = f" ({len(wrong) - 1} more parameters differ)" if len(wrong) > 1 else ""
+            raise WeightShapeMismatch(f"weights for version {version}: parameter {name!r} is {expected} in the "
+                                      f"engine but {received} was received{more}")
         with self._model_lock, self._weights_paused():  # (greedy evaluation decodes under the lock too)
             for name, p in params.items():
                 p.copy_(named_tensors[name].to(p.dtype))

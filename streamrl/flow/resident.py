@@ -45,8 +45,13 @@ class Resident(WorkerPlugin):
     engines do not draw the same samples.
     """
 
-    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int = 1, seed: int = 0, what: str = ""):
+    def __init__(self, name: str, build: Callable[[], Any], torch_threads: int = 1, seed: int = 0, what: str = "",
+                 settings: dict[str, Any] | None = None):
         self.name = name  # Dask keys worker plugins by this attribute
+        #: What the tasks that use the object need besides it (the reward's ``score_timeout_s``),
+        #: read on the worker with :func:`resident_settings`: whichever task runs there, and
+        #: whoever submitted it, uses the run's values.
+        self.settings = dict(settings or {})
         # cloudpickle by hand: Dask pickles a plugin with plain pickle, which ships classes by
         # reference, and a plugin defined in a file next to the recipe is not importable on a
         # worker. cloudpickle honours register_pickle_by_value (see plugins.load_local_module).
@@ -121,6 +126,11 @@ def expect(name: str, incarnation_id: str | dict[str, str] | None) -> None:
     if incarnation_id is not None and get_worker().plugins[name].incarnation != incarnation_id:
         raise ResidentLost(f"worker {get_worker().name} was restarted and its {name.removeprefix('streamrl-')} "
                            "lost its state")
+
+
+def resident_settings(name: str) -> dict[str, Any]:
+    """The ``settings`` the resident ``name`` on this worker was registered with."""
+    return get_worker().plugins[name].settings
 
 
 def resident(name: str) -> Any:

@@ -4,8 +4,10 @@ reference loop)."""
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from streamrl.api import Reward
 from streamrl.sample import Group
@@ -38,28 +40,86 @@ def reward_value(value: Any) -> tuple[float, dict[str, float]]:
     return score, info
 
 
-def score_group(reward: Reward, group: Group) -> Group:
+class RewardTimeout(TimeoutError):
+    """A reward call did not return within ``reward.score_timeout_s``; it was abandoned."""
+
+
+def call_with_deadline(fn: Callable[..., Any], *args: Any, timeout_s: float | None, what: str = "score") -> Any:
+    """``fn(*args)``, or :class:`RewardTimeout` when it has not returned after ``timeout_s``
+    seconds (None or 0: wait for ever, on this thread).
+
+    The call runs on a daemon thread of its own, since Python cannot interrupt a function: a
+    late call is abandoned, not stopped -- it runs on until it returns (its result is dropped),
+    and a daemon thread never keeps the worker process from exiting. Whatever the call raises,
+    ``SystemExit`` included, is raised here."""
+    if not timeout_s:
+        return fn(*args)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    # torch's thread count is per thread (see flow/resident.py): a reward model scored on the
+    # new thread computes with the count this task's thread was given
+    torch_threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+
+    def target() -> None:
+        try:
+            if torch_threads is not None:
+                sys.modules["torch"].set_num_threads(torch_threads)
+            box["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller, whatever it is
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, daemon=True, name=f"streamrl-reward-{what}").start()
+    if not done.wait(timeout_s):
+        raise RewardTimeout(f"reward.score_timeout_s: the reward's {what} call did not return within {timeout_s:g}s "
+                            "(abandoned; the sample scored 0)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _failure(exc: BaseException) -> BaseException:
+    """What a sample's failed score is recorded as: the exception itself, except that a reward
+    calling ``sys.exit()`` (a script's grader, ``argparse`` reading the worker's command line)
+    must not end a worker thread with Dask's traceback: it is a failed score like any other."""
+    if isinstance(exc, SystemExit):
+        return RuntimeError(f"the reward raised SystemExit({exc.code!r}) (sys.exit() called while scoring)")
+    return exc
+
+
+def score_group(reward: Reward, group: Group, timeout_s: float | None = None) -> Group:
     """Score every sample in place, with one :meth:`Reward.score_group` call. A reward that
-    raises or gives no finite number for a sample is contained: reward 0, the sample flagged
+    raises (``SystemExit`` too), gives no finite number, or has not returned within
+    ``timeout_s`` seconds per response (``reward.score_timeout_s``; None or 0: no limit;
+    :func:`call_with_deadline`) for a sample is contained: reward 0, the sample flagged
     (``times["reward_error"]``, counted in ``reward_errors``), the error kept in
     ``Sample.reward_error`` and appended to its text. Returns the group."""
     prompts, responses = [s.prompt for s in group], [s.response_text for s in group]
-    try:
-        values = list(reward.score_group(prompts, responses))
-        if len(values) != len(group):
-            raise ValueError(f"score_group gave {len(values)} scores for {len(group)} responses")
-    except Exception:  # (the batch as a whole failed) each response alone, so one bad one fails alone
+    values = None
+    # the default score_group is score() on each: one hung response would hold the whole
+    # group's allowance, so with a limit each response is scored alone, with its own
+    if not timeout_s or type(reward).score_group is not Reward.score_group:
+        try:
+            values = list(call_with_deadline(reward.score_group, prompts, responses,
+                                             timeout_s=timeout_s and timeout_s * len(group),
+                                             what="score_group"))
+            if len(values) != len(group):
+                raise ValueError(f"score_group gave {len(values)} scores for {len(group)} responses")
+        except (Exception, SystemExit):  # (the batch as a whole failed) each response alone, so one bad one fails alone
+            values = None
+    if values is None:
         values = []
         for prompt, response in zip(prompts, responses):
             try:
-                values.append(reward.score(prompt, response))
-            except Exception as exc:
-                values.append(exc)
+                values.append(call_with_deadline(reward.score, prompt, response, timeout_s=timeout_s))
+            except (Exception, SystemExit) as exc:
+                values.append(_failure(exc))
     end = time.time()
     for s, value in zip(group, values):
         try:
-            if isinstance(value, Exception):
-                raise value
+            if isinstance(value, BaseException):
+                raise _failure(value)
             s.reward, s.reward_info = reward_value(value)
         except Exception as exc:  # one bad sample must not fail the step
             s.reward, s.reward_info = 0.0, {}
