@@ -125,10 +125,14 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
     client: Client | None = None
     try:
         if c.address:
+            check_scheduler_address(c.address, c.connect_timeout)
             try:
                 client = Client(c.address, timeout=c.connect_timeout)
             except OSError as exc:
                 raise UserError(f"cluster.address: cannot reach scheduler {c.address} ({exc})") from None
+            except Exception as exc:  # (the check passed, but what answered is no scheduler after all)
+                raise UserError(f"cluster.address: {c.address} did not answer as a Dask scheduler "
+                                f"({type(exc).__name__}: {str(exc)[:200]}); {EXPECTED_SCHEDULER}") from None
             try:
                 claim(client, recipe)
             except BaseException:
@@ -183,6 +187,85 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                 pass
         raise
     return cluster, client
+
+
+EXPECTED_SCHEDULER = ("expected the address of a Dask scheduler (`dask scheduler` listens on tcp://HOST:8786; "
+                      "8787 is its dashboard, a web page)")
+
+#: The most a Dask scheduler's first message (its handshake, a few hundred bytes) can say it
+#: holds; more is what the first bytes of another protocol (a banner, a greeting) read as.
+HANDSHAKE_MAX_BYTES = 1 << 20
+
+
+def check_scheduler_address(address: str, timeout: float) -> None:
+    """Raise :class:`UserError` (one line naming ``cluster.address``) unless ``address`` can be
+    a Dask scheduler, within ``timeout`` seconds.
+
+    Dask's own client, pointed at another service, fails in ways that say nothing of the
+    address: a web server waits for a request line that never comes and the client waits with
+    it (past its own timeout); a service that speaks first (an SSH or SMTP banner) has its
+    greeting read as a message length (a MemoryError for exabytes); a scheme whose backend is
+    not installed (``ucx://`` without distributed-ucxx) is a TypeError. So before the client,
+    with a deadline of our own: the scheme must have a working Dask backend, and on ``tcp://``
+    the service must send what a Dask scheduler sends first -- its handshake, an 8-byte length
+    and then that many bytes -- as soon as a connection is accepted."""
+    import socket
+    import struct
+
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(address)
+        get_backend(scheme).get_connector()
+    except Exception as exc:
+        raise UserError(f"cluster.address: Dask cannot connect to {address} from here ({type(exc).__name__}: "
+                        f"{exc}); expected tcp://HOST:PORT or tls://HOST:PORT (ucx:// needs the distributed-ucxx "
+                        "package, where streamrl runs and on the cluster)") from None
+    if scheme != "tcp":  # (tls: the server waits for our TLS hello; Dask's client checks the rest)
+        return
+    host, port = parse_host_port(location)
+    deadline = time.monotonic() + timeout
+
+    def read(sock: socket.socket, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise UserError(f"cluster.address: cannot reach scheduler {address} ({exc})") from None
+    with sock:
+        try:
+            head = read(sock, 8)
+            if len(head) < 8:
+                raise UserError(f"cluster.address: {address} accepted the connection and closed it without a "
+                                f"word; {EXPECTED_SCHEDULER}")
+            (size,) = struct.unpack("<Q", head)
+            if size > HANDSHAKE_MAX_BYTES:
+                sock.settimeout(0.2)  # what else it said, to name the service (best effort)
+                try:
+                    head += sock.recv(120)
+                except OSError:
+                    pass
+                said = head.decode("utf-8", "replace").splitlines()[0].strip()[:80] or repr(head[:40])
+                raise UserError(f"cluster.address: {address} is not a Dask scheduler: it sent {said!r}; "
+                                f"{EXPECTED_SCHEDULER}")
+            if len(read(sock, size)) < size:
+                raise UserError(f"cluster.address: {address} stopped in the middle of its first message; "
+                                f"{EXPECTED_SCHEDULER}")
+        except TimeoutError:
+            raise UserError(f"cluster.address: {address} accepted the connection but sent nothing within "
+                            f"{timeout:g}s (cluster.connect_timeout), as a web server or another service "
+                            f"waiting for its own protocol does; {EXPECTED_SCHEDULER}") from None
+        except OSError as exc:
+            raise UserError(f"cluster.address: {address} broke the connection ({exc}); {EXPECTED_SCHEDULER}") from None
 
 
 def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) -> None:
