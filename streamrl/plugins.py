@@ -100,12 +100,30 @@ def load_local_module(path: str | Path, base: Path) -> Any:
     spec = importlib.util.spec_from_file_location(f"streamrl_local_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        # the recipe cannot run without the module it names: one line (file, line, error), as
+        # for an installed plugin that fails to load, but an error rather than a warning
+        del sys.modules[spec.name]
+        line = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else _failing_line(exc, file)
+        at = f", line {line}" if line else ""
+        text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        raise UserError(f"plugins.modules: {str(path)!r} cannot be loaded ({file}{at}): "
+                        f"{type(exc).__name__}: {text}") from None
     # Workers cannot import a file that lives only next to the recipe: ship its code by value.
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def _failing_line(exc: BaseException, file: Path) -> int | None:
+    """The line of ``file`` the error was raised from (its innermost frame there), if any."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == file]
+    return frames[-1].lineno if frames else None
 
 
 def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Registry:

@@ -48,7 +48,7 @@ class Controller:
         # an engine whose samples depend only on weights, seed and prompt: make the run repeat
         # (each step's generation sees a fixed version, training takes a fixed order)
         self.repeatable = resolved.engine.capabilities().repeatable
-        self.task = resolved.task.build()
+        self.task = resolved.task.build_here()
         self.evaluator = evaluate.for_run(client, self.task, r, resolved.engine.capabilities().greedy)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         # a feed admits generation from its thread while this one writes the record: the
@@ -80,7 +80,7 @@ class Controller:
         self._start_over()
         placement.place(self.client, self.resolved, {n: n for n in topo.generate}, topo.trainer, topo.rank,
                         topo.sharded)
-        scheduler = self.resolved.scheduler.build() if self.resolved.scheduler else None
+        scheduler = self.resolved.scheduler.build_here() if self.resolved.scheduler else None
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)

@@ -29,6 +29,18 @@ class Chosen:
         """Build the object (``args`` after the config, e.g. a trainer's context)."""
         return self.component.factory(self.config, *args)
 
+    def build_here(self, *args) -> Any:
+        """:meth:`build` in this process, where a constructor that raises (a task whose data is
+        missing, a scheduler given a wrong value) is one line naming the component:
+        :class:`UserError`, not a traceback through streamrl. (On a worker,
+        ``flow/resident.py`` does the same with a :class:`ComponentError`.)"""
+        try:
+            return self.build(*args)
+        except Exception as exc:
+            where = f", from plugin {self.component.plugin}" if self.component.plugin else ""
+            raise UserError(f"{self.component.kind} {self.component.name!r} could not be built{where}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
     def capabilities(self) -> Any:
         """What the component declares for this config (an engine's or a trainer's:
         :meth:`Component.capabilities`)."""
