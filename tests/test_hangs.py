@@ -1,0 +1,335 @@
+"""Nothing hangs, and a user mistake is one line: the real command, real worker processes, real
+signals and real sockets.
+
+SIGTERM sent to the whole process group (systemd, Slurm, ``kill -- -PGID``) stops a run as
+SIGTERM to its pid does; a reward that never returns is cut off by ``reward.score_timeout_s``;
+a ``cluster.address`` that is not a Dask scheduler (a web server, a service that speaks first,
+a scheme without its backend) is one line within a deadline; a broken recipe-local plugin, a
+component whose constructor raises, a reward calling ``sys.exit()`` and weights whose shapes do
+not fit the engine are one line each, never a traceback."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_cli import streamrl
+from tests.test_faults import kill_worker, records, wait_for_steps
+
+
+def with_plugin(recipe: Path, name: str, code: str, extra: str = "", replace: tuple[str, str] | None = None) -> Path:
+    """A copy of ``recipe`` that loads ``code`` as the recipe-local plugin ``<name>.py``."""
+    (recipe.parent / f"{name}.py").write_text(code)
+    text = recipe.read_text()
+    if replace:
+        text = text.replace(*replace)
+    out = recipe.parent / f"{name}.toml"
+    out.write_text(text + extra + f'\n[plugins]\nmodules = ["{name}.py"]\n')
+    return out
+
+
+def one_line_error(proc: subprocess.CompletedProcess, status: int) -> str:
+    """The last line of stderr, after checking the exit status and that no traceback came out."""
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("streamrl: error: "), proc.stderr[-3000:]
+    return last
+
+
+# -- SIGTERM to the process group ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resume_command(tiny_recipe, tmp_path):
+    # the CLI leads its own process group, as under systemd or Slurm; its workers are in it
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
+                             "--set", f"run.out_dir={tmp_path}", "--set", "run.steps=400"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        run_dir = wait_for_steps(proc, tmp_path, 2)
+        # a worker its nanny restarts is spawned while the CLI has its own SIGTERM handler, which
+        # a new process does not inherit: the group's signal must spare it too
+        kill_worker(run_dir, "generate-0")
+        wait_for_steps(proc, tmp_path, 4)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)  # a hang guard only
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("streamrl: stopped after step ") and f"Resume with: streamrl recipe resume {run_dir}" in last
+    state = json.loads((run_dir / "status.json").read_text())
+    assert state["state"] == "interrupted", state
+    assert (run_dir / "checkpoints" / f"step-{state['step']:06d}").is_dir()
+    # the trainer was never lost (it is what the checkpoint was taken from) ...
+    assert "lost its state" not in err and "Restarting worker" not in err.split("SIGTERM:")[-1], err[-3000:]
+    # ... and nothing of the run outlives it
+    deadline = time.time() + 30
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.time() < deadline, "worker processes outlived the run"
+        time.sleep(0.2)
+
+
+# -- reward.score_timeout_s ----------------------------------------------------------------
+
+HANGING_REWARD = '''
+import itertools
+import threading
+
+from pydantic import BaseModel
+
+from streamrl.api import Component, Reward, hookimpl
+
+
+class Empty(BaseModel):
+    pass
+
+
+class Hangs(Reward):
+    """Every 4th response's grader waits for ever; the rest score 1.0."""
+
+    def __init__(self, config):
+        self.calls = itertools.count()
+
+    def score(self, prompt, response):
+        if next(self.calls) % 4 == 0:
+            threading.Event().wait()
+        return 1.0
+
+
+@hookimpl
+def register_rewards():
+    return [Component("reward", "hangs", Empty, Hangs)]
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_that_never_returns_is_cut_off_scored_zero_and_counted(tiny_recipe):
+    recipe = with_plugin(tiny_recipe, "hangs", HANGING_REWARD, replace=('name = "exact_match"', 'name = "hangs"'))
+    proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report", "--set", "reward.score_timeout_s=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
+    recs = records(run_dir)
+    assert [r["reward_errors"] for r in recs] == [4, 4]  # of 16 samples a step
+    assert all(r["reward_error_first"].startswith("RewardTimeout: reward.score_timeout_s:") for r in recs), recs
+    assert all(r["reward_mean"] == pytest.approx(0.75) for r in recs)
+    step_lines = [line for line in proc.stderr.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 2 and all("reward errors 4/16 (RewardTimeout: reward.score_timeout_s" in line
+                                        for line in step_lines), step_lines
+
+
+def test_score_group_cuts_off_a_late_batch_and_late_or_exiting_responses_alone():
+    # no cluster: the containment itself, for a reward that scores a group in one call
+    from streamrl.api import Reward
+    from streamrl.rewards.scoring import score_group
+    from streamrl.sample import Prompt, Sample
+
+    release = threading.Event()
+
+    class Batched(Reward):
+        def score_group(self, prompts, responses):
+            release.wait()  # the batch call never comes back in time
+            return [1.0] * len(responses)
+
+        def score(self, prompt, response):
+            if response == "hang":
+                release.wait()
+            if response == "exit":
+                raise SystemExit(3)
+            return 1.0
+
+    prompt = Prompt(uid="p", text="1+1=", answer="2")
+    group = [Sample(uid=f"p-{i}", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0], response_text=text)
+             for i, text in enumerate(["ok", "hang", "exit", "ok"])]
+    try:
+        score_group(Batched(), group, timeout_s=0.2)
+    finally:
+        release.set()  # lets the abandoned calls end
+    assert [s.reward for s in group] == [1.0, 0.0, 0.0, 1.0]
+    assert group[1].reward_error.startswith("RewardTimeout: reward.score_timeout_s:")
+    assert group[2].reward_error == "RuntimeError: the reward raised SystemExit(3) (sys.exit() called while scoring)"
+    assert [("reward_error" in s.times) for s in group] == [False, True, True, False]
+
+
+# -- cluster.address that is not a Dask scheduler ----------------------------------------
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    """A real HTTP server on 127.0.0.1 (it waits for a request line, as Dask's dashboard does)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"tcp://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def banner_server():
+    """A real service on 127.0.0.1 that speaks first (an SSH banner), then waits."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    conns = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+    for conn in conns:
+        conn.close()
+
+
+@pytest.mark.parametrize("server, says", [
+    ("http_server", "sent nothing within 3s (cluster.connect_timeout)"),
+    ("banner_server", "is not a Dask scheduler: it sent 'SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13'"),
+    (None, "Dask cannot connect to ucx://127.0.0.1:9 from here"),
+])
+def test_a_cluster_address_that_is_not_a_dask_scheduler_is_one_line(server, says, tiny_recipe, request):
+    address = request.getfixturevalue(server) if server else "ucx://127.0.0.1:9"
+    recipe = tiny_recipe.parent / "address.toml"
+    recipe.write_text(tiny_recipe.read_text().replace("[cluster]\n", f'[cluster]\naddress = "{address}"\n'
+                                                                      "connect_timeout = 3\n"))
+    proc = streamrl("recipe", "run", str(recipe), "--plain", timeout=90)  # hung before: the deadline is the test
+    last = one_line_error(proc, 2)
+    assert last.startswith(f"streamrl: error: cluster.address: ") and address in last, last
+    assert says in last and "expected" in last, last
+
+
+# -- one line, no traceback ----------------------------------------------------------------
+
+def test_a_recipe_local_plugin_with_a_syntax_error_is_one_line(tiny_recipe):
+    recipe = with_plugin(tiny_recipe, "broken", "def broken(:\n    pass\n")
+    for command in ("validate", "run"):
+        last = one_line_error(streamrl("recipe", command, str(recipe)), 2)
+        assert last == (f"streamrl: error: plugins.modules: 'broken.py' cannot be loaded ({recipe.parent / 'broken.py'}, "
+                        "line 1): SyntaxError: invalid syntax"), last
+
+
+BROKEN_COMPONENTS = '''
+from pydantic import BaseModel
+
+from streamrl.api import Component, Reward, hookimpl
+
+
+class Empty(BaseModel):
+    pass
+
+
+class BadTask:
+    def __init__(self, config):
+        raise RuntimeError("the task's data folder is missing")
+
+
+class BadScheduler:
+    def __init__(self, config):
+        raise ValueError("the scheduler's option is wrong")
+
+
+class Exits(Reward):
+    def __init__(self, config):
+        pass
+
+    def score(self, prompt, response):
+        raise SystemExit(3)
+
+
+@hookimpl
+def register_tasks():
+    return [Component("task", "badtask", Empty, BadTask)]
+
+
+@hookimpl
+def register_schedulers():
+    return [Component("scheduler", "badsched", Empty, BadScheduler)]
+
+
+@hookimpl
+def register_rewards():
+    return [Component("reward", "exits", Empty, Exits)]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["task", "scheduler", "reward"])
+def test_a_component_raising_in_its_constructor_or_a_reward_calling_sys_exit_is_one_line(case, tiny_recipe):
+    if case == "task":
+        recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, replace=('name = "addition"', 'name = "badtask"'))
+    elif case == "scheduler":
+        recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, extra='\n[scheduler]\nname = "badsched"\n')
+    else:
+        recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, replace=('name = "exact_match"', 'name = "exits"'))
+    proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report")
+    if case == "reward":  # a failed score like any other: every sample of the step, so the run stops
+        last = one_line_error(proc, 1)
+        assert last.startswith("streamrl: error: step 1: the reward failed for all 16 samples (the first: "
+                               "RuntimeError: the reward raised SystemExit(3)"), last
+        return
+    last = one_line_error(proc, 2)
+    expected = {"task": "task 'badtask' could not be built, from plugin local:broken.py: RuntimeError: the task's "
+                        "data folder is missing",
+                "scheduler": "scheduler 'badsched' could not be built, from plugin local:broken.py: ValueError: the "
+                             "scheduler's option is wrong"}[case]
+    assert last == f"streamrl: error: {expected}", last
+
+
+LOSSY_TRANSFER = '''
+from streamrl.api import Component, hookimpl
+from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
+
+
+class Lossy(DaskTransfer):
+    """A transfer with a bug: it drops the last column of every 2-d weight."""
+
+    def send(self, weights, version):
+        return super().send({n: (t[:, :-1] if t.dim() == 2 else t) for n, t in weights.items()}, version)
+
+
+@hookimpl
+def register_transfers():
+    return [Component("transfer", "lossy", DaskTransferConfig, Lossy)]
+'''
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_fit_the_engine_name_the_parameter_both_shapes_and_the_transfer(tiny_recipe, tiny_model):
+    recipe = with_plugin(tiny_recipe, "lossy", LOSSY_TRANSFER, extra='\n[transfer]\nname = "lossy"\n')
+    last = one_line_error(streamrl("recipe", "run", str(recipe), "--plain", "--no-report"), 1)
+    found = re.search(r"weights for version 1: parameter '([\w.]+)' is \((\d+), (\d+)\) in the engine but "
+                      r"\((\d+), (\d+)\) was received", last)
+    assert found, last
+    name, rows, cols, got_rows, got_cols = found.groups()
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model / "model.safetensors"), "pt") as f:  # the engine's shape is the model's
+        assert tuple(f.get_slice(name).get_shape()) == (int(rows), int(cols))
+    assert (int(got_rows), int(got_cols)) == (int(rows), int(cols) - 1)
+    assert "through transfer 'lossy'" in last, last
