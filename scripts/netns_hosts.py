@@ -196,9 +196,12 @@ def make_model(out: Path, hidden: int, layers: int) -> int:
 
 
 def run_recipe(recipe: str, model: Path, out: Path, label: str, transfer: str, relay: bool, steps: int,
-               extra: list[str], timeout: float) -> dict:
+               extra: list[str], timeout: float, wire_dtype: str = "as_trained") -> dict:
     """``streamrl recipe run`` from the scheduler's namespace; the steps' mean numbers."""
-    section = f'{{name="{transfer}", relay=true}}' if relay else f'{{name="{transfer}"}}'
+    options = f'name="{transfer}"'
+    if transfer == "dask":  # (options of the dask transfer only)
+        options += f', relay={str(relay).lower()}, wire_dtype="{wire_dtype}"'
+    section = "{" + options + "}"
     sets = [f"cluster.address={SCHEDULER}", f"model.path={model}", f"run.out_dir={out}", f"run.name={label}",
             f"run.steps={steps}", f"transfer={section}", *extra]
     cmd = [str(BIN / "streamrl"), "recipe", "run", recipe, "--no-report"]
@@ -226,7 +229,8 @@ def knee(rows: list[dict], rates: list[str]) -> dict[tuple[str, bool], str]:
         mine = {r["rate"]: r["samples_per_s"] for r in rows if (r["transfer"], r["relay"]) == key}
         base = mine.get("none")
         below = [rate for rate in rates if rate != "none" and base and rate in mine and mine[rate] < 0.9 * base]
-        out[key] = max(below, key=parse_rate) if below else "none of these"
+        out[key] = ("? (no uncapped run)" if base is None else max(below, key=parse_rate) if below
+                    else "none of these")
     return out
 
 
@@ -254,6 +258,8 @@ def main() -> int:
     p.add_argument("--transfers", default="dask,torch_distributed")
     p.add_argument("--relay", choices=["no", "yes", "both"], default="no",
                    help="the dask transfer's relay (ignored for other transfers)")
+    p.add_argument("--wire-dtype", choices=["as_trained", "bfloat16"], default="as_trained",
+                   help="the dask transfer's wire_dtype")
     p.add_argument("--generate-workers", type=int, default=2)
     p.add_argument("--generate-threads", type=int, default=16)
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is not counted)")
@@ -293,9 +299,13 @@ def main() -> int:
             for transfer in args.transfers.split(","):
                 for relay in relays if transfer == "dask" else [False]:
                     label = f"{transfer}-{rate}-{'relay' if relay else 'direct'}"
+                    wire = args.wire_dtype if transfer == "dask" else "as_trained"
+                    if wire != "as_trained":
+                        label += f"-{wire}"
                     r = run_recipe(args.recipe, model, work / "runs", label, transfer, relay, args.steps, extra,
-                                   args.timeout)
-                    rows.append({"rate": rate, "transfer": transfer, "relay": relay, **r})
+                                   args.timeout, wire)
+                    rows.append({"rate": rate, "transfer": transfer + ("" if wire == "as_trained" else f" ({wire})"),
+                                 "relay": relay, **r})
                     print(f"{label}: {r['samples_per_s']:.2f} samples/s, sync {r['sync_s']:.2f} s/step, "
                           f"step {r['step_s']:.2f} s ({r['wall_s']:.0f} s)", flush=True)
     except KeyboardInterrupt:
