@@ -209,7 +209,7 @@ def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path):
     assert "ranker.pt" in {p.name for p in sorted((folder / "checkpoints").glob("step-*"))[-1].iterdir()}
     proc = streamrl("recipe", "resume", str(folder))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = (torch.load(r / "checkpoints" / "step-000008" / "ranker.pt", weights_only=False) for r in (oracle, folder))
+    a, b = (torch.load(r / "checkpoints" / "step-000008" / "ranker.pt", weights_only=True) for r in (oracle, folder))
     for part in ("embed", "head"):
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     assert a["data"] == b["data"] and a["mean"] == b["mean"]

@@ -26,6 +26,13 @@ files parse, ``trainer.pt`` loads, every byte range its DCP metadata names is in
 Hashing reads every byte once more when a checkpoint is written and once when it is resumed
 from (about a second per GB per core here, the files hashed in parallel).
 
+A manifest guards against accidents, not against someone who can write the run folder (they can
+rewrite it too). So nothing in a checkpoint is unpickled with Python's full pickle, which would run
+whatever code a crafted file names: ``*.pt`` files hold only tensors and plain values and must
+load with ``torch.load(weights_only=True)``, DCP's ``.metadata`` must name only DCP's own
+metadata classes (``training/checkpoint.py``). A checkpoint with a file that does not is refused
+like a damaged one, in one line, before anything of it reaches a worker.
+
 A checkpoint that cannot be written (a full disk) stops the run in one line
 (:class:`~streamrl.errors.CheckpointFailed`): its partial ``.tmp-`` folder is removed, and the
 older checkpoints are left as they were.
@@ -167,14 +174,38 @@ def verify(ckpt: Path) -> str | None:
     for name, digest in zip(names, digests):
         if digest != wanted[name][1]:
             return f"{name} does not hold what was written (its SHA-256 differs)"
+    problem = refused(ckpt)
+    if problem:
+        return problem
     _VERIFIED[str(ckpt)] = signature
     return None
 
 
-def _verify_legacy(ckpt: Path) -> str | None:
-    """A checkpoint without a manifest: everything in it that can be read is read."""
-    import torch
+def refused(ckpt: Path) -> str | None:
+    """The first file of checkpoint ``ckpt`` that cannot be read without running code (one phrase
+    naming it, relative to ``ckpt``), or None: every ``*.pt`` must load with
+    ``weights_only=True`` and every DCP ``.metadata`` with the restricted reader."""
+    from streamrl.training.checkpoint import RefusedGlobal, read_metadata, unsafe_torch_file
 
+    for path in sorted(ckpt.rglob("*.pt")):
+        problem = unsafe_torch_file(path)
+        if problem:
+            return f"{path.parent.relative_to(ckpt).as_posix()}/{problem}".removeprefix("./")
+    for path in sorted(ckpt.rglob(".metadata")):
+        name = path.relative_to(ckpt).as_posix()
+        try:
+            read_metadata(path.parent)
+        except RefusedGlobal as exc:
+            return (f"{name} names something DCP's metadata never holds; it was refused, since loading it "
+                    f"could run code ({str(exc)[:200]})")
+        except Exception as exc:
+            return f"{name} cannot be read ({type(exc).__name__})"
+    return None
+
+
+def _verify_legacy(ckpt: Path) -> str | None:
+    """A checkpoint without a manifest: everything in it that can be read is read (never
+    with Python's full pickle: :func:`refused`)."""
     state = ckpt / "controller.json"
     if not state.exists():
         return "controller.json is missing"
@@ -186,11 +217,9 @@ def _verify_legacy(ckpt: Path) -> str | None:
             return f"{name} cannot be read ({type(exc).__name__})"
     trainer = ckpt / "trainer"
     if (trainer / "trainer.pt").exists() or (trainer / "dcp").exists():
-        try:
-            torch.load(trainer / "trainer.pt", weights_only=False)  # (the run's own small file)
-        except Exception as exc:
-            return f"trainer/trainer.pt cannot be loaded ({type(exc).__name__})"
-        problem = _dcp_problem(trainer / "dcp")
+        if not (trainer / "trainer.pt").exists():
+            return "trainer/trainer.pt is missing"
+        problem = refused(ckpt) or _dcp_problem(trainer / "dcp")
         if problem:
             return problem
     return None
@@ -198,10 +227,10 @@ def _verify_legacy(ckpt: Path) -> str | None:
 
 def _dcp_problem(dcp: Path) -> str | None:
     """Every byte range the DCP metadata of folder ``dcp`` names lies inside its files."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from streamrl.training.checkpoint import read_metadata
 
     try:
-        metadata = FileSystemReader(str(dcp)).read_metadata()
+        metadata = read_metadata(dcp)
     except Exception as exc:
         return f"trainer/dcp/.metadata cannot be read ({type(exc).__name__})"
     ends: dict[str, int] = {}

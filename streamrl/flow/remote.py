@@ -16,11 +16,11 @@ import time
 
 from distributed import get_worker
 
-from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
+from streamrl.errors import RewardFailed, RunStopped
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.rewards import scoring
 from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
-                                    resident, resident_settings)
+                                    resident)
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
@@ -77,17 +77,15 @@ def load_ranker_state(blob: bytes, after=None) -> bool:
 
     import torch
 
-    # (the run's own checkpoint: plain values, tensors and the ranker's RNG state)
-    resident(RANKER).load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+    # plain values, tensors and the ranker's RNG state: never a full unpickling of a run-folder file
+    resident(RANKER).load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
     return True
 
 
 def score_groups(groups: list[Group]) -> list[Group]:
-    """Reward pool: score every sample; a failing or late reward is contained
-    (``rewards/scoring.py``, within the run's ``reward.score_timeout_s``)."""
+    """Reward pool: score every sample; a failing reward is contained (``rewards/scoring.py``)."""
     reward = resident(REWARD)
-    timeout_s = resident_settings(REWARD).get("score_timeout_s")
-    return [scoring.score_group(reward, g, timeout_s) for g in groups]
+    return [scoring.score_group(reward, g) for g in groups]
 
 
 def _peer_lost(exc: Exception) -> Exception:
@@ -238,12 +236,7 @@ def load_weights(payload, version: int, after=None) -> float:
     weights = resident(TRANSFER).receive(payload, version)  # always: a collective counts on every member
     with _LOAD_LOCK:
         if version > engine.version:
-            try:
-                engine.load_weights(weights, version)
-            except WeightShapeMismatch as exc:  # which transfer brought them: one line says it all
-                raise WeightShapeMismatch(f"{exc}, through {get_worker().plugins[TRANSFER].what}; the trainer "
-                                          "and the engine must hold the same model, and the transfer must "
-                                          "carry each tensor whole") from None
+            engine.load_weights(weights, version)
     return time.perf_counter() - t0
 
 

@@ -6,15 +6,109 @@ worker or ``ddp`` (identical ranks) rank 0 writes everything alone; sharded (``f
 writes its shards at once, and every rank reads back its own. The small
 non-tensor state (optimizer step counts live in DCP; the LR schedule, the trainer's optimizer-step
 count, the algorithm's running statistics and the RNG states) goes to ``trainer.pt`` beside it.
+
+Nothing of a checkpoint is unpickled with Python's full pickle: a run folder may be shared, copied
+from elsewhere or written by someone else, and unpickling runs whatever code the file names.
+``trainer.pt`` holds only tensors and plain values and is read with ``weights_only=True``; DCP's
+own ``.metadata`` (a pickle of DCP's metadata classes) is read by :class:`SafeReader`, which
+refuses every class but those, and the plain values DCP stores as bytes (AdamW's hyperparameters)
+by :class:`SafePlanner` with ``weights_only=True``. Before a run resumes, the controller checks
+every such file the same way (``flow/checkpoints.py``, ``refused``) and passes over a checkpoint
+with one that does not load so.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import random
 import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+#: What DCP's ``.metadata`` pickle may name (module, class): DCP's metadata records, the path and
+#: tensor-property types inside them. Anything else is refused before it is called.
+_DCP_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """DCP's ``.metadata`` names a function or class DCP's metadata is never made of."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's unpickler restricted to what DCP's metadata is made of."""
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata as metadata
+
+        if (module, name) in _DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == _DCP_METADATA_MODULE and isinstance(getattr(metadata, name, None), type):
+            return getattr(metadata, name)  # (its dataclasses and the memory-format enum)
+        raise RefusedGlobal(f"{module}.{name} is not part of DCP's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` without running code (:class:`_MetadataUnpickler`)."""
+
+    def read_metadata(self, *args, **kwargs):
+        """DCP's ``read_metadata``, through the restricted unpickler."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the non-tensor values (stored as ``torch.save`` bytes) with
+    ``weights_only=True``: they are plain numbers, tuples and strings."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """``DefaultLoadPlanner.load_bytes`` with ``weights_only=True``."""
+        from torch.distributed.checkpoint._traverse import set_element
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def read_metadata(dcp_folder: Path):
+    """DCP's metadata of ``dcp_folder``, read without running code (:class:`RefusedGlobal` when
+    it names anything else)."""
+    return SafeReader(str(dcp_folder)).read_metadata()
+
+
+def unsafe_torch_file(path: Path) -> str | None:
+    """None when ``path`` (a ``torch.save`` file) loads with ``weights_only=True``, else one
+    phrase naming it: it holds something other than tensors and plain values, and unpickling
+    it could run code."""
+    try:
+        with warnings.catch_warnings():  # (torch warns of a pickle protocol it did not write itself)
+            warnings.simplefilter("ignore")
+            torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        return (f"{path.name} holds objects other than tensors and plain values; it was refused, "
+                "since loading it could run code")
+    except Exception as exc:
+        return f"{path.name} cannot be loaded ({type(exc).__name__})"
+    return None
 
 
 def _dcp():
@@ -82,11 +176,12 @@ def load(trainer, path: str) -> None:
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _unwrapped(lambda: dcp.load(state, checkpoint_id=str(folder / "dcp"), no_dist=not trainer.sharded))
+        _unwrapped(lambda: dcp.load(state, storage_reader=SafeReader(str(folder / "dcp")), planner=SafePlanner(),
+                                    no_dist=not trainer.sharded))
     for name, (module, optimizer) in modules.items():
         set_state_dict(module, optimizer, model_state_dict=state[f"{name}.model"],
                        optim_state_dict=state[f"{name}.optim"])
-    extra = torch.load(folder / "trainer.pt", weights_only=False)
+    extra = torch.load(folder / "trainer.pt", weights_only=True)  # (tensors and plain values only)
     trainer.version = extra["version"]
     trainer.lr_schedule.load_state_dict(extra["lr_schedule"])
     trainer.algorithm.load_state_dict(extra["algorithm"])
