@@ -16,11 +16,11 @@ import time
 
 from distributed import get_worker
 
-from streamrl.errors import RewardFailed, RunStopped
+from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.rewards import scoring
 from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
-                                    resident)
+                                    resident, resident_settings)
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
@@ -83,9 +83,11 @@ def load_ranker_state(blob: bytes, after=None) -> bool:
 
 
 def score_groups(groups: list[Group]) -> list[Group]:
-    """Reward pool: score every sample; a failing reward is contained (``rewards/scoring.py``)."""
+    """Reward pool: score every sample; a failing or late reward is contained
+    (``rewards/scoring.py``, within the run's ``reward.score_timeout_s``)."""
     reward = resident(REWARD)
-    return [scoring.score_group(reward, g) for g in groups]
+    timeout_s = resident_settings(REWARD).get("score_timeout_s")
+    return [scoring.score_group(reward, g, timeout_s) for g in groups]
 
 
 def _peer_lost(exc: Exception) -> Exception:
@@ -236,7 +238,12 @@ def load_weights(payload, version: int, after=None) -> float:
     weights = resident(TRANSFER).receive(payload, version)  # always: a collective counts on every member
     with _LOAD_LOCK:
         if version > engine.version:
-            engine.load_weights(weights, version)
+            try:
+                engine.load_weights(weights, version)
+            except WeightShapeMismatch as exc:  # which transfer brought them: one line says it all
+                raise WeightShapeMismatch(f"{exc}, through {get_worker().plugins[TRANSFER].what}; the trainer "
+                                          "and the engine must hold the same model, and the transfer must "
+                                          "carry each tensor whole") from None
     return time.perf_counter() - t0
 
 
