@@ -169,6 +169,24 @@ def test_score_group_cuts_off_a_late_batch_and_late_or_exiting_responses_alone()
     assert [("reward_error" in s.times) for s in group] == [False, True, True, False]
 
 
+def test_a_reward_with_score_only_is_scored_one_response_at_a_time_with_or_without_a_limit():
+    # a plugin's reward need not subclass Reward: score() alone is enough
+    from streamrl.rewards.scoring import score_group
+    from streamrl.sample import Prompt, Sample
+
+    class ScoreOnly:
+        def score(self, prompt, response):
+            return float(len(response) % 2 == 0)
+
+    prompt = Prompt(uid="p", text="1+1=", answer="2")
+    for limit in (None, 5.0):
+        group = [Sample(uid=f"p-{i}", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0],
+                        response_text=text) for i, text in enumerate(["ab", "abc"])]
+        score_group(ScoreOnly(), group, timeout_s=limit)
+        assert [s.reward for s in group] == [1.0, 0.0]
+        assert not any("reward_error" in s.times for s in group)
+
+
 # -- cluster.address that is not a Dask scheduler ----------------------------------------
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

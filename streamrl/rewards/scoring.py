@@ -99,7 +99,9 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None) ->
     values = None
     # the default score_group is score() on each: one hung response would hold the whole
     # group's allowance, so with a limit each response is scored alone, with its own
-    if not timeout_s or type(reward).score_group is not Reward.score_group:
+    # (a reward that does not subclass Reward may have score() only: scored one by one)
+    batched = getattr(type(reward), "score_group", None)
+    if batched is not None and (not timeout_s or batched is not Reward.score_group):
         try:
             values = list(call_with_deadline(reward.score_group, prompts, responses,
                                              timeout_s=timeout_s and timeout_s * len(group),
