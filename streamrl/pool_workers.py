@@ -5,6 +5,7 @@ follow it through a restart. ``cluster.py`` and ``factories.py`` both build on t
 from __future__ import annotations
 
 import logging
+import os
 
 from distributed import Nanny, Worker
 
@@ -55,7 +56,29 @@ class PoolWorker(Worker):
         from streamrl.flow.stopping import ignore_stop_signals
 
         ignore_stop_signals()
+        nice = int(os.environ.get(NICE_ENV, "0") or 0)
+        if nice:
+            lower_priority(nice)
         super().__init__(*args, **kwargs)
+
+
+#: Set by :func:`learner_worker_spec`: how much to lower the worker process's CPU priority.
+NICE_ENV = "STREAMRL_NICE"
+
+
+def lower_priority(by: int) -> None:
+    """Lower this process's CPU priority (``nice``) by ``by``. On Linux a priority belongs to each
+    thread and a new thread takes its creator's, so every thread there now is lowered: the
+    threads started later (task threads, torch's) inherit it."""
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the priority is the process's
+        threads = [0]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+        except OSError:  # (a thread that has just ended)
+            pass
 
 
 def gpu_ids(ids: list[str], per_worker: int, i: int) -> list[str]:
@@ -93,6 +116,9 @@ def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.W
     threads, device, memory and environment) named ``learner-<learner>`` offering ``learn``."""
     w = pool_worker(recipe, "train", 0)
     name = f"learner-{learner}"
+    table = next((lr for lr in recipe.learners if lr.name == learner), None)  # (none: added while running)
+    nice = table.nice if table else learners_config.LearnerConfig.model_fields["nice"].default
+    w["env"] = {**w["env"], NICE_ENV: str(nice)}
     w.update(name=name, nthreads=recipe.pools.train.threads,
              resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})
     return {"cls": Nanny, "options": {

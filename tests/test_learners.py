@@ -276,3 +276,31 @@ def test_behaviour_kl_anchors_the_trained_policy_to_the_behaviour_one():
     assert torch.allclose(g, expected, atol=1e-6)  # descent pulls each token's log-prob back to the behaviour's
     plain, _ = GRPO(GRPOConfig()).loss(new, old, None, adv, mask)
     assert plain.item() == 0.0
+
+
+@pytest.mark.slow
+def test_a_learner_that_is_not_served_runs_at_a_lower_cpu_priority(tiny_recipe):
+    """Its worker, and every thread in it (a task's too), is ``nice``-lowered; a stream worker is not."""
+    from distributed import Client, SpecCluster
+
+    more = 'nice = 7\n\n[[learners]]\nname = "dpo"\nalgorithm = { name = "dpo" }\n'  # (nice: the rloo table's)
+    loaded = load_recipe(with_learners(tiny_recipe, more=more), [])
+    spec = worker_spec(loaded.recipe)
+    assert "learner-grpo" not in spec  # served: on the train pool
+    assert spec["learner-dpo"]["options"]["env"]["STREAMRL_NICE"] == "10"  # the default
+    assert spec["learner-rloo"]["options"]["env"]["STREAMRL_NICE"] == "7"
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    chosen = {name: spec[name] for name in ("learner-rloo", "reward-0")}
+    with SpecCluster(workers=chosen, scheduler={"cls": __import__("distributed").Scheduler,
+                                                "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
+                     asynchronous=False) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+
+        def priority():
+            return os.getpriority(os.PRIO_PROCESS, 0)  # (on Linux: the calling thread's)
+
+        in_task = {n: client.submit(priority, workers=[a], pure=False).result() for n, a in by_name.items()}
+        assert in_task == {"learner-rloo": min(19, base + 7), "reward-0": base}
+        on_loop = client.run(priority)
+        assert on_loop[by_name["learner-rloo"]] == min(19, base + 7) and on_loop[by_name["reward-0"]] == base

@@ -49,7 +49,7 @@ LAST_STEPS = 10
 #: ``[eval] every`` added to both variants when the recipe has no ``[eval]``.
 EVAL_EVERY = 10
 #: Keys of a ``[[learners]]`` table that ``--set-learner`` may set besides ``trainer.*`` and ``algorithm.*``.
-TABLE_KEYS = ("queue", "when_full")
+TABLE_KEYS = ("queue", "when_full", "nice")
 
 
 def toml_value(value) -> str:

@@ -78,13 +78,14 @@ class Controller:
         train group and start the clocks. Calling it again starts over from the initial weights."""
         topo, r = self.topology, self.recipe
         self._start_over()
+        placing = learners.begin(self.client, self.resolved, topo.pins, self.task)  # (built beside the rest)
         placement.place(self.client, self.resolved, {n: n for n in topo.generate}, topo.trainer, topo.rank,
                         topo.sharded)
         scheduler = self.resolved.scheduler.build_here() if self.resolved.scheduler else None
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)
-        self.fanout = learners.start(self.client, self.resolved, topo.pins, self.repeatable, self.task)
+        self.fanout = learners.start(self.client, self.resolved, self.repeatable, placing, self.task)
         cfg = r.pools.generate.elastic if r.pools.generate else None
         if cfg is not None and topo.can_grow and self.elastic is None:  # (benchmarks pass no cluster)
             level = logging.getLogger("distributed.worker").getEffectiveLevel()

@@ -53,6 +53,12 @@ class LearnerConfig(BaseModel):
     """What a full queue does: ``skip`` -- this learner does not train on the step (counted in
     its ``skipped_steps``; generation goes on); ``pace`` -- the run waits for the learner before
     the step's groups are handed over (every learner sees every step; generation slows to it)."""
+    nice: int = Field(10, ge=0, le=19)
+    """How much lower the CPU priority (Unix ``nice``) of this learner's worker is, on the
+    embedded cluster (a worker you start yourself keeps its own). On one machine the learners
+    share the CPUs, and the served learner's training is the step loop's critical path: a learner
+    that is not served runs on the CPU the stream leaves (measured in docs/learners.md). 0: the
+    same priority as the stream's workers."""
 
 
 @dataclass

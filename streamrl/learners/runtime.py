@@ -24,35 +24,48 @@ from streamrl.flow.placement import trainer_context
 from streamrl.pool_workers import LEARN
 from streamrl.learners import evaluate
 from streamrl.learners.config import LearnerPlan
-from streamrl.learners.fanout import Fanout, SideLearner, place
+from streamrl.learners.fanout import Fanout, Placing, SideLearner, begin_place, finish_place
 
 STATE = "learners.json"
 
 
-def start(client: Client, resolved, pins: dict[str, dict], repeatable: bool, task=None) -> Fanout | None:
-    """Place the recipe's side learners (``resolved.side_learners``) on their workers; None
-    when the run has one learner. ``task``: the run's built task (its held-out prompts)."""
-    if not resolved.side_learners:
+def begin(client: Client, resolved, pins: dict[str, dict], task=None) -> list[Placing]:
+    """Start building the recipe's side learners (``resolved.side_learners``) on their workers,
+    all at once; :func:`start` waits for them. ``task``: the run's built task (its held-out
+    prompts)."""
+    return [begin_one(client, resolved, plan, pins, task=task) for plan in resolved.side_learners]
+
+
+def start(client: Client, resolved, repeatable: bool, placing: list[Placing], task=None) -> Fanout | None:
+    """The run's side learners, placed (:func:`begin`); None when the run has one learner."""
+    if not placing:
         return None
     fanout = Fanout(client, resolved.recipe, [], repeatable)
     fanout.task = task
-    for plan in resolved.side_learners:
-        fanout.add(place_one(client, resolved, plan, pins, task=task))
+    for p in placing:
+        fanout.add(finish_place(p))
     return fanout
 
 
-def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0,
-              task=None, model_path: str | None = None) -> SideLearner:
-    """Build one side learner's trainer on its worker (and its evaluation engine, with ``[eval]``)
-    from the recipe's model, or from ``model_path`` (a policy saved during the run)."""
+def begin_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0,
+              task=None, model_path: str | None = None) -> Placing:
+    """Start building one side learner's trainer on its worker (and, with ``[eval]``, its
+    evaluation engine once placed) from the recipe's model, or from ``model_path`` (a policy
+    saved during the run)."""
     greedy = resolved.engine.capabilities().greedy
 
     def make_evaluator(plan: LearnerPlan, pin: dict):
         return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy)
 
     context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path)
-    return place(client, resolved.recipe, plan, context, pins, joined_at,
-                 make_evaluator if task is not None and resolved.recipe.eval is not None else None)
+    return begin_place(client, resolved.recipe, plan, context, pins, joined_at,
+                       make_evaluator if task is not None and resolved.recipe.eval is not None else None)
+
+
+def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict], joined_at: int = 0,
+              task=None, model_path: str | None = None) -> SideLearner:
+    """Build one side learner on its worker and wait for it (:func:`begin_one`)."""
+    return finish_place(begin_one(client, resolved, plan, pins, joined_at, task, model_path))
 
 
 def ensure_worker(client: Client, topo, recipe, name: str) -> None:
