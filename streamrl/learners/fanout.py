@@ -94,6 +94,9 @@ class SideLearner:
     """Its policy on the held-out prompts (``learners/evaluate.py``), None without ``[eval]``."""
     evaluated: dict = field(default_factory=dict)
     """The newest evaluation's ``eval/*`` figures."""
+    unrecorded: list = field(default_factory=list)
+    """Evaluations finished since the last record, oldest first: all but the newest go into the
+    next record's ``eval_unrecorded`` (a learner behind the stream may finish two at once)."""
     eval_versions: list[int] = field(default_factory=list)
     """The versions (its steps trained) evaluations were asked for."""
 
@@ -218,12 +221,16 @@ class Fanout:
         for name, lr in self.learners.items():
             self._harvest(lr)
             out[name] = {**lr.summary(), "trained": lr.trained}
-            lr.trained = []
+            if len(lr.unrecorded) > 1:  # (the newest is the summary's own eval/*)
+                out[name]["eval_unrecorded"] = lr.unrecorded[:-1]
+            lr.trained, lr.unrecorded = [], []
         return out
 
     def _harvest(self, lr: SideLearner) -> None:
         if lr.evaluator is not None:
-            lr.evaluated.update(lr.evaluator.ready())
+            while ready := lr.evaluator.ready():
+                lr.evaluated.update(ready)
+                lr.unrecorded.append(ready)
         while lr.inflight and lr.inflight[0].last[0].done():
             entry = lr.inflight.pop(0)
             try:
@@ -271,13 +278,14 @@ class Fanout:
 
     def finish_evaluations(self) -> None:
         """At the end: evaluate each learner still training as it ends (unless that version was
-        evaluated) and wait for every evaluation."""
+        evaluated) and wait for every evaluation (the last :meth:`harvest` hands them over)."""
         for lr in self.training():
             lr.evaluate(lr.steps_trained)
             if lr.evaluator is not None:
                 done = lr.evaluator.finish()
                 if done:
                     lr.evaluated.update(done[-1])
+                    lr.unrecorded += done
 
     def save_policies(self, out: Path, only: list[str] | None = None) -> dict[str, str]:
         """Write each learner's policy (or those named in ``only``) to ``out/<name>`` (failed ones
