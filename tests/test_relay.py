@@ -2,8 +2,9 @@
 
 The relay's claim is about where bytes come from, so the cluster test reads each generate
 worker's own Dask transfer log: with a relay, only the relay worker takes the payload from the
-train worker; the others take it from the relay worker. Without one (same cluster, next version)
-every generate worker takes it from the train worker -- which shows the log can tell the two apart.
+train worker; the others take it from the relay worker and never fetch the export itself.
+Without one (same cluster, next version) every generate worker fetches the export -- which shows
+the log can tell the two apart.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def test_a_relay_worker_fans_the_weights_out_to_its_site(tiny_recipe):
         wait_loaded(publish(client, None, 3, topo.train_pin, topo.generate_pins(), tag="-direct",
                             trainer_id=topo.incarnations))
         direct = sources(client, generate, "export-weights-3")
-        assert direct == {n: {"train-0"} for n in generate}, direct
+        # each fetched the export itself -- from the train worker, or from a generate worker that
+        # already held it (Dask fetches from any holder: under load generate-0 was often first)
+        assert all(direct[n] for n in generate) and "train-0" in set().union(*direct.values()), direct
+        assert not any(sources(client, generate, "relay-weights-3").values())
     finally:
         cluster.stop(dask_cluster, client)
