@@ -105,7 +105,7 @@ def close_component(obj: Any) -> None:
 from streamrl.recipe import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
-from streamrl.contracts.generation import Engine, EngineCapabilities, Transfer, fit_decode_latency
+from streamrl.contracts.generation import Engine, EngineCapabilities, ReceiveMissed, Transfer, fit_decode_latency
 from streamrl.contracts.inputs import Reward, Task
 from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext, TrainerFootprint
 from streamrl.contracts.observing import MetricSink
@@ -116,7 +116,7 @@ DECLARING = {"engine": Engine, "trainer": Trainer}
 
 __all__ = [
     "KINDS", "Component", "close_component", "hookimpl", "RecipePath", "PathOrHubId", "Prompt", "Sample", "Group",
-    "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "Algorithm", "Trainer",
+    "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "ReceiveMissed", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext", "TrainerFootprint",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",
     # helpers a plugin builds on: the clipped policy-gradient loss, an engine's decode profile

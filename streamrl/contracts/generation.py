@@ -119,6 +119,12 @@ def fit_decode_latency(points: list[tuple[float, float]]):
     return partial(affine_latency, max(my - slope * mx, 0.0), slope)
 
 
+class ReceiveMissed(RuntimeError):
+    """:meth:`Transfer.receive`: this payload cannot be received here any more (its collective
+    lost a member, or was served in full before this worker came); the message says what
+    happened and after how long. streamrl then fetches the weights again with :meth:`Transfer.resend`."""
+
+
 class Transfer:
     """Moves new weights from the trainer to every engine after each optimizer step.
 
@@ -141,7 +147,17 @@ class Transfer:
         raise NotImplementedError
 
     def receive(self, payload: Any, version: int) -> dict[str, "torch.Tensor"]:
-        """Generate worker: turn the payload back into named tensors for the engine."""
+        """Generate worker: turn the payload back into named tensors for the engine. A payload
+        that can no longer be received here (a collective whose group lost a member, or one
+        already served in full: a worker restarted after its publication) raises
+        :class:`ReceiveMissed`, and streamrl asks the train worker's :meth:`resend` for this
+        worker alone."""
+        raise NotImplementedError
+
+    def resend(self, version: int) -> tuple[Any, int]:
+        """Train worker: a payload for one receiver that missed ``version`` (:class:`ReceiveMissed`),
+        of the newest weights sent (that version or a later one); returns ``(payload, version
+        sent)``. Only a transfer whose :meth:`receive` can raise :class:`ReceiveMissed` needs it."""
         raise NotImplementedError
 
     def close(self) -> None:

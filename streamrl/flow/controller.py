@@ -177,11 +177,12 @@ class Controller:
         topo = self.topology
         with self.lock:  # repeatable: generation admitted under older versions finishes with them
             older = [f for v in sorted(self.generating) if v < version for f in self.generating.pop(v)]
-        loads = publish(self.client, after, version, topo.train_pin, topo.generate_pins(), tag=tag,
+        pins = topo.live_generate_pins()  # (a lost worker is no member of this version's group)
+        loads = publish(self.client, after, version, topo.train_pin, pins, tag=tag,
                         trainer_id=topo.incarnations, loads_after=[f for f in older if not f.done()] or None,
                         sites=relay_sites(self.resolved.transfer.config, topo.generate))
         if self.elastic:
-            for name, load in zip(topo.generate, loads):
+            for name, load in zip(pins, loads):
                 self.elastic.track(name, load)
         return loads
 

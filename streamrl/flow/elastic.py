@@ -289,7 +289,7 @@ class ElasticPool:
                                     **topo.train_pin)
             wait([payload])  # exported before the next optimizer step can change the weights
             fut = client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
-                                priority=LOAD_PRIORITY, **pin)
+                                resend_at=topo.train_pin, priority=LOAD_PRIORITY, **pin)
         self.joining = (name, version, fut)
 
     def _failed(self, name: str, fut: Future) -> None:

@@ -16,6 +16,7 @@ import time
 
 from distributed import get_worker
 
+from streamrl.contracts.generation import ReceiveMissed
 from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.rewards import scoring
@@ -25,6 +26,9 @@ from streamrl.sample import Group, Prompt
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
 LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
+LATEST_SENDER = "streamrl-latest-weights-sender"  # the pin of the worker that exported LATEST
+#: Dask priority of weight export/load tasks (``weights.LOAD_PRIORITY``)
+LOAD_PRIORITY = 1_000_000
 
 
 def generate_groups(prompts: list[Prompt], n: int, submitted: float = 0.0,
@@ -206,6 +210,30 @@ def export_weights(version: int, after=None, trainer_id: str | dict | None = Non
     return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
 
 
+def resend_weights(version: int) -> tuple:
+    """Train pool: the transfer's payload of the newest weights it sent (``version`` or later)
+    for one generate worker that missed them; returns ``(payload, version)``."""
+    return resident(TRANSFER).resend(version)
+
+
+def receive_again(transfer, version: int, resend_at: dict | None, missed: ReceiveMissed) -> tuple[dict, int]:
+    """Generate pool: the weights of ``version`` (or newer) once more, served to this worker
+    alone by the train worker (``resend_at``: its pin); returns ``(weights, version)``. Without
+    a pin, or when that fails too, the load fails with both reasons."""
+    from distributed import worker_client
+
+    if resend_at is None:
+        raise missed
+    try:
+        with worker_client() as client:  # leaves the worker's thread pool while it waits
+            payload, sent = client.submit(resend_weights, version, key=f"resend-weights-{version}-"
+                                          f"{get_worker().name}-{time.time_ns()}", priority=LOAD_PRIORITY,
+                                          pure=False, **resend_at).result(timeout=CATCH_UP_TIMEOUT)
+        return transfer.receive(payload, sent), sent
+    except Exception as exc:
+        raise RuntimeError(f"{missed}; sent again: {exc}") from None
+
+
 _LOAD_LOCK = threading.Lock()
 
 
@@ -221,21 +249,30 @@ def catch_up(engine, min_version: int) -> None:
         payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
         version = int(re.search(r"export-weights-(\d+)", str(payload_future.key)).group(1))
         payload = payload_future.result(timeout=CATCH_UP_TIMEOUT)
-    load_weights(payload, version)  # the same receive, lock and version check as a publication
+        resend_at = Variable(LATEST_SENDER, client=client).get(timeout=CATCH_UP_TIMEOUT)
+    # the same receive, lock and version check as a publication (a collective's group is likely
+    # over or full by now: then the train worker sends to this worker alone)
+    load_weights(payload, version, resend_at=resend_at)
     if engine.version < min_version:
         raise RuntimeError(f"engine on worker {get_worker().name} holds v{engine.version}, "
                            f"needs v{min_version}: the published weights are older")
 
 
-def load_weights(payload, version: int, after=None) -> float:
+def load_weights(payload, version: int, after=None, resend_at: dict | None = None) -> float:
     """Generate pool: load published weights into the engine; returns the seconds it took.
+    ``resend_at``: the train worker's pin, asked for the weights again when the payload was
+    missed (:class:`ReceiveMissed`).
 
     Loads of two versions may run on two threads of one worker (async mode, staleness >= 2);
     the lock and the version check keep the engine from going back to an older policy.
     """
     t0 = time.perf_counter()
     engine = resident(ENGINE)
-    weights = resident(TRANSFER).receive(payload, version)  # always: a collective counts on every member
+    transfer = resident(TRANSFER)
+    try:
+        weights = transfer.receive(payload, version)  # always: a collective counts on every member
+    except ReceiveMissed as missed:  # its group lost a member, or was over before this worker came
+        weights, version = receive_again(transfer, version, resend_at, missed)
     with _LOAD_LOCK:
         if version > engine.version:
             try:

@@ -90,6 +90,13 @@ class Topology:
         """``{name: pin}`` of the generate workers, in order (a fresh dict: a caller may keep it)."""
         return {name: self.pins[name] for name in self.generate}
 
+    def live_generate_pins(self) -> dict[str, dict]:
+        """:meth:`generate_pins` without the workers not up now (killed, their nanny not done
+        restarting them): a publication's collective must not count on a member that is not
+        coming. A worker left out catches up when it is back (``remote.catch_up``)."""
+        up = {str(info.get("name")) for info in cluster.workers(self.client).values()}
+        return {name: pin for name, pin in self.generate_pins().items() if name in up}
+
     def writers(self) -> list[dict]:
         """The ranks that write checkpoints and the policy: rank 0, or every rank if sharded."""
         return [self.pins[name] for name in self.train] if self.sharded else [self.train_pin]

@@ -24,7 +24,7 @@ from streamrl.telemetry import spans
 
 #: Dask priority of weight export/load tasks: above any generate task (schedulers use the
 #: predicted-length rank, at most the prompts per step, as generate priorities).
-LOAD_PRIORITY = 1_000_000
+LOAD_PRIORITY = remote.LOAD_PRIORITY
 
 #: Dask ``Variable`` holding the newest export: a generate worker restarted mid-run (a fresh
 #: engine at the base weights) loads it before it generates (``remote.catch_up``).
@@ -62,6 +62,7 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
                                 receivers=len(generate_pins), key=spans.step_key("export-weights", version, f"v{version}{tag}"),
                                 priority=LOAD_PRIORITY, **train_pin)
         Variable(LATEST, client=client).set(payload)
+        Variable(remote.LATEST_SENDER, client=client).set(train_pin)  # (a missed payload is sent again from there)
         source = {name: payload for name in generate_pins}
         for site in sites or []:
             here = [name for name in site if name in generate_pins]
@@ -70,7 +71,7 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
             relayed = client.submit(relay, payload, key=spans.step_key("relay-weights", version, f"{here[0]}{tag}"),
                                     priority=LOAD_PRIORITY, **generate_pins[here[0]])
             source.update(dict.fromkeys(here, relayed))
-        return [client.submit(remote.load_weights, source[name], version, after=loads_after,
+        return [client.submit(remote.load_weights, source[name], version, after=loads_after, resend_at=train_pin,
                               key=spans.step_key("load-weights", version, f"{name}{tag}"), priority=LOAD_PRIORITY,
                               **pin)
                 for name, pin in generate_pins.items()]

@@ -10,6 +10,14 @@ buffers. A group per version keeps no state between publications, so a generate 
 in between simply joins the next one. Every collective has ``timeout_s``: a receiver that never
 comes (a dead worker) fails the others' loads with one line, never a hang.
 
+A member lost mid-publication (a generate worker killed) breaks the group at once: gloo sees its
+sockets close, so the others' broadcasts fail within moments, not after ``timeout_s``. They raise
+:class:`ReceiveMissed`, as does a receiver that comes to a group already gone or full (the
+restarted worker running the load it had been given), and streamrl fetches the weights again
+for that worker alone: :meth:`TorchDistributedTransfer.resend` serves the newest snapshot
+over a group of two (the train worker keeps the last one it sent for that: one CPU copy of the
+weights). The next publication's group has only the generate workers up at that moment.
+
 The store and gloo's sockets listen on the interface of the worker's Dask address only (127.0.0.1
 on the embedded cluster), as the train pool's group does (``training/data_parallel.py``).
 
@@ -20,11 +28,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
+import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.api import Transfer
+from streamrl.api import ReceiveMissed, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +92,30 @@ class TorchDistributedTransfer(Transfer):
         returns the token the generate workers need."""
         if not weights:
             return {}
+        names = list(weights)
+        snapshot = [weights[n].detach().to("cpu").clone() for n in names]  # the trainer may step on
+        layout = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, snapshot)]
+        self.latest = (version, snapshot, layout)  # for a receiver that misses its group (resend)
+        return self._serve(snapshot, layout, version, 1 + self.receivers)
+
+    def resend(self, version: int) -> tuple[dict, int]:
+        """Serve the newest snapshot sent (``version`` or later) to one receiver alone, over a
+        group of two; returns the token and the version it holds."""
+        latest = getattr(self, "latest", None)
+        if latest is None or latest[0] < version:
+            held = "nothing" if latest is None else f"version {latest[0]}"
+            raise RuntimeError(f"torch_distributed transfer: version {version} cannot be sent again: this "
+                               f"worker holds {held} (was the train worker restarted?)")
+        sent, snapshot, layout = latest
+        return self._serve(snapshot, layout, sent, 2), sent
+
+    def _serve(self, snapshot: list, layout: list, version: int, world: int) -> dict:
+        """Open a store for a group of ``world`` and broadcast ``snapshot`` from a thread."""
         import torch
         import torch.distributed as dist
 
         from streamrl.training.data_parallel import listen
 
-        names = list(weights)
-        snapshot = [weights[n].detach().to("cpu").clone() for n in names]  # the trainer may step on
-        layout = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, snapshot)]
-        world = 1 + self.receivers
         host = _host()
         listener = listen(host)  # (torch's store would listen on every interface, not only host's)
         port = listener.getsockname()[1]
@@ -98,6 +123,7 @@ class TorchDistributedTransfer(Transfer):
                               wait_for_workers=False, master_listen_fd=listener.detach())
 
         def broadcast():
+            t0 = time.perf_counter()
             try:
                 group = self._group(store, 0, world)
                 for idx in _buckets(layout, self.config.bucket_mb * 2**20):
@@ -105,14 +131,19 @@ class TorchDistributedTransfer(Transfer):
                     opts = dist.BroadcastOptions()
                     opts.rootRank = 0
                     group.broadcast([flat], opts).wait()
-            except Exception as exc:  # the receivers fail with their own timeout and say so
-                log.warning("torch_distributed transfer: version %s not sent: %s", version, exc)
+            except Exception as exc:  # the receivers say so in their loads; this is the sender's view
+                log.warning("torch_distributed transfer: version %s not sent to its group of %d after %.1f s "
+                            "(%s: %s)", version, world, time.perf_counter() - t0, type(exc).__name__,
+                            str(exc).splitlines()[0][:200] if str(exc) else "")
+            # the group and the store go with this frame: a late receiver finds the port closed
 
         threading.Thread(target=broadcast, name=f"streamrl-broadcast-v{version}", daemon=True).start()
         return {"address": f"{host}:{port}", "world": world, "layout": layout}
 
     def receive(self, payload: dict, version: int) -> dict:
-        """Join this version's group and receive every bucket; returns the named tensors."""
+        """Join this version's group and receive every bucket; returns the named tensors. Raises
+        :class:`ReceiveMissed` (how long it tried, and why) when the group is gone, full or
+        broke, or did not form within ``timeout_s``."""
         if not payload:
             return {}
         import torch
@@ -120,9 +151,27 @@ class TorchDistributedTransfer(Transfer):
 
         host, port = payload["address"].rsplit(":", 1)
         timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        t0 = time.perf_counter()
+
+        def missed(why: str) -> ReceiveMissed:
+            return ReceiveMissed(f"torch_distributed transfer: version {version} from {payload['address']} not "
+                                 f"received after {time.perf_counter() - t0:.1f} s "
+                                 f"(transfer.timeout_s = {self.config.timeout_s:g}): {why}")
+
+        # A group already over has closed its store: say so now. (torch's store client would
+        # retry a refused connection for the whole timeout.)
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, self.config.timeout_s)).close()
+        except OSError:
+            raise missed("its group is over (a worker restarted since it was published?)") from None
         try:
             store = dist.TCPStore(host, int(port), payload["world"], False, timeout=timeout)
             rank = int(store.add("streamrl-next-rank", 1))  # 1 .. receivers, in arrival order
+        except Exception as exc:
+            raise missed(f"its store did not answer ({type(exc).__name__})") from None
+        if rank >= payload["world"]:  # every place taken: this worker replaces one that left
+            raise missed(f"its group of {payload['world']} was full")
+        try:
             group = self._group(store, rank, payload["world"])
             layout, out = payload["layout"], {}
             for idx in _buckets(layout, self.config.bucket_mb * 2**20):
@@ -138,6 +187,6 @@ class TorchDistributedTransfer(Transfer):
                     offset += shape.numel()
             return out
         except Exception as exc:
-            raise RuntimeError(f"torch_distributed transfer: version {version} from {payload['address']} "
-                               f"not received within {self.config.timeout_s:.0f} s ({type(exc).__name__}); "
-                               "is every generate worker alive?") from None
+            # a member gone mid-way fails at once (gloo sees its sockets close); one that never
+            # came fails after timeout_s: the elapsed time tells them apart
+            raise missed(f"its group failed ({type(exc).__name__}); is every generate worker alive?") from None

@@ -1,0 +1,114 @@
+"""The ``torch_distributed`` transfer when a generate worker is lost: its group fails at once,
+the others get the weights again from the train worker, the next group leaves the lost worker
+out, and the restarted worker catches up and generates again. In one process (threads as the
+group's members) for the pieces, and with the real command and a real ``kill -9`` for the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from distributed import Client
+
+from streamrl import cluster
+from streamrl.api import ReceiveMissed
+from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
+from tests.test_cli import check_every_sample_trained_once
+from tests.test_faults import records, start, wait_for_steps
+
+
+def kill_in_a_load(run_dir, name: str, within: float = 60.0) -> bool:
+    """``kill -9`` worker ``name`` while it runs a weight load (a member of a broadcast group:
+    waiting for the group to form, or receiving); True if it was caught in one within
+    ``within`` seconds, else it is killed anyway and False."""
+    address = json.loads((run_dir / "status.json").read_text())["scheduler"]
+    with Client(address, timeout=10) as client:
+        (addr,) = [a for a, w in cluster.workers(client).items() if w["name"] == name]
+        pid = client.run(os.getpid, workers=[addr])[addr]
+        deadline, caught = time.time() + within, False
+        while time.time() < deadline and not caught:
+            caught = any("load-weights" in str(k) for k in client.processing(workers=[addr]).get(addr, ()))
+            time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    return caught
+
+
+def weights():
+    g = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
+
+
+def test_a_receiver_late_for_its_group_misses_at_once_and_resend_serves_it_alone():
+    # a restarted worker runs the load it was given before its death: the group of that version
+    # is over (its store closed) or full (another took its place). Either is said at once, not
+    # after the timeout (120 s here: a wait would fail the time bound), and resend serves it
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120))
+    sender.receivers = 1
+    w = weights()
+    token = sender.send(w, version=3)
+    got = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120)).receive(token, 3)
+    assert all(torch.equal(got[k], w[k]) for k in w)
+
+    late = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120))
+    for _ in range(2):  # full while the sender's thread still holds the store, over once it let go
+        t0 = time.perf_counter()
+        with pytest.raises(ReceiveMissed) as missed:
+            late.receive(token, 3)
+        assert time.perf_counter() - t0 < 10, str(missed.value)
+        assert re.fullmatch(r"torch_distributed transfer: version 3 from \S+ not received after [\d.]+ s "
+                            r"\(transfer.timeout_s = 120\): its group (of 2 was full|is over .*)",
+                            str(missed.value)), str(missed.value)
+        time.sleep(1)
+
+    again, version = sender.resend(2)  # the newest it sent, for one receiver
+    assert version == 3 and again["world"] == 2
+    got = late.receive(again, version)
+    assert all(torch.equal(got[k], w[k]) for k in w)
+    with pytest.raises(RuntimeError, match="version 4 cannot be sent again: this worker holds version 3"):
+        sender.resend(4)
+
+
+def test_a_group_that_never_forms_says_how_long_it_really_waited():
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2))
+    sender.receivers = 2  # the second receiver is dead
+    token = sender.send(weights(), version=1)
+    t0 = time.perf_counter()
+    with pytest.raises(ReceiveMissed) as missed:
+        TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2)).receive(token, 1)
+    took = time.perf_counter() - t0
+    waited = float(re.search(r"after ([\d.]+) s", str(missed.value)).group(1))
+    assert abs(waited - took) < 0.5 and 1.5 < took < 30, (waited, took)
+
+
+@pytest.mark.slow
+def test_a_killed_generate_worker_leaves_the_broadcast_group_and_rejoins_it(tiny_recipe, tmp_path):
+    # the transfer's own timeout is left at its default (120 s): a group that waited it out for a
+    # lost member, instead of failing at once, would stop the run (wait_loaded) or make it crawl
+    # past the bound below. Each kill lands while the worker is in a weight load, a member of
+    # that version's group (a kill between publications is the easy case); the second hits a
+    # worker that was restarted once, so it must have rejoined the groups in between
+    proc = start(tiny_recipe, tmp_path, "pools.generate.workers=2", "transfer.name=torch_distributed")
+    run_dir = wait_for_steps(proc, tmp_path, 3)
+    t0 = time.perf_counter()
+    assert kill_in_a_load(run_dir, "generate-1")
+    wait_for_steps(proc, tmp_path, 7)
+    assert kill_in_a_load(run_dir, "generate-1")
+    _, err = proc.communicate(timeout=400)
+    after_kill = time.perf_counter() - t0
+    assert proc.returncode == 0, err[-3000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == list(range(14))
+    check_every_sample_trained_once(recs)
+    # nothing generated by a restarted engine still at the base weights or an older policy
+    assert all(x["version"] == r["step"] for r in recs for x in r["sample_log"])
+    # the restarted worker came back into the run: it generated in the last steps
+    assert any(x["worker"] == "generate-1" for r in recs[-3:] for x in r["sample_log"]), \
+        [sorted({x["worker"] for x in r["sample_log"]}) for r in recs]
+    assert after_kill < 120, after_kill  # no member waited out the transfer's timeout
+    assert "Traceback" not in err, err[-3000:]
