@@ -65,12 +65,15 @@ class QuickExit(WorkerPlugin):
 class QuietTaskErrors(WorkerPlugin):
     """A failed task is reported once, by the ``streamrl`` process, in one line or with its
     traceback; the worker's own "Compute Failed" log of the same error (a second traceback in
-    the user's terminal) is kept out unless ``--verbose``."""
+    the user's terminal) is kept out unless ``--verbose``. So is the traceback of a fetch from
+    a worker that died ("Worker stream died during communication"): Dask recovers on its own
+    (another holder, or the task again), and a loss that ends the run is streamrl's one line."""
 
     name = "streamrl-quiet-task-errors"
 
     def setup(self, worker) -> None:
         logging.getLogger("distributed.worker").addFilter(_drop_compute_failed)
+        logging.getLogger("distributed.worker").addFilter(_drop_lost_peer_fetch)
 
 
 class QuietShutdown(WorkerPlugin):
@@ -91,6 +94,67 @@ class QuietShutdown(WorkerPlugin):
             return worker.status == Status.running and "ConnectionPool closing" not in str(exc)
 
         logging.getLogger("distributed.worker").addFilter(keep)
+
+        def keep_cancelled(record: logging.LogRecord) -> bool:
+            # a task cancelled because the worker is closing (the run stopped) is no news
+            return worker.status == Status.running or not (
+                str(record.msg).startswith("Async instruction for") and "CancelledError" in record.getMessage())
+
+        logging.getLogger("distributed.worker.state_machine").addFilter(keep_cancelled)
+
+
+def quiet_train_losses(train: dict[str, str]) -> None:
+    """In the ``streamrl`` process (unless ``--verbose``): Dask's own lines about a lost worker
+    of the train pool (``train``: ``{name: address}``) are left out -- the scheduler's failed
+    broadcast to it and the tasks it held, its nanny restarting it. A lost rank ends the run,
+    and streamrl says so in one line naming the rank and the resume command; Dask's lines above
+    it only told the same story in its own words. A lost generate worker is still reported."""
+    addresses = tuple(train.values())
+    names = set(train)
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if text.startswith(("Removing worker", "broadcast to")):
+            return not any(a in record.getMessage() for a in addresses)
+        if text.startswith("Restarting worker"):
+            return _logging_nanny() not in names
+        return True
+
+    logging.getLogger("distributed.scheduler").addFilter(keep)
+    logging.getLogger("distributed.nanny").addFilter(keep)
+
+
+def _logging_nanny() -> str | None:
+    """The name of the nanny whose method is logging now (its record names no worker), found
+    up the calling frames; None if there is none."""
+    import sys
+
+    from distributed import Nanny
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Nanny):
+            return str(owner.name)
+        frame = frame.f_back
+    return None
+
+
+#: What a nanny logs (with a traceback) when the worker process it is starting is stopped.
+CUT_SHORT = ("Failed to start process", "Failed to restart worker after its process exited",
+             "Nanny failed to start process")
+
+
+def _drop_cut_short_restart(record: logging.LogRecord) -> bool:
+    """Logging filter, set while streamrl stops its cluster: False for a nanny's record of a
+    worker start cut short (:data:`CUT_SHORT`); everything else stays."""
+    return not str(record.msg).startswith(CUT_SHORT)
+
+
+def _drop_lost_peer_fetch(record: logging.LogRecord) -> bool:
+    """Logging filter: False for a worker's "Worker stream died during communication" record
+    (a fetch from a peer that died; Dask handles it); everything else the worker logs stays."""
+    return not str(record.msg).startswith("Worker stream died during communication")
 
 
 def _drop_compute_failed(record: logging.LogRecord) -> bool:
@@ -283,6 +347,10 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
     # Results the controller still holds (the last optimizer step) go with their workers;
     # that is the point of stopping, so the scheduler need not warn about it.
     logging.getLogger("distributed.scheduler").setLevel(logging.ERROR)
+    # A nanny may be restarting a worker that was killed (a lost train rank is why the run
+    # stops); closing it cuts the start short, which it logs with a traceback, above the run's
+    # own one-line error. Nothing is lost by then: the cluster is going away on purpose.
+    logging.getLogger("distributed.nanny").addFilter(_drop_cut_short_restart)
     if isinstance(cluster, SpecCluster):
         try:
             cluster.scale(0)

@@ -131,6 +131,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
         trace = TraceRecorder(client, folder.path)
         controller = Controller(resolved, client, pools, dask_cluster)
+        if not verbose:
+            cluster.quiet_train_losses(pools["train"])
         controller.place_residents()
         first = 0
         if checkpoint is not None:
