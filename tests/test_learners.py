@@ -224,12 +224,14 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
     assert steps and steps[0] == joined and steps == sorted(set(steps))  # from the next step, none twice
     assert all(crc == main[step] for step, _, crc in dr)
     skipped = records[-1]["learners"]["dr"]["skipped_steps"]
-    assert steps[-1] - joined + 1 == len(steps) + skipped  # every step handed over: trained or skipped, counted
+    # every step handed over is trained or skipped, counted: each one missing up to the last trained
+    # is a skip (a step handed over after it may have been skipped too, so at most the count)
+    assert steps[-1] - joined + 1 - len(steps) <= skipped
     rloo = [t for r in records for t in r["learners"]["rloo"]["trained"]]  # until it was removed
     gone = records[-1]["learners"]["rloo"]
     assert gone["state"] == "removed" and [t[0] for t in rloo] == sorted({t[0] for t in rloo})
     assert len(rloo) == gone["steps_trained"] and all(crc == main[step] for step, _, crc in rloo)
-    assert rloo[-1][0] + 1 == gone["steps_trained"] + gone["skipped_steps"]  # from step 0, none lost
+    assert rloo[-1][0] + 1 - gone["steps_trained"] <= gone["skipped_steps"]  # from step 0, none lost
     assert os.path.isdir(run_dir / "checkpoints")
 
 
