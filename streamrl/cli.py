@@ -156,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
     trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
     trainer.add_argument("--out", default=None, help="write the JSON result here")
+    trainer.add_argument("--profile-dir", default=None,
+                         help="profile one more step of each variant with torch.profiler; its operators by "
+                              "device time go to DIR/trainer-profile-<variant>.txt")
     pool = bench.add_parser("trainpool", help="the train pool alone: one worker vs ddp vs fsdp over several "
                                               "(s/step, state and peak memory per rank)")
     _recipe_args(pool)
@@ -308,7 +311,7 @@ def cmd_bench(args) -> int:
         if min(args.samples, args.prompt_tokens, args.response_tokens, args.steps) < 1 or args.warmup < 0:
             raise UserError("--samples, --prompt-tokens, --response-tokens and --steps must be >= 1, --warmup >= 0")
         trainer.bench(args.file, args.overrides, args.variants, args.samples, args.prompt_tokens,
-                      args.response_tokens, args.steps, args.warmup, args.out)
+                      args.response_tokens, args.steps, args.warmup, args.out, args.profile_dir)
         return 0
     if args.cmd == "trainpool":
         from streamrl.bench import trainpool

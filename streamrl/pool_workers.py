@@ -122,7 +122,7 @@ def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.W
     w.update(name=name, nthreads=recipe.pools.train.threads,
              resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})
     return {"cls": Nanny, "options": {
-        **w, "host": recipe.cluster.host, "memory_limit": recipe.pools.train.memory_limit,
+        **w, "host": recipe.cluster.host, "memory_limit": memory_limit(recipe, "train"),
         "silence_logs": log_level, "worker_class": PoolWorker,
     }}
 
@@ -150,12 +150,27 @@ def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> 
     return {"name": name, "nthreads": threads, "resources": resources, "env": env}
 
 
+def memory_limit(recipe: Recipe, pool: str) -> str | int:
+    """The Nanny's host memory limit for a worker of ``pool``: the pool's ``memory_limit``, but
+    ``auto`` on a GPU pool means the machine's memory over all the cluster's workers rather than
+    Dask's share by threads -- a one-thread GPU trainer gets 1/16 of a 16-core machine that way,
+    less than CUDA's libraries and a 0.5B model's load need on the host, and is restarted."""
+    cfg = getattr(recipe.pools, pool)
+    if cfg.memory_limit != "auto" or not (cfg.device == "cuda" or cfg.cuda_visible_devices):
+        return cfg.memory_limit
+    import psutil
+
+    pools = [getattr(recipe.pools, p) for p in ("generate", "train", "reward", "rank")]
+    workers = sum(p.workers for p in pools if p is not None) + len(recipe.learners)
+    return psutil.virtual_memory().total // max(1, workers)
+
+
 def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
                      slots: int | None = None) -> dict:
     """The embedded cluster's spec of worker ``<pool>-<i>``: a Nanny as :func:`pool_worker` says,
     bound to ``cluster.host``."""
     w = pool_worker(recipe, pool, i, slots)
     return {"cls": Nanny, "options": {
-        **w, "host": recipe.cluster.host, "memory_limit": getattr(recipe.pools, pool).memory_limit,
+        **w, "host": recipe.cluster.host, "memory_limit": memory_limit(recipe, pool),
         "silence_logs": log_level, "worker_class": PoolWorker,
     }}

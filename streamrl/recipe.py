@@ -143,7 +143,9 @@ class PoolConfig(Strict):
     torch_threads: int = Field(1, ge=1)
     """``torch.set_num_threads`` inside the worker (Nanny workers start with OMP_NUM_THREADS=1)."""
     memory_limit: str = "auto"
-    """Dask memory limit per worker (``"4GiB"``, ``"auto"``, or ``"0"`` for none)."""
+    """Dask memory limit per worker (``"4GiB"``, ``"auto"``, or ``"0"`` for none). ``auto``: Dask's
+    share of the machine by threads; on a GPU pool (``device = "cuda"`` or GPUs listed) of the
+    embedded cluster, the machine's memory over all its workers instead."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where this pool's engine / trainer / reward model compute: ``auto`` = CUDA when the worker
     sees a GPU, else CPU; ``cuda`` fails at start-up on a worker without one."""

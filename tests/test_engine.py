@@ -95,9 +95,9 @@ def test_closing_the_engine_fails_the_requests_still_waiting(tiny_model, monkeyp
     assert not asker.is_alive() and not closer.is_alive()
     (error,) = errors
     if batching == "static":  # the held batch finishes; the queued request is failed
-        assert error == "hf engine closed before request p1-1 finished"
+        assert error == "hf engine: request p1-1 did not finish: the engine closed"
     else:  # failed by close, or refused by the stopping loop if the router was still there to route p1-0
-        assert error in ("hf engine closed before request p1-0 finished",
+        assert error in ("hf engine: request p1-0 did not finish: the engine closed",
                          "hf engine refused request p1-1: its generation loop is not running"), error
 
 

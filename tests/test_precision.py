@@ -179,6 +179,23 @@ def test_pools_hand_out_gpus_and_advertise_them(tiny_recipe):
     assert spec["generate-0"]["env"]["STREAMRL_DEVICE"] == "auto"
 
 
+def test_a_gpu_pool_gets_a_share_of_host_memory_by_workers_not_threads(tiny_recipe):
+    # a one-thread GPU trainer beside a 64-thread generate pool: Dask's share by threads would
+    # give it 1/65 of the host, less than CUDA's libraries need
+    import psutil
+
+    from streamrl.pool_workers import worker_spec
+    from streamrl.recipe import load_recipe
+
+    recipe = load_recipe(str(tiny_recipe), ['pools.train.device="cuda"', "pools.generate.threads=64",
+                                            'pools.reward.memory_limit="3GiB"']).recipe
+    spec = {name: w["options"] for name, w in worker_spec(recipe).items()}
+    workers = len(spec)
+    assert spec["train-0"]["memory_limit"] == psutil.virtual_memory().total // workers
+    assert spec["generate-0"]["memory_limit"] == "auto"  # a CPU pool: Dask's own share
+    assert spec["reward-0"]["memory_limit"] == "3GiB"  # set by hand: kept
+
+
 def test_a_micro_batch_that_runs_out_of_memory_is_one_line_with_its_size(tiny_model, monkeypatch):
     # fake at the edge that cannot run here: the device's allocator failing
     t = trainer(tiny_model)
@@ -192,3 +209,10 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_line_with_its_size(tiny_mo
         t.micro_batch(groups, 1 / 8)
     msg = str(err.value)
     assert "\n" not in msg and "8 samples" in msg and "trainer.micro_batch_tokens" in msg
+
+
+@pytest.mark.slow  # inductor compiles the decoder layers (~30 s on 2 cores)
+def test_a_compiled_trainer_keeps_its_weight_names_and_gives_the_same_gradient(tiny_model):
+    plain, compiled = trainer(tiny_model), trainer(tiny_model, compile=True)
+    assert list(compiled.named_weights()) == list(plain.named_weights())  # publication and checkpoints unchanged
+    assert_same_gradient(plain, compiled, sampled(tiny_model, n_prompts=2))

@@ -17,6 +17,7 @@ import random
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -80,8 +81,28 @@ def synthetic_groups(n_samples: int, per_group: int, prompt: int, response: int,
     return groups
 
 
-def measure(file: str, overrides: list[str], samples: int, prompt: int, response: int, steps: int, warmup: int) -> dict:
-    """Build the trainer and time ``warmup + steps`` optimizer steps on one synthetic batch."""
+def profile_step(trainer, groups, cuts, n: int, device: str, path: str) -> None:
+    """One more optimizer step under ``torch.profiler``; its operators by device time (the GPU's
+    when there is one) written to ``path`` as a table: where a step's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for idx in cuts:
+            trainer.micro_batch([groups[j] for j in idx], 1.0 / n)
+        trainer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+
+
+def measure(file: str, overrides: list[str], samples: int, prompt: int, response: int, steps: int, warmup: int,
+            profile_out: str | None = None) -> dict:
+    """Build the trainer and time ``warmup + steps`` optimizer steps on one synthetic batch
+    (then, with ``profile_out``, profile one more step into that file)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -115,6 +136,8 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     name, peak = peak_flops(device)
     step_s = statistics.median(seconds)
     peak_mem = torch.cuda.max_memory_allocated() if device == "cuda" else sampler.stop()
+    if profile_out:
+        profile_step(trainer, groups, cuts, n, device, profile_out)
     return {"device": name, "trainer": r.trainer.name, "precision": held.precision,
             "parameters": params, "samples": n, "tokens_per_step": tokens, "micro_batches": len(cuts),
             "step_s_median": step_s, "tokens_per_s": tokens / step_s,
@@ -123,13 +146,18 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
 
 
 def bench(file: str, overrides: list[str], variants: list[str], samples: int, prompt: int, response: int,
-          steps: int, warmup: int, out: str | None) -> list[dict]:
-    """Measure each variant (``LABEL:KEY=VALUE;...``, as ``bench engine``), print, optionally write JSON."""
+          steps: int, warmup: int, out: str | None, profile_dir: str | None = None) -> list[dict]:
+    """Measure each variant (``LABEL:KEY=VALUE;...``, as ``bench engine``), print, optionally write
+    JSON; with ``profile_dir``, each variant's profiled step as ``trainer-profile-<label>.txt`` there."""
     from streamrl.bench.engine import parse_variant
 
     results = []
     for label, extra in [parse_variant(v) for v in variants] or [("recipe", [])]:
-        row = measure(file, [*overrides, *extra], samples, prompt, response, steps, warmup)
+        profile_out = None
+        if profile_dir:
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            profile_out = str(Path(profile_dir) / f"trainer-profile-{label}.txt")
+        row = measure(file, [*overrides, *extra], samples, prompt, response, steps, warmup, profile_out)
         results.append({"variant": label, **row})
     table = Table(title=f"trainer, {file}: {samples} samples x {prompt}+{response} tokens per step")
     for col in ("variant", "device", "precision", "params", "micro-batches", "s/step", "tokens/s", "MFU", "peak GiB"):

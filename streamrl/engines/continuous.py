@@ -55,9 +55,28 @@ class ContinuousEngine(TransformersEngine):
         )
         self.manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         self.manager.start()
+        self._wait_started()
         self.latency_points = self._profile() if self.config.profile else []
         self._router = threading.Thread(target=self._route, name="streamrl-hf-router", daemon=True)
         self._router.start()
+
+    def _loop_error(self) -> BaseException | None:
+        """The exception that killed the manager's generation loop, if one did."""
+        return self.manager.background_thread_status.fatal_error
+
+    def _wait_started(self, timeout: float = 300.0) -> None:
+        # The loop builds its KV cache (and captures CUDA graphs) in its own thread; when that
+        # fails (a cache that does not fit), every request would be refused and retried for ever.
+        # Fail the engine's load instead, with the loop's own error.
+        t0 = time.monotonic()
+        while self.manager.batch_processor is None and time.monotonic() - t0 < timeout:
+            if self._loop_error() is not None or not self.manager.is_running():
+                break
+            time.sleep(0.02)
+        error = self._loop_error()
+        if error is not None or not self.manager.is_running():
+            raise RuntimeError(f"hf engine: transformers' continuous batching did not start: {error or 'its loop ended'}"
+                               " (engine.max_batch_tokens, num_blocks or kv_memory_fraction)")
 
     def _profile_batch(self, ids: list[int], batch: int, steps: int, tag: str) -> None:
         # before the router starts: this reads the manager's output queue itself
@@ -73,6 +92,10 @@ class ContinuousEngine(TransformersEngine):
         # The manager has one output queue; hand each finished request to the task waiting on it.
         while not self._closed.is_set():
             result = self.manager.get_result(timeout=0.1)
+            if result is None and self._loop_error() is not None:
+                # the loop died mid-run: every waiting task learns why now, not after request_timeout
+                self._queue.fail_all(f"its generation loop died: {self._loop_error()}")
+                continue
             if result is None or not result.is_finished():
                 continue
             self._queue.finish(result.request_id, Response(result.generated_tokens, result.logprobs,

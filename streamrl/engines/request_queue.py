@@ -112,13 +112,14 @@ class RequestQueue:
         with self._ready:
             self._ready.notify_all()
 
-    def fail_all(self) -> None:
-        """Fail every request not finished yet and empty the queue (the engine is closing): a
-        task blocked on a request that will never finish would hang its worker thread."""
+    def fail_all(self, why: str = "the engine closed") -> None:
+        """Fail every request not finished yet and empty the queue (the engine is closing, or its
+        loop died): a task blocked on a request that will never finish would hang its worker
+        thread."""
         with self._lock:
             waiting, self._futures, self._heap = self._futures, {}, []
         for rid, fut in waiting.items():
-            fut.set_exception(RuntimeError(f"hf engine closed before request {rid} finished"))
+            fut.set_exception(RuntimeError(f"hf engine: request {rid} did not finish: {why}"))
 
     def counts(self) -> tuple[int, int]:
         """``(running, queued)``, read together."""

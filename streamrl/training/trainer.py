@@ -35,6 +35,15 @@ from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
 
 
+def compile_layers(model) -> None:
+    """``torch.compile`` the decoder's layers in place (``Module.compile``: the state dict keeps
+    its names, so checkpoints and weight publication see the same model); dynamic shapes, since
+    micro-batches differ in length."""
+    decoder = model.get_decoder()
+    for layer in getattr(decoder, "layers", None) or [decoder]:  # (a decoder without a layer list: whole)
+        layer.compile(dynamic=True)
+
+
 class HFTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     lr: float = Field(1e-4, gt=0)
@@ -62,6 +71,11 @@ class HFTrainerConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory per token (longer micro-batches fit), about a third more compute."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer in place (parameter names unchanged) so that its
+    elementwise work -- norms, activations, rotary embeddings, autocast's casts -- runs fused
+    instead of one kernel per operation. The first micro-batches of each new length pay for the
+    compilation (tens of seconds on a GPU); worth it for long runs on a GPU, not on CPU."""
     max_nonfinite_steps: int = Field(0, ge=0)
     """Optimizer steps in a row whose loss or gradient may be not finite (NaN or inf) and are
     skipped -- no update, the policy version still counted, ``nonfinite_skipped`` = 1 in the
@@ -122,6 +136,8 @@ class HFTrainer(Trainer):
         self.masters = self.strategy.masters(self.precision, self.model)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.compile:
+            compile_layers(self.model)
         self.reference = None
         if self.algorithm.needs_reference:
             # only ever run, never stepped: kept in the dtype the policy is kept in (bf16-params: bf16)

@@ -1,0 +1,299 @@
+"""Check the whole GPU path in one command and write one JSON plus a table.
+
+    python benchmarks/gpu_check.py --out gpu-check.json            # on a GPU machine
+    python benchmarks/gpu_check.py --device cpu --small --out x.json   # dry run on CPU
+
+It runs, each as its own process with its own time limit (a failure or an out-of-memory in one
+is recorded and the next goes on; the JSON is rewritten after each, so a check stopped from
+outside still leaves what it measured):
+
+1. ``model``: ``streamrl model init --arch qwen2.5-0.5b --random`` (bfloat16 weights);
+2. ``recipe``: ``streamrl recipe run recipes/gpu-0.5b.toml`` for a few steps, generation and
+   training on the one GPU; from its ``metrics.jsonl``: seconds per step, tokens/s, and the
+   weight publication's share of a step (``weight_sync_s / step_s``);
+3. ``engine``: ``streamrl bench engine`` with 256 concurrent requests (32 prompts x 8 samples)
+   of 256 new tokens: continuous batching with CUDA graphs, static batching (and, with
+   ``--engine-without-graphs``, continuous batching without graphs);
+4. ``trainer``: ``streamrl bench trainer`` at 8, 32 and 64 samples x 576 tokens (tokens/s, MFU,
+   peak memory), variants of precision and micro-batch size, and a torch.profiler table of one
+   step of the largest batch;
+5. ``transfer``: ``streamrl bench transfer`` (seconds and GB/s of one publication GPU -> engine).
+
+``--small`` shrinks the model and every size so that the same phases run in minutes on a CPU:
+the dry run that makes time on the GPU machine go to measuring, not debugging. ``--budget-s``
+stops starting phases once that many seconds have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = str(ROOT / "recipes" / "gpu-0.5b.toml")
+
+#: ``--small``: a 2-layer model of the same vocabulary, and sizes a 2-core CPU gets through.
+SMALL_MODEL = ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128",
+               "num_attention_heads=4", "num_key_value_heads=2"]
+
+
+def device_overrides(device: str) -> list[str]:
+    """Recipe overrides putting both pools on ``device`` (the recipe pins them to GPU 0)."""
+    if device == "cuda":
+        return []
+    return ["pools.generate.device=\"cpu\"", "pools.train.device=\"cpu\"",
+            "pools.generate.cuda_visible_devices=[]", "pools.train.cuda_visible_devices=[]",
+            "engine.kv_memory_fraction=0.05", "engine.max_batch_tokens=256", "pools.generate.threads=8"]
+
+
+def sizes(small: bool) -> dict:
+    """Every size the check uses: the GPU targets, or a CPU dry run's."""
+    if small:
+        return dict(recipe_steps=2, recipe=["trainer.prompts_per_step=2", "trainer.samples_per_prompt=2",
+                                            "engine.max_new_tokens=8"],
+                    engine=["trainer.prompts_per_step=2", "trainer.samples_per_prompt=4", "engine.max_new_tokens=8"],
+                    engine_steps=1, trainer_samples=[4, 8], trainer_prompt=8, trainer_response=24,
+                    transfer_repeats=1)
+    return dict(recipe_steps=4, recipe=[],
+                engine=["trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "engine.max_new_tokens=256"],
+                engine_steps=1, trainer_samples=[8, 32, 64], trainer_prompt=64, trainer_response=512,
+                transfer_repeats=3)
+
+
+def streamrl(*args: str) -> list[str]:
+    """The command line of ``python -m streamrl ARGS``."""
+    return [sys.executable, "-m", "streamrl", *args]
+
+
+def sets(overrides: list[str]) -> list[str]:
+    """``--set`` flags for each override."""
+    return [x for o in overrides for x in ("--set", o)]
+
+
+class Check:
+    """Runs the phases, keeps their results and rewrites ``out`` after each."""
+
+    def __init__(self, args):
+        self.args, self.work = args, Path(args.work).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.result = {"device": args.device, "small": args.small, "host": platform.node(),
+                       "python": platform.python_version(), "phases": {}}
+
+    def save(self) -> None:
+        """Write what is known so far (atomically: a killed check leaves a whole file)."""
+        tmp = Path(self.args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=2))
+        os.replace(tmp, self.args.out)
+
+    def run(self, name: str, cmd: list[str], timeout: float) -> dict:
+        """Run one phase's command with a time limit; its exit status, seconds and log's tail."""
+        left = self.args.budget_s - (time.monotonic() - self.t0)
+        if left < 20:
+            row = {"ok": False, "skipped": f"budget spent ({self.args.budget_s:.0f} s)"}
+            self.result["phases"][name] = row
+            self.save()
+            return row
+        log = self.work / f"{name}.log"
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    timeout=min(timeout, left), start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = log.read_text(errors="replace")
+        row = {"ok": rc == 0, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
+               "log_tail": text[-3000:] if rc != 0 else text[-1200:]}
+        print(text[-2500:], flush=True)
+        self.result["phases"][name] = row
+        self.save()
+        return row
+
+    def env(self) -> None:
+        """torch, CUDA and the device, as this process sees them."""
+        import torch
+
+        row = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            row.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+        try:
+            import transformers
+
+            row["transformers"] = transformers.__version__
+        except ImportError as exc:
+            row["transformers"] = f"missing: {exc}"
+        self.result["env"] = row
+        self.save()
+
+    def model(self) -> str:
+        """The random Qwen2.5-0.5B-shaped model folder."""
+        path = self.work / "qwen2.5-0.5b-random"
+        extra = sets(SMALL_MODEL) if self.args.small else []
+        self.run("model", streamrl("model", "init", "--arch", "qwen2.5-0.5b", "--random", "--dtype", "bfloat16",
+                                   "--out", str(path), *extra), 300)
+        return str(path)
+
+    def recipe(self, model: str) -> None:
+        """``recipe run`` for a few steps; per-step figures from the run folder's metrics."""
+        s = sizes(self.args.small)
+        runs = self.work / "runs"
+        over = [f"model.path=\"{model}\"", f"run.steps={s['recipe_steps']}", f"run.out_dir=\"{runs}\"",
+                "run.checkpoint_every=0", "cluster.dashboard_port=0",
+                *device_overrides(self.args.device), *s["recipe"]]
+        row = self.run("recipe", streamrl("recipe", "run", RECIPE, "--plain", "--no-report", *sets(over)),
+                       self.args.recipe_timeout)
+        found = sorted(glob.glob(str(runs / "*" / "metrics.jsonl")), key=os.path.getmtime)
+        if not found:
+            return
+        recs = [json.loads(line) for line in open(found[-1]) if line.strip()]
+        recs = [r for r in recs if "step_s" in r]
+        row["steps"] = [{k: r.get(k) for k in ("step", "step_s", "generate_s", "train_s", "weight_sync_s",
+                                               "tokens_per_s", "samples_per_s", "response_len_mean")} for r in recs]
+        later = recs[1:] or recs  # the first step carries start-up (CUDA graphs, allocator)
+        if later:
+            step = sum(r["step_s"] for r in later)
+            row["weight_sync_share"] = sum(r["weight_sync_s"] for r in later) / step if step else None
+            row["tokens_per_s"] = sum(r["tokens_per_s"] for r in later) / len(later)
+        self.save()
+
+    def engine(self, model: str) -> None:
+        """``bench engine``: continuous batching with CUDA graphs, static batching, continuous
+        without graphs -- one process each, so a variant that fails or runs out of time keeps
+        the others' figures."""
+        s = sizes(self.args.small)
+        over = [f"model.path=\"{model}\"", *device_overrides(self.args.device), *s["engine"]]
+        rows = []
+        variants = ["continuous-graphs:engine.cuda_graph=true", "static:engine.batching=\"static\""]
+        if self.args.engine_without_graphs:
+            variants.append("continuous:engine.cuda_graph=false")
+        for variant in variants:
+            label = variant.partition(":")[0]
+            out = self.work / f"engine-{label}.json"
+            row = self.run(f"engine-{label}", streamrl("bench", "engine", RECIPE, *sets(over), "--variant", variant,
+                                                       "--steps", str(s["engine_steps"]), "--warmup", "1",
+                                                       "--out", str(out)), self.args.engine_timeout)
+            if out.exists():
+                row["variants"] = [{k: v for k, v in r.items() if k != "steps"} for r in json.loads(out.read_text())]
+                rows.extend(row["variants"])
+                self.save()
+
+    def trainer(self, model: str) -> None:
+        """``bench trainer`` at each batch size; variants and a profile at the largest."""
+        s = sizes(self.args.small)
+        over = [f"model.path=\"{model}\"", *device_overrides(self.args.device)]
+        rows = []
+        for n in self.args.trainer_samples or s["trainer_samples"]:
+            out = self.work / f"trainer-{n}.json"
+            variants = []
+            extra = []
+            if n == max(self.args.trainer_samples or s["trainer_samples"]):
+                biggest = n * (s["trainer_prompt"] + s["trainer_response"])
+                variants = self.args.trainer_variant or [
+                    "recipe", f"one-micro-batch:trainer.micro_batch_tokens={biggest}",
+                    "bf16-params:trainer.precision=\"bf16-params\"",
+                    "checkpointed:trainer.activation_checkpointing=true",
+                    "compiled:trainer.compile=true"]
+                extra = ["--profile-dir", str(self.work)]
+            row = self.run(f"trainer-{n}", streamrl("bench", "trainer", RECIPE, *sets(over),
+                                                    *[x for v in variants for x in ("--variant", v)],
+                                                    "--samples", str(n), "--prompt-tokens", str(s["trainer_prompt"]),
+                                                    "--response-tokens", str(s["trainer_response"]),
+                                                    "--steps", "3", "--warmup", "1", "--out", str(out), *extra),
+                           self.args.trainer_timeout)
+            if out.exists():
+                row["variants"] = [{k: v for k, v in r.items() if k != "steps"} for r in json.loads(out.read_text())]
+                rows.extend(row["variants"])
+            self.save()
+        profiles = sorted(self.work.glob("trainer-profile-*.txt"))
+        if profiles:
+            self.result["trainer_profile"] = {p.stem: p.read_text()[:6000] for p in profiles}
+            self.save()
+
+    def transfer(self, model: str) -> None:
+        """``bench transfer``: one weight publication, train worker's GPU -> the engine."""
+        s = sizes(self.args.small)
+        out = self.work / "transfer.json"
+        over = [f"model.path=\"{model}\"", *device_overrides(self.args.device)]
+        row = self.run("transfer", streamrl("bench", "transfer", RECIPE, *sets(over), "--transfers", "dask",
+                                            "--repeats", str(s["transfer_repeats"]), "--out", str(out)),
+                       self.args.transfer_timeout)
+        if out.exists():
+            row["result"] = json.loads(out.read_text())
+            self.save()
+
+
+def table(result: dict) -> str:
+    """The check's figures as a markdown table."""
+    lines = ["| phase | figure | value |", "|---|---|---|"]
+    env = result.get("env", {})
+    lines.append(f"| env | device | {env.get('gpu', 'cpu')} (torch {env.get('torch')}, transformers {env.get('transformers')}) |")
+    for name, row in result["phases"].items():
+        status = "ok" if row.get("ok") else f"FAILED ({row.get('skipped') or row.get('rc')})"
+        lines.append(f"| {name} | status, seconds | {status}, {row.get('seconds', '-')} |")
+        if name == "recipe" and row.get("steps"):
+            med = sorted(r["step_s"] for r in row["steps"])[len(row["steps"]) // 2]
+            lines.append(f"| recipe | s/step (median), tokens/s | {med:.2f}, {row.get('tokens_per_s', 0):,.0f} |")
+            if row.get("weight_sync_share") is not None:
+                lines.append(f"| recipe | weight publication share of a step | {100 * row['weight_sync_share']:.1f}% |")
+        for v in row.get("variants", []):
+            if "response_tokens_per_s" in v:
+                lines.append(f"| engine | {v['variant']}: tokens/s, s/step | {v['response_tokens_per_s']:,.0f}, "
+                             f"{v['step_s_median']:.2f} |")
+            elif "mfu" in v:
+                mfu = "n/a" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
+                lines.append(f"| trainer | {v['samples']} x {v['tokens_per_step'] // v['samples']} {v['variant']}: "
+                             f"tokens/s, MFU, peak GiB | {v['tokens_per_s']:,.0f}, {mfu}, {v['peak_memory_gib']:.1f} |")
+        if name == "transfer" and row.get("result"):
+            for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
+                lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "
+                             f"{r.get('model_bytes', 0) / 1e6:.0f}, {r.get('publish_s_median', 0):.3f}, "
+                             f"{r.get('memcpy_gb_s', 0):.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Parse the flags, run every phase (or those named), print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON result")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--small", action="store_true", help="a tiny model and sizes (the CPU dry run)")
+    ap.add_argument("--work", default="gpu-check-work", help="folder for the model, runs and logs")
+    ap.add_argument("--phases", default="trainer,engine,recipe,transfer", help="comma-separated phases to run")
+    ap.add_argument("--engine-without-graphs", action="store_true",
+                    help="also measure continuous batching without CUDA graphs (the slow baseline)")
+    ap.add_argument("--trainer-samples", type=int, action="append", default=[],
+                    help="a trainer batch size in samples (repeatable; default 8, 32 and 64)")
+    ap.add_argument("--trainer-variant", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                    help="a trainer variant at the largest batch (repeatable; default: precision, "
+                         "micro-batch, checkpointing and compile variants)")
+    ap.add_argument("--budget-s", type=float, default=3600, help="start no phase after this many seconds")
+    ap.add_argument("--recipe-timeout", type=float, default=180, help="seconds for the recipe run")
+    ap.add_argument("--engine-timeout", type=float, default=100, help="seconds for each engine variant")
+    ap.add_argument("--trainer-timeout", type=float, default=120, help="seconds for each trainer batch size")
+    ap.add_argument("--transfer-timeout", type=float, default=90, help="seconds for the transfer bench")
+    args = ap.parse_args()
+    check = Check(args)
+    check.env()
+    model = check.model()
+    for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
+        getattr(check, phase)(model)
+    check.result["seconds"] = round(time.monotonic() - check.t0, 1)
+    check.save()
+    text = table(check.result)
+    Path(args.out).with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0 if all(r.get("ok") for r in check.result["phases"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
