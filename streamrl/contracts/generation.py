@@ -35,6 +35,9 @@ class EngineCapabilities:
     kv_capacity_tokens: int = 0
     """Context tokens one engine's KV cache holds, when fixed by the config (0: not known before
     the engine starts; ``streamrl plan`` then takes it as unbounded)."""
+    max_new_tokens: int | None = None
+    """Most tokens the engine generates per response, when its config fixes it: streamrl checks
+    that a prompt still fits the model's positions beside them (None: not checked)."""
     greedy: bool = False
     """True when the engine implements :meth:`Engine.generate_greedy` (held-out evaluation then
     decodes greedily; otherwise it samples)."""

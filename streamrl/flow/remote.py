@@ -172,7 +172,7 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
 
 
 def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None = None, after=None,
-                   trainer: str = TRAINER) -> StepStats:
+                   trainer: str = TRAINER, step: int | None = None) -> StepStats:
     """Train pool: one optimizer step after every train task of the batch (they are arguments:
     every rank sees the whole batch's, and decides the same).
 
@@ -187,11 +187,8 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
     errors = sum(t.reward_errors for t in train_tasks)
     if samples and errors >= samples:
         first = next((t.reward_error_first for t in train_tasks if t.reward_error_first), "no error text")
-        trainer = resident(name)
-        epochs = max(1, getattr(getattr(trainer, "algorithm", None), "epochs", 1))
-        version = getattr(trainer, "version", None)  # (optimizer steps so far; a plugin trainer may not count)
-        step = f"step {version // epochs + 1}" if isinstance(version, int) else "a step"
-        raise RewardFailed(f"{step}: the reward failed for all {samples} samples (the first: {first}), so the step "
+        where = f"step {step + 1}" if step is not None else "a step"  # (``step``: the run's, from 0)
+        raise RewardFailed(f"{where}: the reward failed for all {samples} samples (the first: {first}), so the step "
                            "was not trained on; a reward that fails for every sample is a bug, not a learning "
                            "signal: fix the reward")
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from streamrl.api import Component
+from streamrl.api import Algorithm, Component
 from streamrl.errors import UserError
 from streamrl.learners import config as learners_config
 from streamrl.learners.config import LearnerPlan
@@ -169,7 +169,8 @@ def _check_group_size(out: Resolved, plan: LearnerPlan) -> None:
     # one, so validation builds nothing; a factory function's object is built (algorithms are light)
     factory = plan.algorithm.component.factory
     made = factory if isinstance(factory, type) else plan.algorithm.build()
-    need = getattr(made, "min_group_size", 1)
+    typed = isinstance(made, Algorithm) or (isinstance(made, type) and issubclass(made, Algorithm))
+    need = made.min_group_size if typed else 1  # (an object not built on Algorithm declares no group baseline)
     if r.trainer.samples_per_prompt < need:
         field = "algorithm.name" if plan.name == "main" else f"learner {plan.name!r}'s algorithm"
         raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with {field} = "
@@ -186,7 +187,7 @@ def _check_positions(out: Resolved, model: Path) -> None:
     """``max_new_tokens`` of the engine must leave room for a prompt in the model's positions
     (beyond them a model with learned positions fails, and one with rotary ones goes where it
     was never trained)."""
-    wanted = getattr(out.engine.config, "max_new_tokens", None)
+    wanted = out.engine.capabilities().max_new_tokens
     try:
         config = json.loads((model / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -185,7 +185,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         submit([])
     # every rank steps, together (they sum their gradients first), after every micro-batch
     with spans.phase(step, "train"):
-        steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations, trainer=held,
+        steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations, trainer=held, step=step,
                                key=spans.step_key(f"optimizer-step{tag}", step, f"{suffix}rank{rank}"),
                                **cluster.at(topo.pins[name], **{res: 1}))
                  for rank, name in enumerate(ranks)]

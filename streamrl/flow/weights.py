@@ -41,7 +41,9 @@ def relay_sites(transfer_config, generate: list[str]) -> list[list[str]] | None:
     """The sites a publication relays to (``transfer_config``: the recipe's transfer config;
     ``generate``: the generate workers now), or None without a relay. A transfer with no
     ``relay`` option (one whose payload is a token) never relays."""
-    if not getattr(transfer_config, "relay", False):
+    from streamrl.transfer.dask import DaskTransferConfig  # (the transfer that relays: its config says so)
+
+    if not isinstance(transfer_config, DaskTransferConfig) or not transfer_config.relay:
         return None
     return [list(site) for site in transfer_config.sites] or [list(generate)]
 

@@ -168,7 +168,8 @@ def add(controller, run_dir: Path, step: int, request: dict) -> str:
                                  **topo.train_pin).result()
         start_model = str(folder)
     learner = runtime.place_one(controller.client, resolved, plan, topo.pins, joined_at=step,
-                                task=getattr(fanout, "task", controller.task), model_path=start_model)
+                                task=fanout.task if fanout is not None and fanout.task is not None else controller.task,
+                                model_path=start_model)
     if resume_from is not None:
         controller.client.submit(remote.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
                                  **learner.view.train_pin).result()

@@ -180,6 +180,8 @@ class Fanout:
     def __init__(self, client: Client, recipe: Recipe, learners: list[SideLearner] = (), repeatable: bool = False):
         self.client, self.recipe, self.repeatable = client, recipe, repeatable
         self.learners: dict[str, SideLearner] = {lr.name: lr for lr in learners}
+        self.task = None
+        """The run's task object, once the run has one (learners added later evaluate on it)."""
 
     def add(self, learner: SideLearner) -> None:
         """A learner placed while the run goes on takes part from the next step handed over."""

@@ -143,7 +143,7 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
             plan.added = True
             ensure_worker(client, topo, resolved.recipe, name)
             learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
-                                task=getattr(fanout, "task", None))
+                                task=fanout.task if fanout is not None else None)
             fanout = fanout or Fanout(client, resolved.recipe, [], False)
             fanout.add(learner)
         lr = fanout.learners[name]

@@ -76,6 +76,9 @@ class TorchDistributedTransfer(Transfer):
 
     def __init__(self, config: TorchDistributedConfig):
         self.config = config
+        self.latest: tuple | None = None
+        """``(version, snapshot, layout)`` of the newest version sent (train worker), for a
+        receiver that missed its group (:meth:`resend`)."""
 
     def _group(self, store, rank: int, world: int):
         import torch.distributed as dist
@@ -101,7 +104,7 @@ class TorchDistributedTransfer(Transfer):
     def resend(self, version: int) -> tuple[dict, int]:
         """Serve the newest snapshot sent (``version`` or later) to one receiver alone, over a
         group of two; returns the token and the version it holds."""
-        latest = getattr(self, "latest", None)
+        latest = self.latest
         if latest is None or latest[0] < version:
             held = "nothing" if latest is None else f"version {latest[0]}"
             raise RuntimeError(f"torch_distributed transfer: version {version} cannot be sent again: this "

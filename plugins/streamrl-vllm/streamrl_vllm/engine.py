@@ -89,9 +89,10 @@ class VLLMEngine(Engine):
 
     @classmethod
     def capabilities(cls, config: VLLMEngineConfig) -> EngineCapabilities:
-        """``engine.temperature`` (the trainer divides its logits by it) and ``max_running``
-        (vLLM sizes its KV cache when it starts)."""
-        return EngineCapabilities(temperature=config.temperature, max_running=config.max_running)
+        """``engine.temperature`` (the trainer divides its logits by it), ``max_running`` and
+        ``max_new_tokens`` (vLLM sizes its KV cache when it starts)."""
+        return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
+                                  max_new_tokens=config.max_new_tokens)
 
     def __init__(self, config: VLLMEngineConfig):
         self.config = config
