@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
+from streamrl.flow import saving
 from streamrl.flow.controller import Controller
 from streamrl.flow.resolve import resolve
 from streamrl.recipe import load_recipe
@@ -186,8 +187,8 @@ def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(c
 
     first = controller(6)
     done = [first.step(s) for s in range(3)]  # steps 3 and 4 are generating ahead now
-    first.checkpoint(tmp_path, 3, len(done))
-    first.checkpoint(tmp_path, 3, len(done))  # written twice: replaced, and only the newest is kept
+    saving.checkpoint(first, tmp_path, 3, len(done))
+    saving.checkpoint(first, tmp_path, 3, len(done))  # written twice: replaced, and only the newest is kept
     assert [p.name for p in checkpoints.folder(tmp_path).iterdir()] == ["step-000003"]
 
     first.close()  # its cluster would be gone after a crash; here the same one goes on

@@ -120,7 +120,8 @@ def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
     """Thresholds that shrink as soon as the 2 workers were half idle (and never grow):
     2 -> 1 in async mode, with groups of later steps already queued when the worker
     is retired; nothing is lost or trained twice, and it takes no work afterwards."""
-    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=8", "--set", "run.mode=async",
+    steps = 12
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", f"run.steps={steps}", "--set", "run.mode=async",
                     "--set", "run.max_staleness=2", "--set", "pools.generate.workers=2",
                     "--set", "pools.generate.elastic={min=1,max=2,grow_when_train_idle=1.0,"
                              "shrink_when_busy_below=1.0,cooldown_steps=0}")
@@ -128,7 +129,9 @@ def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
     assert "Traceback" not in proc.stderr
     recs = records(tmp_path)
     drained = [r["step"] for r in recs if r["elastic"] == "-generate-1"]
-    assert drained and drained[0] <= 3, [(r["elastic"], r["pools"]["generate"]) for r in recs]
+    # when the drain ends depends on how fast its queued groups finish (a loaded machine: later);
+    # it must leave at least 3 steps after it to check that nothing reaches the retired worker
+    assert drained and drained[0] <= steps - 4, [(r["elastic"], r["pools"]["generate"]) for r in recs]
     k = drained[0]
     assert [r["generate_workers"] for r in recs] == [2] * (k + 1) + [1] * (len(recs) - k - 1)
     check_every_sample_trained_once(recs)

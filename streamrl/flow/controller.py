@@ -21,7 +21,7 @@ from pathlib import Path
 
 from distributed import Client, Future, SpecCluster, wait
 
-from streamrl.flow import checkpoints, elastic, evaluate, modes, placement, remote, submit
+from streamrl.flow import checkpoints, elastic, evaluate, modes, placement, submit
 from streamrl.flow.feed import Feed
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.topology import Topology
@@ -220,15 +220,7 @@ class Controller:
         return submit.epochs(self.topology, self.recipe, self.epochs, step, scored, True, after=[],
                              ordered=self.repeatable)
 
-    # -- checkpoints ----------------------------------------------------------------------
-    def checkpoint(self, run_dir: Path, next_step: int, records: int) -> Path:
-        """Write a checkpoint after the last submitted optimizer step (``flow/checkpoints.py``)."""
-        files = self.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")
-        also = learners.checkpoint(self.fanout, next_step, checkpoints.latest(run_dir)) if self.fanout else None
-        return checkpoints.write(self.client, self.topology.writers(), self.last_step, run_dir, next_step,
-                                 self.version, records, self.recipe.run.keep_checkpoints,
-                                 self.topology.incarnations, files=files, also=also)
-
+    # -- checkpoints (written by ``flow/saving.py``) ----------------------------------------
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
         (so nothing generates with the base weights), and continue the mode; returns the next step."""
@@ -251,15 +243,3 @@ class Controller:
             self.evaluator.cancel()
         if self.fed is not None:  # the next step's generation, taken by a feed in flight
             self.client.cancel(self.fed_scored)
-
-    def save_policy(self, out: Path) -> str:
-        """Write the trained policy (after the ranker's last lesson); returns the folder."""
-        self.dispatcher.finish()
-        if self.elastic:
-            self.elastic.finish()
-        out = learners.finish(self.fanout, self.resolved, out)  # the other learners' policies beside it
-        stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
-        return self.client.gather([
-            self.client.submit(remote.save_policy, str(out), after=self.last_step,
-                               trainer_id=self.topology.incarnations, key=f"save-policy-{stamp}-{i}", **pin)
-            for i, pin in enumerate(self.topology.writers())])[0]

@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from streamrl import cluster
 from streamrl.errors import Interrupted, RunFailed, UserError
-from streamrl.flow import checkpoints
+from streamrl.flow import checkpoints, saving
 from streamrl.flow.controller import Controller
 from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
@@ -62,7 +62,7 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             continue  # the next step is already training: stop after it
         if stop.requested or checkpoint_after(done):
             with span("checkpoint"):
-                saved = controller.checkpoint(folder.path, done, len(folder.records))
+                saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
             folder.mark("running", step=done, checkpoint=str(saved))
         if stop.requested and done < r.run.steps:
             folder.mark("interrupted", step=done)
@@ -147,7 +147,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             display = stack.enter_context(RunDisplay(console, r.run.name, r.run.steps, first, plain))
             _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn,
                    lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
-        policy = controller.save_policy(folder.path / "policy")
+        policy = saving.policy(controller, folder.path / "policy")
         folder.mark("completed", step=r.run.steps, policy=str(policy))
     except Interrupted:
         raise

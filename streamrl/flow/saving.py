@@ -1,0 +1,37 @@
+"""What a run leaves behind, written from the controller's state: a checkpoint of the whole run
+after a step (``flow/checkpoints.py`` writes and reads the files) and, at the end, the trained
+policy as a model folder. Kept apart from the step loop (``flow/controller.py``), which only
+says when."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from streamrl.flow import checkpoints, remote
+from streamrl.learners import runtime as learners
+
+
+def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
+    """Write a checkpoint of ``ctl`` (a :class:`~streamrl.flow.controller.Controller`) after its
+    last submitted optimizer step: the trainer's state on every writer rank, what the dispatcher
+    learned, the side learners' states; returns the checkpoint folder."""
+    files = ctl.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")
+    also = learners.checkpoint(ctl.fanout, next_step, checkpoints.latest(run_dir)) if ctl.fanout else None
+    return checkpoints.write(ctl.client, ctl.topology.writers(), ctl.last_step, run_dir, next_step,
+                             ctl.version, records, ctl.recipe.run.keep_checkpoints,
+                             ctl.topology.incarnations, files=files, also=also)
+
+
+def policy(ctl, out: Path) -> str:
+    """Write the trained policy of ``ctl`` to ``out`` (after the ranker's last lesson and the
+    elastic pool's last change; the side learners' policies beside it); returns the folder."""
+    ctl.dispatcher.finish()
+    if ctl.elastic:
+        ctl.elastic.finish()
+    out = learners.finish(ctl.fanout, ctl.resolved, out)
+    stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
+    return ctl.client.gather([
+        ctl.client.submit(remote.save_policy, str(out), after=ctl.last_step,
+                          trainer_id=ctl.topology.incarnations, key=f"save-policy-{stamp}-{i}", **pin)
+        for i, pin in enumerate(ctl.topology.writers())])[0]
