@@ -22,8 +22,14 @@ def naive_token_logprobs(model, ids, attn, temperature: float = 1.0):
 
 
 def _head_logprobs(head, hidden, targets, temperature: float):
-    # one chunk: [N, H] hidden states -> [N] log-probabilities of ``targets``
-    logits = head(hidden).float() / temperature
+    # one chunk: [N, H] hidden states -> [N] log-probabilities of ``targets``. The head is linear:
+    # dividing its [N, H] input by the temperature gives the logits / temperature with
+    # vocab / H times fewer divisions (170x for Qwen2.5-0.5B) than dividing the [N, vocab]
+    # logits -- that division was 6% of a GPU step's device time, 17% of a CPU one's
+    if isinstance(head, torch.nn.Linear) and head.bias is None:
+        logits = head(hidden / temperature if temperature != 1.0 else hidden).float()
+    else:
+        logits = head(hidden).float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
