@@ -443,3 +443,21 @@ def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path):
     assert all(r["reward/timeout/mean"] == 0.0 for r in records)
     # the warm-started model boxes its answers: math-verify reads them
     assert all(r["reward/answered/mean"] > 0.5 for r in records), [r["reward/answered/mean"] for r in records]
+
+
+def test_deadline_calls_reuse_their_threads_and_a_hung_call_holds_only_its_own():
+    import threading
+
+    from streamrl.rewards.scoring import RewardTimeout, call_with_deadline
+
+    call_with_deadline(lambda: 1.0, timeout_s=5)  # a runner exists
+    before = threading.active_count()
+    assert [call_with_deadline(lambda k=k: float(k), timeout_s=5) for k in range(200)] == [float(k) for k in range(200)]
+    assert threading.active_count() == before  # 200 calls, no new thread
+    release = threading.Event()
+    with pytest.raises(RewardTimeout):
+        call_with_deadline(release.wait, timeout_s=0.05)
+    assert call_with_deadline(lambda: 2.0, timeout_s=5) == 2.0  # the next call is not stuck behind it
+    # the hung call holds its thread, the next got an idle one (if another test left one) or a new one
+    assert before <= threading.active_count() <= before + 1
+    release.set()
