@@ -351,3 +351,16 @@ def test_weights_that_do_not_fit_the_engine_name_the_parameter_both_shapes_and_t
         assert tuple(f.get_slice(name).get_shape()) == (int(rows), int(cols))
     assert (int(got_rows), int(got_cols)) == (int(rows), int(cols) - 1)
     assert "through transfer 'lossy'" in last, last
+
+
+@pytest.mark.slow
+def test_an_engine_whose_kv_cache_cannot_be_built_stops_the_run_in_one_line(tiny_recipe):
+    # before: transformers' loop died at start, every request was refused and retried, and the
+    # run hung until its timeouts, under a traceback and a warning per dropped request
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--plain", "--no-report",
+                    "--set", "engine.kv_memory_fraction=1e-9", timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "will be dropped" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("streamrl: error: engine 'hf' could not be built on worker generate-0: ") and \
+        "continuous batching did not start" in last and "kv_memory_fraction" in last, last

@@ -15,6 +15,7 @@ resumes with the new policy.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -53,6 +54,9 @@ class ContinuousEngine(TransformersEngine):
             num_blocks=None if fraction else self.config.num_blocks, max_memory_percent=fraction,
             allow_block_sharing=False, use_cuda_graph=self.config.cuda_graph and device == "cuda",
         )
+        # transformers logs a dying loop's traceback, then one warning per request it drops;
+        # streamrl reports the loop's error itself (a failed load, failed requests), once
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
         self.manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         self.manager.start()
         self._wait_started()
