@@ -19,6 +19,10 @@ outside still leaves what it measured):
    step of the largest batch;
 5. ``transfer``: ``streamrl bench transfer`` (seconds and GB/s of one publication GPU -> engine).
 
+On one H200 the phases took: model 40 s, trainer 20 + 17 + 70 s (the variants at 64 x 576),
+engine 43 + 92 s, recipe 108 s; the transfer bench needs more than 60 s (its cluster, engines and
+trainer start first). ``--budget-s`` and the per-phase timeouts keep a lent machine's call short.
+
 ``--small`` shrinks the model and every size so that the same phases run in minutes on a CPU:
 the dry run that makes time on the GPU machine go to measuring, not debugging. ``--budget-s``
 stops starting phases once that many seconds have passed.
