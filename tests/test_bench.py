@@ -215,3 +215,25 @@ def test_bench_elastic_repeats_interleaved_passes_and_reports_the_median_ratio(t
             sorted(p[name]["tokens_vs_fixed_min"] for p in passes)[0] / 2 + sorted(p[name]["tokens_vs_fixed_min"] for p in passes)[1] / 2)
     assert all(p["fixed-1"]["response_tokens_per_s"] > 0 for p in passes)
     assert "median x fixed-min" in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
+    # the CPU dry run of benchmarks/gpu_check.py, one phase: what keeps the GPU machine's time
+    # for measuring; a phase that fails shows as FAILED in the table and a non-zero exit
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--small",
+                           "--out", str(out), "--work", str(tmp_path / "work"), "--phases", "trainer",
+                           "--trainer-samples", "8", "--trainer-variant", "recipe",
+                           "--trainer-variant", 'bf16:trainer.precision="bf16-params"'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["phases"]["model"]["ok"] and result["phases"]["trainer-8"]["ok"]
+    rows = result["phases"]["trainer-8"]["variants"]
+    assert [r["variant"] for r in rows] == ["recipe", "bf16"]
+    assert all(r["tokens_per_s"] > 0 and r["samples"] == 8 and r["mfu"] is None for r in rows)  # (no peak on CPU)
+    assert set(result["trainer_profile"]) == {"trainer-profile-recipe", "trainer-profile-bf16"}
+    assert "aten::" in result["trainer_profile"]["trainer-profile-recipe"]
+    table = out.with_suffix(".md").read_text()
+    assert "| trainer-8 | status, seconds | ok," in table and "8 x 32 bf16: tokens/s, MFU, peak GiB" in table
