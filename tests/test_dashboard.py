@@ -165,7 +165,7 @@ def test_the_page_updates_live_and_follows_the_newest_run(scheduler_only):
 
 def test_publish_never_raises_and_warns_once(scheduler_only, recwarn):
     client = scheduler_only
-    dashboard._warned.clear()
+    dashboard.warned_once.clear()
     dashboard.publish(client, {"no": "step"})  # not a record
     dashboard.publish(client, {"step": "x"})
     dashboard.publish(client, record(0))  # and the next good one still goes through
@@ -178,7 +178,7 @@ def test_a_scheduler_without_dashboard_gets_no_page_and_no_warning(recwarn):
     cluster = SpecCluster(workers={}, scheduler={"cls": Scheduler, "options": {
         "host": "127.0.0.1", "dashboard": False, "dashboard_address": "127.0.0.1:0"}}, name="streamrl-test")
     with cluster, Client(cluster) as client:
-        dashboard._warned.clear()
+        dashboard.warned_once.clear()
         assert dashboard.install(client) is None
         dashboard.publish(client, record(0))  # the summaries still reach the scheduler
         assert events(client, 1)[0]["step"] == 0
@@ -249,7 +249,7 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
 
     monkeypatch.setattr(dashboard, "install", install)
     monkeypatch.setattr(dashboard, "publish", publish)
-    dashboard._warned.clear()
+    dashboard.warned_once.clear()
     folder = runner.run(load_recipe(tiny_recipe, [f"run.steps={steps}", "run.report=false"]), plain=True)
 
     metrics = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]

@@ -162,14 +162,14 @@ def test_a_run_of_one_learner_has_no_learners_part():
 
 def drawn(monkeypatch) -> dict:
     """What each saved figure showed, by file name: its title and legend labels."""
-    seen, save = {}, plots._save
+    seen, save = {}, plots.save_figure
 
     def spy(fig, path):
         ax = fig.axes[0]
         seen[Path(path).name] = (ax.get_title(), ax.get_legend_handles_labels()[1])
         return save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", spy)
+    monkeypatch.setattr(plots, "save_figure", spy)
     return seen
 
 

@@ -160,7 +160,7 @@ def craft(path: Path, marker: Path, torch_format: bool) -> None:
 def rewrite_manifest(ckpt: Path) -> None:
     """What someone who can write the run folder does next: a manifest that matches the files."""
     (ckpt / checkpoints.MANIFEST).unlink()
-    checkpoints._write_manifest(ckpt)
+    checkpoints.write_manifest(ckpt)
     files = json.loads((ckpt / checkpoints.MANIFEST).read_text())["files"]
     for name, f in files.items():
         assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == f["sha256"]

@@ -245,7 +245,7 @@ def _dcp_problem(dcp: Path) -> str | None:
     return None
 
 
-def _write_manifest(tmp: Path) -> list[str]:
+def write_manifest(tmp: Path) -> list[str]:
     """List every file under ``tmp`` with its size and SHA-256 in ``manifest.json``, last;
     returns the names listed."""
     paths = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -323,7 +323,7 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
             also(tmp)
         (tmp / "controller.json").write_text(json.dumps(
             {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
-        listed = _write_manifest(tmp)
+        listed = write_manifest(tmp)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception) and not isinstance(exc, (ResidentLost, RunFailed)) and _a_write_error(exc):

@@ -60,13 +60,15 @@ class _Run:
 
 # one run per client; a client that goes away takes its entry with it
 _runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_warned = threading.Event()
+warned_once = threading.Event()
+"""Set once the page's failure was warned about (one warning per process); cleared, the next
+failure is warned about again."""
 
 
 def _warn_once(text: str) -> None:
     """The page is an extra: say once that it is not working, then stay quiet."""
-    if not _warned.is_set():
-        _warned.set()
+    if not warned_once.is_set():
+        warned_once.set()
         warnings.warn(f"streamrl page: {text}; the run goes on without it", RuntimeWarning, stacklevel=3)
 
 

@@ -42,7 +42,8 @@ def _figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
     return fig, list(axes.flat)
 
 
-def _save(fig, path: Path) -> bool:
+def save_figure(fig, path: Path) -> bool:
+    """Write ``fig`` to ``path`` at the report's resolution; True (every plot returns whether it drew)."""
     fig.savefig(path, dpi=DPI)
     return True
 
@@ -117,7 +118,7 @@ def reward(series: Series, path: Path) -> bool:
         ax.title.set_fontsize(10)
         ax.grid(alpha=0.3)
         _legend(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def eval_points(records: list[dict]) -> list[dict]:
@@ -161,7 +162,7 @@ def response_length(series: Series, path: Path) -> bool:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     _legend(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def throughput(series: Series, path: Path) -> bool:
@@ -178,7 +179,7 @@ def throughput(series: Series, path: Path) -> bool:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     _legend(axes[0])
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def idle(series: Series, path: Path) -> bool:
@@ -199,7 +200,7 @@ def idle(series: Series, path: Path) -> bool:
     fig.suptitle("Bubbles: share of each pool's worker time spent idle, per step (measured by the workers)",
                  fontsize=10)
     _legend(axes[0])
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def staleness(series: Series, path: Path) -> bool:
@@ -224,7 +225,7 @@ def staleness(series: Series, path: Path) -> bool:
     ax.grid(alpha=0.3, axis="y")
     if len(series) > 1:  # beside the axes: the bars reach the top
         _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def ranker(series: Series, path: Path) -> bool:
@@ -243,7 +244,7 @@ def ranker(series: Series, path: Path) -> bool:
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     _legend(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def window(records: list[dict], steps: int) -> tuple[int, int]:
@@ -315,7 +316,7 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
     kinds = [k for k in tl.KINDS if any(b.kind == k for n in names for b in rows[n])]
     fig.legend(handles=[Patch(color=KIND_COLOURS[k], label=KIND_LEGEND[k]) for k in kinds], loc="outside lower center",
                ncol=len(kinds), fontsize=8, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def learners(label: str, rows: list[dict], path: Path) -> bool:
@@ -350,4 +351,4 @@ def learners(label: str, rows: list[dict], path: Path) -> bool:
     ax.title.set_fontsize(10)
     ax.grid(alpha=0.3)
     _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
+    return save_figure(fig, path)
