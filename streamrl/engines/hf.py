@@ -49,9 +49,10 @@ class HFEngine(TransformersEngine):
     @classmethod
     def capabilities(cls, config: HFEngineConfig) -> EngineCapabilities:
         """``engine.temperature`` (the trainer divides its logits by it), ``max_running``,
-        ``max_new_tokens``, the
-        KV cache's tokens when ``num_blocks`` sizes it (continuous batching), and whether a seed
-        repeats the samples (``reproducible``); every variant decodes greedily for evaluation."""
+        ``max_new_tokens``, the KV cache's tokens when ``num_blocks`` sizes it (continuous
+        batching), and whether a seed repeats the samples (``reproducible``); every variant
+        decodes greedily for evaluation."""
         return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
-                                  max_new_tokens=config.max_new_tokens, kv_capacity_tokens=HFEngine.variant(config).kv_capacity_tokens(config),
+                                  max_new_tokens=config.max_new_tokens,
+                                  kv_capacity_tokens=HFEngine.variant(config).kv_capacity_tokens(config),
                                   repeatable=config.reproducible, greedy=True)
