@@ -176,6 +176,10 @@ def register_rewards():
 '''
 
 
+CONSTANT_REWARD = BROKEN_REWARD.replace('raise KeyError("answer")', "return 0.25").replace('"broken", Empty, Broken',
+                                                                                         '"constant", Empty, Broken')
+
+
 def with_plugin(recipe: Path, name: str, code: str, section: str) -> Path:
     (recipe.parent / f"{name}.py").write_text(code)
     text = recipe.read_text()
@@ -221,6 +225,17 @@ def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its
     (run,) = (tmp_path / "runs").iterdir()
     assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text() == ""  # no step recorded
     assert not (run / "policy").exists()
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_recipe, tmp_path):
+    recipe = with_plugin(tiny_recipe, "constant", CONSTANT_REWARD, "reward")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=2", "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "all samples got the same reward" in line]
+    assert len(warned) == 1 and warned[0].startswith("step 1: in every prompt's group"), proc.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert [json.loads(line)["flat_groups"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1.0, 1.0]
 
 
 # -- validation --------------------------------------------------------------------------------------------

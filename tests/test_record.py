@@ -43,3 +43,15 @@ def test_train_stats_keep_the_trainers_sums_and_pickle_as_dask_sends_them():
     step = StepStats.of({"version": 2, "grad_norm": 0.5, "critic_grad_norm": 0.1, "seconds": 1.0})
     assert (step.version, step.extra) == (2, {"critic_grad_norm": 0.1})
     assert pickle.loads(pickle.dumps(task)) == task and pickle.loads(pickle.dumps(step)) == step
+
+
+def test_flat_groups_is_the_share_of_multi_sample_groups_whose_rewards_were_all_equal():
+    a, b = micro(4), micro(4)
+    a.groups, a.flat_groups = 2, 2
+    b.groups, b.flat_groups = 2, 0
+    step = StepStats.of({"version": 5, "grad_norm": 1.0, "seconds": 0.5})
+    assert summarize(4, 5, [a, b], step, t0=0.0, t_trained=8.0, t_end=10.0).as_dict()["flat_groups"] == 0.5
+    b.flat_groups = 2
+    assert summarize(4, 5, [a, b], step, t0=0.0, t_trained=8.0, t_end=10.0).flat_groups == 1.0
+    a.groups = a.flat_groups = b.groups = b.flat_groups = 0  # groups of one sample: nothing to say
+    assert summarize(4, 5, [a, b], step, t0=0.0, t_trained=8.0, t_end=10.0).flat_groups is None

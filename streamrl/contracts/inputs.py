@@ -77,5 +77,11 @@ class Reward:
                 out.append(exc)
         return out
 
+    @classmethod
+    def scores_groups(cls) -> bool:
+        """Whether this reward scores a group in one call (it overrides :meth:`score_group`);
+        when not, streamrl scores each response alone, each within its own time limit."""
+        return cls.score_group is not Reward.score_group
+
     def close(self) -> None:
         """Release resources (a reward model, a sandbox) when the worker shuts down."""

@@ -168,6 +168,8 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     stats.reward_errors = sum(1 for s in samples if "reward_error" in s.times)
     stats.reward_error_first = next((s.reward_error for s in samples if s.reward_error), None)
     stats.add_reward_info(s.reward_info for s in samples)
+    pairs = [g for g in groups if len(g) > 1]
+    stats.groups, stats.flat_groups = len(pairs), sum(1 for g in pairs if len({s.reward for s in g}) == 1)
     return stats
 
 

@@ -24,7 +24,7 @@ from streamrl.flow.stopping import StopRequest, stop_signals_ignored
 from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
-from streamrl.telemetry.console import RunDisplay, WarningsLog, summary_table
+from streamrl.telemetry.console import RunDisplay, WarningsLog, flat_groups_note, summary_table
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
 
@@ -46,6 +46,7 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
     def checkpoint_after(done: int) -> bool:
         return done == r.run.steps or bool(every and done % every == 0)
 
+    flat_seen = False
     for step in range(first, r.run.steps):
         # The next step's training may start before this step's record is written, unless a
         # checkpoint must capture the weights right after this step.
@@ -55,6 +56,9 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
         dashboard.publish(client, m)
         hooks.on_step_end(step=step, metrics=m)
         display.step(m)
+        if m.get("flat_groups") == 1.0 and not flat_seen:  # once: it is usually so for many steps
+            flat_seen = True
+            warn(flat_groups_note(m))
         done = step + 1
         for line in learners_control.serve(controller, folder.path, done):  # ``streamrl learners add|remove``
             console_line(line)

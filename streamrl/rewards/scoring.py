@@ -128,8 +128,7 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None) ->
     # the default score_group is score() on each: one hung response would hold the whole
     # group's allowance, so with a limit each response is scored alone, with its own
     # (a reward that does not subclass Reward may have score() only: scored one by one)
-    batched = getattr(type(reward), "score_group", None)
-    if batched is not None and (not timeout_s or batched is not Reward.score_group):
+    if isinstance(reward, Reward) and (not timeout_s or reward.scores_groups()):
         try:
             values = list(call_with_deadline(reward.score_group, prompts, responses,
                                              timeout_s=timeout_s and timeout_s * len(group),

@@ -18,6 +18,7 @@ import re
 NAMES = {
     "reward_mean": "reward/mean",
     "reward_errors": "reward/errors",
+    "flat_groups": "reward/flat_groups_frac",
     "response_len_mean": "response_length/mean",
     "loss": "actor/loss",
     "grad_norm": "actor/grad_norm",

@@ -70,6 +70,9 @@ class StepRecord:
     (``Sample.reward_info``), over the samples that had it."""
     extra: dict = field(default_factory=dict)
     """Dispatch fields (``generate_makespan_s``, ``ranker_recall``, ...)."""
+    flat_groups: float | None = None
+    """Share of the step's prompt groups (of two samples or more) whose samples all got the same
+    reward, where a group baseline has nothing to learn from; None without such groups."""
     reward_error_first: str | None = None
     """What the reward raised for the step's first sample whose reward failed
     (``"ValueError: ..."``), so that the error is seen somewhere; None when none failed."""
@@ -127,8 +130,14 @@ def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: 
         train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
         stats={**algorithm_stats(micro, samples), **step_stats.extra},  # and what else the step reports
-        rewards=reward_means(micro), sample_log=sample_log,
+        rewards=reward_means(micro), sample_log=sample_log, flat_groups=flat_share(micro),
         reward_error_first=next((m.reward_error_first for m in micro if m.reward_error_first), None))
+
+
+def flat_share(micro: list[TrainTaskStats]) -> float | None:
+    """The share of groups of two samples or more whose rewards were all equal (None: no such group)."""
+    groups = sum(m.groups for m in micro)
+    return sum(m.flat_groups for m in micro) / groups if groups else None
 
 
 def last_epoch_stats(micro: list[TrainTaskStats], epochs: int) -> dict[str, float]:

@@ -50,6 +50,11 @@ class TrainTaskStats:
     """Per name in the samples' ``Sample.reward_info``: the sum of its values."""
     reward_info_counts: dict[str, int] = field(default_factory=dict)
     """Per name: how many samples had it (a sample whose reward failed has none)."""
+    groups: int = 0
+    """Prompt groups of two samples or more that it trained on."""
+    flat_groups: int = 0
+    """Of those, the groups whose samples all got the same reward: a group baseline (GRPO, RLOO,
+    ...) gives every sample of such a group advantage 0."""
 
     def add(self, micro_batch: dict) -> None:
         """Add the sums one ``Trainer.micro_batch`` call returned. Keys that are neither counted
