@@ -87,6 +87,35 @@ def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resum
         time.sleep(0.2)
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_while_the_cluster_starts_stops_the_run_after_its_first_step(tiny_recipe, tmp_path):
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
+                             "--set", f"run.out_dir={tmp_path}", "--set", "run.steps=400"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # the first worker process spawned: the embedded cluster is starting (its start takes seconds)
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline and not any(
+                "spawn_main" in " ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()):
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)  # a hang guard only
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # the signal was held, not lost: the run stopped after its first step, with a checkpoint
+    assert proc.returncode == 130, err[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if (p / "status.json").exists()]
+    assert err.strip().splitlines()[-1] == (
+        f"streamrl: stopped after step 1 of 400; checkpoint step-000001 written. Resume with: "
+        f"streamrl recipe resume {run_dir}"), err[-3000:]
+    assert "Traceback" not in err and "Restarting worker" not in err, err[-3000:]
+    state = json.loads((run_dir / "status.json").read_text())
+    assert state["state"] == "interrupted" and state["step"] == 1, state
+
+
 # -- reward.score_timeout_s ----------------------------------------------------------------
 
 HANGING_REWARD = '''

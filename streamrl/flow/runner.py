@@ -20,7 +20,7 @@ from streamrl.flow.controller import Controller
 from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
 from streamrl.flow.run_folder import RunFolder
-from streamrl.flow.stopping import StopRequest, stop_signals_ignored
+from streamrl.flow.stopping import StopRequest
 from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
@@ -119,9 +119,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
-        # the cluster's processes inherit the ignore (``flow/stopping.py``); connecting to
-        # cluster.address starts none, so a stop signal meanwhile ends the command at once
-        with stop_signals_ignored() if not r.cluster.address else nullcontext():
+        # the cluster's processes inherit the ignore, and a signal meanwhile waits for the
+        # handler (``flow/stopping.py``); connecting to cluster.address starts none, so a stop
+        # signal meanwhile ends the command at once
+        with stop.deferred(hold=not r.cluster.factory) if not r.cluster.address else nullcontext():
             dask_cluster, client = cluster.start(r, verbose)
         stop.install()
         warnings_log.attach(client)

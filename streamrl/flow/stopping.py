@@ -9,19 +9,21 @@ does SIGTERM from systemd (every process of the unit), Slurm (every process of t
 ``kill -- -PGID``. A worker that died of it would take the step's work (and the trainer's state)
 with it, and its nanny would restart it in the middle of the stop. So the embedded cluster's
 worker processes ignore both signals and only this process handles them: it stops the workers
-itself, in order, after the checkpoint. They are started with both ignored (a spawned process
-inherits an ignored signal, so even its imports are covered), and each worker sets the ignore
-again when it is built (:func:`ignore_stop_signals`), for workers a nanny restarts or the
-elastic pool adds while this process has its own handler installed (a handler is not
-inherited). A worker that ignores SIGTERM still ends with this process: its nanny closes it
-(SIGKILL after a grace period), and Dask's worker process exits by itself when its parent's
-pipe closes, whatever killed the parent.
+itself, in order, after the checkpoint. They start with both blocked (a spawned process
+inherits its parent's signal mask, so even its imports are covered) while this process handles
+a signal that comes meanwhile as a stop request (:meth:`StopRequest.deferred`), and each worker
+ignores both for good, and ends the block, when it is built (:func:`ignore_stop_signals`); a
+worker that a nanny restarts or the elastic pool adds is started from a thread that still
+blocks them, so it is covered the same way. A worker that ignores SIGTERM still ends with this
+process: its nanny closes it (SIGKILL after a grace period), and Dask's worker process exits by
+itself when its parent's pipe closes, whatever killed the parent.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from multiprocessing import resource_tracker
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -50,10 +52,43 @@ class StopRequest:
 
     def install(self) -> None:
         """Handle SIGINT and SIGTERM in this process (main thread only; elsewhere, do nothing)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
+        if threading.current_thread() is not threading.main_thread() or self._old:
+            return  # (installed already, by :meth:`deferred`)
         for sig in NAMES:
             self._old[sig] = signal.signal(sig, self._handle)
+
+    @contextmanager
+    def deferred(self, hold: bool = True) -> Iterator[None]:
+        """While a cluster starts its processes, so that they start with SIGINT and SIGTERM
+        held off and a signal meanwhile is not lost. With ``hold`` (the embedded cluster), this
+        process handles them (:meth:`install`) but blocks them in this thread, whose mask the
+        threads that start the workers inherit, and so do the workers, which end the block
+        themselves once they ignore both (:func:`ignore_stop_signals`); a signal meanwhile is a
+        stop request (after the first step). Without (a cluster factory's processes, which
+        would keep a block), both are ignored while it starts, as the processes then inherit,
+        and a signal meanwhile is lost. Main thread only; elsewhere it only installs."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            self.install()
+            return
+        if not hold:
+            old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in NAMES}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+            self.install()
+            return
+        self.install()  # (a thread that does not block them, a library's, takes a signal for this handler)
+        # multiprocessing's resource tracker, started with the first process, ends the block of
+        # SIGINT and SIGTERM in the thread that starts it: start it before
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, NAMES)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)
 
     def uninstall(self) -> None:
         """Put the previous handlers back."""
@@ -70,18 +105,6 @@ def ignore_stop_signals() -> None:
         return
     for sig in NAMES:
         signal.signal(sig, signal.SIG_IGN)
-
-
-@contextmanager
-def stop_signals_ignored() -> Iterator[None]:
-    """Ignore SIGINT and SIGTERM while child processes are started, so they inherit the ignore;
-    this process's handlers come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in NAMES}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    # (started while the ``streamrl`` process held them blocked: a pending one is dropped now,
+    # and this process's own children start unblocked)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)
