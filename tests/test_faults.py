@@ -39,13 +39,16 @@ def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int) -> Path:
         time.sleep(0.05)
 
 
-def kill_worker(run_dir: Path, name: str) -> None:
-    """``kill -9`` the process of the worker called ``name`` (found through the run's scheduler)."""
+def kill_worker(run_dir: Path, *names: str) -> None:
+    """``kill -9`` the processes of the workers called ``names`` (found through the run's
+    scheduler), one right after another."""
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        (addr,) = [a for a, w in cluster.workers(client).items() if w["name"] == name]
-        pid = client.run(os.getpid, workers=[addr])[addr]
-    os.kill(pid, signal.SIGKILL)
+        addrs = [a for a, w in cluster.workers(client).items() if w["name"] in names]
+        assert len(addrs) == len(names), (names, cluster.workers(client))
+        pids = client.run(os.getpid, workers=addrs)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -72,35 +75,42 @@ def test_a_killed_generate_worker_loses_and_repeats_nothing(tiny_recipe, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pool", ["one", "ddp", "fsdp"])
+@pytest.mark.parametrize("pool", ["one", "ddp", "fsdp", "with generate and reward"])
 def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(tiny_recipe, tmp_path, pool):
     # fsdp: each rank holds a shard of the state, so losing one loses the run's training state;
     # ddp: the ranks' optimizer steps are one collective. The other rank finds out inside a
     # collective (gloo: connection reset), or the restarted rank when its next task comes --
     # either way one line, within seconds, never a hang, and no Dask traceback above it (the
-    # run stops while the lost rank's nanny is still bringing it back)
-    sharded = ["pools.train.workers=2", f"trainer.strategy={pool}"] if pool != "one" else []
+    # run stops while the lost rank's nanny is still bringing it back). The generate and reward
+    # workers killed with it, at once, change none of that
+    sharded = ["pools.train.workers=2", f"trainer.strategy={pool}"] if pool in ("ddp", "fsdp") else []
     t0 = time.perf_counter()
     proc = start(tiny_recipe, tmp_path, "run.checkpoint_every=2", *sharded)
     run_dir = wait_for_steps(proc, tmp_path, 3)
     started = time.perf_counter() - t0  # the cluster's start, the model loads and 3 steps
-    kill_worker(run_dir, "train-1" if sharded else "train-0")
+    kill_worker(run_dir, *(["train-1"] if sharded else ["train-0"]),
+                *(["generate-0", "reward-0"] if pool == "with generate and reward" else []))
     t0 = time.perf_counter()
     _, err = proc.communicate(timeout=300)  # a hang guard only
     stopped = time.perf_counter() - t0
     # "within seconds", measured against this run's own start on this machine: the loss is
     # found and the run torn down in well under the time the run took to start and take 3
     # steps (waiting out a heartbeat or a task timeout instead would take longer than that)
-    assert stopped < 0.5 * started, (stopped, started)
+    together = pool == "with generate and reward"
+    # (together: the loss is found once a killed worker is back, the generate worker catching up
+    # on weights whose sender is gone, or the train worker; three restart at once on 2 cores.
+    # Before, the catch-up waited out its timeout twice: 252 s)
+    assert stopped < (1.0 if together else 0.5) * started, (stopped, started)
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert not [line for line in err.splitlines() if " - distributed." in line], err[-3000:]  # Dask's words
+    if not together:  # (the generate and reward workers' restarts are Dask's to report)
+        assert not [line for line in err.splitlines() if " - distributed." in line], err[-3000:]  # Dask's words
     last = err.strip().splitlines()[-1]
     if sharded:
         assert (last.startswith("streamrl: error: worker train-0 lost a peer of the train pool's process group")
                 or last.startswith("streamrl: error: worker train-1 was restarted")), last
-    else:
-        assert last.startswith("streamrl: error: worker train-0 was restarted and its trainer lost its state")
+    else:  # (together: the generate worker may be the first to find out)
+        assert last.startswith("streamrl: error: worker train-0 was restarted and its trainer lost its state"), last
     assert f"streamrl recipe resume {run_dir}" in last
     state = json.loads((run_dir / "status.json").read_text())
     assert state["state"] == "failed" and "ResidentLost" in state["error"]

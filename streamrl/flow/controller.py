@@ -180,7 +180,7 @@ class Controller:
         pins = topo.live_generate_pins()  # (a lost worker is no member of this version's group)
         loads = publish(self.client, after, version, topo.train_pin, pins, tag=tag,
                         trainer_id=topo.incarnations, loads_after=[f for f in older if not f.done()] or None,
-                        sites=relay_sites(self.resolved.transfer.config, topo.generate))
+                        sites=relay_sites(self.resolved.transfer.config, topo.generate), sender=topo.sender)
         if self.elastic:
             for name, load in zip(pins, loads):
                 self.elastic.track(name, load)

@@ -26,7 +26,7 @@ from streamrl.sample import Group, Prompt
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
 LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
-LATEST_SENDER = "streamrl-latest-weights-sender"  # the pin of the worker that exported LATEST
+LATEST_SENDER = "streamrl-latest-weights-sender"  # who exported LATEST: {"pin", "name", "address"}
 #: Dask priority of weight export/load tasks (``weights.LOAD_PRIORITY``)
 LOAD_PRIORITY = 1_000_000
 
@@ -247,14 +247,33 @@ def catch_up(engine, min_version: int) -> None:
     with worker_client() as client:  # leaves the worker's thread pool while it waits
         payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
         version = int(re.search(r"export-weights-(\d+)", str(payload_future.key)).group(1))
-        payload = payload_future.result(timeout=CATCH_UP_TIMEOUT)
-        resend_at = Variable(LATEST_SENDER, client=client).get(timeout=CATCH_UP_TIMEOUT)
+        sender = Variable(LATEST_SENDER, client=client).get(timeout=CATCH_UP_TIMEOUT)
+        payload = _published(client, payload_future, version, sender)
     # the same receive, lock and version check as a publication (a collective's group is likely
     # over or full by now: then the train worker sends to this worker alone)
-    load_weights(payload, version, resend_at=resend_at)
+    load_weights(payload, version, resend_at=sender["pin"])
     if engine.version < min_version:
         raise RuntimeError(f"engine on worker {get_worker().name} holds v{engine.version}, "
                            f"needs v{min_version}: the published weights are older")
+
+
+def _published(client, payload_future, version: int, sender: dict):
+    """The payload of a publication, once its export is done. The train worker that exported it
+    must still be up: when it was killed, its payload went with it, and Dask would recompute the
+    export from the step's lineage, whose generation may be this very task, waiting here (the
+    run would stop only when this wait times out). So a lost sender fails at once, as the
+    trainer's loss does everywhere."""
+    deadline = time.monotonic() + CATCH_UP_TIMEOUT
+    while True:
+        try:
+            return payload_future.result(timeout=1.0)
+        except TimeoutError:
+            if sender["address"] and sender["address"] not in client.scheduler_info()["workers"]:
+                raise ResidentLost(f"worker {sender['name']} was restarted and its trainer lost its state "
+                                   f"(with the weights v{version} it published)") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the weights v{version} were not exported by worker {sender['name']} "
+                                   f"within {CATCH_UP_TIMEOUT:.0f} s") from None
 
 
 def load_weights(payload, version: int, after=None, resend_at: dict | None = None) -> float:

@@ -86,6 +86,11 @@ class Topology:
         """Where rank 0's tasks run."""
         return self.pins[self.trainer]
 
+    @property
+    def sender(self) -> tuple[str, str]:
+        """Rank 0's name and its address when the run started (a restarted worker has another)."""
+        return self.trainer, self.pools["train"].get(self.trainer, "")
+
     def generate_pins(self) -> dict[str, dict]:
         """``{name: pin}`` of the generate workers, in order (a fresh dict: a caller may keep it)."""
         return {name: self.pins[name] for name in self.generate}

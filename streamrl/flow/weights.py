@@ -50,7 +50,8 @@ def relay_sites(transfer_config, generate: list[str]) -> list[list[str]] | None:
 
 def publish(client: Client, after: Future | None, version: int, train_pin: dict,
             generate_pins: dict[str, dict], tag: str = "", trainer_id: str | dict | None = None,
-            loads_after: list[Future] | None = None, sites: list[list[str]] | None = None) -> list[Future]:
+            loads_after: list[Future] | None = None, sites: list[list[str]] | None = None,
+            sender: tuple[str, str] = ("", "")) -> list[Future]:
     """Submit the export (on the train worker, ``train_pin``: ``cluster.pins``) and one load per
     generate worker (``{name: pin}``); returns the load futures (each resolves to the seconds
     the load took). ``tag`` makes the keys new when a version is published again (a resume), so
@@ -58,13 +59,15 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
     repeatable run: the generation that must still see the older weights). ``sites``: generate
     workers grouped by site (:func:`relay_sites`); in a site of two or more workers now in
     ``generate_pins``, the first relays to the others; None: every load fetches from the train
-    worker."""
+    worker. ``sender``: the train worker's name and address, so that a generate worker catching
+    up (``remote.catch_up``) can tell its loss from a slow export."""
     with spans.phase(version - 1, "publish"):  # the step that made this version
         payload = client.submit(remote.export_weights, version, after=after, trainer_id=trainer_id,
                                 receivers=len(generate_pins), key=spans.step_key("export-weights", version, f"v{version}{tag}"),
                                 priority=LOAD_PRIORITY, **train_pin)
         Variable(LATEST, client=client).set(payload)
-        Variable(remote.LATEST_SENDER, client=client).set(train_pin)  # (a missed payload is sent again from there)
+        # (a missed payload is sent again from there)
+        Variable(remote.LATEST_SENDER, client=client).set({"pin": train_pin, "name": sender[0], "address": sender[1]})
         source = {name: payload for name in generate_pins}
         for site in sites or []:
             here = [name for name in site if name in generate_pins]
