@@ -60,6 +60,12 @@ class RunConfig(Strict):
     continues from the newest one."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints a run folder keeps."""
+    step_timeout_s: float = Field(1800.0, ge=0)
+    """The most seconds one step (with the checkpoint after it) may take before the run stops in
+    one line naming the tasks still running and their workers (a plugin's hung call, a stalled
+    disk): the backstop behind each part's own deadline (``reward.score_timeout_s``,
+    ``transfer.timeout_s``, ``engine.request_timeout``). The first step gets twice as long (models
+    load, kernels compile). 0: no limit."""
     profile: bool = False
     """Write Dask's ``performance_report`` (an HTML page of task streams, worker profiles and
     bandwidth) for the whole run into the run folder as ``dask-report.html`` (``--profile`` too)."""

@@ -116,6 +116,52 @@ def test_sigterm_to_the_process_group_while_the_cluster_starts_stops_the_run_aft
     assert state["state"] == "interrupted" and state["step"] == 1, state
 
 
+HANGING_ALGORITHM = '''
+import threading
+
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import Component, hookimpl
+
+
+class HangsLater(GRPO):
+    """GRPO until its loss has run 4 times (step 1's micro-batches); then its call never returns."""
+
+    calls = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False  # every sample reaches the loss, whatever its reward
+
+    def loss(self, new, old, ref, adv, mask):
+        self.calls += 1
+        if self.calls > 4:
+            threading.Event().wait()
+        return super().loss(new, old, ref, adv, mask)
+
+
+@hookimpl
+def register_algorithms():
+    return [Component("algorithm", "hangs_later", GRPOConfig, HangsLater)]
+'''
+
+
+@pytest.mark.slow
+def test_a_step_that_hangs_on_a_live_worker_stops_the_run_at_run_step_timeout_s_naming_the_task(tiny_recipe):
+    recipe = with_plugin(tiny_recipe, "hangs_later", HANGING_ALGORITHM, extra='\n[algorithm]\nname = "hangs_later"\n')
+    t0 = time.perf_counter()
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=4", "--set", "run.checkpoint_every=1",
+                    "--set", "run.mode=batch", "--set", "run.step_timeout_s=6", "--plain", "--no-report")
+    took = time.perf_counter() - t0
+    last = one_line_error(proc, 1)
+    (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
+    assert re.fullmatch(r"streamrl: error: step 2 did not finish within 6 s \(run.step_timeout_s\); still running: "
+                        r"train-1 \S+ on train-0(, .*)?; the last checkpoint is step-000001 \(resume with: "
+                        rf"streamrl recipe resume {re.escape(str(run_dir))}, --set to change the recipe\)", last), last
+    state = json.loads((run_dir / "status.json").read_text())
+    assert state["state"] == "failed" and state["error"].startswith("StepTimeout: step 2 did not finish")
+    assert took < 120, took  # (a hang guard: the hung worker is closed with the cluster, not waited for)
+
+
 # -- reward.score_timeout_s ----------------------------------------------------------------
 
 HANGING_REWARD = '''

@@ -21,6 +21,7 @@ from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
 from streamrl.flow.run_folder import RunFolder
 from streamrl.flow.stopping import StopRequest
+from streamrl.flow.watchdog import Watchdog
 from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
@@ -37,7 +38,7 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Loa
     return loaded, folder.path
 
 def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopRequest, display: RunDisplay,
-           trace: TraceRecorder, client, hooks, warn, console_line=print) -> None:
+           trace: TraceRecorder, client, hooks, warn, watchdog: Watchdog, console_line=print) -> None:
     """The run's steps from ``first``: each step's record to the folder, the trace, the dashboard
     page, the plugins and the display; checkpoints as ``run.checkpoint_every`` says, and after a
     stop request (then :class:`Interrupted`)."""
@@ -48,26 +49,28 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
 
     flat_seen = False
     for step in range(first, r.run.steps):
-        # The next step's training may start before this step's record is written, unless a
-        # checkpoint must capture the weights right after this step.
-        m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
-        folder.record(m, warn)
-        trace.step(m)
-        dashboard.publish(client, m)
-        hooks.on_step_end(step=step, metrics=m)
-        display.step(m)
-        if m.get("flat_groups") == 1.0 and not flat_seen:  # once: it is usually so for many steps
-            flat_seen = True
-            warn(flat_groups_note(m))
-        done = step + 1
-        for line in learners_control.serve(controller, folder.path, done):  # ``streamrl learners add|remove``
-            console_line(line)
-        if stop.requested and controller.fed is not None:
-            continue  # the next step is already training: stop after it
-        if stop.requested or checkpoint_after(done):
-            with span("checkpoint"):
-                saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
-            folder.mark("running", step=done, checkpoint=str(saved))
+        # (the first step loads models and compiles: it gets twice as long)
+        with watchdog.watching(f"step {step + 1}", r.run.step_timeout_s * (2 if step == first else 1)):
+            # The next step's training may start before this step's record is written, unless a
+            # checkpoint must capture the weights right after this step.
+            m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
+            folder.record(m, warn)
+            trace.step(m)
+            dashboard.publish(client, m)
+            hooks.on_step_end(step=step, metrics=m)
+            display.step(m)
+            if m.get("flat_groups") == 1.0 and not flat_seen:  # once: it is usually so for many steps
+                flat_seen = True
+                warn(flat_groups_note(m))
+            done = step + 1
+            for line in learners_control.serve(controller, folder.path, done):  # ``streamrl learners add|remove``
+                console_line(line)
+            if stop.requested and controller.fed is not None:
+                continue  # the next step is already training: stop after it
+            if stop.requested or checkpoint_after(done):
+                with span("checkpoint"):
+                    saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
+                folder.mark("running", step=done, checkpoint=str(saved))
         if stop.requested and done < r.run.steps:
             folder.mark("interrupted", step=done)
             raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
@@ -115,7 +118,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     warn = lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True)  # noqa: E731
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
-    dask_cluster = client = trace = None
+    dask_cluster = client = trace = watchdog = None
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
@@ -135,13 +138,17 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         pools = cluster.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
         trace = TraceRecorder(client, folder.path)
+        watchdog = Watchdog(client, r.run.step_timeout_s)
+        watchdog.install()
         controller = Controller(resolved, client, pools, dask_cluster)
         if not verbose:
             cluster.quiet_train_losses(pools["train"])
-        controller.place_residents()
         first = 0
+        with watchdog.watching("placing the engines, trainer and rewards", 2 * r.run.step_timeout_s):
+            controller.place_residents()
+            if checkpoint is not None:
+                first = controller.resume(checkpoint)
         if checkpoint is not None:
-            first = controller.resume(checkpoint)
             console.print(f"resumed from {checkpoint.name}: step {first + 1}, policy v{controller.version}")
         hooks.on_run_start(recipe=r, run_dir=folder.path)
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
@@ -150,9 +157,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             if profile or r.run.profile:  # Dask's own report of every task, worker and transfer
                 stack.enter_context(performance_report(filename=str(folder.path / "dask-report.html")))
             display = stack.enter_context(RunDisplay(console, r.run.name, r.run.steps, first, plain))
-            _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn,
+            _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn, watchdog,
                    lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
-        policy = saving.policy(controller, folder.path / "policy")
+        with watchdog.watching("saving the policy"):
+            policy = saving.policy(controller, folder.path / "policy")
         folder.mark("completed", step=r.run.steps, policy=str(policy))
     except Interrupted:
         raise
@@ -168,6 +176,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         raise
     finally:
         stop.uninstall()
+        if watchdog is not None:
+            watchdog.uninstall()
         warnings_log.detach()
         folder.close()
         files = _write_views(folder, trace, r.run.report if report is None else report, warn)

@@ -1,0 +1,113 @@
+"""The step deadline (``run.step_timeout_s``): the backstop that keeps a run from hanging in
+silence.
+
+Each part of a step has its own deadline where it can stall (a reward's score, a weight
+transfer, an engine request, a collective of the train group), and a worker that dies is seen
+by Dask. What none of them covers -- a plugin's call that never returns, a disk that stops
+answering while a checkpoint is written, a task stuck on a live worker -- ends here: when a
+step (with the checkpoint after it) outlasts the deadline, the run stops in one line naming the
+tasks still running and where, and the resume command (:class:`StepTimeout`).
+
+The controller waits on Dask futures in the main thread (``as_completed``, ``Future.result``),
+so the deadline is a timer thread that interrupts it: a signal sent to the main thread wakes
+its wait (a lock wait returns on a signal to run Python's handler), and the handler raises.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from distributed import Client
+
+from streamrl import cluster
+from streamrl.errors import RunStopped
+
+#: The signal that carries the timer's news to the main thread (nothing else of streamrl uses it).
+SIGNAL = signal.SIGUSR1
+
+
+class StepTimeout(RunStopped):
+    """A step did not finish within ``run.step_timeout_s``; the message names what was running."""
+
+
+def running(client: Client, most: int = 4) -> str:
+    """What the cluster is running now, as ``task on worker`` (the first ``most``), or why that
+    cannot be said."""
+    try:
+        names = {addr: str(info.get("name")) for addr, info in cluster.workers(client).items()}
+        busy = [f"{_key(key)} on {names.get(addr, addr)}" for addr, keys in client.processing().items()
+                for key in keys]
+    except Exception as exc:  # (the scheduler itself may be what stopped answering)
+        return f"the scheduler did not say ({type(exc).__name__}: {exc})"
+    if not busy:
+        return "no task is running (the step waits on something outside its tasks)"
+    return ", ".join(busy[:most]) + (f" and {len(busy) - most} more" if len(busy) > most else "")
+
+
+def _key(key) -> str:
+    """A task key as its phase and name (``('train-5', '003')`` -> ``train-5 003``)."""
+    return " ".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+class Watchdog:
+    """Interrupts the main thread when a step outlasts its deadline. Its signal handler stays
+    installed from :meth:`install` to :meth:`uninstall`, so a signal that comes just after a
+    step ended finds the handler, which then does nothing."""
+
+    def __init__(self, client: Client, limit_s: float):
+        self.client, self.limit_s = client, limit_s
+        self.message = ""
+        self._armed: object | None = None  # the watched body's token while it runs
+        self._lock = threading.RLock()  # (the handler takes it in the main thread, which may hold it)
+        self._old = None
+
+    def install(self) -> None:
+        """Handle the watchdog's signal in this process (main thread only)."""
+        if threading.current_thread() is threading.main_thread() and self._old is None:
+            self._old = signal.signal(SIGNAL, self._raise)
+
+    def uninstall(self) -> None:
+        """Put the previous handler back."""
+        if self._old is not None:
+            signal.signal(SIGNAL, self._old)
+            self._old = None
+
+    @contextmanager
+    def watching(self, what: str, limit_s: float | None = None) -> Iterator[None]:
+        """Run the body under the deadline (``limit_s``, default the watchdog's; 0: none);
+        ``what`` names it in the message (``step 5``). Without :meth:`install` (off the main
+        thread), it only runs the body."""
+        limit = self.limit_s if limit_s is None else limit_s
+        if not limit or self._old is None:
+            yield
+            return
+        token = object()
+        timer = threading.Timer(limit, self._expire, args=(token, what, limit))
+        timer.daemon = True
+        with self._lock:
+            self._armed = token
+        timer.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._armed = None
+            timer.cancel()
+
+    def _expire(self, token: object, what: str, limit: float) -> None:
+        stuck = running(self.client)  # (before the lock: it asks the scheduler)
+        with self._lock:
+            if self._armed is not token:  # the body ended meanwhile
+                return
+            self.message = f"{what} did not finish within {limit:g} s (run.step_timeout_s); still running: {stuck}"
+            signal.pthread_kill(threading.main_thread().ident, SIGNAL)
+
+    def _raise(self, signum, frame) -> None:
+        with self._lock:
+            armed = self._armed is not None
+            self._armed = None  # (once)
+        if armed:
+            raise StepTimeout(self.message)
