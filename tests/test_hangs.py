@@ -29,6 +29,17 @@ from tests.test_cli import streamrl
 from tests.test_faults import kill_worker, records, wait_for_steps
 
 
+def worker_addresses(run_dir: Path) -> dict[str, str]:
+    """``{worker name: address}`` of the run's cluster now (through its scheduler)."""
+    from distributed import Client
+
+    from streamrl import cluster
+
+    address = json.loads((run_dir / "status.json").read_text())["scheduler"]
+    with Client(address, timeout=10) as client:
+        return {str(w["name"]): a for a, w in cluster.workers(client).items()}
+
+
 def with_plugin(recipe: Path, name: str, code: str, extra: str = "", replace: tuple[str, str] | None = None) -> Path:
     """A copy of ``recipe`` that loads ``code`` as the recipe-local plugin ``<name>.py``."""
     (recipe.parent / f"{name}.py").write_text(code)
@@ -61,8 +72,14 @@ def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resum
         run_dir = wait_for_steps(proc, tmp_path, 2)
         # a worker its nanny restarts is spawned while the CLI has its own SIGTERM handler, which
         # a new process does not inherit: the group's signal must spare it too
+        before = worker_addresses(run_dir)
         kill_worker(run_dir, "generate-0")
-        wait_for_steps(proc, tmp_path, 4)
+        deadline = time.time() + 120  # (its restart is what the signal must find done: steps take 0.1 s)
+        while worker_addresses(run_dir).get("generate-0") in (None, before["generate-0"]):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        done = len(records(run_dir))
+        wait_for_steps(proc, tmp_path, done + 2)
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=180)  # a hang guard only
     finally:

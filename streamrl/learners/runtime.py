@@ -14,19 +14,70 @@ import json
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-from distributed import Client
+from distributed import Client, Future
 
-from streamrl.errors import RunWarning
+from streamrl.errors import RunWarning, UserError
 from streamrl.flow import remote
 from streamrl.flow.placement import trainer_context
+from streamrl.flow.resident import Resident
 from streamrl.pool_workers import LEARN
 from streamrl.learners import evaluate
 from streamrl.learners.config import LearnerPlan
-from streamrl.learners.fanout import Fanout, Placing, SideLearner, begin_place, finish_place
+from streamrl.recipe import Recipe
+from streamrl.learners.fanout import Fanout, LearnerView, SideLearner
 
 STATE = "learners.json"
+
+
+@dataclass
+class Placing:
+    """A side learner whose trainer is being built on its worker (:func:`begin_place`)."""
+
+    plan: LearnerPlan
+    view: LearnerView
+    incarnation: Future
+    epochs: int
+    joined_at: int
+    make_evaluator: object
+
+
+def begin_place(client: Client, recipe: Recipe, plan: LearnerPlan, trainer_context, pins: dict[str, dict],
+                joined_at: int = 0, make_evaluator=None) -> Placing:
+    """Register the learner's trainer as a resident and start building it on its worker (the
+    model loads there now); :func:`finish_place` waits for it. Several learners, and the rest of
+    the run's placement, build at the same time: built one after another, each waited ~4 s
+    (mostly its worker importing torch and transformers) and two learners added ~8 s to the
+    start of a run. ``trainer_context``: ``flow/placement.trainer_context``'s for this learner's
+    algorithm. One line naming the worker when it is not in the cluster."""
+    if plan.worker not in pins:
+        threads = recipe.pools.train.threads if recipe.pools.train else 1
+        raise UserError(f"learners: learner {plan.name!r} trains on a worker named {plan.worker!r}, and the cluster "
+                        f"has none; start one with: dask worker {client.scheduler.address} --name {plan.worker} "
+                        f"--nthreads {threads} --resources \"{LEARN}={threads}\"")
+    from functools import partial
+
+    threads = recipe.pools.train.torch_threads if recipe.pools.train else 1
+    client.register_plugin(Resident(plan.resident, partial(plan.trainer.build, trainer_context), torch_threads=threads,
+                                    seed=recipe.run.seed, what=f"learner {plan.name!r}'s trainer"))
+    view = LearnerView(client, plan, pins)
+    built = client.submit(remote.trainer_incarnation, plan.resident, key=f"trainer-id-{plan.name}-{time.time_ns()}",
+                          **view.train_pin)
+    return Placing(plan, view, built, trainer_context.algorithm.epochs, joined_at, make_evaluator)
+
+
+def finish_place(placing: Placing) -> SideLearner:
+    """Wait for the learner's trainer (:func:`begin_place`), read its incarnation, and start its
+    evaluation (the starting policy first) when the run has ``[eval]``."""
+    plan, view = placing.plan, placing.view
+    view.incarnations = {plan.worker: placing.incarnation.result()}
+    learner = SideLearner(plan, view, epochs=placing.epochs, joined_at=placing.joined_at)
+    if placing.make_evaluator is not None:  # ``learners/evaluate.py``
+        learner.evaluator = placing.make_evaluator(plan, view.train_pin)
+        learner.evaluate(0)
+    return learner
 
 
 def begin(client: Client, resolved, pins: dict[str, dict], task=None) -> list[Placing]:
