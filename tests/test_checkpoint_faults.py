@@ -249,3 +249,40 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_older_checkpo
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000006"]
     loaded = torch.load(run / "checkpoints" / "step-000006" / "trainer" / "trainer.pt", weights_only=False)
     assert loaded["version"] == 6
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room_finishes_real_tmpfs(tiny_recipe, tmp_path):
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # a disk of 9.5 MB: two checkpoints of the tiny model (4 MB each) and the run folder fit, a third does not
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9500k,mode=0700", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        proc = streamrl("recipe", "run", str(tiny_recipe), *sets(f"run.out_dir={disk}", "run.steps=8",
+                                                                 "run.checkpoint_every=2"), "--plain", "--no-report")
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        (run,) = disk.iterdir()
+        errors = [line for line in stderr_lines(proc) if line.startswith("streamrl: error:")]
+        assert len(errors) == 1 and errors[0].startswith(
+            f"streamrl: error: checkpoint step-000006 could not be written to {run / 'checkpoints'}: "), errors
+        # torch's zip writer says "unexpected pos" for a short write; the line says what it means
+        assert ("no space left on device" in errors[0] or "the disk is full, or nearly" in errors[0]), errors[0]
+        assert errors[0].endswith(f"its partial folder was removed, the older checkpoints are kept; the last "
+                                  f"checkpoint is step-000004 (resume with: streamrl recipe resume {run}, "
+                                  "--set to change the recipe)")
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+        assert checkpoints.verify(run / "checkpoints" / "step-000004") is None
+        # room again: the resume finishes the run from step-000004
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        proc = streamrl("recipe", "resume", str(run), "--plain", "--no-report")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resumed from step-000004" in proc.stderr
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(8))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

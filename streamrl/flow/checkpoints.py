@@ -286,12 +286,22 @@ def _failed_write(exc: Exception, final: Path, run_dir: Path) -> CheckpointFaile
     """The one line a checkpoint that could not be written ends the run with."""
     where = folder(run_dir)
     try:
-        free = f"; {_gib(shutil.disk_usage(where).free)} free there now"
+        left = shutil.disk_usage(where).free
+        free = f"; {_gib(left)} free there now"
     except OSError:
-        free = ""
-    cause = "no space left on device" if _no_space(exc) else \
-        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-    older = ", the older checkpoints are kept" if _all(run_dir) else ""
+        left, free = None, ""
+    said = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+    older = _all(run_dir)
+    # torch's zip writer reports a short write as "unexpected pos ...", not as ENOSPC: a disk with
+    # less room than the last checkpoint took is the likelier news
+    took = sum(f.stat().st_size for f in older[-1].rglob("*") if f.is_file()) if older else 0
+    if _no_space(exc):
+        cause = "no space left on device"
+    elif left is not None and took > left:
+        cause = f"the disk is full, or nearly (the last checkpoint took {_gib(took)}; {said})"
+    else:
+        cause = said
+    older = ", the older checkpoints are kept" if older else ""
     return CheckpointFailed(f"checkpoint {final.name} could not be written to {where}: {cause}{free}; "
                             f"its partial folder was removed{older}")
 
