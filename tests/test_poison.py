@@ -180,6 +180,10 @@ CONSTANT_REWARD = BROKEN_REWARD.replace('raise KeyError("answer")', "return 0.25
                                                                                          '"constant", Empty, Broken')
 
 
+PARITY_REWARD = BROKEN_REWARD.replace('raise KeyError("answer")', "return float(len(response) % 2 == 0)").replace(
+    '"broken", Empty, Broken', '"parity", Empty, Broken')  # (rewards that differ within a group: real gradients)
+
+
 def with_plugin(recipe: Path, name: str, code: str, section: str) -> Path:
     (recipe.parent / f"{name}.py").write_text(code)
     text = recipe.read_text()
@@ -236,6 +240,25 @@ def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_rec
     assert len(warned) == 1 and warned[0].startswith("step 1: in every prompt's group"), proc.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
     assert [json.loads(line)["flat_groups"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_learning_rate_far_too_high_stops_the_run_at_its_first_update_and_nothing_of_it_is_kept(tiny_recipe, tmp_path):
+    recipe = with_plugin(tiny_recipe, "parity", PARITY_REWARD, "reward")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--set", "run.checkpoint_every=1",
+                    "--set", "trainer.lr=1e9", "--plain", "--no-report")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert error_lines(proc) == [
+        "streamrl: error: step 1: the update made the policy's log-probabilities not finite (trainer.lr = 1e+09); "
+        "nothing of this step was published or checkpointed; lower trainer.lr or check the algorithm (GRPO); no "
+        "checkpoint was written yet (run.checkpoint_every)"] or error_lines(proc) == [
+        "streamrl: error: step 1: the update made the weights not finite (trainer.lr = 1e+09); nothing of this step "
+        "was published or checkpointed; lower trainer.lr or check the algorithm (GRPO); no checkpoint was written "
+        "yet (run.checkpoint_every)"]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+    assert not (run / "policy").exists()
+    assert json.loads((run / "status.json").read_text())["state"] == "failed"
 
 
 # -- validation --------------------------------------------------------------------------------------------
