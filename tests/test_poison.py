@@ -237,7 +237,8 @@ def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_rec
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=2", "--plain", "--no-report")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [line for line in proc.stderr.splitlines() if "all samples got the same reward" in line]
-    assert len(warned) == 1 and warned[0].startswith("step 1: in every prompt's group"), proc.stderr[-3000:]
+    assert len(warned) == 1 and warned[0].startswith("no learning signal at step 1: in every prompt's group"), \
+        proc.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
     assert [json.loads(line)["flat_groups"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1.0, 1.0]
 

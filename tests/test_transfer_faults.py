@@ -60,10 +60,12 @@ def test_a_receiver_late_for_its_group_misses_at_once_and_resend_serves_it_alone
         t0 = time.perf_counter()
         with pytest.raises(ReceiveMissed) as missed:
             late.receive(token, 3)
-        assert time.perf_counter() - t0 < 10, str(missed.value)
+        assert time.perf_counter() - t0 < 30, str(missed.value)
+        # (a store whose group just ended may hold its port without answering: that too is said
+        # within STORE_ANSWER_S, not after the timeout)
         assert re.fullmatch(r"torch_distributed transfer: version 3 from \S+ not received after [\d.]+ s "
-                            r"\(transfer.timeout_s = 120\): its group (of 2 was full|is over .*)",
-                            str(missed.value)), str(missed.value)
+                            r"\(transfer.timeout_s = 120\): its (group (of 2 was full|is over .*)|store did not "
+                            r"answer \(DistNetworkError\))", str(missed.value)), str(missed.value)
         time.sleep(1)
 
     again, version = sender.resend(2)  # the newest it sent, for one receiver

@@ -76,10 +76,10 @@ def flat_groups_note(m: dict) -> str:
     """The warning for a step in which, in every prompt's group, all samples got the same
     reward (``flat_groups`` 1): a group baseline (GRPO, RLOO, Dr. GRPO, REINFORCE++) gives every
     sample advantage 0, so such an algorithm learns nothing from the step."""
-    return (f"step {m['step'] + 1}: in every prompt's group all samples got the same reward (mean "
-            f"{m['reward_mean']:.3f}), so a group baseline gives no learning signal: the task may be too hard "
-            "or too easy for the model, or the reward constant; metrics.jsonl's flat_groups has it per step "
-            "(said once)")
+    return (f"no learning signal at step {m['step'] + 1}: in every prompt's group all samples got the same "
+            f"reward (mean {m['reward_mean']:.3f}), and a group baseline gives them advantage 0: the task may be "
+            "too hard or too easy for the model, or the reward constant; metrics.jsonl's flat_groups has it "
+            "per step (said once)")
 
 
 class RunDisplay:

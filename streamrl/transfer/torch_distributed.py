@@ -39,6 +39,11 @@ from streamrl.api import ReceiveMissed, Transfer
 log = logging.getLogger(__name__)
 
 
+#: Seconds a receiver gives a group's store to answer it (joining; the group then forms
+#: within ``timeout_s``).
+STORE_ANSWER_S = 15.0
+
+
 class TorchDistributedConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     bucket_mb: float = Field(64.0, gt=0)
@@ -167,9 +172,14 @@ class TorchDistributedTransfer(Transfer):
             socket.create_connection((host, int(port)), timeout=min(5.0, self.config.timeout_s)).close()
         except OSError:
             raise missed("its group is over (a worker restarted since it was published?)") from None
+        # A live store answers in moments; one whose group just ended may still hold its port
+        # open without answering (measured: a late receiver waited 207 s), so joining gets a short
+        # deadline, and only the group's forming the whole timeout.
         try:
-            store = dist.TCPStore(host, int(port), payload["world"], False, timeout=timeout)
+            store = dist.TCPStore(host, int(port), payload["world"], False,
+                                  timeout=datetime.timedelta(seconds=min(STORE_ANSWER_S, self.config.timeout_s)))
             rank = int(store.add("streamrl-next-rank", 1))  # 1 .. receivers, in arrival order
+            store.set_timeout(timeout)
         except Exception as exc:
             raise missed(f"its store did not answer ({type(exc).__name__})") from None
         if rank >= payload["world"]:  # every place taken: this worker replaces one that left
