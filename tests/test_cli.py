@@ -46,7 +46,7 @@ def check_pool_accounting(records, workers=None, ahead=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["stream", "batch", "colocated"])
+@pytest.mark.parametrize("mode", [pytest.param("stream", marks=pytest.mark.smoke), "batch", "colocated"])
 def test_recipe_run_trains_and_saves_a_loadable_policy(mode, tiny_recipe, tmp_path):
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", f"run.mode={mode}", "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]

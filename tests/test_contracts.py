@@ -90,6 +90,7 @@ def test_every_kind_validates_from_a_recipe_local_module(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_a_component_of_every_kind_runs_a_recipe(tmp_path):
     proc = streamrl("recipe", "run", str(write_recipe(tmp_path, EVERY_KIND)))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -56,7 +56,7 @@ def records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transfer", ["dask", "torch_distributed"])
+@pytest.mark.parametrize("transfer", [pytest.param("dask", marks=pytest.mark.smoke), "torch_distributed"])
 def test_a_killed_generate_worker_loses_and_repeats_nothing(tiny_recipe, tmp_path, transfer):
     # torch_distributed: the dead worker was a member of the weights' broadcast group (each step
     # spends ~40% of its time publishing, so the kill often lands in a broadcast); the run must

@@ -135,6 +135,7 @@ def uid_crcs(records) -> dict[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others_going(tiny_recipe):
     (tiny_recipe.parent / "faulty.py").write_text(FAULTY)
     more = ('\n[[learners]]\nname = "raises"\nalgorithm = { name = "raises" }\n'

@@ -22,6 +22,7 @@ MARGIN = 0.04
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_ppo_raises_the_reward_on_the_shipped_recipe(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl", "recipe", "run", str(ROOT / "recipes" / "ppo.toml"),

@@ -75,6 +75,7 @@ def test_a_verl_parquet_with_a_compute_score_file_runs_and_resumes_mid_epoch_wit
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_a_trl_jsonl_with_trl_reward_functions_runs(tmp_path, tiny_model):
     (tmp_path / "data.jsonl").write_text("".join(
         json.dumps({"prompt": f"{i}+{j}=", "solution": str(i + j), "level": i % 3}) + "\n"

@@ -64,7 +64,7 @@ def straight(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ctrl-c", "kill-9"])
+@pytest.mark.parametrize("how", ["ctrl-c", pytest.param("kill-9", marks=pytest.mark.smoke)])
 def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(straight, tmp_path, how):
     recipe, oracle = straight
     stopped = tmp_path / "stopped"
