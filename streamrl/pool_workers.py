@@ -9,8 +9,8 @@ import os
 
 from distributed import Nanny, Worker
 
+from streamrl import learner_tables
 from streamrl.devices import ENV as DEVICE_ENV
-from streamrl.learners import config as learners_config
 from streamrl.recipe import REQUIRED_POOLS, Recipe
 
 #: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
@@ -101,7 +101,7 @@ def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
     one worker per learner that does not train on the train pool (``learner-<name>``)."""
     spec = {f"{pool}-{i}": pool_worker_spec(recipe, pool, i, log_level) for pool, i in pool_worker_names(recipe)}
     if recipe.learners and recipe.pools.train is not None:
-        main = learners_config.main_learner(recipe.learners, recipe.run.serve)
+        main = learner_tables.main_learner(recipe.learners, recipe.run.serve)
         spec.update({f"learner-{lr.name}": learner_worker_spec(recipe, lr.name, log_level)
                      for lr in recipe.learners if lr.name != main})
     return spec
@@ -117,7 +117,7 @@ def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.W
     w = pool_worker(recipe, "train", 0)
     name = f"learner-{learner}"
     table = next((lr for lr in recipe.learners if lr.name == learner), None)  # (none: added while running)
-    nice = table.nice if table else learners_config.LearnerConfig.model_fields["nice"].default
+    nice = table.nice if table else learner_tables.LearnerConfig.model_fields["nice"].default
     w["env"] = {**w["env"], NICE_ENV: str(nice)}
     w.update(name=name, nthreads=recipe.pools.train.threads,
              resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})

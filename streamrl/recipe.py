@@ -23,9 +23,9 @@ import tomli_w
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from streamrl import learner_tables
 from streamrl.errors import UserError
-from streamrl.learners.config import LearnerConfig
-from streamrl.learners import config as learners_config
+from streamrl.learner_tables import LearnerConfig
 
 
 class Strict(BaseModel):
@@ -362,14 +362,14 @@ class Recipe(Strict):
     ``metrics.jsonl`` is always written."""
     learners: list[LearnerConfig] = []
     """Several algorithms learning from the one stream (``[[learners]]`` tables,
-    ``streamrl/learners/config.py``); none: the one learner of ``[algorithm]`` and ``[trainer]``."""
+    ``streamrl/learner_tables.py``); none: the one learner of ``[algorithm]`` and ``[trainer]``."""
     eval: EvalConfig | None = None
     """Held-out evaluation on the generate pool while training goes on (the task's
     ``eval_prompts``); none: no evaluation."""
 
     @model_validator(mode="after")
     def _learners(self):
-        learners_config.check(self.learners, self.run.serve)
+        learner_tables.check(self.learners, self.run.serve)
         return self
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.bench.learners import learner_overrides, variant_overrides
 from streamrl.errors import UserError
-from streamrl.learners.config import LearnerConfig
+from streamrl.learner_tables import LearnerConfig
 from streamrl.recipe import apply_overrides
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,10 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from streamrl import learner_tables
 from streamrl.api import Algorithm, Component
 from streamrl.errors import UserError
-from streamrl.learners import config as learners_config
-from streamrl.learners.config import LearnerPlan
 from streamrl.plugins import Registry, build_registry
 from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 
@@ -48,6 +47,33 @@ class Chosen:
 
 
 @dataclass
+class LearnerPlan:
+    """A learner with its components found and configured."""
+
+    name: str
+    algorithm: Chosen
+    trainer: Chosen
+    queue: int = 2
+    when_full: str = "skip"
+    served: bool = False
+    """The generate pool serves this learner's weights."""
+    added: bool = False
+    """Added while the run went on (``streamrl learners add``)."""
+    table: dict = None
+    """Its ``[[learners]]`` table as written (a checkpoint keeps it, to place it again)."""
+
+    @property
+    def resident(self) -> str:
+        """The name its trainer is held under on its worker."""
+        return f"streamrl-trainer-{self.name}"
+
+    @property
+    def worker(self) -> str:
+        """The name of the worker it trains on."""
+        return f"learner-{self.name}"
+
+
+@dataclass
 class Resolved:
     """A recipe whose components are all found and configured."""
 
@@ -74,7 +100,7 @@ class Resolved:
     @property
     def serves_initial(self) -> bool:
         """The generate pool keeps the starting model (``run.serve = "initial"``)."""
-        return self.recipe.run.serve == learners_config.INITIAL
+        return self.recipe.run.serve == learner_tables.INITIAL
 
     @property
     def recipe(self) -> Recipe:
@@ -132,20 +158,20 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
 
 
 def _learners(out: Resolved, model: Path | None) -> list[LearnerPlan]:
-    """The run's learners, the main one first (``learners.config.main_learner``): the recipe's
+    """The run's learners, the main one first (``learner_tables.main_learner``): the recipe's
     ``[algorithm]`` and ``[trainer]`` alone, or each ``[[learners]]`` table over them."""
     r = out.recipe
     if not r.learners:
         return [LearnerPlan("main", out.algorithm, out.trainer, served=True)]
-    served = learners_config.served_name(r.learners, r.run.serve)
-    main = learners_config.main_learner(r.learners, r.run.serve)
+    served = learner_tables.served_name(r.learners, r.run.serve)
+    main = learner_tables.main_learner(r.learners, r.run.serve)
     plans = [learner_plan(out, i, lr.model_dump(), served == lr.name, model)
              for i, lr in enumerate(r.learners)]
     return sorted(plans, key=lambda p: p.name != main)
 
 
 def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, model: Path | None = None) -> LearnerPlan:
-    """One ``[[learners]]`` table (``learners.config.LearnerConfig`` as a dict) resolved against
+    """One ``[[learners]]`` table (``learner_tables.LearnerConfig`` as a dict) resolved against
     the recipe: its algorithm table over nothing (or the recipe's ``[algorithm]``), its trainer
     options over ``[trainer]``'s."""
     r, where = out.recipe, f"learners[{index}]"

@@ -131,7 +131,7 @@ def add(controller, run_dir: Path, step: int, request: dict) -> str:
     from streamrl.flow import checkpoints, remote
     from streamrl.flow.resolve import learner_plan
     from streamrl.learners import runtime
-    from streamrl.learners.config import LearnerConfig
+    from streamrl.learner_tables import LearnerConfig
     from streamrl.learners.fanout import Fanout
     from streamrl.recipe import validate_section
 

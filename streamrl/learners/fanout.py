@@ -28,7 +28,7 @@ from distributed import Client, Future, wait
 from streamrl.errors import RunWarning
 from streamrl.flow import remote, submit
 from streamrl.flow.evaluate import Evaluator
-from streamrl.learners.config import LearnerPlan
+from streamrl.flow.resolve import LearnerPlan
 from streamrl.pool_workers import LEARN
 from streamrl.recipe import Recipe
 from streamrl.telemetry.record import algorithm_stats

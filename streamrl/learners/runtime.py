@@ -25,7 +25,7 @@ from streamrl.flow.placement import trainer_context
 from streamrl.flow.resident import Resident
 from streamrl.pool_workers import LEARN
 from streamrl.learners import evaluate
-from streamrl.learners.config import LearnerPlan
+from streamrl.flow.resolve import LearnerPlan
 from streamrl.recipe import Recipe
 from streamrl.learners.fanout import Fanout, LearnerView, SideLearner
 

@@ -1,4 +1,4 @@
-"""``[[learners]]``: several algorithms learning from one stream of generated samples.
+"""A recipe's ``[[learners]]`` tables: several algorithms learning from one stream of generated samples.
 
 A recipe without ``[[learners]]`` has one learner, made of its ``[algorithm]`` and ``[trainer]``.
 With them, each table is a learner: a name, an algorithm table (default: the recipe's
@@ -21,7 +21,6 @@ learner beside a served PPO one lost reward with it (0.28 -> 0.06, cap 2.0; 0.28
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,33 +58,6 @@ class LearnerConfig(BaseModel):
     share the CPUs, and the served learner's training is the step loop's critical path: a learner
     that is not served runs on the CPU the stream leaves (measured in docs/learners.md). 0: the
     same priority as the stream's workers."""
-
-
-@dataclass
-class LearnerPlan:
-    """A learner with its components found and configured (``flow/resolve.py``)."""
-
-    name: str
-    algorithm: Any  # resolve.Chosen (an import here would be circular)
-    trainer: Any
-    queue: int = 2
-    when_full: str = "skip"
-    served: bool = False
-    """The generate pool serves this learner's weights."""
-    added: bool = False
-    """Added while the run went on (``streamrl learners add``)."""
-    table: dict = None
-    """Its ``[[learners]]`` table as written (a checkpoint keeps it, to place it again)."""
-
-    @property
-    def resident(self) -> str:
-        """The name its trainer is held under on its worker."""
-        return f"streamrl-trainer-{self.name}"
-
-    @property
-    def worker(self) -> str:
-        """The name of the worker it trains on."""
-        return f"learner-{self.name}"
 
 
 def check(learners: list[LearnerConfig], serve: str) -> None:
