@@ -232,6 +232,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                 raise UserError(f"cluster.startup_timeout: workers did not start within "
                                 f"{c.startup_timeout}s") from None
         check_pools(client, recipe)
+        keep_replicas(client)
         if c.address or c.factory:
             # workers that may run elsewhere, from another environment: before anything of the
             # run is sent there, each must load what its pool will build
@@ -332,6 +333,27 @@ def check_scheduler_address(address: str, timeout: float) -> None:
             raise UserError(f"cluster.address: {address} broke the connection ({exc}); {EXPECTED_SCHEDULER}") from None
 
 
+#: Clients (by id) that stopped the Active Memory Manager of a cluster they did not start, which
+#: :func:`stop` starts again.
+_AMM_STOPPED: set[str] = set()
+
+
+def keep_replicas(client: Client) -> None:
+    """Stop the scheduler's Active Memory Manager for the run. Each cycle it drops the copies of a
+    result that no task waits for, keeping one, and it drops from the worker using the most
+    memory: the train worker, for the published weights, once the generate workers have loaded
+    them. A generate worker killed then takes the last copy with it, and the one that restarts
+    finds its catch-up waiting on a recomputation that needs the whole step again (seen in CI).
+    streamrl places its data itself (pins), so nothing needs the AMM; retiring a worker (an
+    elastic pool shrinking) starts one of its own for the retirement."""
+    try:
+        if client.amm.running():
+            client.amm.stop()
+            _AMM_STOPPED.add(client.id)
+    except Exception:  # a scheduler without the extension has no AMM to stop
+        pass
+
+
 def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) -> None:
     """End the run's use of the cluster: shut down a cluster streamrl started, workers first;
     take the run's state off one it did not (:func:`release`) and leave that one running.
@@ -342,6 +364,12 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
     if cluster is None:
         if client is not None:
             release(client)
+            if client.id in _AMM_STOPPED:  # the cluster stays up: as it was before the run
+                _AMM_STOPPED.discard(client.id)
+                try:
+                    client.amm.start()
+                except Exception:
+                    pass
             client.close()
         return
     # Results the controller still holds (the last optimizer step) go with their workers;

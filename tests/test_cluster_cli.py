@@ -115,13 +115,15 @@ def worker_pids(address: str) -> dict[str, int]:
 
 def left_on(address: str) -> dict:
     """What of streamrl runs a cluster holds now: plugins and variables named ``streamrl-*``,
-    tasks someone still wants, and the workers' ``streamrl-*`` plugins (engines, trainers)."""
+    tasks someone still wants, the workers' ``streamrl-*`` plugins (engines, trainers), and
+    whether the scheduler's Active Memory Manager runs (a run stops it and starts it again)."""
     def state(dask_scheduler):
         variables = dask_scheduler.extensions["variables"].variables
         return {"plugins": [n for n in [*dask_scheduler.worker_plugins, *dask_scheduler.plugins]
                             if n.startswith("streamrl-")],
                 "variables": [n for n in variables if n.startswith("streamrl-")],
-                "wanted": [str(k) for k, ts in dask_scheduler.tasks.items() if ts.who_wants]}
+                "wanted": [str(k) for k, ts in dask_scheduler.tasks.items() if ts.who_wants],
+                "amm": dask_scheduler.extensions["amm"].running}
 
     with Client(address, timeout=10) as client:
         out = client.run_on_scheduler(state)
@@ -150,7 +152,8 @@ def test_a_recipe_runs_on_a_hand_started_cluster_which_stays_up_with_nothing_of_
     # and nothing of the run is left there: no engine or trainer in the workers' memory, no
     # published weights on the scheduler (their keys come again in the next run, and Dask
     # would answer them with this run's results)
-    assert left_on(hand_cluster.address) == {"plugins": [], "variables": [], "wanted": [], "worker_plugins": []}
+    assert left_on(hand_cluster.address) == {"plugins": [], "variables": [], "wanted": [], "worker_plugins": [],
+                                          "amm": True}
 
     proc = streamrl("recipe", "run", str(tiny_recipe), "--plain", "--set", f"cluster.address={hand_cluster.address}",
                     "--set", "run.steps=2", "--set", f"run.out_dir={tmp_path / 'second'}")
@@ -258,4 +261,5 @@ def test_a_worker_without_a_plugin_package_the_recipe_uses_is_one_line(hand_clus
         "'clientonly_match' needs (plugin clientonly, from streamrl-clientonly 0.1); install it in that worker's "
         "Python environment")
     # found before anything of the run reached the cluster, and the cluster is free again
-    assert left_on(hand_cluster.address) == {"plugins": [], "variables": [], "wanted": [], "worker_plugins": []}
+    assert left_on(hand_cluster.address) == {"plugins": [], "variables": [], "wanted": [], "worker_plugins": [],
+                                          "amm": True}

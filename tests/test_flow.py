@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import operator
+import time
 
+import dask
 import pytest
 import torch
 from distributed import wait
@@ -108,10 +110,27 @@ def test_engine_logprobs_match_trainer_logprobs(fresh):
     assert {s.policy_version for s in samples} == {0}
 
 
-def test_step_publishes_weights_to_the_engine(fresh):
+def test_step_publishes_weights_to_the_engine_and_the_train_worker_keeps_them(fresh):
+    from distributed import Variable
+
     controller = fresh
+    client = fresh.client
+    # Dask's Active Memory Manager would drop the train worker's copy of the published weights
+    # (the busiest worker's copy) once the engines hold theirs; a generate worker killed then
+    # took the last copy with it, and its restart's catch-up waited on a recomputation of the
+    # whole step. The train worker is made the busiest here, as on a GPU machine (optimizer
+    # state): a result Dask holds counts at once.
+    assert not client.amm.running()
+    ballast = client.submit(bytes, 200 << 20, workers=[fresh.topology.trainer], pure=False)
+    ballast.result()
     m = controller.step(0)
     assert m["policy_version"] == 1 and m["samples"] == 16
+    payload = Variable(remote.LATEST, client=client).get(timeout=5)
+    amm_interval = dask.config.get("distributed.scheduler.active-memory-manager.interval")
+    time.sleep(2.5 * dask.utils.parse_timedelta(amm_interval))  # (cycles it would have run)
+    holders = {cluster.workers(client)[a]["name"] for a in client.who_has([payload])[payload.key]}
+    assert fresh.topology.trainer in holders, holders
+    client.cancel(ballast)
     assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
     trained = weights_from_bytes(controller.client.submit(remote.trainer_weights, key="check-export",
                                                           workers=[controller.topology.trainer]).result())

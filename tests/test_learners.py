@@ -298,7 +298,7 @@ def test_a_learner_that_is_not_served_runs_at_a_lower_cpu_priority(tiny_recipe):
                                                 "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
                      asynchronous=False) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=60)
-        by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
+        by_name = {w["name"]: a for a, w in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items()}
 
         def priority():
             return os.getpriority(os.PRIO_PROCESS, 0)  # (on Linux: the calling thread's)

@@ -42,7 +42,7 @@ def test_sites_name_generate_workers_once():
 
 def sources(client, generate: dict[str, str], prefix: str) -> dict[str, set[str]]:
     """``{generate worker: names of the workers it fetched keys starting with prefix from}``."""
-    names = {addr: info["name"] for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+    names = {addr: info["name"] for addr, info in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items()}
 
     def log(dask_worker):
         return [(str(t["who"]), [str(k) for k in t["keys"]]) for t in dask_worker.transfer_incoming_log]
@@ -72,7 +72,7 @@ def test_a_relay_worker_fans_the_weights_out_to_its_site(tiny_recipe):
         for step in range(2):  # the controller's own publications, through the recipe's relay
             record = ctl.step(step)
             assert record["policy_version"] == step + 1
-        addr = {info["name"]: a for a, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+        addr = {info["name"]: a for a, info in client.sync(client.scheduler.identity, n_workers=-1)["workers"].items()}
         generate = {n: addr[n] for n in ctl.topology.generate}
         assert sorted(generate) == ["generate-0", "generate-1", "generate-2"]
 

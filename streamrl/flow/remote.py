@@ -268,7 +268,9 @@ def _published(client, payload_future, version: int, sender: dict):
         try:
             return payload_future.result(timeout=1.0)
         except TimeoutError:
-            if sender["address"] and sender["address"] not in client.scheduler_info()["workers"]:
+            # (fetched now: the client's cached scheduler_info() can hold no workers at all)
+            alive = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+            if sender["address"] and sender["address"] not in alive:
                 raise ResidentLost(f"worker {sender['name']} was restarted and its trainer lost its state "
                                    f"(with the weights v{version} it published)") from None
             if time.monotonic() > deadline:
