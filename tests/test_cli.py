@@ -51,7 +51,7 @@ def test_recipe_run_trains_and_saves_a_loadable_policy(mode, tiny_recipe, tmp_pa
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", f"run.mode={mode}", "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert "still alive" not in proc.stderr  # workers exit promptly (cluster.QuickExit)
+    assert "still alive" not in proc.stderr  # workers exit promptly (quiet.QuickExit)
     (run_dir,) = (tmp_path / "runs").iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
-from streamrl import cluster
+from streamrl import cluster, quiet
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once, streamrl
 
@@ -195,7 +195,7 @@ def test_a_closing_workers_heartbeat_traceback_is_dropped_but_a_running_ones_is_
     before = list(log.filters)
     try:
         worker = SimpleNamespace(status=Status.running)
-        cluster.QuietShutdown().setup(worker)
+        quiet.QuietShutdown().setup(worker)
         keep = log.filters[-1]
         assert keep(record(OSError("Timed out trying to connect")))  # a running worker: a real problem
         assert not keep(record(CommClosedError("ConnectionPool closing.")))

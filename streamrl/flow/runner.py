@@ -13,7 +13,7 @@ from distributed import performance_report, span
 from rich.console import Console
 from rich.markup import escape
 
-from streamrl import cluster
+from streamrl import cluster, quiet
 from streamrl.errors import Interrupted, RunFailed, UserError
 from streamrl.flow import checkpoints, saving
 from streamrl.flow.controller import Controller
@@ -142,7 +142,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         watchdog.install()
         controller = Controller(resolved, client, pools, dask_cluster)
         if not verbose:
-            cluster.quiet_train_losses(pools["train"])
+            quiet.quiet_train_losses(pools["train"])
         first = 0
         with watchdog.watching("placing the engines, trainer and rewards", 2 * r.run.step_timeout_s):
             controller.place_residents()
