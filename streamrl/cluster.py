@@ -26,7 +26,8 @@ from streamrl.attach import (EXPECTED_SCHEDULER, check_scheduler_address, check_
 from streamrl.errors import UserError
 from streamrl.pool_workers import PIN, PRE_SPAWN_ENV, worker_spec
 from streamrl.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
-from streamrl.recipe import REQUIRED_POOLS, Recipe
+from streamrl.pool_tables import REQUIRED_POOLS
+from streamrl.recipe import Recipe
 
 
 def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client]:

@@ -11,7 +11,8 @@ from distributed import Nanny, Worker
 
 from streamrl import learner_tables
 from streamrl.devices import ENV as DEVICE_ENV
-from streamrl.recipe import REQUIRED_POOLS, Recipe
+from streamrl.pool_tables import REQUIRED_POOLS
+from streamrl.recipe import Recipe
 
 #: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
 #: ``workers=`` into the worker's address when the task is submitted, so a task pinned that way

@@ -11,7 +11,8 @@ from streamrl.bench.elastic import exactly_once
 from streamrl.errors import UserError
 from streamrl.flow.elastic import decide, generation_busy, paid
 from streamrl.flow.resolve import resolve
-from streamrl.recipe import ElasticConfig, load_recipe
+from streamrl.pool_tables import ElasticConfig
+from streamrl.recipe import load_recipe
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once, streamrl
 

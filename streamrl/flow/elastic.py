@@ -49,7 +49,8 @@ from streamrl.flow import remote
 from streamrl.flow.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.flow.topology import Topology
-from streamrl.recipe import ElasticConfig, Recipe
+from streamrl.pool_tables import ElasticConfig
+from streamrl.recipe import Recipe
 
 #: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
 PROBE_STEPS = 3
