@@ -25,9 +25,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from streamrl.api import RecipePath, Reward
 from streamrl.errors import UserError
@@ -149,11 +149,22 @@ def _find(path: str, name: str) -> str:
     return convention(fn)
 
 
+def _loads(path: str | None) -> str | None:
+    """A reward file must import: it is run at validation, so a typo in it is one line then."""
+    if path is not None:
+        _load(path)
+    return path
+
+
+#: A reward file's path (relative to the recipe's folder), imported when the recipe is validated.
+RewardFile = Annotated[RecipePath | None, AfterValidator(_loads)]
+
+
 class FunctionConfig(BaseModel):
     """One function of a weighted sum (a ``[[reward.functions]]`` table)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    path: RecipePath | None = None
+    path: RewardFile = None
     """The ``.py`` file defining it (relative to the recipe's folder); default: ``reward.path``."""
     function: str
     """The function's name in that file."""
@@ -161,13 +172,6 @@ class FunctionConfig(BaseModel):
     """Its weight in the sum that is the sample's reward."""
     name: str = ""
     """The name its values are logged under (``reward/<name>/mean``); default: the function's."""
-
-    @field_validator("path")
-    @classmethod
-    def _loads(cls, path: str | None) -> str | None:
-        if path is not None:
-            _load(path)
-        return path
 
     @field_validator("function")
     @classmethod
@@ -186,7 +190,7 @@ class PythonRewardConfig(BaseModel):
     several (``[[reward.functions]]``, each file defaulting to ``path``)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    path: RecipePath | None = None
+    path: RewardFile = None
     """The ``.py`` file defining the reward function (relative to the recipe's folder); with
     ``[[reward.functions]]``, the file of those that name none."""
     function: str | None = None
@@ -212,13 +216,6 @@ class PythonRewardConfig(BaseModel):
             data = {**data, "functions": [{"path": data["path"], **f} if isinstance(f, dict) else f
                                           for f in functions]}
         return data
-
-    @field_validator("path")
-    @classmethod
-    def _loads(cls, path: str | None) -> str | None:
-        if path is not None:
-            _load(path)
-        return path
 
     @field_validator("function")
     @classmethod
