@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -65,7 +66,7 @@ def test_a_receiver_late_for_its_group_misses_at_once_and_resend_serves_it_alone
         # within STORE_ANSWER_S, not after the timeout)
         assert re.fullmatch(r"torch_distributed transfer: version 3 from \S+ not received after [\d.]+ s "
                             r"\(transfer.timeout_s = 120\): its (group (of 2 was full|is over .*)|store did not "
-                            r"answer \(DistNetworkError\))", str(missed.value)), str(missed.value)
+                            r"answer \((DistNetworkError|TimeoutError)\))", str(missed.value)), str(missed.value)
         time.sleep(1)
 
     again, version = sender.resend(2)  # the newest it sent, for one receiver
@@ -86,6 +87,29 @@ def test_a_group_that_never_forms_says_how_long_it_really_waited():
     took = time.perf_counter() - t0
     waited = float(re.search(r"after ([\d.]+) s", str(missed.value)).group(1))
     assert abs(waited - took) < 0.5 and 1.5 < took < 30, (waited, took)
+
+
+def test_a_store_that_accepts_but_never_answers_is_given_up_on_within_its_deadline(monkeypatch):
+    # torch's store client waits on such a store past its own timeout (here: for ever)
+    import threading
+
+    from streamrl.transfer import torch_distributed
+
+    monkeypatch.setattr(torch_distributed, "STORE_ANSWER_S", 2.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    port = silent.getsockname()[1]
+    payload = {"address": f"127.0.0.1:{port}", "world": 2, "layout": []}
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ReceiveMissed, match=r"its store did not answer \(TimeoutError\)"):
+            TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120)).receive(payload, 3)
+        assert time.perf_counter() - t0 < 10
+    finally:
+        silent.close()  # the client given up on sees the reset and its thread ends
+        for thread in threading.enumerate():
+            if thread.name == f"streamrl-store-{port}":
+                thread.join(30)
+                assert not thread.is_alive()
 
 
 @pytest.mark.slow

@@ -44,6 +44,32 @@ log = logging.getLogger(__name__)
 STORE_ANSWER_S = 15.0
 
 
+def _store_client(host: str, port: int, world: int, answer_s: float):
+    """A client of the group's store at ``host:port``, connected within ``answer_s`` seconds
+    (``TimeoutError`` if not). torch's own deadline is not one: it retries a connection that
+    timed out after a backoff, so a store that does not answer held a receiver about twice its
+    timeout (31.9 s for 15 s, seen in CI). Connecting claims nothing in the store (the rank is
+    taken after), so a connection given up on here that succeeds later is only dropped."""
+    import torch.distributed as dist
+
+    made: dict = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=answer_s))
+        except Exception as exc:  # (raised below, in the caller's thread)
+            made["error"] = exc
+
+    thread = threading.Thread(target=connect, name=f"streamrl-store-{port}", daemon=True)
+    thread.start()
+    thread.join(answer_s)
+    if "error" in made:
+        raise made["error"]
+    if "store" not in made:
+        raise TimeoutError(f"no answer within {answer_s:g} s")
+    return made["store"]
+
+
 class TorchDistributedConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     bucket_mb: float = Field(64.0, gt=0)
@@ -176,8 +202,7 @@ class TorchDistributedTransfer(Transfer):
         # open without answering (measured: a late receiver waited 207 s), so joining gets a short
         # deadline, and only the group's forming the whole timeout.
         try:
-            store = dist.TCPStore(host, int(port), payload["world"], False,
-                                  timeout=datetime.timedelta(seconds=min(STORE_ANSWER_S, self.config.timeout_s)))
+            store = _store_client(host, int(port), payload["world"], min(STORE_ANSWER_S, self.config.timeout_s))
             rank = int(store.add("streamrl-next-rank", 1))  # 1 .. receivers, in arrival order
             store.set_timeout(timeout)
         except Exception as exc:
