@@ -17,7 +17,7 @@ from pathlib import Path
 from distributed import Client, SchedulerPlugin, Variable, WorkerPlugin
 
 from streamrl.errors import UserError
-from streamrl.pool_workers import PIN, PIN_SLOTS
+from streamrl.pool_workers import PIN, PIN_SLOTS, workers
 from streamrl.recipe import Recipe
 
 
@@ -285,8 +285,7 @@ def name_pins(client: Client) -> None:
     try:
         client.register_plugin(NamePinsOnScheduler())
     except Exception as exc:
-        now = client.sync(client.scheduler.identity, n_workers=-1)["workers"]  # (as cluster.workers)
-        lacking = [str(w.get("name")) for w in now.values()
+        lacking = [str(w.get("name")) for w in workers(client).values()
                    if PIN + str(w.get("name")) not in w.get("resources", {})]
         if lacking:
             raise UserError(f"cluster.address: workers {', '.join(lacking)} offer no 'worker:<name>' resource and the "

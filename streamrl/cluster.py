@@ -24,7 +24,7 @@ from distributed.deploy import Cluster
 from streamrl.attach import (EXPECTED_SCHEDULER, check_scheduler_address, check_worker_imports, claim, name_pins,
                              release)
 from streamrl.errors import UserError
-from streamrl.pool_workers import PIN, PRE_SPAWN_ENV, worker_spec
+from streamrl.pool_workers import PIN, PRE_SPAWN_ENV, worker_spec, workers
 from streamrl.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
 from streamrl.pool_tables import REQUIRED_POOLS
 from streamrl.recipe import Recipe
@@ -186,13 +186,6 @@ def wait_for_pools(client: Client, recipe: Recipe, why: str = "") -> None:
             raise UserError(f"cluster.startup_timeout: after {recipe.cluster.startup_timeout:g}s the pools still "
                             f"lack workers ({counts}){why}")
         time.sleep(0.2)
-
-
-def workers(client: Client) -> dict[str, dict]:
-    """``{address: info}`` of every worker, fetched now. Not ``client.scheduler_info()``: the
-    client refreshes that cache every few seconds *without* per-worker details, and a refresh that
-    lands between its fetch and its return hands back no workers at all (seen in CI)."""
-    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
 
 def pool_workers(client: Client) -> dict[str, dict[str, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from distributed import Nanny, Worker
 
@@ -13,6 +14,9 @@ from streamrl import learner_tables
 from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.pool_tables import REQUIRED_POOLS
 from streamrl.recipe import Recipe
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 #: Resource prefix naming one worker: ``worker:train-0``. Dask turns a worker *name* given in
 #: ``workers=`` into the worker's address when the task is submitted, so a task pinned that way
@@ -175,3 +179,11 @@ def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging
         **w, "host": recipe.cluster.host, "memory_limit": memory_limit(recipe, pool),
         "silence_logs": log_level, "worker_class": PoolWorker,
     }}
+
+
+def workers(client: "Client") -> dict[str, dict]:
+    """``{address: info}`` of every worker of ``client``'s cluster, fetched now. Not
+    ``client.scheduler_info()``: the client refreshes that cache every few seconds *without*
+    per-worker details, and a refresh that lands between its fetch and its return hands back no
+    workers at all (seen in CI)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]

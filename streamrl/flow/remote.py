@@ -19,6 +19,7 @@ from distributed import get_worker
 from streamrl.contracts.generation import ReceiveMissed
 from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
 from streamrl.flow.microbatch import group_tokens, pack
+from streamrl.pool_workers import workers
 from streamrl.rewards import scoring
 from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
                                     resident, resident_settings)
@@ -268,9 +269,7 @@ def _published(client, payload_future, version: int, sender: dict):
         try:
             return payload_future.result(timeout=1.0)
         except TimeoutError:
-            # (fetched now: the client's cached scheduler_info() can hold no workers at all)
-            alive = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
-            if sender["address"] and sender["address"] not in alive:
+            if sender["address"] and sender["address"] not in workers(client):
                 raise ResidentLost(f"worker {sender['name']} was restarted and its trainer lost its state "
                                    f"(with the weights v{version} it published)") from None
             if time.monotonic() > deadline:
