@@ -311,7 +311,7 @@ def trainer_logprobs(group: Group) -> list[list[float]]:
 def trainer_weights(after=None, trainer: str = TRAINER) -> bytes:
     """Train pool: the trainer's parameters, as safetensors bytes (checks and tests; Dask's own
     tensor serializer goes through numpy, which has no bfloat16). ``weights_from_bytes`` reads them."""
-    from streamrl.training.trainer import weights_to_bytes
+    from streamrl.training.weights_bytes import weights_to_bytes
 
     return weights_to_bytes(resident(trainer).named_weights())  # (detached and on the CPU there)
 

@@ -162,7 +162,7 @@ def save(trainer, path: str) -> None:
     if _rank() == 0:  # (unsharded, the only rank asked to write)
         torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
                     "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(), "nonfinite_in_a_row": trainer.nonfinite_in_a_row},
+                    "python_rng": random.getstate(), "nonfinite_in_a_row": trainer.finite.in_a_row},
                    folder / "trainer.pt")
 
 
@@ -187,7 +187,7 @@ def load(trainer, path: str) -> None:
     trainer.algorithm.load_state_dict(extra["algorithm"])
     torch.set_rng_state(extra["torch_rng"])
     random.setstate(extra["python_rng"])
-    trainer.nonfinite_in_a_row = extra.get("nonfinite_in_a_row", 0)  # (absent from older checkpoints)
+    trainer.finite.in_a_row = extra.get("nonfinite_in_a_row", 0)  # (absent from older checkpoints)
     _recipe_learning_rates(trainer)
 
 

@@ -55,3 +55,15 @@ class Critic(torch.nn.Module):
         self.backbone.save_pretrained(out, state_dict={k[len("backbone."):]: v for k, v in state.items()
                                                        if k.startswith("backbone.")})
         torch.save({k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}, f"{out}/value_head.pt")
+
+
+@torch.no_grad()
+def critic_stats(values, returns, mask, value_loss) -> dict:
+    """Per-sample sums for the record: the value loss, and the critic's explained variance of
+    the returns over this micro-batch's response tokens (weighted by its samples)."""
+    v, r = values[mask > 0], returns[mask > 0]
+    var = r.var(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
+    ev = 1.0 - (r - v).var(unbiased=False) / var if var > 1e-8 else torch.tensor(0.0)
+    n = mask.shape[0]
+    return {"value_loss_sum": value_loss.sum(), "explained_variance_sum": ev * n,
+            "value_mean_sum": ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()}

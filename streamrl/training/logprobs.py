@@ -15,6 +15,27 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+def pad_batch(samples, pad_id: int):
+    """Right-padded ``input_ids``, ``attention_mask`` and a mask of response-token positions.
+
+    ``response_mask[i, t]`` is 1 where token ``t+1`` of row ``i`` is a response token, i.e. it
+    lines up with the logits at position ``t`` that predicted it.
+    """
+    rows = [s.prompt_ids + s.response_ids for s in samples]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    resp = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    old = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for i, (s, row) in enumerate(zip(samples, rows)):
+        ids[i, : len(row)] = torch.tensor(row)
+        attn[i, : len(row)] = 1
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        resp[i, p - 1: p - 1 + r] = 1.0
+        old[i, p - 1: p - 1 + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return ids, attn, resp, old
+
+
 def naive_token_logprobs(model, ids, attn, temperature: float = 1.0):
     """Log-probability of each next token (shape ``[B, T-1]``), the straightforward way."""
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature

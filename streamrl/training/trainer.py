@@ -13,26 +13,25 @@ trainer is composed with, chosen once when it is built: the steps here do not br
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
 from streamrl.errors import NonFiniteStep, RunFailed
-from streamrl.sample import Group
+from streamrl.sample import Group, Sample
 from streamrl.training import fsdp
-from streamrl.training.logprobs import naive_token_logprobs
-from streamrl.training.logprobs import TokenLogprobs
+from streamrl.training.critic import Critic, critic_stats
+from streamrl.training.finite import FiniteGuard, all_finite
+from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
+from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
 
 
 def compile_layers(model) -> None:
@@ -85,27 +84,6 @@ class HFTrainerConfig(BaseModel):
     step non-finite is a learning rate far too high or an algorithm that returns NaN."""
 
 
-def pad_batch(samples, pad_id: int):
-    """Right-padded ``input_ids``, ``attention_mask`` and a mask of response-token positions.
-
-    ``response_mask[i, t]`` is 1 where token ``t+1`` of row ``i`` is a response token, i.e. it
-    lines up with the logits at position ``t`` that predicted it.
-    """
-    rows = [s.prompt_ids + s.response_ids for s in samples]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    resp = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-    old = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-    for i, (s, row) in enumerate(zip(samples, rows)):
-        ids[i, : len(row)] = torch.tensor(row)
-        attn[i, : len(row)] = 1
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        resp[i, p - 1: p - 1 + r] = 1.0
-        old[i, p - 1: p - 1 + r] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return ids, attn, resp, old
-
-
 token_logprobs = naive_token_logprobs  # the plain computation, for checks against an engine
 
 
@@ -146,8 +124,6 @@ class HFTrainer(Trainer):
             self.reference.requires_grad_(False)
         self.critic = None
         if self.algorithm.needs_critic:
-            from streamrl.training.critic import Critic
-
             self.critic = Critic(context.model_path, config.critic_lr, built_on)
         # the policy's (and reference's) token log-probs, as modules: the unit fsdp shards
         self.policy = TokenLogprobs(self.model)
@@ -156,10 +132,7 @@ class HFTrainer(Trainer):
         self.version = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.sharded = False  # trainer.strategy = "fsdp" over several ranks, once shard() has run
-        self.nonfinite_loss: str | None = None
-        """A loss of this step's micro-batches on this rank that was not finite (its value), or None."""
-        self.nonfinite_in_a_row = 0
-        """Optimizer steps skipped in a row for a non-finite loss or gradient (``max_nonfinite_steps``)."""
+        self.finite = FiniteGuard(config.max_nonfinite_steps)  # (``training/finite.py``)
         self.probe = None
         """A sample this rank trained in this step: after the update, the new policy's
         log-probabilities of it must be finite before the weights go anywhere."""
@@ -249,11 +222,7 @@ class HFTrainer(Trainer):
         loss = per_sample.sum()
         (loss * scale + critic_loss).backward()
         loss_sum = float(loss.item())
-        # remembered for the optimizer step, which refuses the update: a NaN loss whose gradient
-        # happens to be finite (a detached term) would otherwise pass the gradient-norm check
-        for value in (loss_sum, float(stats.get("value_loss_sum", 0.0))):
-            if not math.isfinite(value) and self.nonfinite_loss is None:
-                self.nonfinite_loss = str(value)
+        self.finite.saw_losses(loss_sum, float(stats.get("value_loss_sum", 0.0)))  # (the step refuses them)
         return {
             **counted,
             "skipped_sum": skipped,  # metrics.jsonl: "skipped", the share left out of the backward
@@ -278,8 +247,6 @@ class HFTrainer(Trainer):
         # A forward/backward through every sharded module with a zero loss: it takes part in
         # the ranks' collectives and adds exactly zero to every gradient. ``like``: a sample to
         # copy the shape of (else one pad token of prompt and response).
-        from streamrl.sample import Sample
-
         t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id
         prompt, response = (like.prompt_ids, like.response_ids) if like is not None else ([pad], [pad])
@@ -317,12 +284,13 @@ class HFTrainer(Trainer):
         out = {"version": self.version + 1, "grad_norm": norm, "nonfinite_skipped": 0}
         if self.critic is not None:
             out["critic_grad_norm"] = self.critic.clip(self.strategy.clip_grad_norm, self.config.max_grad_norm)
-        problem = self._nonfinite(norm, out.get("critic_grad_norm", 0.0))
+        problem = self.finite.problem(self.strategy, self.device, norm, out.get("critic_grad_norm", 0.0))
         if problem is not None:
-            self._refuse(problem)  # raises, unless max_nonfinite_steps lets this step be skipped
+            # raises, unless max_nonfinite_steps lets this step be skipped
+            self.finite.refuse(problem, self._step_name(), self.config.lr, type(self.algorithm).__name__)
             out["nonfinite_skipped"] = 1
         else:
-            self.nonfinite_in_a_row = 0
+            self.finite.applied()
             self.optimizer.step()
             self.lr_schedule.step()
             if self.critic is not None:
@@ -335,7 +303,7 @@ class HFTrainer(Trainer):
             # (a pass over the weights) and the new policy's log-probabilities of one sample (a
             # forward pass of one sequence) first.
             broken = None
-            if not _finite(self.stepped.parameters()):
+            if not all_finite(self.stepped.parameters()):
                 broken = "made the weights not finite"
             elif not self._probe_finite():
                 broken = "made the policy's log-probabilities not finite"
@@ -360,8 +328,6 @@ class HFTrainer(Trainer):
     def _probe_finite(self) -> bool:
         """The updated policy's log-probabilities of this step's :attr:`probe` are finite (a
         rank that trained nothing probes a pad token: sharded, every rank's forward takes part)."""
-        from streamrl.sample import Sample
-
         like, self.probe = self.probe, None
         pad = self.tokenizer.pad_token_id
         if like is None:
@@ -371,30 +337,6 @@ class HFTrainer(Trainer):
             new = self.policy(ids, attn, self.temperature, self.config.logprob_chunk_tokens, resp)
         self.strategy.forward_only_done(self.policy)
         return bool(torch.isfinite(new[resp > 0]).all())
-
-    def _nonfinite(self, norm: float, critic_norm: float) -> str | None:
-        """What was not finite in this step (the same answer on every rank), or None."""
-        local, self.nonfinite_loss = self.nonfinite_loss, None
-        # (the norms are the whole pool's already; a loss is one rank's)
-        if self.strategy.any_rank(local is not None, self.device):
-            return f"the loss is not finite ({local or 'on another rank'})"
-        if not math.isfinite(norm):
-            return f"the gradient is not finite (norm {norm})"
-        if not math.isfinite(critic_norm):
-            return f"the critic's gradient is not finite (norm {critic_norm})"
-        return None
-
-    def _refuse(self, problem: str) -> None:
-        """A step whose loss or gradient is not finite: raise :class:`NonFiniteStep`, unless
-        ``max_nonfinite_steps`` lets it be skipped (the caller then clears the gradients)."""
-        self.nonfinite_in_a_row += 1
-        allowed = self.config.max_nonfinite_steps
-        if self.nonfinite_in_a_row <= allowed:
-            return
-        in_a_row = f" ({self.nonfinite_in_a_row} steps in a row; trainer.max_nonfinite_steps = {allowed})" if allowed else ""
-        raise NonFiniteStep(f"{self._step_name()}: {problem}{in_a_row}, so the update was not applied and nothing of "
-                            f"this step was published or checkpointed; lower trainer.lr (now {self.config.lr:g}) "
-                            f"or check the algorithm ({type(self.algorithm).__name__})")
 
     @torch.no_grad()
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -423,7 +365,7 @@ class HFTrainer(Trainer):
         checkpoint.load(self, path)
         # a checkpoint written before steps that are not finite were refused may hold NaN
         # weights: they must not be published to the engines after a resume
-        if self.strategy.any_rank(not _finite(self.stepped.parameters()), self.device):
+        if self.strategy.any_rank(not all_finite(self.stepped.parameters()), self.device):
             raise RunFailed(f"checkpoint {Path(path).parent.name}: its weights are not finite (NaN or inf); "
                             f"move {Path(path).parent} aside to resume from the checkpoint before it")
         self.masters.copy_back()  # (bf16-params: the checkpoint holds the float32 masters)
@@ -459,37 +401,5 @@ class HFTrainer(Trainer):
             params_bytes=sum(nbytes(p) for m in modules for p in m.parameters()),
             optimizer_bytes=sum(nbytes(v) for o in optimizers for st in o.state.values() for v in st.values()
                                 if isinstance(v, torch.Tensor) and v.dim() > 0))
-
-
-@torch.no_grad()
-def critic_stats(values, returns, mask, value_loss) -> dict:
-    """Per-sample sums for the record: the value loss, and the critic's explained variance of
-    the returns over this micro-batch's response tokens (weighted by its samples)."""
-    v, r = values[mask > 0], returns[mask > 0]
-    var = r.var(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
-    ev = 1.0 - (r - v).var(unbiased=False) / var if var > 1e-8 else torch.tensor(0.0)
-    n = mask.shape[0]
-    return {"value_loss_sum": value_loss.sum(), "explained_variance_sum": ev * n,
-            "value_mean_sum": ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()}
-
-
-@torch.no_grad()
-def _finite(params) -> bool:
-    """Every value of ``params`` is finite (a shard: its local part)."""
-    from torch.distributed.tensor import DTensor
-
-    checks = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in params]
-    return bool(torch.stack(checks).all()) if checks else True
-
-
-def weights_to_bytes(named: dict[str, torch.Tensor]) -> bytes:
-    """Named tensors as safetensors bytes (any dtype; copied to the CPU first)."""
-    return save_safetensors({n: t.detach().to("cpu").contiguous() for n, t in named.items()})
-
-
-def weights_from_bytes(blob: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`weights_to_bytes`."""
-    return load_safetensors(blob)
-
 
 __all__ = ["HFTrainer", "HFTrainerConfig", "pad_batch", "token_logprobs", "weights_to_bytes", "weights_from_bytes"]

@@ -69,7 +69,7 @@ class DaskTransfer(Transfer):
         if not weights:
             return b""
         if self.config.wire_dtype == "as_trained":
-            from streamrl.training.trainer import weights_to_bytes
+            from streamrl.training.weights_bytes import weights_to_bytes
 
             return weights_to_bytes(weights)
         import torch
@@ -84,7 +84,7 @@ class DaskTransfer(Transfer):
         """The named tensors back from the bytes (in the dtypes they were trained in)."""
         if not payload:
             return {}
-        from streamrl.training.trainer import weights_from_bytes
+        from streamrl.training.weights_bytes import weights_from_bytes
 
         weights = weights_from_bytes(payload)
         cast = _cast_back(payload)
