@@ -24,7 +24,7 @@ from distributed.deploy import Cluster
 from streamrl.attach import (EXPECTED_SCHEDULER, check_scheduler_address, check_worker_imports, claim, name_pins,
                              release)
 from streamrl.errors import UserError
-from streamrl.pool_workers import PIN, PRE_SPAWN_ENV, worker_spec, workers
+from streamrl.pool_workers import LEARN, PIN, PRE_SPAWN_ENV, side_learner_names, worker_spec, workers
 from streamrl.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
 from streamrl.pool_tables import REQUIRED_POOLS
 from streamrl.recipe import Recipe
@@ -171,10 +171,12 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
 
 def wait_for_pools(client: Client, recipe: Recipe, why: str = "") -> None:
     """Wait up to ``cluster.startup_timeout`` until every pool has the workers its
-    ``[pools.<name>] workers`` asks for (a factory's workers come up in their own time: a
-    batch job waits in its queue); ``why`` ends the timeout's message."""
+    ``[pools.<name>] workers`` asks for, and every side learner its worker (a factory's workers
+    come up in their own time: a batch job waits in its queue); ``why`` ends the timeout's message."""
     want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank"]
             if getattr(recipe.pools, pool) is not None}
+    if side_learner_names(recipe):
+        want[LEARN] = len(side_learner_names(recipe))
     deadline = time.monotonic() + recipe.cluster.startup_timeout
     while True:
         have = pool_workers(client)

@@ -7,7 +7,8 @@ depends on how its workers are described:
 - **A** ``SpecCluster`` **whose workers are** ``Nanny``/``Worker`` **objects or dask-jobqueue
   jobs** (``distributed.LocalCluster``, ``dask_cuda.LocalCUDACluster``, ``dask_jobqueue.*Cluster``):
   streamrl *labels* them. The factory is asked for no workers (``n_workers=0`` when the class
-  takes it); then, per worker the recipe's ``[pools.<name>] workers`` ask for, the cluster's own
+  takes it); then, per worker the recipe's ``[pools.<name>] workers`` ask for (and per side
+  learner of ``[[learners]]``: ``learner-<name>``, with the train pool's settings), the cluster's own
   next worker spec (``new_worker_spec()``: it keeps what the library sets per worker, e.g. the GPU
   dask-cuda gives each) gets the worker's name ``<pool>-<i>``, its threads, the pool's resources
   and environment, and ``cluster.pool_options.<pool>`` on top. A job-queue job carries them in
@@ -118,28 +119,28 @@ def _is_job(cls: type) -> bool:
 
 
 def pool_specs(cluster: SpecCluster, recipe: Recipe) -> dict[str, dict]:
-    """``{worker name: spec}`` for every worker of the recipe's pools, each from the cluster's
-    own next worker spec (see the module docstring). Changes nothing in ``cluster``."""
-    names = pools.pool_worker_names(recipe)
+    """``{worker name: spec}`` for every worker the recipe asks for (its pools', and each side
+    learner's: ``pool_workers.planned_workers``), each from the cluster's own next worker spec
+    (see the module docstring). Changes nothing in ``cluster``."""
+    planned = pools.planned_workers(recipe)
     saved = dict(cluster.worker_spec)
     bases = []
     try:
         # new_worker_spec() looks at worker_spec to pick the next name (and, in dask-cuda, the
         # next GPU): let it see the ones already handed out
-        for _ in names:
+        for _ in planned:
             try:
                 ((key, spec),) = cluster.new_worker_spec().items()
             except Exception as exc:
                 raise UserError(f"cluster.factory: {type(cluster).__name__} has no worker spec for worker "
-                                f"{len(bases) + 1} of {len(names)} ({type(exc).__name__}: {exc})") from None
+                                f"{len(bases) + 1} of {len(planned)} ({type(exc).__name__}: {exc})") from None
             cluster.worker_spec[key] = spec
             bases.append(copy.deepcopy(spec))
     finally:
         cluster.worker_spec.clear()
         cluster.worker_spec.update(saved)
     out = {}
-    for (pool, i), base in zip(names, bases):
-        w = pools.pool_worker(recipe, pool, i)
+    for (pool, w), base in zip(planned, bases):
         extra = recipe.cluster.pool_options.get(pool, {})
         cls = base["cls"]
         if _is_job(cls):

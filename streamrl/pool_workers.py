@@ -67,7 +67,7 @@ class PoolWorker(Worker):
         super().__init__(*args, **kwargs)
 
 
-#: Set by :func:`learner_worker_spec`: how much to lower the worker process's CPU priority.
+#: Set by :func:`learner_worker`: how much to lower the worker process's CPU priority.
 NICE_ENV = "STREAMRL_NICE"
 
 
@@ -101,24 +101,38 @@ def pool_worker_names(recipe: Recipe) -> list[tuple[str, int]]:
     return out
 
 
+def side_learner_names(recipe: Recipe) -> list[str]:
+    """The learners that train on a worker of their own (``learner-<name>``): every
+    ``[[learners]]`` table but the main learner's, which trains on the train pool."""
+    if not recipe.learners or recipe.pools.train is None:
+        return []
+    main = learner_tables.main_learner(recipe.learners, recipe.run.serve)
+    return [lr.name for lr in recipe.learners if lr.name != main]
+
+
+def planned_workers(recipe: Recipe) -> list[tuple[str, dict]]:
+    """Every worker the recipe asks for, whatever starts it (the embedded cluster, a factory):
+    ``(pool, worker)`` with ``worker`` as :func:`pool_worker` describes it and ``pool`` the
+    ``[pools.*]`` table whose settings it takes -- the pools' workers pool by pool, then one per
+    side learner (:func:`learner_worker`, with the train pool's)."""
+    return ([(pool, pool_worker(recipe, pool, i)) for pool, i in pool_worker_names(recipe)]
+            + [("train", learner_worker(recipe, name)) for name in side_learner_names(recipe)])
+
+
 def worker_spec(recipe: Recipe, log_level: int = logging.WARNING) -> dict:
-    """The ``SpecCluster`` worker specification built from the recipe's ``[pools.*]`` tables, and
-    one worker per learner that does not train on the train pool (``learner-<name>``)."""
-    spec = {f"{pool}-{i}": pool_worker_spec(recipe, pool, i, log_level) for pool, i in pool_worker_names(recipe)}
-    if recipe.learners and recipe.pools.train is not None:
-        main = learner_tables.main_learner(recipe.learners, recipe.run.serve)
-        spec.update({f"learner-{lr.name}": learner_worker_spec(recipe, lr.name, log_level)
-                     for lr in recipe.learners if lr.name != main})
-    return spec
+    """The embedded cluster's ``SpecCluster`` worker specification: a Nanny per
+    :func:`planned_workers`."""
+    return {w["name"]: nanny_spec(recipe, pool, w, log_level) for pool, w in planned_workers(recipe)}
 
 
 #: The resource of a learner's own worker: not ``train``, so no task of the train pool lands there.
 LEARN = "learn"
 
 
-def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.WARNING) -> dict:
-    """The embedded cluster's spec of learner ``learner``'s worker: a train pool worker (its
-    threads, device, memory and environment) named ``learner-<learner>`` offering ``learn``."""
+def learner_worker(recipe: Recipe, learner: str) -> dict:
+    """Learner ``learner``'s worker, as :func:`pool_worker` describes one: a train pool worker (its
+    threads, device and environment) named ``learner-<learner>`` offering ``learn`` instead of
+    ``train``, its CPU priority lowered by the learner's ``nice``."""
     w = pool_worker(recipe, "train", 0)
     name = f"learner-{learner}"
     table = next((lr for lr in recipe.learners if lr.name == learner), None)  # (none: added while running)
@@ -126,10 +140,12 @@ def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.W
     w["env"] = {**w["env"], NICE_ENV: str(nice)}
     w.update(name=name, nthreads=recipe.pools.train.threads,
              resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})
-    return {"cls": Nanny, "options": {
-        **w, "host": recipe.cluster.host, "memory_limit": memory_limit(recipe, "train"),
-        "silence_logs": log_level, "worker_class": PoolWorker,
-    }}
+    return w
+
+
+def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.WARNING) -> dict:
+    """The embedded cluster's spec of learner ``learner``'s worker (:func:`learner_worker`)."""
+    return nanny_spec(recipe, "train", learner_worker(recipe, learner), log_level)
 
 
 def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> dict:
@@ -172,9 +188,13 @@ def memory_limit(recipe: Recipe, pool: str) -> str | int:
 
 def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
                      slots: int | None = None) -> dict:
-    """The embedded cluster's spec of worker ``<pool>-<i>``: a Nanny as :func:`pool_worker` says,
-    bound to ``cluster.host``."""
-    w = pool_worker(recipe, pool, i, slots)
+    """The embedded cluster's spec of worker ``<pool>-<i>`` (:func:`pool_worker`)."""
+    return nanny_spec(recipe, pool, pool_worker(recipe, pool, i, slots), log_level)
+
+
+def nanny_spec(recipe: Recipe, pool: str, w: dict, log_level: int = logging.WARNING) -> dict:
+    """The embedded cluster's spec of worker ``w`` (:func:`pool_worker`'s) of ``pool``: a Nanny
+    bound to ``cluster.host``, with the pool's memory limit."""
     return {"cls": Nanny, "options": {
         **w, "host": recipe.cluster.host, "memory_limit": memory_limit(recipe, pool),
         "silence_logs": log_level, "worker_class": PoolWorker,

@@ -102,6 +102,35 @@ def test_slurm_job_scripts_carry_each_pool_workers_name_threads_resources_and_op
         assert ("export FOO='a b'" in script) == (pool == "reward")  # the pool's env, quoted for bash
 
 
+def test_each_side_learner_gets_a_job_of_its_own_with_the_train_pools_settings(tiny_recipe):
+    from tests.test_learners import with_learners
+
+    recipe = with_learners(with_cluster_table(tiny_recipe, SLURM), more='nice = 5')
+    scripts = factories.preview(load_recipe(recipe).recipe)
+    # the main learner (grpo) trains on the train pool; rloo on its own worker, a job like the rest
+    assert list(scripts) == ["generate-0", "train-0", "reward-0", "learner-rloo"]
+    params = worker_line(scripts["learner-rloo"])
+    assert params["name"] == "learner-rloo" and params["nthreads"] == 1
+    assert params["resources"] == "learn=1,worker:learner-rloo=1000000"  # not train: no train pool task lands there
+    assert "#SBATCH --gres=gpu:1" in scripts["learner-rloo"]  # cluster.pool_options.train
+    assert "export STREAMRL_NICE=5" in scripts["learner-rloo"]
+
+
+@pytest.mark.slow
+def test_a_local_cluster_factory_runs_side_learners_on_workers_it_labels(tiny_recipe, tmp_path):
+    from tests.test_learners import with_learners
+
+    proc = streamrl("recipe", "run", str(with_learners(tiny_recipe)), "--plain",
+                    "--set", "cluster.factory=distributed.LocalCluster",
+                    "--set", 'cluster.factory_options={host="127.0.0.1", dashboard_address="127.0.0.1:0"}')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(tmp_path / "runs")
+    assert [r["step"] for r in recs] == [0, 1]
+    # the side learner trained on the worker the factory's cluster started for it
+    rloo = recs[-1]["learners"]["rloo"]
+    assert rloo["worker"] == "learner-rloo" and rloo["steps_trained"] >= 1 and not rloo.get("error")
+
+
 def test_a_colocated_train_job_offers_both_pools(tiny_recipe):
     loaded = load_recipe(with_cluster_table(tiny_recipe, SLURM), ["run.mode=colocated"])
     params = worker_line(factories.preview(loaded.recipe)["train-0"])
