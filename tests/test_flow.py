@@ -122,15 +122,17 @@ def test_step_publishes_weights_to_the_engine_and_the_train_worker_keeps_them(fr
     # state): a result Dask holds counts at once.
     assert not client.amm.running()
     ballast = client.submit(bytes, 200 << 20, workers=[fresh.topology.trainer], pure=False)
-    ballast.result()
-    m = controller.step(0)
-    assert m["policy_version"] == 1 and m["samples"] == 16
-    payload = Variable(remote.LATEST, client=client).get(timeout=5)
-    amm_interval = dask.config.get("distributed.scheduler.active-memory-manager.interval")
-    time.sleep(2.5 * dask.utils.parse_timedelta(amm_interval))  # (cycles it would have run)
-    holders = {cluster.workers(client)[a]["name"] for a in client.who_has([payload])[payload.key]}
-    assert fresh.topology.trainer in holders, holders
-    client.cancel(ballast)
+    try:
+        ballast.result()
+        m = controller.step(0)
+        assert m["policy_version"] == 1 and m["samples"] == 16
+        payload = Variable(remote.LATEST, client=client).get(timeout=5)
+        amm_interval = dask.config.get("distributed.scheduler.active-memory-manager.interval")
+        time.sleep(2.5 * dask.utils.parse_timedelta(amm_interval))  # (cycles it would have run)
+        holders = {cluster.workers(client)[a]["name"] for a in client.who_has([payload])[payload.key]}
+        assert fresh.topology.trainer in holders, holders
+    finally:  # (the module's cluster goes on to other tests)
+        client.cancel(ballast)
     assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
     trained = weights_from_bytes(controller.client.submit(remote.trainer_weights, key="check-export",
                                                           workers=[controller.topology.trainer]).result())
