@@ -19,7 +19,7 @@ import tempfile
 
 from rich.console import Console
 
-from streamrl.flow import runner
+from streamrl.run import runner
 from streamrl.recipe import load_recipe
 
 

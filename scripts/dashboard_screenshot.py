@@ -4,7 +4,7 @@ run goes on.
     python scripts/dashboard_screenshot.py                      # recipes/addition.toml, 60 steps
     python scripts/dashboard_screenshot.py --after 25 --out /tmp/page.png --set run.steps=40
 
-The run is ``streamrl recipe run`` done in this process (``flow.runner.run``) on the embedded
+The run is ``streamrl recipe run`` done in this process (``run.runner.run``) on the embedded
 cluster, with a held-out evaluation every 10 steps so the page shows one; once ``--after`` steps
 are published, Chromium (Debian: ``apt-get install chromium``) opens the page the runner printed
 and saves a PNG, and the run goes on to its end. The PNG is palette-quantized to stay small
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from streamrl.flow import runner
+    from streamrl.run import runner
     from streamrl.recipe import load_recipe
     from streamrl.telemetry import dashboard
 

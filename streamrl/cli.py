@@ -249,7 +249,7 @@ def cmd_recipe(args) -> int:
     from streamrl.recipe import load_recipe, to_toml
 
     if args.cmd == "resume":
-        from streamrl.flow import runner
+        from streamrl.run import runner
 
         loaded, run_dir = runner.load_for_resume(args.run_dir, args.overrides)
         print(runner.run(loaded, verbose=args.verbose, resume_dir=run_dir, plain=args.plain,
@@ -259,7 +259,7 @@ def cmd_recipe(args) -> int:
     if args.cmd == "show":
         print(to_toml(loaded.recipe), end="")
         return 0
-    from streamrl.flow import runner
+    from streamrl.run import runner
 
     if args.cmd == "validate":
         runner.resolve(loaded)
@@ -271,7 +271,7 @@ def cmd_recipe(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from streamrl.tasks.model_init import init_model
+    from streamrl.model_init import init_model
 
     if args.arch is not None:
         from streamrl.recipe import parse_override
@@ -360,7 +360,7 @@ def cmd_reference(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from streamrl.flow.score_models import score
+    from streamrl.run.score_models import score
 
     score(args.targets, args.recipe, args.overrides, args.out)
     return 0

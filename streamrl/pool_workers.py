@@ -53,12 +53,12 @@ class PoolWorker(Worker):
     (Ctrl-C, ``kill -- -PGID``, systemd or Slurm stopping the run) reaches it too; dying of it
     would lose the step's work and the trainer's state, and its nanny would restart it in the
     middle of the stop. The ``streamrl`` process handles the signal and closes the workers in
-    order (``flow/stopping.py``). Set here, when the worker is built, because a worker that a
+    order (``stopping.py``). Set here, when the worker is built, because a worker that a
     nanny restarts (or the elastic pool adds) is spawned while the ``streamrl`` process has its
     own handler installed, which a new process does not inherit."""
 
     def __init__(self, *args, **kwargs):
-        from streamrl.flow.stopping import ignore_stop_signals
+        from streamrl.stopping import ignore_stop_signals
 
         ignore_stop_signals()
         nice = int(os.environ.get(NICE_ENV, "0") or 0)

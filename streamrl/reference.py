@@ -11,7 +11,7 @@ It is the algorithm every mode of the controller implements, without the distrib
             trainer.step()                                  # one optimizer step per pass
         engine.load_weights(trainer.named_weights())        # the new policy generates next
 
-The controller (``flow/controller.py``) runs the same components as Dask tasks on labelled
+The controller (``run/controller.py``) runs the same components as Dask tasks on labelled
 pools and streams groups into micro-batches as they finish; on the same samples it gives the
 same update as :func:`train_step` (``tests/test_flow.py`` checks it). ``streamrl reference
 RECIPE`` runs this loop on a recipe.

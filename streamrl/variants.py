@@ -16,7 +16,7 @@ import time
 
 from rich.console import Console
 
-from streamrl.flow import runner
+from streamrl.run import runner
 from streamrl.recipe import load_recipe
 from streamrl.sim.capabilities import SimEngineCapabilities, SimTrainerCapabilities
 

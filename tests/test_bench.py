@@ -67,7 +67,7 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
 def test_skew_variants_switch_components_without_carrying_foreign_options():
     from streamrl.variants import describe
     from streamrl.bench.skew import variants_for
-    from streamrl.flow import runner
+    from streamrl.run import runner
     from streamrl.recipe import load_recipe
 
     user = ["ranker.ngram=4", "scheduler.alpha=0.1"]  # options only `learned` and `skew` accept

@@ -161,7 +161,7 @@ def test_a_resume_with_no_usable_checkpoint_is_one_line_naming_each(run_copy):
 # -- metrics.jsonl ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_the_run_resumes_from_it(run_copy):
-    from streamrl.flow.run_folder import RunFolder
+    from streamrl.run.run_folder import RunFolder
 
     metrics = run_copy / "metrics.jsonl"
     lines = metrics.read_text().splitlines()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
-from streamrl.flow import saving
-from streamrl.flow.controller import Controller
+from streamrl.run import saving
+from streamrl.run.controller import Controller
 from streamrl.flow.resolve import resolve
 from streamrl.recipe import load_recipe
 from tests.conftest import ROOT

@@ -227,7 +227,7 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     """A tiny recipe on the embedded cluster: the runner installs the page, each step's summary
     reaches the scheduler with the step and reward metrics.jsonl has, and the page serves them
     while the run goes on (checked at its last step, before the cluster stops)."""
-    from streamrl.flow import runner
+    from streamrl.run import runner
     from streamrl.recipe import load_recipe
 
     steps = 3

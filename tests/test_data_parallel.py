@@ -10,8 +10,8 @@ from distributed import wait
 
 from streamrl import cluster
 from streamrl.flow import remote, submit
-from streamrl.flow.controller import Controller
-from streamrl.flow.runner import resolve
+from streamrl.run.controller import Controller
+from streamrl.run.runner import resolve
 from streamrl.training.trainer import weights_from_bytes
 from tests.test_flow import parity_recipe
 

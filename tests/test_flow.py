@@ -13,8 +13,8 @@ from distributed import wait
 from streamrl import cluster
 from streamrl.flow import remote, submit
 from streamrl.flow.resident import ENGINE, resident
-from streamrl.flow.controller import Controller
-from streamrl.flow.runner import resolve
+from streamrl.run.controller import Controller
+from streamrl.run.runner import resolve
 from streamrl.recipe import load_recipe
 from streamrl.training.trainer import weights_from_bytes
 

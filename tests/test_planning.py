@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from streamrl.flow import runner
+from streamrl.run import runner
 from streamrl.planning import allocate
 from streamrl.planning.predict import predict
 from streamrl.planning.profile import StageProfile, from_cost_model

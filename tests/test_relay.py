@@ -56,8 +56,8 @@ def sources(client, generate: dict[str, str], prefix: str) -> dict[str, set[str]
 @pytest.mark.slow
 def test_a_relay_worker_fans_the_weights_out_to_its_site(tiny_recipe):
     from streamrl import cluster
-    from streamrl.flow import runner
-    from streamrl.flow.controller import Controller
+    from streamrl.run import runner
+    from streamrl.run.controller import Controller
     from streamrl.flow.resident import ENGINE, TRAINER
     from streamrl.flow.weights import publish, wait_loaded
     from streamrl.recipe import load_recipe

@@ -214,8 +214,8 @@ def test_a_folder_without_steps_is_a_user_error_naming_it(tmp_path, content):
 
 def test_the_runs_own_end_of_run_report_only_warns(tmp_path):
     # the runner writes the report in its `finally`: a report that fails is a warning, never the run's error
-    from streamrl.flow.run_folder import RunFolder
-    from streamrl.flow.runner import _write_views
+    from streamrl.run.run_folder import RunFolder
+    from streamrl.run.runner import _write_views
 
     folder = RunFolder(tmp_path / "run")
     folder.path.mkdir()
@@ -238,7 +238,7 @@ def test_the_report_command_on_a_bad_folder_is_one_line_and_exit_2(tmp_path):
 
 
 def test_importing_streamrl_and_the_runner_does_not_import_matplotlib():
-    code = ("import sys, streamrl, streamrl.flow.runner, streamrl.telemetry.report; "
+    code = ("import sys, streamrl, streamrl.run.runner, streamrl.telemetry.report; "
             "print('matplotlib' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -282,7 +282,7 @@ def test_the_trainer_refuses_a_crafted_trainer_pt_itself(tmp_path):
 
 # -- the run folder is its owner's -----------------------------------------------------------------
 def test_a_run_folder_is_its_owners_alone_and_so_is_status_json(tiny_recipe):
-    from streamrl.flow.run_folder import RunFolder
+    from streamrl.run.run_folder import RunFolder
     from streamrl.recipe import load_recipe
 
     old = os.umask(0o022)  # (the usual umask: without the chmod, 0o755 and 0o644)

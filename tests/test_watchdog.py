@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from streamrl.flow.watchdog import SIGNAL, StepTimeout, Watchdog
+from streamrl.run.watchdog import SIGNAL, StepTimeout, Watchdog
 
 
 def test_a_wait_that_outlasts_the_deadline_is_interrupted_and_one_that_ends_in_time_is_not():

@@ -21,8 +21,9 @@ from rich.table import Table
 
 from streamrl import cluster
 from streamrl.errors import UserError
-from streamrl.flow import remote, runner, submit
-from streamrl.flow.controller import Controller
+from streamrl.flow import remote, submit
+from streamrl.run import runner
+from streamrl.run.controller import Controller
 from streamrl.recipe import load_recipe
 
 

@@ -40,7 +40,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from streamrl.errors import UserError
-from streamrl.flow import runner
+from streamrl.run import runner
 from streamrl.recipe import load_recipe, parse_override
 
 DEFAULT_LEARNERS = ("ppo", "grpo", "dpo")

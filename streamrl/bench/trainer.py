@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from streamrl.flow import runner
+from streamrl.run import runner
 from streamrl.flow.microbatch import group_tokens, pack
 from streamrl.flow.placement import trainer_context
 from streamrl.recipe import load_recipe

@@ -22,8 +22,9 @@ from rich.table import Table
 from streamrl import cluster
 from streamrl.bench.engine import parse_variant
 from streamrl.bench.trainer import synthetic_groups
-from streamrl.flow import runner, submit
-from streamrl.flow.controller import Controller
+from streamrl.flow import submit
+from streamrl.run import runner
+from streamrl.run.controller import Controller
 from streamrl.recipe import load_recipe
 
 DEFAULT_VARIANTS = ["one:pools.train.workers=1", "ddp:pools.train.workers=2",

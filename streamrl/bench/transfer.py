@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl import cluster
-from streamrl.flow import runner
-from streamrl.flow.controller import Controller
+from streamrl.run import runner
+from streamrl.run.controller import Controller
 from streamrl.flow.weights import publish, relay_sites, wait_loaded
 from streamrl.recipe import load_recipe
 

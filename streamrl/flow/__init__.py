@@ -1,1 +1,1 @@
-"""The dataflow: the controller loop (client side) and the tasks it submits (worker side)."""
+"""The dataflow: what the step loop submits (client side) and the tasks it runs (worker side)."""

@@ -2,7 +2,7 @@
 
 Nothing here keeps state between calls: the topology (``flow/topology.py``) says where work
 goes, the recipe how it is cut, and the futures passed in what it waits for. The controller
-(``flow/controller.py``) and the benchmarks call these; Dask moves the data worker to worker.
+(``run/controller.py``) and the benchmarks call these; Dask moves the data worker to worker.
 
 Every pass accumulates gradients over the step's samples with the same scaling (1 / samples)
 and steps once, so ``batch``, ``stream`` and the reference loop give the same update. With

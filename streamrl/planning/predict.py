@@ -1,6 +1,6 @@
 """Predict a split's samples/s and bubbles: the controller's run replayed in virtual time.
 
-An event simulation of what ``flow/controller.py`` and ``flow/modes.py`` do, on a
+An event simulation of what ``run/controller.py`` and ``flow/modes.py`` do, on a
 :class:`~streamrl.planning.profile.StageProfile` instead of a cluster:
 
 * ``generate`` instances decode with continuous batching (all running requests advance one token

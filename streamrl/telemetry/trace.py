@@ -28,7 +28,7 @@ TRACE = "trace.json"
 TASKS = "trace-tasks.jsonl"
 """The task stream as recorded: a ``{"segment": ...}`` line where each run or resume began, then
 one line per task (``key``, ``worker``, ``status``, ``startstops`` as ``[action, start, stop, from]``)."""
-METRICS = "metrics.jsonl"  # (flow/run_folder.py writes it)
+METRICS = "metrics.jsonl"  # (run/run_folder.py writes it)
 
 #: seconds a request to the scheduler may take before the trace gives up on it (a dying cluster)
 RPC_TIMEOUT = 10.0

@@ -1,6 +1,6 @@
 """What a run leaves behind, written from the controller's state: a checkpoint of the whole run
 after a step (``flow/checkpoints.py`` writes and reads the files) and, at the end, the trained
-policy as a model folder. Kept apart from the step loop (``flow/controller.py``), which only
+policy as a model folder. Kept apart from the step loop (``run/controller.py``), which only
 says when."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from streamrl.learners import runtime as learners
 
 
 def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
-    """Write a checkpoint of ``ctl`` (a :class:`~streamrl.flow.controller.Controller`) after its
+    """Write a checkpoint of ``ctl`` (a :class:`~streamrl.run.controller.Controller`) after its
     last submitted optimizer step: the trainer's state on every writer rank, what the dispatcher
     learned, the side learners' states; returns the checkpoint folder."""
     files = ctl.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")

@@ -1,6 +1,6 @@
 """``streamrl recipe run`` and ``resume``: validate, bring up the cluster, run the controller
 (checkpointing as ``run.checkpoint_every`` says), save the result, and keep the run folder
-(``flow/run_folder.py``) true whatever happens."""
+(``run/run_folder.py``) true whatever happens."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from rich.markup import escape
 
 from streamrl import cluster, quiet
 from streamrl.errors import Interrupted, RunFailed, UserError
-from streamrl.flow import checkpoints, saving
-from streamrl.flow.controller import Controller
+from streamrl.flow import checkpoints
+from streamrl.run import saving
+from streamrl.run.controller import Controller
 from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
-from streamrl.flow.run_folder import RunFolder
-from streamrl.flow.stopping import StopRequest
-from streamrl.flow.watchdog import Watchdog
+from streamrl.run.run_folder import RunFolder
+from streamrl.stopping import StopRequest
+from streamrl.run.watchdog import Watchdog
 from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
@@ -123,7 +124,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
         # the cluster's processes inherit the ignore, and a signal meanwhile waits for the
-        # handler (``flow/stopping.py``); connecting to cluster.address starts none, so a stop
+        # handler (``stopping.py``); connecting to cluster.address starts none, so a stop
         # signal meanwhile ends the command at once
         with stop.deferred(hold=not r.cluster.factory) if not r.cluster.address else nullcontext():
             dask_cluster, client = cluster.start(r, verbose)

@@ -1,7 +1,7 @@
 """The controller: the step loop of a run, in the ``streamrl`` process. Read this first (or,
 without Dask, ``streamrl/reference.py``: the same algorithm in one process).
 
-Per step it draws the step's prompts, has them placed (``scheduling/dispatch.py``) and submits
+Per step it draws the step's prompts, has them placed (``flow/dispatch.py``) and submits
 one generate and one reward task per bundle of groups, train tasks on micro-batches of scored
 groups, one optimizer step, and the publication of the new weights to every generate worker
 (``flow/submit.py``, ``flow/weights.py``). It passes *futures* from task to task, so Dask moves
@@ -27,7 +27,7 @@ from streamrl.flow.resolve import Resolved
 from streamrl.flow.topology import Topology
 from streamrl.flow.weights import publish, relay_sites, wait_loaded
 from streamrl.learners import runtime as learners
-from streamrl.scheduling.dispatch import Dispatcher
+from streamrl.flow.dispatch import Dispatcher
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import last_epoch_stats, summarize
 from streamrl.telemetry.stats import StepStats
@@ -220,7 +220,7 @@ class Controller:
         return submit.epochs(self.topology, self.recipe, self.epochs, step, scored, True, after=[],
                              ordered=self.repeatable)
 
-    # -- checkpoints (written by ``flow/saving.py``) ----------------------------------------
+    # -- checkpoints (written by ``run/saving.py``) ----------------------------------------
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
         (so nothing generates with the base weights), and continue the mode; returns the next step."""

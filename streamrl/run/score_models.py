@@ -19,9 +19,9 @@ from rich.table import Table
 from streamrl import cluster
 from streamrl.errors import UserError
 from streamrl.flow import evaluate
-from streamrl.flow.controller import Controller
+from streamrl.run.controller import Controller
 from streamrl.flow.resolve import resolve
-from streamrl.flow.run_folder import RunFolder
+from streamrl.run.run_folder import RunFolder
 from streamrl.recipe import EvalConfig, LoadedRecipe, load_recipe
 
 
