@@ -67,9 +67,11 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
             if labelled:
                 factories.label(cluster, recipe)
             client = Client(cluster)
+            # (side learners' workers: waited for only where streamrl starts them; elsewhere
+            # placing a learner says at once which worker is missing and how to start it)
             wait_for_pools(client, recipe, "" if labelled else
                            f" (cluster.factory {c.factory}: streamrl cannot label this cluster's workers, so they "
-                           "must offer the pools' resources themselves; see docs/deploy.md)")
+                           "must offer the pools' resources themselves; see docs/deploy.md)", learners=labelled)
         else:
             host = c.host
             cluster = SpecCluster(
@@ -169,13 +171,14 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
     cluster.close()
 
 
-def wait_for_pools(client: Client, recipe: Recipe, why: str = "") -> None:
+def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool = False) -> None:
     """Wait up to ``cluster.startup_timeout`` until every pool has the workers its
-    ``[pools.<name>] workers`` asks for, and every side learner its worker (a factory's workers
-    come up in their own time: a batch job waits in its queue); ``why`` ends the timeout's message."""
+    ``[pools.<name>] workers`` asks for, and with ``learners`` every side learner its worker (a
+    factory's workers come up in their own time: a batch job waits in its queue); ``why`` ends
+    the timeout's message."""
     want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank"]
             if getattr(recipe.pools, pool) is not None}
-    if side_learner_names(recipe):
+    if learners and side_learner_names(recipe):
         want[LEARN] = len(side_learner_names(recipe))
     deadline = time.monotonic() + recipe.cluster.startup_timeout
     while True:
@@ -184,7 +187,8 @@ def wait_for_pools(client: Client, recipe: Recipe, why: str = "") -> None:
         if not short:
             return
         if time.monotonic() > deadline:
-            counts = ", ".join(f"{p} {n} of {want[p]}" for p, n in short.items())
+            counts = ", ".join(f"{'learner workers (learner-<name>)' if p == LEARN else p} {n} of {want[p]}"
+                               for p, n in short.items())
             raise UserError(f"cluster.startup_timeout: after {recipe.cluster.startup_timeout:g}s the pools still "
                             f"lack workers ({counts}){why}")
         time.sleep(0.2)

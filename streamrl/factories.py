@@ -132,8 +132,9 @@ def pool_specs(cluster: SpecCluster, recipe: Recipe) -> dict[str, dict]:
             try:
                 ((key, spec),) = cluster.new_worker_spec().items()
             except Exception as exc:
+                name = planned[len(bases)][1]["name"]
                 raise UserError(f"cluster.factory: {type(cluster).__name__} has no worker spec for worker "
-                                f"{len(bases) + 1} of {len(planned)} ({type(exc).__name__}: {exc})") from None
+                                f"{len(bases) + 1} of {len(planned)}, {name} ({type(exc).__name__}: {exc})") from None
             cluster.worker_spec[key] = spec
             bases.append(copy.deepcopy(spec))
     finally:

@@ -105,7 +105,7 @@ def test_slurm_job_scripts_carry_each_pool_workers_name_threads_resources_and_op
 def test_each_side_learner_gets_a_job_of_its_own_with_the_train_pools_settings(tiny_recipe):
     from tests.test_learners import with_learners
 
-    recipe = with_learners(with_cluster_table(tiny_recipe, SLURM), more='nice = 5')
+    recipe = with_learners(with_cluster_table(tiny_recipe, SLURM))
     scripts = factories.preview(load_recipe(recipe).recipe)
     # the main learner (grpo) trains on the train pool; rloo on its own worker, a job like the rest
     assert list(scripts) == ["generate-0", "train-0", "reward-0", "learner-rloo"]
@@ -113,7 +113,6 @@ def test_each_side_learner_gets_a_job_of_its_own_with_the_train_pools_settings(t
     assert params["name"] == "learner-rloo" and params["nthreads"] == 1
     assert params["resources"] == "learn=1,worker:learner-rloo=1000000"  # not train: no train pool task lands there
     assert "#SBATCH --gres=gpu:1" in scripts["learner-rloo"]  # cluster.pool_options.train
-    assert "export STREAMRL_NICE=5" in scripts["learner-rloo"]
 
 
 @pytest.mark.slow

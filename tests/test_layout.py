@@ -86,3 +86,40 @@ def test_no_import_circle_in_the_package():
     graph = import_graph()
     assert "streamrl.flow.submit" in graph["streamrl.run.controller"]  # the graph is really read
     assert cycles(graph) == []
+
+
+#: The loop's folders as layers, lowest first: a module imports from its own layer or below.
+LAYERS = ["streamrl.flow", "streamrl.learners", "streamrl.run"]
+#: What stands above them: the commands that drive a run (benchmarks and the planner included).
+ABOVE = ("streamrl.cli", "streamrl.__main__", "streamrl.bench", "streamrl.planning", "streamrl.variants",
+         "streamrl.reference")
+
+
+def layer(module: str) -> int | None:
+    """The index in :data:`LAYERS` of the layer ``module`` is in, or None."""
+    return next((i for i, p in enumerate(LAYERS) if module == p or module.startswith(p + ".")), None)
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a higher layer from a lower one, and of any layer from below them all (the
+    cluster, the components, telemetry)."""
+    out = []
+    for mod, deps in sorted(graph.items()):
+        if mod.startswith(ABOVE):
+            continue
+        for dep in sorted(deps):
+            if layer(dep) is not None and (layer(mod) is None or layer(dep) > layer(mod)):
+                out.append(f"{mod} -> {dep}")
+    return out
+
+
+def test_the_checker_finds_an_arrow_up():
+    graph = {"streamrl.flow.a": {"streamrl.run.b"}, "streamrl.engines.c": {"streamrl.flow.a"},
+             "streamrl.run.b": {"streamrl.learners.d"}, "streamrl.cli": {"streamrl.run.b"}}
+    assert arrows_up(graph) == ["streamrl.engines.c -> streamrl.flow.a", "streamrl.flow.a -> streamrl.run.b"]
+
+
+def test_the_loops_folders_are_layers_and_nothing_below_them_imports_them():
+    graph = import_graph()
+    assert "streamrl.flow.submit" in graph["streamrl.learners.fanout"]  # the graph is really read
+    assert arrows_up(graph) == []
