@@ -178,8 +178,9 @@ def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool
     the timeout's message."""
     want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank"]
             if getattr(recipe.pools, pool) is not None}
-    if learners and side_learner_names(recipe):
-        want[LEARN] = len(side_learner_names(recipe))
+    side = side_learner_names(recipe) if learners else []
+    if side:
+        want[LEARN] = len(side)
     deadline = time.monotonic() + recipe.cluster.startup_timeout
     while True:
         have = pool_workers(client)
