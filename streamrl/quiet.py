@@ -49,7 +49,8 @@ class QuietTaskErrors(WorkerPlugin):
     """A failed task is reported once, by the ``streamrl`` process, in one line or with its
     traceback; the worker's own "Compute Failed" log of the same error (a second traceback in
     the user's terminal) is kept out unless ``--verbose``. So is the traceback of a fetch from
-    a worker that died ("Worker stream died during communication"): Dask recovers on its own
+    a worker that died ("Worker stream died during communication", and on the sending side
+    "failed during get data"): Dask recovers on its own
     (another holder, or the task again), and a loss that ends the run is streamrl's one line."""
 
     name = "streamrl-quiet-task-errors"
@@ -136,8 +137,12 @@ def drop_cut_short_restart(record: logging.LogRecord) -> bool:
 
 def _drop_lost_peer_fetch(record: logging.LogRecord) -> bool:
     """Logging filter: False for a worker's "Worker stream died during communication" record
-    (a fetch from a peer that died; Dask handles it); everything else the worker logs stays."""
-    return not str(record.msg).startswith("Worker stream died during communication")
+    (a fetch from a peer that died; Dask handles it) and for the other end of the same event,
+    "failed during get data" (a peer that died while this worker sent it data: an ``OSError``,
+    which is all Dask logs it for); everything else the worker logs stays."""
+    msg = str(record.msg)
+    return not (msg.startswith("Worker stream died during communication")
+                or msg.startswith("failed during get data"))
 
 
 def _drop_compute_failed(record: logging.LogRecord) -> bool:

@@ -205,3 +205,27 @@ def test_a_closing_workers_heartbeat_traceback_is_dropped_but_a_running_ones_is_
         assert keep(other)
     finally:
         log.filters[:] = before
+
+
+def test_a_dead_peers_fetch_is_dropped_on_both_ends_and_other_worker_errors_stay_stub_worker():
+    """A peer killed mid-transfer: the fetching worker logs "Worker stream died", the sending
+    one "failed during get data" with a traceback (seen in CI under a kill -9); Dask recovers,
+    and a loss that ends the run is streamrl's one line."""
+    import logging
+    from types import SimpleNamespace
+
+    log = logging.getLogger("distributed.worker")
+    before = list(log.filters)
+    try:
+        quiet.QuietTaskErrors().setup(SimpleNamespace())
+
+        def kept(msg: str) -> bool:
+            rec = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, msg, ("a", "b"), None)
+            return all(f(rec) for f in log.filters[len(before):])
+
+        assert not kept("failed during get data with %s -> %s")
+        assert not kept("Worker stream died during communication: %s")
+        assert not kept("Compute Failed\nKey: %s")
+        assert kept("Run out-of-band function %r")
+    finally:
+        log.filters[:] = before
