@@ -12,6 +12,7 @@ from streamrl.engines import static
 from streamrl.engines.continuous import ContinuousEngine
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.engines.seeded import SeededEngine
+from streamrl.engines.slots import SlotEngine
 from streamrl.engines.static import StaticEngine
 from streamrl.sample import Prompt
 
@@ -28,6 +29,7 @@ def until(cond, within: float = 30.0):
     ({}, ContinuousEngine, 256 * 32),
     ({"kv_memory_fraction": 0.5}, ContinuousEngine, 0),  # sized from free memory once built
     ({"batching": "static"}, StaticEngine, 0),
+    ({"batching": "slots"}, SlotEngine, 64 * (512 + 16)),  # slots x (max_prompt_tokens + max_new_tokens)
     ({"reproducible": True}, SeededEngine, 0),
     ({"reproducible": True, "batching": "static"}, SeededEngine, 0),  # reproducible wins
 ])
@@ -266,7 +268,7 @@ def test_static_decode_prefills_each_distinct_prompt_once_and_every_row_continue
         assert torch.allclose(want, torch.tensor(logprobs), atol=1e-5), (prompt, tokens)
 
 
-@pytest.mark.parametrize("config", [{}, {"batching": "static"}, {"reproducible": True}])
+@pytest.mark.parametrize("config", [{}, {"batching": "static"}, {"reproducible": True}, {"batching": "slots"}])
 def test_greedy_decoding_is_the_models_argmax_in_every_variant_and_token_ids_are_fed_as_they_are(tiny_model, config):
     import torch
     from transformers import AutoModelForCausalLM

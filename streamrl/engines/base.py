@@ -37,11 +37,22 @@ class HFEngineConfig(BaseModel):
     """KV-cache blocks (of ``page_size`` tokens each) reserved on the worker."""
     page_size: int = Field(32, ge=1)
     """Tokens per KV-cache block."""
-    batching: Literal["continuous", "static"] = "continuous"
+    batching: Literal["continuous", "static", "slots"] = "continuous"
     """``continuous``: transformers' continuous batching, requests join the running batch at any
     decode step (long or uneven outputs). ``static``: the requests waiting when a batch starts
     are decoded together as one padded batch until all finish (``engines/static.py``); faster
-    when outputs are short and arrive together, as in W1."""
+    when outputs are short and arrive together, as in W1. ``slots``: streamrl's own decode loop
+    over the model's modules with a static KV cache of ``slots`` request slots, each decode step
+    one captured CUDA graph on a GPU (``engines/slots.py``; Llama and Qwen2 models): the fast
+    path on a GPU, where the other two spend most of a step launching kernels."""
+    slots: int = Field(64, ge=1)
+    """``batching = "slots"``: requests decoding at once (each holds a slot of the KV cache from
+    its prefill to its last token; more wait in the engine's queue). Size it to the requests a
+    worker gets at once (prompts x samples per step, over the generate workers)."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """``batching = "slots"``: the longest prompt a slot takes; each slot holds
+    ``max_prompt_tokens + max_new_tokens`` positions, so together with ``slots`` this sizes the
+    KV cache. A longer prompt fails its request, naming this field."""
     max_running: int = Field(0, ge=0)
     """Most requests in the running batch at once; the rest wait in the engine's queue, highest
     priority first. 0: no cap (every request goes straight into the batch)."""

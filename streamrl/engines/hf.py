@@ -1,6 +1,6 @@
 """The ``hf`` engine: a transformers model sampling with per-token logprobs, on CPU or GPU.
 
-Three variants share this base (model and tokenizer loading, weight loads, encoding, the decode
+Four variants share this base (model and tokenizer loading, weight loads, encoding, the decode
 latency profile, closing) and, for the two batching ones, the priority queue of requests
 (``engines/request_queue.py``); the recipe picks one with ``batching`` and ``reproducible``:
 
@@ -8,6 +8,8 @@ latency profile, closing) and, for the two batching ones, the priority queue of 
   at any decode step (the default);
 - ``engines/static.py``: the requests waiting when a batch starts are decoded together as one
   padded batch;
+- ``engines/slots.py``: streamrl's own decode loop over fixed request slots and a static KV
+  cache, one captured CUDA graph per decode step on a GPU;
 - ``engines/seeded.py`` (``reproducible = true``): each group decoded alone with its own seeded
   random generator, so a seed gives the same samples every run.
 
@@ -22,6 +24,7 @@ from streamrl.api import EngineCapabilities
 from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.continuous import ContinuousEngine
 from streamrl.engines.seeded import SeededEngine
+from streamrl.engines.slots import SlotEngine
 from streamrl.engines.static import StaticEngine
 
 __all__ = ["HFEngine", "HFEngineConfig", "TransformersEngine"]
@@ -41,10 +44,10 @@ class HFEngine(TransformersEngine):
     @staticmethod
     def variant(config: HFEngineConfig) -> type[TransformersEngine]:
         """The engine class ``config`` asks for: seeded when ``reproducible`` (whatever
-        ``batching`` says), else continuous or static batching."""
+        ``batching`` says), else continuous, static or slot batching."""
         if config.reproducible:
             return SeededEngine
-        return StaticEngine if config.batching == "static" else ContinuousEngine
+        return {"static": StaticEngine, "slots": SlotEngine}.get(config.batching, ContinuousEngine)
 
     @classmethod
     def capabilities(cls, config: HFEngineConfig) -> EngineCapabilities:

@@ -1,0 +1,250 @@
+"""A decoder of fixed request slots over a transformers model's own modules: what the ``slots``
+engine runs (``engines/slots.py``).
+
+transformers' generation pays ~45 ms of kernel launches per decode step of a 0.5B model on a
+GPU that computes the step in ~4 ms: its caches grow and its masks are rebuilt in Python every
+step. Here everything a decode step touches has a fixed shape and a fixed address, so the whole
+step -- embeddings, every layer, the head, sampling, log-probs and the bookkeeping of lengths --
+is captured once in a CUDA graph and replayed:
+
+- a static KV cache of ``slots x context`` positions per layer; a request owns one slot from its
+  prefill to its last token, and a freed slot takes the next request at the next step;
+- per-slot state in device tensors (the last token, its position, tokens generated, the
+  request's limit), updated inside the step;
+- the step runs over the first ``b`` slots only, ``b`` the smallest captured size (a power of
+  two) that holds the highest slot in use, so a long tail of a few requests does not pay for all;
+- attention of one new token over its slot's cache, masked to the positions it has filled.
+
+The model's own modules compute everything else (norms, projections, rotary embeddings, MLPs,
+head): the weights are the model's parameters, so a weight load that copies into them in place
+is seen by the next replay. Llama and Qwen2 decoders (the architectures streamrl ships) are
+supported; :func:`check_supported` names what is not.
+
+Prompts are prefilled eagerly (no graph: their shapes vary), each distinct prompt once, and its
+cache copied into the slots of every sample that shares it. On CPU the same step runs without a
+graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def check_supported(model) -> None:
+    """Raise ``ValueError`` naming what the slot decoder cannot decode in ``model``."""
+    kind = getattr(model.config, "model_type", "?")
+    if kind not in ("llama", "qwen2"):
+        raise ValueError(f"engine.batching = \"slots\" decodes Llama and Qwen2 models; this model is {kind!r} "
+                         "(use batching = \"continuous\")")
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            raise ValueError("engine.batching = \"slots\" does not decode sliding-window attention layers "
+                             "(use batching = \"continuous\")")
+
+
+class SlotDecoder:
+    """The KV cache, the per-slot state and the decode step of ``slots`` requests at once.
+
+    Not thread-safe: one loop thread drives it (``engines/slots.py``)."""
+
+    def __init__(self, model, slots: int, context: int, max_new_tokens: int, temperature: float,
+                 eos_id: int, graphs: bool):
+        check_supported(model)
+        self.model, self.slots, self.context = model, slots, context
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        cfg = model.config
+        first = model.model.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.scaling = first.scaling
+        # the modeling module's own rotary application (Llama's and Qwen2's are the same function)
+        self._rotate = importlib.import_module(type(first).__module__).apply_rotary_pos_emb
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        dev = self.device
+        shape = (slots, self.kv_heads, context, self.head_dim)
+        self.k_cache = [torch.zeros(shape, device=dev, dtype=self.dtype) for _ in model.model.layers]
+        self.v_cache = [torch.zeros(shape, device=dev, dtype=self.dtype) for _ in model.model.layers]
+        # per-slot state, read and written by the step (inactive slots decode garbage that no
+        # one reads, at position 0 of their own cache)
+        self.token = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.position = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.generated = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.limit = torch.ones(slots, dtype=torch.long, device=dev)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.greedy = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.finished = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.out_tokens = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=dev)
+        self.out_logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=dev)
+        self.eos_id = torch.tensor(eos_id, device=dev)
+        """The end-of-sequence token, a tensor so a latency profile can turn it off (-1) under a
+        captured graph."""
+        self._span = torch.arange(context, device=dev)
+        self._rows = torch.arange(slots, device=dev)
+        self.sizes = [b for b in (2 ** i for i in range(16)) if b < slots] + [slots]
+        """The batch sizes a step runs at (a graph each on a GPU): powers of two, then ``slots``."""
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if graphs and self.device.type == "cuda":
+            self._capture()
+
+    # -- the decode step ------------------------------------------------------------------------
+
+    def _step(self, b: int) -> None:
+        """One token for each of the first ``b`` slots: the body a graph captures."""
+        m = self.model.model
+        tok, pos, act = self.token[:b], self.position[:b], self.active[:b]
+        x = m.embed_tokens(tok)[:, None]  # [b, 1, hidden]
+        cos, sin = m.rotary_emb(x, pos[:, None])
+        # a slot sees its cache up to (and with) the position it writes now
+        mask = (self._span[None] <= pos[:, None])[:, None, None, :]
+        rows = self._rows[:b]
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, 1, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, k, cos, sin)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[rows, :, pos] = k[:, :, 0]
+            vc[rows, :, pos] = v[:, :, 0]
+            o = F.scaled_dot_product_attention(q, kc[:b], vc[:b], attn_mask=mask, scale=self.scaling,
+                                               enable_gqa=self.kv_heads != self.heads)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, 1, self.heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.model.lm_head(m.norm(x)[:, 0])
+        nxt, lp = self._sample(logits, self.greedy[:b])
+        col = self.generated[:b].clamp(max=self.max_new_tokens - 1)
+        self.out_tokens[rows, col] = nxt
+        self.out_logprobs[rows, col] = lp
+        step = act.long()
+        self.token[:b] = torch.where(act, nxt, tok)
+        self.generated[:b] += step
+        self.position[:b] = (pos + step).clamp(max=self.context - 1)
+        self.finished[:b] = act & ((nxt == self.eos_id) | (self.generated[:b] >= self.limit[:b]))
+
+    def _sample(self, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens and their log-probs under the tempered distribution (as the trainer
+        computes them): a draw by the Gumbel-max trick, or the argmax where ``greedy``."""
+        lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        # argmax(lp + Gumbel noise) is a draw from softmax(lp); exponential_ is graph-safe
+        noise = -torch.empty_like(lp).exponential_().log()
+        nxt = torch.where(greedy, lp.argmax(-1), (lp + noise).argmax(-1))
+        return nxt, lp.gather(1, nxt[:, None]).squeeze(1)
+
+    def size_for(self, highest_slot: int) -> int:
+        """The smallest step size that covers slot ``highest_slot``."""
+        return next(b for b in self.sizes if b > highest_slot)
+
+    @torch.no_grad()
+    def step(self, b: int) -> None:
+        """Decode one token for the first ``b`` slots (``b`` one of :attr:`sizes`): a graph's
+        replay on a GPU, the eager step elsewhere."""
+        graph = self._graphs.get(b)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(b)
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        # warm up on a side stream (cuBLAS handles, the allocator), then capture every size into
+        # one memory pool: graphs run one at a time, so they can share their intermediates
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(self.slots)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = None
+        for b in reversed(self.sizes):  # the largest first: the pool is sized by it
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(b)
+            pool = graph.pool()
+            self._graphs[b] = graph
+        self.reset()
+
+    # -- requests in and out ----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Every slot free (after a capture's dry steps, or to start over)."""
+        for t in (self.token, self.position, self.generated, self.out_tokens):
+            t.zero_()
+        self.active.zero_()
+        self.finished.zero_()
+
+    @torch.no_grad()
+    def prefill(self, requests: list[tuple[int, list[int], int, bool]]) -> None:
+        """Start requests ``[(slot, prompt ids, max new tokens, greedy)]`` in their slots: each
+        distinct prompt runs through the model once, its cache is copied into every slot that
+        asks for it, and each slot draws its first token. A prompt must leave room in the
+        context for its tokens (the engine checks)."""
+        m = self.model.model
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(ids), len(distinct)) for _, ids, _, _ in requests]
+        prompts = list(distinct)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        # right-padded to a multiple of 16 (few shapes for the allocator); causal attention keeps
+        # every real token from seeing the padding after it
+        width = -(-max(len(p) for p in prompts) // 16) * 16
+        width = min(width, self.context)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = torch.tensor(p, device=self.device)
+        positions = torch.arange(width, device=self.device)[None].expand(len(prompts), -1)
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(x, positions)
+        slots = torch.tensor([s for s, _, _, _ in requests], device=self.device)
+        rows = torch.tensor(row_of, device=self.device)
+        n = len(prompts)
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(n, width, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, k, cos, sin)
+            self.k_cache[i][slots, :, :width] = k[rows]
+            self.v_cache[i][slots, :, :width] = v[rows]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                               enable_gqa=self.kv_heads != self.heads)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, width, self.heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = m.norm(x)[torch.arange(n, device=self.device), lengths - 1]
+        logits = self.model.lm_head(last)[rows]
+        greedy = torch.tensor([g for _, _, _, g in requests], device=self.device)
+        nxt, lp = self._sample(logits, greedy)
+        limits = torch.tensor([lim for _, _, lim, _ in requests], device=self.device)
+        self.token[slots] = nxt
+        self.position[slots] = lengths[rows]
+        self.generated[slots] = 1
+        self.limit[slots] = limits
+        self.greedy[slots] = greedy
+        self.out_tokens[slots, 0] = nxt
+        self.out_logprobs[slots, 0] = lp
+        self.active[slots] = True
+        self.finished[slots] = (nxt == self.eos_id) | (limits <= 1)
+
+    def finished_slots(self, b: int) -> np.ndarray:
+        """Slots among the first ``b`` whose request ended at the last step or prefill (one
+        small copy from the device: the loop's only wait on it per step)."""
+        return np.flatnonzero(self.finished[:b].cpu().numpy())
+
+    def release(self, slots) -> list[tuple[list[int], list[float]]]:
+        """The ``(tokens, log-probs)`` of each of ``slots`` (finished), which become free."""
+        if len(slots) == 0:
+            return []
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        counts = self.generated[idx].tolist()
+        tokens, logprobs = self.out_tokens[idx].tolist(), self.out_logprobs[idx].tolist()
+        self.active[idx] = False
+        self.finished[idx] = False
+        self.generated[idx] = 0
+        self.position[idx] = 0
+        return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, counts)]

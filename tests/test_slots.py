@@ -1,0 +1,244 @@
+"""The ``slots`` engine (streamrl's own decode loop over request slots) in-process, on CPU: the
+same decode step a GPU captures in a graph, run eagerly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.engines.decode import decode_batch
+from streamrl.engines.hf import HFEngine, HFEngineConfig
+from streamrl.engines.slot_decoder import SlotDecoder, check_supported
+from streamrl.engines.slots import SlotEngine
+from streamrl.sample import Prompt
+from streamrl.training.trainer import pad_batch, token_logprobs
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory):
+    """A small random Qwen2 (biases on q, k, v; grouped-query attention; tied head) in float32."""
+    from streamrl.tasks.arch import random_model
+
+    out = tmp_path_factory.mktemp("models") / "qwen-small"
+    random_model("qwen2.5-0.5b", str(out), dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+                 dtype="float32")
+    return out
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model_path(request, tiny_model, qwen_model):
+    """Each architecture the slot decoder supports."""
+    return tiny_model if request.param == "llama" else qwen_model
+
+
+def until(cond, within: float = 30.0):
+    """Wait for ``cond()``; the deadline only guards against a hang."""
+    deadline = time.time() + within
+    while not cond():
+        assert time.time() < deadline, "gave up waiting"
+        time.sleep(0.002)
+
+
+def slot_engine(path, **config) -> SlotEngine:
+    engine = HFEngine(HFEngineConfig(batching="slots", **{"profile": False, **config}))
+    assert type(engine) is SlotEngine
+    engine.load(str(path))
+    return engine
+
+
+def ask_all(engine, prompts, n):
+    """Each prompt's group, asked from a thread of its own (as generate tasks do)."""
+    out = [None] * len(prompts)
+
+    def ask(i):
+        out[i] = engine.generate(prompts[i], n)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def test_logprobs_match_the_trainer_with_more_requests_than_slots(model_path):
+    engine = slot_engine(model_path, max_new_tokens=6, slots=4, temperature=0.7)
+    prompts = [Prompt(uid=f"p{i}", text=t, answer="") for i, t in enumerate(["1+2=", "12+3=", "12+34=", "5+5="])]
+    seen = []
+    real_step = engine.decoder.step
+
+    def step(b):
+        seen.append(int(engine.decoder.active.sum()))
+        real_step(b)
+    engine.decoder.step = step
+    try:
+        groups = ask_all(engine, prompts, 3)  # 12 requests through 4 slots
+        samples = [s for g in groups for s in g]
+        assert len(samples) == 12 and max(seen) == 4 and engine.requests_in_flight() == (0, 0)
+        assert len({len(s.prompt_ids) for s in samples}) == 3
+        ids, attn, resp, old = pad_batch(samples, engine.tokenizer.pad_token_id)
+        new = token_logprobs(engine.model, ids, attn, 0.7)
+        assert resp.sum() > 12 and torch.allclose(new[resp.bool()], old[resp.bool()], atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it_would_alone(qwen_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
+    dec = SlotDecoder(model, slots=4, context=32, max_new_tokens=12, temperature=1.0, eos_id=-1, graphs=False)
+    a, b, c = [1, 5, 9, 13, 2], [1, 7, 3], [1, 200, 100, 50, 25, 12, 6]
+    dec.prefill([(0, a, 12, True), (1, b, 3, True)])
+    ended = {}
+    while 1 not in ended:  # b ends first; a goes on
+        dec.step(2)
+        for s, out in zip(done := [int(x) for x in dec.finished_slots(2)], dec.release(done)):
+            ended[s] = out
+    assert 0 not in ended and len(ended[1][0]) == 3
+    dec.prefill([(1, c, 7, True)])  # c takes the freed slot while a is mid-way
+    while len(ended) < 2 or 0 not in ended:
+        dec.step(2)
+        for s, out in zip(done := [int(x) for x in dec.finished_slots(2)], dec.release(done)):
+            ended[s if s != 1 else "c"] = out
+    for prompt, key, n in [(a, 0, 12), (c, "c", 7)]:
+        tokens, logprobs = ended[key]
+        ((want, want_lp),) = decode_batch(model, [prompt], n, 1.0, eos_id=-1, greedy=True)
+        assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
+    ((want, _),) = decode_batch(model, [b], 3, 1.0, eos_id=-1, greedy=True)
+    assert ended[1][0] == want
+
+
+def test_a_weight_load_mid_generation_drops_nothing_and_the_next_steps_use_the_new_weights(tiny_model):
+    engine = slot_engine(tiny_model, max_new_tokens=50, slots=2)
+    engine.decoder.eos_id.fill_(-1)  # every response runs to 50 tokens: the load lands mid-way
+    at_load = []
+    paused = engine._weights_paused
+
+    def recording():
+        ctx = paused()
+
+        class Ctx:
+            def __enter__(self):
+                ctx.__enter__()
+                at_load.append(int(engine.decoder.generated[0]))
+
+            def __exit__(self, *exc):
+                return ctx.__exit__(*exc)
+        return Ctx()
+    engine._weights_paused = recording
+    out = []
+    prompt = Prompt(uid="w", text="12+34=", answer="")
+    try:
+        asker = threading.Thread(target=lambda: out.append(engine.generate(prompt, 1)))
+        asker.start()
+        until(lambda: int(engine.decoder.generated[0]) >= 5)
+        old_model = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        engine.load_weights({n: p * 1.5 for n, p in old_model.items()}, 1)
+        asker.join(60)
+        ((sample,),) = out
+        k = at_load[0]
+        assert 5 <= k < 50 and len(sample.response_ids) == 50 and engine.version == 1
+        # the tokens before the load are the old policy's: the trainer's log-probs under the old weights
+        new_weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        with torch.no_grad():
+            for n, p in engine.model.named_parameters():
+                p.copy_(old_model[n])
+        ids, attn, resp, old = pad_batch([sample], engine.tokenizer.pad_token_id)
+        before = token_logprobs(engine.model, ids, attn, 1.0)[resp.bool()]
+        assert torch.allclose(before[:k], old[resp.bool()][:k], atol=1e-4)
+        assert not torch.allclose(before[k:], old[resp.bool()][k:], atol=1e-3)
+        with torch.no_grad():
+            for n, p in engine.model.named_parameters():
+                p.copy_(new_weights[n])
+        # a request after the load: every token the new policy's
+        (fresh,) = engine.generate(Prompt(uid="x", text="1+2=", answer=""), 1)
+        ids, attn, resp, old = pad_batch([fresh], engine.tokenizer.pad_token_id)
+        assert fresh.policy_version == 1
+        assert torch.allclose(token_logprobs(engine.model, ids, attn, 1.0)[resp.bool()], old[resp.bool()], atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_greedy_evaluation_is_the_models_argmax_while_sampled_requests_run():
+    from transformers import AutoModelForCausalLM
+
+    trained = ROOT / "models" / "tiny-addition-1d"  # warm-started: its answers differ by prompt
+    engine = slot_engine(trained, max_new_tokens=6, slots=3)
+    model = AutoModelForCausalLM.from_pretrained(str(trained)).eval()
+    prompts = [Prompt(uid="a", text="1+7="), Prompt(uid="b", text="3+4=")]
+    stop = threading.Event()
+
+    def busy():
+        k = 0
+        while not stop.is_set():
+            engine.generate(Prompt(uid=f"busy{k}", text="1+1="), 2)
+            k += 1
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        groups = engine.generate_greedy(prompts)
+    finally:
+        stop.set()
+        thread.join(60)
+        engine.close()
+    for p, (s,) in zip(prompts, groups):
+        ids = torch.tensor([engine.encode(p.text)])
+        want = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=engine.tokenizer.eos_token_id,
+                              pad_token_id=engine.tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert s.response_ids == want[:len(s.response_ids)] and s.uid == f"{p.uid}-0"
+    assert len(set(tuple(g[0].response_ids) for g in groups)) == 2  # a model whose answers differ
+
+
+def test_requests_start_by_priority_under_max_running_and_closing_fails_the_rest(tiny_model):
+    engine = slot_engine(tiny_model, max_new_tokens=3, slots=4, max_running=1)
+    done, errors = {}, []
+
+    def ask(uid, priority):
+        try:
+            group = engine.generate(Prompt(uid=uid, text="1+2=", answer="3"), 1, priority=priority)
+            done[uid] = group[0].times["gen_end"]
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    threads = []
+    try:
+        with engine._weights_paused():  # the loop waits while the queue fills up
+            for uid, priority in [("first", 0.0), ("low", 1.0), ("high", 9.0), ("mid", 5.0)]:
+                threads.append(threading.Thread(target=ask, args=(uid, priority)))
+                threads[-1].start()
+                until(lambda: sum(engine.requests_in_flight()) == len(threads))
+            assert engine.requests_in_flight() == (0, 4)
+        for t in threads:
+            t.join(timeout=30)
+        assert sorted(done, key=done.get) == ["high", "mid", "low", "first"]
+        with engine._weights_paused():  # a request the loop will never start: closing fails it
+            threads = [threading.Thread(target=ask, args=("late", 0.0))]
+            threads[0].start()
+            until(lambda: engine.requests_in_flight() == (0, 1))
+            closer = threading.Thread(target=engine.close)
+            closer.start()
+            threads[0].join(30)
+        closer.join(30)
+        assert errors == ["hf engine: request late-0 did not finish: the engine closed"]
+    finally:
+        engine.close()
+
+
+def test_a_prompt_longer_than_a_slot_fails_naming_the_field_and_other_architectures_are_refused(tiny_model):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    engine = slot_engine(tiny_model, max_new_tokens=4, max_prompt_tokens=6)
+    try:
+        with pytest.raises(ValueError, match=r"prompt long has 14 tokens, more than engine.max_prompt_tokens = 6"):
+            engine.generate(Prompt(uid="long", text="123456+789012"), 1)
+        assert len(engine.generate(Prompt(uid="ok", text="1+2="), 1)[0].response_ids) >= 1
+    finally:
+        engine.close()
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"decodes Llama and Qwen2 models; this model is 'gpt2'"):
+        check_supported(gpt2)
