@@ -8,16 +8,20 @@ is recorded and the next goes on; the JSON is rewritten after each, so a check s
 outside still leaves what it measured):
 
 1. ``model``: ``streamrl model init --arch qwen2.5-0.5b --random`` (bfloat16 weights);
-2. ``recipe``: ``streamrl recipe run recipes/gpu-0.5b.toml`` for a few steps, generation and
+2. ``engine``: ``streamrl bench engine`` at 256 and 64 concurrent requests (prompts x 8 samples)
+   of 256 new tokens: the slot decoder (one CUDA graph per decode step) and transformers'
+   continuous batching with CUDA graphs, side by side in one process per request count;
+3. ``recipe``: ``streamrl recipe run recipes/gpu-0.5b.toml`` for a few steps, generation and
    training on the one GPU; from its ``metrics.jsonl``: seconds per step, tokens/s, and the
    weight publication's share of a step (``weight_sync_s / step_s``);
-3. ``engine``: ``streamrl bench engine`` with 256 concurrent requests (32 prompts x 8 samples)
-   of 256 new tokens: continuous batching with CUDA graphs, static batching (and, with
-   ``--engine-without-graphs``, continuous batching without graphs);
-4. ``trainer``: ``streamrl bench trainer`` at 8, 32 and 64 samples x 576 tokens (tokens/s, MFU,
+4. ``recipe_baseline``: the same with the engine and transfer the recipe had before
+   (continuous batching, the ``dask`` transfer);
+5. ``transfer``: ``streamrl bench transfer`` with ``cuda_ipc`` and ``dask`` (seconds and GB/s of
+   one publication GPU -> engine);
+6. ``trainer``: ``streamrl bench trainer`` at 8, 32 and 64 samples x 576 tokens (tokens/s, MFU,
    peak memory), variants of precision and micro-batch size, and a torch.profiler table of one
    step of the largest batch;
-5. ``transfer``: ``streamrl bench transfer`` (seconds and GB/s of one publication GPU -> engine).
+7. ``factory``: the recipe for two steps on a ``dask_cuda.LocalCUDACluster``, every pool on GPU 0.
 
 On one H200 the phases took: model 40 s, trainer 20 + 17 + 70 s (the variants at 64 x 576),
 engine 43 + 92 s, recipe 108 s; the transfer bench needs more than 60 s (its cluster, engines and
@@ -54,7 +58,7 @@ def device_overrides(device: str) -> list[str]:
         return []
     return ["pools.generate.device=\"cpu\"", "pools.train.device=\"cpu\"",
             "pools.generate.cuda_visible_devices=[]", "pools.train.cuda_visible_devices=[]",
-            "engine.kv_memory_fraction=0.05", "engine.max_batch_tokens=256", "pools.generate.threads=8"]
+            "engine.max_batch_tokens=256", "pools.generate.threads=8"]
 
 
 def sizes(small: bool) -> dict:
@@ -64,11 +68,17 @@ def sizes(small: bool) -> dict:
                                             "engine.max_new_tokens=8"],
                     engine=["trainer.prompts_per_step=2", "trainer.samples_per_prompt=4", "engine.max_new_tokens=8"],
                     engine_steps=1, trainer_samples=[4, 8], trainer_prompt=8, trainer_response=24,
-                    transfer_repeats=1)
+                    transfer_repeats=1, engine_requests=[8, 4])
     return dict(recipe_steps=4, recipe=[],
                 engine=["trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "engine.max_new_tokens=256"],
                 engine_steps=1, trainer_samples=[8, 32, 64], trainer_prompt=64, trainer_response=512,
-                transfer_repeats=3)
+                transfer_repeats=3, engine_requests=[256, 64])
+
+
+#: The recipe's engine and transfer before the slot decoder and the CUDA IPC hand-over: the
+#: baseline each is measured against in the same call.
+BASELINE = ['engine.batching="continuous"', "engine.max_batch_tokens=8192", "engine.kv_memory_fraction=0.3",
+            'transfer.name="dask"']
 
 
 def streamrl(*args: str) -> list[str]:
@@ -142,19 +152,22 @@ class Check:
     def model(self) -> str:
         """The random Qwen2.5-0.5B-shaped model folder."""
         path = self.work / "qwen2.5-0.5b-random"
+        if (path / "config.json").exists():  # made by an earlier call on this machine
+            self.result["phases"]["model"] = {"ok": True, "seconds": 0, "reused": str(path)}
+            return str(path)
         extra = sets(SMALL_MODEL) if self.args.small else []
         self.run("model", streamrl("model", "init", "--arch", "qwen2.5-0.5b", "--random", "--dtype", "bfloat16",
                                    "--out", str(path), *extra), 300)
         return str(path)
 
-    def recipe(self, model: str) -> None:
+    def recipe(self, model: str, name: str = "recipe", extra: tuple[str, ...] = ()) -> None:
         """``recipe run`` for a few steps; per-step figures from the run folder's metrics."""
         s = sizes(self.args.small)
-        runs = self.work / "runs"
+        runs = self.work / f"runs-{name}"
         over = [f"model.path=\"{model}\"", f"run.steps={s['recipe_steps']}", f"run.out_dir=\"{runs}\"",
                 "run.checkpoint_every=0", "cluster.dashboard_port=0",
-                *device_overrides(self.args.device), *s["recipe"]]
-        row = self.run("recipe", streamrl("recipe", "run", RECIPE, "--plain", "--no-report", *sets(over)),
+                *device_overrides(self.args.device), *s["recipe"], *extra]
+        row = self.run(name, streamrl("recipe", "run", RECIPE, "--plain", "--no-report", *sets(over)),
                        self.args.recipe_timeout)
         found = sorted(glob.glob(str(runs / "*" / "metrics.jsonl")), key=os.path.getmtime)
         if not found:
@@ -170,25 +183,43 @@ class Check:
             row["tokens_per_s"] = sum(r["tokens_per_s"] for r in later) / len(later)
         self.save()
 
+    def recipe_baseline(self, model: str) -> None:
+        """The recipe with the engine and transfer it had before (:data:`BASELINE`)."""
+        self.recipe(model, "recipe-baseline", tuple(o for o in BASELINE if self.args.device == "cuda"
+                                                    or "kv_memory" not in o and "max_batch" not in o))
+
+    def factory(self, model: str) -> None:
+        """The recipe on a cluster made by ``dask_cuda.LocalCUDACluster`` (``distributed.LocalCluster``
+        on CPU), every pool on GPU 0: streamrl labels the library's workers."""
+        factory = "dask_cuda.LocalCUDACluster" if self.args.device == "cuda" else "distributed.LocalCluster"
+        options = ('{CUDA_VISIBLE_DEVICES="0", host="127.0.0.1", dashboard_address="127.0.0.1:0"}'
+                   if self.args.device == "cuda" else '{host="127.0.0.1", dashboard_address="127.0.0.1:0"}')
+        gpus = ['pools.reward.cuda_visible_devices=["0"]'] if self.args.device == "cuda" else []
+        self.recipe(model, "factory", (f'cluster.factory="{factory}"', f"cluster.factory_options={options}", *gpus,
+                                       "run.steps=2"))
+
     def engine(self, model: str) -> None:
-        """``bench engine``: continuous batching with CUDA graphs, static batching, continuous
-        without graphs -- one process each, so a variant that fails or runs out of time keeps
-        the others' figures."""
+        """``bench engine`` at each request count: the slot decoder and transformers' continuous
+        batching (both with CUDA graphs on a GPU), in one process per count so their ratio is
+        measured in one run; a count that fails or runs out of time keeps the others' figures."""
         s = sizes(self.args.small)
         over = [f"model.path=\"{model}\"", *device_overrides(self.args.device), *s["engine"]]
-        rows = []
-        variants = ["continuous-graphs:engine.cuda_graph=true", "static:engine.batching=\"static\""]
-        if self.args.engine_without_graphs:
-            variants.append("continuous:engine.cuda_graph=false")
-        for variant in variants:
-            label = variant.partition(":")[0]
-            out = self.work / f"engine-{label}.json"
-            row = self.run(f"engine-{label}", streamrl("bench", "engine", RECIPE, *sets(over), "--variant", variant,
-                                                       "--steps", str(s["engine_steps"]), "--warmup", "1",
-                                                       "--out", str(out)), self.args.engine_timeout)
+        continuous = 'engine.batching="continuous";engine.cuda_graph=true'
+        if self.args.device == "cuda":
+            continuous += ";engine.max_batch_tokens=8192;engine.kv_memory_fraction=0.3"
+        for n in self.args.engine_requests or s["engine_requests"]:
+            prompts = max(1, n // 8)
+            variants = [f'slots:engine.batching="slots";engine.slots={prompts * 8};engine.max_prompt_tokens=64',
+                        f"continuous-graphs:{continuous}"]
+            out = self.work / f"engine-{n}.json"
+            row = self.run(f"engine-{n}", streamrl("bench", "engine", RECIPE, *sets(over),
+                                                   *sets([f"trainer.prompts_per_step={prompts}",
+                                                          "trainer.samples_per_prompt=8"]),
+                                                   *[x for v in variants for x in ("--variant", v)],
+                                                   "--steps", str(s["engine_steps"]), "--warmup", "1",
+                                                   "--out", str(out)), 2 * self.args.engine_timeout)
             if out.exists():
                 row["variants"] = [{k: v for k, v in r.items() if k != "steps"} for r in json.loads(out.read_text())]
-                rows.extend(row["variants"])
                 self.save()
 
     def trainer(self, model: str) -> None:
@@ -228,7 +259,7 @@ class Check:
         s = sizes(self.args.small)
         out = self.work / "transfer.json"
         over = [f"model.path=\"{model}\"", *device_overrides(self.args.device)]
-        row = self.run("transfer", streamrl("bench", "transfer", RECIPE, *sets(over), "--transfers", "dask",
+        row = self.run("transfer", streamrl("bench", "transfer", RECIPE, *sets(over), "--transfers", "cuda_ipc,dask",
                                             "--repeats", str(s["transfer_repeats"]), "--out", str(out)),
                        self.args.transfer_timeout)
         if out.exists():
@@ -244,14 +275,16 @@ def table(result: dict) -> str:
     for name, row in result["phases"].items():
         status = "ok" if row.get("ok") else f"FAILED ({row.get('skipped') or row.get('rc')})"
         lines.append(f"| {name} | status, seconds | {status}, {row.get('seconds', '-')} |")
-        if name == "recipe" and row.get("steps"):
+        if name.startswith(("recipe", "factory")) and row.get("steps"):
             med = sorted(r["step_s"] for r in row["steps"])[len(row["steps"]) // 2]
-            lines.append(f"| recipe | s/step (median), tokens/s | {med:.2f}, {row.get('tokens_per_s', 0):,.0f} |")
+            sync = sorted(r["weight_sync_s"] or 0 for r in row["steps"])[len(row["steps"]) // 2]
+            lines.append(f"| {name} | s/step (median), tokens/s, weight sync s (median) | {med:.2f}, "
+                         f"{row.get('tokens_per_s', 0):,.0f}, {sync:.3f} |")
             if row.get("weight_sync_share") is not None:
-                lines.append(f"| recipe | weight publication share of a step | {100 * row['weight_sync_share']:.1f}% |")
+                lines.append(f"| {name} | weight publication share of a step | {100 * row['weight_sync_share']:.1f}% |")
         for v in row.get("variants", []):
             if "response_tokens_per_s" in v:
-                lines.append(f"| engine | {v['variant']}: tokens/s, s/step | {v['response_tokens_per_s']:,.0f}, "
+                lines.append(f"| {name} | {v['variant']}: tokens/s, s/step | {v['response_tokens_per_s']:,.0f}, "
                              f"{v['step_s_median']:.2f} |")
             elif "mfu" in v:
                 mfu = "n/a" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
@@ -272,9 +305,10 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny model and sizes (the CPU dry run)")
     ap.add_argument("--work", default="gpu-check-work", help="folder for the model, runs and logs")
-    ap.add_argument("--phases", default="trainer,engine,recipe,transfer", help="comma-separated phases to run")
-    ap.add_argument("--engine-without-graphs", action="store_true",
-                    help="also measure continuous batching without CUDA graphs (the slow baseline)")
+    ap.add_argument("--phases", default="engine,recipe,recipe_baseline,transfer,trainer,factory",
+                    help="comma-separated phases to run")
+    ap.add_argument("--engine-requests", type=int, action="append", default=[],
+                    help="concurrent requests of an engine measurement (repeatable; default 256 and 64)")
     ap.add_argument("--trainer-samples", type=int, action="append", default=[],
                     help="a trainer batch size in samples (repeatable; default 8, 32 and 64)")
     ap.add_argument("--trainer-variant", action="append", default=[], metavar="LABEL:KEY=VALUE;...",

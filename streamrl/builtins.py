@@ -29,6 +29,7 @@ from streamrl.telemetry.trackers.trackio import TrackioConfig, TrackioSink
 from streamrl.telemetry.trackers.wandb import WandbConfig, WandbSink
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
 from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
+from streamrl.transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransfer
 from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
 
 
@@ -71,7 +72,8 @@ def register_tasks():
 @hookimpl
 def register_transfers():
     return [Component("transfer", "dask", DaskTransferConfig, DaskTransfer),
-            Component("transfer", "torch_distributed", TorchDistributedConfig, TorchDistributedTransfer)]
+            Component("transfer", "torch_distributed", TorchDistributedConfig, TorchDistributedTransfer),
+            Component("transfer", "cuda_ipc", CudaIpcConfig, CudaIpcTransfer)]
 
 
 @hookimpl

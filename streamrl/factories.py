@@ -85,7 +85,14 @@ def create(recipe: Recipe) -> Cluster:
         except (TypeError, ValueError):  # no signature to read: call it as the user wrote it
             pass
     try:
-        made = fn(**options)
+        try:
+            made = fn(**options)
+        except ValueError:
+            if options.get("n_workers") != 0 or "n_workers" in c.factory_options:
+                raise
+            # a class that refuses no workers (dask-cuda: "Number of workers cannot be less than
+            # 1") starts its own, which label() then replaces by the pools'
+            made = fn(**c.factory_options)
     except UserError:
         raise
     except Exception as exc:
@@ -126,9 +133,17 @@ def pool_specs(cluster: SpecCluster, recipe: Recipe) -> dict[str, dict]:
     saved = dict(cluster.worker_spec)
     bases = []
     try:
+        # the pools' workers replace any the library started itself (label), so they take its
+        # GPUs and names from the first
+        cluster.worker_spec.clear()
         # new_worker_spec() looks at worker_spec to pick the next name (and, in dask-cuda, the
         # next GPU): let it see the ones already handed out
-        for _ in planned:
+        for _, w in planned:
+            if "CUDA_VISIBLE_DEVICES" in w["env"]:
+                # the pool names its own GPUs: the library's template, without taking the next GPU
+                # (dask-cuda hands out one worker per GPU; pools that share a GPU list it)
+                bases.append(copy.deepcopy(cluster.new_spec))
+                continue
             try:
                 ((key, spec),) = cluster.new_worker_spec().items()
             except Exception as exc:

@@ -223,8 +223,8 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # for measuring; a phase that fails shows as FAILED in the table and a non-zero exit
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--small",
-                           "--out", str(out), "--work", str(tmp_path / "work"), "--phases", "trainer",
-                           "--trainer-samples", "8", "--trainer-variant", "recipe",
+                           "--out", str(out), "--work", str(tmp_path / "work"), "--phases", "trainer,engine",
+                           "--engine-requests", "4", "--trainer-samples", "8", "--trainer-variant", "recipe",
                            "--trainer-variant", 'bf16:trainer.precision="bf16-params"'],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -235,5 +235,8 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["samples"] == 8 and r["mfu"] is None for r in rows)  # (no peak on CPU)
     assert set(result["trainer_profile"]) == {"trainer-profile-recipe", "trainer-profile-bf16"}
     assert "aten::" in result["trainer_profile"]["trainer-profile-recipe"]
+    # the slot decoder and continuous batching, measured side by side in one process
+    assert [r["variant"] for r in result["phases"]["engine-4"]["variants"]] == ["slots", "continuous-graphs"]
+    assert all(r["response_tokens_per_s"] > 0 for r in result["phases"]["engine-4"]["variants"])
     table = out.with_suffix(".md").read_text()
     assert "| trainer-8 | status, seconds | ok," in table and "8 x 32 bf16: tokens/s, MFU, peak GiB" in table

@@ -309,3 +309,34 @@ def test_streamrl_imports_no_optional_cluster_library():
             "print([m for m in ('dask_jobqueue', 'dask_kubernetes', 'dask_cuda') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+class OneWorkerPerGpu:
+    """dask-cuda's ``LocalCUDACluster`` as ``factories.pool_specs`` sees it (a stand-in: it needs
+    a GPU): worker specs keyed by GPU id, and no spec once every listed GPU has a worker."""
+
+    def __init__(self, gpus: list[int]):
+        from distributed import Nanny
+
+        self.gpus, self.worker_spec = gpus, {}
+        self.new_spec = {"cls": Nanny, "options": {"preload": ["dask_cuda.initialize"]}}
+
+    def new_worker_spec(self):
+        free = sorted(set(self.gpus) - set(self.worker_spec))
+        if not free:
+            raise ValueError("Can not scale beyond visible devices", self.gpus)
+        return {free[0]: {"cls": self.new_spec["cls"],
+                          "options": {**self.new_spec["options"], "env": {"CUDA_VISIBLE_DEVICES": str(free[0])}}}}
+
+
+def test_pools_that_list_their_gpus_share_one_gpu_on_a_cluster_of_one_worker_per_gpu(tiny_recipe):
+    shared = ["--set", 'pools.generate.cuda_visible_devices=["0"]', "--set", 'pools.train.cuda_visible_devices=["0"]']
+    recipe = load_recipe(tiny_recipe, [*shared, "--set", 'pools.reward.cuda_visible_devices=["0"]'][1::2]).recipe
+    specs = factories.pool_specs(OneWorkerPerGpu([0]), recipe)
+    assert sorted(specs) == ["generate-0", "reward-0", "train-0"]
+    assert all(s["options"]["env"]["CUDA_VISIBLE_DEVICES"] == "0" and s["options"]["preload"] == ["dask_cuda.initialize"]
+               for s in specs.values())
+    # a pool that names no GPU takes the library's next one: train takes GPU 0, none is left for reward
+    recipe = load_recipe(tiny_recipe, shared[1:2]).recipe
+    with pytest.raises(UserError, match=r"OneWorkerPerGpu has no worker spec for worker 3 of 3, reward-0"):
+        factories.pool_specs(OneWorkerPerGpu([0]), recipe)
