@@ -198,7 +198,9 @@ def on_step_end(step, metrics) -> None:
     :param step: the step number (0-based).
     :param metrics: that step's record, the same dict written to ``metrics.jsonl``.
 
-    If it raises, the run stops with that error; ``metrics.jsonl`` keeps every finished step.
+    It is an observer (``run/observers.py``): if it raises, the error is reported once, in one
+    line naming the plugin, and this plugin's ``on_step_end`` is left out for the rest of the
+    run; the run goes on, and ``metrics.jsonl`` keeps every step.
 
     Example::
 

@@ -123,3 +123,37 @@ def test_the_loops_folders_are_layers_and_nothing_below_them_imports_them():
     graph = import_graph()
     assert "streamrl.flow.submit" in graph["streamrl.learners.fanout"]  # the graph is really read
     assert arrows_up(graph) == []
+
+
+FEATURES = ("elastic", "fanout", "evaluator", "learner", "eval")
+
+
+def feature_branches(source: str) -> list[str]:
+    """The ``if`` tests (and conditional expressions) of ``source`` that name a feature."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.IfExp)):
+            text = ast.unparse(node.test)
+            if any(f in text for f in FEATURES):
+                out.append(text)
+    return out
+
+
+def controller_assignments(source: str) -> list[str]:
+    """Assignments to an attribute of something named ``controller`` or ``ctl``."""
+    return [ast.unparse(t) for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Assign, ast.AugAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("controller", "ctl")]
+
+
+def test_the_checkers_find_a_feature_branch_and_an_assignment_from_outside():
+    assert feature_branches("if self.elastic:\n    pass\nx = 1 if self.fanout else 2") == ["self.elastic", "self.fanout"]
+    assert controller_assignments("controller.fanout = 3\nctl.version += 1\nside.fanout = 1") == [
+        "controller.fanout", "ctl.version"]
+
+
+def test_the_controllers_step_has_no_branch_on_a_feature_and_no_module_sets_its_attributes():
+    # features are step extensions (flow/extension.py): the controller calls them, never tests for them
+    assert feature_branches((ROOT / "streamrl" / "run" / "controller.py").read_text()) == []
+    for path in (ROOT / "streamrl").rglob("*.py"):
+        assert controller_assignments(path.read_text()) == [], path

@@ -216,3 +216,11 @@ def test_a_compiled_trainer_keeps_its_weight_names_and_gives_the_same_gradient(t
     plain, compiled = trainer(tiny_model), trainer(tiny_model, compile=True)
     assert list(compiled.named_weights()) == list(plain.named_weights())  # publication and checkpoints unchanged
     assert_same_gradient(plain, compiled, sampled(tiny_model, n_prompts=2))
+
+
+def test_auto_precision_is_bf16_params_on_a_gpu_and_fp32_on_the_cpu():
+    from streamrl.training.precision import precision_for
+
+    assert precision_for("auto", "cuda").name == "bf16-params"  # (built without touching a GPU)
+    assert precision_for("auto", "cpu").name == "fp32"
+    assert precision_for("bf16-autocast", "cuda").name == "bf16-autocast"

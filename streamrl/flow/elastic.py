@@ -38,6 +38,7 @@ A run's records carry ``generate_workers`` (how many generated in that step) and
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -46,6 +47,7 @@ from distributed import Future, wait
 
 from streamrl import pool_workers
 from streamrl.flow import remote
+from streamrl.flow.extension import StepExtension
 from streamrl.flow.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.flow.topology import Topology
@@ -325,3 +327,43 @@ class ElasticPool:
         while addr and _running(client, addr):
             time.sleep(RETIRE_POLL_S)
         client.retire_workers(names=[name], close_workers=True)
+
+
+class ElasticGrowth(StepExtension):
+    """The elastic generate pool as a step extension (``flow/extension.py``): made once the
+    residents are placed (and kept when the run starts over), it tracks every task pinned to a
+    generate worker, brings a joining worker up to date before a publication, and decides at
+    each step's record."""
+
+    holds_boundary = True  # a joining worker is brought up to date between publication and training
+
+    def __init__(self, cfg: ElasticConfig):
+        self.cfg = cfg
+        self.pool: ElasticPool | None = None
+
+    def placed(self, ctl) -> None:
+        """Start managing the pool (once: a run that starts over keeps the workers it has)."""
+        if self.pool is None:
+            level = logging.getLogger("distributed.worker").getEffectiveLevel()
+            self.pool = ElasticPool(ctl.topology, ctl.recipe, self.cfg, level,
+                                    placed=ctl.resolved.scheduler is not None, ahead=ctl.mode.feeds)
+
+    def pinned(self, worker: str | None, future: Future) -> None:
+        """A retired worker first runs out the tasks pinned to it."""
+        if worker is not None:
+            self.pool.track(worker, future)
+
+    def before_publish(self, version: int, step_future: Future) -> None:
+        """A worker that has joined takes part in this publication (bringing it up to date may
+        export the new weights for it alone, so the step must be done)."""
+        step_future.result()
+        self.pool.before_publish(version)
+
+    def record(self, step: int, record) -> None:
+        """Decide, and say in the record what changed (``elastic``)."""
+        self.pool.after_record(record, record.policy_version)
+        record.extra["elastic"] = self.pool.take_events()
+
+    def finish(self, policy_dir) -> None:
+        """Let a worker still joining or draining get there before the cluster stops."""
+        self.pool.finish()

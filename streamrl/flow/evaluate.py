@@ -28,6 +28,7 @@ from distributed import Client, Future, wait
 from streamrl.api import Task
 from streamrl.errors import UserError
 from streamrl.flow import remote, submit
+from streamrl.flow.extension import StepExtension
 from streamrl.flow.resident import ENGINE, resident
 from streamrl.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
@@ -169,3 +170,30 @@ def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluat
         raise UserError(f"task {recipe.task.name!r}: eval_prompts() repeats uid {again[0]!r}; each held-out prompt "
                         "needs its own uid")
     return Evaluator(client, held_out, recipe.eval, submit.groups_per_task(recipe), greedy)
+
+
+class HeldOutEvaluation(StepExtension):
+    """Held-out evaluation as a step extension (``flow/extension.py``): the initial policy once
+    the first step's training is submitted, each due version once its weights are loaded, the
+    metrics in the records as they finish (all of them by the last step's record)."""
+
+    def __init__(self, evaluator: Evaluator, steps: int):
+        self.evaluator, self.steps = evaluator, steps
+
+    def trained(self, step: int, scored: list[Future]) -> None:
+        """Evaluate the initial policy (the ``before`` of before/after) beside the first step."""
+        if step == 0:
+            self.evaluator.submit(0)
+
+    def published(self, version: int, loads: list[Future]) -> None:
+        """Evaluate ``version`` on the generate pool once it holds it, when it is due."""
+        if self.evaluator.due(version, self.steps):
+            self.evaluator.submit(version, after=loads)
+
+    def record(self, step: int, record) -> None:
+        """The oldest finished evaluation's metrics (every one, after the last step)."""
+        record.extra.update(self.evaluator.for_record(last=step + 1 == self.steps))
+
+    def close(self) -> None:
+        """Drop evaluations still running."""
+        self.evaluator.cancel()

@@ -97,10 +97,11 @@ def listing(run_dir: Path) -> list[dict]:
 
 
 # -- the run side ------------------------------------------------------------------------------------
-def serve(controller, run_dir: Path, step: int) -> list[str]:
+def serve(side, run_dir: Path, step: int) -> list[str]:
     """At a step boundary (``step``: the next one): carry out every request waiting; returns a
-    line per request for the console. A refused request is answered, never raised: the run goes on."""
-    client = controller.client
+    line per request for the console. A refused request is answered, never raised: the run goes
+    on. ``side``: the run's :class:`~streamrl.learners.extension.SideLearners`."""
+    client = side.ctl.client
     try:
         requests = Queue(REQUESTS, client=client).get(batch=True)
     except Exception:
@@ -109,9 +110,9 @@ def serve(controller, run_dir: Path, step: int) -> list[str]:
     for request in requests:
         try:
             if request.get("op") == "add":
-                message = add(controller, run_dir, step, request)
+                message = add(side, run_dir, step, request)
             elif request.get("op") == "remove":
-                message = remove(controller, run_dir, request["name"])
+                message = remove(side, run_dir, request["name"])
             else:
                 raise UserError(f"unknown request {request.get('op')!r}")
             reply = {"ok": True, "message": message}
@@ -123,7 +124,7 @@ def serve(controller, run_dir: Path, step: int) -> list[str]:
     return lines
 
 
-def add(controller, run_dir: Path, step: int, request: dict) -> str:
+def add(side, run_dir: Path, step: int, request: dict) -> str:
     """Place a new learner (``request``: ``table`` -- a ``[[learners]]`` table -- ``start``:
     ``served`` | ``initial``, ``resume``) to train from step ``step``."""
     from dataclasses import replace
@@ -135,10 +136,11 @@ def add(controller, run_dir: Path, step: int, request: dict) -> str:
     from streamrl.learners.fanout import Fanout
     from streamrl.recipe import validate_section
 
+    controller = side.ctl
     resolved, topo = controller.resolved, controller.topology
     table = validate_section(LearnerConfig, request["table"], "learner").model_dump()
     name = table["name"]
-    fanout = controller.fanout
+    fanout = side.fanout
     known = fanout.learners if fanout else {}
     if name in known and known[name].state == "training":
         raise UserError(f"learner {name!r} is already training; remove it first or pick another name")
@@ -177,20 +179,20 @@ def add(controller, run_dir: Path, step: int, request: dict) -> str:
             old = known[name]
             learner = replace(learner, steps_trained=old.steps_trained, skipped_steps=old.skipped_steps,
                               samples_trained=old.samples_trained, last_step=old.last_step)
-    if controller.fanout is None:
-        controller.fanout = Fanout(controller.client, resolved.recipe, [], controller.repeatable)
-        controller.fanout.task = controller.task
-    controller.fanout.add(learner)
+    if side.fanout is None:
+        side.fanout = Fanout(controller.client, resolved.recipe, [], controller.repeatable)
+        side.fanout.task = controller.task
+    side.fanout.add(learner)
     where = {"served": "the served policy's current weights", "initial": "the initial model"}.get(start, start)
     origin = f"its state in {resume_from.parent.parent.name}" if resume_from is not None else where
     return f"learner {name!r} ({plan.algorithm.component.name}) added on worker {worker}, from {origin}; " \
            f"it trains from step {step + 1}"
 
 
-def remove(controller, run_dir: Path, name: str) -> str:
+def remove(side, run_dir: Path, name: str) -> str:
     """Stop learner ``name`` after the steps it has queued: save its policy to
     ``policy/<name>/``, release its trainer and (embedded cluster) its worker."""
-    fanout = controller.fanout
+    controller, fanout = side.ctl, side.fanout
     if name == controller.resolved.learners[0].name:
         raise UserError(f"learner {name!r} is the main learner; it cannot be removed while the run goes on")
     if fanout is None or name not in fanout.learners or fanout.learners[name].state == "removed":

@@ -212,16 +212,14 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
     return fanout
 
 
-def finish(fanout: Fanout | None, resolved, out: Path) -> Path:
+def finish(fanout: Fanout | None, out: Path) -> None:
     """At the end of the run: every side learner's queued steps, policy (``out/<name>``) and
-    final evaluation, and ``learners.json`` beside ``out``; returns where the main learner's
-    policy goes: ``out`` alone, or ``out/<name>`` when the recipe has ``[[learners]]``."""
+    final evaluation, and ``learners.json`` beside ``out``."""
     if fanout is not None:
         fanout.drain()
         fanout.save_policies(out)
         fanout.finish_evaluations()
         write_final(fanout, out.parent / "learners.json")
-    return out / resolved.learners[0].name if resolved.recipe.learners else out
 
 
 def write_final(fanout: Fanout, path: Path) -> None:

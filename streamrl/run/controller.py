@@ -9,11 +9,15 @@ samples and weights worker to worker; the controller only sees small stats. How 
 with the next is the mode's business (``flow/modes.py``); where workers are, the topology's
 (``flow/topology.py``). With ``algorithm.epochs = E`` the weights are published after the last
 pass, so the policy version counts steps (batches).
+
+Features that act inside a step -- the elastic generate pool, the side learners, held-out
+evaluation -- are step extensions (``flow/extension.py``): the step calls each extension at
+its moments (placed, pinned, trained, before_publish, published, record, ...) and has no branch
+on any of them.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import replace
@@ -21,13 +25,14 @@ from pathlib import Path
 
 from distributed import Client, Future, SpecCluster, wait
 
-from streamrl.flow import checkpoints, elastic, evaluate, modes, placement, submit
+from streamrl.flow import checkpoints, modes, placement, submit
+from streamrl.flow.extension import StepExtension
 from streamrl.flow.feed import Feed
 from streamrl.flow.resolve import Resolved
 from streamrl.flow.topology import Topology
 from streamrl.flow.weights import publish, relay_sites, wait_loaded
-from streamrl.learners import runtime as learners
 from streamrl.flow.dispatch import Dispatcher
+from streamrl.run import extensions
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import last_epoch_stats, summarize
 from streamrl.telemetry.stats import StepStats
@@ -49,13 +54,12 @@ class Controller:
         # (each step's generation sees a fixed version, training takes a fixed order)
         self.repeatable = resolved.engine.capabilities().repeatable
         self.task = resolved.task.build_here()
-        self.evaluator = evaluate.for_run(client, self.task, r, resolved.engine.capabilities().greedy)
         self.epochs = resolved.algorithm.build().epochs  # algorithms are light; built here only to ask
         # a feed admits generation from its thread while this one writes the record: the
         # dispatcher (placement and lessons) and the submission counters are shared
         self.lock = threading.Lock()
-        self.elastic: elastic.ElasticPool | None = None
-        self.fanout = None  # the side learners (``learners/``), placed with the residents
+        self.extensions: list[StepExtension] = extensions.for_run(self)
+        """The features that plug into the step, in the order they are called."""
         self._start_over()
 
     def _start_over(self) -> None:
@@ -78,19 +82,14 @@ class Controller:
         train group and start the clocks. Calling it again starts over from the initial weights."""
         topo, r = self.topology, self.recipe
         self._start_over()
-        placing = learners.begin(self.client, self.resolved, topo.pins, self.task)  # (built beside the rest)
+        self._call("placing", self)  # (what is built beside the residents starts now)
         placement.place(self.client, self.resolved, {n: n for n in topo.generate}, topo.trainer, topo.rank,
                         topo.sharded)
         scheduler = self.resolved.scheduler.build_here() if self.resolved.scheduler else None
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)
-        self.fanout = learners.start(self.client, self.resolved, self.repeatable, placing, self.task)
-        cfg = r.pools.generate.elastic if r.pools.generate else None
-        if cfg is not None and topo.can_grow and self.elastic is None:  # (benchmarks pass no cluster)
-            level = logging.getLogger("distributed.worker").getEffectiveLevel()
-            self.elastic = elastic.ElasticPool(topo, r, cfg, level,
-                                               placed=scheduler is not None, ahead=self.mode.feeds)
+        self._call("placed", self)
 
     # -- one step -------------------------------------------------------------------------
     def generate(self, step: int, min_version: int | None = None) -> list[Future]:
@@ -105,8 +104,7 @@ class Controller:
         version = 0 if self.resolved.serves_initial else version  # (the engines keep the starting model)
 
         def submitted(name: str | None, gen: Future) -> None:
-            if name is not None and self.elastic:  # a retired worker first runs out its groups
-                self.elastic.track(name, gen)
+            self._call("pinned", name, gen)
             if self.repeatable:  # the next version's loads wait for it
                 self.generating.setdefault(version, []).append(gen)
 
@@ -135,27 +133,22 @@ class Controller:
             last, passes = submit.epochs(self.topology, self.recipe, self.epochs, step, scored,
                                          self.mode.streams, self.last_step, ordered=self.repeatable)
         admitted = time.time()
-        if self.fanout:  # the same groups to every other learner
-            self.fanout.hand_over(step, scored)
+        self._call("trained", step, scored)
         self.last_step = last
         step_fut = last[0]
         trained_at: list[float] = []
         step_fut.add_done_callback(lambda _: trained_at.append(time.time()))
-        if step == 0 and self.evaluator:  # the initial policy, for the before/after
-            self.evaluator.submit(0)
         version = step + 1  # one published policy per step, however many optimizer steps
         generate_workers = len(self.topology.generate)  # those that generated this step's groups
-        if self.elastic:  # a worker that has joined takes part in this publication
-            step_fut.result()  # (bringing it up to date may export the new weights for it alone)
-            self.elastic.before_publish(version)
+        self._call("before_publish", version, step_fut)
         # Published before the step is done: the export depends on the optimizer step and runs
         # right after it on the train worker (its priority is above any train task), without
         # waiting for the controller to hear of the step and come back.
         loads = [] if self.resolved.serves_initial else self._publish(step_fut, version)
-        if self.evaluator and self.evaluator.due(version, self.recipe.run.steps):
-            self.evaluator.submit(version, after=loads)  # (on the generate pool once it holds the version)
+        self._call("published", version, loads)
         self.mode.published(version, loads)
-        feeding = feed_next and self.mode.feeds and not self.elastic and self.mode.ahead(step + 1)
+        held = any(e.holds_boundary for e in self.extensions)
+        feeding = feed_next and self.mode.feeds and not held and self.mode.ahead(step + 1)
         if feeding:
             self.fed = Feed(step + 1, self._feed, step + 1, step_fut)
         step_stats = step_fut.result()
@@ -181,9 +174,8 @@ class Controller:
         loads = publish(self.client, after, version, topo.train_pin, pins, tag=tag,
                         trainer_id=topo.incarnations, loads_after=[f for f in older if not f.done()] or None,
                         sites=relay_sites(self.resolved.transfer.config, topo.generate), sender=topo.sender)
-        if self.elastic:
-            for name, load in zip(pins, loads):
-                self.elastic.track(name, load)
+        for name, load in zip(pins, loads):
+            self._call("pinned", name, load)
         return loads
 
     def _record(self, step: int, trains: list[Future], step_stats: StepStats, t0: float, t_trained: float,
@@ -202,13 +194,7 @@ class Controller:
             self.submit_s, self.submitted_groups = 0.0, 0
             record.extra = self.dispatcher.learn(step, record.sample_log)
         record.generate_workers = generate_workers
-        if self.elastic:
-            self.elastic.after_record(record, self.version)
-            record.extra["elastic"] = self.elastic.take_events()
-        if self.evaluator:
-            record.extra.update(self.evaluator.for_record(last=step + 1 == self.recipe.run.steps))
-        if self.fanout:
-            record.extra["learners"] = learners.record(self.fanout, self.resolved, record)
+        self._call("record", step, record)
         return record.as_dict()
 
     def _feed(self, step: int, previous: Future) -> tuple[list[Future], list[list[Future]]]:
@@ -229,7 +215,7 @@ class Controller:
         checkpoints.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
         self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
         self.version = state["policy_version"]
-        self.fanout = learners.resume(self.fanout, self.client, self.resolved, self.topology, checkpoint)
+        self._call("resume", checkpoint)
         if not self.resolved.serves_initial:
             wait_loaded(self._publish(None, self.version, tag=f"-resume-{time.time_ns()}"))
         self.mode.resume(state["next_step"], self.version)
@@ -239,7 +225,39 @@ class Controller:
         """Cancel generation submitted ahead (``async``): a controller that resumes on the same
         cluster submits the same keys and must not be handed the old, stale samples."""
         self.client.cancel([f for fs in self.mode.pending() for f in fs])
-        if self.evaluator:
-            self.evaluator.cancel()
+        self._call("close")
         if self.fed is not None:  # the next step's generation, taken by a feed in flight
             self.client.cancel(self.fed_scored)
+
+    # -- the extensions ---------------------------------------------------------------------
+    def _call(self, moment: str, *args) -> None:
+        for ext in self.extensions:
+            getattr(ext, moment)(*args)
+
+    def extension(self, kind: type) -> StepExtension | None:
+        """The run's extension of class ``kind`` (None: the run has none)."""
+        return next((e for e in self.extensions if isinstance(e, kind)), None)
+
+    @property
+    def training_ahead(self) -> bool:
+        """Whether the next step's training began before this step's record (``async``'s feed):
+        the next step must run before a checkpoint."""
+        return self.fed is not None
+
+    def between_steps(self, done: int, run_dir: Path) -> list[str]:
+        """After step ``done``'s record: every extension's work between steps (requests from
+        outside the run); lines for the console."""
+        return [line for ext in self.extensions for line in ext.between_steps(done, run_dir)]
+
+    def checkpoint_writer(self, next_step: int, previous: Path | None):
+        """What the extensions add to a checkpoint: one function writing all of it into the
+        checkpoint's folder, or None."""
+        writers = [w for w in (e.checkpoint(next_step, previous) for e in self.extensions) if w is not None]
+        if not writers:
+            return None
+        return lambda folder: [write(folder) for write in writers]
+
+    def finish(self, policy_dir: Path) -> None:
+        """The last step is done: the extensions finish before the policy is saved."""
+        self._call("finish", policy_dir)
+

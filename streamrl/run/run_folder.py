@@ -19,7 +19,6 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
 
 from streamrl.errors import RunStopped, RunWarning, UserError
 from streamrl.flow import checkpoints
@@ -152,16 +151,10 @@ class RunFolder:
         """Every step's record of the run so far."""
         return self.metrics.records
 
-    def record(self, m: dict, warn: Callable[[str], None]) -> None:
-        """Append a step's record to ``metrics.jsonl`` and every sink. A sink that fails is
-        dropped (``warn`` says so): metrics.jsonl has it all, and the run goes on."""
+    def record(self, m: dict) -> None:
+        """Append a step's record to ``metrics.jsonl`` (the sinks are observers of it:
+        ``run/observers.py``)."""
         self.metrics.write(m)
-        for sink in list(self.sinks):
-            try:
-                sink.write(m)
-            except Exception as exc:
-                warn(f"metric sink {type(sink).__name__} failed and is dropped: {type(exc).__name__}: {exc}")
-                self.sinks.remove(sink)
 
     def close(self) -> None:
         """Close the sinks."""

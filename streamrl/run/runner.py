@@ -18,12 +18,12 @@ from streamrl.errors import Interrupted, RunFailed, UserError
 from streamrl.flow import checkpoints
 from streamrl.run import saving
 from streamrl.run.controller import Controller
+from streamrl.run.observers import Called, Observers, plugin_observers, sink_observers
 from streamrl.flow.resident import ComponentError, ResidentLost
 from streamrl.flow.resolve import Resolved, resolve
 from streamrl.run.run_folder import RunFolder
 from streamrl.stopping import StopRequest
 from streamrl.run.watchdog import Watchdog
-from streamrl.learners import control as learners_control
 from streamrl.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
 from streamrl.telemetry.console import RunDisplay, WarningsLog, flat_groups_note, summary_table
@@ -38,11 +38,11 @@ def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Loa
     loaded, folder = RunFolder.for_resume(run_dir, overrides)
     return loaded, folder.path
 
-def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopRequest, display: RunDisplay,
-           trace: TraceRecorder, client, hooks, warn, watchdog: Watchdog, console_line=print) -> None:
-    """The run's steps from ``first``: each step's record to the folder, the trace, the dashboard
-    page, the plugins and the display; checkpoints as ``run.checkpoint_every`` says, and after a
-    stop request (then :class:`Interrupted`)."""
+def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopRequest, observers: Observers,
+           warn, watchdog: Watchdog, console_line=print) -> None:
+    """The run's steps from ``first``: each step's record to the folder, then to the observers
+    (``run/observers.py``); checkpoints as ``run.checkpoint_every`` says, and after a stop
+    request (then :class:`Interrupted`)."""
     every = r.run.checkpoint_every
 
     def checkpoint_after(done: int) -> bool:
@@ -55,18 +55,15 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             # The next step's training may start before this step's record is written, unless a
             # checkpoint must capture the weights right after this step.
             m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
-            folder.record(m, warn)
-            trace.step(m)
-            dashboard.publish(client, m)
-            hooks.on_step_end(step=step, metrics=m)
-            display.step(m)
+            folder.record(m)
+            observers.step(m)
             if m.get("flat_groups") == 1.0 and not flat_seen:  # once: it is usually so for many steps
                 flat_seen = True
                 warn(flat_groups_note(m))
             done = step + 1
-            for line in learners_control.serve(controller, folder.path, done):  # ``streamrl learners add|remove``
+            for line in controller.between_steps(done, folder.path):  # e.g. ``streamrl learners add|remove``
                 console_line(line)
-            if stop.requested and controller.fed is not None:
+            if stop.requested and controller.training_ahead:
                 continue  # the next step is already training: stop after it
             if stop.requested or checkpoint_after(done):
                 with span("checkpoint"):
@@ -158,7 +155,11 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             if profile or r.run.profile:  # Dask's own report of every task, worker and transfer
                 stack.enter_context(performance_report(filename=str(folder.path / "dask-report.html")))
             display = stack.enter_context(RunDisplay(console, r.run.name, r.run.steps, first, plain))
-            _steps(r, controller, folder, first, stop, display, trace, client, hooks, warn, watchdog,
+            observers = Observers([*sink_observers(folder.sinks), Called("the trace", trace.step),
+                                   Called("the dashboard page", lambda m: dashboard.publish(client, m)),
+                                   *plugin_observers(hooks.on_step_end), Called("the console display", display.step)],
+                                  warn)
+            _steps(r, controller, folder, first, stop, observers, warn, watchdog,
                    lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
         with watchdog.watching("saving the policy"):
             policy = saving.policy(controller, folder.path / "policy")

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from streamrl.flow import checkpoints, remote
-from streamrl.learners import runtime as learners
 
 
 def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
@@ -17,7 +16,7 @@ def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
     last submitted optimizer step: the trainer's state on every writer rank, what the dispatcher
     learned, the side learners' states; returns the checkpoint folder."""
     files = ctl.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")
-    also = learners.checkpoint(ctl.fanout, next_step, checkpoints.latest(run_dir)) if ctl.fanout else None
+    also = ctl.checkpoint_writer(next_step, checkpoints.latest(run_dir))  # (the step extensions' state)
     return checkpoints.write(ctl.client, ctl.topology.writers(), ctl.last_step, run_dir, next_step,
                              ctl.version, records, ctl.recipe.run.keep_checkpoints,
                              ctl.topology.incarnations, files=files, also=also)
@@ -25,11 +24,12 @@ def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
 
 def policy(ctl, out: Path) -> str:
     """Write the trained policy of ``ctl`` to ``out`` (after the ranker's last lesson and the
-    elastic pool's last change; the side learners' policies beside it); returns the folder."""
+    step extensions' finish: the elastic pool's last change, the side learners' policies in
+    ``out/<name>``); returns the folder: ``out``, or ``out/<main learner>`` when the recipe has
+    ``[[learners]]``."""
     ctl.dispatcher.finish()
-    if ctl.elastic:
-        ctl.elastic.finish()
-    out = learners.finish(ctl.fanout, ctl.resolved, out)
+    ctl.finish(out)
+    out = out / ctl.resolved.learners[0].name if ctl.recipe.learners else out
     stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
     return ctl.client.gather([
         ctl.client.submit(remote.save_policy, str(out), after=ctl.last_step,

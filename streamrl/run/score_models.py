@@ -19,6 +19,7 @@ from rich.table import Table
 from streamrl import cluster
 from streamrl.errors import UserError
 from streamrl.flow import evaluate
+from streamrl.flow.evaluate import HeldOutEvaluation
 from streamrl.run.controller import Controller
 from streamrl.flow.resolve import resolve
 from streamrl.run.run_folder import RunFolder
@@ -59,8 +60,9 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
             r.eval = r.eval or EvalConfig()
             ctl = Controller(resolve(LoadedRecipe(r, loaded.file)), client, pools)
             ctl.place_residents()
-            ctl.evaluator.submit(0)
-            (result,) = ctl.evaluator.finish()
+            evaluator = ctl.extension(HeldOutEvaluation).evaluator  # (r.eval is set above)
+            evaluator.submit(0)
+            (result,) = evaluator.finish()
             result.pop("eval/policy_version")
             rows.append({"model": target, **result})
     finally:

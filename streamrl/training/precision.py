@@ -124,7 +124,9 @@ PRECISIONS = {p.name: p for p in (Precision, BF16Autocast, BF16Params)}
 
 def precision_for(name: str, device: str) -> Precision:
     """The precision ``trainer.precision = name`` asks for on ``device``; ``auto`` is
-    bf16-autocast on a GPU and fp32 on the CPU (where bf16 matmuls are slow)."""
+    bf16-params on a GPU (no float32 weight cast at every forward, the engine's own bf16 weights,
+    less memory: faster than bf16-autocast in docs/benchmarks.md) and fp32 on the CPU (where bf16
+    matmuls are slow)."""
     if name == "auto":
-        name = "bf16-autocast" if device == "cuda" else "fp32"
+        name = "bf16-params" if device == "cuda" else "fp32"
     return PRECISIONS[name](device)

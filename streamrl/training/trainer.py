@@ -62,7 +62,7 @@ class HFTrainerConfig(BaseModel):
     forward/backward matmuls in bfloat16 (``torch.autocast``); log-softmax stays float32.
     ``bf16-params``: the policy's weights and gradients in bfloat16, float32 master weights and
     AdamW state beside them, the reference model in bfloat16 (``training/precision.py``).
-    ``auto``: bf16-autocast on a GPU, fp32 on CPU."""
+    ``auto``: bf16-params on a GPU, fp32 on CPU."""
     logprob_chunk_tokens: int = Field(1024, ge=0)
     """Token log-probs are computed from the output head over chunks of this many response
     positions, recomputed in the backward pass, so the ``[batch, length, vocab]`` float32 logits

@@ -1,0 +1,26 @@
+"""The run's step extensions (``flow/extension.py``): which features plug into this run's loop.
+The controller calls them; only this module knows which there are."""
+
+from __future__ import annotations
+
+from streamrl.flow import evaluate
+from streamrl.flow.elastic import ElasticGrowth
+from streamrl.flow.extension import StepExtension
+from streamrl.learners.extension import SideLearners
+
+
+def for_run(ctl) -> list[StepExtension]:
+    """The run's step extensions, in the order they are called: the elastic pool (when the
+    recipe asks for one and the cluster can grow), held-out evaluation (``[eval]``), the side
+    learners (always: they can be added while the run goes on). Evaluation comes before the
+    learners: their record repeats the main learner's evaluation."""
+    r = ctl.recipe
+    out: list[StepExtension] = []
+    cfg = r.pools.generate.elastic if r.pools.generate else None
+    if cfg is not None and ctl.topology.can_grow:  # (benchmarks pass no cluster)
+        out.append(ElasticGrowth(cfg))
+    evaluator = evaluate.for_run(ctl.client, ctl.task, r, ctl.resolved.engine.capabilities().greedy)
+    if evaluator is not None:
+        out.append(evaluate.HeldOutEvaluation(evaluator, r.run.steps))
+    out.append(SideLearners(ctl))
+    return out

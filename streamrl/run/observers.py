@@ -1,0 +1,72 @@
+"""Observers: what watches each step's record without changing the run -- the metric sinks
+(trackers), the trace, the dashboard page, plugins' ``on_step_end`` and the console.
+
+One failure policy for all of them: an observer that raises is reported once, in one line
+naming it, and left out for the rest of the run; the run goes on. ``metrics.jsonl`` is not an
+observer: the run folder writes every record before the observers see it, so a resumed run
+and ``streamrl report`` always have the whole run.
+
+An observer is anything with a ``name`` and a ``step(record)`` method (:class:`StepObserver`);
+a plugin observes with ``on_step_end`` (``hookspecs.py``) and each plugin's hook is an observer
+of its own, so one failing plugin does not silence the others.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class StepObserver:
+    """Watches each step's record (the dict written to ``metrics.jsonl``)."""
+
+    name: str = "observer"
+    """How a failure names it."""
+
+    def step(self, record: dict) -> None:
+        """Called after each step's record is written to ``metrics.jsonl``."""
+
+
+class Called(StepObserver):
+    """An observer made of a function of the record."""
+
+    def __init__(self, name: str, fn: Callable[[dict], None]):
+        self.name, self.fn = name, fn
+
+    def step(self, record: dict) -> None:
+        """Call the function."""
+        self.fn(record)
+
+
+def sink_observers(sinks: list) -> list[StepObserver]:
+    """Each metric sink (``[[sinks]]``, a tracker) as an observer."""
+    return [Called(f"metric sink {type(s).__name__}", s.write) for s in sinks]
+
+
+def plugin_observers(hook) -> list[StepObserver]:
+    """Each plugin's ``on_step_end`` (``hook``: the plugin manager's ``on_step_end`` caller) as
+    an observer of its own, called with the arguments it names."""
+    out = []
+    for impl in hook.get_hookimpls():
+        def call(record: dict, impl=impl) -> None:
+            given = {"step": record["step"], "metrics": record}
+            impl.function(*[given[a] for a in impl.argnames])
+        out.append(Called(f"plugin {impl.plugin_name!r} (on_step_end)", call))
+    return out
+
+
+class Observers:
+    """The run's observers, called in order with each step's record (see the module docstring)."""
+
+    def __init__(self, observers: list[StepObserver], warn: Callable[[str], None]):
+        self.observers, self.warn = list(observers), warn
+
+    def step(self, record: dict) -> None:
+        """Hand ``record`` to every observer still in; one that raises is reported and left out."""
+        for obs in list(self.observers):
+            try:
+                obs.step(record)
+            except Exception as exc:
+                self.observers.remove(obs)
+                text = " ".join(str(exc).split())[:300]
+                self.warn(f"{obs.name} failed at step {record.get('step', 0) + 1} and is left out from now on: "
+                          f"{type(exc).__name__}: {text}")

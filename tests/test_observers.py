@@ -1,0 +1,59 @@
+"""Observers of a step's record: one failure policy for all (``run/observers.py``)."""
+
+from __future__ import annotations
+
+import pluggy
+
+from streamrl import hookspecs
+from streamrl.api import hookimpl
+from streamrl.run.observers import Called, Observers, plugin_observers, sink_observers
+
+
+def records(n):
+    return [{"step": s, "reward_mean": s / 10} for s in range(n)]
+
+
+def test_an_observer_that_raises_is_reported_once_and_left_out_while_the_others_go_on():
+    seen, warned = {"a": [], "c": []}, []
+
+    def broken(m):
+        if m["step"] == 1:
+            raise ValueError("disk\nfull")
+        seen.setdefault("b", []).append(m["step"])
+
+    observers = Observers([Called("a", lambda m: seen["a"].append(m["step"])), Called("b", broken),
+                           Called("c", lambda m: seen["c"].append(m["step"]))], warned.append)
+    for m in records(4):
+        observers.step(m)
+    assert seen == {"a": [0, 1, 2, 3], "b": [0], "c": [0, 1, 2, 3]}
+    assert warned == ["b failed at step 2 and is left out from now on: ValueError: disk full"]
+
+
+def test_each_plugins_on_step_end_is_an_observer_of_its_own_and_sinks_are_observers_too():
+    calls = []
+
+    class Fine:
+        @hookimpl
+        def on_step_end(self, step, metrics):
+            calls.append(("fine", step, metrics["reward_mean"]))
+
+    class Failing:
+        @hookimpl
+        def on_step_end(self, metrics):  # a hook may name only the arguments it wants
+            raise RuntimeError(f"tracker down at {metrics['step']}")
+
+    class Sink:
+        def write(self, m):
+            calls.append(("sink", m["step"]))
+
+    pm = pluggy.PluginManager("streamrl")
+    pm.add_hookspecs(hookspecs)
+    pm.register(Fine(), name="fine-plugin")
+    pm.register(Failing(), name="failing-plugin")
+    warned = []
+    observers = Observers([*sink_observers([Sink()]), *plugin_observers(pm.hook.on_step_end)], warned.append)
+    for m in records(3):
+        observers.step(m)
+    assert calls == [("sink", 0), ("fine", 0, 0.0), ("sink", 1), ("fine", 1, 0.1), ("sink", 2), ("fine", 2, 0.2)]
+    assert warned == ["plugin 'failing-plugin' (on_step_end) failed at step 1 and is left out from now on: "
+                      "RuntimeError: tracker down at 0"]
