@@ -3,7 +3,7 @@
     streamrl recipe run recipes/addition.toml --set trainer.lr=1e-4
     streamrl recipe resume runs/addition-20261123-101500   # from its newest checkpoint
     streamrl recipe show FILE        # the resolved recipe as TOML
-    streamrl recipe validate FILE    # both validation phases, no cluster
+    streamrl recipe validate FILE    # both validation phases and the first prompts, no cluster
     streamrl model init --task addition --out models/tiny-addition
     streamrl plugins list
     streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
@@ -262,7 +262,7 @@ def cmd_recipe(args) -> int:
     from streamrl.run import runner
 
     if args.cmd == "validate":
-        runner.resolve(loaded)
+        runner.validate(loaded)
         print(f"{args.file}: ok")
         return 0
     run_dir = runner.run(loaded, verbose=args.verbose, plain=args.plain, profile=args.profile, report=args.report)

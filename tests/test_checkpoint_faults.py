@@ -91,7 +91,23 @@ DAMAGES = {
     "a byte of a shard changed": (lambda c: flip(c / "trainer" / "dcp" / "__0_0.distcp"),
                                   "trainer/dcp/__0_0.distcp does not hold what was written (its SHA-256 differs)"),
     "controller.json cut short": (lambda c: cut(c / "controller.json"), "controller.json is"),
+    # damaged JSON whose manifest was written after the damage: the bytes match, the content does not
+    "dispatch.json cut mid-list, manifest to match": (
+        lambda c: (cut(c / "dispatch.json", 0.3), rewrite_manifest(c)), "dispatch.json cannot be read (JSONDecodeError)"),
+    "controller.json a list, manifest to match": (
+        lambda c: ((c / "controller.json").write_text("[1, 2, 3]"), rewrite_manifest(c)),
+        "controller.json does not hold what a checkpoint writes there (a list, not an object)"),
+    "controller.json a negative step, manifest to match": (
+        lambda c: ((c / "controller.json").write_text('{"next_step": -4, "policy_version": 4, "records": 4}'),
+                   rewrite_manifest(c)), "controller.json does not hold what a checkpoint writes there (next_step is -4, "
+                                         "not a count)"),
 }
+
+
+def rewrite_manifest(ckpt: Path) -> None:
+    """A manifest that matches the files as they are now."""
+    (ckpt / checkpoints.MANIFEST).unlink()
+    checkpoints.write_manifest(ckpt)
 
 
 @pytest.mark.slow

@@ -172,3 +172,45 @@ def test_a_split_of_one_file_and_a_fraction_that_leaves_nothing_are_one_line(ver
     one.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(UserError, match="task.eval_fraction: .* leaves none to train on"):
         DatasetTask(DatasetConfig(path=str(one), eval_fraction=0.5))
+
+
+def test_recipe_validate_builds_the_task_and_reads_its_first_rows(tmp_path, tiny_model, trl_jsonl):
+    # what the run does first on the client, validate does too: a recipe that says ok does not
+    # stop at its first step
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, TINY_RECIPE
+
+    def validate(task_table: str, *extra: str) -> subprocess.CompletedProcess:
+        text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace('[task]\nname = "addition"',
+                                                                                  task_table)
+        (tmp_path / "r.toml").write_text(text)
+        return subprocess.run([sys.executable, "-m", "streamrl", "recipe", "validate", str(tmp_path / "r.toml"),
+                               *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    ok = validate(f'[task]\nname = "dataset"\npath = "{trl_jsonl}"\nanswer_key = "solution"')
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("r.toml: ok"), ok.stderr
+    cases = {
+        "a dataset file that is not there": (f'[task]\nname = "dataset"\npath = "{tmp_path}/missing.jsonl"',
+                                             "task.path: cannot read"),
+        "rows without the prompt field": (f'[task]\nname = "dataset"\npath = "{trl_jsonl}"\nprompt_key = "question"',
+                                          "task.prompt_key: the rows of"),
+        "a task whose constructor raises": ('[plugins]\nmodules = ["./broken_task.py"]\n\n[task]\nname = "broken"',
+                                            "task 'broken' could not be built, from plugin"),
+        "a task whose first prompts fail": ('[plugins]\nmodules = ["./broken_task.py"]\n\n[task]\nname = "late"',
+                                            "task 'late': drawing the first step's prompts failed: KeyError"),
+    }
+    (tmp_path / "broken_task.py").write_text(
+        "from pydantic import BaseModel\n"
+        "from streamrl.api import Component, Task, hookimpl\n"
+        "class Config(BaseModel):\n    pass\n"
+        "class Broken(Task):\n    def __init__(self, config):\n        raise RuntimeError('the data server is down')\n"
+        "class Late(Task):\n    def __init__(self, config):\n        self.rows = {}\n"
+        "    def prompts(self, step, n):\n        return [self.rows['prompt']]\n"
+        "@hookimpl\ndef register_tasks():\n"
+        "    return [Component('task', 'broken', Config, Broken), Component('task', 'late', Config, Late)]\n")
+    for what, (table, says) in cases.items():
+        proc = validate(table)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (what, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, (what, proc.stderr)

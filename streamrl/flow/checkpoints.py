@@ -174,10 +174,59 @@ def verify(ckpt: Path) -> str | None:
     for name, digest in zip(names, digests):
         if digest != wanted[name][1]:
             return f"{name} does not hold what was written (its SHA-256 differs)"
-    problem = refused(ckpt)
+    problem = refused(ckpt) or json_problem(ckpt)
     if problem:
         return problem
     _VERIFIED[str(ckpt)] = signature
+    return None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _controller_problem(d) -> str | None:
+    if not isinstance(d, dict):
+        return f"a {type(d).__name__}, not an object"
+    for key in ("next_step", "policy_version", "records"):
+        if (key in d or key != "records") and not _count(d.get(key)):
+            return f"{key} is {d.get(key)!r}, not a count"
+    return None
+
+
+def _dispatch_problem(d) -> str | None:
+    if not isinstance(d, dict):
+        return f"a {type(d).__name__}, not an object"
+    lengths = d.get("observed_lengths")
+    if not isinstance(lengths, list) or not all(_count(x) for x in lengths):
+        return "observed_lengths is not a list of counts"
+    if not isinstance(d.get("prompt_tokens"), (int, float)):
+        return f"prompt_tokens is {d.get('prompt_tokens')!r}, not a number"
+    return None
+
+
+#: What a resume reads from each JSON file of a checkpoint: what is wrong with the parsed value, or None.
+JSON_FILES = {"controller.json": _controller_problem, "dispatch.json": _dispatch_problem}
+
+
+def json_problem(ckpt: Path) -> str | None:
+    """What is wrong with the JSON files of checkpoint ``ckpt`` that a resume reads (one phrase),
+    or None. A manifest says the bytes are the ones listed; this says they are what streamrl
+    writes there -- a file damaged before its manifest was written, or rewritten together with
+    it, is refused in one line like any damaged checkpoint, not read into a traceback."""
+    for name, fits in JSON_FILES.items():
+        path = ckpt / name
+        if not path.exists():
+            if name == "controller.json":
+                return "controller.json is missing"
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            return f"{name} cannot be read ({type(exc).__name__})"
+        wrong = fits(data)
+        if wrong:
+            return f"{name} does not hold what a checkpoint writes there ({wrong})"
     return None
 
 
@@ -206,15 +255,9 @@ def refused(ckpt: Path) -> str | None:
 def _verify_legacy(ckpt: Path) -> str | None:
     """A checkpoint without a manifest: everything in it that can be read is read (never
     with Python's full pickle: :func:`refused`)."""
-    state = ckpt / "controller.json"
-    if not state.exists():
-        return "controller.json is missing"
-    for name in ("controller.json", "dispatch.json"):
-        try:
-            if (ckpt / name).exists():
-                json.loads((ckpt / name).read_text())
-        except (OSError, ValueError) as exc:
-            return f"{name} cannot be read ({type(exc).__name__})"
+    problem = json_problem(ckpt)
+    if problem:
+        return problem
     trainer = ckpt / "trainer"
     if (trainer / "trainer.pt").exists() or (trainer / "dcp").exists():
         if not (trainer / "trainer.pt").exists():

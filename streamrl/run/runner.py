@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from streamrl import cluster, quiet
 from streamrl.errors import Interrupted, RunFailed, UserError
-from streamrl.flow import checkpoints
+from streamrl.flow import checkpoints, submit
 from streamrl.run import saving
 from streamrl.run.controller import Controller
 from streamrl.run.observers import Called, Observers, plugin_observers, sink_observers
@@ -30,7 +30,25 @@ from streamrl.telemetry.console import RunDisplay, WarningsLog, flat_groups_note
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
 
-__all__ = ["resolve", "run", "load_for_resume"]
+__all__ = ["resolve", "run", "load_for_resume", "validate"]
+
+
+def validate(loaded: LoadedRecipe) -> Resolved:
+    """``streamrl recipe validate``: both phases of validation, then what the run does first on
+    the client -- build the task and draw the first step's prompts (a dataset read, its fields
+    found) -- so a recipe that validates does not stop at its first step; no cluster."""
+    resolved = resolve(loaded)
+    r = loaded.recipe
+    task = resolved.task.build_here()
+    try:
+        prompts = task.prompts(0, r.trainer.prompts_per_step)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"task {r.task.name!r}: drawing the first step's prompts failed: {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:300]}") from None
+    submit.check_prompts(r.task.name, 0, prompts, r.trainer.prompts_per_step, set())
+    return resolved
 
 
 def load_for_resume(run_dir: str | Path, overrides: list[str] = ()) -> tuple[LoadedRecipe, Path]:
