@@ -307,12 +307,12 @@ def test_a_real_runs_folder_is_its_owners_alone(ranked_run):
 from tests.test_dashboard import scheduler_only  # noqa: E402,F401  (the fixture)
 
 
-def status_of(port: int, path: str, host: str) -> int:
+def status_of(port: int, path: str, host: str, origin: str | None = None) -> int:
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("GET", path, headers={"Host": host})
+        conn.request("GET", path, headers={"Host": host, **({"Origin": origin} if origin else {})})
         response = conn.getresponse()
         response.read()
         return response.status
@@ -332,3 +332,79 @@ def test_the_dashboard_refuses_a_foreign_host_header(scheduler_only):
         assert status_of(port, path, "evil.example") == 403
         assert status_of(port, path, f"evil.example:{port}") == 403
         assert status_of(port, path, "127.0.0.1:1") == 403
+
+
+def websocket_refusal(port: int, path: str, origin: str) -> str | None:
+    """Open a websocket to the dashboard with tornado's client, as a page from ``origin`` would:
+    None when the server accepts the handshake, else the refusal's status and body."""
+    import asyncio
+
+    from tornado.httpclient import HTTPClientError, HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    async def go():
+        request = HTTPRequest(f"ws://127.0.0.1:{port}{path}", headers={"Origin": origin})
+        try:
+            conn = await websocket_connect(request)
+        except HTTPClientError as exc:
+            body = exc.response.body.decode(errors="replace") if exc.response is not None and exc.response.body else ""
+            return f"{exc.code} {body.strip()}"
+        conn.close()
+        return None
+
+    return asyncio.run(go())
+
+
+def test_the_dashboard_refuses_another_sites_origin_and_its_websockets(scheduler_only):
+    from streamrl.telemetry import dashboard
+
+    url = dashboard.install(scheduler_only, name="demo", mode="async", steps=4)
+    port = int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    own = f"http://127.0.0.1:{port}"
+    refused = "403 403: this dashboard answers its own pages only (Origin header refused)"
+    for path in ("/streamrl", "/status"):
+        assert status_of(port, path, f"127.0.0.1:{port}", origin=own) == 200
+        assert status_of(port, path, f"127.0.0.1:{port}", origin=f"http://localhost:{port}") == 200
+        for other in ("http://evil.example", f"http://evil.example:{port}", "http://127.0.0.1:1", "null"):
+            assert status_of(port, path, f"127.0.0.1:{port}", origin=other) == 403, (path, other)
+    # Dask's and the page's websockets: another site's page gets no handshake (before: 101 and
+    # the whole document); the page's own origin gets past the guard to Bokeh or Dask
+    for ws in ("/streamrl/ws", "/individual-task-stream/ws"):
+        assert websocket_refusal(port, ws, "http://evil.example") == refused
+        assert websocket_refusal(port, ws, own) != refused
+
+
+def test_the_dashboard_answers_identity_json_once_workers_have_fetched_from_each_other():
+    # Dask's own handler fails on the tuple-keyed metrics a worker reports after it fetched data
+    # from another (500, and a tornado traceback on the run's terminal)
+    import json
+
+    from distributed import Client, Scheduler, SpecCluster, Worker
+
+    from streamrl.telemetry import dashboard
+
+    workers = {n: {"cls": Worker, "options": {"nthreads": 1, "host": "127.0.0.1"}} for n in ("w0", "w1")}
+    with SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
+            "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2)
+        a, b = list(cluster.scheduler.workers)
+        x = client.submit(lambda: list(range(10_000)), workers=[a], pure=False)
+        assert client.submit(len, x, workers=[b]).result() == 10_000  # b fetched x from a
+        dashboard.install(client, name="demo", mode="async", steps=4)
+        port = cluster.scheduler.http_server.port
+        import http.client
+
+        deadline = __import__("time").time() + 30
+        while True:  # (the metrics reach the scheduler with the next heartbeat)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/json/identity.json", headers={"Host": f"127.0.0.1:{port}"})
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            assert response.status == 200, body[:300]
+            ident = json.loads(body)
+            digests = [k for w in ident["workers"].values() for k in (w.get("metrics", {}).get(
+                "digests_total_since_heartbeat") or {})]
+            if any("/" in k for k in digests) or __import__("time").time() > deadline:
+                break
+        assert ident["type"] == "Scheduler" and len(ident["workers"]) == 2

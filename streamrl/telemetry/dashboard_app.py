@@ -51,7 +51,7 @@ def attach(dask_scheduler) -> dict | None:
     server = getattr(scheduler, "http_server", None)
     if routing is None or server is None:
         return None
-    guard_host(routing, server)
+    guard_host(routing, server, scheduler)
     prefix = None
     for app in routing.applications:
         ours = getattr(app, "streamrl_page", None)
@@ -89,12 +89,18 @@ def allowed_hosts(bound: str) -> set[str]:
     return names
 
 
-def guard_host(routing, server) -> None:
+def guard_host(routing, server, scheduler=None) -> None:
     """Make the dashboard's tornado application (``routing``, served by ``server``) refuse with
     403 every request whose ``Host`` is not one of :func:`allowed_hosts` with the server's port
-    (a DNS-rebinding page's requests, its websocket too). Once per application."""
+    (a DNS-rebinding page's requests, its websocket too), and every request whose ``Origin`` is
+    another site (a page elsewhere opening the dashboard's websocket, which browsers allow across
+    sites: it would read every figure the page shows). With ``scheduler``, ``/json/identity.json``
+    answers from :func:`identity_json` (Dask's own handler fails on its workers' metrics). Once
+    per application."""
     if getattr(routing, "streamrl_host_guard", False):
         return
+    from urllib.parse import urlsplit
+
     from tornado import httputil, web
 
     class ForeignHost(web.RequestHandler):
@@ -102,18 +108,60 @@ def guard_host(routing, server) -> None:
             self.set_status(403)
             self.finish("403: this dashboard answers its own host name only (Host header refused)\n")
 
+    class ForeignOrigin(web.RequestHandler):
+        def prepare(self):
+            self.set_status(403)
+            self.finish("403: this dashboard answers its own pages only (Origin header refused)\n")
+
+    class Identity(web.RequestHandler):
+        def get(self):
+            self.set_header("Content-Type", "application/json")
+            self.finish(identity_json(scheduler))
+
     names = allowed_hosts(str(getattr(server, "address", "") or ""))
     port = int(server.port)
     find = routing.find_handler
 
+    def own(host: str | None, given: int | None, default: int) -> bool:
+        return (host or "").strip("[]").lower() in names and (given if given is not None else default) == port
+
     def find_handler(request, **kwargs):
         host, given = httputil.split_host_and_port((request.host or "").lower())
-        if host.strip("[]") not in names or (given if given is not None else 80) != port:
+        if not own(host, given, 80):
             return routing.get_handler_delegate(request, ForeignHost)
+        origin = request.headers.get("Origin")
+        if origin is not None:  # (a browser sends it with websockets and cross-site requests)
+            try:
+                parts = urlsplit(origin)
+                ok = parts.scheme in ("http", "https") and own(parts.hostname, parts.port,
+                                                               443 if parts.scheme == "https" else 80)
+            except ValueError:
+                ok = False
+            if not ok:
+                return routing.get_handler_delegate(request, ForeignOrigin)
+        if scheduler is not None and request.path.endswith("/json/identity.json"):
+            return routing.get_handler_delegate(request, Identity)
         return find(request, **kwargs)
 
     routing.find_handler = find_handler  # (tornado's router asks the application for a handler)
     routing.streamrl_host_guard = True
+
+
+def identity_json(scheduler) -> str:
+    """The scheduler's ``identity()`` as JSON. Dask's own ``/json/identity.json`` fails (500,
+    and a traceback on the run's terminal) once workers have fetched data from each other: their
+    metrics are keyed by tuples, which JSON cannot hold; here a tuple key becomes its parts
+    joined by ``/``."""
+    import json
+
+    def keyed(value):
+        if isinstance(value, dict):
+            return {("/".join(map(str, k)) if isinstance(k, tuple) else k): keyed(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [keyed(v) for v in value]
+        return value
+
+    return json.dumps(keyed(scheduler.identity()), default=str)
 
 
 def _template_variables(scheduler) -> dict:
