@@ -182,6 +182,12 @@ class Topology:
         """``name`` is gone: no longer counted in the generate pool's accounting."""
         self.pools.get("generate", {}).pop(name, None)
 
+    def replaced(self, pool: str) -> list[str]:
+        """Workers of ``pool`` that are gone or were restarted (at another address) since the
+        run placed its work on them, as the scheduler sees them now."""
+        now = {str(info.get("name")): addr for addr, info in cluster.workers(self.client).items()}
+        return sorted(name for name, addr in self.pools.get(pool, {}).items() if now.get(name) != addr)
+
     def address(self, name: str) -> str | None:
         """The current address of worker ``name`` (None: not up)."""
         for addr, info in cluster.workers(self.client).items():

@@ -93,6 +93,22 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
                               f"Resume with: {folder.resume_command()}")
 
 
+def _who_was_lost(exc: ResidentLost, controller: Controller | None) -> str:
+    """``exc``'s text, led by the train workers that are gone or restarted when a surviving rank
+    reported the loss (it can only say that a peer of its process group is gone, not which):
+    the scheduler knows which worker of the pool is not the one placed."""
+    text = str(exc)
+    if controller is None or "lost a peer of the train pool" not in text:
+        return text
+    try:
+        lost = controller.topology.replaced("train")
+    except Exception:  # (a cluster that no longer answers: the rank's words alone)
+        return text
+    if not lost:
+        return text
+    return f"worker {', '.join(lost)} of the train pool was lost ({text.removeprefix('worker ')})"
+
+
 def _write_views(folder: RunFolder, trace: TraceRecorder | None, report: bool, warn) -> dict[str, Path]:
     """After the run, however it ended: the trace and the report, written from what the run
     recorded (a failure here is a warning: the run's own outcome matters more). Returns the
@@ -134,7 +150,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     warn = lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True)  # noqa: E731
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
-    dask_cluster = client = trace = watchdog = None
+    dask_cluster = client = trace = watchdog = controller = None
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
@@ -192,7 +208,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             ckpt = folder.latest_checkpoint()
             then = (f"resume from {ckpt.name} with: {folder.resume_command()}" if ckpt
                     else "it had no checkpoint yet (run.checkpoint_every); start it again")
-            raise RunFailed(f"{exc}; the run stopped, {then}") from None
+            raise RunFailed(f"{_who_was_lost(exc, controller)}; the run stopped, {then}") from None
         raise
     finally:
         stop.uninstall()
