@@ -11,7 +11,8 @@ with it, and its nanny would restart it in the middle of the stop. So the embedd
 worker processes ignore both signals and only this process handles them: it stops the workers
 itself, in order, after the checkpoint. They start with both blocked (a spawned process
 inherits its parent's signal mask, so even its imports are covered) while this process handles
-a signal that comes meanwhile as a stop request (:meth:`StopRequest.deferred`), and each worker
+a signal that comes meanwhile as a stop request, counting each one so that a second one
+still stops at once (:meth:`StopRequest.deferred`), and each worker
 ignores both for good, and ends the block, when it is built (:func:`ignore_stop_signals`); a
 worker that a nanny restarts or the elastic pool adds is started from a thread that still
 blocks them, so it is covered the same way. A worker that ignores SIGTERM still ends with this
@@ -21,6 +22,9 @@ itself when its parent's pipe closes, whatever killed the parent.
 
 from __future__ import annotations
 
+import _thread
+import os
+import select
 import signal
 import threading
 from multiprocessing import resource_tracker
@@ -36,6 +40,7 @@ class StopRequest:
     def __init__(self, say: Callable[[str], None]):
         self.signal: int | None = None
         self.say = say
+        self._now = False  # a second signal came while the cluster started: stop at once
         self._old: dict[int, object] = {}
 
     @property
@@ -85,10 +90,52 @@ class StopRequest:
         # SIGINT and SIGTERM in the thread that starts it: start it before
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, NAMES)
+        # Two signals meanwhile must count as two (the second stops at once), but signals of one
+        # kind wait as one while every thread blocks them, and Python runs its handler once for
+        # several that reached a thread of a library before the main thread looked. So a watcher
+        # thread counts each one: those pending on the process (sigtimedwait) and those a thread
+        # took (the wakeup fd, one byte per signal); the handler only raises once it says so.
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        old_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        old = {sig: signal.signal(sig, self._while_starting) for sig in NAMES}
+        done = threading.Event()
+        watcher = threading.Thread(target=self._count_signals, args=(done, read_end), name="streamrl-signals",
+                                   daemon=True)
+        watcher.start()
         try:
             yield
         finally:
+            done.set()
+            watcher.join()
+            signal.set_wakeup_fd(old_fd)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            os.close(read_end)
+            os.close(write_end)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)
+        if self._now:  # the second signal came while the main thread could not be interrupted
+            raise KeyboardInterrupt
+
+    def _while_starting(self, signum, frame) -> None:
+        # Python's handler while the cluster starts: the watcher counts the signals
+        if self._now:
+            raise KeyboardInterrupt
+
+    def _count_signals(self, done: threading.Event, wakeup: int) -> None:
+        while not done.is_set():
+            taken = []
+            info = signal.sigtimedwait(NAMES, 0)  # pending while every thread blocks them
+            if info is not None:
+                taken.append(info.si_signo)
+            if select.select([wakeup], [], [], 0.05)[0]:
+                taken += list(os.read(wakeup, 64))
+            for signum in taken:
+                if self.signal is None:
+                    self._handle(signum, None)  # the first: a stop request, said now
+                else:
+                    self._now = True  # the second: the main thread raises KeyboardInterrupt
+                    _thread.interrupt_main(signal.SIGINT)
 
     def uninstall(self) -> None:
         """Put the previous handlers back."""

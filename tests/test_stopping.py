@@ -1,0 +1,40 @@
+"""Stop signals while the embedded cluster starts (``stopping.py``): the real CLI, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_the_cluster_starts_stops_at_once(tiny_recipe, tmp_path):
+    # the two signals reach the process group while the workers are being started (their
+    # signals blocked, streamrl counting them): the second must stop the run before any step,
+    # not be merged with the first into one stop request that runs a step and checkpoints it
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
+                             "--set", "run.steps=50"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 60
+    while not psutil.Process(proc.pid).children(recursive=True):  # the cluster's first process is starting
+        assert time.time() < deadline and proc.poll() is None, "the run started no worker process"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "streamrl: interrupted", err[-3000:]
+    assert "Traceback" not in err and "step   1/" not in err, err[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""  # no step ran
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
