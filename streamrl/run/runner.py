@@ -161,6 +161,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             dask_cluster, client = cluster.start(r, verbose)
         stop.install()
         warnings_log.attach(client)
+        if not verbose:  # a worker's loss and restart: streamrl's own line says what matters
+            warnings_log.take_dask_warnings()
         console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {folder.path}",
                       soft_wrap=True)
         console.print(f"dashboard: {client.dashboard_link}")
@@ -223,6 +225,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             warn(f"on_run_end failed: {type(exc).__name__}: {exc}")
         if dask_cluster is not None or client is not None:
             cluster.stop(dask_cluster, client)
+        warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
     errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
     if errors:
         first = next((rec["reward_error_first"] for rec in folder.records if rec.get("reward_error_first")), None)

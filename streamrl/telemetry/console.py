@@ -13,6 +13,7 @@ as a Dask event, and :class:`WarningsLog` writes those and this process's own to
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -303,3 +304,29 @@ class WarningsLog:
         if self._default is not None:
             warnings.showwarning = self._default
             self._default = None
+
+    #: The Dask loggers of this process whose warnings :meth:`take_dask_warnings` keeps: the
+    #: embedded cluster's nannies and its scheduler, which retell a worker's loss and restart
+    #: (and a slow exit at the end) that streamrl reports in its own line.
+    DASK_LOGGERS = ("distributed.nanny", "distributed.scheduler")
+
+    def take_dask_warnings(self) -> None:
+        """Until :meth:`release_dask_warnings`, write the warnings of :data:`DASK_LOGGERS` here
+        instead of the terminal (errors still go there); ``--verbose`` runs do not call it."""
+        def tap(record: logging.LogRecord) -> bool:
+            if record.levelno >= logging.ERROR:
+                return True
+            self.write(record.name, record.levelname, record.getMessage(), "dask")
+            return False
+
+        self._tap = tap
+        for name in self.DASK_LOGGERS:
+            logging.getLogger(name).addFilter(tap)
+
+    def release_dask_warnings(self) -> None:
+        """Dask's warnings to the terminal again."""
+        tap = getattr(self, "_tap", None)
+        if tap is not None:
+            for name in self.DASK_LOGGERS:
+                logging.getLogger(name).removeFilter(tap)
+            self._tap = None
