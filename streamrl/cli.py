@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("run_dir", help="the run folder (runs/<name>-<time>)")
     resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a value of the run's recipe, e.g. --set run.steps=400 to go on longer")
+    resume.add_argument("--from", dest="from_checkpoint", metavar="step-N",
+                        help="resume from this checkpoint of the run instead of the newest (the newer ones "
+                             "are set aside as passed-over-step-N)")
     resume.add_argument("--verbose", action="store_true", help="show Dask's own logs")
     _display_args(resume)
     _recipe_args(recipe.add_parser("show", help="print the resolved recipe"))
@@ -253,7 +256,7 @@ def cmd_recipe(args) -> int:
 
         loaded, run_dir = runner.load_for_resume(args.run_dir, args.overrides)
         print(runner.run(loaded, verbose=args.verbose, resume_dir=run_dir, plain=args.plain,
-                         profile=args.profile, report=args.report))
+                         profile=args.profile, report=args.report, from_checkpoint=args.from_checkpoint))
         return 0
     loaded = load_recipe(args.file, args.overrides)
     if args.cmd == "show":

@@ -80,14 +80,20 @@ def test_a_nan_loss_is_refused_before_the_update_and_leaves_the_weights_as_they_
     assert all(torch.equal(adam[k], after[k]) for k in adam)  # AdamW's moments and step count untouched
 
 
-def test_an_update_that_makes_the_policy_not_finite_is_refused_before_its_weights_go_anywhere(tiny_model):
+@pytest.mark.parametrize("check", ["norm", "finite"])
+def test_an_update_that_ruins_the_policy_is_refused_before_its_weights_go_anywhere(tiny_model, check):
     # finite gradients, a learning rate far too high: AdamW moves every weight by ~1e9, which is
-    # finite, but the policy's outputs are not -- the engines would find out first, in sampling
-    trainer = trainer_with(tiny_model, algorithm=GRPO(GRPOConfig()), lr=1e9)
+    # finite, but ruins the policy -- the engines would find out first, in sampling, or a later
+    # step's gradient. The weights' norm jumps (trainer.max_weight_change); with that check off,
+    # the policy's outputs are not finite
+    extra = {} if check == "norm" else {"max_weight_change": 1e30}
+    trainer = trainer_with(tiny_model, algorithm=GRPO(GRPOConfig()), lr=1e9, **extra)
     train_one_batch(trainer)
-    with pytest.raises(NonFiniteStep, match=r"^step 1: the update made the (weights|policy's log-probabilities) not "
-                                            r"finite \(trainer.lr = 1e\+09\); nothing of this step was published or "
-                                            r"checkpointed; lower trainer.lr or check the algorithm \(GRPO\)$"):
+    says = (r"changed the weights' norm from [\d.]+ to [\d.e+]+, more than trainer.max_weight_change = 1 of it"
+            if check == "norm" else r"made the (weights|policy's log-probabilities) not finite")
+    with pytest.raises(NonFiniteStep, match=rf"^step 1: the update {says} \(trainer.lr = 1e\+09\); nothing of this step "
+                                            r"was published or checkpointed; lower trainer.lr or check the algorithm "
+                                            r"\(GRPO\)$"):
         trainer.step()
     assert trainer.version == 0  # the step never finished: no export, no checkpoint waits on it
 

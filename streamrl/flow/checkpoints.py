@@ -53,7 +53,7 @@ from typing import Callable
 
 from distributed import Client, Future, wait
 
-from streamrl.errors import CheckpointFailed, RunFailed, RunWarning
+from streamrl.errors import CheckpointFailed, RunFailed, RunWarning, UserError
 from streamrl.flow import remote
 from streamrl.flow.resident import ComponentError, ResidentLost
 
@@ -63,6 +63,11 @@ MANIFEST = "manifest.json"
 DAMAGED = "damaged-"
 """Prefix a damaged checkpoint is set aside under once a run resumes from an older one
 (:func:`set_aside`): kept for a look, no longer counted among the checkpoints."""
+
+
+PASSED_OVER = "passed-over-"
+"""Prefix a whole checkpoint newer than the one a run was resumed from (``--from``) is set aside
+under: the resumed run writes those steps again."""
 
 
 def folder(run_dir: Path) -> Path:
@@ -103,18 +108,40 @@ def usable(run_dir: Path) -> tuple[Path | None, list[str]]:
     return None, problems
 
 
+def named(run_dir: Path, name: str) -> Path:
+    """The checkpoint ``name`` of a run (``step-000010``, ``step-10`` or ``10``), which must
+    verify; a one-line :class:`UserError` names the checkpoints there are otherwise."""
+    digits = name.removeprefix(PREFIX)
+    found = next((c for c in _all(run_dir) if digits.isdigit() and int(c.name.removeprefix(PREFIX)) == int(digits)),
+                 None)
+    if found is None:
+        there = ", ".join(c.name for c in _all(run_dir)) or "none"
+        raise UserError(f"--from {name}: no such checkpoint in {folder(run_dir)} (there are: {there})")
+    problem = verify(found)
+    if problem is not None:
+        raise UserError(f"--from {name}: checkpoint {found.name} is not usable: {problem}")
+    return found
+
+
+def usable_all(run_dir: Path) -> list[Path]:
+    """Every checkpoint of a run that verifies, oldest first."""
+    return [c for c in _all(run_dir) if verify(c) is None]
+
+
 def set_aside(run_dir: Path, resumed_from: Path) -> list[str]:
-    """Rename every checkpoint newer than ``resumed_from`` (each failed :func:`verify`) to
-    ``damaged-step-...``: a resumed run writes those steps again, and the damaged ones must
-    neither stand in for them nor take the place of a good one among ``run.keep_checkpoints``.
-    Returns the new names."""
+    """Rename every checkpoint newer than ``resumed_from`` out of the way: a resumed run writes
+    those steps again, and they must neither stand in for them nor take the place of a good one
+    among ``run.keep_checkpoints``. One that fails :func:`verify` becomes ``damaged-step-...``,
+    a whole one (the run was resumed from an older one on purpose, ``--from``)
+    ``passed-over-step-...``. Returns the new names."""
     moved = []
     for ckpt in _all(run_dir):
         if ckpt.name > resumed_from.name:
-            target, n = ckpt.with_name(DAMAGED + ckpt.name), 1
+            prefix = PASSED_OVER if verify(ckpt) is None else DAMAGED
+            target, n = ckpt.with_name(prefix + ckpt.name), 1
             while target.exists():
                 n += 1
-                target = ckpt.with_name(f"{DAMAGED}{ckpt.name}-{n}")
+                target = ckpt.with_name(f"{prefix}{ckpt.name}-{n}")
             os.replace(ckpt, target)
             moved.append(target.name)
     return moved

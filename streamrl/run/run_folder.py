@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
-from streamrl.errors import RunStopped, RunWarning, UserError
+from streamrl.errors import NonFiniteStep, RunStopped, RunWarning, UserError
 from streamrl.flow import checkpoints
 from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
@@ -114,9 +114,16 @@ class RunFolder:
         folder is not known) gets the last checkpoint and the resume command added to its message."""
         ckpt = self.latest_checkpoint()
         if isinstance(exc, RunStopped):
-            exc.resume_from(f"the last checkpoint is {ckpt.name} (resume with: {self.resume_command()}, "
-                            "--set to change the recipe)" if ckpt is not None
-                            else "no checkpoint was written yet (run.checkpoint_every)")
+            where = (f"the last checkpoint is {ckpt.name} (resume with: {self.resume_command()}, "
+                     "--set to change the recipe)" if ckpt is not None
+                     else "no checkpoint was written yet (run.checkpoint_every)")
+            earlier = [c for c in checkpoints.usable_all(self.path) if ckpt is not None and c.name < ckpt.name]
+            if isinstance(exc, NonFiniteStep) and earlier:
+                # the newest checkpoint's weights made this step: if an earlier update went bad
+                # without a sign, so do they, and every resume from them fails the same way
+                where += (f"; if a resume from it fails the same way, its weights are already bad: resume from an "
+                          f"earlier one, {earlier[-1].name} ({self.resume_command()} --from {earlier[-1].name})")
+            exc.resume_from(where)
         fields = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         if ckpt is not None:
             fields["resume"] = self.resume_command()
@@ -128,19 +135,20 @@ class RunFolder:
         return checkpoints.latest(self.path)
 
     # -- metrics and sinks ------------------------------------------------------------------------
-    def open(self, loaded: LoadedRecipe, sinks: list, resumed: dict | None) -> None:
+    def open(self, loaded: LoadedRecipe, sinks: list, resumed: dict | None, checkpoint: Path | None = None) -> None:
         """Start (or go on with) the run: the recipe as run, ``status.json`` starting, the
-        metrics a resumed run keeps (``resumed``: its checkpoint's state; the steps after it are
-        run again), and the metric ``sinks`` opened on this folder."""
+        metrics a resumed run keeps (``resumed``: the state of ``checkpoint``, default the newest
+        usable one; the steps after it are run again), and the metric ``sinks`` opened on this folder."""
         if resumed is not None:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
             _owner_only(self.path)  # (a folder an older streamrl made, readable by others)
             (self.path / "recipe.toml").write_text(to_toml(loaded.recipe))
             self.metrics.keep_first(resumed["records"])
-            ckpt = self.latest_checkpoint()
-            if ckpt is not None:  # newer ones failed to verify: out of the way of the steps run again
+            ckpt = checkpoint or self.latest_checkpoint()
+            if ckpt is not None:  # newer ones (damaged, or passed over): out of the way of the steps run again
                 for name in checkpoints.set_aside(self.path, ckpt):
-                    warnings.warn(f"checkpoints/{name.removeprefix(checkpoints.DAMAGED)} is kept as {name} "
-                                  "(the resumed run writes that step again)", RunWarning, stacklevel=2)
+                    old = name.removeprefix(checkpoints.DAMAGED).removeprefix(checkpoints.PASSED_OVER)
+                    warnings.warn(f"checkpoints/{old} is kept as {name} (the resumed run writes that step again)",
+                                  RunWarning, stacklevel=2)
         self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())
         self.sinks = list(sinks)
         for sink in self.sinks:

@@ -129,7 +129,7 @@ def _write_views(folder: RunFolder, trace: TraceRecorder | None, report: bool, w
 
 def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = None,
         resolved: Resolved | None = None, resume_dir: Path | None = None, plain: bool | None = None,
-        profile: bool = False, report: bool | None = None) -> Path:
+        profile: bool = False, report: bool | None = None, from_checkpoint: str | None = None) -> Path:
     """Run a validated recipe end to end, or go on with the run in ``resume_dir`` from its newest
     checkpoint; returns the run folder. A stop signal ends it with :class:`Interrupted` after a
     checkpoint. ``plain`` forces one line per step (default: when the console is not a terminal);
@@ -141,7 +141,9 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     hooks = resolved.registry.pm.hook
     random.seed(r.run.seed)  # anything in this process that draws from random (tasks, schedulers)
     folder = RunFolder(resume_dir) if resume_dir else RunFolder.create(loaded)
-    checkpoint = folder.latest_checkpoint() if resume_dir else None
+    checkpoint = None
+    if resume_dir:  # the newest usable checkpoint, or the one ``--from`` names
+        checkpoint = checkpoints.named(folder.path, from_checkpoint) if from_checkpoint else folder.latest_checkpoint()
     resumed = checkpoints.read(checkpoint) if checkpoint is not None else None
     if resumed is not None and resumed["next_step"] >= r.run.steps:
         raise UserError(f"run.steps: the run already has {resumed['next_step']} steps; "
@@ -153,7 +155,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     dask_cluster = client = trace = watchdog = controller = None
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
-        folder.open(loaded, [s.build() for s in resolved.sinks], resumed)
+        folder.open(loaded, [s.build() for s in resolved.sinks], resumed, checkpoint)
         # the cluster's processes inherit the ignore, and a signal meanwhile waits for the
         # handler (``stopping.py``); connecting to cluster.address starts none, so a stop
         # signal meanwhile ends the command at once

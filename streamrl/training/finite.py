@@ -4,8 +4,9 @@ A loss or gradient norm that is not finite (NaN or inf) is no update: the step r
 :class:`~streamrl.errors.NonFiniteStep`, or is skipped while ``trainer.max_nonfinite_steps``
 allows. The answer is the same on every rank of the train pool (``Strategy.any_rank``), so the
 ranks apply or skip an update together. After an update the trainer also checks the weights
-(:func:`all_finite`) and the new policy's log-probabilities of one sample before the weights can
-be exported or checkpointed.
+(:func:`all_finite`), how far the update moved them (:func:`weight_norm`: an update that changes
+their norm by more than ``trainer.max_weight_change`` of it is finite but ruinous) and the new
+policy's log-probabilities of one sample before the weights can be exported or checkpointed.
 """
 
 from __future__ import annotations
@@ -74,3 +75,16 @@ def all_finite(params) -> bool:
 
     checks = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in params]
     return bool(torch.stack(checks).all()) if checks else True
+
+
+@torch.no_grad()
+def weight_norm(params) -> float:
+    """The float32 norm of ``params`` (a shard: its local part), for the size of an update."""
+    from torch.distributed.tensor import DTensor
+
+    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
+    if not local:
+        return 0.0
+    # (one fused kernel per dtype and device for the per-tensor norms, in float32)
+    norms = torch._foreach_norm(local, 2, dtype=torch.float32)
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))

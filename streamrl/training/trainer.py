@@ -27,7 +27,7 @@ from streamrl.errors import NonFiniteStep, RunFailed
 from streamrl.sample import Group, Sample
 from streamrl.training import fsdp
 from streamrl.training.critic import Critic, critic_stats
-from streamrl.training.finite import FiniteGuard, all_finite
+from streamrl.training.finite import FiniteGuard, all_finite, weight_norm
 from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
@@ -75,6 +75,12 @@ class HFTrainerConfig(BaseModel):
     elementwise work -- norms, activations, rotary embeddings, autocast's casts -- runs fused
     instead of one kernel per operation. The first micro-batches of each new length pay for the
     compilation (tens of seconds on a GPU); worth it for long runs on a GPU, not on CPU."""
+    max_weight_change: float = Field(1.0, gt=0)
+    """An update that changes the policy's weight norm by more than this share of it (1.0: to
+    double it, or to nothing) stops the run before it is published or checkpointed, like one
+    that is not finite: a learning rate far too high (``trainer.lr = 1e9``) makes finite weights
+    that ruin every later step, and a checkpoint of them would make every resume fail too. A
+    sane update moves the norm by well under 1% of it."""
     max_nonfinite_steps: int = Field(0, ge=0)
     """Optimizer steps in a row whose loss or gradient may be not finite (NaN or inf) and are
     skipped -- no update, the policy version still counted, ``nonfinite_skipped`` = 1 in the
@@ -291,6 +297,7 @@ class HFTrainer(Trainer):
             out["nonfinite_skipped"] = 1
         else:
             self.finite.applied()
+            before = weight_norm(self.stepped.parameters())
             self.optimizer.step()
             self.lr_schedule.step()
             if self.critic is not None:
@@ -303,12 +310,16 @@ class HFTrainer(Trainer):
             # (a pass over the weights) and the new policy's log-probabilities of one sample (a
             # forward pass of one sequence) first.
             broken = None
+            after = weight_norm(self.stepped.parameters()) if before > 0 else 0.0
             if not all_finite(self.stepped.parameters()):
                 broken = "made the weights not finite"
+            elif before > 0 and abs(after - before) > self.config.max_weight_change * before:
+                broken = (f"changed the weights' norm from {before:.4g} to {after:.4g}, more than "
+                          f"trainer.max_weight_change = {self.config.max_weight_change:g} of it")
             elif not self._probe_finite():
                 broken = "made the policy's log-probabilities not finite"
             if self.strategy.any_rank(broken is not None, self.device):
-                raise NonFiniteStep(f"{self._step_name()}: the update {broken or 'was not finite on another rank'} "
+                raise NonFiniteStep(f"{self._step_name()}: the update {broken or 'was not sane on another rank'} "
                                     f"(trainer.lr = {self.config.lr:g}); nothing of this step was published or "
                                     f"checkpointed; lower trainer.lr or check the algorithm "
                                     f"({type(self.algorithm).__name__})")
