@@ -38,3 +38,24 @@ def test_a_second_ctrl_c_while_the_cluster_starts_stops_at_once(tiny_recipe, tmp
     metrics = run_dir / "metrics.jsonl"
     assert not metrics.exists() or metrics.read_text() == ""  # no step ran
     assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_mid_run_stops_at_once_with_nothing_of_dasks_on_the_terminal(tiny_recipe, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
+                             "--set", "run.steps=200"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    seen = []
+    while not any("step   3/" in line for line in seen):  # (readline: a hang guard is the test's timeout)
+        line = proc.stderr.readline()
+        assert line, "".join(seen)[-3000:]
+        seen.append(line)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "streamrl: interrupted", err[-3000:]
+    # the workers' teardown (a nanny killing a worker slow to exit, a restart) is Dask's to log: not here
+    assert not [line for line in err.splitlines() if " - distributed." in line or "Traceback" in line], err[-3000:]
