@@ -126,7 +126,8 @@ def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
 def test_resume_refuses_a_run_that_is_still_going(tmp_path):
     (tmp_path / "recipe.toml").write_text("")
     (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
+        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))  # (what a checkpoint holds)
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "recipe_file": "x"}))
     proc = streamrl("recipe", "resume", str(tmp_path))
     assert proc.returncode == 2
