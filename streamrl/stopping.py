@@ -125,7 +125,8 @@ class StopRequest:
     def _count_signals(self, done: threading.Event, wakeup: int) -> None:
         while not done.is_set():
             taken = []
-            info = signal.sigtimedwait(NAMES, 0)  # pending while every thread blocks them
+            # pending while every thread blocks them (Linux; elsewhere they wait for the block's end)
+            info = signal.sigtimedwait(NAMES, 0) if hasattr(signal, "sigtimedwait") else None
             if info is not None:
                 taken.append(info.si_signo)
             if select.select([wakeup], [], [], 0.05)[0]:
