@@ -117,8 +117,10 @@ class RunFolder:
             where = (f"the last checkpoint is {ckpt.name} (resume with: {self.resume_command()}, "
                      "--set to change the recipe)" if ckpt is not None
                      else "no checkpoint was written yet (run.checkpoint_every)")
-            earlier = [c for c in checkpoints.usable_all(self.path) if ckpt is not None and c.name < ckpt.name]
-            if isinstance(exc, NonFiniteStep) and earlier:
+            # (only for a refused update: it verifies, hashes included, every older checkpoint)
+            earlier = ([c for c in checkpoints.usable_all(self.path) if c.name < ckpt.name]
+                       if isinstance(exc, NonFiniteStep) and ckpt is not None else [])
+            if earlier:
                 # the newest checkpoint's weights made this step: if an earlier update went bad
                 # without a sign, so do they, and every resume from them fails the same way
                 where += (f"; if a resume from it fails the same way, its weights are already bad: resume from an "
