@@ -19,8 +19,9 @@ outside still leaves what it measured):
 5. ``transfer``: ``streamrl bench transfer`` with ``cuda_ipc`` and ``dask`` (seconds and GB/s of
    one publication GPU -> engine);
 6. ``trainer``: ``streamrl bench trainer`` at 8, 32 and 64 samples x 576 tokens (tokens/s, MFU,
-   peak memory), variants of precision and micro-batch size, and a torch.profiler table of one
-   step of the largest batch;
+   peak memory), variants of the log-prob head, precision and micro-batch size, and a
+   torch.profiler table of one step of each variant at the largest batch; ``head``: the output
+   head + log-softmax alone (``benchmarks/head_logprobs.py``), each way, with their differences;
 7. ``factory``: the recipe for two steps on a ``dask_cuda.LocalCUDACluster``, every pool on GPU 0.
 
 On one H200 the phases took: model 40 s, trainer 20 + 17 + 70 s (the variants at 64 x 576),
@@ -234,10 +235,12 @@ class Check:
             if n == max(self.args.trainer_samples or s["trainer_samples"]):
                 biggest = n * (s["trainer_prompt"] + s["trainer_response"])
                 variants = self.args.trainer_variant or [
-                    "recipe", f"one-micro-batch:trainer.micro_batch_tokens={biggest}",
-                    "bf16-params:trainer.precision=\"bf16-params\"",
-                    "checkpointed:trainer.activation_checkpointing=true",
-                    "compiled:trainer.compile=true"]
+                    "recipe", "checkpointed-head:trainer.logprob_kernels=\"checkpointed\"",
+                    "eager-head:trainer.logprob_kernels=\"eager\"",
+                    "head-chunk-4096:trainer.logprob_chunk_tokens=4096",
+                    f"one-micro-batch:trainer.micro_batch_tokens={biggest}",
+                    f"one-micro-batch+chunk-4096:trainer.micro_batch_tokens={biggest};trainer.logprob_chunk_tokens=4096",
+                    "bf16-autocast:trainer.precision=\"bf16-autocast\""]
                 extra = ["--profile-dir", str(self.work)]
             row = self.run(f"trainer-{n}", streamrl("bench", "trainer", RECIPE, *sets(over),
                                                     *[x for v in variants for x in ("--variant", v)],
@@ -252,6 +255,21 @@ class Check:
         profiles = sorted(self.work.glob("trainer-profile-*.txt"))
         if profiles:
             self.result["trainer_profile"] = {p.stem: p.read_text()[:6000] for p in profiles}
+            self.save()
+
+    def head(self, model: str) -> None:
+        """``benchmarks/head_logprobs.py``: the output head + log-softmax alone, each way."""
+        small = self.args.small
+        out = self.work / "head.json"
+        s = sizes(small)
+        tokens = s["trainer_samples"][-1] * s["trainer_response"]
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "head_logprobs.py"), "--device", self.args.device,
+               "--tokens", str(tokens), "--out", str(out), "--big-chunk", "4096", "--big-chunk", "8192"]
+        if small:
+            cmd += ["--hidden", "64", "--dtype", "float32", "--repeats", "1"]
+        row = self.run("head", cmd, self.args.trainer_timeout)
+        if out.exists():
+            row["ways"] = json.loads(out.read_text())
             self.save()
 
     def transfer(self, model: str) -> None:
@@ -290,6 +308,10 @@ def table(result: dict) -> str:
                 mfu = "n/a" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
                 lines.append(f"| trainer | {v['samples']} x {v['tokens_per_step'] // v['samples']} {v['variant']}: "
                              f"tokens/s, MFU, peak GiB | {v['tokens_per_s']:,.0f}, {mfu}, {v['peak_memory_gib']:.1f} |")
+        for w in row.get("ways", []):
+            lines.append(f"| head | {w['way']}: s fwd+bwd, TFLOP/s, peak GiB, rel. diff (logp, dh, dW) | "
+                         + (w["error"] if "error" in w else
+                            f"{w['seconds']:.4f}, {w['tflops']}, {w['peak_gib']}, {w['rel_diff_logprob_gradh_gradw']}") + " |")
         if name == "transfer" and row.get("result"):
             for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
                 lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "

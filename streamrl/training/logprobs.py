@@ -4,15 +4,19 @@ The plain way -- ``log_softmax(model(ids).logits.float())`` then gather -- keeps
 logits over the whole vocabulary, in float32, alive until the backward pass. For a 0.5B model
 with a 150 K vocabulary that is 16 x 576 x 151,936 x 4 bytes = 5.6 GB per micro-batch (twice
 with the softmax), more than the model. Here the decoder runs once, and the output head +
-log-softmax run over chunks of positions, each under activation checkpointing: only one
-chunk's logits exist at a time, forward or backward, and the backward recomputes them.
-Positions that are not response tokens are not computed at all.
+log-softmax run over chunks of positions: only one chunk's logits exist at a time, forward or
+backward, and the backward recomputes them. A plain linear head goes through
+``training/head_logprobs.py`` (one autograd function that keeps a log-sum-exp per position and
+never a float32 copy of the logits); any other head through activation checkpointing of
+:func:`_head_logprobs`. Positions that are not response tokens are not computed at all.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from streamrl.training.head_logprobs import head_logprobs
 
 
 def pad_batch(samples, pad_id: int):
@@ -62,13 +66,16 @@ def _chunkable(model) -> bool:
             and getattr(cfg, "logit_scale", None) is None)
 
 
-def token_logprobs(model, ids, attn, temperature: float = 1.0, chunk_tokens: int = 0, mask=None):
+def token_logprobs(model, ids, attn, temperature: float = 1.0, chunk_tokens: int = 0, mask=None,
+                   kernels: str = "auto"):
     """Log-probability of each next token, ``[B, T-1]`` (position ``t`` holds token ``t+1``'s).
 
     ``chunk_tokens > 0``: the output head and log-softmax run over at most that many positions
     at a time (recomputed in the backward pass), and with ``mask`` (``[B, T-1]``, 1 on response
     tokens) only masked positions are computed; the rest of the result is 0. ``chunk_tokens = 0``
-    or a model whose logits are not a plain head: the full-logits computation.
+    or a model whose logits are not a plain head: the full-logits computation. ``kernels``:
+    ``trainer.logprob_kernels`` (eager or compiled per-chunk reductions of a linear head, or
+    ``checkpointed``: every head through activation checkpointing).
     """
     if chunk_tokens <= 0 or not _chunkable(model):
         return naive_token_logprobs(model, ids, attn, temperature)
@@ -77,6 +84,13 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0, chunk_tokens: int
     where = mask > 0 if mask is not None else torch.ones_like(targets, dtype=torch.bool)
     h, y = hidden[where], targets[where]
     head = model.get_output_embeddings()
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    if isinstance(head, torch.nn.Linear) and head.bias is None and kernels != "checkpointed":
+        # the head is linear: dividing its input by the temperature divides the logits by it
+        if h.shape[0]:
+            out = out.masked_scatter(where, head_logprobs(head, h / temperature if temperature != 1.0 else h, y,
+                                                          chunk_tokens, kernels))
+        return out
     parts = []
     for i in range(0, h.shape[0], chunk_tokens):
         if torch.is_grad_enabled():
@@ -84,7 +98,6 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0, chunk_tokens: int
                                     use_reentrant=False))
         else:
             parts.append(_head_logprobs(head, h[i:i + chunk_tokens], y[i:i + chunk_tokens], temperature))
-    out = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
     if parts:
         out = out.masked_scatter(where, torch.cat(parts))
     return out
@@ -100,6 +113,6 @@ class TokenLogprobs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, attn, temperature: float = 1.0, chunk_tokens: int = 0, mask=None):
+    def forward(self, ids, attn, temperature: float = 1.0, chunk_tokens: int = 0, mask=None, kernels: str = "auto"):
         """Same as :func:`token_logprobs` on the wrapped model."""
-        return token_logprobs(self.model, ids, attn, temperature, chunk_tokens, mask)
+        return token_logprobs(self.model, ids, attn, temperature, chunk_tokens, mask, kernels)

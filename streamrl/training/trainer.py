@@ -67,6 +67,13 @@ class HFTrainerConfig(BaseModel):
     """Token log-probs are computed from the output head over chunks of this many response
     positions, recomputed in the backward pass, so the ``[batch, length, vocab]`` float32 logits
     never exist at once (``training/logprobs.py``). 0: all logits at once (the plain way)."""
+    logprob_kernels: Literal["auto", "eager", "compiled", "checkpointed"] = "auto"
+    """How each chunk's log-softmax and its gradient run (``training/head_logprobs.py``):
+    ``compiled`` fuses each into one kernel that reads the bf16 logits and reduces in float32
+    without writing a float32 copy (``torch.compile``: compiled once, at the first step);
+    ``eager``: plain torch operations. ``auto``: compiled on a GPU with Triton, eager elsewhere.
+    ``checkpointed``: each chunk's head and float32 log-softmax under activation checkpointing
+    (the forward runs twice; the path of heads that are not a plain linear layer)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory per token (longer micro-batches fit), about a third more compute."""
@@ -242,11 +249,11 @@ class HFTrainer(Trainer):
         # sharded, the real and the empty passes must make the same collectives
         chunk = self.config.logprob_chunk_tokens
         with self.precision.autocast():
-            new = self.policy(ids, attn, self.temperature, chunk, resp)
+            new = self.policy(ids, attn, self.temperature, chunk, resp, self.config.logprob_kernels)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp)
+                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp, self.config.logprob_kernels)
         return new, ref
 
     def _empty_pass(self, like=None) -> dict:
@@ -345,7 +352,8 @@ class HFTrainer(Trainer):
             like = Sample(uid="probe", prompt=None, prompt_ids=[pad], response_ids=[pad], logprobs=[0.0])
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch([like], pad))
         with self.precision.autocast():
-            new = self.policy(ids, attn, self.temperature, self.config.logprob_chunk_tokens, resp)
+            new = self.policy(ids, attn, self.temperature, self.config.logprob_chunk_tokens, resp,
+                              self.config.logprob_kernels)
         self.strategy.forward_only_done(self.policy)
         return bool(torch.isfinite(new[resp > 0]).all())
 
