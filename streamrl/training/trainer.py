@@ -28,19 +28,11 @@ from streamrl.sample import Group, Sample
 from streamrl.training import fsdp
 from streamrl.training.critic import Critic, critic_stats
 from streamrl.training.finite import FiniteGuard, all_finite, weight_norm
+from streamrl.training.kernels import compile_layers, use_liger_kernels
 from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
 from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
-
-
-def compile_layers(model) -> None:
-    """``torch.compile`` the decoder's layers in place (``Module.compile``: the state dict keeps
-    its names, so checkpoints and weight publication see the same model); dynamic shapes, since
-    micro-batches differ in length."""
-    decoder = model.get_decoder()
-    for layer in getattr(decoder, "layers", None) or [decoder]:  # (a decoder without a layer list: whole)
-        layer.compile(dynamic=True)
 
 
 class HFTrainerConfig(BaseModel):
@@ -74,6 +66,11 @@ class HFTrainerConfig(BaseModel):
     ``eager``: plain torch operations. ``auto``: compiled on a GPU with Triton, eager elsewhere.
     ``checkpointed``: each chunk's head and float32 log-softmax under activation checkpointing
     (the forward runs twice; the path of heads that are not a plain linear layer)."""
+    kernels: Literal["torch", "liger"] = "torch"
+    """The decoder's elementwise layers: ``torch``, transformers' own modules (many small kernels
+    each: RMSNorm in float32, SwiGLU, rotary); ``liger``, the liger-kernel package's fused Triton
+    kernels for RMSNorm, SwiGLU and rotary embeddings, patched into the model in place (GPU only;
+    ``pip install liger-kernel`` on the train workers)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory per token (longer micro-batches fit), about a third more compute."""
@@ -124,6 +121,8 @@ class HFTrainer(Trainer):
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
         self.model.train()
+        if config.kernels == "liger":
+            use_liger_kernels(self.model, self.device)
         self.masters = self.strategy.masters(self.precision, self.model)
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -135,6 +134,8 @@ class HFTrainer(Trainer):
             dtype = next(self.model.parameters()).dtype
             self.reference = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype).to(built_on).eval()
             self.reference.requires_grad_(False)
+            if config.kernels == "liger":
+                use_liger_kernels(self.reference, self.device)
         self.critic = None
         if self.algorithm.needs_critic:
             self.critic = Critic(context.model_path, config.critic_lr, built_on)
