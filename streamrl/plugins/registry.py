@@ -133,6 +133,7 @@ def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Reg
     pm = pluggy.PluginManager("streamrl")
     pm.add_hookspecs(hookspecs)
     disabled = _disabled()
+    # (the built-ins' plugin name, as `streamrl plugins` lists it: a name, not the module's path)
     pm.register(builtins, name="streamrl.builtins")
     origins = {"streamrl.builtins": ("streamrl", _version("streamrl"))}
     _load_entrypoints(pm, disabled, origins)

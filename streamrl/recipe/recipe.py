@@ -23,7 +23,7 @@ import tomli_w
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from streamrl.errors import UserError
-from streamrl.recipe.learners import LearnerConfig, check as check_learner_tables
+from streamrl.recipe.learners import LearnerConfig, check as check_learners
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
 
@@ -203,7 +203,7 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _learners(self):
-        check_learner_tables(self.learners, self.run.serve)
+        check_learners(self.learners, self.run.serve)
         return self
 
 
