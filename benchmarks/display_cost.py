@@ -20,7 +20,7 @@ import tempfile
 from rich.console import Console
 
 from streamrl.run import runner
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 
 
 def samples_per_s(run_dir, warmup: int) -> float:

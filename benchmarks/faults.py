@@ -63,11 +63,11 @@ def kill_random_worker(run_dir: Path, rng: random.Random, pools: tuple[str, ...]
     one of each pool at once; returns their names."""
     from distributed import Client
 
-    from streamrl import cluster
+    from streamrl.cluster import lifecycle
 
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        workers = {str(w["name"]): a for a, w in cluster.workers(client).items()
+        workers = {str(w["name"]): a for a, w in lifecycle.workers(client).items()
                    if str(w["name"]).startswith(tuple(f"{p}-" for p in pools))}
         names = ([rng.choice(sorted(n for n in workers if n.startswith(f"{p}-"))) for p in pools
                   if any(n.startswith(f"{p}-") for n in workers)] if together else [rng.choice(sorted(workers))])
@@ -123,7 +123,7 @@ def drill(recipe: str, steps: int, kills: int, sets: list[str], seed: int,
           pools: tuple[str, ...] = ("generate",), together: bool = False) -> dict:
     """One run with ``kills`` kills of workers of ``pools``, resumed each time a kill stopped it;
     returns the audit, what was killed when, and the resumes."""
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
 
     r = load_recipe(recipe, sets).recipe
     rng = random.Random(seed)

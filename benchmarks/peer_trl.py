@@ -64,8 +64,8 @@ def run_trl(recipe: str, steps: int, overrides: list[str]) -> dict:
         sys.exit("this benchmark needs TRL: pip install 'trl>=1.16'")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from streamrl.flow.resolve import resolve
-    from streamrl.recipe import load_recipe
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
     from streamrl.sample import Prompt
 
     resolved = resolve(load_recipe(recipe, overrides))

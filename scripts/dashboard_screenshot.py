@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from streamrl.run import runner
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
     from streamrl.telemetry import dashboard
 
     # defaults for a screenshot: a short run, its folder in a temporary place, a free port

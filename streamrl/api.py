@@ -73,7 +73,7 @@ class Component:
 
     def validate(self, section: dict, path: str) -> BaseModel:
         """The recipe table at TOML ``path`` validated by :attr:`config` (one-line errors)."""
-        from streamrl.recipe import validate_section
+        from streamrl.recipe.recipe import validate_section
 
         return validate_section(self.config, section, path)
 
@@ -102,7 +102,7 @@ def close_component(obj: Any) -> None:
         close()
 
 
-from streamrl.recipe import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
+from streamrl.recipe.recipe import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
 from streamrl.contracts.generation import Engine, EngineCapabilities, ReceiveMissed, Transfer, fit_decode_latency

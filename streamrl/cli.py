@@ -249,7 +249,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_recipe(args) -> int:
-    from streamrl.recipe import load_recipe, to_toml
+    from streamrl.recipe.recipe import load_recipe, to_toml
 
     if args.cmd == "resume":
         from streamrl.run import runner
@@ -274,10 +274,10 @@ def cmd_recipe(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from streamrl.model_init import init_model
+    from streamrl.training.model_init import init_model
 
     if args.arch is not None:
-        from streamrl.recipe import parse_override
+        from streamrl.recipe.recipe import parse_override
         from streamrl.tasks.arch import random_model
 
         if not args.random:
@@ -351,8 +351,8 @@ def cmd_bench(args) -> int:
 
 def cmd_reference(args) -> int:
     from streamrl import reference
-    from streamrl.flow.resolve import resolve
-    from streamrl.recipe import load_recipe
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
 
     resolved = resolve(load_recipe(args.file, args.overrides))
     steps = args.steps or resolved.recipe.run.steps
@@ -371,7 +371,7 @@ def cmd_eval(args) -> int:
 
 def cmd_learners(args) -> int:
     from streamrl.learners import control
-    from streamrl.recipe import apply_overrides
+    from streamrl.recipe.recipe import apply_overrides
 
     run_dir = Path(args.run_dir)
     if args.cmd == "list":
@@ -411,7 +411,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from streamrl.plugins import build_registry
+    from streamrl.plugins.registry import build_registry
 
     reg = build_registry()
     rows = [("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION")]

@@ -25,7 +25,7 @@ from typing import Callable
 
 from streamrl.api import Engine, Group, Trainer
 from streamrl.flow.placement import trainer_context
-from streamrl.flow.resolve import Resolved
+from streamrl.plugins.resolve import Resolved
 from streamrl.rewards.scoring import score_group
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
 

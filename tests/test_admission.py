@@ -83,9 +83,9 @@ def test_required_version():
     assert [required_version(g, 0) for g in range(3)] == [0, 1, 2]
 
 
-# -- dynamic micro-batches (flow/microbatch.py) ------------------------------------------------
+# -- dynamic micro-batches (on_worker/microbatch.py) ------------------------------------------------
 
-from streamrl.flow.microbatch import pack  # noqa: E402
+from streamrl.on_worker.microbatch import pack  # noqa: E402
 
 
 def test_pack_respects_the_budget_and_keeps_order():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.variants import summarize_run
+from streamrl.bench.variants import summarize_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,10 +65,10 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
 
 
 def test_skew_variants_switch_components_without_carrying_foreign_options():
-    from streamrl.variants import describe
+    from streamrl.bench.variants import describe
     from streamrl.bench.skew import variants_for
     from streamrl.run import runner
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
 
     user = ["ranker.ngram=4", "scheduler.alpha=0.1"]  # options only `learned` and `skew` accept
     resolved, time_scale = describe(str(ROOT / "recipes/longtail-cpu.toml"), user)

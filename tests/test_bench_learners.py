@@ -11,8 +11,8 @@ import pytest
 
 from streamrl.bench.learners import learner_overrides, variant_overrides
 from streamrl.errors import UserError
-from streamrl.learner_tables import LearnerConfig
-from streamrl.recipe import apply_overrides
+from streamrl.recipe.learners import LearnerConfig
+from streamrl.recipe.recipe import apply_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 

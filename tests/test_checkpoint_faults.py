@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from streamrl.errors import RunWarning, UserError
-from streamrl.flow import checkpoints
+from streamrl.checkpoints import folders
 from tests.conftest import ROOT, TINY_RECIPE
 from tests.test_cli import streamrl
 
@@ -77,7 +77,7 @@ def flip(path: Path) -> None:
 def newest_usable(run: Path) -> tuple[Path | None, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        best = checkpoints.latest(run)
+        best = folders.latest(run)
     return best, [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
 
 
@@ -106,8 +106,8 @@ DAMAGES = {
 
 def rewrite_manifest(ckpt: Path) -> None:
     """A manifest that matches the files as they are now."""
-    (ckpt / checkpoints.MANIFEST).unlink()
-    checkpoints.write_manifest(ckpt)
+    (ckpt / folders.MANIFEST).unlink()
+    folders.write_manifest(ckpt)
 
 
 @pytest.mark.slow
@@ -127,7 +127,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_with_a_warning_naming_what_i
 @pytest.mark.slow
 def test_a_checkpoint_written_before_manifests_is_still_checked_by_reading_it(run_copy):
     for ckpt in (run_copy / "checkpoints").iterdir():
-        (ckpt / checkpoints.MANIFEST).unlink()
+        (ckpt / folders.MANIFEST).unlink()
     best, warned = newest_usable(run_copy)
     assert best is not None and best.name == "step-000004" and warned == []  # an older run's folder resumes
     cut(run_copy / "checkpoints" / "step-000004" / "trainer" / "dcp" / "__1_0.distcp", 0.5)
@@ -135,7 +135,7 @@ def test_a_checkpoint_written_before_manifests_is_still_checked_by_reading_it(ru
     assert best is not None and best.name == "step-000002"
     assert warned[0].startswith("checkpoint step-000004 is not usable: trainer/dcp/__1_0.distcp is "), warned
     cut(run_copy / "checkpoints" / "step-000002" / "trainer" / "trainer.pt")
-    best, problems = checkpoints.usable(run_copy)
+    best, problems = folders.usable(run_copy)
     assert best is None and problems[1].startswith("step-000002 is not usable: trainer/trainer.pt cannot be loaded")
 
 
@@ -159,7 +159,7 @@ def test_a_resume_goes_on_from_the_checkpoint_before_a_damaged_one_and_finishes_
     names = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
     # the damaged checkpoint is kept aside for a look, and the steps it held were written anew
     assert names == ["damaged-step-000004", "step-000004", "step-000005"]
-    assert checkpoints.verify(run_copy / "checkpoints" / "step-000004") is None
+    assert folders.verify(run_copy / "checkpoints" / "step-000004") is None
 
 
 @pytest.mark.slow
@@ -186,7 +186,7 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_the_run_resumes_
     loaded, folder = RunFolder.for_resume(run_copy, ["run.steps=6"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        folder.open(loaded, [], checkpoints.read(folder.latest_checkpoint()))
+        folder.open(loaded, [], folders.read(folder.latest_checkpoint()))
     warned = [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
     assert warned == [f"{metrics}: its last line (line 5) was cut off, as a crash in the middle of writing it "
                       "leaves it, and is dropped"]
@@ -255,7 +255,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_older_checkpo
                               f"checkpoint is step-000002 (resume with: streamrl recipe resume {run}, "
                               "--set to change the recipe)")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]  # no .tmp-step-000004 left
-    assert checkpoints.verify(run / "checkpoints" / "step-000002") is None
+    assert folders.verify(run / "checkpoints" / "step-000002") is None
     state = json.loads((run / "status.json").read_text())
     assert state["state"] == "failed" and state["error"].startswith("CheckpointFailed: checkpoint step-000004")
     # the older checkpoint is whole: a resume (with room on the disk again) finishes the run
@@ -293,7 +293,7 @@ def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room
                                   f"checkpoint is step-000004 (resume with: streamrl recipe resume {run}, "
                                   "--set to change the recipe)")
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
-        assert checkpoints.verify(run / "checkpoints" / "step-000004") is None
+        assert folders.verify(run / "checkpoints" / "step-000004") is None
         # room again: the resume finishes the run from step-000004
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         proc = streamrl("recipe", "resume", str(run), "--plain", "--no-report")

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once
 from tests.test_faults import kill_worker, records, start, wait_for_steps
@@ -51,7 +51,7 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
     """A ``dask`` command in its own process group (the worker's nanny and the worker process
     it spawns are both in it: teardown kills the group). The malloc setting is the one README
     asks for on a hand-started worker."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": cluster.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": lifecycle.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
     with open(log, "w") as out:
         return subprocess.Popen([DASK, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=ROOT)
@@ -110,7 +110,7 @@ def streamrl(*args: str, env: dict | None = None, timeout: int = 300) -> subproc
 def worker_pids(address: str) -> dict[str, int]:
     with Client(address, timeout=10) as client:
         pids = client.run(os.getpid)
-        return {w["name"]: pids[a] for a, w in cluster.workers(client).items()}
+        return {w["name"]: pids[a] for a, w in lifecycle.workers(client).items()}
 
 
 def left_on(address: str) -> dict:
@@ -177,7 +177,7 @@ def test_a_killed_worker_comes_back_and_the_run_completes_while_a_second_run_is_
         second = load_recipe(tiny_recipe, [f"cluster.address={hand_cluster.address}"]).recipe
         refused = "(it was not refused)"
         try:
-            cluster.stop(*cluster.start(second))  # (only if it was not refused: then the test fails)
+            lifecycle.stop(*lifecycle.start(second))  # (only if it was not refused: then the test fails)
         except UserError as exc:
             refused = str(exc)
         assert proc.poll() is None, "the run ended before the second one started: make it longer"

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.api import Component, Engine, EngineCapabilities, TrainerCapabilities, TrainerContext
-from streamrl.plugins import build_registry
+from streamrl.plugins.registry import build_registry
 from streamrl.sim.capabilities import SimEngineCapabilities
 from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
 from tests.conftest import ROOT

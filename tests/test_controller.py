@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
-from streamrl.run import saving
+from streamrl.checkpoints import saving
 from streamrl.run.controller import Controller
-from streamrl.flow.resolve import resolve
-from streamrl.recipe import load_recipe
+from streamrl.plugins.resolve import resolve
+from streamrl.recipe.recipe import load_recipe
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -42,14 +42,14 @@ def client():
 
 
 def run_steps(client, overrides, steps=3, controller=None, feed=False):
-    from streamrl import cluster
+    from streamrl.cluster import lifecycle
 
     resolved = resolve(load_recipe(W3, SMALL + overrides + [f"run.steps={steps}"]))
-    ctl = Controller(resolved, client, cluster.pool_workers(client))
+    ctl = Controller(resolved, client, lifecycle.pool_workers(client))
     ctl.place_residents()
     if controller is not None:
         controller.append(ctl)
-    return [ctl.step(s, feed_next=feed) for s in range(steps)]
+    return [ctl.step(s, start_next_training=feed) for s in range(steps)]
 
 
 def test_each_steps_tasks_run_in_a_dask_span_of_that_step_and_phase(client):
@@ -128,21 +128,21 @@ def test_a_fed_async_run_hands_the_next_step_over_early_trains_every_sample_once
     assert sum(r["step_s"] for r in records[1:]) == pytest.approx(records[-1]["time"] - records[0]["time"], abs=1e-3)
     # no step waits for the one before through a Dask dependency: the scheduler keeps nothing of
     # the first steps (a chain of dependencies would keep the whole run's lineage)
-    assert ctl.fed is None and not scheduler_keys(client, ("train-0-", "optimizer-step-0", "generate-0-"))
+    assert ctl.next_training is None and not scheduler_keys(client, ("train-0-", "optimizer-step-0", "generate-0-"))
     # the feed itself: run one step more by hand and catch the next step's training submitted
     # before the controller is asked for that step
     ctl.recipe.run.steps = 7
     ctl.mode.last_step = 6
-    ctl.step(5, feed_next=True)
-    assert ctl.fed is not None and ctl.fed.step == 6
-    ctl.fed.result()  # its train tasks are submitted
+    ctl.step(5, start_next_training=True)
+    assert ctl.next_training is not None and ctl.next_training.step == 6
+    ctl.next_training.result()  # its train tasks are submitted
     assert scheduler_keys(client, "train-6-")
     assert ctl.step(6)["samples"] == 12
 
 
 @pytest.mark.parametrize("mode", ["batch", "async"])
 def test_epochs_step_the_optimizer_once_per_pass_and_publish_once_per_step(client, mode):
-    from streamrl.flow.resident import TRAINER, resident
+    from streamrl.on_worker.resident import TRAINER, resident
 
     made = []
     records = run_steps(client, [f"run.mode={mode}", 'algorithm={name="grpo", epochs=3}'], controller=made)
@@ -175,13 +175,13 @@ def test_scheduler_places_groups_and_reports_its_metrics(client):
 
 
 def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(client, tmp_path):
-    from streamrl import cluster
-    from streamrl.flow import checkpoints
+    from streamrl.cluster import lifecycle
+    from streamrl.checkpoints import folders
 
     def controller(steps):
         resolved = resolve(load_recipe(W3, SMALL + ["run.mode=async", "run.max_staleness=2", f"run.steps={steps}",
                                                     "run.keep_checkpoints=1"]))
-        ctl = Controller(resolved, client, cluster.pool_workers(client))
+        ctl = Controller(resolved, client, lifecycle.pool_workers(client))
         ctl.place_residents()
         return ctl
 
@@ -189,11 +189,11 @@ def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(c
     done = [first.step(s) for s in range(3)]  # steps 3 and 4 are generating ahead now
     saving.checkpoint(first, tmp_path, 3, len(done))
     saving.checkpoint(first, tmp_path, 3, len(done))  # written twice: replaced, and only the newest is kept
-    assert [p.name for p in checkpoints.folder(tmp_path).iterdir()] == ["step-000003"]
+    assert [p.name for p in folders.folder(tmp_path).iterdir()] == ["step-000003"]
 
     first.close()  # its cluster would be gone after a crash; here the same one goes on
     again = controller(6)  # a new controller and fresh residents, as after a crash
-    assert again.resume(checkpoints.latest(tmp_path)) == 3 and again.version == 3
+    assert again.resume(folders.latest(tmp_path)) == 3 and again.version == 3
     rest = [again.step(s) for s in range(3, 6)]
     assert [r["policy_version"] for r in rest] == [4, 5, 6]
     uids = [x["uid"] for r in done + rest for x in r["sample_log"]]
@@ -221,22 +221,22 @@ def test_pools_are_read_fresh_even_while_the_client_refreshes_its_cache():
     import dask
     from distributed import LocalCluster
 
-    from streamrl import cluster
+    from streamrl.cluster import lifecycle
 
     with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}):
         with LocalCluster(n_workers=1, processes=False, protocol="tcp://", host="127.0.0.1",
                           dashboard_address=None, resources={"train": 1}) as lc, Client(lc) as c:
-            assert all(list(cluster.pool_workers(c)["train"]) and cluster.pins(c) for _ in range(200))
+            assert all(list(lifecycle.pool_workers(c)["train"]) and lifecycle.worker_pins(c) for _ in range(200))
 
 
 def test_the_ranker_is_built_with_the_models_before_the_first_step(client):
     from distributed import get_worker
 
-    from streamrl import cluster
-    from streamrl.flow.resident import RANKER
+    from streamrl.cluster import lifecycle
+    from streamrl.on_worker.resident import RANKER
 
     resolved = resolve(load_recipe(W3, SMALL + ['scheduler={name="skew"}', 'ranker={name="learned"}']))
-    ctl = Controller(resolved, client, cluster.pool_workers(client))
+    ctl = Controller(resolved, client, lifecycle.pool_workers(client))
     ctl.place_residents()
     built = client.submit(lambda: get_worker().plugins[RANKER].obj is not None, workers=[ctl.topology.rank],
                           pure=False).result()

@@ -84,7 +84,7 @@ def test_summary_is_small_msgpack_ready_and_leaves_the_sample_log_out():
 
 @pytest.fixture
 def scheduler_only():
-    """A real scheduler with its dashboard on a free port of 127.0.0.1, as cluster.py starts it
+    """A real scheduler with its dashboard on a free port of 127.0.0.1, as cluster/lifecycle.py starts it
     (no workers: the page needs none), and a client of it."""
     cluster = SpecCluster(workers={}, scheduler={"cls": Scheduler, "options": {
         "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}, name="streamrl-test")
@@ -228,7 +228,7 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     reaches the scheduler with the step and reward metrics.jsonl has, and the page serves them
     while the run goes on (checked at its last step, before the cluster stops)."""
     from streamrl.run import runner
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
 
     steps = 3
     real_install, real_publish = dashboard.install, dashboard.publish

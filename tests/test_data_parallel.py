@@ -8,8 +8,9 @@ import pytest
 import torch
 from distributed import wait
 
-from streamrl import cluster
-from streamrl.flow import remote, submit
+from streamrl.cluster import lifecycle
+from streamrl.flow import submit
+from streamrl.on_worker import task_functions
 from streamrl.run.controller import Controller
 from streamrl.run.runner import resolve
 from streamrl.training.trainer import weights_from_bytes
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
     loaded = parity_recipe(tmp_path_factory.mktemp("dp"), tiny_model, ["pools.train.workers=2"])
-    dask_cluster, client = cluster.start(loaded.recipe)
-    pools = cluster.check_pools(client)
+    dask_cluster, client = lifecycle.start(loaded.recipe)
+    pools = lifecycle.check_pools(client)
     assert sorted(pools["train"]) == ["train-0", "train-1"]
     yield resolve(loaded), client, pools
     client.close()
@@ -32,7 +33,7 @@ def setup(tiny_model, tmp_path_factory):
 def held(ctl, name) -> tuple[int, int]:
     """Parameter elements the rank holds, and the model's total."""
     def count():
-        from streamrl.flow.resident import TRAINER, resident
+        from streamrl.on_worker.resident import TRAINER, resident
 
         ps = list(resident(TRAINER).model.parameters())
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in ps)
@@ -41,7 +42,8 @@ def held(ctl, name) -> tuple[int, int]:
 
 
 def weights(ctl, name, after, key):
-    return weights_from_bytes(ctl.client.submit(remote.trainer_weights, after=after, key=key, **ctl.topology.pins[name]).result())
+    return weights_from_bytes(ctl.client.submit(task_functions.trainer_weights, after=after, key=key,
+                                                **ctl.topology.pins[name]).result())
 
 
 def train(ctl, step, scored, stream):
@@ -119,7 +121,7 @@ def test_fsdp_with_bf16_params_keeps_float32_shards_and_gives_the_one_worker_upd
         config.precision = was
 
     def shard_dtypes():
-        from streamrl.flow.resident import TRAINER, resident
+        from streamrl.on_worker.resident import TRAINER, resident
 
         return {str(p.to_local().dtype) for p in resident(TRAINER).model.parameters()}
     assert client.submit(shard_dtypes, pure=False, **two.topology.pins["train-1"]).result() == {"torch.float32"}

@@ -132,8 +132,8 @@ def test_mistakes_are_one_line_naming_the_field(tmp_path, trl_jsonl):
 
 
 def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, tiny_model, monkeypatch):
-    from streamrl.flow.resolve import resolve
-    from streamrl.recipe import load_recipe
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
     from tests.conftest import TINY_RECIPE
 
     folder = tmp_path / "project"
@@ -152,7 +152,7 @@ def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, t
 def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet):
     from transformers import AutoModelForCausalLM
 
-    from streamrl.model_init import init_model
+    from streamrl.training.model_init import init_model
     from streamrl.training.warmstart import prompt_ids
 
     out = tmp_path / "model"

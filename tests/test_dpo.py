@@ -211,8 +211,8 @@ def test_hf_trainer_learns_the_preferred_response_against_a_fixed_reference():
 
 def test_a_recipe_names_dpo(capsys, tiny_recipe):
     from streamrl.cli import main
-    from streamrl.flow.resolve import resolve
-    from streamrl.recipe import load_recipe
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
 
     text = tiny_recipe.read_text() + '\n[algorithm]\nname = "dpo"\nbeta = 0.05\nlabel_smoothing = 0.1\n'
     tiny_recipe.write_text(text)

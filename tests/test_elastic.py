@@ -9,10 +9,10 @@ import pytest
 
 from streamrl.bench.elastic import exactly_once
 from streamrl.errors import UserError
-from streamrl.flow.elastic import decide, generation_busy, paid
-from streamrl.flow.resolve import resolve
-from streamrl.pool_tables import ElasticConfig
-from streamrl.recipe import load_recipe
+from streamrl.extensions.elastic import decide, generation_busy, paid
+from streamrl.plugins.resolve import resolve
+from streamrl.recipe.pools import ElasticConfig
+from streamrl.recipe.recipe import load_recipe
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once, streamrl
 

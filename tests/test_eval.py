@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.errors import UserError
-from streamrl.flow.evaluate import metrics
+from streamrl.extensions.evaluate import metrics
 from tests.conftest import ROOT
 
 
@@ -27,11 +27,11 @@ def test_pass_at_1_is_the_mean_share_and_pass_at_k_any():
 
 
 def test_a_task_without_held_out_prompts_cannot_be_evaluated(tiny_recipe):
-    from streamrl.flow import evaluate
-    from streamrl.recipe import load_recipe
+    from streamrl.extensions import evaluate
+    from streamrl.recipe.recipe import load_recipe
 
     loaded = load_recipe(tiny_recipe, ["eval.every=2", "task.eval_size=0"])
-    from streamrl.flow.resolve import resolve
+    from streamrl.plugins.resolve import resolve
 
     task = resolve(loaded).task.build()
     with pytest.raises(UserError, match="eval: task 'addition' has no held-out prompts"):
@@ -106,8 +106,8 @@ def test_two_evaluations_in_flight_ask_the_engine_under_different_request_ids():
     """The engine keys requests by prompt uid (a second request under a waiting id is refused):
     evaluations of two versions at once must not share uids. The Dask client is faked (it only
     records what would be submitted)."""
-    from streamrl.flow.evaluate import Evaluator, eval_groups
-    from streamrl.recipe import EvalConfig
+    from streamrl.extensions.evaluate import Evaluator, eval_groups
+    from streamrl.recipe.recipe import EvalConfig
     from streamrl.sample import Prompt
 
     class RecordingClient:

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from distributed.cli.dask_worker import main as dask_worker_cli
 
-from streamrl import cluster, factories
+from streamrl.cluster import lifecycle, factories
 from streamrl.errors import UserError
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once
 from tests.test_recipe import one_line_error
@@ -239,7 +239,7 @@ def test_a_cluster_streamrl_cannot_label_is_waited_for_and_a_missing_pool_is_one
         labelled_elsewhere, tiny_recipe):
     recipe = load_recipe(tiny_recipe, ["cluster.factory=fixed:make_cluster", "cluster.startup_timeout=2"]).recipe
     with pytest.raises(UserError) as err:
-        cluster.start(recipe)
+        lifecycle.start(recipe)
     assert str(err.value) == (
         "cluster.startup_timeout: after 2s the pools still lack workers (reward 0 of 1) (cluster.factory "
         "fixed:make_cluster: streamrl cannot label this cluster's workers, so they must offer the pools' resources "
@@ -258,7 +258,7 @@ def test_a_factory_whose_package_is_missing_or_whose_options_are_wrong_is_one_li
 
     def fails(*sets: str) -> str:
         with pytest.raises(UserError) as err:
-            cluster.start(load_recipe(tiny_recipe, list(sets)).recipe)
+            lifecycle.start(load_recipe(tiny_recipe, list(sets)).recipe)
         assert "\n" not in str(err.value)
         return str(err.value)
 
@@ -283,7 +283,7 @@ def test_a_batch_system_that_refuses_the_jobs_is_one_line_and_closes_the_cluster
     monkeypatch.setattr(factories, "create", lambda recipe: made.append(create(recipe)) or made[-1])
     recipe = load_recipe(with_cluster_table(tiny_recipe, SLURM)).recipe
     with pytest.raises(UserError) as err:
-        cluster.start(recipe)
+        lifecycle.start(recipe)
     assert str(err.value) == ("cluster.factory: SLURMCluster could not start the pools' workers: FileNotFoundError: "
                               "[Errno 2] No such file or directory: 'sbatch'")
     assert made[0].status == Status.closed  # its scheduler too: nothing of the failed start is left
@@ -305,7 +305,7 @@ def test_recipe_mistakes_about_the_factory_are_one_line(tiny_recipe):
 
 
 def test_streamrl_imports_no_optional_cluster_library():
-    code = ("import sys, streamrl.cli, streamrl.cluster, streamrl.factories; "
+    code = ("import sys, streamrl.cli, streamrl.cluster.lifecycle, streamrl.cluster.factories; "
             "print([m for m in ('dask_jobqueue', 'dask_kubernetes', 'dask_cuda') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]

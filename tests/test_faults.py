@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from distributed import Client
 
-from streamrl import cluster, quiet
+from streamrl.cluster import lifecycle, quiet
 from tests.conftest import ROOT
 from tests.test_cli import check_every_sample_trained_once, streamrl
 
@@ -44,8 +44,8 @@ def kill_worker(run_dir: Path, *names: str) -> None:
     scheduler), one right after another."""
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        addrs = [a for a, w in cluster.workers(client).items() if w["name"] in names]
-        assert len(addrs) == len(names), (names, cluster.workers(client))
+        addrs = [a for a, w in lifecycle.workers(client).items() if w["name"] in names]
+        assert len(addrs) == len(names), (names, lifecycle.workers(client))
         pids = client.run(os.getpid, workers=addrs)
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)

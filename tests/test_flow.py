@@ -10,12 +10,13 @@ import pytest
 import torch
 from distributed import wait
 
-from streamrl import cluster
-from streamrl.flow import remote, submit
-from streamrl.flow.resident import ENGINE, resident
+from streamrl.cluster import lifecycle
+from streamrl.flow import submit
+from streamrl.on_worker import task_functions
+from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.run.controller import Controller
 from streamrl.run.runner import resolve
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 from streamrl.training.trainer import weights_from_bytes
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 PARITY_REWARD = """
 from pydantic import BaseModel
 import streamrl
-from streamrl.plugins import Component
+from streamrl.plugins.registry import Component
 
 class ParityConfig(BaseModel):
     pass
@@ -57,8 +58,8 @@ def parity_recipe(folder, tiny_model, overrides=()):
 @pytest.fixture(scope="module")
 def controller(tiny_model, tmp_path_factory):
     loaded = parity_recipe(tmp_path_factory.mktemp("flow"), tiny_model)
-    dask_cluster, client = cluster.start(loaded.recipe)
-    ctl = Controller(resolve(loaded), client, cluster.check_pools(client))
+    dask_cluster, client = lifecycle.start(loaded.recipe)
+    ctl = Controller(resolve(loaded), client, lifecycle.check_pools(client))
     ctl.place_residents()
     yield ctl
     client.close()
@@ -80,9 +81,9 @@ def on_generate_worker(ctl, fn):
 
 def engine_logprobs_match_trainer(ctl, key):
     prompt = ctl.task.prompts(step=99, n=1)[0]
-    bundle = ctl.client.submit(remote.generate_groups, [prompt], 4, key=f"{key}-gen", resources={"generate": 1})
+    bundle = ctl.client.submit(task_functions.generate_groups, [prompt], 4, key=f"{key}-gen", resources={"generate": 1})
     group = ctl.client.submit(operator.getitem, bundle, 0, key=f"{key}-group")
-    recomputed = ctl.client.submit(remote.trainer_logprobs, group, key=f"{key}-lp",
+    recomputed = ctl.client.submit(task_functions.trainer_logprobs, group, key=f"{key}-lp",
                                    workers=[ctl.topology.trainer]).result()
     samples = group.result()
     assert all(len(s.response_ids) > 0 for s in samples)
@@ -93,16 +94,16 @@ def engine_logprobs_match_trainer(ctl, key):
 
 
 def test_pools_are_labelled_workers(controller):
-    pools = cluster.pool_workers(controller.client)
+    pools = lifecycle.pool_workers(controller.client)
     assert set(pools["generate"]) == {"generate-0"}
     assert set(pools["train"]) == {"train-0"}
     assert set(pools["reward"]) == {"reward-0"}
-    for info in cluster.workers(controller.client).values():
+    for info in lifecycle.workers(controller.client).values():
         assert info["host"] == "127.0.0.1"
     # set before each worker process started, where glibc reads it (not after, like Nanny env=)
     import os
     threshold = controller.client.run(os.environ.get, "MALLOC_MMAP_THRESHOLD_")
-    assert set(threshold.values()) == {cluster.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
+    assert set(threshold.values()) == {lifecycle.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
 
 
 def test_engine_logprobs_match_trainer_logprobs(fresh):
@@ -126,15 +127,15 @@ def test_step_publishes_weights_to_the_engine_and_the_train_worker_keeps_them(fr
         ballast.result()
         m = controller.step(0)
         assert m["policy_version"] == 1 and m["samples"] == 16
-        payload = Variable(remote.LATEST, client=client).get(timeout=5)
+        payload = Variable(task_functions.LATEST, client=client).get(timeout=5)
         amm_interval = dask.config.get("distributed.scheduler.active-memory-manager.interval")
         time.sleep(2.5 * dask.utils.parse_timedelta(amm_interval))  # (cycles it would have run)
-        holders = {cluster.workers(client)[a]["name"] for a in client.who_has([payload])[payload.key]}
+        holders = {lifecycle.workers(client)[a]["name"] for a in client.who_has([payload])[payload.key]}
         assert fresh.topology.trainer in holders, holders
     finally:  # (the module's cluster goes on to other tests)
         client.cancel(ballast)
     assert on_generate_worker(controller, lambda: resident(ENGINE).version) == 1
-    trained = weights_from_bytes(controller.client.submit(remote.trainer_weights, key="check-export",
+    trained = weights_from_bytes(controller.client.submit(task_functions.trainer_weights, key="check-export",
                                                           workers=[controller.topology.trainer]).result())
 
     def engine_weights():
@@ -163,7 +164,8 @@ def test_stream_batch_and_the_reference_loop_give_the_same_update_on_the_same_sa
         step_fut = last[0]
         cuts.append(sum(f.result().micro_batches for f in passes[0]))
         step_fut.result()
-        return weights_from_bytes(controller.client.submit(remote.trainer_weights, after=step_fut, key=f"export-{step}",
+        return weights_from_bytes(controller.client.submit(task_functions.trainer_weights, after=step_fut,
+                                                           key=f"export-{step}",
                                                            workers=[controller.topology.trainer]).result())
 
     cuts = []
@@ -212,7 +214,7 @@ def test_a_residents_torch_threads_hold_in_every_thread_that_uses_it_not_only_th
     import threading
     from types import SimpleNamespace
 
-    from streamrl.flow.resident import Resident
+    from streamrl.on_worker.resident import Resident
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -33,11 +33,11 @@ def worker_addresses(run_dir: Path) -> dict[str, str]:
     """``{worker name: address}`` of the run's cluster now (through its scheduler)."""
     from distributed import Client
 
-    from streamrl import cluster
+    from streamrl.cluster import lifecycle
 
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        return {str(w["name"]): a for a, w in cluster.workers(client).items()}
+        return {str(w["name"]): a for a, w in lifecycle.workers(client).items()}
 
 
 def with_plugin(recipe: Path, name: str, code: str, extra: str = "", replace: tuple[str, str] | None = None) -> Path:

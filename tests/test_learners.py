@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from streamrl.errors import UserError
-from streamrl.flow.resolve import resolve
-from streamrl.pool_workers import worker_spec
-from streamrl.recipe import load_recipe
+from streamrl.plugins.resolve import resolve
+from streamrl.cluster.pool_workers import worker_spec
+from streamrl.recipe.recipe import load_recipe
 from tests.conftest import ROOT
 from tests.test_cli import streamrl
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pluggy
 
-from streamrl import hookspecs
+from streamrl.plugins import hookspecs
 from streamrl.api import hookimpl
 from streamrl.run.observers import Called, Observers, plugin_observers, sink_observers
 

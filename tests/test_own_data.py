@@ -104,8 +104,8 @@ def test_the_gpu_recipe_validates_with_local_stand_ins(tmp_path, tiny_model):
 
 def test_a_missing_local_model_is_one_line_and_a_hub_id_is_left_to_the_hub(tmp_path, tiny_model):
     from streamrl.errors import UserError
-    from streamrl.flow.resolve import resolve
-    from streamrl.recipe import load_recipe
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
 
     (tmp_path / "models").mkdir()
     file = recipe(tmp_path, tiny_model, '[task]\nname = "addition"\n', '[reward]\nname = "exact_match"\n')

@@ -13,7 +13,7 @@ from streamrl.run import runner
 from streamrl.planning import allocate
 from streamrl.planning.predict import predict
 from streamrl.planning.profile import StageProfile, from_cost_model
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 from streamrl.sim.batching import ContinuousBatch
 from streamrl.sim.engine import SimEngine
 from tests.conftest import ROOT

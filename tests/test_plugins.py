@@ -8,13 +8,13 @@ import textwrap
 import pytest
 
 from streamrl.errors import UserError
-from streamrl.plugins import build_registry
+from streamrl.plugins.registry import build_registry
 from tests.conftest import ROOT
 
 LOCAL_REWARD = textwrap.dedent('''
     from pydantic import BaseModel, ConfigDict
     import streamrl
-    from streamrl.plugins import Component
+    from streamrl.plugins.registry import Component
 
     class Cfg(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -154,7 +154,7 @@ def test_activation_checkpointing_gives_the_same_gradient(tiny_model):
 
 
 def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_an_error(monkeypatch):
-    from streamrl.devices import ENV, worker_device
+    from streamrl.cluster.devices import ENV, worker_device
 
     monkeypatch.delenv(ENV, raising=False)
     assert worker_device() == "cpu"  # no GPU on this machine
@@ -164,8 +164,8 @@ def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_an_error(monkeypa
 
 
 def test_pools_hand_out_gpus_and_advertise_them(tiny_recipe):
-    from streamrl.pool_workers import worker_spec
-    from streamrl.recipe import load_recipe
+    from streamrl.cluster.pool_workers import worker_spec
+    from streamrl.recipe.recipe import load_recipe
 
     recipe = load_recipe(str(tiny_recipe), ["pools.generate.workers=2", 'pools.generate.cuda_visible_devices=["0","1","2","3"]',
                                             "pools.generate.gpus_per_worker=2", 'pools.train.cuda_visible_devices=["3"]',
@@ -184,8 +184,8 @@ def test_a_gpu_pool_gets_a_share_of_host_memory_by_workers_not_threads(tiny_reci
     # give it 1/65 of the host, less than CUDA's libraries need
     import psutil
 
-    from streamrl.pool_workers import worker_spec
-    from streamrl.recipe import load_recipe
+    from streamrl.cluster.pool_workers import worker_spec
+    from streamrl.recipe.recipe import load_recipe
 
     recipe = load_recipe(str(tiny_recipe), ['pools.train.device="cuda"', "pools.generate.threads=64",
                                             'pools.reward.memory_limit="3GiB"']).recipe

@@ -6,7 +6,7 @@ import pytest
 
 from streamrl.cli import main
 from streamrl.errors import UserError
-from streamrl.recipe import apply_overrides, load_recipe
+from streamrl.recipe.recipe import apply_overrides, load_recipe
 
 
 def run_cli(capsys, *argv):

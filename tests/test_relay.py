@@ -55,19 +55,19 @@ def sources(client, generate: dict[str, str], prefix: str) -> dict[str, set[str]
 
 @pytest.mark.slow
 def test_a_relay_worker_fans_the_weights_out_to_its_site(tiny_recipe):
-    from streamrl import cluster
+    from streamrl.cluster import lifecycle
     from streamrl.run import runner
     from streamrl.run.controller import Controller
-    from streamrl.flow.resident import ENGINE, TRAINER
+    from streamrl.on_worker.resident import ENGINE, TRAINER
     from streamrl.flow.weights import publish, wait_loaded
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
 
     loaded = load_recipe(str(tiny_recipe), ["pools.generate.workers=3", "run.mode=stream",
                                             'transfer={name="dask", relay=true}'])
     resolved = runner.resolve(loaded)
-    dask_cluster, client = cluster.start(loaded.recipe)
+    dask_cluster, client = lifecycle.start(loaded.recipe)
     try:
-        ctl = Controller(resolved, client, cluster.check_pools(client))
+        ctl = Controller(resolved, client, lifecycle.check_pools(client))
         ctl.place_residents()
         for step in range(2):  # the controller's own publications, through the recipe's relay
             record = ctl.step(step)
@@ -103,4 +103,4 @@ def test_a_relay_worker_fans_the_weights_out_to_its_site(tiny_recipe):
         assert all(direct[n] for n in generate) and "train-0" in set().union(*direct.values()), direct
         assert not any(sources(client, generate, "relay-weights-3").values())
     finally:
-        cluster.stop(dask_cluster, client)
+        lifecycle.stop(dask_cluster, client)

@@ -223,7 +223,7 @@ BROKEN_RANKER = """
 from pydantic import BaseModel
 import streamrl
 from streamrl.api import Ranker
-from streamrl.plugins import Component
+from streamrl.plugins.registry import Component
 
 class StubbornConfig(BaseModel):
     pass

@@ -18,8 +18,8 @@ import pytest
 
 from streamrl.api import Reward
 from streamrl.errors import UserError
-from streamrl.flow.resolve import resolve
-from streamrl.recipe import load_recipe, validate_section
+from streamrl.plugins.resolve import resolve
+from streamrl.recipe.recipe import load_recipe, validate_section
 from streamrl.rewards.math_reward import MathReward, MathRewardConfig
 from streamrl.rewards.python import PythonReward, PythonRewardConfig
 from streamrl.rewards.scoring import score_group

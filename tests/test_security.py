@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from streamrl.errors import RunWarning
-from streamrl.flow import checkpoints
+from streamrl.checkpoints import folders
 from tests.conftest import ROOT, TINY_RECIPE
 
 
@@ -159,9 +159,9 @@ def craft(path: Path, marker: Path, torch_format: bool) -> None:
 
 def rewrite_manifest(ckpt: Path) -> None:
     """What someone who can write the run folder does next: a manifest that matches the files."""
-    (ckpt / checkpoints.MANIFEST).unlink()
-    checkpoints.write_manifest(ckpt)
-    files = json.loads((ckpt / checkpoints.MANIFEST).read_text())["files"]
+    (ckpt / folders.MANIFEST).unlink()
+    folders.write_manifest(ckpt)
+    files = json.loads((ckpt / folders.MANIFEST).read_text())["files"]
     for name, f in files.items():
         assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == f["sha256"]
 
@@ -195,19 +195,19 @@ def run_copy(ranked_run, tmp_path) -> Path:
 def usable_with_warnings(run: Path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        best = checkpoints.latest(run)
+        best = folders.latest(run)
     return best, [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
 
 
 @pytest.mark.slow
 def test_the_checkpoints_a_run_writes_load_without_full_unpickling(ranked_run):
-    from streamrl.training.checkpoint import read_metadata, unsafe_torch_file
+    from streamrl.checkpoints.trainer_state import read_metadata, unsafe_torch_file
 
     for ckpt in sorted((ranked_run / "checkpoints").iterdir()):
         assert unsafe_torch_file(ckpt / "trainer" / "trainer.pt") is None
         assert unsafe_torch_file(ckpt / "ranker.pt") is None
         read_metadata(ckpt / "trainer" / "dcp")
-        assert checkpoints.refused(ckpt) is None
+        assert folders.refused(ckpt) is None
     assert usable_with_warnings(ranked_run) == (ranked_run / "checkpoints" / "step-000004", [])
 
 
@@ -268,7 +268,7 @@ def test_a_resume_with_only_crafted_checkpoints_stops_in_one_line(run_copy, tmp_
 
 def test_the_trainer_refuses_a_crafted_trainer_pt_itself(tmp_path):
     # the worker's own load is weights_only too, whatever the controller checked before
-    from streamrl.training.checkpoint import unsafe_torch_file
+    from streamrl.checkpoints.trainer_state import unsafe_torch_file
 
     import torch
 
@@ -283,7 +283,7 @@ def test_the_trainer_refuses_a_crafted_trainer_pt_itself(tmp_path):
 # -- the run folder is its owner's -----------------------------------------------------------------
 def test_a_run_folder_is_its_owners_alone_and_so_is_status_json(tiny_recipe):
     from streamrl.run.run_folder import RunFolder
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
 
     old = os.umask(0o022)  # (the usual umask: without the chmod, 0o755 and 0o644)
     try:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from streamrl.flow.resolve import resolve
-from streamrl.recipe import load_recipe
+from streamrl.plugins.resolve import resolve
+from streamrl.recipe.recipe import load_recipe
 from tests.conftest import ROOT
 
 W3 = str(ROOT / "recipes" / "paper-7b-20k.toml")

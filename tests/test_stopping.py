@@ -1,4 +1,4 @@
-"""Stop signals while the embedded cluster starts (``stopping.py``): the real CLI, real signals."""
+"""Stop signals while the embedded cluster starts (``run/stopping.py``): the real CLI, real signals."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_every_field_of_a_step_record_has_a_name_in_the_docs():
 @pytest.mark.parametrize("sink, module", [("tensorboard", "tensorboard"), ("wandb", "wandb"),
                                           ("mlflow", "mlflow"), ("trackio", "trackio")])
 def test_a_missing_library_is_one_line_naming_the_extra(sink, module, monkeypatch):
-    from streamrl.plugins import build_registry
+    from streamrl.plugins.registry import build_registry
 
     component = build_registry().get("metric_sink", sink, "metrics[0].name")
     monkeypatch.setitem(sys.modules, module, None)  # what Python sees when it is not installed
@@ -205,7 +205,7 @@ def test_the_cli_says_so_at_validation_before_anything_starts(tiny_recipe):
 
 @pytest.mark.parametrize("sink", ["tensorboard", "wandb", "mlflow", "trackio"])
 def test_every_setting_is_documented(sink):
-    from streamrl.plugins import build_registry
+    from streamrl.plugins.registry import build_registry
 
     config = build_registry().get("metric_sink", sink, "metrics[0].name").config
     assert config.model_config["extra"] == "forbid"

@@ -17,7 +17,7 @@ import torch
 
 from distributed import Client
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.api import ReceiveMissed
 from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
 from tests.test_cli import check_every_sample_trained_once
@@ -30,7 +30,7 @@ def kill_in_a_load(run_dir, name: str, within: float = 60.0) -> bool:
     ``within`` seconds, else it is killed anyway and False."""
     address = json.loads((run_dir / "status.json").read_text())["scheduler"]
     with Client(address, timeout=10) as client:
-        (addr,) = [a for a, w in cluster.workers(client).items() if w["name"] == name]
+        (addr,) = [a for a, w in lifecycle.workers(client).items() if w["name"] == name]
         pid = client.run(os.getpid, workers=[addr])[addr]
         deadline, caught = time.time() + within, False
         while time.time() < deadline and not caught:

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from streamrl.bench.modes import write_result
 from streamrl.errors import UserError
-from streamrl.variants import describe, run_variants
+from streamrl.bench.variants import describe, run_variants
 
 
 def exactly_once(records: list[dict], prompts: int, samples_per_prompt: int) -> bool:

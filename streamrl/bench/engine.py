@@ -19,12 +19,13 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
-from streamrl.flow import remote, submit
+from streamrl.flow import submit
+from streamrl.on_worker import task_functions
 from streamrl.run import runner
 from streamrl.run.controller import Controller
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -41,9 +42,9 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
     loaded = load_recipe(file, [*overrides, "cluster.dashboard_port=0"])
     resolved = runner.resolve(loaded)
     t = loaded.recipe.trainer
-    dask_cluster, client = cluster.start(loaded.recipe)
+    dask_cluster, client = lifecycle.start(loaded.recipe)
     try:
-        ctl = Controller(resolved, client, cluster.check_pools(client))
+        ctl = Controller(resolved, client, lifecycle.check_pools(client))
         ctl.place_residents()
         pins = list(ctl.topology.generate_pins().values())
         per_task = submit.groups_per_task(loaded.recipe)
@@ -52,8 +53,9 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
             prompts = ctl.task.prompts(step, t.prompts_per_step)
             bundles = [prompts[i:i + per_task] for i in range(0, len(prompts), per_task)]
             t0 = time.perf_counter()
-            futures = [client.submit(remote.generate_groups, b, t.samples_per_prompt, key=f"bench-gen-{step}-{k}",
-                                     **pins[k % len(pins)]) for k, b in enumerate(bundles)]
+            futures = [client.submit(task_functions.generate_groups, b, t.samples_per_prompt,
+                                     key=f"bench-gen-{step}-{k}", **pins[k % len(pins)])
+                       for k, b in enumerate(bundles)]
             groups = [g for f in futures for g in f.result()]
             seconds = time.perf_counter() - t0
             if step >= warmup:
@@ -62,7 +64,7 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
                              "response_tokens": sum(len(s.response_ids) for s in samples)})
         return {"engine": loaded.recipe.engine.name, "generate_workers": len(pins), "steps": rows}
     finally:
-        cluster.stop(dask_cluster, client)
+        lifecycle.stop(dask_cluster, client)
 
 
 def summarise(label: str, result: dict) -> dict:

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.errors import UserError
-from streamrl.recipe import load_recipe
-from streamrl.variants import describe, run_variants
+from streamrl.recipe.recipe import load_recipe
+from streamrl.bench.variants import describe, run_variants
 
 
 def bench(file: str, overrides: list[str], every: int, steps: int, warmup: int, repeats: int,

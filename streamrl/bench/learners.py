@@ -41,7 +41,7 @@ from rich.table import Table
 
 from streamrl.errors import UserError
 from streamrl.run import runner
-from streamrl.recipe import load_recipe, parse_override
+from streamrl.recipe.recipe import load_recipe, parse_override
 
 DEFAULT_LEARNERS = ("ppo", "grpo", "dpo")
 #: Steps at the end whose training reward is averaged.

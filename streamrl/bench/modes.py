@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.sim.capabilities import SimTrainerCapabilities
-from streamrl.variants import describe, run_variants
+from streamrl.bench.variants import describe, run_variants
 
 MODES = ("colocated", "batch", "stream", "async")
 

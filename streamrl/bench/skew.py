@@ -19,12 +19,12 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.bench.modes import write_result
-from streamrl.variants import describe, run_variants
+from streamrl.bench.variants import describe, run_variants
 
 
 def variants_for(resolved) -> dict[str, list[str]]:
     """The variants that make sense for the recipe's task (``resolved``: from
-    ``streamrl.variants.describe``)."""
+    ``streamrl.bench.variants.describe``)."""
     answer = resolved.task.build().prompts(0, 1)[0].answer
 
     def use(section: str, name: str) -> str:

@@ -1,6 +1,6 @@
 """``streamrl bench trainer RECIPE``: the recipe's trainer on synthetic batches, in this process.
 
-It builds the trainer the recipe names (on ``streamrl.devices.worker_device()``: the GPU when this
+It builds the trainer the recipe names (on ``streamrl.cluster.devices.worker_device()``: the GPU when this
 process sees one), makes ``--samples`` samples of ``--prompt-tokens + --response-tokens`` random
 token ids in groups of ``trainer.samples_per_prompt`` with rewards that give every group a
 signal, cuts them into micro-batches by the recipe's token budget exactly as train tasks do,
@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.run import runner
-from streamrl.flow.microbatch import group_tokens, pack
+from streamrl.on_worker.microbatch import group_tokens, pack
 from streamrl.flow.placement import trainer_context
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 from streamrl.sample import Prompt, Sample
 
 #: bf16 dense peak FLOP/s by device name fragment (vendor datasheets; no sparsity).

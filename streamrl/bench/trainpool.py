@@ -19,13 +19,13 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.bench.engine import parse_variant
 from streamrl.bench.trainer import synthetic_groups
 from streamrl.flow import submit
 from streamrl.run import runner
 from streamrl.run.controller import Controller
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 
 DEFAULT_VARIANTS = ["one:pools.train.workers=1", "ddp:pools.train.workers=2",
                     'fsdp:pools.train.workers=2;trainer.strategy="fsdp"']
@@ -36,7 +36,7 @@ def held_state() -> dict:
     part only: ``Trainer.footprint``), and the process's peak resident memory so far."""
     import resource
 
-    from streamrl.flow.resident import TRAINER, resident
+    from streamrl.on_worker.resident import TRAINER, resident
 
     held = resident(TRAINER).footprint()
     return {"params_bytes": held.params_bytes, "optimizer_bytes": held.optimizer_bytes,
@@ -49,9 +49,9 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
     loaded = load_recipe(file, [*overrides, "cluster.dashboard_port=0", "run.mode=batch"])
     resolved = runner.resolve(loaded)
     t = loaded.recipe.trainer
-    dask_cluster, client = cluster.start(loaded.recipe)
+    dask_cluster, client = lifecycle.start(loaded.recipe)
     try:
-        ctl = Controller(resolved, client, cluster.check_pools(client))
+        ctl = Controller(resolved, client, lifecycle.check_pools(client))
         ctl.place_residents()
         topo = ctl.topology
         vocab = client.submit(_vocab, pure=False, **topo.train_pin).result()
@@ -72,11 +72,11 @@ def measure(file: str, overrides: list[str], samples: int, prompt: int, response
         return {"train_workers": len(topo.train), "strategy": t.strategy, "samples": n,
                 "tokens_per_step": n * (prompt + response), "step_s": seconds, "ranks": ranks}
     finally:
-        cluster.stop(dask_cluster, client)
+        lifecycle.stop(dask_cluster, client)
 
 
 def _vocab() -> int:
-    from streamrl.flow.resident import TRAINER, resident
+    from streamrl.on_worker.resident import TRAINER, resident
 
     return resident(TRAINER).footprint().vocab_size or 1000  # (no model: any token ids will do)
 

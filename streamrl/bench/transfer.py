@@ -17,16 +17,16 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.run import runner
 from streamrl.run.controller import Controller
 from streamrl.flow.weights import publish, relay_sites, wait_loaded
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 
 
 def memcpy_rate(repeats: int = 5) -> tuple[float, float]:
     """Train worker: ``(bytes, seconds)`` of the fastest clone of the trainer's weights."""
-    from streamrl.flow.resident import TRAINER, resident
+    from streamrl.on_worker.resident import TRAINER, resident
 
     weights = resident(TRAINER).named_weights()
     size = sum(t.numel() * t.element_size() for t in weights.values())
@@ -43,9 +43,9 @@ def measure(file: str, overrides: list[str], transfer: str, repeats: int) -> dic
     """One transfer: model bytes, every publication's seconds, the memcpy rate."""
     loaded = load_recipe(file, [*overrides, f'transfer={{name="{transfer}"}}', "cluster.dashboard_port=0"])
     resolved = runner.resolve(loaded)
-    dask_cluster, client = cluster.start(loaded.recipe)
+    dask_cluster, client = lifecycle.start(loaded.recipe)
     try:
-        ctl = Controller(resolved, client, cluster.check_pools(client))
+        ctl = Controller(resolved, client, lifecycle.check_pools(client))
         ctl.place_residents()
         topo = ctl.topology
         size, copy_s = client.submit(memcpy_rate, pure=False, **topo.train_pin).result()
@@ -59,7 +59,7 @@ def measure(file: str, overrides: list[str], transfer: str, repeats: int) -> dic
         return {"transfer": transfer, "model_bytes": size, "generate_workers": len(topo.generate),
                 "publish_s": seconds[1:], "memcpy_gb_s": size / copy_s / 1e9}
     finally:
-        cluster.stop(dask_cluster, client)
+        lifecycle.stop(dask_cluster, client)
 
 
 def bench(file: str, overrides: list[str], transfers: list[str], repeats: int, out: str | None) -> list[dict]:

@@ -1,1 +1,2 @@
-"""The dataflow: what the step loop submits (client side) and the tasks it runs (worker side)."""
+"""The dataflow, client side: what the step loop submits and where (topology, submission,
+dispatch, modes, weights, placement). What runs on the workers is ``streamrl/on_worker/``."""

@@ -19,7 +19,7 @@ from distributed import Client, Future
 
 from streamrl.api import DispatchContext, Prompt, Scheduler
 from streamrl.errors import RunWarning, UserError
-from streamrl.flow import remote
+from streamrl.on_worker import task_functions
 from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
 
@@ -38,7 +38,7 @@ class Dispatcher:
         """Name of the worker holding the ranker; None: no ranker."""
         self.step_latency = None
         if scheduler is not None:  # the engines are alike: one instance's profile stands for all
-            self.step_latency = client.submit(remote.engine_latency, key="engine-latency", pure=False,
+            self.step_latency = client.submit(task_functions.engine_latency, key="engine-latency", pure=False,
                                               workers=[topology.generate[0]]).result()
         self.step_prompts: dict[int, list[Prompt]] = {}
         self.predicted: dict[int, list[float]] = {}
@@ -54,7 +54,7 @@ class Dispatcher:
         scores = [0.0] * len(prompts)
         if self.rank_worker is not None:
             scores = self.client.submit(
-                remote.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
+                task_functions.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
                 workers=[self.rank_worker], allow_other_workers=False).result()
             self.predicted[step] = scores
         if self.scheduler is None:
@@ -85,7 +85,7 @@ class Dispatcher:
             actual = [sum(math.log(max(n, 1)) for n in ls) / max(len(ls), 1) for ls in lengths]
             out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
             self.last_observe = self.client.submit(
-                remote.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
+                task_functions.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
                 workers=[self.rank_worker], allow_other_workers=False)
         return out
 
@@ -103,7 +103,7 @@ class Dispatcher:
         if self.rank_worker is not None:
             try:
                 files["ranker.pt"] = self.client.submit(
-                    remote.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
+                    task_functions.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
                     workers=[self.rank_worker], allow_other_workers=False).result()
             except Exception as exc:  # the checkpoint is still written: a resume's ranker learns again
                 warnings.warn(f"ranker: its state could not be saved ({type(exc).__name__}: {exc}); "
@@ -120,7 +120,7 @@ class Dispatcher:
         blob = checkpoint / "ranker.pt"
         if self.rank_worker is not None and blob.exists():
             self.last_observe = self.client.submit(
-                remote.load_ranker_state, blob.read_bytes(), key=f"ranker-restore-{time.time_ns()}", pure=False,
+                task_functions.load_ranker_state, blob.read_bytes(), key=f"ranker-restore-{time.time_ns()}", pure=False,
                 workers=[self.rank_worker], allow_other_workers=False)
             try:
                 self.last_observe.result()

@@ -5,7 +5,7 @@ wait for the new weights to reach the engines (the admission of a later step nee
 the busy clocks, build and write the record. On W1 that was ~0.06 s of a 0.28 s step, and the
 trainer -- the bottleneck -- idled through it. In ``async`` mode the next step's groups were
 generated ahead, so a thread can hand them to the trainer as soon as the optimizer step is done
-while the controller's own thread does the rest (``Controller.step(feed_next=True)``).
+while the controller's own thread does the rest (``Controller.step(start_next_training=True)``).
 
 The thread *waits* for the previous optimizer step instead of passing it to Dask as a
 dependency: a chain of steps each depending on the last would keep the whole run's lineage in

@@ -34,7 +34,7 @@ class Batch:
     feeds = False
     """True: the next step's groups may be submitted before a step ends (:meth:`ahead`), so the
     controller can hand them to the trainer before its own bookkeeping
-    (``Controller.step(feed_next=True)``)."""
+    (``Controller.step(start_next_training=True)``)."""
 
     def scored(self, generate: Generate, step: int) -> list[Future]:
         """The step's scored groups."""

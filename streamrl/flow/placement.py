@@ -1,6 +1,6 @@
 """Put the run's stateful components on their workers, before the clock starts.
 
-Each is a :class:`~streamrl.flow.resident.Resident` worker plugin holding a build function; the
+Each is a :class:`~streamrl.on_worker.resident.Resident` worker plugin holding a build function; the
 first task that needs the object builds it on its worker: the engine on every generate worker,
 the trainer on the train worker, the reward on every reward worker, the ranker on the rank
 worker, the transfer on both ends. Model loads are forced here (``warm_up`` tasks) so the first
@@ -14,9 +14,9 @@ from functools import partial
 from distributed import Client
 
 from streamrl.api import TrainerContext
-from streamrl.flow import remote
-from streamrl.flow.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, Resident
-from streamrl.flow.resolve import Chosen, Resolved
+from streamrl.on_worker import task_functions
+from streamrl.on_worker.resident import ENGINE, RANKER, REWARD, TRAINER, TRANSFER, Resident
+from streamrl.plugins.resolve import Chosen, Resolved
 from streamrl.telemetry import bubbles
 
 
@@ -56,19 +56,20 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
     if resolved.ranker is not None:
         client.register_plugin(Resident(RANKER, resolved.ranker.build, seed=seed, what=f"ranker {r.ranker.name!r}"))
     client.register_plugin(bubbles.BusyClock())
-    futs = [client.submit(remote.warm_up, ENGINE, key=f"load-engine-{name}", workers=[addr], allow_other_workers=False)
+    futs = [client.submit(task_functions.warm_up, ENGINE, key=f"load-engine-{name}", workers=[addr],
+                          allow_other_workers=False)
             for name, addr in generate_workers.items()]
-    futs.append(client.submit(remote.warm_up, TRAINER, key="load-trainer", workers=[train_worker],
+    futs.append(client.submit(task_functions.warm_up, TRAINER, key="load-trainer", workers=[train_worker],
                               allow_other_workers=False))
     # both ends of the transfer, each worker once (a colocated train worker is also a generate one)
     ends = {train_worker: "train", **{addr: name for name, addr in generate_workers.items()}}
-    futs += [client.submit(remote.warm_up, TRANSFER, key=f"load-transfer-{name}", workers=[addr],
+    futs += [client.submit(task_functions.warm_up, TRANSFER, key=f"load-transfer-{name}", workers=[addr],
                            allow_other_workers=False, pure=False)
              for addr, name in ends.items()]
     if resolved.ranker is not None and rank_worker is not None:
         # measured on W2: built on first use, the ranker (and torch, imported on a reward
         # worker) held the first step's generation back by 2.8 s
-        futs.append(client.submit(remote.warm_up, RANKER, key="load-ranker", workers=[rank_worker],
+        futs.append(client.submit(task_functions.warm_up, RANKER, key="load-ranker", workers=[rank_worker],
                                   allow_other_workers=False, pure=False))
     for f in futs:
         f.result()

@@ -16,11 +16,11 @@ from typing import Callable
 
 from distributed import Future, as_completed
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
-from streamrl.flow import remote
+from streamrl.on_worker import task_functions
 from streamrl.flow.topology import Topology
-from streamrl.recipe import Recipe
+from streamrl.recipe.recipe import Recipe
 from streamrl.sample import Prompt
 from streamrl.telemetry import spans
 
@@ -73,14 +73,14 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
             where: dict = {"resources": {"generate": 1}}
             priorities = [placed[i][1] if i in placed else 0.0 for i in chunk]
             if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
-                where = {**cluster.at(topo.pins[name], generate=1), "priority": int(max(priorities))}
+                where = {**lifecycle.with_resources(topo.pins[name], generate=1), "priority": int(max(priorities))}
             key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
             with spans.phase(step, "generate"):
-                gen = client.submit(remote.generate_groups, bundle, n, submitted=time.time(),
+                gen = client.submit(task_functions.generate_groups, bundle, n, submitted=time.time(),
                                     engine_priorities=priorities, min_version=min_version,
                                     key=spans.step_key("generate", step, key), retries=1, **where)
             with spans.phase(step, "reward"):
-                scored.append(client.submit(remote.score_groups, gen, key=spans.step_key("reward", step, key),
+                scored.append(client.submit(task_functions.score_groups, gen, key=spans.step_key("reward", step, key),
                                             resources={"reward": 1}, retries=1))
             if on_generate is not None:
                 on_generate(name, gen)
@@ -111,7 +111,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
     completion order. Without a token budget, one train task per ``groups_per_micro_batch``
     ready groups. With ``trainer.micro_batch_tokens``, whatever is ready each time fewer than
     two train tasks per rank are outstanding (one running, one queued), cut to the budget on the
-    train worker (``flow/microbatch.py``).
+    train worker (``on_worker/microbatch.py``).
 
     ``ordered=True`` (a repeatable run): the same micro-batches in the same order every run,
     whatever the timing -- fixed chunks of groups in submission order, round-robin over the
@@ -138,10 +138,10 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         # batch's, known up front, round-robin (balanced, and the same split every run).
         # Sharded: round-robin always -- rounds of one task per rank, see below
         if world == 1:
-            return cluster.at(topo.train_pin, **{res: 1})
+            return lifecycle.with_resources(topo.train_pin, **{res: 1})
         if stream and not chained:
             return {"resources": {res: 1}}
-        return cluster.at(topo.pins[ranks[len(trains) % world]], **{res: 1})
+        return lifecycle.with_resources(topo.pins[ranks[len(trains) % world]], **{res: 1})
 
     def submit(chunk):
         rank = ranks[len(trains) % world]
@@ -150,7 +150,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         later = [*(after or []), turns[rank]] if chained and rank in turns else after
         with spans.phase(step, "train"):
             trains.append(client.submit(
-                remote.train_groups, *chunk, scale=scale, micro_batch_tokens=t.micro_batch_tokens,
+                task_functions.train_groups, *chunk, scale=scale, micro_batch_tokens=t.micro_batch_tokens,
                 groups_per_micro_batch=0 if dynamic else t.groups_per_micro_batch, after=later,
                 trainer_id=topo.incarnations, trainer=held,
                 key=spans.step_key(f"train{tag}", step, f"{suffix}{len(trains):03d}"), **where()))
@@ -185,8 +185,9 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         submit([])
     # every rank steps, together (they sum their gradients first), after every micro-batch
     with spans.phase(step, "train"):
-        steps = [client.submit(remote.optimizer_step, *trains, trainer_id=topo.incarnations, trainer=held, step=step,
+        steps = [client.submit(task_functions.optimizer_step, *trains, trainer_id=topo.incarnations, trainer=held,
+                               step=step,
                                key=spans.step_key(f"optimizer-step{tag}", step, f"{suffix}rank{rank}"),
-                               **cluster.at(topo.pins[name], **{res: 1}))
+                               **lifecycle.with_resources(topo.pins[name], **{res: 1}))
                  for rank, name in enumerate(ranks)]
     return steps, trains

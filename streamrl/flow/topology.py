@@ -5,7 +5,7 @@ A :class:`Topology` is the one owner of that shape. Submission (``flow/submit.py
 it; the elastic pool asks it to add and remove generate workers (``add_generate``,
 ``remove_generate``), and nothing else changes it. Work is addressed to workers by *name*: a
 worker its nanny restarts comes back on a new address with the same name, and tasks pinned to
-it wait for it instead of for ever (``cluster.pins``).
+it wait for it instead of for ever (``cluster/lifecycle.worker_pins``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import time
 
 from distributed import Client, SpecCluster
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
-from streamrl.flow import remote
-from streamrl.flow.resident import TRAINER
+from streamrl.on_worker import task_functions
+from streamrl.on_worker.resident import TRAINER
 
 
 class Topology:
@@ -32,7 +32,7 @@ class Topology:
 
     def __init__(self, client: Client, pools: dict[str, dict[str, str]], *, sharded: bool = False,
                  ranker: bool = False, spec_cluster: SpecCluster | None = None):
-        """``pools``: ``{pool: {worker name: address}}`` (``cluster.check_pools``); ``sharded``:
+        """``pools``: ``{pool: {worker name: address}}`` (``cluster/lifecycle.check_pools``); ``sharded``:
         the train pool holds shards of one trainer (fsdp); ``ranker``: the run has a length
         ranker, which lives on the rank pool, else on the first reward worker;
         ``spec_cluster``: the embedded cluster, whose worker processes streamrl may start and
@@ -53,7 +53,7 @@ class Topology:
         """Name of the worker holding the length ranker (None: no ranker)."""
         self.sharded = sharded and len(self.train) > 1
         """The ranks hold shards: every forward/backward is a collective (``training/fsdp.py``)."""
-        self.pins: dict[str, dict] = cluster.pins(client)
+        self.pins: dict[str, dict] = lifecycle.worker_pins(client)
         """``{worker name: submit() keywords that run a task there}``."""
         self.incarnations: dict[str, str] = {}
         """``{train worker name: trainer incarnation}``: a train task landing on a restarted
@@ -99,7 +99,7 @@ class Topology:
         """:meth:`generate_pins` without the workers not up now (killed, their nanny not done
         restarting them): a publication's collective must not count on a member that is not
         coming. A worker left out catches up when it is back (``remote.catch_up``)."""
-        up = {str(info.get("name")) for info in cluster.workers(self.client).values()}
+        up = {str(info.get("name")) for info in lifecycle.workers(self.client).values()}
         return {name: pin for name, pin in self.generate_pins().items() if name in up}
 
     def writers(self) -> list[dict]:
@@ -117,17 +117,17 @@ class Topology:
         trainer incarnation."""
         client, world = self.client, len(self.train)
         if world == 1:  # a group left from an earlier run on this cluster would wait for peers
-            client.submit(remote.join_train_group, 0, 1, "", 0.0, pure=False, **self.train_pin).result()
+            client.submit(task_functions.join_train_group, 0, 1, "", 0.0, pure=False, **self.train_pin).result()
         else:
-            address = client.submit(remote.rendezvous_address, key=f"rendezvous-{time.time_ns()}",
+            address = client.submit(task_functions.rendezvous_address, key=f"rendezvous-{time.time_ns()}",
                                     **self.train_pin).result()
-            joins = [client.submit(remote.join_train_group, rank, world, address, timeout, strategy,
+            joins = [client.submit(task_functions.join_train_group, rank, world, address, timeout, strategy,
                                    pure=False, key=f"join-train-group-{name}", **self.pins[name])
                      for rank, name in enumerate(self.train)]
             for f in joins:
                 f.result()
         self.incarnations = {
-            name: client.submit(remote.trainer_incarnation, key=f"trainer-id-{name}-{time.time_ns()}",
+            name: client.submit(task_functions.trainer_incarnation, key=f"trainer-id-{name}-{time.time_ns()}",
                                 **self.pins[name]).result()
             for name in self.train}
 
@@ -163,7 +163,7 @@ class Topology:
 
     def refresh_pins(self) -> None:
         """Read the pins again (a worker started since)."""
-        self.pins.update(cluster.pins(self.client))
+        self.pins.update(lifecycle.worker_pins(self.client))
 
     def add_generate(self, name: str) -> None:
         """``name`` (up, loaded with the newest weights) joins dispatch and publication."""
@@ -185,12 +185,12 @@ class Topology:
     def replaced(self, pool: str) -> list[str]:
         """Workers of ``pool`` that are gone or were restarted (at another address) since the
         run placed its work on them, as the scheduler sees them now."""
-        now = {str(info.get("name")): addr for addr, info in cluster.workers(self.client).items()}
+        now = {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
         return sorted(name for name, addr in self.pools.get(pool, {}).items() if now.get(name) != addr)
 
     def address(self, name: str) -> str | None:
         """The current address of worker ``name`` (None: not up)."""
-        for addr, info in cluster.workers(self.client).items():
+        for addr, info in lifecycle.workers(self.client).items():
             if str(info.get("name")) == name:
                 return addr
         return None

@@ -129,12 +129,13 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     ``served`` | ``initial``, ``resume``) to train from step ``step``."""
     from dataclasses import replace
 
-    from streamrl.flow import checkpoints, remote
-    from streamrl.flow.resolve import learner_plan
+    from streamrl.checkpoints import folders
+    from streamrl.on_worker import task_functions
+    from streamrl.plugins.resolve import learner_plan
     from streamrl.learners import runtime
-    from streamrl.learner_tables import LearnerConfig
+    from streamrl.recipe.learners import LearnerConfig
     from streamrl.learners.fanout import Fanout
-    from streamrl.recipe import validate_section
+    from streamrl.recipe.recipe import validate_section
 
     controller = side.ctl
     resolved, topo = controller.resolved, controller.topology
@@ -148,7 +149,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
         raise UserError(f"learner {name!r} is the main learner (it trains on the train pool)")
     resume_from = None
     if request.get("resume"):
-        latest = checkpoints.latest(run_dir)
+        latest = folders.latest(run_dir)
         saved = latest / "learners" / name if latest else None
         if saved is None or not saved.is_dir():
             raise UserError(f"learner {name!r}: no state of it in the newest checkpoint "
@@ -165,7 +166,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     if start == "served" and resume_from is None:
         # the served policy as it is now, after the last step: saved, and the new trainer built from it
         folder = run_dir / "learners" / f"start-{name}"
-        controller.client.submit(remote.save_policy, str(folder), after=controller.last_step,
+        controller.client.submit(task_functions.save_policy, str(folder), after=controller.last_step,
                                  trainer_id=topo.incarnations, key=f"save-start-{name}-{time.time_ns()}",
                                  **topo.train_pin).result()
         start_model = str(folder)
@@ -173,7 +174,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
                                 task=fanout.task if fanout is not None and fanout.task is not None else controller.task,
                                 model_path=start_model)
     if resume_from is not None:
-        controller.client.submit(remote.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
+        controller.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
                                  **learner.view.train_pin).result()
         if name in known:  # its counts go on
             old = known[name]

@@ -1,6 +1,6 @@
 """Each learner's policy on the held-out prompts (``[eval]``), where its weights already live.
 
-The served policy is evaluated on the generate pool (``flow/evaluate.py``). A side learner's
+The served policy is evaluated on the generate pool (``extensions/evaluate.py``). A side learner's
 policy is on its own worker: an engine of the recipe's kind is kept there too (a second resident,
 ``streamrl-engine-<name>``), loads the trainer's weights in the same process -- no transfer, no
 publication -- and answers the same held-out prompts, scored on the reward pool by the run's
@@ -15,9 +15,9 @@ from functools import partial
 
 from distributed import Client
 
-from streamrl.flow.evaluate import Evaluator, for_run
+from streamrl.extensions.evaluate import Evaluator, for_run
 from streamrl.flow.placement import build_engine
-from streamrl.flow.resident import Resident, resident
+from streamrl.on_worker.resident import Resident, resident
 from streamrl.sample import Group, Prompt
 
 
@@ -29,7 +29,7 @@ def engine_resident(learner: str) -> str:
 def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 0, after=None,
                         trainer: str = "", engine: str = "") -> list[Group]:
     """A learner's worker: its engine takes the trainer's current weights, then answers
-    ``prompts`` (as ``flow.evaluate.eval_groups``)."""
+    ``prompts`` (as ``extensions/evaluate.eval_groups``)."""
     eng, held = resident(engine), resident(trainer)
     if eng.version != held.version:
         eng.load_weights(held.named_weights(), held.version)

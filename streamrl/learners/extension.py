@@ -1,4 +1,4 @@
-"""The side learners as a step extension (``flow/extension.py``): built beside the residents,
+"""The side learners as a step extension (``extensions/step_extension.py``): built beside the residents,
 handed every step's scored groups, recorded, checkpointed, restored and finished with the run,
 and added or removed between steps on request (``streamrl learners add|remove``)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from distributed import Future
 
-from streamrl.flow.extension import StepExtension
+from streamrl.extensions.step_extension import StepExtension
 from streamrl.learners import control, runtime
 from streamrl.learners.fanout import Fanout
 

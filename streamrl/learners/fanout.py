@@ -26,11 +26,12 @@ from pathlib import Path
 from distributed import Client, Future, wait
 
 from streamrl.errors import RunWarning
-from streamrl.flow import remote, submit
-from streamrl.flow.evaluate import Evaluator
-from streamrl.flow.resolve import LearnerPlan
-from streamrl.pool_workers import LEARN
-from streamrl.recipe import Recipe
+from streamrl.flow import submit
+from streamrl.on_worker import task_functions
+from streamrl.extensions.evaluate import Evaluator
+from streamrl.plugins.resolve import LearnerPlan
+from streamrl.cluster.pool_workers import LEARN
+from streamrl.recipe.recipe import Recipe
 from streamrl.telemetry.record import algorithm_stats
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
 
@@ -245,7 +246,8 @@ class Fanout:
             target = out / lr.name
             try:
                 saved[lr.name] = self.client.submit(
-                    remote.save_policy, str(target), trainer=lr.plan.resident, key=f"save-policy-{lr.name}-{time.time_ns()}",
+                    task_functions.save_policy, str(target), trainer=lr.plan.resident,
+                    key=f"save-policy-{lr.name}-{time.time_ns()}",
                     **lr.view.train_pin).result(timeout=600)
             except Exception as exc:  # its worker is gone: say so, save the others
                 warnings.warn(RunWarning(f"learner {lr.name!r}: policy not saved ({type(exc).__name__}: {exc})"),

@@ -20,13 +20,13 @@ from pathlib import Path
 from distributed import Client, Future
 
 from streamrl.errors import RunWarning, UserError
-from streamrl.flow import remote
+from streamrl.on_worker import task_functions
 from streamrl.flow.placement import trainer_context
-from streamrl.flow.resident import Resident
-from streamrl.pool_workers import LEARN
+from streamrl.on_worker.resident import Resident
+from streamrl.cluster.pool_workers import LEARN
 from streamrl.learners import evaluate
-from streamrl.flow.resolve import LearnerPlan
-from streamrl.recipe import Recipe
+from streamrl.plugins.resolve import LearnerPlan
+from streamrl.recipe.recipe import Recipe
 from streamrl.learners.fanout import Fanout, LearnerView, SideLearner
 
 STATE = "learners.json"
@@ -63,7 +63,8 @@ def begin_place(client: Client, recipe: Recipe, plan: LearnerPlan, trainer_conte
     client.register_plugin(Resident(plan.resident, partial(plan.trainer.build, trainer_context), torch_threads=threads,
                                     seed=recipe.run.seed, what=f"learner {plan.name!r}'s trainer"))
     view = LearnerView(client, plan, pins)
-    built = client.submit(remote.trainer_incarnation, plan.resident, key=f"trainer-id-{plan.name}-{time.time_ns()}",
+    built = client.submit(task_functions.trainer_incarnation, plan.resident,
+                          key=f"trainer-id-{plan.name}-{time.time_ns()}",
                           **view.train_pin)
     return Placing(plan, view, built, trainer_context.algorithm.epochs, joined_at, make_evaluator)
 
@@ -122,17 +123,17 @@ def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict]
 def ensure_worker(client: Client, topo, recipe, name: str) -> None:
     """Learner ``name``'s worker is up: the embedded cluster starts it when it is not (a learner
     added during the run, on a resume); ``topo.pins`` is brought up to date either way."""
-    from streamrl import cluster
-    from streamrl.pool_workers import learner_worker_spec
+    from streamrl.cluster import lifecycle
+    from streamrl.cluster.pool_workers import learner_worker_spec
 
     worker = f"learner-{name}"
-    up = cluster.pins(client)  # (the topology's pins keep workers that have left)
+    up = lifecycle.worker_pins(client)  # (the topology's pins keep workers that have left)
     if worker not in up and topo.can_grow:
         topo.start_worker(worker, learner_worker_spec(recipe, name))
         deadline = time.time() + recipe.cluster.startup_timeout
         while worker not in up and time.time() < deadline:
             time.sleep(0.2)
-            up = cluster.pins(client)
+            up = lifecycle.worker_pins(client)
     topo.pins.update(up)
     if worker not in up:
         topo.pins.pop(worker, None)  # (place() then says how to start it)
@@ -165,7 +166,7 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             target.parent.mkdir(exist_ok=True)
             saved = False
             if lr.state == "training":
-                fanout.client.submit(remote.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
+                fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
                                      trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
                 saved = True
             elif previous is not None and (previous / "learners" / lr.name).is_dir():
@@ -183,7 +184,7 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
     path = checkpoint / STATE
     if not path.exists():
         return fanout
-    from streamrl.flow.resolve import learner_plan
+    from streamrl.plugins.resolve import learner_plan
 
     saved = json.loads(path.read_text())["learners"]
     for name, entry in saved.items():
@@ -204,7 +205,7 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
         if summary.get("state") in ("failed", "removed"):
             lr.state, lr.failure = summary["state"], summary.get("failure")
         if entry["has_state"] and lr.state == "training":
-            client.submit(remote.load_trainer_checkpoint, str(checkpoint / "learners" / name), lr.plan.resident,
+            client.submit(task_functions.load_trainer_checkpoint, str(checkpoint / "learners" / name), lr.plan.resident,
                           pure=False, **lr.view.train_pin).result()
         elif lr.state == "training":
             warnings.warn(RunWarning(f"learner {name!r}: the checkpoint holds no state of it; it starts over"),

@@ -26,7 +26,7 @@ from streamrl.planning import profile as profiling
 from streamrl.planning.predict import Prediction, predict
 from streamrl.planning.profile import StageProfile
 from streamrl.sim.capabilities import SimTrainerCapabilities
-from streamrl.variants import costs, describe, recipe_split, run_variants
+from streamrl.bench.variants import costs, describe, recipe_split, run_variants
 
 
 def per_cost_hour(pred: Prediction, cost: tuple[float, float]) -> float:

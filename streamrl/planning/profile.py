@@ -131,7 +131,7 @@ def calibrate(file: str, overrides: list[str], steps: int = 3) -> dict:
 
     from rich.console import Console
 
-    from streamrl.variants import run_variants  # (runs need the cluster; a profile alone does not)
+    from streamrl.bench.variants import run_variants  # (runs need the cluster; a profile alone does not)
 
     rows = run_variants(file, overrides, {"calibrate": ["run.mode=async"]}, steps, 1,
                         Console(file=io.StringIO()), "calibrate", None)
@@ -169,7 +169,7 @@ def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> St
 
     from streamrl.errors import UserError
     from streamrl.flow.placement import build_engine
-    from streamrl.variants import run_variants
+    from streamrl.bench.variants import run_variants
 
     engine = build_engine(resolved.engine, resolved.model_path)
     try:

@@ -84,7 +84,7 @@ def call_with_deadline(fn: Callable[..., Any], *args: Any, timeout_s: float | No
         return fn(*args)
     box: dict[str, Any] = {}
     done = threading.Event()
-    # torch's thread count is per thread (see flow/resident.py): a reward model scored on the
+    # torch's thread count is per thread (see on_worker/resident.py): a reward model scored on the
     # runner computes with the count this task's thread was given
     torch_threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
 

@@ -11,7 +11,7 @@ with the next is the mode's business (``flow/modes.py``); where workers are, the
 pass, so the policy version counts steps (batches).
 
 Features that act inside a step -- the elastic generate pool, the side learners, held-out
-evaluation -- are step extensions (``flow/extension.py``): the step calls each extension at
+evaluation -- are step extensions (``extensions/step_extension.py``): the step calls each extension at
 its moments (placed, pinned, trained, before_publish, published, record, ...) and has no branch
 on any of them.
 """
@@ -25,10 +25,11 @@ from pathlib import Path
 
 from distributed import Client, Future, SpecCluster, wait
 
-from streamrl.flow import checkpoints, modes, placement, submit
-from streamrl.flow.extension import StepExtension
+from streamrl.flow import modes, placement, submit
+from streamrl.checkpoints import folders
+from streamrl.extensions.step_extension import StepExtension
 from streamrl.flow.feed import Feed
-from streamrl.flow.resolve import Resolved
+from streamrl.plugins.resolve import Resolved
 from streamrl.flow.topology import Topology
 from streamrl.flow.weights import publish, relay_sites, wait_loaded
 from streamrl.flow.dispatch import Dispatcher
@@ -43,7 +44,7 @@ class Controller:
 
     def __init__(self, resolved: Resolved, client: Client, pools: dict[str, dict[str, str]],
                  spec_cluster: SpecCluster | None = None):
-        """``pools``: ``cluster.check_pools``; ``spec_cluster``: the embedded cluster, which an
+        """``pools``: ``lifecycle.check_pools``; ``spec_cluster``: the embedded cluster, which an
         elastic generate pool grows and shrinks."""
         r = self.recipe = resolved.recipe
         self.resolved, self.client = resolved, client
@@ -69,8 +70,9 @@ class Controller:
         self.dispatcher: Dispatcher | None = None
         self.version = 0
         self.last_step: list[Future] | None = None  # every rank's last optimizer step
-        self.fed: Feed | None = None  # the next step's training, handed over early (step(feed_next=True))
-        self.fed_scored: list[Future] = []  # its groups
+        # the next step's training, handed over early (step(start_next_training=True)), and its groups
+        self.next_training: Feed | None = None
+        self.next_training_groups: list[Future] = []
         self.boundary: float | None = None  # when the last step's record was taken
         self.clock = None
         self.seen_uids: set[str] = set()
@@ -114,20 +116,21 @@ class Controller:
             self.submitted_groups += len(prompts)
         return scored
 
-    def step(self, step: int, feed_next: bool = False) -> dict:
+    def step(self, step: int, start_next_training: bool = False) -> dict:
         """Run one full step in the recipe's mode and return its ``metrics.jsonl`` record.
 
-        ``feed_next`` (``async`` mode): once this step's weights are published, hand the train
-        pool the next step's groups (from a thread, as they are scored) before this step's
-        result and bookkeeping, so the trainer goes from one step to the next without waiting
+        ``start_next_training`` (``async`` mode): once this step's weights are published, hand
+        the train pool the next step's groups (from a thread, as they are scored) before this
+        step's result and bookkeeping, so the trainer goes from one step to the next without waiting
         for the controller. The caller must then run the next step before a checkpoint."""
         # A step runs boundary to boundary (what the runner does between two steps included), so
-        # step times add up to the run's wall time; a fed step's training began before this call.
+        # step times add up to the run's wall time; a step whose training was started early (by
+        # the step before) began before this call.
         t0 = self.boundary if self.boundary is not None else time.time()
-        fed, self.fed = self.fed, None
-        if fed is not None and fed.step == step:
-            last, passes = fed.result()
-            scored = self.fed_scored
+        early, self.next_training = self.next_training, None
+        if early is not None and early.step == step:
+            last, passes = early.result()
+            scored = self.next_training_groups
         else:
             scored = self.mode.scored(self.generate, step)
             last, passes = submit.epochs(self.topology, self.recipe, self.epochs, step, scored,
@@ -148,9 +151,9 @@ class Controller:
         self._call("published", version, loads)
         self.mode.published(version, loads)
         held = any(e.holds_boundary for e in self.extensions)
-        feeding = feed_next and self.mode.feeds and not held and self.mode.ahead(step + 1)
+        feeding = start_next_training and self.mode.feeds and not held and self.mode.ahead(step + 1)
         if feeding:
-            self.fed = Feed(step + 1, self._feed, step + 1, step_fut)
+            self.next_training = Feed(step + 1, self._feed, step + 1, step_fut)
         step_stats = step_fut.result()
         if feeding:  # meanwhile, here: the next step's admission (it waits for the weights just published)
             self.mode.admit(self.generate, step + 1)
@@ -161,8 +164,8 @@ class Controller:
             step_stats = replace(step_stats, extra={**step_stats.extra, **last_epoch})
         # The step is done: later tasks need not depend on it. Holding it would make Dask, if the
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
-        # (A fed next step holds its own optimizer steps.)
-        if self.fed is None:
+        # (A next step started early holds its own optimizer steps.)
+        if self.next_training is None:
             self.last_step = None
         return self._record(step, passes[0], step_stats, t0, t_trained, admitted, generate_workers)
 
@@ -202,17 +205,17 @@ class Controller:
         # as a dependency: a chain of steps each depending on the last would keep the whole
         # run's lineage in the scheduler -- the step's groups to the trainer as they are scored
         wait([previous])
-        scored = self.fed_scored = self.mode.take(step)
+        scored = self.next_training_groups = self.mode.take(step)
         return submit.epochs(self.topology, self.recipe, self.epochs, step, scored, True, after=[],
                              ordered=self.repeatable)
 
-    # -- checkpoints (written by ``run/saving.py``) ----------------------------------------
+    # -- checkpoints (written by ``checkpoints/saving.py``) ---------------------------------
     def resume(self, checkpoint: Path) -> int:
         """After :meth:`place_residents`: restore the trainer, put its weights on every engine
         (so nothing generates with the base weights), and continue the mode; returns the next step."""
-        state = checkpoints.read(checkpoint)
+        state = folders.read(checkpoint)
         # every rank starts from the same state
-        checkpoints.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
+        folders.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
         self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
         self.version = state["policy_version"]
         self._call("resume", checkpoint)
@@ -226,8 +229,8 @@ class Controller:
         cluster submits the same keys and must not be handed the old, stale samples."""
         self.client.cancel([f for fs in self.mode.pending() for f in fs])
         self._call("close")
-        if self.fed is not None:  # the next step's generation, taken by a feed in flight
-            self.client.cancel(self.fed_scored)
+        if self.next_training is not None:  # the next step's generation, taken by a feed in flight
+            self.client.cancel(self.next_training_groups)
 
     # -- the extensions ---------------------------------------------------------------------
     def _call(self, moment: str, *args) -> None:
@@ -242,7 +245,7 @@ class Controller:
     def training_ahead(self) -> bool:
         """Whether the next step's training began before this step's record (``async``'s feed):
         the next step must run before a checkpoint."""
-        return self.fed is not None
+        return self.next_training is not None
 
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
         """After step ``done``'s record: every extension's work between steps (requests from

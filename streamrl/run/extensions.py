@@ -1,11 +1,11 @@
-"""The run's step extensions (``flow/extension.py``): which features plug into this run's loop.
+"""The run's step extensions (``extensions/step_extension.py``): which features plug into this run's loop.
 The controller calls them; only this module knows which there are."""
 
 from __future__ import annotations
 
-from streamrl.flow import evaluate
-from streamrl.flow.elastic import ElasticGrowth
-from streamrl.flow.extension import StepExtension
+from streamrl.extensions import evaluate
+from streamrl.extensions.elastic import ElasticGrowth
+from streamrl.extensions.step_extension import StepExtension
 from streamrl.learners.extension import SideLearners
 
 

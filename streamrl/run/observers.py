@@ -7,7 +7,7 @@ observer: the run folder writes every record before the observers see it, so a r
 and ``streamrl report`` always have the whole run.
 
 An observer is anything with a ``name`` and a ``step(record)`` method (:class:`StepObserver`);
-a plugin observes with ``on_step_end`` (``hookspecs.py``) and each plugin's hook is an observer
+a plugin observes with ``on_step_end`` (``plugins/hookspecs.py``) and each plugin's hook is an observer
 of its own, so one failing plugin does not silence the others.
 """
 

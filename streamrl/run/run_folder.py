@@ -21,8 +21,8 @@ import warnings
 from pathlib import Path
 
 from streamrl.errors import NonFiniteStep, RunStopped, RunWarning, UserError
-from streamrl.flow import checkpoints
-from streamrl.recipe import LoadedRecipe, load_recipe, to_toml
+from streamrl.checkpoints import folders
+from streamrl.recipe.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
 
 STATUS = "status.json"
@@ -66,7 +66,7 @@ class RunFolder:
         if not cls.is_run(where):
             raise UserError(f"{where}: not a run folder (expected status.json and recipe.toml in it)")
         if folder.latest_checkpoint() is None:
-            _, problems = checkpoints.usable(where)
+            _, problems = folders.usable(where)
             if problems:  # (each was warned about just now, too)
                 raise UserError(f"{where}: no usable checkpoint to resume from ({'; '.join(problems)})")
             raise UserError(f"{where}: no checkpoint to resume from (the run stopped before its first one)")
@@ -118,7 +118,7 @@ class RunFolder:
                      "--set to change the recipe)" if ckpt is not None
                      else "no checkpoint was written yet (run.checkpoint_every)")
             # (only for a refused update: it verifies, hashes included, every older checkpoint)
-            earlier = ([c for c in checkpoints.usable_all(self.path) if c.name < ckpt.name]
+            earlier = ([c for c in folders.usable_all(self.path) if c.name < ckpt.name]
                        if isinstance(exc, NonFiniteStep) and ckpt is not None else [])
             if earlier:
                 # the newest checkpoint's weights made this step: if an earlier update went bad
@@ -134,7 +134,7 @@ class RunFolder:
     # -- checkpoints ----------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        return checkpoints.latest(self.path)
+        return folders.latest(self.path)
 
     # -- metrics and sinks ------------------------------------------------------------------------
     def open(self, loaded: LoadedRecipe, sinks: list, resumed: dict | None, checkpoint: Path | None = None) -> None:
@@ -147,8 +147,8 @@ class RunFolder:
             self.metrics.keep_first(resumed["records"])
             ckpt = checkpoint or self.latest_checkpoint()
             if ckpt is not None:  # newer ones (damaged, or passed over): out of the way of the steps run again
-                for name in checkpoints.set_aside(self.path, ckpt):
-                    old = name.removeprefix(checkpoints.DAMAGED).removeprefix(checkpoints.PASSED_OVER)
+                for name in folders.set_aside(self.path, ckpt):
+                    old = name.removeprefix(folders.DAMAGED).removeprefix(folders.PASSED_OVER)
                     warnings.warn(f"checkpoints/{old} is kept as {name} (the resumed run writes that step again)",
                                   RunWarning, stacklevel=2)
         self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())

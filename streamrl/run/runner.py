@@ -13,18 +13,19 @@ from distributed import performance_report, span
 from rich.console import Console
 from rich.markup import escape
 
-from streamrl import cluster, quiet
+from streamrl.cluster import lifecycle, quiet
 from streamrl.errors import Interrupted, RunFailed, UserError
-from streamrl.flow import checkpoints, submit
-from streamrl.run import saving
+from streamrl.flow import submit
+from streamrl.checkpoints import folders
+from streamrl.checkpoints import saving
 from streamrl.run.controller import Controller
 from streamrl.run.observers import Called, Observers, plugin_observers, sink_observers
-from streamrl.flow.resident import ComponentError, ResidentLost
-from streamrl.flow.resolve import Resolved, resolve
+from streamrl.on_worker.resident import ComponentError, ResidentLost
+from streamrl.plugins.resolve import Resolved, resolve
 from streamrl.run.run_folder import RunFolder
-from streamrl.stopping import StopRequest
+from streamrl.run.stopping import StopRequest
 from streamrl.run.watchdog import Watchdog
-from streamrl.recipe import LoadedRecipe
+from streamrl.recipe.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
 from streamrl.telemetry.console import RunDisplay, WarningsLog, flat_groups_note, summary_table
 from streamrl.telemetry.report import write_report
@@ -72,7 +73,7 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
         with watchdog.watching(f"step {step + 1}", r.run.step_timeout_s * (2 if step == first else 1)):
             # The next step's training may start before this step's record is written, unless a
             # checkpoint must capture the weights right after this step.
-            m = controller.step(step, feed_next=not (stop.requested or checkpoint_after(step + 1)))
+            m = controller.step(step, start_next_training=not (stop.requested or checkpoint_after(step + 1)))
             folder.record(m)
             observers.step(m)
             if m.get("flat_groups") == 1.0 and not flat_seen:  # once: it is usually so for many steps
@@ -143,8 +144,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     folder = RunFolder(resume_dir) if resume_dir else RunFolder.create(loaded)
     checkpoint = None
     if resume_dir:  # the newest usable checkpoint, or the one ``--from`` names
-        checkpoint = checkpoints.named(folder.path, from_checkpoint) if from_checkpoint else folder.latest_checkpoint()
-    resumed = checkpoints.read(checkpoint) if checkpoint is not None else None
+        checkpoint = folders.named(folder.path, from_checkpoint) if from_checkpoint else folder.latest_checkpoint()
+    resumed = folders.read(checkpoint) if checkpoint is not None else None
     if resumed is not None and resumed["next_step"] >= r.run.steps:
         raise UserError(f"run.steps: the run already has {resumed['next_step']} steps; "
                         "pass --set run.steps=N with a larger N to go on")
@@ -157,10 +158,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed, checkpoint)
         # the cluster's processes inherit the ignore, and a signal meanwhile waits for the
-        # handler (``stopping.py``); connecting to cluster.address starts none, so a stop
+        # handler (``run/stopping.py``); connecting to cluster.address starts none, so a stop
         # signal meanwhile ends the command at once
         with stop.deferred(hold=not r.cluster.factory) if not r.cluster.address else nullcontext():
-            dask_cluster, client = cluster.start(r, verbose)
+            dask_cluster, client = lifecycle.start(r, verbose)
         stop.install()
         warnings_log.attach(client)
         if not verbose:  # a worker's loss and restart: streamrl's own line says what matters
@@ -171,14 +172,14 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         page = dashboard.install(client, name=r.run.name, mode=r.run.mode, steps=r.run.steps)
         if page:
             console.print(f"streamrl page: {page}")
-        pools = cluster.check_pools(client)
+        pools = lifecycle.check_pools(client)
         console.print("pools: " + ", ".join(f"{p}={len(w)}" for p, w in pools.items() if w))
         trace = TraceRecorder(client, folder.path)
         watchdog = Watchdog(client, r.run.step_timeout_s)
         watchdog.install()
         controller = Controller(resolved, client, pools, dask_cluster)
         if not verbose:
-            quiet.quiet_train_losses(pools["train"])
+            quiet.quiet_lost_train_workers(pools["train"])
         first = 0
         with watchdog.watching("placing the engines, trainer and rewards", 2 * r.run.step_timeout_s):
             controller.place_residents()
@@ -226,7 +227,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         except Exception as exc:  # an observer's failure must not hide the run's outcome
             warn(f"on_run_end failed: {type(exc).__name__}: {exc}")
         if dask_cluster is not None or client is not None:
-            cluster.stop(dask_cluster, client)
+            lifecycle.stop(dask_cluster, client)
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
     errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
     if errors:

@@ -4,7 +4,7 @@
 
 Each argument is a model folder (a transformers model) or a run folder (its ``policy/``; its own
 ``recipe.toml`` when ``--recipe`` is not given). All are scored on one cluster, one after the
-other, exactly as ``[eval]`` scores a run (``flow/evaluate.py``; the recipe's ``[eval]`` table,
+other, exactly as ``[eval]`` scores a run (``extensions/evaluate.py``; the recipe's ``[eval]`` table,
 or its defaults).
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
-from streamrl.flow import evaluate
-from streamrl.flow.evaluate import HeldOutEvaluation
+from streamrl.extensions import evaluate
+from streamrl.extensions.evaluate import HeldOutEvaluation
 from streamrl.run.controller import Controller
-from streamrl.flow.resolve import resolve
+from streamrl.plugins.resolve import resolve
 from streamrl.run.run_folder import RunFolder
-from streamrl.recipe import EvalConfig, LoadedRecipe, load_recipe
+from streamrl.recipe.recipe import EvalConfig, LoadedRecipe, load_recipe
 
 
 def model_and_recipe(target: str, recipe: str | None, overrides: list[str]) -> tuple[Path, LoadedRecipe]:
@@ -49,9 +49,9 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
     rows = []
     plan = [(t, *model_and_recipe(t, recipe, overrides)) for t in targets]  # every mistake before a cluster
     first = plan[0][2].recipe
-    dask_cluster, client = cluster.start(first)
+    dask_cluster, client = lifecycle.start(first)
     try:
-        pools = cluster.check_pools(client)
+        pools = lifecycle.check_pools(client)
         for target, model, loaded in plan:
             if loaded.recipe.model is None:
                 raise UserError(f"{target}: its recipe has no [model] table to put the policy in")
@@ -66,7 +66,7 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
             result.pop("eval/policy_version")
             rows.append({"model": target, **result})
     finally:
-        cluster.stop(dask_cluster, client)
+        lifecycle.stop(dask_cluster, client)
     table = Table(title="held-out evaluation")
     keys = list(dict.fromkeys(k for row in rows for k in row if k != "model"))  # (targets may differ)
     for col in ["model", *keys]:

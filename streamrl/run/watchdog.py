@@ -22,7 +22,7 @@ from typing import Iterator
 
 from distributed import Client
 
-from streamrl import cluster
+from streamrl.cluster import lifecycle
 from streamrl.errors import RunStopped
 
 #: The signal that carries the timer's news to the main thread (nothing else of streamrl uses it).
@@ -37,7 +37,7 @@ def running(client: Client, most: int = 4) -> str:
     """What the cluster is running now, as ``task on worker`` (the first ``most``), or why that
     cannot be said."""
     try:
-        names = {addr: str(info.get("name")) for addr, info in cluster.workers(client).items()}
+        names = {addr: str(info.get("name")) for addr, info in lifecycle.workers(client).items()}
         busy = [f"{_key(key)} on {names.get(addr, addr)}" for addr, keys in client.processing().items()
                 for key in keys]
     except Exception as exc:  # (the scheduler itself may be what stopped answering)

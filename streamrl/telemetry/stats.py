@@ -1,7 +1,7 @@
 """What train tasks send the controller: :class:`TrainTaskStats` from each train task and
 :class:`StepStats` from each optimizer step, in place of string-keyed dicts.
 
-The train worker builds them (``flow/remote.py``) from what the trainer returns -- a trainer's
+The train worker builds them (``on_worker/task_functions.py``) from what the trainer returns -- a trainer's
 ``micro_batch`` and ``step`` still return plain dicts (the plugin contract) -- and the controller
 reads them (``telemetry/record.py``). Both sides import this module; Dask pickles them between.
 """

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
-from streamrl.devices import worker_device
+from streamrl.cluster.devices import worker_device
 from streamrl.errors import NonFiniteStep, RunFailed
 from streamrl.sample import Group, Sample
 from streamrl.training import fsdp
@@ -373,16 +373,16 @@ class HFTrainer(Trainer):
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
 
     def save_checkpoint(self, path: str) -> None:
-        """Policy, AdamW, LR schedule, critic, algorithm state and RNGs (``training/checkpoint.py``)."""
-        from streamrl.training import checkpoint
+        """Policy, AdamW, LR schedule, critic, algorithm state and RNGs (``checkpoints/trainer_state.py``)."""
+        from streamrl.checkpoints import trainer_state
 
-        checkpoint.save(self, path)
+        trainer_state.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder in place."""
-        from streamrl.training import checkpoint
+        from streamrl.checkpoints import trainer_state
 
-        checkpoint.load(self, path)
+        trainer_state.load(self, path)
         # a checkpoint written before steps that are not finite were refused may hold NaN
         # weights: they must not be published to the engines after a resume
         if self.strategy.any_rank(not all_finite(self.stepped.parameters()), self.device):

@@ -1,6 +1,6 @@
 """The example plugin's own tests: its components, and that streamrl discovers them."""
 
-from streamrl.plugins import build_registry
+from streamrl.plugins.registry import build_registry
 from streamrl.api import Prompt
 from streamrl_example.digit_match import DigitMatch, DigitMatchConfig
 from streamrl_example.rloo import RLOO, RLOOConfig

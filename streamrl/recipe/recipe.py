@@ -22,10 +22,10 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from streamrl import learner_tables
 from streamrl.errors import UserError
-from streamrl.learner_tables import LearnerConfig
-from streamrl.pool_tables import REQUIRED_POOLS, ClusterConfig, PoolsConfig, Strict
+from streamrl.recipe.learners import LearnerConfig, check as check_learners
+from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
+from streamrl.recipe.strict import Strict
 
 
 class RunConfig(Strict):
@@ -138,7 +138,7 @@ class TrainerSection(Section):
     micro_batch_tokens: int = Field(0, ge=0)
     """Token budget (prompt + response) of one forward/backward. With a budget, ``stream`` and
     ``async`` hand the trainer whatever groups are ready and cut them to this size (dynamic
-    micro-batches, ``flow/microbatch.py``); 0: fixed micro-batches of ``groups_per_micro_batch``."""
+    micro-batches, ``on_worker/microbatch.py``); 0: fixed micro-batches of ``groups_per_micro_batch``."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """How several train workers (``pools.train.workers > 1``) share training. ``ddp``: every
     rank holds the whole model and optimizer; each ready micro-batch goes to whichever rank is
@@ -196,14 +196,14 @@ class Recipe(Strict):
     ``metrics.jsonl`` is always written."""
     learners: list[LearnerConfig] = []
     """Several algorithms learning from the one stream (``[[learners]]`` tables,
-    ``streamrl/learner_tables.py``); none: the one learner of ``[algorithm]`` and ``[trainer]``."""
+    ``streamrl/recipe/learners.py``); none: the one learner of ``[algorithm]`` and ``[trainer]``."""
     eval: EvalConfig | None = None
     """Held-out evaluation on the generate pool while training goes on (the task's
     ``eval_prompts``); none: no evaluation."""
 
     @model_validator(mode="after")
     def _learners(self):
-        learner_tables.check(self.learners, self.run.serve)
+        check_learners(self.learners, self.run.serve)
         return self
 
 
@@ -354,7 +354,7 @@ def check_pools(recipe: Recipe) -> None:
             raise UserError("pools.generate.elastic: run.mode 'colocated' generates on the train workers; "
                             "use batch, stream or async")
     if recipe.cluster.address:
-        return  # an existing cluster is checked against its workers instead (cluster.py)
+        return  # an existing cluster is checked against its workers instead (cluster/lifecycle.py)
     for pool, what in REQUIRED_POOLS.items():
         if getattr(recipe.pools, pool) is None:
             raise UserError(f"pools.{pool}: missing; add a [pools.{pool}] table (this pool {what})")

@@ -3,7 +3,7 @@ check that the address is a Dask scheduler before Dask's client tries it, make t
 cluster's one streamrl run (:func:`claim`) and take the run's state off it at the end
 (:func:`release`), check that each worker can load what its pool builds, and give every worker a
 ``worker:<name>`` resource so that work pinned to it follows it through a restart
-(:func:`name_pins`). ``cluster.start`` and ``cluster.stop`` call these.
+(:func:`name_pins`). ``lifecycle.start`` and ``lifecycle.stop`` call these.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from distributed import Client, SchedulerPlugin, Variable, WorkerPlugin
 
 from streamrl.errors import UserError
-from streamrl.pool_workers import PIN, PIN_SLOTS, workers
-from streamrl.recipe import Recipe
+from streamrl.cluster.pool_workers import PIN, PIN_SLOTS, workers
+from streamrl.recipe.recipe import Recipe
 
 
 EXPECTED_SCHEDULER = ("expected the address of a Dask scheduler (`dask scheduler` listens on tcp://HOST:8786; "
@@ -174,7 +174,7 @@ BUILT_ON = {"generate": ("engine", "transfer"), "train": ("trainer", "algorithm"
 
 def check_worker_imports(client: Client, recipe: Recipe, pools: dict[str, dict[str, str]]) -> None:
     """Every worker must be able to load the components its pool will build (``pools``:
-    ``{pool: {worker name: address}}``, ``cluster.pool_workers``): each is sent to the pool's
+    ``{pool: {worker name: address}}``, ``lifecycle.pool_workers``): each is sent to the pool's
     workers pickled, as the run sends it, and unpickled there now. A package missing
     on a worker (a plugin installed only where ``streamrl`` runs, or streamrl itself) is one
     line naming the worker, the module and the component, instead of a failure mid-run."""
@@ -199,8 +199,8 @@ def check_worker_imports(client: Client, recipe: Recipe, pools: dict[str, dict[s
 
 def _recipe_components(recipe: Recipe) -> dict[str, list]:
     """``{kind: [(component, where it comes from)]}`` of the components the recipe names."""
-    from streamrl.plugins import Registry, build_registry
-    from streamrl.recipe import SECTIONS
+    from streamrl.plugins.registry import Registry, build_registry
+    from streamrl.recipe.recipe import SECTIONS
 
     with warnings.catch_warnings():  # (a broken plugin was reported when the recipe was resolved)
         warnings.simplefilter("ignore")

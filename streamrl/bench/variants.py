@@ -17,7 +17,7 @@ import time
 from rich.console import Console
 
 from streamrl.run import runner
-from streamrl.recipe import load_recipe
+from streamrl.recipe.recipe import load_recipe
 from streamrl.sim.capabilities import SimEngineCapabilities, SimTrainerCapabilities
 
 

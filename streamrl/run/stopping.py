@@ -13,7 +13,7 @@ itself, in order, after the checkpoint. They start with both blocked (a spawned 
 inherits its parent's signal mask, so even its imports are covered) while this process handles
 a signal that comes meanwhile as a stop request, counting each one so that a second one
 still stops at once (:meth:`StopRequest.deferred`), and each worker
-ignores both for good, and ends the block, when it is built (:func:`ignore_stop_signals`); a
+ignores both for good, and ends the block, when it is built (``cluster/pool_workers.ignore_stop_signals``); a
 worker that a nanny restarts or the elastic pool adds is started from a thread that still
 blocks them, so it is covered the same way. A worker that ignores SIGTERM still ends with this
 process: its nanny closes it (SIGKILL after a grace period), and Dask's worker process exits by
@@ -68,7 +68,7 @@ class StopRequest:
         held off and a signal meanwhile is not lost. With ``hold`` (the embedded cluster), this
         process handles them (:meth:`install`) but blocks them in this thread, whose mask the
         threads that start the workers inherit, and so do the workers, which end the block
-        themselves once they ignore both (:func:`ignore_stop_signals`); a signal meanwhile is a
+        themselves once they ignore both (``cluster/pool_workers.ignore_stop_signals``); a signal meanwhile is a
         stop request (after the first step). Without (a cluster factory's processes, which
         would keep a block), both are ignored while it starts, as the processes then inherit,
         and a signal meanwhile is lost. Main thread only; elsewhere it only installs."""
@@ -143,16 +143,3 @@ class StopRequest:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
-
-
-def ignore_stop_signals() -> None:
-    """Ignore SIGINT and SIGTERM in this process (a worker process of the embedded cluster: the
-    ``streamrl`` process stops it). Does nothing off the main thread, where Python cannot set
-    signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in NAMES:
-        signal.signal(sig, signal.SIG_IGN)
-    # (started while the ``streamrl`` process held them blocked: a pending one is dropped now,
-    # and this process's own children start unblocked)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, NAMES)

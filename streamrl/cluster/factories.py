@@ -37,9 +37,9 @@ import dask
 from distributed import Nanny, SpecCluster, Worker
 from distributed.deploy import Cluster
 
-from streamrl import pool_workers as pools
+from streamrl.cluster import pool_workers as pools
 from streamrl.errors import UserError
-from streamrl.recipe import Recipe
+from streamrl.recipe.recipe import Recipe
 
 #: pip's name for the packages recipes name most, for the message when one is missing
 PIP_NAMES = {"dask_jobqueue": "dask-jobqueue", "dask_kubernetes": "dask-kubernetes", "dask_cuda": "dask-cuda",
@@ -168,7 +168,7 @@ def pool_specs(cluster: SpecCluster, recipe: Recipe) -> dict[str, dict]:
 
 
 def _worker_options(cls: type, base: dict, w: dict, extra: dict, recipe: Recipe, pool: str) -> dict:
-    """A ``Nanny``/``Worker`` spec's options for worker ``w`` (:func:`streamrl.pool_workers.pool_worker`)."""
+    """A ``Nanny``/``Worker`` spec's options for worker ``w`` (:func:`streamrl.cluster.pool_workers.pool_worker`)."""
     opts = {**base, **extra, "name": w["name"], "nthreads": w["nthreads"]}
     opts["resources"] = {**(opts.get("resources") or {}), **w["resources"]}
     limit = getattr(recipe.pools, pool).memory_limit
@@ -239,7 +239,7 @@ def job_scripts(cluster: SpecCluster, specs: dict[str, dict] | None = None) -> d
 
 def preview(recipe: Recipe) -> dict[str, str]:
     """The job script of every pool worker of the recipe's job-queue factory, without submitting
-    anything (``python -m streamrl.factories R.toml``): the factory's cluster is made (its
+    anything (``python -m streamrl.cluster.factories R.toml``): the factory's cluster is made (its
     scheduler starts where ``scheduler_options`` say) and closed again."""
     made = create(recipe)
     try:
@@ -252,12 +252,12 @@ def preview(recipe: Recipe) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m streamrl.factories R.toml [--set k=v ...]``: print each worker's job script."""
+    """``python -m streamrl.cluster.factories R.toml [--set k=v ...]``: print each worker's job script."""
     import argparse
 
-    from streamrl.recipe import load_recipe
+    from streamrl.recipe.recipe import load_recipe
 
-    ap = argparse.ArgumentParser(prog="python -m streamrl.factories", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m streamrl.cluster.factories", description=main.__doc__)
     ap.add_argument("recipe")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Strict(BaseModel):
-    """Base for recipe tables: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+from streamrl.recipe.strict import Strict
 
 
 class ClusterConfig(Strict):
@@ -109,7 +105,7 @@ class PoolConfig(Strict):
 
 class ElasticConfig(Strict):
     """``[pools.generate] elastic = { min = 1, max = 3 }``: the controller grows and shrinks the
-    generate pool between steps (``flow/elastic.py``), starting from ``workers``."""
+    generate pool between steps (``extensions/elastic.py``), starting from ``workers``."""
 
     min: int = Field(1, ge=1)
     """Fewest generate workers the pool shrinks to."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import pluggy
 
-from streamrl import hookspecs
+from streamrl.plugins import hookspecs
 from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
 
@@ -128,11 +128,12 @@ def _failing_line(exc: BaseException, file: Path) -> int | None:
 
 def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Registry:
     """Build the plugin manager (built-ins, installed plugins, recipe-local modules) and collect."""
-    from streamrl import builtins
+    from streamrl.plugins import builtins
 
     pm = pluggy.PluginManager("streamrl")
     pm.add_hookspecs(hookspecs)
     disabled = _disabled()
+    # (the built-ins' plugin name, as `streamrl plugins` lists it: a name, not the module's path)
     pm.register(builtins, name="streamrl.builtins")
     origins = {"streamrl.builtins": ("streamrl", _version("streamrl"))}
     _load_entrypoints(pm, disabled, origins)

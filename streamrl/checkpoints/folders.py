@@ -30,7 +30,7 @@ A manifest guards against accidents, not against someone who can write the run f
 rewrite it too). So nothing in a checkpoint is unpickled with Python's full pickle, which would run
 whatever code a crafted file names: ``*.pt`` files hold only tensors and plain values and must
 load with ``torch.load(weights_only=True)``, DCP's ``.metadata`` must name only DCP's own
-metadata classes (``training/checkpoint.py``). A checkpoint with a file that does not is refused
+metadata classes (``checkpoints/trainer_state.py``). A checkpoint with a file that does not is refused
 like a damaged one, in one line, before anything of it reaches a worker.
 
 A checkpoint that cannot be written (a full disk) stops the run in one line
@@ -54,8 +54,8 @@ from typing import Callable
 from distributed import Client, Future, wait
 
 from streamrl.errors import CheckpointFailed, RunFailed, RunWarning, UserError
-from streamrl.flow import remote
-from streamrl.flow.resident import ComponentError, ResidentLost
+from streamrl.on_worker import task_functions
+from streamrl.on_worker.resident import ComponentError, ResidentLost
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -261,7 +261,7 @@ def refused(ckpt: Path) -> str | None:
     """The first file of checkpoint ``ckpt`` that cannot be read without running code (one phrase
     naming it, relative to ``ckpt``), or None: every ``*.pt`` must load with
     ``weights_only=True`` and every DCP ``.metadata`` with the restricted reader."""
-    from streamrl.training.checkpoint import RefusedGlobal, read_metadata, unsafe_torch_file
+    from streamrl.checkpoints.trainer_state import RefusedGlobal, read_metadata, unsafe_torch_file
 
     for path in sorted(ckpt.rglob("*.pt")):
         problem = unsafe_torch_file(path)
@@ -297,7 +297,7 @@ def _verify_legacy(ckpt: Path) -> str | None:
 
 def _dcp_problem(dcp: Path) -> str | None:
     """Every byte range the DCP metadata of folder ``dcp`` names lies inside its files."""
-    from streamrl.training.checkpoint import read_metadata
+    from streamrl.checkpoints.trainer_state import read_metadata
 
     try:
         metadata = read_metadata(dcp)
@@ -392,7 +392,7 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         stamp = time.time_ns()
         # (a fresh key: the same step written again -- a resumed run -- must not be answered with
         # the first write's finished task, which wrote into a folder that is gone)
-        saves = [client.submit(remote.save_trainer_checkpoint, str(tmp / "trainer"), after=after,
+        saves = [client.submit(task_functions.save_trainer_checkpoint, str(tmp / "trainer"), after=after,
                                trainer_id=trainer_id, key=f"checkpoint-{next_step}-{stamp}-{i}", pure=False, **pin)
                  for i, pin in enumerate(train_pins)]
         wait(saves)  # every rank done (or failed) before anything is removed under its feet
@@ -427,7 +427,7 @@ def restore_trainer(client: Client, train_pins: list[dict], checkpoint: Path) ->
     (sharded ranks read their shards together). A checkpoint that verified but cannot be
     loaded (made by another trainer set-up) stops the resume in one line."""
     stamp = time.time_ns()
-    loads = [client.submit(remote.load_trainer_checkpoint, str(checkpoint / "trainer"),
+    loads = [client.submit(task_functions.load_trainer_checkpoint, str(checkpoint / "trainer"),
                            key=f"restore-{checkpoint.name}-{stamp}-{i}", pure=False, **pin)
              for i, pin in enumerate(train_pins)]
     try:

@@ -1,19 +1,21 @@
 """What makes a worker one of a pool's, whatever starts it (the embedded cluster, a factory, a
 job script): its name, threads, resources, environment, and the pin resource that lets a task
-follow it through a restart. ``cluster.py`` and ``factories.py`` both build on this."""
+follow it through a restart. ``lifecycle.py`` and ``factories.py`` both build on this."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import TYPE_CHECKING
 
 from distributed import Nanny, Worker
 
-from streamrl import learner_tables
-from streamrl.devices import ENV as DEVICE_ENV
-from streamrl.pool_tables import REQUIRED_POOLS
-from streamrl.recipe import Recipe
+from streamrl.cluster.devices import ENV as DEVICE_ENV
+from streamrl.recipe.learners import LearnerConfig, main_learner
+from streamrl.recipe.pools import REQUIRED_POOLS
+from streamrl.recipe.recipe import Recipe
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -53,18 +55,33 @@ class PoolWorker(Worker):
     (Ctrl-C, ``kill -- -PGID``, systemd or Slurm stopping the run) reaches it too; dying of it
     would lose the step's work and the trainer's state, and its nanny would restart it in the
     middle of the stop. The ``streamrl`` process handles the signal and closes the workers in
-    order (``stopping.py``). Set here, when the worker is built, because a worker that a
+    order (``run/stopping.py``). Set here, when the worker is built, because a worker that a
     nanny restarts (or the elastic pool adds) is spawned while the ``streamrl`` process has its
     own handler installed, which a new process does not inherit."""
 
     def __init__(self, *args, **kwargs):
-        from streamrl.stopping import ignore_stop_signals
-
         ignore_stop_signals()
         nice = int(os.environ.get(NICE_ENV, "0") or 0)
         if nice:
             lower_priority(nice)
         super().__init__(*args, **kwargs)
+
+
+#: The signals that stop a run (``run/stopping.py``), which the ``streamrl`` process handles.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGINT and SIGTERM in this process (a worker process of the embedded cluster: the
+    ``streamrl`` process stops it). Does nothing off the main thread, where Python cannot set
+    signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    # (started while the ``streamrl`` process held them blocked: a pending one is dropped now,
+    # and this process's own children start unblocked)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 #: Set by :func:`learner_worker`: how much to lower the worker process's CPU priority.
@@ -106,7 +123,7 @@ def side_learner_names(recipe: Recipe) -> list[str]:
     ``[[learners]]`` table but the main learner's, which trains on the train pool."""
     if not recipe.learners or recipe.pools.train is None:
         return []
-    main = learner_tables.main_learner(recipe.learners, recipe.run.serve)
+    main = main_learner(recipe.learners, recipe.run.serve)
     return [lr.name for lr in recipe.learners if lr.name != main]
 
 
@@ -136,7 +153,7 @@ def learner_worker(recipe: Recipe, learner: str) -> dict:
     w = pool_worker(recipe, "train", 0)
     name = f"learner-{learner}"
     table = next((lr for lr in recipe.learners if lr.name == learner), None)  # (none: added while running)
-    nice = table.nice if table else learner_tables.LearnerConfig.model_fields["nice"].default
+    nice = table.nice if table else LearnerConfig.model_fields["nice"].default
     w["env"] = {**w["env"], NICE_ENV: str(nice)}
     w.update(name=name, nthreads=recipe.pools.train.threads,
              resources={LEARN: recipe.pools.train.threads, PIN + name: PIN_SLOTS})

@@ -45,14 +45,14 @@ import time
 
 from distributed import Future, wait
 
-from streamrl import pool_workers
-from streamrl.flow import remote
-from streamrl.flow.extension import StepExtension
-from streamrl.flow.resident import ENGINE, TRANSFER
+from streamrl.cluster import pool_workers
+from streamrl.on_worker import task_functions
+from streamrl.extensions.step_extension import StepExtension
+from streamrl.on_worker.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.flow.topology import Topology
-from streamrl.pool_tables import ElasticConfig
-from streamrl.recipe import Recipe
+from streamrl.recipe.pools import ElasticConfig
+from streamrl.recipe.recipe import Recipe
 
 #: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
 PROBE_STEPS = 3
@@ -283,15 +283,15 @@ class ElasticPool:
         pin = topo.pins[name]
         tag = f"join-{name}-{time.time_ns()}"
         if version == 0:  # the base weights: build the engine and the transfer end, nothing to load
-            engine = client.submit(remote.warm_up, ENGINE, key=f"load-engine-{tag}", pure=False, **pin)
-            fut = client.submit(remote.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
+            engine = client.submit(task_functions.warm_up, ENGINE, key=f"load-engine-{tag}", pure=False, **pin)
+            fut = client.submit(task_functions.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
                                 pure=False, **pin)
         else:
-            payload = client.submit(remote.export_weights, version, trainer_id=topo.incarnations, receivers=1,
+            payload = client.submit(task_functions.export_weights, version, trainer_id=topo.incarnations, receivers=1,
                                     key=f"export-weights-{version}-{tag}", priority=LOAD_PRIORITY,
                                     **topo.train_pin)
             wait([payload])  # exported before the next optimizer step can change the weights
-            fut = client.submit(remote.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
+            fut = client.submit(task_functions.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
                                 resend_at=topo.train_pin, priority=LOAD_PRIORITY, **pin)
         self.joining = (name, version, fut)
 
@@ -330,7 +330,7 @@ class ElasticPool:
 
 
 class ElasticGrowth(StepExtension):
-    """The elastic generate pool as a step extension (``flow/extension.py``): made once the
+    """The elastic generate pool as a step extension (``extensions/step_extension.py``): made once the
     residents are placed (and kept when the run starts over), it tracks every task pinned to a
     generate worker, brings a joining worker up to date before a publication, and decides at
     each step's record."""

@@ -1,5 +1,5 @@
 """What a run leaves behind, written from the controller's state: a checkpoint of the whole run
-after a step (``flow/checkpoints.py`` writes and reads the files) and, at the end, the trained
+after a step (``checkpoints/folders.py`` writes and reads the files) and, at the end, the trained
 policy as a model folder. Kept apart from the step loop (``run/controller.py``), which only
 says when."""
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from streamrl.flow import checkpoints, remote
+from streamrl.checkpoints import folders
+from streamrl.on_worker import task_functions
 
 
 def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
@@ -16,8 +17,8 @@ def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
     last submitted optimizer step: the trainer's state on every writer rank, what the dispatcher
     learned, the side learners' states; returns the checkpoint folder."""
     files = ctl.dispatcher.checkpoint_files(f"{next_step}-{time.time_ns()}")
-    also = ctl.checkpoint_writer(next_step, checkpoints.latest(run_dir))  # (the step extensions' state)
-    return checkpoints.write(ctl.client, ctl.topology.writers(), ctl.last_step, run_dir, next_step,
+    also = ctl.checkpoint_writer(next_step, folders.latest(run_dir))  # (the step extensions' state)
+    return folders.write(ctl.client, ctl.topology.writers(), ctl.last_step, run_dir, next_step,
                              ctl.version, records, ctl.recipe.run.keep_checkpoints,
                              ctl.topology.incarnations, files=files, also=also)
 
@@ -32,6 +33,6 @@ def policy(ctl, out: Path) -> str:
     out = out / ctl.resolved.learners[0].name if ctl.recipe.learners else out
     stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
     return ctl.client.gather([
-        ctl.client.submit(remote.save_policy, str(out), after=ctl.last_step,
+        ctl.client.submit(task_functions.save_policy, str(out), after=ctl.last_step,
                           trainer_id=ctl.topology.incarnations, key=f"save-policy-{stamp}-{i}", **pin)
         for i, pin in enumerate(ctl.topology.writers())])[0]

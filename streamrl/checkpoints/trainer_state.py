@@ -13,7 +13,7 @@ from elsewhere or written by someone else, and unpickling runs whatever code the
 own ``.metadata`` (a pickle of DCP's metadata classes) is read by :class:`SafeReader`, which
 refuses every class but those, and the plain values DCP stores as bytes (AdamW's hyperparameters)
 by :class:`SafePlanner` with ``weights_only=True``. Before a run resumes, the controller checks
-every such file the same way (``flow/checkpoints.py``, ``refused``) and passes over a checkpoint
+every such file the same way (``checkpoints/folders.py``, ``refused``) and passes over a checkpoint
 with one that does not load so.
 """
 

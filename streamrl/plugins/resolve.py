@@ -10,11 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from streamrl import learner_tables
+from streamrl.recipe.learners import INITIAL, main_learner, served_name
 from streamrl.api import Algorithm, Component
 from streamrl.errors import UserError
-from streamrl.plugins import Registry, build_registry
-from streamrl.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
+from streamrl.plugins.registry import Registry, build_registry
+from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Chosen:
         """:meth:`build` in this process, where a constructor that raises (a task whose data is
         missing, a scheduler given a wrong value) is one line naming the component:
         :class:`UserError`, not a traceback through streamrl. (On a worker,
-        ``flow/resident.py`` does the same with a :class:`ComponentError`.)"""
+        ``on_worker/resident.py`` does the same with a :class:`ComponentError`.)"""
         try:
             return self.build(*args)
         except Exception as exc:
@@ -100,7 +100,7 @@ class Resolved:
     @property
     def serves_initial(self) -> bool:
         """The generate pool keeps the starting model (``run.serve = "initial"``)."""
-        return self.recipe.run.serve == learner_tables.INITIAL
+        return self.recipe.run.serve == INITIAL
 
     @property
     def recipe(self) -> Recipe:
@@ -158,20 +158,20 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
 
 
 def _learners(out: Resolved, model: Path | None) -> list[LearnerPlan]:
-    """The run's learners, the main one first (``learner_tables.main_learner``): the recipe's
+    """The run's learners, the main one first (``recipe/learners.main_learner``): the recipe's
     ``[algorithm]`` and ``[trainer]`` alone, or each ``[[learners]]`` table over them."""
     r = out.recipe
     if not r.learners:
         return [LearnerPlan("main", out.algorithm, out.trainer, served=True)]
-    served = learner_tables.served_name(r.learners, r.run.serve)
-    main = learner_tables.main_learner(r.learners, r.run.serve)
+    served = served_name(r.learners, r.run.serve)
+    main = main_learner(r.learners, r.run.serve)
     plans = [learner_plan(out, i, lr.model_dump(), served == lr.name, model)
              for i, lr in enumerate(r.learners)]
     return sorted(plans, key=lambda p: p.name != main)
 
 
 def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, model: Path | None = None) -> LearnerPlan:
-    """One ``[[learners]]`` table (``learner_tables.LearnerConfig`` as a dict) resolved against
+    """One ``[[learners]]`` table (``recipe/learners.LearnerConfig`` as a dict) resolved against
     the recipe: its algorithm table over nothing (or the recipe's ``[algorithm]``), its trainer
     options over ``[trainer]``'s."""
     r, where = out.recipe, f"learners[{index}]"

@@ -2,7 +2,7 @@
 
 Every replaceable piece of streamrl is a *component* (see :mod:`streamrl.api` for the nine kinds
 and their base classes) handed over by a plugin through one of the ``register_*`` hooks below.
-The built-ins are registered exactly the same way (``streamrl/builtins.py``), so nothing you
+The built-ins are registered exactly the same way (``streamrl/plugins/builtins.py``), so nothing you
 write is a second-class citizen.
 
 A plugin is a module (or an installed package with a ``streamrl`` entry point, or a file named
@@ -178,7 +178,7 @@ def register_schedulers() -> list[Component]:
 def on_run_start(recipe, run_dir) -> None:
     """Called in the ``streamrl`` process once the cluster is up, before the first step.
 
-    :param recipe: the validated :class:`streamrl.recipe.Recipe`.
+    :param recipe: the validated :class:`streamrl.recipe.recipe.Recipe`.
     :param run_dir: the run folder (``pathlib.Path``).
 
     If it raises, the run stops with that error (before any step).

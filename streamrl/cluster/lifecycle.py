@@ -5,7 +5,7 @@ A pool is a label on workers: a worker of pool ``generate`` offers the resource 
 scheduler sends them only there. The embedded cluster is a ``SpecCluster`` of ``Nanny`` worker
 processes bound to ``cluster.host`` (127.0.0.1 by default: nothing listens outside the machine).
 ``cluster.factory`` names a callable that returns a cluster (``dask_jobqueue.SLURMCluster``,
-``distributed.LocalCluster``, your own); ``streamrl/factories.py`` labels its workers.
+``distributed.LocalCluster``, your own); ``streamrl/cluster/factories.py`` labels its workers.
 ``cluster.address`` connects to a cluster someone started (``dask scheduler`` and, per worker,
 ``dask worker tcp://SCHED:8786 --name generate-0 --nthreads 16 --resources "generate=16"``);
 streamrl leaves that one running and takes the run's state off it when the run ends
@@ -21,13 +21,13 @@ import dask
 from distributed import Client, Scheduler, SpecCluster
 from distributed.deploy import Cluster
 
-from streamrl.attach import (EXPECTED_SCHEDULER, check_scheduler_address, check_worker_imports, claim, name_pins,
-                             release)
+from streamrl.cluster.attach import (EXPECTED_SCHEDULER, check_scheduler_address, check_worker_imports, claim,
+                                     name_pins, release)
 from streamrl.errors import UserError
-from streamrl.pool_workers import LEARN, PIN, PRE_SPAWN_ENV, side_learner_names, worker_spec, workers
-from streamrl.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
-from streamrl.pool_tables import REQUIRED_POOLS
-from streamrl.recipe import Recipe
+from streamrl.cluster.pool_workers import LEARN, PIN, PRE_SPAWN_ENV, side_learner_names, worker_spec, workers
+from streamrl.cluster.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
+from streamrl.recipe.pools import REQUIRED_POOLS
+from streamrl.recipe.recipe import Recipe
 
 
 def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client]:
@@ -57,7 +57,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                 client = None
                 raise
         elif c.factory:
-            from streamrl import factories  # imports the factory's library only now
+            from streamrl.cluster import factories  # imports the factory's library only now
 
             if recipe.pools.generate is not None and recipe.pools.generate.elastic is not None:
                 raise UserError("pools.generate.elastic: grows the embedded cluster only; with cluster.factory, "
@@ -205,7 +205,7 @@ def pool_workers(client: Client) -> dict[str, dict[str, str]]:
     return pools
 
 
-def pins(client: Client) -> dict[str, dict]:
+def worker_pins(client: Client) -> dict[str, dict]:
     """``{worker name: submit() keywords that run a task on that worker}``: its ``worker:<name>``
     resource when it offers one (the embedded cluster's workers do), else its name."""
     out = {}
@@ -218,7 +218,7 @@ def pins(client: Client) -> dict[str, dict]:
     return out
 
 
-def at(pin: dict, **resources: int) -> dict:
+def with_resources(pin: dict, **resources: int) -> dict:
     """``pin`` with more resources required (e.g. ``train=1``)."""
     return {**pin, "resources": {**pin.get("resources", {}), **resources}}
 

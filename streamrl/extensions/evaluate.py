@@ -27,10 +27,11 @@ from distributed import Client, Future, wait
 
 from streamrl.api import Task
 from streamrl.errors import UserError
-from streamrl.flow import remote, submit
-from streamrl.flow.extension import StepExtension
-from streamrl.flow.resident import ENGINE, resident
-from streamrl.recipe import EvalConfig, Recipe
+from streamrl.flow import submit
+from streamrl.on_worker import task_functions
+from streamrl.extensions.step_extension import StepExtension
+from streamrl.on_worker.resident import ENGINE, resident
+from streamrl.recipe.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry import spans
 
@@ -44,7 +45,7 @@ def eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 
     ``min_version`` (its worker was restarted) catches up first."""
     engine = resident(ENGINE)
     if engine.version < min_version:
-        remote.catch_up(engine, min_version)
+        task_functions.catch_up(engine, min_version)
     if greedy:
         return engine.generate_greedy(prompts)
     return engine.generate_groups(prompts, n, [float(EVAL_PRIORITY)] * len(prompts))
@@ -109,7 +110,7 @@ class Evaluator:
                 gen = self.client.submit(self.generate, prompts[i:i + self.per_task], self.cfg.samples, self.greedy,
                                          version, after=after, key=spans.step_key(f"eval-generate{self.tag}", version, rest),
                                          priority=self.priority, retries=1, **self.where, **self.options)
-                scored = self.client.submit(remote.score_groups, gen,
+                scored = self.client.submit(task_functions.score_groups, gen,
                                             key=spans.step_key(f"eval-reward{self.tag}", version, rest),
                                             resources={"reward": 1}, priority=EVAL_PRIORITY, retries=1)
                 summaries.append(self.client.submit(eval_summary, scored,
@@ -173,7 +174,7 @@ def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluat
 
 
 class HeldOutEvaluation(StepExtension):
-    """Held-out evaluation as a step extension (``flow/extension.py``): the initial policy once
+    """Held-out evaluation as a step extension (``extensions/step_extension.py``): the initial policy once
     the first step's training is submitted, each due version once its weights are loaded, the
     metrics in the records as they finish (all of them by the last step's record)."""
 

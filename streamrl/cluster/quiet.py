@@ -2,7 +2,7 @@
 Dask lines that only retell them (a worker's "Compute Failed", a heartbeat cut by the run's own
 end, a nanny restarting a train rank the run has already given up on) stay out of the terminal
 unless ``--verbose``; and a worker that closed cleanly exits without the interpreter's slow
-finalization. The embedded cluster's workers get these as worker plugins (``cluster.start``).
+finalization. The embedded cluster's workers get these as worker plugins (``lifecycle.start``).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class QuietShutdown(WorkerPlugin):
         logging.getLogger("distributed.worker.state_machine").addFilter(keep_cancelled)
 
 
-def quiet_train_losses(train: dict[str, str]) -> None:
+def quiet_lost_train_workers(train: dict[str, str]) -> None:
     """In the ``streamrl`` process (unless ``--verbose``): Dask's own lines about a lost worker
     of the train pool (``train``: ``{name: address}``) are left out -- the scheduler's failed
     broadcast to it and the tasks it held, its nanny restarting it. A lost rank ends the run,

@@ -14,8 +14,8 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
     import torch
     from transformers.utils import logging as hf_logging
 
-    from streamrl.plugins import build_registry
-    from streamrl.recipe import parse_override, with_run_defaults
+    from streamrl.plugins.registry import build_registry
+    from streamrl.recipe.recipe import parse_override, with_run_defaults
     from streamrl.tasks.tiny import char_tokenizer, save, tiny_llama
     from streamrl.training.warmstart import greedy_accuracy, warm_start
 

@@ -18,10 +18,10 @@ from distributed import get_worker
 
 from streamrl.contracts.generation import ReceiveMissed
 from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
-from streamrl.flow.microbatch import group_tokens, pack
-from streamrl.pool_workers import workers
+from streamrl.on_worker.microbatch import group_tokens, pack
+from streamrl.cluster.pool_workers import workers
 from streamrl.rewards import scoring
-from streamrl.flow.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
+from streamrl.on_worker.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
                                     resident, resident_settings)
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
@@ -128,7 +128,7 @@ def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 
 def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
                   trainer_id: str | dict | None = None, name: str = TRAINER) -> TrainTaskStats:
     """Train pool: forward/backward on whole groups (the scored bundles of ``score_groups``),
-    cut into micro-batches by ``flow.microbatch.pack``; gradients accumulate until the
+    cut into micro-batches by ``on_worker/microbatch.pack``; gradients accumulate until the
     optimizer step.
 
     Returns the trainer's summed stats plus what the controller needs for accounting
