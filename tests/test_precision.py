@@ -10,6 +10,9 @@ from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.sample import Prompt
+from streamrl.errors import UserError
+from streamrl.training.head_logprobs import head_logprobs
+from streamrl.training.kernels import use_liger_kernels
 from streamrl.training.logprobs import naive_token_logprobs, token_logprobs
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig, pad_batch
 
@@ -68,6 +71,59 @@ def test_chunked_logprobs_equal_the_plain_ones_and_the_engines_and_never_hold_al
     for n, p in t.model.named_parameters():
         assert torch.allclose(g_chunked[n], p.grad, atol=1e-5, rtol=1e-4), n
     assert head_rows and max(head_rows) <= 5 and sum(head_rows) == int(resp.sum())
+
+
+def head_case(seed=0, n=37, hidden=16, vocab=300, dtype=torch.float32):
+    """A random linear head, hidden states, targets and per-token loss weights."""
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+    h = torch.randn(n, hidden, dtype=dtype, requires_grad=True)
+    return head, h, torch.randint(0, vocab, (n,)), torch.randn(n)
+
+
+def head_result(head, h, y, g, fn):
+    """Log-probs and the gradients of ``sum(g * log-probs)`` for the hidden states and the head."""
+    h.grad, head.weight.grad = None, None
+    lp = fn()
+    (lp * g).sum().backward()
+    return lp.detach(), h.grad.clone(), head.weight.grad.clone()
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
+def test_the_fused_head_gives_the_log_softmax_and_its_gradient_in_any_chunking(chunk):
+    head, h, y, g = head_case()
+    plain = head_result(head, h, y, g, lambda: torch.log_softmax(head(h), -1).gather(-1, y[:, None]).squeeze(-1))
+    fused = head_result(head, h, y, g, lambda: head_logprobs(head, h, y, chunk, "eager"))
+    for a, b in zip(fused, plain):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    # under bf16 autocast (what bf16-autocast training runs in) it stays within bf16 of fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = head_result(head, h, y, g, lambda: head_logprobs(head, h, y, chunk, "eager"))
+    assert (low[0] - plain[0]).abs().max() < 0.1 and low[1].dtype == torch.float32
+    assert (low[2] - plain[2]).abs().max() < 0.05 * plain[2].abs().max()
+
+
+@pytest.mark.slow
+def test_the_compiled_head_kernels_equal_the_eager_ones():
+    # torch.compile on CPU (a C++ compiler builds the kernels): the reductions a GPU runs fused
+    head, h, y, g = head_case(seed=1)
+    eager = head_result(head, h, y, g, lambda: head_logprobs(head, h, y, 16, "eager"))
+    compiled = head_result(head, h, y, g, lambda: head_logprobs(head, h, y, 16, "compiled"))
+    for a, b in zip(compiled, eager):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["checkpointed", "eager"])
+def test_each_head_path_trains_like_the_plain_one(tiny_model, kernels):
+    groups = sampled(tiny_model)
+    a, b = trainer(tiny_model, logprob_chunk_tokens=0), trainer(tiny_model, logprob_chunk_tokens=7,
+                                                                logprob_kernels=kernels)
+    assert_same_gradient(a, b, groups)
+
+
+def test_liger_kernels_where_they_cannot_run_are_one_line(tiny_model):
+    with pytest.raises(UserError, match=r'trainer.kernels = "liger" needs a CUDA GPU; the train worker has cpu'):
+        use_liger_kernels(torch.nn.Linear(2, 2), "cpu")
 
 
 def test_trainer_gradient_is_the_same_with_and_without_chunks(tiny_model):
