@@ -5,7 +5,7 @@
 
 It runs, each as its own process with its own time limit (a failure or an out-of-memory in one
 is recorded and the next goes on; the JSON is rewritten after each, so a check stopped from
-outside still leaves what it measured):
+outside still leaves what it measured), by default:
 
 1. ``model``: ``streamrl model init --arch qwen2.5-0.5b --random`` (bfloat16 weights);
 2. ``engine``: ``streamrl bench engine`` at 256 and 64 concurrent requests (prompts x 8 samples)
@@ -14,19 +14,21 @@ outside still leaves what it measured):
 3. ``recipe``: ``streamrl recipe run recipes/gpu-0.5b.toml`` for a few steps, generation and
    training on the one GPU; from its ``metrics.jsonl``: seconds per step, tokens/s, and the
    weight publication's share of a step (``weight_sync_s / step_s``);
-4. ``recipe_baseline``: the same with the engine and transfer the recipe had before
-   (continuous batching, the ``dask`` transfer);
-5. ``transfer``: ``streamrl bench transfer`` with ``cuda_ipc`` and ``dask`` (seconds and GB/s of
+4. ``transfer``: ``streamrl bench transfer`` with ``cuda_ipc`` and ``dask`` (seconds and GB/s of
    one publication GPU -> engine);
-6. ``trainer``: ``streamrl bench trainer`` at 8, 32 and 64 samples x 576 tokens (tokens/s, MFU,
-   peak memory), variants of the log-prob head, precision and micro-batch size, and a
-   torch.profiler table of one step of each variant at the largest batch; ``head``: the output
-   head + log-softmax alone (``benchmarks/head_logprobs.py``), each way, with their differences;
-7. ``factory``: the recipe for two steps on a ``dask_cuda.LocalCUDACluster``, every pool on GPU 0.
+5. ``head``: the output head + log-softmax alone (``benchmarks/head_logprobs.py``), each way the
+   trainer can run it, with their differences;
+6. ``trainer``: ``streamrl bench trainer`` at 64 samples x 576 tokens (tokens/s, MFU, peak
+   memory): the recipe, without Liger's kernels, and without them with the head of before, and a
+   torch.profiler table of one step of each.
 
-On one H200 the phases took: model 40 s, trainer 20 + 17 + 70 s (the variants at 64 x 576),
-engine 43 + 92 s, recipe 108 s; the transfer bench needs more than 60 s (its cluster, engines and
-trainer start first). ``--budget-s`` and the per-phase timeouts keep a lent machine's call short.
+Named in ``--phases`` only: ``recipe_baseline`` (the recipe with the engine and transfer it had
+before: continuous batching, the ``dask`` transfer) and ``factory`` (the recipe for two steps on a
+``dask_cuda.LocalCUDACluster``, every pool on GPU 0).
+
+On an H100 the phases took: model 32-48 s, engine 43 + 92 s, recipe 56 s, transfer about 90 s,
+head 32 s, trainer about 20 s a variant: about 7 minutes for the default phases.
+``--budget-s`` and the per-phase timeouts keep a lent machine's call short.
 
 ``--small`` shrinks the model and every size so that the same phases run in minutes on a CPU:
 the dry run that makes time on the GPU machine go to measuring, not debugging. ``--budget-s``
@@ -57,7 +59,7 @@ def device_overrides(device: str) -> list[str]:
     """Recipe overrides putting both pools on ``device`` (the recipe pins them to GPU 0)."""
     if device == "cuda":
         return []
-    return ["pools.generate.device=\"cpu\"", "pools.train.device=\"cpu\"",
+    return ["pools.generate.device=\"cpu\"", "pools.train.device=\"cpu\"", "trainer.kernels=\"torch\"",
             "pools.generate.cuda_visible_devices=[]", "pools.train.cuda_visible_devices=[]",
             "engine.max_batch_tokens=256", "pools.generate.threads=8"]
 
@@ -72,7 +74,7 @@ def sizes(small: bool) -> dict:
                     transfer_repeats=1, engine_requests=[8, 4])
     return dict(recipe_steps=4, recipe=[],
                 engine=["trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "engine.max_new_tokens=256"],
-                engine_steps=1, trainer_samples=[8, 32, 64], trainer_prompt=64, trainer_response=512,
+                engine_steps=1, trainer_samples=[64], trainer_prompt=64, trainer_response=512,
                 transfer_repeats=3, engine_requests=[256, 64])
 
 
@@ -234,13 +236,12 @@ class Check:
             extra = []
             if n == max(self.args.trainer_samples or s["trainer_samples"]):
                 biggest = n * (s["trainer_prompt"] + s["trainer_response"])
+                # Liger's kernels patch transformers' modules for the whole process: the variants
+                # without them run first
                 variants = self.args.trainer_variant or [
-                    "recipe", "checkpointed-head:trainer.logprob_kernels=\"checkpointed\"",
-                    "eager-head:trainer.logprob_kernels=\"eager\"",
-                    "head-chunk-4096:trainer.logprob_chunk_tokens=4096",
-                    f"one-micro-batch:trainer.micro_batch_tokens={biggest}",
-                    f"one-micro-batch+chunk-4096:trainer.micro_batch_tokens={biggest};trainer.logprob_chunk_tokens=4096",
-                    "bf16-autocast:trainer.precision=\"bf16-autocast\""]
+                    "torch-kernels:trainer.kernels=\"torch\"",
+                    "torch-kernels+checkpointed-head:trainer.kernels=\"torch\";trainer.logprob_kernels=\"checkpointed\"",
+                    "recipe"]
                 extra = ["--profile-dir", str(self.work)]
             row = self.run(f"trainer-{n}", streamrl("bench", "trainer", RECIPE, *sets(over),
                                                     *[x for v in variants for x in ("--variant", v)],
@@ -327,15 +328,16 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny model and sizes (the CPU dry run)")
     ap.add_argument("--work", default="gpu-check-work", help="folder for the model, runs and logs")
-    ap.add_argument("--phases", default="engine,recipe,recipe_baseline,transfer,trainer,factory",
-                    help="comma-separated phases to run")
+    ap.add_argument("--phases", default="engine,recipe,transfer,head,trainer",
+                    help="comma-separated phases to run (also: recipe_baseline, the recipe with the engine and "
+                         "transfer of before; factory, the recipe on a dask-cuda cluster)")
     ap.add_argument("--engine-requests", type=int, action="append", default=[],
                     help="concurrent requests of an engine measurement (repeatable; default 256 and 64)")
     ap.add_argument("--trainer-samples", type=int, action="append", default=[],
-                    help="a trainer batch size in samples (repeatable; default 8, 32 and 64)")
+                    help="a trainer batch size in samples (repeatable; default 64)")
     ap.add_argument("--trainer-variant", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
-                    help="a trainer variant at the largest batch (repeatable; default: precision, "
-                         "micro-batch, checkpointing and compile variants)")
+                    help="a trainer variant at the largest batch (repeatable; default: the recipe, without "
+                         "Liger's kernels, and without them with the head of before)")
     ap.add_argument("--budget-s", type=float, default=3600, help="start no phase after this many seconds")
     ap.add_argument("--recipe-timeout", type=float, default=180, help="seconds for the recipe run")
     ap.add_argument("--engine-timeout", type=float, default=100, help="seconds for each engine variant")

@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     _recipe_args(recipe.add_parser("show", help="print the resolved recipe"))
     _recipe_args(recipe.add_parser("validate", help="check a recipe without running it"))
 
+    serve = sub.add_parser("serve", help="run a recipe behind an OpenAI-compatible endpoint: its learners train on "
+                                          "the endpoint's rewarded traffic while it serves")
+    _recipe_args(serve)
+    serve.add_argument("--verbose", action="store_true", help="show Dask's own logs")
+    _display_args(serve)
+
     learners = sub.add_parser("learners", help="the learners of a run: list, or add and remove them while it "
                                                "runs").add_subparsers(dest="cmd", required=True)
     ls = learners.add_parser("list", help="every learner of a run, as its newest record says")
@@ -273,6 +279,21 @@ def cmd_recipe(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """``streamrl serve R.toml``: a recipe run whose samples are served traffic (``[serve]``,
+    its defaults when the recipe has none)."""
+    from streamrl.recipe.recipe import load_recipe
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.run import runner
+
+    loaded = load_recipe(args.file, args.overrides)  # (a --set serve.* makes the table if the recipe has none)
+    if loaded.recipe.serve is None:
+        loaded.recipe.serve = ServeConfig()
+    run_dir = runner.run(loaded, verbose=args.verbose, plain=args.plain, profile=args.profile, report=args.report)
+    print(run_dir)
+    return 0
+
+
 def cmd_model(args) -> int:
     from streamrl.training.model_init import init_model
 
@@ -449,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
                 "bench": cmd_bench, "reference": cmd_reference, "plan": cmd_plan,
-                "eval": cmd_eval, "report": cmd_report, "learners": cmd_learners}[args.group](args)
+                "eval": cmd_eval, "report": cmd_report, "learners": cmd_learners, "serve": cmd_serve}[args.group](args)
     except UserError as exc:
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2

@@ -47,7 +47,11 @@ class Sample:
     response_text: str = ""
     """Decoded response, special tokens removed."""
     policy_version: int = 0
-    """Version of the weights that generated this sample (0 = the initial model)."""
+    """Version of the weights that generated this sample (0 = the initial model); for a served
+    sample whose weights changed mid-response, the oldest of :attr:`token_versions`."""
+    token_versions: list[int] = field(default_factory=list)
+    """The version that generated each response token, where the engine tracks it (served
+    requests); empty: every token is :attr:`policy_version`'s."""
     reward: float | None = None
     """Filled by the reward task."""
     reward_info: dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,9 @@ class Response:
     stands."""
     error: str | None = None
     """Why the request failed; None when it did not."""
+    token_versions: list[int] | None = None
+    """The policy version that produced each token, where the loop tracks it (a served request
+    on the slot decoder: a weight load mid-response shows as a change)."""
 
 
 class RequestQueue:
@@ -106,6 +109,20 @@ class RequestQueue:
             self._running -= 1
         if fut is not None:
             fut.set_result(response)
+
+    def cancel(self, rid: str) -> bool:
+        """Take request ``rid`` out of the queue if it is still waiting there (it is answered
+        with an empty response); False when it is not waiting (running, or finished)."""
+        with self._lock:
+            kept = [e for e in self._heap if e[2] != rid]
+            if len(kept) == len(self._heap):
+                return False
+            self._heap = kept
+            heapq.heapify(self._heap)
+            fut = self._futures.pop(rid, None)
+        if fut is not None:
+            fut.set_result(Response([], []))
+        return True
 
     def wake(self) -> None:
         """Rouse a loop waiting in :meth:`next_batch` (to see that the engine closed)."""

@@ -12,6 +12,10 @@ of ``engine.slots`` request slots. Each turn of the loop:
 A long response holds one slot, never a batch: the next request takes a freed slot at the next
 step. Weights load between two turns (the loop waits while :meth:`_weights_paused` is held), so
 no request is dropped and the next step decodes with the new weights.
+
+A served request (:meth:`SlotEngine.stream`) also has its tokens handed to a callback as each
+step decodes them, with the policy version that decoded them, and can be cancelled (a client
+that went away, a stop sequence found) to free its slot at the next turn.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +37,17 @@ from streamrl.sample import Group, Prompt
 
 #: The request ids of greedy (evaluation) requests start with it: their slots take the argmax.
 GREEDY = "greedy:"
+
+
+@dataclass
+class Stream:
+    """A served request's state in the loop: its callback, what it was sent, its versions."""
+
+    on_tokens: Callable[[list[int], list[float], int], None] | None
+    limit: int
+    greedy: bool
+    sent: int = 0
+    versions: list[int] = field(default_factory=list)
 
 
 class SlotEngine(TransformersEngine):
@@ -51,6 +69,9 @@ class SlotEngine(TransformersEngine):
         self._slot_of: dict[int, str] = {}  # slot -> request id
         self._free = list(range(config.slots))  # a heap: the lowest free slot first
         self._wake = threading.Event()
+        self._streams: dict[str, Stream] = {}  # served requests, by id (written before they are queued)
+        self._cancels: set[str] = set()  # served requests to stop, taken by the loop at its next turn
+        self._cancel_lock = threading.Lock()
         self.loop_error: BaseException | None = None
         """What killed the loop, if something did (every request then fails naming it)."""
 
@@ -83,12 +104,16 @@ class SlotEngine(TransformersEngine):
             self._queue.fail_all(f"its generation loop died: {type(e).__name__}: {e}")
 
     def _one_turn(self) -> bool:
-        """Admit and prefill, hand back what ended, decode one step; False when nothing runs."""
+        """Cancel, admit and prefill, hand back what ended, decode one step; False when nothing runs."""
+        if self._cancels:
+            self._cancel_requested()
         if self._admit_into_free_slots():
+            self._emit()
             self._hand_back()  # a first token can end a request (EOS, max_new_tokens = 1)
         if not self._slot_of:
             return False
         self.decoder.step(self._size())
+        self._emit()
         self._hand_back()
         return True
 
@@ -107,9 +132,11 @@ class SlotEngine(TransformersEngine):
         for rid, ids in self._incoming:
             slot = heapq.heappop(self._free)  # the lowest free slot: steps stay small when few run
             self._slot_of[slot] = rid
+            served = self._streams.get(rid)
+            limit = served.limit if served else self.config.max_new_tokens
             # a slot holds max_prompt_tokens + max_new_tokens positions (generate_groups checked the prompt)
-            starts.append((slot, ids, min(self.config.max_new_tokens, self.decoder.context - len(ids)),
-                           rid.startswith(GREEDY)))
+            starts.append((slot, ids, min(limit, self.decoder.context - len(ids)),
+                           rid.startswith(GREEDY) or bool(served and served.greedy)))
         self.decoder.prefill(starts)
         return True
 
@@ -133,11 +160,72 @@ class SlotEngine(TransformersEngine):
 
     def _hand_back(self) -> None:
         done = [int(s) for s in self.decoder.finished_slots(self._size())]
-        if not done:
-            return
-        for slot, (tokens, logprobs) in zip(done, self.decoder.release(done)):
-            self._queue.finish(self._slot_of.pop(slot), Response(tokens, logprobs))
+        if done:
+            self._release(done)
+
+    def _release(self, slots: list[int]) -> None:
+        for slot, (tokens, logprobs) in zip(slots, self.decoder.release(slots)):
+            rid = self._slot_of.pop(slot)
+            served = self._streams.pop(rid, None)
+            self._queue.finish(rid, Response(tokens, logprobs, token_versions=served.versions if served else None))
             heapq.heappush(self._free, slot)
+
+    # -- served requests ------------------------------------------------------------------------
+
+    def stream(self, rid: str, ids: list[int], max_new_tokens: int,
+               on_tokens: Callable[[list[int], list[float], int], None] | None = None,
+               greedy: bool = False, priority: float = 0.0) -> Future:
+        """Serve one request: queue it, call ``on_tokens(tokens, logprobs, version)`` from the
+        loop's thread with each step's new tokens (the callback must be quick: the loop waits
+        for it), and return the future of its :class:`Response`, whose ``token_versions`` say
+        which policy decoded each token. ``greedy``: the argmax (``temperature = 0``)."""
+        self._check_ids(f"request {rid}", ids)
+        self._streams[rid] = Stream(on_tokens, max(1, min(max_new_tokens, self.config.max_new_tokens)), greedy)
+        future = self._queue.put([(rid, ids, priority)])[rid]
+        self._submitted()
+        return future
+
+    def cancel(self, rid: str) -> None:
+        """Stop served request ``rid`` at the loop's next turn (its future gets the tokens so
+        far); nothing if it already ended."""
+        with self._cancel_lock:
+            self._cancels.add(rid)
+        self._wake.set()
+
+    def _cancel_requested(self) -> None:
+        with self._cancel_lock:
+            cancels, self._cancels = self._cancels, set()
+        running = {rid: slot for slot, rid in self._slot_of.items()}
+        stop = []
+        for rid in cancels:
+            if rid in running:
+                stop.append(running[rid])
+            elif self._queue.cancel(rid):
+                self._streams.pop(rid, None)
+        if stop:
+            self._emit()
+            self._release(stop)
+
+    def _emit(self) -> None:
+        # each served request's tokens decoded since its last call, stamped with this version
+        live = [(slot, rid, self._streams[rid]) for slot, rid in self._slot_of.items()
+                if rid in self._streams]
+        if not live:
+            return
+        idx = torch.tensor([slot for slot, _, _ in live], device=self.decoder.device)
+        counts = self.decoder.generated[idx].tolist()
+        tokens, logprobs = self.decoder.out_tokens[idx].tolist(), self.decoder.out_logprobs[idx].tolist()
+        for (slot, rid, st), n, toks, lps in zip(live, counts, tokens, logprobs):
+            if n <= st.sent:
+                continue
+            new_tokens, new_lps = toks[st.sent:n], lps[st.sent:n]
+            st.versions.extend([self.version] * len(new_tokens))
+            st.sent = n
+            if st.on_tokens is not None:
+                try:
+                    st.on_tokens(new_tokens, new_lps, self.version)
+                except Exception:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
+                    self.cancel(rid)
 
     def _submitted(self) -> None:
         self._wake.set()
@@ -150,9 +238,12 @@ class SlotEngine(TransformersEngine):
 
     def _check_prompts(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
         for p, i in zip(prompts, ids):
-            if len(i) > self.config.max_prompt_tokens:
-                raise ValueError(f"hf engine: prompt {p.uid} has {len(i)} tokens, more than engine.max_prompt_tokens "
-                                 f"= {self.config.max_prompt_tokens} (a slot holds max_prompt_tokens + max_new_tokens)")
+            self._check_ids(f"prompt {p.uid}", i)
+
+    def _check_ids(self, what: str, ids: list[int]) -> None:
+        if len(ids) > self.config.max_prompt_tokens:
+            raise ValueError(f"hf engine: {what} has {len(ids)} tokens, more than engine.max_prompt_tokens "
+                             f"= {self.config.max_prompt_tokens} (a slot holds max_prompt_tokens + max_new_tokens)")
 
     def _profile_batch(self, ids: list[int], batch: int, steps: int, tag: str) -> None:
         # before the loop starts: drive the decoder directly, every request decoding ``steps``

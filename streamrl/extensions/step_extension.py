@@ -47,6 +47,17 @@ class StepExtension:
     def placed(self, ctl) -> None:
         """After placement: the dispatcher exists, the train group is formed, the clocks run."""
 
+    def started(self, run_dir: Path) -> list[str]:
+        """The run is placed and its folder exists, before the first step: lines for the console
+        (an endpoint's address, say)."""
+        return []
+
+    def samples(self, step: int, min_version: int) -> list[Future] | None:
+        """Where step ``step``'s samples come from when not from the task's prompts: the futures
+        of its scored groups (bundles, as generation makes them), or None to leave it to the
+        prompts. ``min_version``: the policy every engine holds by now."""
+        return None
+
     def pinned(self, worker: str | None, future: Future) -> None:
         """A task pinned to generate worker ``worker`` was submitted: a group's generation or a
         weight load (``worker`` None: generation placed by Dask, on no worker in particular)."""

@@ -72,6 +72,8 @@ class Dispatcher:
     def learn(self, step: int, sample_log: list[dict]) -> dict:
         """After a step: feed the observed lengths to the ranker; returns the record's dispatch
         fields (``generate_makespan_s``, ``ranker_recall``, the scheduler's metrics)."""
+        if step not in self.step_prompts or not sample_log:
+            return {}  # the step's samples were not the task's prompts (served traffic): nothing placed
         by_prompt: dict[str, list[int]] = {}
         for x in sample_log:
             by_prompt.setdefault(x["uid"].rsplit("-", 1)[0], []).append(x["response_len"])

@@ -1,3 +1,3 @@
 """Recipes: the TOML file, its overrides and phase-one validation (``recipe.py``), its
 ``[cluster]`` and ``[pools.*]`` tables (``pools.py``), its ``[[learners]]`` tables
-(``learners.py``), and the base of every recipe model (``strict.py``)."""
+(``learners.py``), its ``[serve]`` table (``serve.py``), and the base of every recipe model (``strict.py``)."""

@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig, check as check_learners
+from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
 
@@ -197,6 +198,9 @@ class Recipe(Strict):
     learners: list[LearnerConfig] = []
     """Several algorithms learning from the one stream (``[[learners]]`` tables,
     ``streamrl/recipe/learners.py``); none: the one learner of ``[algorithm]`` and ``[trainer]``."""
+    serve: ServeConfig | None = None
+    """The OpenAI-compatible endpoint whose rewarded traffic the steps train on
+    (``streamrl/serve/``); none: the steps' samples are the task's prompts."""
     eval: EvalConfig | None = None
     """Held-out evaluation on the generate pool while training goes on (the task's
     ``eval_prompts``); none: no evaluation."""

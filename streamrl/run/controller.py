@@ -97,12 +97,16 @@ class Controller:
     def generate(self, step: int, min_version: int | None = None) -> list[Future]:
         """Draw ``step``'s prompts, place them and submit their generation (``submit.generation``);
         what the modes call. ``min_version`` defaults to the current policy version."""
+        version = self.version if min_version is None else min_version
+        for ext in self.extensions:  # a source of samples other than the task's prompts (served traffic)
+            supplied = ext.samples(step, version)
+            if supplied is not None:
+                return supplied
         t0, t = time.time(), self.recipe.trainer
         prompts = self.task.prompts(step, t.prompts_per_step)
         submit.check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         with self.lock:
             placed = self.dispatcher.place(step, prompts)
-        version = self.version if min_version is None else min_version
         version = 0 if self.resolved.serves_initial else version  # (the engines keep the starting model)
 
         def submitted(name: str | None, gen: Future) -> None:
@@ -246,6 +250,10 @@ class Controller:
         """Whether the next step's training began before this step's record (``async``'s feed):
         the next step must run before a checkpoint."""
         return self.next_training is not None
+
+    def started(self, run_dir: Path) -> list[str]:
+        """After placement, before the first step: every extension's lines for the console."""
+        return [line for ext in self.extensions for line in ext.started(run_dir)]
 
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
         """After step ``done``'s record: every extension's work between steps (requests from

@@ -7,15 +7,19 @@ from streamrl.extensions import evaluate
 from streamrl.extensions.elastic import ElasticGrowth
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.learners.extension import SideLearners
+from streamrl.serve.extension import ServedTraffic
 
 
 def for_run(ctl) -> list[StepExtension]:
     """The run's step extensions, in the order they are called: the elastic pool (when the
     recipe asks for one and the cluster can grow), held-out evaluation (``[eval]``), the side
     learners (always: they can be added while the run goes on). Evaluation comes before the
-    learners: their record repeats the main learner's evaluation."""
+    learners: their record repeats the main learner's evaluation. Served traffic (``[serve]``)
+    comes first: it supplies the steps' samples."""
     r = ctl.recipe
     out: list[StepExtension] = []
+    if r.serve is not None:
+        out.append(ServedTraffic(ctl))
     cfg = r.pools.generate.elastic if r.pools.generate else None
     if cfg is not None and ctl.topology.can_grow:  # (benchmarks pass no cluster)
         out.append(ElasticGrowth(cfg))

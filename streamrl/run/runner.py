@@ -187,6 +187,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
                 first = controller.resume(checkpoint)
         if checkpoint is not None:
             console.print(f"resumed from {checkpoint.name}: step {first + 1}, policy v{controller.version}")
+        for line in controller.started(folder.path):  # e.g. the endpoint's address
+            console.print(escape(line), soft_wrap=True, highlight=False)
         hooks.on_run_start(recipe=r, run_dir=folder.path)
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
         folder.mark("running", step=first, scheduler=client.scheduler.address)

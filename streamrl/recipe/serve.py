@@ -1,0 +1,60 @@
+"""The recipe's ``[serve]`` table: where the OpenAI-compatible endpoint listens and how its
+traffic becomes training samples."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.recipe.strict import Strict
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (no one else can connect)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServeConfig(Strict):
+    """``[serve]``: a run whose samples are the traffic of an OpenAI-compatible endpoint on the
+    generate pool (``streamrl serve R.toml``), not a task's prompts."""
+
+    host: str = "127.0.0.1"
+    """Address the endpoint binds. Loopback by default: anything else exposes the policy to the
+    network and needs :attr:`api_key`."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port of the endpoint (0: any free port, printed at start and written to
+    ``serve.json`` in the run folder)."""
+    api_key: str = ""
+    """When set, every request must carry ``Authorization: Bearer <api_key>`` (required when
+    :attr:`host` is not loopback)."""
+    model_name: str = ""
+    """The name ``GET /v1/models`` lists and requests' ``model`` may give (empty: the run's
+    name). Any other ``model`` is a 404."""
+    reward: Literal["feedback", "recipe"] = "feedback"
+    """Where a completion's reward comes from: ``feedback``, a client's ``POST /v1/feedback``
+    (completions without one within :attr:`feedback_timeout_s` are dropped and counted);
+    ``recipe``, the recipe's ``[reward]`` applied as each completion finishes, with the request's
+    extra ``answer`` field (if any) as the reference answer."""
+    feedback_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a finished completion waits for its feedback before it is dropped (counted as
+    ``serve/unrewarded_dropped``)."""
+    samples_per_step: int = Field(16, ge=1)
+    """A training step starts once this many rewarded samples have come in (whole requests:
+    the ``n`` completions of one request are one group and stay together)."""
+    max_pending: int = Field(256, ge=1)
+    """Completions asked for but not finished, across all requests; a request that would go
+    past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self):
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(f"serve.host = {self.host!r} is not loopback: set serve.api_key too (clients then send "
+                             "'Authorization: Bearer <key>')")
+        return self

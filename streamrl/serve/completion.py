@@ -1,0 +1,155 @@
+"""One served request against the engine: its ``n`` choices decoded in the engine's slots, their
+tokens turned into text as they come, stop sequences, cancellation, and the samples the
+learners get.
+
+The engine's loop thread calls back with each decode step's tokens; :class:`Choice` keeps them
+and works out the text that is new since the last event (a token that ends inside a multi-byte
+character waits for the next). Everything here runs on the HTTP server's event loop, fed through
+``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.sample import Group, Prompt, Sample
+
+
+@dataclass
+class Params:
+    """What a request asks of its completions, checked (``openai_api.py``)."""
+
+    max_tokens: int
+    n: int = 1
+    greedy: bool = False
+    stop: list[str] = field(default_factory=list)
+    answer: Any = None
+
+
+@dataclass
+class Choice:
+    """One of a request's ``n`` completions, as it is decoded."""
+
+    index: int
+    rid: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    """The text sent so far (cut at a stop sequence)."""
+    finish_reason: str | None = None
+    stopped_at: int | None = None
+    """Token count when a stop sequence was found: the trained response ends there."""
+
+
+@dataclass
+class Event:
+    """New output of one choice: text, tokens (with log-probs and versions), or its end."""
+
+    index: int
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    version: int | None
+    finish_reason: str | None = None
+
+
+class Completion:
+    """A request's choices running in the engine; :meth:`events` yields their output in order."""
+
+    def __init__(self, engine, tokenizer, cid: str, prompt_ids: list[int], params: Params):
+        self.engine, self.tokenizer, self.cid = engine, tokenizer, cid
+        self.prompt_ids, self.params = prompt_ids, params
+        self.choices = [Choice(k, f"{cid}-{k}") for k in range(params.n)]
+        self.started = time.time()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._open = params.n
+        self.cancelled = False
+        """Whether :meth:`cancel` stopped the request (its choices are not trained)."""
+
+    def start(self) -> None:
+        """Queue every choice in the engine."""
+        for c in self.choices:
+            future = self.engine.stream(c.rid, self.prompt_ids, self.params.max_tokens,
+                                        on_tokens=self._from_engine(c.index), greedy=self.params.greedy)
+            future.add_done_callback(self._done(c.index))
+
+    def _from_engine(self, index: int):
+        def on_tokens(tokens, logprobs, version):  # (the engine's loop thread)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, ("tokens", index, tokens, logprobs, version))
+        return on_tokens
+
+    def _done(self, index: int):
+        def done(future):  # (the engine's loop thread, or a cancelling one)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, ("done", index, future))
+        return done
+
+    def cancel(self) -> None:
+        """Stop every choice still decoding (the client went away)."""
+        self.cancelled = True
+        for c in self.choices:
+            if c.finish_reason is None:
+                self.engine.cancel(c.rid)
+
+    async def events(self):
+        """Each choice's new text and tokens as the engine decodes them, then its end."""
+        while self._open:
+            kind, index, *rest = await self._queue.get()
+            c = self.choices[index]
+            if kind == "tokens":
+                tokens, logprobs, version = rest
+                if c.finish_reason is not None:  # decoded after a stop sequence: not sent, not trained
+                    continue
+                c.tokens += tokens
+                c.logprobs += logprobs
+                c.versions += [version] * len(tokens)
+                text = self._new_text(c)
+                yield Event(index, text, tokens, logprobs, version, c.finish_reason)
+                if c.finish_reason == "stop":
+                    self.engine.cancel(c.rid)
+                continue
+            self._open -= 1
+            future = rest[0]
+            exc = future.exception()
+            if exc is not None:
+                raise RuntimeError(f"choice {index} of {self.cid} failed: {exc}")
+            if c.finish_reason is None:
+                response = future.result()
+                eos = self.tokenizer.eos_token_id
+                if response.tokens and response.tokens[-1] == eos:
+                    c.finish_reason = "stop"
+                else:
+                    c.finish_reason = "cancelled" if self.cancelled else "length"
+                yield Event(index, "", [], [], None, c.finish_reason)
+
+    def _new_text(self, c: Choice) -> str:
+        full = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        if full.endswith("\ufffd"):  # a character cut between tokens: wait for its end
+            return ""
+        for stop in self.params.stop:
+            at = full.find(stop, max(0, len(c.text) - len(stop)))
+            if at >= 0:
+                full, c.finish_reason, c.stopped_at = full[:at], "stop", len(c.tokens)
+        new = full[len(c.text):]
+        c.text = full
+        return new
+
+    def samples(self) -> Group:
+        """The choices as training samples (a stop sequence's tokens kept: the policy made
+        them), each token with the version that decoded it."""
+        prompt = Prompt(uid=self.cid, text=self.tokenizer.decode(self.prompt_ids, skip_special_tokens=True),
+                        answer=self.params.answer, token_ids=list(self.prompt_ids))
+        end = time.time()
+        group = []
+        for c in self.choices:
+            n = c.stopped_at if c.stopped_at is not None else len(c.tokens)
+            versions = c.versions[:n]
+            group.append(Sample(uid=c.rid, prompt=prompt, prompt_ids=list(self.prompt_ids),
+                                response_ids=c.tokens[:n], logprobs=c.logprobs[:n], response_text=c.text,
+                                policy_version=min(versions) if versions else self.engine.version,
+                                token_versions=versions, times={"gen_start": self.started, "gen_end": end}))
+        return group

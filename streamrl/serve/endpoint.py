@@ -1,0 +1,92 @@
+"""The endpoint's life on its generate worker: the Dask tasks that start it, take its rewarded
+traffic for a training step, read its counters and stop it.
+
+The HTTP server (uvicorn, in a thread of the worker process) shares the process with the
+engine, so each decode step's tokens reach the client without leaving the process; the learners
+get the finished, rewarded requests through :func:`take`, a task the controller submits to this
+worker like any other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from distributed import get_worker
+
+from streamrl.on_worker.resident import ENGINE, resident
+from streamrl.sample import Group
+from streamrl.recipe.serve import ServeConfig
+from streamrl.serve.traffic import Traffic
+
+# the one endpoint of this worker process: (uvicorn server, its thread, the traffic store)
+_RUNNING: dict[str, tuple] = {}
+
+
+def start(config: dict, model_name: str) -> str:
+    """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
+    Raises naming the setting when the engine cannot stream (not the slot decoder) or the port
+    cannot be bound."""
+    import uvicorn
+
+    from streamrl.serve.openai_api import Endpoint, make_app
+
+    stop()  # a run that starts over on this worker serves anew
+    cfg = ServeConfig.model_validate(config)
+    engine = resident(ENGINE)
+    if not hasattr(engine, "stream"):
+        raise ValueError('streamrl serve needs engine.batching = "slots" (the engine that streams each decode '
+                         f"step's tokens); this engine is {type(engine).__name__}")
+    traffic = Traffic(cfg.feedback_timeout_s)
+    app = make_app(Endpoint(engine, cfg, traffic, model_name))
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, name="streamrl-serve", daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        server.should_exit = True
+        raise ValueError(f"serve: could not listen on {cfg.host}:{cfg.port} (serve.host, serve.port: the port may be "
+                         "in use)")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    _RUNNING["endpoint"] = (server, thread, traffic)
+    return f"http://{cfg.host}:{port}/v1"
+
+
+def take(min_samples: int, min_version: int, wait_s: float) -> list[Group]:
+    """Generate worker: at least ``min_samples`` rewarded served samples (whole requests), none
+    older than policy ``min_version``, waiting up to ``wait_s`` seconds (fewer when the endpoint
+    stops first)."""
+    traffic = _traffic()
+    groups = traffic.take(min_samples, min_version, wait_s)
+    name = str(get_worker().name)
+    for s in (s for g in groups for s in g):
+        s.worker = name
+        s.times["submitted"] = s.times.get("gen_start", 0.0)
+    return groups
+
+
+def stats() -> dict[str, int]:
+    """Generate worker: the endpoint's counters (``Traffic.snapshot``)."""
+    return _traffic().snapshot()
+
+
+def stop() -> bool:
+    """Generate worker: stop the endpoint if one runs here (a waiting :func:`take` returns)."""
+    running = _RUNNING.pop("endpoint", None)
+    if running is None:
+        return False
+    server, thread, traffic = running
+    traffic.stop()
+    server.should_exit = True
+    thread.join(timeout=5)
+    return True
+
+
+def _traffic() -> Traffic:
+    running = _RUNNING.get("endpoint")
+    if running is None:
+        raise RuntimeError(f"no endpoint runs on worker {get_worker().name} (its worker was restarted?)")
+    return running[2]

@@ -1,0 +1,79 @@
+"""Served traffic as the run's source of samples: a step extension (``[serve]``).
+
+After placement it starts the endpoint on the first generate worker; each step's samples are
+then a :func:`~streamrl.serve.endpoint.take` of that worker's rewarded traffic (scored by the
+recipe's reward on the reward pool when ``serve.reward = "recipe"``) instead of generation of
+the task's prompts. Weight publication goes on as in any run: the engine loads each new policy
+between two decode steps while the endpoint keeps answering.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from distributed import Future
+
+from streamrl.extensions.step_extension import StepExtension
+from streamrl.on_worker import task_functions
+from streamrl.serve import endpoint
+
+#: How long one take waits for traffic before it is asked again (the run's stop ends it sooner).
+TAKE_WAIT_S = 24 * 3600.0
+
+
+class ServedTraffic(StepExtension):
+    """Starts the endpoint, feeds each step its rewarded traffic, records the endpoint's counts."""
+
+    def __init__(self, ctl):
+        r = ctl.recipe
+        self.client, self.config = ctl.client, r.serve
+        self.model_name = r.serve.model_name or r.run.name
+        self.max_staleness = r.run.max_staleness
+        self.topology = ctl.topology
+        self.pin: dict | None = None
+        self.worker = ""
+        self.url = ""
+
+    def placed(self, ctl) -> None:
+        """Start the endpoint on the first generate worker."""
+        self.worker = sorted(self.topology.generate)[0]
+        self.pin = self.topology.pins[self.worker]
+        self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name, pure=False,
+                                      key=f"serve-start-{time.time_ns()}", **self.pin).result()
+
+    def started(self, run_dir: Path) -> list[str]:
+        """``serve.json`` in the run folder (where clients find the endpoint), and the line that says it."""
+        (run_dir / "serve.json").write_text(json.dumps({"url": self.url, "model": self.model_name,
+                                                        "worker": self.worker}) + "\n")
+        key = " (Authorization: Bearer <serve.api_key>)" if self.config.api_key else ""
+        return [f"serving: {self.url} model={self.model_name}{key}; rewards from "
+                + ("POST /v1/feedback" if self.config.reward == "feedback" else "the recipe's [reward]")]
+
+    def samples(self, step: int, min_version: int) -> list[Future]:
+        """The step's samples: ``serve.samples_per_step`` rewarded served samples, none generated
+        before policy ``step - run.max_staleness`` (a token older than that is too stale)."""
+        taken = self.client.submit(endpoint.take, self.config.samples_per_step, max(0, step - self.max_staleness),
+                                   TAKE_WAIT_S, pure=False, key=f"serve-take-{step}-{time.time_ns()}", **self.pin)
+        if self.config.reward == "feedback":
+            return [taken]
+        return [self.client.submit(task_functions.score_groups, taken, key=f"serve-reward-{step}-{time.time_ns()}",
+                                   resources={"reward": 1}, retries=1)]
+
+    def record(self, step: int, record) -> None:
+        """The endpoint's counters as ``serve/<name>`` (totals since it started)."""
+        try:
+            stats = self.client.submit(endpoint.stats, pure=False, **self.pin).result(timeout=30)
+        except Exception:  # noqa: BLE001 -- the counters are a report; the step goes on without them
+            return
+        record.extra.update({f"serve/{k}": v for k, v in stats.items()})
+
+    def close(self) -> None:
+        """Stop the endpoint (a take still waiting returns)."""
+        if self.pin is None:
+            return
+        try:
+            self.client.submit(endpoint.stop, pure=False, key=f"serve-stop-{time.time_ns()}", **self.pin).result(timeout=30)
+        except Exception:  # noqa: BLE001 -- the worker may be gone already: nothing left to stop
+            pass

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP API (FastAPI), served on a generate worker.
+
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as
+server-sent events with ``stream: true``, one event per decode step's tokens) and ``POST
+/v1/feedback`` (a reward for a completion). Responses carry, beside OpenAI's fields, a
+``streamrl`` object an OpenAI client ignores: the prompt's and each choice's token ids, their
+log-probs and the policy version that decoded each token.
+
+Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) and a 4xx
+status; each is one line in the worker's log. Sampling follows the policy: ``temperature`` may be
+omitted, equal ``engine.temperature`` (the samples the learners train on) or be 0 (greedy; served,
+not trained); ``top_p`` 1; ``seed`` is accepted and not honoured (one draw serves all slots).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from streamrl.serve.completion import Completion, Params
+from streamrl.recipe.serve import ServeConfig
+from streamrl.serve.traffic import Traffic
+
+log = logging.getLogger("streamrl.serve")
+
+
+class APIError(Exception):
+    """A request the API refuses: an OpenAI-shaped error with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        """The error as OpenAI's JSON body."""
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class Sampling(BaseModel):
+    """The fields both completion endpoints share (others are accepted and ignored, as
+    OpenAI's clients send some this endpoint has no use for)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    answer: Any = None
+    """streamrl's own: the reference answer the recipe's reward checks (``serve.reward = "recipe"``)."""
+
+
+class ChatRequest(Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class Feedback(BaseModel):
+    """``POST /v1/feedback``: a reward for one choice (``index``) or every choice of a completion."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    index: int | None = Field(None, ge=0)
+    reward: float
+
+
+class Endpoint:
+    """What the API serves from: the engine, its tokenizer, the traffic store and the settings."""
+
+    def __init__(self, engine, config: ServeConfig, traffic: Traffic, model_name: str):
+        self.engine, self.config, self.traffic, self.model_name = engine, config, traffic, model_name
+        self.tokenizer = engine.tokenizer
+        self.pending = 0  # choices asked and not ended (serve.max_pending)
+        self.created = int(time.time())
+
+    # -- checks ---------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        """``Authorization: Bearer <serve.api_key>`` when a key is set."""
+        if not self.config.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
+            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
+                           code="invalid_api_key")
+
+    async def body(self, request: Request, model: type[BaseModel]):
+        """The JSON body as ``model``; a 400 naming the first bad field otherwise."""
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "The request body is not valid JSON.") from None
+        if not isinstance(raw, dict):
+            raise APIError(400, "The request body must be a JSON object.")
+        try:
+            return model.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+
+    def params(self, req: Sampling, prompt_ids: list[int]) -> Params:
+        """The request's sampling, checked against the engine and the policy."""
+        if req.model != self.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this endpoint serves "
+                                f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
+        c = self.engine.config
+        if req.temperature not in (None, 0) and abs(req.temperature - c.temperature) > 1e-6:
+            raise APIError(400, f"temperature {req.temperature} is not served: the policy samples at "
+                                f"{c.temperature} (engine.temperature); omit it, or 0 for greedy.", param="temperature")
+        if req.top_p not in (None, 1):
+            raise APIError(400, "top_p other than 1 is not served (the policy samples from its whole distribution).",
+                           param="top_p")
+        limit = req.max_completion_tokens or req.max_tokens or c.max_new_tokens
+        if limit > c.max_new_tokens:
+            raise APIError(400, f"max_tokens {limit} is more than this endpoint generates: at most "
+                                f"{c.max_new_tokens} (engine.max_new_tokens).", param="max_tokens")
+        if len(prompt_ids) > c.max_prompt_tokens:
+            raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this endpoint takes at most "
+                                f"{c.max_prompt_tokens} (engine.max_prompt_tokens).", param="messages",
+                           code="context_length_exceeded")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise APIError(400, "stop takes at most 4 non-empty strings.", param="stop")
+        if self.pending + req.n > self.config.max_pending:
+            self.traffic.count("refused")
+            raise APIError(429, f"The endpoint is busy: {self.pending} completions are running or queued "
+                                f"(serve.max_pending = {self.config.max_pending}); retry shortly.",
+                           kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer)
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        """The messages through the model's chat template (a plain ``role: content`` layout for a
+        tokenizer without one)."""
+        tok = self.tokenizer
+        for i, m in enumerate(req.messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+                raise APIError(400, f"messages[{i}] needs a string 'role' and a 'content'.", param=f"messages.{i}")
+        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                     "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))} for m in req.messages]
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False).input_ids
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.engine.encode(text)
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        """The prompt as the engine encodes a task's (BOS, then the text), or the given token ids."""
+        if isinstance(req.prompt, list):
+            vocab = len(self.tokenizer)
+            if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
+                raise APIError(400, f"prompt token ids must be a non-empty list of ids below {vocab}.", param="prompt")
+            return list(req.prompt)
+        return self.engine.encode(req.prompt)
+
+
+def make_app(endpoint: Endpoint) -> FastAPI:
+    """The FastAPI application of ``endpoint``."""
+    app = FastAPI(title="streamrl", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        log.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        return exc.response()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return APIError(404, f"Unknown path {request.method} {request.url.path}.", code="not_found").response()
+
+    @app.exception_handler(405)
+    async def wrong_method(request: Request, exc):
+        return APIError(405, f"{request.method} is not allowed on {request.url.path}.").response()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        endpoint.authorize(request)
+        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
+                                            "created": endpoint.created, "owned_by": "streamrl"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        endpoint.authorize(request)
+        req = await endpoint.body(request, ChatRequest)
+        if req.top_logprobs:
+            raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).", param="top_logprobs")
+        ids = endpoint.chat_prompt(req)
+        return await respond(endpoint, request, req, ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        endpoint.authorize(request)
+        req = await endpoint.body(request, CompletionRequest)
+        if req.logprobs:
+            raise APIError(400, "logprobs above 0 (top alternatives) is not served; the sampled tokens' log-probs "
+                                "are in the response's 'streamrl' object.", param="logprobs")
+        if req.echo:
+            raise APIError(400, "echo is not served.", param="echo")
+        ids = endpoint.completion_prompt(req)
+        return await respond(endpoint, request, req, ids, chat=False)
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request):
+        endpoint.authorize(request)
+        fb = await endpoint.body(request, Feedback)
+        problem = endpoint.traffic.feedback(fb.id, fb.index, fb.reward)
+        if problem is not None:
+            raise APIError(404 if problem.startswith("no completion") else 400, problem[0].upper() + problem[1:] + ".",
+                           param="id" if problem.startswith("no completion") else "index")
+        return {"object": "feedback", "id": fb.id, "accepted": True}
+
+    @app.get("/v1/serve/stats")
+    async def stats(request: Request):
+        endpoint.authorize(request)
+        return {"object": "serve.stats", "pending": endpoint.pending, "policy_version": endpoint.engine.version,
+                **endpoint.traffic.snapshot()}
+
+    return app
+
+
+async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list[int], chat: bool):
+    """Run the request in the engine; the whole response, or its server-sent events."""
+    params = endpoint.params(req, ids)
+    cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    completion = Completion(endpoint.engine, endpoint.tokenizer, cid, ids, params)
+    endpoint.pending += params.n
+    endpoint.traffic.started(cid)
+    try:
+        completion.start()
+    except ValueError as e:  # the engine's own check (a prompt past its slots)
+        endpoint.pending -= params.n
+        raise APIError(400, str(e), param="prompt") from None
+    fmt = Format(endpoint, req, cid, chat, ids)
+    if req.stream:
+        return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        async for _ in completion.events():
+            if await request.is_disconnected():
+                completion.cancel()
+    except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
+        raise APIError(500, f"Generation failed: {e}", kind="server_error") from None
+    finally:
+        finished(endpoint, completion)
+    return fmt.whole(completion)
+
+
+async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req: Sampling):
+    """Server-sent events: one chunk per decode step's new tokens of a choice, then each choice's
+    end, the usage (``stream_options.include_usage``) and ``[DONE]``. A client that goes away
+    cancels the request (the generator is closed)."""
+    try:
+        yield sse(fmt.chunk(None, first=True))
+        async for ev in completion.events():
+            yield sse(fmt.chunk(ev))
+        if (req.stream_options or {}).get("include_usage"):
+            yield sse(fmt.usage_chunk(completion))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 -- mid-stream there is no status to change: an error event
+        yield sse({"error": {"message": f"Generation failed: {e}", "type": "server_error", "param": None,
+                             "code": None}})
+    finally:
+        if not all(c.finish_reason for c in completion.choices):
+            completion.cancel()
+        finished(endpoint, completion)
+
+
+def finished(endpoint: Endpoint, completion: Completion) -> None:
+    """The request ended: free its place and hand its choices to the learners (not a cancelled
+    one, nor a greedy one, which is not a sample of the policy)."""
+    endpoint.pending -= completion.params.n
+    if completion.cancelled or not all(c.finish_reason for c in completion.choices):
+        endpoint.traffic.count("cancelled")
+        return
+    if completion.params.greedy:
+        return
+    endpoint.traffic.finished(completion.cid, completion.samples(), ready=endpoint.config.reward == "recipe")
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Format:
+    """OpenAI's response and chunk bodies for one request."""
+
+    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int]):
+        self.endpoint, self.req, self.cid, self.chat, self.prompt_ids = endpoint, req, cid, chat, prompt_ids
+        self.created = int(time.time())
+        self.want_logprobs = bool(getattr(req, "logprobs", False))
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.cid, "object": obj, "created": self.created, "model": self.endpoint.model_name}
+
+    def _token_logprobs(self, tokens: list[int], logprobs: list[float]):
+        tok = self.endpoint.tokenizer
+        pieces = [tok.decode([t]) for t in tokens]
+        if self.chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                                for p, lp in zip(pieces, logprobs)]}
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+
+    def usage(self, completion: Completion) -> dict:
+        """Token counts of the prompt and of every choice."""
+        out = sum(len(c.tokens) for c in completion.choices)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": out,
+                "total_tokens": len(self.prompt_ids) + out}
+
+    def whole(self, completion: Completion) -> dict:
+        """The non-streamed response."""
+        choices = []
+        for c in completion.choices:
+            body = ({"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text})
+            lp = self._token_logprobs(c.tokens, c.logprobs) if self.want_logprobs else None
+            choices.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": self.usage(completion),
+                "streamrl": {"prompt_token_ids": self.prompt_ids,
+                             "choices": [{"index": c.index, "token_ids": c.tokens, "logprobs": c.logprobs,
+                                          "policy_versions": c.versions} for c in completion.choices]}}
+
+    def chunk(self, ev, first: bool = False) -> dict:
+        """One streamed chunk: a choice's new text and tokens (``ev``), or the opening one."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        if first:
+            extra = {"streamrl": {"prompt_token_ids": self.prompt_ids}}
+            if not self.chat:
+                return {**self._base(obj), "choices": [], **extra}
+            return {**self._base(obj), **extra, "choices": [
+                {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for k in range(self.req.n)]}
+        lp = self._token_logprobs(ev.tokens, ev.logprobs) if self.want_logprobs and ev.tokens else None
+        body = {"delta": {"content": ev.text}} if self.chat else {"text": ev.text}
+        return {**self._base(obj), "choices": [{"index": ev.index, **body, "logprobs": lp,
+                                                "finish_reason": ev.finish_reason}],
+                "streamrl": {"index": ev.index, "token_ids": ev.tokens, "logprobs": ev.logprobs,
+                             "policy_version": ev.version}}
+
+    def usage_chunk(self, completion: Completion) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": self.usage(completion)}
