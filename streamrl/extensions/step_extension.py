@@ -89,6 +89,10 @@ class StepExtension:
     def resume(self, checkpoint: Path) -> None:
         """After placement, when the run goes on from ``checkpoint``: restore this extension."""
 
+    def stopping(self) -> None:
+        """The user asked the run to stop (from another thread, while a step may be waiting):
+        stop waiting for the outside world, so the step ends with what it has."""
+
     def finish(self, policy_dir: Path) -> None:
         """The last step is done; the policy is saved to ``policy_dir`` next."""
 

@@ -268,6 +268,10 @@ class Controller:
             return None
         return lambda folder: [write(folder) for write in writers]
 
+    def stopping(self) -> None:
+        """A stop was requested (called from another thread): the extensions stop waiting."""
+        self._call("stopping")
+
     def finish(self, policy_dir: Path) -> None:
         """The last step is done: the extensions finish before the policy is saved."""
         self._call("finish", policy_dir)

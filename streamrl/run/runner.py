@@ -178,6 +178,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         watchdog = Watchdog(client, r.run.step_timeout_s)
         watchdog.install()
         controller = Controller(resolved, client, pools, dask_cluster)
+        stop.listen(controller.stopping)
         if not verbose:
             quiet.quiet_lost_train_workers(pools["train"])
         first = 0

@@ -42,6 +42,12 @@ class StopRequest:
         self.say = say
         self._now = False  # a second signal came while the cluster started: stop at once
         self._old: dict[int, object] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (in a thread of its own) when the stop is requested: what waits on
+        the outside world (an endpoint's traffic) lets the step end."""
+        self._listeners.append(listener)
 
     @property
     def requested(self) -> bool:
@@ -54,6 +60,8 @@ class StopRequest:
         self.signal = signum
         self.say(f"{NAMES.get(signum, signum)}: stopping after this step with a checkpoint "
                  "(send it again to stop at once)")
+        for listener in self._listeners:
+            threading.Thread(target=listener, name="streamrl-stopping", daemon=True).start()
 
     def install(self) -> None:
         """Handle SIGINT and SIGTERM in this process (main thread only; elsewhere, do nothing)."""

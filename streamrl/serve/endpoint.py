@@ -55,12 +55,13 @@ def start(config: dict, model_name: str) -> str:
     return f"http://{cfg.host}:{port}/v1"
 
 
-def take(min_samples: int, min_version: int, wait_s: float) -> list[Group]:
-    """Generate worker: at least ``min_samples`` rewarded served samples (whole requests), none
-    older than policy ``min_version``, waiting up to ``wait_s`` seconds (fewer when the endpoint
-    stops first)."""
+def take(step: int, min_samples: int, min_version: int, wait_s: float, after=None) -> list[Group]:
+    """Generate worker: step ``step``'s at least ``min_samples`` rewarded served samples (whole
+    requests), none older than policy ``min_version``, waiting up to ``wait_s`` seconds (none
+    when the endpoint stops first); steps asked ahead are served in step order (``after``: the
+    previous step's take, which Dask runs first)."""
     traffic = _traffic()
-    groups = traffic.take(min_samples, min_version, wait_s)
+    groups = traffic.take(step, min_samples, min_version, wait_s)
     name = str(get_worker().name)
     for s in (s for g in groups for s in g):
         s.worker = name
@@ -71,6 +72,15 @@ def take(min_samples: int, min_version: int, wait_s: float) -> list[Group]:
 def stats() -> dict[str, int]:
     """Generate worker: the endpoint's counters (``Traffic.snapshot``)."""
     return _traffic().snapshot()
+
+
+def release() -> bool:
+    """Generate worker: the run is stopping: every waiting :func:`take` returns what is ready
+    (the endpoint goes on answering until :func:`stop`)."""
+    running = _RUNNING.get("endpoint")
+    if running is not None:
+        running[2].stop()
+    return running is not None
 
 
 def stop() -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from distributed import Future
 
+from streamrl.errors import UserError
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.on_worker import task_functions
 from streamrl.serve import endpoint
@@ -33,15 +34,20 @@ class ServedTraffic(StepExtension):
         self.max_staleness = r.run.max_staleness
         self.topology = ctl.topology
         self.pin: dict | None = None
+        self._last_take: Future | None = None
         self.worker = ""
         self.url = ""
 
     def placed(self, ctl) -> None:
         """Start the endpoint on the first generate worker."""
+        self._last_take = None
         self.worker = sorted(self.topology.generate)[0]
         self.pin = self.topology.pins[self.worker]
-        self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name, pure=False,
-                                      key=f"serve-start-{time.time_ns()}", **self.pin).result()
+        try:
+            self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name, pure=False,
+                                          key=f"serve-start-{time.time_ns()}", **self.pin).result()
+        except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
+            raise UserError(str(e)) from None
 
     def started(self, run_dir: Path) -> list[str]:
         """``serve.json`` in the run folder (where clients find the endpoint), and the line that says it."""
@@ -54,8 +60,11 @@ class ServedTraffic(StepExtension):
     def samples(self, step: int, min_version: int) -> list[Future]:
         """The step's samples: ``serve.samples_per_step`` rewarded served samples, none generated
         before policy ``step - run.max_staleness`` (a token older than that is too stale)."""
-        taken = self.client.submit(endpoint.take, self.config.samples_per_step, max(0, step - self.max_staleness),
-                                   TAKE_WAIT_S, pure=False, key=f"serve-take-{step}-{time.time_ns()}", **self.pin)
+        # each take after the last: the steps asked ahead (async) get the traffic in step order
+        taken = self.client.submit(endpoint.take, step, self.config.samples_per_step, max(0, step - self.max_staleness),
+                                   TAKE_WAIT_S, after=self._last_take, pure=False,
+                                   key=f"serve-take-{step}-{time.time_ns()}", **self.pin)
+        self._last_take = taken
         if self.config.reward == "feedback":
             return [taken]
         return [self.client.submit(task_functions.score_groups, taken, key=f"serve-reward-{step}-{time.time_ns()}",
@@ -68,6 +77,15 @@ class ServedTraffic(StepExtension):
         except Exception:  # noqa: BLE001 -- the counters are a report; the step goes on without them
             return
         record.extra.update({f"serve/{k}": v for k, v in stats.items()})
+
+    def stopping(self) -> None:
+        """The run is stopping: the take waiting for traffic returns what is ready."""
+        if self.pin is not None:
+            try:
+                self.client.submit(endpoint.release, pure=False, key=f"serve-release-{time.time_ns()}",
+                                   **self.pin).result(timeout=30)
+            except Exception:  # noqa: BLE001 -- a worker already gone has nothing to release
+                pass
 
     def close(self) -> None:
         """Stop the endpoint (a take still waiting returns)."""

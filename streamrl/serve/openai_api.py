@@ -295,8 +295,10 @@ def finished(endpoint: Endpoint, completion: Completion) -> None:
     endpoint.pending -= completion.params.n
     if completion.cancelled or not all(c.finish_reason for c in completion.choices):
         endpoint.traffic.count("cancelled")
+        endpoint.traffic.dropped(completion.cid)
         return
     if completion.params.greedy:
+        endpoint.traffic.dropped(completion.cid)
         return
     endpoint.traffic.finished(completion.cid, completion.samples(), ready=endpoint.config.reward == "recipe")
 

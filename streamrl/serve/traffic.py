@@ -35,7 +35,8 @@ class Traffic:
         self._waiting: OrderedDict[str, Waiting] = OrderedDict()  # completion id -> group, oldest first
         self._early: dict[str, dict[int | None, float]] = {}  # feedback that came before its completion ended
         self._ready: list[Group] = []
-        self._known: set[str] = set()  # every completion id handed out (feedback for an unknown id is a 404)
+        self._takers: set[int] = set()  # the steps whose takes wait now (served lowest first)
+        self._state: dict[str, str] = {}  # completion id -> running | waiting | rewarded | dropped
         self.counts: dict[str, int] = {"requests": 0, "completions": 0, "rewarded": 0, "unrewarded_dropped": 0,
                                        "stale_dropped": 0, "refused": 0, "cancelled": 0, "feedback": 0}
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
@@ -44,7 +45,7 @@ class Traffic:
     def started(self, completion_id: str) -> None:
         """A request was accepted: feedback may name ``completion_id`` from now on."""
         with self._lock:
-            self._known.add(completion_id)
+            self._state[completion_id] = "running"
             self.counts["requests"] += 1
 
     def count(self, what: str, n: int = 1) -> None:
@@ -52,15 +53,23 @@ class Traffic:
         with self._lock:
             self.counts[what] = self.counts.get(what, 0) + n
 
+    def dropped(self, completion_id: str) -> None:
+        """Request ``completion_id`` ended without samples to learn from (cancelled, greedy)."""
+        with self._lock:
+            self._state[completion_id] = "dropped"
+            self._early.pop(completion_id, None)
+
     def finished(self, completion_id: str, group: Group, ready: bool = False) -> None:
         """Request ``completion_id`` ended with ``group``; ``ready``: it needs no feedback (the
         recipe's reward scores it when a step takes it), so it is ready for a step at once."""
         with self._lock:
             self.counts["completions"] += len(group)
             if ready:
+                self._state[completion_id] = "rewarded"
                 self._ready.append(group)
                 self.counts["rewarded"] += len(group)
             else:
+                self._state[completion_id] = "waiting"
                 self._waiting[completion_id] = Waiting(group)
                 for index, reward in self._early.pop(completion_id, {}).items():
                     self._apply(completion_id, index, reward)
@@ -70,13 +79,15 @@ class Traffic:
         """A client's reward for choice ``index`` of ``completion_id`` (None: every choice).
         Returns why it was refused (unknown id, index out of range, already used), or None."""
         with self._lock:
-            if completion_id not in self._known:
+            state = self._state.get(completion_id)
+            if state is None:
                 return f"no completion with id {completion_id!r}"
+            if state == "rewarded":
+                return f"completion {completion_id!r} is already rewarded"
+            if state == "dropped":
+                return f"completion {completion_id!r} was dropped (cancelled, or no reward within serve.feedback_timeout_s)"
             self.counts["feedback"] += 1
-            if completion_id not in self._waiting:
-                if any(s.uid.startswith(completion_id + "-") for g in self._ready for s in g):
-                    return f"completion {completion_id!r} is already rewarded"
-                # still generating (feedback on a streamed response before its end): kept for then
+            if state == "running":  # feedback on a streamed response before its end: kept for then
                 self._early.setdefault(completion_id, {})[index] = reward
                 return None
             return self._apply(completion_id, index, reward)
@@ -89,19 +100,31 @@ class Traffic:
             s.reward = float(reward)
         if all(s.reward is not None for s in group):
             del self._waiting[completion_id]
+            self._state[completion_id] = "rewarded"
             self._ready.append(group)
             self.counts["rewarded"] += len(group)
             self._lock.notify_all()
         return None
 
-    def take(self, min_samples: int, min_version: int, wait_s: float) -> list[Group]:
-        """At least ``min_samples`` rewarded samples (whole groups, oldest first), waiting up to
-        ``wait_s`` seconds; fewer (maybe none) when the time is up or the endpoint stopped.
-        Groups with a token older than ``min_version`` are dropped (the staleness bound, per
-        token), and groups past their feedback time too."""
+    def take(self, step: int, min_samples: int, min_version: int, wait_s: float) -> list[Group]:
+        """At least ``min_samples`` rewarded samples (whole groups, oldest first) for step
+        ``step``, waiting up to ``wait_s`` seconds; fewer (maybe none) when the time is up or the
+        endpoint stopped. Steps asked ahead (``async``) are served in step order. Groups with a
+        token older than ``min_version`` are dropped (the staleness bound, per token), and
+        groups past their feedback time too."""
         deadline = time.time() + wait_s
         with self._lock:
-            while True:
+            self._takers.add(step)
+            try:
+                return self._take(step, min_samples, min_version, deadline)
+            finally:
+                self._takers.discard(step)
+                self._lock.notify_all()  # the next step's take may go now
+
+    def _take(self, step: int, min_samples: int, min_version: int, deadline: float) -> list[Group]:
+        while True:
+            first = step == min(self._takers)
+            if first:
                 self._expire()
                 fresh = []
                 for g in self._ready:
@@ -110,14 +133,16 @@ class Traffic:
                     else:
                         fresh.append(g)
                 self._ready = fresh
-                if sum(len(g) for g in fresh) >= min_samples or self._stopped or time.time() >= deadline:
-                    break
-                self._lock.wait(min(1.0, max(0.0, deadline - time.time())))
-            taken, count = [], 0
-            while self._ready and count < min_samples:
-                taken.append(self._ready.pop(0))
-                count += len(taken[-1])
-            return taken
+                if sum(len(g) for g in fresh) >= min_samples or self._stopped:
+                    break  # (stopping: what is ready, maybe nothing)
+            if self._stopped or time.time() >= deadline:
+                return []
+            self._lock.wait(min(1.0, max(0.0, deadline - time.time())))
+        taken, count = [], 0
+        while self._ready and count < min_samples:
+            taken.append(self._ready.pop(0))
+            count += len(taken[-1])
+        return taken
 
     def _expire(self) -> None:
         now = time.time()
@@ -126,6 +151,7 @@ class Traffic:
             if now - w.finished < self.feedback_timeout_s:
                 break
             del self._waiting[cid]
+            self._state[cid] = "dropped"
             self.counts["unrewarded_dropped"] += len(w.group)
 
     def stop(self) -> None:

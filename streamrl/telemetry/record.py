@@ -115,21 +115,23 @@ def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: 
     samples = sum(m.samples for m in micro)
     sample_log = [dict(x, staleness=step - x["version"]) for m in micro for x in m.sample_log]
     tokens = sum(m.tokens for m in micro)
-    # (a sharded rank's empty turn in a round trained no sample: it has neither)
-    gen_end = max(m.gen_end_max for m in micro if m.gen_end_max is not None)
-    oldest = min(m.policy_version_min for m in micro if m.policy_version_min is not None)
+    # (a sharded rank's empty turn in a round trained no sample: it has neither; nor has a step
+    # of served traffic that a stop request ended before any came)
+    gen_end = max((m.gen_end_max for m in micro if m.gen_end_max is not None), default=t0)
+    oldest = min((m.policy_version_min for m in micro if m.policy_version_min is not None), default=step)
     step_s = t_end - t0
+    per = max(samples, 1)
     return StepRecord(
         step=step, policy_version=version, samples=samples, train_tasks=len(micro),
         micro_batches=sum(m.micro_batches for m in micro),
-        reward_mean=sum(m.reward_sum for m in micro) / samples,
-        loss=sum(m.loss_sum for m in micro) / samples,
-        response_len_mean=tokens / samples, reward_errors=sum(m.reward_errors for m in micro),
+        reward_mean=sum(m.reward_sum for m in micro) / per,
+        loss=sum(m.loss_sum for m in micro) / per,
+        response_len_mean=tokens / per, reward_errors=sum(m.reward_errors for m in micro),
         generated_policy_version_min=oldest, staleness_max=step - oldest, grad_norm=step_stats.grad_norm,
         samples_per_s=samples / step_s, tokens_per_s=tokens / step_s, generate_s=max(0.0, gen_end - t0),
         train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
-        stats={**algorithm_stats(micro, samples), **step_stats.extra},  # and what else the step reports
+        stats={**algorithm_stats(micro, per), **step_stats.extra},  # and what else the step reports
         rewards=reward_means(micro), sample_log=sample_log, flat_groups=flat_share(micro),
         reward_error_first=next((m.reward_error_first for m in micro if m.reward_error_first), None))
 

@@ -1,0 +1,183 @@
+"""``streamrl serve``, the way a user runs it: the CLI in its own process, a real cluster, the
+real ``openai`` client on loopback; feedback becomes training steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from tests.conftest import TINY_RECIPE
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+
+SERVE = """
+[serve]
+port = 0
+api_key = "{key}"
+samples_per_step = 8
+max_pending = 24
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model):
+    """A ``streamrl serve`` process on a tiny recipe; yields (base url, model, run folder)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    recipe = tmp / "serve.toml"
+    text = TINY_RECIPE.format(out=tmp / "runs", model=tiny_model).replace(
+        "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 4')
+    text = text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16\nmax_prompt_tokens = 48')
+    recipe.write_text(text + SERVE.format(key=KEY))
+    log = open(tmp / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", str(recipe), "--plain"], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 180
+        found = []
+        while not found and time.time() < deadline and proc.poll() is None:
+            found = list((tmp / "runs").glob("*/serve.json"))
+            time.sleep(0.5)
+        assert found, (tmp / "serve.log").read_text()[-3000:]
+        info = json.loads(found[0].read_text())
+        yield info["url"], info["model"], found[0].parent
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+
+
+def post(url: str, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
+    """A raw POST (for bodies the ``openai`` client would not send); status and JSON body."""
+    req = urllib.request.Request(url + path, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stats(url: str) -> dict:
+    req = urllib.request.Request(url + "/serve/stats", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_completions_and_chat_answer_the_openai_client_with_tokens_and_logprobs(served, tiny_model):
+    url, model, _ = served
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == [model]
+    out = c.completions.create(model=model, prompt="12+34=", n=3, max_tokens=5)
+    assert len(out.choices) == 3 and out.usage.completion_tokens > 0
+    extra = out.model_extra["streamrl"]
+    assert [x["index"] for x in extra["choices"]] == [0, 1, 2]
+    for choice, x in zip(out.choices, extra["choices"]):
+        assert 1 <= len(x["token_ids"]) <= 5 and len(x["logprobs"]) == len(x["token_ids"])
+        assert choice.finish_reason in ("stop", "length")
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "1+2="}], logprobs=True)
+    tokens = chat.model_extra["streamrl"]["choices"][0]["token_ids"]
+    assert chat.choices[0].message.role == "assistant"
+    assert len(chat.choices[0].logprobs.content) == len(tokens)
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == chat.model_extra["streamrl"]["choices"][0]["logprobs"]
+
+
+def test_served_token_logprobs_equal_what_the_trainer_computes(served, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.training.logprobs import naive_token_logprobs
+
+    url, model, _ = served
+    out = client(url).completions.create(model=model, prompt="23+45=", n=4, max_tokens=6)
+    extra = out.model_extra["streamrl"]
+    policy = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    for x in extra["choices"]:
+        assert set(x["policy_versions"]) == {0}  # nothing has trained yet: the initial weights
+        ids = torch.tensor([extra["prompt_token_ids"] + x["token_ids"]])
+        lp = naive_token_logprobs(policy, ids, torch.ones_like(ids), 1.0)[0, len(extra["prompt_token_ids"]) - 1:]
+        assert torch.allclose(lp, torch.tensor(x["logprobs"]), atol=1e-4)
+
+
+def test_a_stream_sends_each_decode_steps_tokens_before_the_end(served):
+    url, model, _ = served
+    chunks = list(client(url).completions.create(model=model, prompt="5+6=", n=2, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].model_extra["streamrl"]["prompt_token_ids"]
+    per_token = [ch for ch in chunks if ch.model_extra.get("streamrl", {}).get("token_ids")]
+    ends = [i for i, ch in enumerate(chunks) for c in ch.choices if c.finish_reason]
+    tokens = sum(len(ch.model_extra["streamrl"]["token_ids"]) for ch in per_token)
+    assert len(per_token) == tokens  # one event per token of each choice, as each step decodes it
+    assert len(ends) == 2 and chunks.index(per_token[0]) < min(ends)
+    assert chunks[-1].usage.completion_tokens == tokens and not chunks[-1].choices
+
+
+def test_bad_requests_get_openai_shaped_4xx(served):
+    url, model, _ = served
+    c = client(url)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="nope", prompt="1+1=")
+    with pytest.raises(openai.BadRequestError, match="engine.max_new_tokens"):
+        c.completions.create(model=model, prompt="1+1=", max_tokens=500)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model=model, prompt="1+1=", temperature=0.3)
+    with pytest.raises(openai.BadRequestError, match="engine.max_prompt_tokens"):
+        c.completions.create(model=model, prompt="1+1=" * 40)
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong").models.list()
+    with pytest.raises(openai.RateLimitError) as refused:
+        c.completions.create(model=model, prompt="1+1=", n=25)  # serve.max_pending = 24
+    assert refused.value.response.headers["retry-after"] == "1"
+    status, body = post(url, "/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = post(url, "/completions", json.dumps({"model": model, "prompt": "1", "n": "many"}).encode())
+    assert status == 400 and body["error"]["param"] == "n"
+    status, body = post(url, "/feedback", json.dumps({"id": "cmpl-unknown", "reward": 1}).encode())
+    assert status == 404 and "cmpl-unknown" in body["error"]["message"]
+
+
+def test_every_rewarded_completion_is_trained_exactly_once(served):
+    url, model, run_dir = served
+    c = client(url)
+    before = stats(url)
+    records_before = len((run_dir / "metrics.jsonl").read_text().splitlines()) if (run_dir / "metrics.jsonl").exists() else 0
+    ids = []
+    for k in range(6):  # 6 requests x 4 choices = 24 samples = 3 steps of serve.samples_per_step = 8
+        out = c.completions.create(model=model, prompt=f"{10 + k}+{20 + k}=", n=4, max_tokens=6)
+        ids.append(out.id)
+    for cid in ids:
+        for i in range(4):
+            assert post(url, "/feedback", json.dumps({"id": cid, "index": i, "reward": float(i % 2)}).encode())[0] == 200
+    assert post(url, "/feedback", json.dumps({"id": ids[0], "index": 7, "reward": 1}).encode())[0] == 400
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        if len(lines) >= records_before + 3:
+            break
+        time.sleep(0.5)
+    time.sleep(3)  # a fourth step would have had time to appear
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][records_before:]
+    after = stats(url)
+    assert after["rewarded"] - before["rewarded"] == 24
+    trained = sum(r["samples"] for r in records)
+    assert len(records) == 3 and trained == 24, [r["samples"] for r in records]
+    assert after["ready"] == 0 and after["stale_dropped"] == before["stale_dropped"]
+    versions = [r["policy_version"] for r in records]
+    assert versions == list(range(versions[0], versions[0] + 3))  # each step published a new policy

@@ -1,0 +1,93 @@
+"""The slot engine's served requests, in this process on CPU: each decode step's tokens handed
+over as they are decoded, a weight load in the middle of a response, cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.engines.base import HFEngineConfig
+from streamrl.engines.slots import SlotEngine
+from streamrl.training.logprobs import naive_token_logprobs
+
+
+@pytest.fixture
+def engine(tiny_model):
+    e = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=16, max_new_tokens=6,
+                                  temperature=1.0, profile=False))
+    e.load(str(tiny_model))
+    e.decoder.eos_id.fill_(-1)  # every request runs to its token limit: the test needs its length
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def logprobs_under(model, prompt_ids, tokens) -> list[float]:
+    """The log-probs ``model`` gives ``tokens`` after ``prompt_ids`` (the trainer's computation)."""
+    ids = torch.tensor([prompt_ids + tokens])
+    lp = naive_token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(prompt_ids) - 1:]
+    return lp.tolist()
+
+
+def test_tokens_stream_per_step_and_a_weight_load_mid_response_marks_their_versions(engine):
+    ids = engine.encode("12+34=")
+    calls, first, proceed = [], threading.Event(), threading.Event()
+
+    def on_tokens(tokens, logprobs, version):
+        calls.append((list(tokens), version))
+        if len(calls) == 1:  # hold the loop after the first token until the load waits for the turn
+            first.set()
+            proceed.wait(10)
+
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    future = engine.stream("r-0", ids, 6, on_tokens=on_tokens)
+    assert first.wait(10)
+    new = {n: p + 0.05 * torch.randn_like(p) for n, p in before.items()}
+    loader = threading.Thread(target=engine.load_weights, args=(new, 1))
+    loader.start()
+    deadline = time.time() + 10
+    while not engine._pause.is_set() and time.time() < deadline:  # the load asked for the next turn
+        time.sleep(0.001)
+    proceed.set()
+    loader.join(10)
+    response = future.result(timeout=10)
+    assert len(response.tokens) == 6
+    assert [t for toks, _ in calls for t in toks] == response.tokens  # every token handed over, in order
+    assert len(calls) >= 5  # one call per decode step, not one at the end
+    versions = response.token_versions
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    switch = versions.index(1)
+    # before the load, each log-prob is the old policy's; after it, the new weights decode (over
+    # the cache the old ones wrote: the behaviour log-prob the loss uses, neither policy's recompute)
+    engine.model.load_state_dict(before, strict=False)
+    old = logprobs_under(engine.model, ids, response.tokens)
+    for k in range(switch):
+        assert abs(response.logprobs[k] - old[k]) < 1e-4, k
+    assert all(abs(response.logprobs[k] - old[k]) > 1e-3 for k in range(switch, 6))
+
+
+def test_a_cancelled_request_frees_its_slot_with_the_tokens_so_far(engine):
+    ids = engine.encode("1+2=")
+    rid_seen = []
+
+    def on_tokens(tokens, logprobs, version):
+        rid_seen.append(len(tokens))
+        engine.cancel("r-1")  # (from the loop's own thread: taken at its next turn)
+
+    response = engine.stream("r-1", ids, 6, on_tokens=on_tokens).result(timeout=10)
+    assert 1 <= len(response.tokens) < 6
+    assert engine.requests_in_flight() == (0, 0)
+    assert not engine._slot_of  # the slot is free again
+    # a waiting request cancelled before it starts is answered empty
+    engine.cancel("never-started")
+    again = engine.stream("r-2", ids, 6).result(timeout=10)
+    assert len(again.tokens) == 6 and again.token_versions == [0] * 6
+
+
+def test_a_prompt_past_the_slots_is_refused_naming_the_field(engine):
+    with pytest.raises(ValueError, match="engine.max_prompt_tokens = 16"):
+        engine.stream("long", list(range(3, 20)) * 2, 6)
