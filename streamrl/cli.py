@@ -212,6 +212,15 @@ def parser() -> argparse.ArgumentParser:
                                                                         "recipe's)")
     bench_learners.add_argument("--out", default=None, help="write the JSON result here (default: "
                                                             "bench-learners.json beside the run folders)")
+    bench_serve = bench.add_parser("serve", help="the endpoint's latency under a bounded load, learning off vs on "
+                                                 "(streamrl serve, openai clients on loopback)")
+    _recipe_args(bench_serve)
+    bench_serve.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
+    bench_serve.add_argument("--seconds", type=float, default=30, help="seconds of each phase")
+    bench_serve.add_argument("--repeats", type=int, default=2, help="off/on pairs (the order alternates)")
+    bench_serve.add_argument("--n", type=int, default=8, help="completions per request")
+    bench_serve.add_argument("--out", help="write the rows and ratios as JSON here")
+
     plan = sub.add_parser("plan", help="pick the split of devices between generation and training, the mode "
                                        "and the staleness bound, from a profile of the recipe")
     _recipe_args(plan)
@@ -320,6 +329,11 @@ def cmd_bench(args) -> int:
             raise UserError("--repeats must be >= 1")
         transfer.bench(args.file, args.overrides, [t.strip() for t in args.transfers.split(",") if t.strip()],
                        args.repeats, args.out)
+        return 0
+    if args.cmd == "serve":
+        from streamrl.bench import serve
+
+        serve.bench(args.file, args.overrides, args.clients, args.seconds, args.repeats, args.n, args.out)
         return 0
     if args.cmd == "learners":
         from streamrl.bench import learners

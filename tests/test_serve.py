@@ -181,3 +181,30 @@ def test_every_rewarded_completion_is_trained_exactly_once(served):
     assert after["ready"] == 0 and after["stale_dropped"] == before["stale_dropped"]
     versions = [r["policy_version"] for r in records]
     assert versions == list(range(versions[0], versions[0] + 3))  # each step published a new policy
+
+
+def test_a_host_off_loopback_without_a_key_is_refused_in_one_line(tiny_recipe):
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "serve", str(tiny_recipe), "--set", 'serve.host="0.0.0.0"'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "serve.api_key" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_bench_serve_measures_latency_with_learning_off_and_on(tmp_path, tiny_model):
+    recipe = tmp_path / "serve.toml"
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace("steps = 2", 'mode = "async"')
+    recipe.write_text(text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16')
+                      + "\n[serve]\nsamples_per_step = 16\n")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "serve", str(recipe), "--clients", "2",
+                           "--seconds", "4", "--repeats", "1", "--n", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = {r["learning"]: r for r in result["rows"]}
+    assert set(rows) == {"off", "on"}
+    for r in rows.values():
+        assert r["requests"] > 0 and r["failed"] == 0 and r["hung"] == 0 and r["itl_p50_ms"] > 0
+    assert result["training_steps"] >= 1  # learning on trained (off sends no feedback: nothing to train)
+    assert result["ratios"]["itl_p50_ms"] > 0

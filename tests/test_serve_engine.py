@@ -91,3 +91,44 @@ def test_a_cancelled_request_frees_its_slot_with_the_tokens_so_far(engine):
 def test_a_prompt_past_the_slots_is_refused_naming_the_field(engine):
     with pytest.raises(ValueError, match="engine.max_prompt_tokens = 16"):
         engine.stream("long", list(range(3, 20)) * 2, 6)
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_choices(engine):
+    # the endpoint's event stream as Starlette drives it: the first event sent, then the client
+    # is gone and the generator is closed
+    import asyncio
+
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.serve.openai_api import CompletionRequest, Endpoint, Format, stream
+    from streamrl.serve.completion import Completion
+    from streamrl.serve.traffic import Traffic
+
+    traffic = Traffic(60)
+    endpoint = Endpoint(engine, ServeConfig(), traffic, "tiny")
+    req = CompletionRequest(model="tiny", prompt="1+2=", n=2, stream=True)
+
+    futures = []
+    asked = engine.stream
+    engine.stream = lambda *a, **k: futures.append(asked(*a, **k)) or futures[-1]  # (keeps what the engine answers)
+
+    async def go():
+        ids = endpoint.completion_prompt(req)
+        completion = Completion(engine, engine.tokenizer, "cmpl-x", ids, endpoint.params(req, ids))
+        endpoint.pending += 2
+        traffic.started("cmpl-x")
+        with engine._turn:  # the loop waits: no token is decoded before the client goes away
+            completion.start()
+            events = stream(endpoint, completion, Format(endpoint, req, "cmpl-x", False, ids), req)
+            first = await events.__anext__()
+            await events.aclose()
+        return first
+
+    first = asyncio.run(go())
+    assert first.startswith("data: ") and "prompt_token_ids" in first
+    deadline = time.time() + 10
+    while engine.requests_in_flight() != (0, 0) and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.requests_in_flight() == (0, 0) and not engine._slot_of
+    assert [len(f.result(timeout=10).tokens) for f in futures] == [0, 0]  # cancelled before a token (else 6 each)
+    assert traffic.counts["cancelled"] == 1 and endpoint.pending == 0
+    assert traffic.feedback("cmpl-x", None, 1.0) is not None  # nothing of it to reward or train

@@ -1,0 +1,202 @@
+"""``streamrl bench serve``: the endpoint's latency under a bounded load, with learning off and on,
+side by side on one endpoint.
+
+    streamrl bench serve recipes/serve.toml --clients 8 --seconds 30 --repeats 2
+
+It starts ``streamrl serve`` (a port of its own, on loopback), then runs phases of ``--seconds``
+each, alternating: **off**, the clients ask and send no feedback (no step trains, no weights
+load); **on**, the same clients reward every answer (steps train and the engine loads each new
+policy between decode steps). Each client streams its requests with the ``openai`` client, one
+at a time. Per phase: time to first token and time between two tokens of one choice (p50, p99
+over every request), generated tokens/s, requests answered, refused (429) and failed. The ratio on/off of
+the median inter-token latency is the cost learning adds to serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrl.errors import UserError
+from streamrl.recipe.recipe import load_recipe
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``xs`` (nearest rank); None when empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Load:
+    """``clients`` threads streaming requests at the endpoint until ``seconds`` pass."""
+
+    def __init__(self, url: str, model: str, key: str, clients: int, seconds: float, n: int, feedback: bool):
+        self.url, self.model, self.key = url, model, key
+        self.clients, self.seconds, self.n, self.feedback = clients, seconds, n, feedback
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.tokens = 0
+        self.answered = self.refused = self.failed = 0
+        self._lock = threading.Lock()
+
+    def run(self) -> dict:
+        """Run the clients; the phase's figures."""
+        from openai import OpenAI
+
+        stop = time.time() + self.seconds
+        client = OpenAI(base_url=self.url, api_key=self.key or "none", max_retries=0, timeout=60)
+        threads = [threading.Thread(target=self._client, args=(client, stop, i), daemon=True)
+                   for i in range(self.clients)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.seconds + 120)  # a request past its phase is allowed to finish, bounded
+        wall = time.time() - t0
+        ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
+        return {"requests": self.answered, "refused": self.refused, "failed": self.failed,
+                "hung": sum(t.is_alive() for t in threads), "tokens_per_s": round(self.tokens / wall, 1),
+                "ttft_p50_ms": ms(percentile(self.ttft, 0.5)), "ttft_p99_ms": ms(percentile(self.ttft, 0.99)),
+                "itl_p50_ms": ms(percentile(self.itl, 0.5)), "itl_p99_ms": ms(percentile(self.itl, 0.99))}
+
+    def _client(self, client, stop: float, seed: int) -> None:
+        import openai
+
+        rng = random.Random(seed)
+        while time.time() < stop:
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            sent = time.perf_counter()
+            last: dict[int, float] = {}  # each choice's last token: inter-token times are per choice
+            first, cid = None, None
+            try:
+                for chunk in client.completions.create(model=self.model, prompt=f"{a}+{b}=", n=self.n, stream=True):
+                    cid = chunk.id
+                    extra = (chunk.model_extra or {}).get("streamrl", {})
+                    got = len(extra.get("token_ids") or [])
+                    if not got:
+                        continue
+                    now, k = time.perf_counter(), extra.get("index", 0)
+                    with self._lock:
+                        if first is None:
+                            first = now - sent
+                            self.ttft.append(first)
+                        if k in last:
+                            self.itl.append(now - last[k])
+                        self.tokens += got
+                    last[k] = now
+            except openai.RateLimitError:
+                with self._lock:
+                    self.refused += 1
+                time.sleep(0.2)
+                continue
+            except openai.APIError:
+                with self._lock:
+                    self.failed += 1
+                continue
+            with self._lock:
+                self.answered += 1
+            if self.feedback and cid:
+                self._reward(cid, rng.random())
+
+    def _reward(self, cid: str, reward: float) -> None:
+        body = json.dumps({"id": cid, "reward": reward}).encode()
+        req = urllib.request.Request(f"{self.url}/feedback", data=body, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.key or 'none'}"})
+        try:
+            urllib.request.urlopen(req, timeout=30).read()
+        except OSError:
+            with self._lock:
+                self.failed += 1
+
+
+def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats: int, n: int,
+          out: str | None) -> dict:
+    """Start the endpoint, run the phases (off, on, alternating), print the table; the rows
+    and the median on/off ratios."""
+    if clients < 1 or seconds <= 0 or repeats < 1 or n < 1:
+        raise UserError("--clients, --seconds, --repeats and --n must be positive")
+    recipe = load_recipe(file, overrides).recipe
+    key = recipe.serve.api_key if recipe.serve else ""
+    console = Console()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = Path(tmp) / "runs"
+        cmd = [sys.executable, "-m", "streamrl", "serve", file, "--plain", "--no-report", "--set", "serve.port=0",
+               "--set", f'run.out_dir="{runs}"', "--set", "run.steps=100000", "--set", "run.step_timeout_s=0",
+               *[x for o in overrides for x in ("--set", o)]]
+        log = open(Path(tmp) / "serve.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            info = _wait_for_endpoint(runs, proc, Path(tmp) / "serve.log")
+            console.print(f"endpoint {info['url']} ({clients} clients x {seconds:.0f} s a phase, n = {n})")
+            rows = []
+            for i in range(repeats):
+                for learning in ((False, True) if i % 2 == 0 else (True, False)):
+                    row = {"pass": i + 1, "learning": "on" if learning else "off",
+                           **Load(info["url"], info["model"], key, clients, seconds, n, learning).run()}
+                    rows.append(row)
+                    console.print(row)
+            steps = len((Path(info["run_dir"]) / "metrics.jsonl").read_text().splitlines()) \
+                if (Path(info["run_dir"]) / "metrics.jsonl").exists() else 0
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    ratios = {}
+    for what in ("itl_p50_ms", "ttft_p50_ms", "itl_p99_ms"):
+        pairs = [(on[what], off[what]) for on, off in _pairs(rows) if on[what] and off[what]]
+        ratios[what] = round(statistics.median(a / b for a, b in pairs), 3) if pairs else None
+    table = Table(title=f"bench serve: {file}")
+    for col in ("pass", "learning", "requests", "refused", "failed", "hung", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+                "ITL p50 ms", "ITL p99 ms"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*[str(x) for x in (r["pass"], r["learning"], r["requests"], r["refused"], r["failed"], r["hung"],
+                                         r["tokens_per_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"],
+                                         r["itl_p99_ms"])])
+    console.print(table)
+    console.print(f"learning on / off (median over passes): inter-token p50 {ratios['itl_p50_ms']}, "
+                  f"time to first token p50 {ratios['ttft_p50_ms']}, inter-token p99 {ratios['itl_p99_ms']}; "
+                  f"{steps} training steps ran")
+    result = {"rows": rows, "ratios": ratios, "training_steps": steps}
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _pairs(rows: list[dict]):
+    by_pass: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_pass.setdefault(r["pass"], {})[r["learning"]] = r
+    return [(p["on"], p["off"]) for p in by_pass.values() if "on" in p and "off" in p]
+
+
+def _wait_for_endpoint(runs: Path, proc: subprocess.Popen, log: Path) -> dict:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        found = list(runs.glob("*/serve.json"))
+        if found:
+            return {**json.loads(found[0].read_text()), "run_dir": str(found[0].parent)}
+        if proc.poll() is not None:
+            raise UserError("bench serve: streamrl serve ended before serving: "
+                            + " ".join(log.read_text().strip().splitlines()[-1:]))
+        time.sleep(0.5)
+    raise UserError("bench serve: the endpoint did not start within 300 s")
