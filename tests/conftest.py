@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny model made on the fly, recipes that use it, a real local cluster."""
+"""Shared fixtures: a tiny model made on the fly, recipes that use it, real local clusters.
+
+(The helpers the test modules share are in ``tests/helpers.py``.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import write_tiny_recipe
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
@@ -21,46 +24,22 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
-TINY_RECIPE = """
-[run]
-name = "tiny"
-steps = 2
-out_dir = "{out}"
-
-[cluster]
-dashboard_port = 0
-
-[pools.generate]
-threads = 4
-[pools.train]
-threads = 1
-[pools.reward]
-threads = 1
-
-[model]
-path = "{model}"
-
-[task]
-name = "addition"
-
-[engine]
-name = "hf"
-max_new_tokens = 6
-
-[reward]
-name = "exact_match"
-
-[trainer]
-lr = 1e-3
-prompts_per_step = 4
-samples_per_prompt = 4
-groups_per_micro_batch = 1
-"""
+@pytest.fixture
+def tiny_recipe(tmp_path, tiny_model) -> Path:
+    """A small valid recipe file pointing at ``tiny_model`` (its runs go to ``tmp_path / "runs"``)."""
+    return write_tiny_recipe(tmp_path, tiny_model)
 
 
 @pytest.fixture
-def tiny_recipe(tmp_path, tiny_model) -> Path:
-    """A small valid recipe file pointing at ``tiny_model``."""
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model))
-    return path
+def scheduler_only():
+    """A real scheduler with its dashboard on a free port of 127.0.0.1, as cluster/lifecycle.py starts it
+    (no workers: the page needs none), and a client of it."""
+    from distributed import Client, Scheduler, SpecCluster
+
+    cluster = SpecCluster(workers={}, scheduler={"cls": Scheduler, "options": {
+        "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}, name="streamrl-test")
+    client = Client(cluster)
+    yield client
+    client.close()
+    cluster.close()
+
