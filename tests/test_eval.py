@@ -10,7 +10,7 @@ import pytest
 
 from streamrl.errors import UserError
 from streamrl.extensions.evaluate import metrics
-from tests.helpers import run_recipe, streamrl
+from tests.helpers import run_recipe, streamrl, write_tiny_recipe
 
 
 def test_pass_at_1_is_the_mean_share_and_pass_at_k_any():
@@ -51,9 +51,19 @@ def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_th
     assert all(r["samples"] == 16 for r in records)  # training took no eval sample
 
 
+@pytest.fixture(scope="module")
+def greedy_run(tiny_model, tmp_path_factory):
+    """An async run of 3 steps with a greedy evaluation every step (the default engine), on 4
+    held-out prompts: its records, and its folder as a finished run to score."""
+    folder = tmp_path_factory.mktemp("eval")
+    return run_recipe(write_tiny_recipe(folder, tiny_model), "run.mode=async", "run.steps=3", "eval.every=1",
+                      "task.eval_size=4", out=folder / "out")
+
+
 @pytest.mark.slow
-def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(tiny_recipe, tiny_model, tmp_path):
-    run_dir = run_recipe(tiny_recipe, "run.steps=2", "task.eval_size=5", out=tmp_path / "out").dir
+def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(greedy_run, tiny_recipe, tiny_model,
+                                                                                tmp_path):
+    run_dir = greedy_run.dir  # (a finished run of the tiny model: its policy is what is scored)
     out = tmp_path / "eval.json"
     proc = streamrl("eval", str(tiny_model), str(run_dir), "--recipe", str(tiny_recipe), "--set", "task.eval_size=5",
                     "--set", "eval.samples=3", "--out", str(out), timeout=600)
@@ -114,9 +124,8 @@ def test_two_evaluations_in_flight_ask_the_engine_under_different_request_ids():
 
 
 @pytest.mark.slow
-def test_greedy_evaluation_on_the_default_continuous_engine_runs_end_to_end(tiny_recipe, tmp_path):
-    records = run_recipe(tiny_recipe, "run.mode=async", "run.steps=3", "eval.every=1", "task.eval_size=4",
-                         out=tmp_path / "out").records
+def test_greedy_evaluation_on_the_default_continuous_engine_runs_end_to_end(greedy_run):
+    records = greedy_run.records
     evals = [e for r in records for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
     assert [e["eval/policy_version"] for e in evals] == [0, 1, 2, 3] and not any("eval_error" in e for e in evals)
     assert all(e["eval/prompts"] == 4 and 0.0 <= e["eval/pass@1"] <= 1.0 for e in evals)
