@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import only_run, sets, streamrl, write_tiny_recipe
+from tests.helpers import only_run, sets, streamrl, watch_listeners, write_tiny_recipe
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -63,3 +63,17 @@ def checkpointed_run(tiny_model, tmp_path_factory) -> Path:
         assert (run / "checkpoints" / step / "ranker.pt").is_file()
     return run
 
+
+@pytest.fixture(scope="session")
+def torch_distributed_run(tiny_model, tmp_path_factory) -> dict:
+    """A 3-step run publishing through the torch_distributed transfer, with two train workers and
+    two generate workers, its process tree's listening sockets watched all along (every 50 ms):
+    ``{"proc": the finished command, "dir": its run folder, "listeners": {(pid, address, port)}}``.
+    tests/test_security.py checks where it listened, tests/test_transfer.py what it trained."""
+    folder = tmp_path_factory.mktemp("torch-distributed")
+    recipe = write_tiny_recipe(folder, tiny_model)
+    proc, seen = watch_listeners(["recipe", "run", str(recipe), *sets(
+        "pools.train.workers=2", "pools.generate.workers=2", 'transfer={name="torch_distributed", timeout_s=60}',
+        "run.steps=3"), "--plain", "--no-report"])
+    runs = list((folder / "runs").iterdir()) if (folder / "runs").exists() else []
+    return {"proc": proc, "dir": runs[0] if len(runs) == 1 else None, "listeners": seen}

@@ -212,6 +212,56 @@ def kill_worker(run_dir: Path, *names: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+# -- what a run listens on ----------------------------------------------------------------------------
+def listeners_of(root) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket ``root`` (a ``psutil.Process``) and its descendants
+    listen on."""
+    import psutil
+
+    found = set()
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return found
+    for proc in procs:
+        try:
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def watch_listeners(args: list[str], timeout: float = 600) -> tuple[subprocess.CompletedProcess, set]:
+    """Run ``python -m streamrl *args`` and, every 50 ms until it ends, note what its process
+    tree listens on (short-lived listeners too: a weight version's store lives about a second)."""
+    import threading
+
+    import psutil
+
+    proc = start(*args, group=False)
+    seen: set = set()
+    done = threading.Event()
+
+    def poll():
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            seen.update(listeners_of(root))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        done.set()
+        watcher.join(10)
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
+
+
 # -- what a run's records must show ------------------------------------------------------------------
 def check_every_sample_trained_once(records, prompts=4, n=4):
     """By sample id: each step trained exactly its own prompts' samples, none twice, none lost."""

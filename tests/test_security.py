@@ -17,67 +17,20 @@ import os
 import pickle
 import shutil
 import stat
-import subprocess
-import threading
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from streamrl.checkpoints import folders
-from tests.helpers import newest_usable, rewrite_manifest, start, streamrl, write_tiny_recipe
+from tests.helpers import listeners_of, newest_usable, rewrite_manifest, streamrl
 
 
 # -- listeners ----------------------------------------------------------------------------------
-def listeners_of(root: psutil.Process) -> set[tuple[int, str, int]]:
-    """(pid, address, port) of every TCP socket ``root`` and its descendants listen on."""
-    found = set()
-    try:
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return found
-    for proc in procs:
-        try:
-            for conn in proc.net_connections(kind="tcp"):
-                if conn.status == psutil.CONN_LISTEN:
-                    found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def watch_listeners(args: list[str], timeout: float = 600) -> tuple[subprocess.CompletedProcess, set]:
-    """Run ``python -m streamrl *args`` and, every 50 ms until it ends, note what its process
-    tree listens on (short-lived listeners too: a weight version's store lives about a second)."""
-    proc = start(*args, group=False)
-    seen: set = set()
-    done = threading.Event()
-
-    def poll():
-        root = psutil.Process(proc.pid)
-        while not done.is_set():
-            seen.update(listeners_of(root))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=poll, daemon=True)
-    watcher.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        done.set()
-        watcher.join(10)
-        if proc.poll() is None:
-            proc.kill()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
-
-
 @pytest.mark.slow
-def test_a_run_with_two_train_workers_and_torch_distributed_listens_on_loopback_only(tiny_model, tmp_path):
-    recipe = write_tiny_recipe(tmp_path, tiny_model)
-    proc, seen = watch_listeners(["recipe", "run", str(recipe), "--set", "pools.train.workers=2",
-                                  "--set", 'transfer={name="torch_distributed", timeout_s=60}',
-                                  "--set", "run.steps=3", "--plain", "--no-report"])
+def test_a_run_with_two_train_workers_and_torch_distributed_listens_on_loopback_only(torch_distributed_run):
+    # (conftest's run: two train workers, two generate workers, the torch_distributed transfer)
+    proc, seen = torch_distributed_run["proc"], torch_distributed_run["listeners"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     outside = sorted(s for s in seen if s[1] != "127.0.0.1")
     assert outside == [], outside  # before: train-0's store on '::' (every interface), for the whole run
@@ -86,7 +39,7 @@ def test_a_run_with_two_train_workers_and_torch_distributed_listens_on_loopback_
     per_process: dict[int, int] = {}
     for pid, _, _ in seen:
         per_process[pid] = per_process.get(pid, 0) + 1
-    assert len(per_process) >= 5, per_process  # streamrl (with the scheduler) and four workers
+    assert len(per_process) >= 5, per_process  # streamrl (with the scheduler) and the workers (five here)
     assert max(per_process.values()) >= 4, per_process
 
 
