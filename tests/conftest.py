@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny model made on the fly, recipes that use it, a real local cluster."""
+"""Shared fixtures: a tiny model made on the fly, recipes that use it, real local clusters.
+
+(The helpers the test modules share are in ``tests/helpers.py``.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import only_run, sets, streamrl, watch_listeners, write_tiny_recipe
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
@@ -21,46 +24,56 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
-TINY_RECIPE = """
-[run]
-name = "tiny"
-steps = 2
-out_dir = "{out}"
-
-[cluster]
-dashboard_port = 0
-
-[pools.generate]
-threads = 4
-[pools.train]
-threads = 1
-[pools.reward]
-threads = 1
-
-[model]
-path = "{model}"
-
-[task]
-name = "addition"
-
-[engine]
-name = "hf"
-max_new_tokens = 6
-
-[reward]
-name = "exact_match"
-
-[trainer]
-lr = 1e-3
-prompts_per_step = 4
-samples_per_prompt = 4
-groups_per_micro_batch = 1
-"""
+@pytest.fixture
+def tiny_recipe(tmp_path, tiny_model) -> Path:
+    """A small valid recipe file pointing at ``tiny_model`` (its runs go to ``tmp_path / "runs"``)."""
+    return write_tiny_recipe(tmp_path, tiny_model)
 
 
 @pytest.fixture
-def tiny_recipe(tmp_path, tiny_model) -> Path:
-    """A small valid recipe file pointing at ``tiny_model``."""
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model))
-    return path
+def scheduler_only():
+    """A real scheduler with its dashboard on a free port of 127.0.0.1, as cluster/lifecycle.py starts it
+    (no workers: the page needs none), and a client of it."""
+    from distributed import Client, Scheduler, SpecCluster
+
+    cluster = SpecCluster(workers={}, scheduler={"cls": Scheduler, "options": {
+        "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}, name="streamrl-test")
+    client = Client(cluster)
+    yield client
+    client.close()
+    cluster.close()
+
+
+# -- runs that several test modules read (never modify them: copy one to damage it) -------------------
+@pytest.fixture(scope="session")
+def checkpointed_run(tiny_model, tmp_path_factory) -> Path:
+    """A finished batch run of 4 steps with checkpoints step-000002 and step-000004: fsdp over two
+    train workers (each checkpoint holds two shards), a learned ranker (``ranker.pt`` in each) and
+    the skew scheduler (``dispatch.json``), reproducible sampling. Damaged copies of it are what
+    tests/test_checkpoint_faults.py and tests/test_security.py resume from."""
+    folder = tmp_path_factory.mktemp("checkpointed")
+    recipe = write_tiny_recipe(folder, tiny_model)
+    proc = streamrl("recipe", "run", str(recipe), *sets(
+        "run.mode=batch", "run.steps=4", "run.checkpoint_every=2", "pools.train.workers=2", "trainer.strategy=fsdp",
+        "engine.reproducible=true", 'ranker.name="learned"', 'scheduler.name="skew"'), "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(folder / "runs")
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-000002", "step-000004"]
+    for step in ("step-000002", "step-000004"):
+        assert (run / "checkpoints" / step / "ranker.pt").is_file()
+    return run
+
+
+@pytest.fixture(scope="session")
+def torch_distributed_run(tiny_model, tmp_path_factory) -> dict:
+    """A 3-step run publishing through the torch_distributed transfer, with two train workers and
+    two generate workers, its process tree's listening sockets watched all along (every 50 ms):
+    ``{"proc": the finished command, "dir": its run folder, "listeners": {(pid, address, port)}}``.
+    tests/test_security.py checks where it listened, tests/test_transfer.py what it trained."""
+    folder = tmp_path_factory.mktemp("torch-distributed")
+    recipe = write_tiny_recipe(folder, tiny_model)
+    proc, seen = watch_listeners(["recipe", "run", str(recipe), *sets(
+        "pools.train.workers=2", "pools.generate.workers=2", 'transfer={name="torch_distributed", timeout_s=60}',
+        "run.steps=3"), "--plain", "--no-report"])
+    runs = list((folder / "runs").iterdir()) if (folder / "runs").exists() else []
+    return {"proc": proc, "dir": runs[0] if len(runs) == 1 else None, "listeners": seen}

@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.bench.variants import summarize_run
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, read_records, streamrl
 
 
 def record(step, window, samples, gen_busy, train_busy, reward=0.5):
@@ -36,9 +36,8 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
     small = ["--set", "pools.generate.workers=2", "--set", "pools.generate.threads=8",
              "--set", "trainer.prompts_per_step=8", "--set", "trainer.samples_per_prompt=2",
              "--set", "engine.time_scale=0.003", "--set", "run.max_staleness=2"]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "modes", "recipes/paper-7b-20k.toml",
-                           "--modes", "batch,async", "--steps", "2", "--warmup", "1", "--out", str(out), *small],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = streamrl("bench", "modes", "recipes/paper-7b-20k.toml",
+                    "--modes", "batch,async", "--steps", "2", "--warmup", "1", "--out", str(out), *small, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIMULATED" in proc.stderr
     result = json.loads(out.read_text())
@@ -59,7 +58,7 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
     # train GPUs, each at cost 1; and the publication's share of the step
     for row in rows.values():
         assert row["samples_per_cost_hour"] == pytest.approx(row["sim_samples_per_s"] * 3600 / (2 + 4), rel=1e-6)
-        measured = [json.loads(x) for x in (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()][1:3]
+        measured = read_records(Path(row["run_dir"]))[1:3]
         share = sum(r["weight_sync_s"] for r in measured) / sum(r["accounting_window_s"] for r in measured)
         assert row["weight_sync_share"] == pytest.approx(share) and 0.0 < share < 1.0
 
@@ -92,9 +91,8 @@ def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
     small = ["--set", "pools.generate.workers=2", "--set", "pools.generate.threads=8",
              "--set", "trainer.prompts_per_step=10", "--set", "trainer.samples_per_prompt=2",
              "--set", "engine.time_scale=0.0005"]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "skew", "recipes/paper-7b-20k.toml",
-                           "--steps", "2", "--warmup", "1", "--out", str(out), *small],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = streamrl("bench", "skew", "recipes/paper-7b-20k.toml",
+                    "--steps", "2", "--warmup", "1", "--out", str(out), *small, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["variants"]
     assert list(rows) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned"]
@@ -106,26 +104,25 @@ def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
 @pytest.mark.slow
 def test_bench_transfer_times_publications_next_to_memcpy(tiny_recipe, tmp_path):
     out = tmp_path / "transfer.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "transfer", str(tiny_recipe), "--repeats", "2",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = streamrl("bench", "transfer", str(tiny_recipe), "--repeats", "2",
+                    "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["transfer"] == "dask" and row["generate_workers"] == 1 and len(row["publish_s"]) == 2
     # the tiny model's parameters, in bytes, and positive rates
     assert 1e5 < row["model_bytes"] < 1e8 and row["gb_s"] > 0 and row["memcpy_gb_s"] > 0
     assert "dask" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "transfer", str(tiny_recipe), "--transfers",
-                          "nccl_magic"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = streamrl("bench", "transfer", str(tiny_recipe), "--transfers",
+                   "nccl_magic", timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "transfer.name" in bad.stderr
 
 
 @pytest.mark.slow
 def test_bench_trainpool_shards_the_state_over_fsdp_ranks(tiny_recipe, tmp_path):
     out = tmp_path / "trainpool.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "trainpool", str(tiny_recipe), "--steps", "1",
-                           "--samples", "16", "--variant", "one:pools.train.workers=1",
-                           "--variant", 'fsdp:pools.train.workers=2;trainer.strategy="fsdp"', "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = streamrl("bench", "trainpool", str(tiny_recipe), "--steps", "1",
+                    "--samples", "16", "--variant", "one:pools.train.workers=1",
+                    "--variant", 'fsdp:pools.train.workers=2;trainer.strategy="fsdp"', "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, fsdp = json.loads(out.read_text())
     assert (one["train_workers"], fsdp["train_workers"], fsdp["strategy"]) == (1, 2, "fsdp")
@@ -141,9 +138,9 @@ def test_bench_trainpool_shards_the_state_over_fsdp_ranks(tiny_recipe, tmp_path)
 @pytest.mark.slow
 def test_bench_engine_generates_each_variant_from_the_same_prompts(tiny_recipe, tmp_path):
     out = tmp_path / "engine.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "engine", str(tiny_recipe), "--steps", "2",
-                           "--warmup", "1", "--variant", "continuous", "--variant", 'static:engine.batching="static"',
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = streamrl("bench", "engine", str(tiny_recipe), "--steps", "2",
+                    "--warmup", "1", "--variant", "continuous", "--variant", 'static:engine.batching="static"',
+                    "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["continuous", "static"] and rows[0]["speedup_vs_first"] == 1.0
@@ -151,8 +148,7 @@ def test_bench_engine_generates_each_variant_from_the_same_prompts(tiny_recipe, 
         assert [s["samples"] for s in r["steps"]] == [16, 16] and r["engine"] == "hf"
         assert r["samples_per_s"] > 0 and 1 <= r["mean_response_tokens"] <= 8
         assert r["speedup_vs_first"] == pytest.approx(rows[0]["step_s_median"] / r["step_s_median"])
-    bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "engine", str(tiny_recipe), "--variant", ":x=1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = streamrl("bench", "engine", str(tiny_recipe), "--variant", ":x=1", timeout=120)
     assert bad.returncode == 2 and "--variant" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -161,8 +157,8 @@ def test_model_init_arch_and_bench_trainer_measure_a_random_qwen_shaped_model(tm
     model = tmp_path / "qwen"
     small = ["--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set", "intermediate_size=128",
              "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2", "--set", "vocab_size=2048"]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "model", "init", "--arch", "qwen2.5-0.5b", "--random",
-                           "--out", str(model), *small], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = streamrl("model", "init", "--arch", "qwen2.5-0.5b", "--random",
+                    "--out", str(model), *small, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from transformers import AutoConfig, AutoTokenizer
 
@@ -170,11 +166,10 @@ def test_model_init_arch_and_bench_trainer_measure_a_random_qwen_shaped_model(tm
     assert config.model_type == "qwen2" and config.num_key_value_heads == 2 and len(tok) == 2048
     assert tok.decode([2047]) == "<t2047>" and tok.decode(tok("12+3=", add_special_tokens=False).input_ids) == "12+3="
     out = tmp_path / "trainer.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "trainer", "recipes/addition.toml",
-                           "--set", f'model.path="{model}"', "--samples", "16", "--prompt-tokens", "8",
-                           "--response-tokens", "24", "--steps", "2", "--variant", 'fp32:trainer.precision="fp32"',
-                           "--variant", 'bf16:trainer.precision="bf16-autocast"', "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = streamrl("bench", "trainer", "recipes/addition.toml",
+                    "--set", f'model.path="{model}"', "--samples", "16", "--prompt-tokens", "8",
+                    "--response-tokens", "24", "--steps", "2", "--variant", 'fp32:trainer.precision="fp32"',
+                    "--variant", 'bf16:trainer.precision="bf16-autocast"', "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["variant"], r["precision"], r["device"]) for r in rows] == [("fp32", "fp32", "cpu"),
@@ -183,8 +178,8 @@ def test_model_init_arch_and_bench_trainer_measure_a_random_qwen_shaped_model(tm
         assert r["tokens_per_step"] == 16 * 32 and len(r["steps"]) == 2 and r["tokens_per_s"] > 0
         assert r["mfu"] is None and r["peak_memory_gib"] > 0  # no known peak for a CPU
         assert 1e5 < r["parameters"] < 1e6
-    bad = subprocess.run([sys.executable, "-m", "streamrl", "model", "init", "--arch", "gpt-9", "--random", "--out",
-                          str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = streamrl("model", "init", "--arch", "gpt-9", "--random", "--out",
+                   str(tmp_path / "x"), timeout=120)
     assert bad.returncode == 2 and "--arch: unknown 'gpt-9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -193,10 +188,9 @@ def test_bench_elastic_repeats_interleaved_passes_and_reports_the_median_ratio(t
     out = tmp_path / "elastic.json"
     small = ["--set", "pools.generate.threads=8", "--set", "trainer.prompts_per_step=8",
              "--set", "trainer.samples_per_prompt=2", "--set", "engine.time_scale=0.002"]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "elastic", "recipes/paper-7b-20k.toml",
-                           "--min", "1", "--max", "2", "--steps", "2", "--warmup", "1", "--repeats", "2",
-                           "--out", str(out), *small],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = streamrl("bench", "elastic", "recipes/paper-7b-20k.toml",
+                    "--min", "1", "--max", "2", "--steps", "2", "--warmup", "1", "--repeats", "2",
+                    "--out", str(out), *small, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     passes = result["passes"]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +10,7 @@ from streamrl.bench.learners import learner_overrides, variant_overrides
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig
 from streamrl.recipe.recipe import apply_overrides
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import streamrl
 
 
 def test_variants_give_the_recipes_algorithm_its_options_and_others_a_bare_table():
@@ -63,9 +59,8 @@ def test_learner_overrides_name_learners_of_the_bench_and_table_keys():
 @pytest.mark.slow
 def test_bench_learners_runs_together_and_apart(tiny_recipe, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "learners", str(tiny_recipe),
-                           "--learners", "grpo,rloo", "--steps", "2", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = streamrl("bench", "learners", str(tiny_recipe),
+                    "--learners", "grpo,rloo", "--steps", "2", "--out", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "has no [eval]" in proc.stdout and "tokens together / apart" in proc.stdout
     result = json.loads(out.read_text())

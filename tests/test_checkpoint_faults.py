@@ -7,8 +7,9 @@ the run; with no usable checkpoint it stops in one line. A torn last line of ``m
 disk that fills while a checkpoint is written stops the run in one line, leaves no partial
 folder and keeps the older checkpoints.
 
-One real run (fsdp over two train workers, so its checkpoints hold two shards) makes the
-checkpoints every test here damages a copy of.
+One real run (fsdp over two train workers, so its checkpoints hold two shards: conftest's
+``checkpointed_run``, which tests/test_security.py reads too) makes the checkpoints every test
+here damages a copy of.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,32 +25,20 @@ import torch
 
 from streamrl.errors import RunWarning, UserError
 from streamrl.checkpoints import folders
-from tests.conftest import ROOT, TINY_RECIPE
-from tests.test_cli import streamrl
+from tests.helpers import ROOT, newest_usable, read_records, rewrite_manifest, sets, streamrl, write_tiny_recipe
 
 SHARDED = ["run.mode=batch", "run.steps=4", "run.checkpoint_every=2", "pools.train.workers=2",
            "trainer.strategy=fsdp", "engine.reproducible=true"]
-
-
-def sets(*values: str) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
 
 
 def stderr_lines(proc) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def finished(tiny_model, tmp_path_factory) -> Path:
+@pytest.fixture
+def finished(checkpointed_run) -> Path:
     """A finished run with checkpoints step-000002 and step-000004 (never modified: copy it)."""
-    folder = tmp_path_factory.mktemp("ckpt-faults")
-    recipe = folder / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
-    proc = streamrl("recipe", "run", str(recipe), *sets(*SHARDED), "--plain", "--no-report")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = (folder / "runs").iterdir()
-    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-000002", "step-000004"]
-    return run
+    return checkpointed_run
 
 
 @pytest.fixture
@@ -74,13 +62,6 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def newest_usable(run: Path) -> tuple[Path | None, list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        best = folders.latest(run)
-    return best, [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
-
-
 # -- passed over for the one before ----------------------------------------------------------------
 DAMAGES = {
     "trainer.pt cut short": (lambda c: cut(c / "trainer" / "trainer.pt"), "trainer/trainer.pt is"),
@@ -102,12 +83,6 @@ DAMAGES = {
                    rewrite_manifest(c)), "controller.json does not hold what a checkpoint writes there (next_step is -4, "
                                          "not a count)"),
 }
-
-
-def rewrite_manifest(ckpt: Path) -> None:
-    """A manifest that matches the files as they are now."""
-    (ckpt / folders.MANIFEST).unlink()
-    folders.write_manifest(ckpt)
 
 
 @pytest.mark.slow
@@ -154,7 +129,7 @@ def test_a_resume_goes_on_from_the_checkpoint_before_a_damaged_one_and_finishes_
     assert warned[1] == ("streamrl: warning: checkpoints/step-000004 is kept as damaged-step-000004 "
                          "(the resumed run writes that step again)")
     assert "resumed from step-000002" in proc.stderr
-    records = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_copy)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # steps 3 and 4 run again, then step 5
     names = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
     # the damaged checkpoint is kept aside for a look, and the steps it held were written anew
@@ -237,14 +212,10 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_older_checkpo
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FULL_DISK)
-    recipe = tmp_path / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model))
+    recipe = write_tiny_recipe(tmp_path, tiny_model)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
-                           *sets(*SHARDED, "run.steps=6"), "--plain", "--no-report"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = streamrl("recipe", "run", str(recipe), *sets(*SHARDED, "run.steps=6"), "--plain", "--no-report",
+                    env=env, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     (run,) = (tmp_path / "runs").iterdir()
@@ -299,7 +270,7 @@ def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room
         proc = streamrl("recipe", "resume", str(run), "--plain", "--no-report")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "resumed from step-000004" in proc.stderr
-        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(8))
+        assert [r["step"] for r in read_records(run)] == list(range(8))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
 
@@ -335,7 +306,7 @@ def test_a_ruinous_update_is_never_checkpointed_and_a_resume_can_pick_an_earlier
     assert "resumed from step-000011" in again.stderr
     assert ("streamrl: warning: checkpoints/step-000012 is kept as passed-over-step-000012 (the resumed run writes "
             "that step again)") in stderr_lines(again)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run)
     assert [r["step"] for r in records] == list(range(13))
     missing = streamrl("recipe", "resume", str(run), "--from", "step-99")
     assert missing.returncode == 2 and stderr_lines(missing)[-1] == (

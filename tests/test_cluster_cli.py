@@ -28,10 +28,8 @@ from distributed import Client
 from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
 from streamrl.recipe.recipe import load_recipe
-from tests.conftest import ROOT
-from tests.test_cli import check_every_sample_trained_once
-from tests.test_faults import kill_worker, records, start, wait_for_steps
-from tests.test_recipe import one_line_error
+from tests.helpers import (ROOT, check_every_sample_trained_once, kill_worker, one_line_error, read_records,
+                           start_run, streamrl, wait_for_steps)
 
 pytestmark = pytest.mark.slow
 
@@ -102,11 +100,6 @@ def hand_cluster(tmp_path_factory):
         kill_all(procs)
 
 
-def streamrl(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 def worker_pids(address: str) -> dict[str, int]:
     with Client(address, timeout=10) as client:
         pids = client.run(os.getpid)
@@ -141,7 +134,7 @@ def test_a_recipe_runs_on_a_hand_started_cluster_which_stays_up_with_nothing_of_
     assert "Traceback" not in proc.stderr
     assert "pools: generate=1, train=1, reward=1" in proc.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2]
     check_every_sample_trained_once(recs)
     assert {x["worker"] for r in recs for x in r["sample_log"]} == {"generate-0"}
@@ -159,7 +152,7 @@ def test_a_recipe_runs_on_a_hand_started_cluster_which_stays_up_with_nothing_of_
                     "--set", "run.steps=2", "--set", f"run.out_dir={tmp_path / 'second'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "second").iterdir()
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     assert [r["step"] for r in recs] == [0, 1]
     check_every_sample_trained_once(recs)
     assert worker_pids(hand_cluster.address) == before
@@ -169,7 +162,7 @@ def test_a_killed_worker_comes_back_and_the_run_completes_while_a_second_run_is_
         hand_cluster, tiny_recipe, tmp_path):
     before = worker_pids(hand_cluster.address)
     steps = 30
-    proc = start(tiny_recipe, tmp_path, f"cluster.address={hand_cluster.address}", f"run.steps={steps}")
+    proc = start_run(tiny_recipe, tmp_path, f"cluster.address={hand_cluster.address}", steps=steps)
     try:
         run_dir = wait_for_steps(proc, tmp_path, 2)
         # a second run on the cluster while this one is going would replace its engines and
@@ -191,7 +184,7 @@ def test_a_killed_worker_comes_back_and_the_run_completes_while_a_second_run_is_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     assert [r["step"] for r in recs] == list(range(steps))
     check_every_sample_trained_once(recs)
     assert all(x["version"] == r["step"] for r in recs for x in r["sample_log"])  # stream: on-policy

@@ -4,15 +4,12 @@ run folder, and Dask's performance report (spans by step and phase: tests/test_c
 from __future__ import annotations
 
 import io
-import json
-import subprocess
-import sys
 
 import pytest
 from rich.console import Console
 
 from streamrl.telemetry.console import RunDisplay, step_line, summary_table
-from tests.conftest import ROOT, TINY_RECIPE
+from tests.helpers import read_records, streamrl, write_tiny_recipe
 
 
 def record(step: int, generate_s: float = 0.4, **more) -> dict:
@@ -84,12 +81,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 @pytest.mark.slow
 def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_report(tmp_path, tiny_model):
     (tmp_path / "warns.py").write_text(WARNING_REWARD)
-    recipe = tmp_path / "tiny.toml"
-    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
-        '[reward]\nname = "exact_match"', '[reward]\nname = "python"\npath = "warns.py"')
-    recipe.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe), "--profile",
-                           "--no-report"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    recipe = write_tiny_recipe(tmp_path, tiny_model)
+    recipe.write_text(recipe.read_text().replace('[reward]\nname = "exact_match"',
+                                                 '[reward]\nname = "python"\npath = "warns.py"'))
+    proc = streamrl("recipe", "run", str(recipe), "--profile", "--no-report")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next((tmp_path / "runs").iterdir())
     # the reward worker's warning went to the run folder, once, not to the terminal
@@ -105,4 +100,4 @@ def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_rep
     assert "Dask Performance Report" in html
     for name in ["generate", "reward", "train", "optimizer-step", "export-weights", "load-weights"]:
         assert name in html, name
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [r["step"] for r in read_records(run_dir)] == [0, 1]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from pydantic import BaseModel
@@ -18,7 +16,7 @@ from streamrl.api import Component, Engine, EngineCapabilities, TrainerCapabilit
 from streamrl.plugins.registry import build_registry
 from streamrl.sim.capabilities import SimEngineCapabilities
 from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
-from tests.conftest import ROOT
+from tests.helpers import ROOT, read_records, streamrl
 
 EVERY_KIND = """
 [run]
@@ -79,11 +77,6 @@ def write_recipe(tmp_path, text: str):
     return path
 
 
-def streamrl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_every_kind_validates_from_a_recipe_local_module(tmp_path):
     proc = streamrl("recipe", "validate", str(write_recipe(tmp_path, EVERY_KIND)))
     assert proc.returncode == 0, proc.stderr
@@ -95,7 +88,7 @@ def test_a_component_of_every_kind_runs_a_recipe(tmp_path):
     proc = streamrl("recipe", "run", str(write_recipe(tmp_path, EVERY_KIND)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir)
     assert [r["policy_version"] for r in records] == [1, 2] and all(r["samples"] == 16 for r in records)
     assert all(r["reward_errors"] == 0 for r in records)
     # the algorithm's own statistic is reported; the scheduler's metric too; the ranker was used

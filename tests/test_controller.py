@@ -11,7 +11,7 @@ from streamrl.checkpoints import saving
 from streamrl.run.controller import Controller
 from streamrl.plugins.resolve import resolve
 from streamrl.recipe.recipe import load_recipe
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 

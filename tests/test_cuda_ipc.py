@@ -11,6 +11,7 @@ import torch
 
 from streamrl.api import ReceiveMissed
 from streamrl.transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransfer, pack, unpack
+from tests.helpers import check_every_sample_trained_once, read_records, streamrl
 
 
 def weights():
@@ -63,14 +64,10 @@ def test_a_handle_from_another_host_is_missed_and_sent_again_as_bytes_of_the_new
 
 @pytest.mark.slow
 def test_a_run_with_slot_batching_and_the_cuda_ipc_transfer_trains_every_sample_once(tiny_recipe, tmp_path):
-    import json
-
-    from tests.test_cli import check_every_sample_trained_once, streamrl
-
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", 'transfer.name="cuda_ipc"',
                     "--set", 'engine.batching="slots"', "--set", "engine.slots=8", "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_records(run_dir)
     check_every_sample_trained_once(recs)
     assert len(recs) == 3 and all(x["response_len"] >= 1 for r in recs for x in r["sample_log"])

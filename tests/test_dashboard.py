@@ -19,6 +19,7 @@ from distributed import Client, Scheduler, SpecCluster
 
 from streamrl.telemetry import dashboard
 from streamrl.telemetry.dashboard_app import TOPIC, StreamrlPage
+from tests.helpers import read_records
 
 
 def record(step: int, reward: float = 0.5, **extra) -> dict:
@@ -80,18 +81,6 @@ def test_summary_is_small_msgpack_ready_and_leaves_the_sample_log_out():
     assert s["step"] == 3 and s["reward"] == 0.25 and s["staleness"] == 1 and s["version"] == 4
     assert s["busy"] == {"generate": 0.75, "train": 0.25}
     assert s["eval"]["pass@1"] == 0.5 and s["eval"]["reward_mean"] == 0.4 and len(s["eval"]["error"]) == 200
-
-
-@pytest.fixture
-def scheduler_only():
-    """A real scheduler with its dashboard on a free port of 127.0.0.1, as cluster/lifecycle.py starts it
-    (no workers: the page needs none), and a client of it."""
-    cluster = SpecCluster(workers={}, scheduler={"cls": Scheduler, "options": {
-        "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}, name="streamrl-test")
-    client = Client(cluster)
-    yield client
-    client.close()
-    cluster.close()
 
 
 def page_state(dask_scheduler) -> dict:
@@ -252,7 +241,7 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     dashboard.warned_once.clear()
     folder = runner.run(load_recipe(tiny_recipe, [f"run.steps={steps}", "run.report=false"]), plain=True)
 
-    metrics = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_records(Path(folder))
     assert [m["step"] for m in seen["events"]] == [r["step"] for r in metrics] == list(range(steps))
     assert [m["reward"] for m in seen["events"]] == [r["reward_mean"] for r in metrics]
     assert [m["samples_per_s"] for m in seen["events"]] == [r["samples_per_s"] for r in metrics]

@@ -14,7 +14,7 @@ from streamrl.on_worker import task_functions
 from streamrl.run.controller import Controller
 from streamrl.run.runner import resolve
 from streamrl.training.trainer import weights_from_bytes
-from tests.test_flow import parity_recipe
+from tests.helpers import parity_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -134,7 +134,7 @@ def test_mistakes_are_one_line_naming_the_field(tmp_path, trl_jsonl):
 def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, tiny_model, monkeypatch):
     from streamrl.plugins.resolve import resolve
     from streamrl.recipe.recipe import load_recipe
-    from tests.conftest import TINY_RECIPE
+    from tests.helpers import TINY_RECIPE
 
     folder = tmp_path / "project"
     (folder / "data").mkdir(parents=True)
@@ -178,16 +178,14 @@ def test_recipe_validate_builds_the_task_and_reads_its_first_rows(tmp_path, tiny
     # what the run does first on the client, validate does too: a recipe that says ok does not
     # stop at its first step
     import subprocess
-    import sys
 
-    from tests.conftest import ROOT, TINY_RECIPE
+    from tests.helpers import TINY_RECIPE, streamrl
 
     def validate(task_table: str, *extra: str) -> subprocess.CompletedProcess:
         text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace('[task]\nname = "addition"',
                                                                                   task_table)
         (tmp_path / "r.toml").write_text(text)
-        return subprocess.run([sys.executable, "-m", "streamrl", "recipe", "validate", str(tmp_path / "r.toml"),
-                               *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return streamrl("recipe", "validate", str(tmp_path / "r.toml"), *extra, timeout=120)
 
     ok = validate(f'[task]\nname = "dataset"\npath = "{trl_jsonl}"\nanswer_key = "solution"')
     assert ok.returncode == 0 and ok.stdout.strip().endswith("r.toml: ok"), ok.stderr

@@ -3,8 +3,6 @@ processes started and retired mid-run) that lose and repeat nothing."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from streamrl.bench.elastic import exactly_once
@@ -13,8 +11,7 @@ from streamrl.extensions.elastic import decide, generation_busy, paid
 from streamrl.plugins.resolve import resolve
 from streamrl.recipe.pools import ElasticConfig
 from streamrl.recipe.recipe import load_recipe
-from tests.conftest import ROOT
-from tests.test_cli import check_every_sample_trained_once, streamrl
+from tests.helpers import ROOT, check_every_sample_trained_once, only_run, read_records, streamrl
 
 
 def test_decide_grows_when_generation_holds_the_trainer_up_and_shrinks_when_it_idles():
@@ -86,11 +83,6 @@ def test_exactly_once_catches_a_lost_or_repeated_sample():
     assert not exactly_once([good[0], rec(1, ["0-0-0", "0-0-1", "1-1-0", "1-1-1"])], 2, 2)  # one twice
 
 
-def records(tmp_path) -> list[dict]:
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["stream", "async"])
 def test_a_worker_added_mid_run_generates_with_the_current_policy(tiny_recipe, tmp_path, mode):
@@ -103,7 +95,7 @@ def test_a_worker_added_mid_run_generates_with_the_current_policy(tiny_recipe, t
                              "grow_when_generate_idle_below=1.0,shrink_when_busy_below=0.01,cooldown_steps=0,min_gain=-1.0}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "still alive" not in proc.stderr
-    recs = records(tmp_path)
+    recs = read_records(only_run(tmp_path / "runs"))
     assert recs[0]["generate_workers"] == 1 and recs[-1]["generate_workers"] == 2
     assert recs[0]["elastic"] == "~generate-1"  # started after the first step
     joined = next(r["step"] for r in recs if "+generate-1" in r["elastic"])
@@ -128,7 +120,7 @@ def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
                              "shrink_when_busy_below=1.0,cooldown_steps=0}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    recs = records(tmp_path)
+    recs = read_records(only_run(tmp_path / "runs"))
     drained = [r["step"] for r in recs if r["elastic"] == "-generate-1"]
     # when the drain ends depends on how fast its queued groups finish (a loaded machine: later);
     # it must leave at least 3 steps after it to check that nothing reaches the retired worker

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -15,14 +14,7 @@ from streamrl.engines.seeded import SeededEngine
 from streamrl.engines.slots import SlotEngine
 from streamrl.engines.static import StaticEngine
 from streamrl.sample import Prompt
-
-
-def until(cond, within: float = 30.0):
-    """Wait for ``cond()``; the deadline only guards against a hang."""
-    deadline = time.time() + within
-    while not cond():
-        assert time.time() < deadline, "gave up waiting"
-        time.sleep(0.01)
+from tests.helpers import until
 
 
 @pytest.mark.parametrize("config,variant,kv_tokens", [

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from streamrl.errors import UserError
 from streamrl.extensions.evaluate import metrics
-from tests.conftest import ROOT
+from tests.helpers import run_recipe, streamrl, write_tiny_recipe
 
 
 def test_pass_at_1_is_the_mean_share_and_pass_at_k_any():
@@ -38,22 +36,12 @@ def test_a_task_without_held_out_prompts_cannot_be_evaluated(tiny_recipe):
         evaluate.for_run(None, task, loaded.recipe, greedy=False)
 
 
-def run(tiny_recipe, tmp_path, overrides: list[str]) -> list[dict]:
-    out = tmp_path / "out"
-    args = [a for kv in overrides + [f'run.out_dir="{out}"'] for a in ("--set", kv)]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "batch"])
 def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_the_last(tiny_recipe, tmp_path, mode):
     # every step: evaluations overlap (the same held-out prompts in flight twice at once)
-    records = run(tiny_recipe, tmp_path, [f"run.mode={mode}", "run.steps=5", "eval.every=1", "eval.samples=2",
-                                          "eval.greedy=false", "task.eval_size=6"])
+    records = run_recipe(tiny_recipe, f"run.mode={mode}", "run.steps=5", "eval.every=1", "eval.samples=2",
+                         "eval.greedy=false", "task.eval_size=6", out=tmp_path / "out").records
     versions = [e["eval/policy_version"] for r in records
                 for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
     assert versions == [0, 1, 2, 3, 4, 5]  # every evaluation recorded once, in order
@@ -63,20 +51,27 @@ def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_th
     assert all(r["samples"] == 16 for r in records)  # training took no eval sample
 
 
+@pytest.fixture(scope="module")
+def greedy_run(tiny_model, tmp_path_factory):
+    """An async run of 3 steps with a greedy evaluation every step (the default engine), on 4
+    held-out prompts: its records, and its folder as a finished run to score."""
+    folder = tmp_path_factory.mktemp("eval")
+    return run_recipe(write_tiny_recipe(folder, tiny_model), "run.mode=async", "run.steps=3", "eval.every=1",
+                      "task.eval_size=4", out=folder / "out")
+
+
 @pytest.mark.slow
-def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(tiny_recipe, tiny_model, tmp_path):
-    run(tiny_recipe, tmp_path, ["run.steps=2", "task.eval_size=5"])
-    (run_dir,) = (tmp_path / "out").iterdir()
+def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(greedy_run, tiny_recipe, tiny_model,
+                                                                                tmp_path):
+    run_dir = greedy_run.dir  # (a finished run of the tiny model: its policy is what is scored)
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "eval", str(tiny_model), str(run_dir), "--recipe",
-                           str(tiny_recipe), "--set", "task.eval_size=5", "--set", "eval.samples=3", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = streamrl("eval", str(tiny_model), str(run_dir), "--recipe", str(tiny_recipe), "--set", "task.eval_size=5",
+                    "--set", "eval.samples=3", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["model"] for r in rows] == [str(tiny_model), str(run_dir)]
     assert all(r["eval/prompts"] == 5 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1.0 for r in rows)
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "eval", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    proc = streamrl("eval", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "neither a model folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -90,9 +85,8 @@ def test_what_the_reward_reports_beside_the_score_is_averaged_by_name():
 @pytest.mark.slow
 def test_bench_eval_runs_the_recipe_without_and_with_eval_and_reports_the_ratio(tiny_recipe, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "eval", str(tiny_recipe), "--every", "1",
-                           "--steps", "2", "--warmup", "0", "--repeats", "2", "--set", "task.eval_size=4",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = streamrl("bench", "eval", str(tiny_recipe), "--every", "1", "--steps", "2", "--warmup", "0", "--repeats", "2",
+                    "--set", "task.eval_size=4", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert len(result["passes"]) == len(result["ratios"]) == 2 and result["median_ratio"] > 0
@@ -130,8 +124,8 @@ def test_two_evaluations_in_flight_ask_the_engine_under_different_request_ids():
 
 
 @pytest.mark.slow
-def test_greedy_evaluation_on_the_default_continuous_engine_runs_end_to_end(tiny_recipe, tmp_path):
-    records = run(tiny_recipe, tmp_path, ["run.mode=async", "run.steps=3", "eval.every=1", "task.eval_size=4"])
+def test_greedy_evaluation_on_the_default_continuous_engine_runs_end_to_end(greedy_run):
+    records = greedy_run.records
     evals = [e for r in records for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
     assert [e["eval/policy_version"] for e in evals] == [0, 1, 2, 3] and not any("eval_error" in e for e in evals)
     assert all(e["eval/prompts"] == 4 and 0.0 <= e["eval/pass@1"] <= 1.0 for e in evals)

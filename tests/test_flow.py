@@ -16,44 +16,10 @@ from streamrl.on_worker import task_functions
 from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.run.controller import Controller
 from streamrl.run.runner import resolve
-from streamrl.recipe.recipe import load_recipe
 from streamrl.training.trainer import weights_from_bytes
+from tests.helpers import parity_recipe
 
 pytestmark = pytest.mark.slow
-
-PARITY_REWARD = """
-from pydantic import BaseModel
-import streamrl
-from streamrl.plugins.registry import Component
-
-class ParityConfig(BaseModel):
-    pass
-
-class Parity:
-    def __init__(self, config):
-        pass
-    def score(self, prompt, response):
-        return float(len(response) % 2 == 0)
-
-@streamrl.hookimpl
-def register_rewards():
-    return [Component("reward", "length_parity", ParityConfig, Parity)]
-"""
-
-
-def parity_recipe(folder, tiny_model, overrides=()):
-    """The tiny recipe with a recipe-local reward that has variance. An untrained model never
-    adds correctly; this gives GRPO a signal (and checks that a plugin defined in a file next to
-    the recipe reaches the workers)."""
-    from tests.conftest import TINY_RECIPE
-
-    path = folder / "tiny.toml"
-    (folder / "parity.py").write_text(PARITY_REWARD)
-    text = TINY_RECIPE.format(out=folder / "runs", model=tiny_model)
-    text = text.replace('name = "exact_match"', 'name = "length_parity"')
-    path.write_text(text + '\n[plugins]\nmodules = ["./parity.py"]\n')
-    return load_recipe(path, list(overrides))
-
 
 @pytest.fixture(scope="module")
 def controller(tiny_model, tmp_path_factory):

@@ -16,48 +16,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_cli import streamrl
-from tests.test_faults import kill_worker, records, wait_for_steps
-
-
-def worker_addresses(run_dir: Path) -> dict[str, str]:
-    """``{worker name: address}`` of the run's cluster now (through its scheduler)."""
-    from distributed import Client
-
-    from streamrl.cluster import lifecycle
-
-    address = json.loads((run_dir / "status.json").read_text())["scheduler"]
-    with Client(address, timeout=10) as client:
-        return {str(w["name"]): a for a, w in lifecycle.workers(client).items()}
-
-
-def with_plugin(recipe: Path, name: str, code: str, extra: str = "", replace: tuple[str, str] | None = None) -> Path:
-    """A copy of ``recipe`` that loads ``code`` as the recipe-local plugin ``<name>.py``."""
-    (recipe.parent / f"{name}.py").write_text(code)
-    text = recipe.read_text()
-    if replace:
-        text = text.replace(*replace)
-    out = recipe.parent / f"{name}.toml"
-    out.write_text(text + extra + f'\n[plugins]\nmodules = ["{name}.py"]\n')
-    return out
-
-
-def one_line_error(proc: subprocess.CompletedProcess, status: int) -> str:
-    """The last line of stderr, after checking the exit status and that no traceback came out."""
-    assert proc.returncode == status, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("streamrl: error: "), proc.stderr[-3000:]
-    return last
+from tests.helpers import (kill_worker, last_error_line, read_records, start, stop, streamrl, wait_for_steps,
+                           with_plugin, worker_addresses)
 
 
 # -- SIGTERM to the process group ----------------------------------------------------------
@@ -65,9 +30,8 @@ def one_line_error(proc: subprocess.CompletedProcess, status: int) -> str:
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resume_command(tiny_recipe, tmp_path):
     # the CLI leads its own process group, as under systemd or Slurm; its workers are in it
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
-                             "--set", f"run.out_dir={tmp_path}", "--set", "run.steps=400"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start("recipe", "run", str(tiny_recipe), "--plain", "--set", f"run.out_dir={tmp_path}",
+                 "--set", "run.steps=400")
     try:
         run_dir = wait_for_steps(proc, tmp_path, 2)
         # a worker its nanny restarts is spawned while the CLI has its own SIGTERM handler, which
@@ -78,13 +42,12 @@ def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resum
         while worker_addresses(run_dir).get("generate-0") in (None, before["generate-0"]):
             assert time.time() < deadline and proc.poll() is None
             time.sleep(0.2)
-        done = len(records(run_dir))
+        done = len(read_records(run_dir))
         wait_for_steps(proc, tmp_path, done + 2)
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=180)  # a hang guard only
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
     assert proc.returncode == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("streamrl: stopped after step ") and f"Resume with: streamrl recipe resume {run_dir}" in last
@@ -108,9 +71,8 @@ def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resum
 def test_sigterm_to_the_process_group_while_the_cluster_starts_stops_the_run_after_its_first_step(tiny_recipe, tmp_path):
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
-                             "--set", f"run.out_dir={tmp_path}", "--set", "run.steps=400"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start("recipe", "run", str(tiny_recipe), "--plain", "--set", f"run.out_dir={tmp_path}",
+                 "--set", "run.steps=400")
     try:
         # the first worker process spawned: the embedded cluster is starting (its start takes seconds)
         deadline = time.time() + 120
@@ -120,8 +82,7 @@ def test_sigterm_to_the_process_group_while_the_cluster_starts_stops_the_run_aft
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=180)  # a hang guard only
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
     # the signal was held, not lost: the run stopped after its first step, with a checkpoint
     assert proc.returncode == 130, err[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if (p / "status.json").exists()]
@@ -169,7 +130,7 @@ def test_a_step_that_hangs_on_a_live_worker_stops_the_run_at_run_step_timeout_s_
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=4", "--set", "run.checkpoint_every=1",
                     "--set", "run.mode=batch", "--set", "run.step_timeout_s=6", "--plain", "--no-report")
     took = time.perf_counter() - t0
-    last = one_line_error(proc, 1)
+    last = last_error_line(proc, 1)
     (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
     assert re.fullmatch(r"streamrl: error: step 2 did not finish within 6 s \(run.step_timeout_s\); still running: "
                         r"train-1 \S+ on train-0(, .*)?; the last checkpoint is step-000001 \(resume with: "
@@ -219,7 +180,7 @@ def test_a_reward_that_never_returns_is_cut_off_scored_zero_and_counted(tiny_rec
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     assert [r["reward_errors"] for r in recs] == [4, 4]  # of 16 samples a step
     assert all(r["reward_error_first"].startswith("RewardTimeout: reward.score_timeout_s:") for r in recs), recs
     assert all(r["reward_mean"] == pytest.approx(0.75) for r in recs)
@@ -329,7 +290,7 @@ def test_a_cluster_address_that_is_not_a_dask_scheduler_is_one_line(server, says
     recipe.write_text(tiny_recipe.read_text().replace("[cluster]\n", f'[cluster]\naddress = "{address}"\n'
                                                                       "connect_timeout = 3\n"))
     proc = streamrl("recipe", "run", str(recipe), "--plain", timeout=90)  # hung before: the deadline is the test
-    last = one_line_error(proc, 2)
+    last = last_error_line(proc, 2)
     assert last.startswith(f"streamrl: error: cluster.address: ") and address in last, last
     assert says in last and "expected" in last, last
 
@@ -339,7 +300,7 @@ def test_a_cluster_address_that_is_not_a_dask_scheduler_is_one_line(server, says
 def test_a_recipe_local_plugin_with_a_syntax_error_is_one_line(tiny_recipe):
     recipe = with_plugin(tiny_recipe, "broken", "def broken(:\n    pass\n")
     for command in ("validate", "run"):
-        last = one_line_error(streamrl("recipe", command, str(recipe)), 2)
+        last = last_error_line(streamrl("recipe", command, str(recipe)), 2)
         assert last == (f"streamrl: error: plugins.modules: 'broken.py' cannot be loaded ({recipe.parent / 'broken.py'}, "
                         "line 1): SyntaxError: invalid syntax"), last
 
@@ -399,11 +360,11 @@ def test_a_component_raising_in_its_constructor_or_a_reward_calling_sys_exit_is_
         recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, replace=('name = "exact_match"', 'name = "exits"'))
     proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report")
     if case == "reward":  # a failed score like any other: every sample of the step, so the run stops
-        last = one_line_error(proc, 1)
+        last = last_error_line(proc, 1)
         assert last.startswith("streamrl: error: step 1: the reward failed for all 16 samples (the first: "
                                "RuntimeError: the reward raised SystemExit(3)"), last
         return
-    last = one_line_error(proc, 2)
+    last = last_error_line(proc, 2)
     expected = {"task": "task 'badtask' could not be built, from plugin local:broken.py: RuntimeError: the task's "
                         "data folder is missing",
                 "scheduler": "scheduler 'badsched' could not be built, from plugin local:broken.py: ValueError: the "
@@ -432,7 +393,7 @@ def register_transfers():
 @pytest.mark.slow
 def test_weights_that_do_not_fit_the_engine_name_the_parameter_both_shapes_and_the_transfer(tiny_recipe, tiny_model):
     recipe = with_plugin(tiny_recipe, "lossy", LOSSY_TRANSFER, extra='\n[transfer]\nname = "lossy"\n')
-    last = one_line_error(streamrl("recipe", "run", str(recipe), "--plain", "--no-report"), 1)
+    last = last_error_line(streamrl("recipe", "run", str(recipe), "--plain", "--no-report"), 1)
     found = re.search(r"weights for version 1: parameter '([\w.]+)' is \((\d+), (\d+)\) in the engine but "
                       r"\((\d+), (\d+)\) was received", last)
     assert found, last

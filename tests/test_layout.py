@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def module_name(path) -> str:

@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -18,25 +15,7 @@ from streamrl.errors import UserError
 from streamrl.plugins.resolve import resolve
 from streamrl.cluster.pool_workers import worker_spec
 from streamrl.recipe.recipe import load_recipe
-from tests.conftest import ROOT
-from tests.test_cli import streamrl
-
-LEARNERS = """
-[[learners]]
-name = "grpo"
-
-[[learners]]
-name = "rloo"
-algorithm = {{ name = "rloo" }}
-trainer = {{ lr = 2e-3 }}
-{more}
-"""
-
-
-def with_learners(recipe: Path, more: str = "", head: str = "") -> Path:
-    out = recipe.with_name("learners.toml")
-    out.write_text(head + recipe.read_text() + LEARNERS.format(more=more))
-    return out
+from tests.helpers import read_records, start, streamrl, until, with_learners
 
 
 # -- validation (no cluster) ------------------------------------------------------------------
@@ -146,7 +125,7 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
                    "--set", "trainer.groups_per_micro_batch=4")
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = Path(res.stdout.strip().splitlines()[-1])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir)
     final = json.loads((run_dir / "learners.json").read_text())
     # generation happened once: every step's samples are the stream's, trained by the main learner
     main = uid_crcs(records)
@@ -167,58 +146,35 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
 
 
 # -- add and remove while the run goes on -------------------------------------------------------------------
-def wait_for(check, timeout: float = 180.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError("timed out")
-
-
-def records_of(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 @pytest.mark.slow
 def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_others(tiny_recipe, tmp_path):
     path = with_learners(tiny_recipe)
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(path), "--plain", "--no-report",
-                             "--set", "run.steps=400", "--set", "run.checkpoint_every=0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start("recipe", "run", str(path), "--plain", "--no-report", "--set", "run.steps=400",
+                 "--set", "run.checkpoint_every=0", group=False)
     try:
         runs = tmp_path / "runs"
-        run_dir = wait_for(lambda: next(iter(runs.glob("tiny-*")), None) if runs.exists() else None)
-        wait_for(lambda: len(records_of(run_dir)) >= 2)
+        run_dir = until(lambda: next(iter(runs.glob("tiny-*")), None) if runs.exists() else None, 180, every=0.5)
+        until(lambda: len(read_records(run_dir, partial=True)) >= 2, 180, every=0.5)
         added = streamrl("learners", "add", str(run_dir), "--name", "dr", "--set", "algorithm.name=dr_grpo",
                          "--from", "initial")
         assert added.returncode == 0, added.stderr
         assert "learner 'dr' (dr_grpo) added on worker learner-dr, from the initial model" in added.stdout
         joined = int(added.stdout.split("trains from step ")[1].split()[0]) - 1  # (0-based)
-        wait_for(lambda: any(r["learners"].get("dr", {}).get("steps_trained", 0) >= 2 for r in records_of(run_dir)))
+        until(lambda: any(r["learners"].get("dr", {}).get("steps_trained", 0) >= 2
+                          for r in read_records(run_dir, partial=True)), 180, every=0.5)
         removed = streamrl("learners", "remove", str(run_dir), "rloo")
         assert removed.returncode == 0, removed.stderr
         assert "learner 'rloo' removed after" in removed.stdout
         assert (run_dir / "policy" / "rloo" / "config.json").exists()
-        n = len(records_of(run_dir))
-        wait_for(lambda: len(records_of(run_dir)) >= n + 3)
+        n = len(read_records(run_dir, partial=True))
+        until(lambda: len(read_records(run_dir, partial=True)) >= n + 3, 180, every=0.5)
         listed = streamrl("learners", "list", str(run_dir))
         assert listed.returncode == 0 and "rloo" in listed.stdout and "removed" in listed.stdout
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err[-3000:]
-    records = records_of(run_dir)
+    records = read_records(run_dir, partial=True)
     dr = [t for r in records for t in r["learners"].get("dr", {}).get("trained", [])]
     main = uid_crcs(records)
     steps = [t[0] for t in dr]

@@ -10,13 +10,9 @@ misaligned with the tokens).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT, run_recipe
 
 MARGIN = 0.04
 
@@ -24,13 +20,8 @@ MARGIN = 0.04
 @pytest.mark.slow
 @pytest.mark.smoke
 def test_ppo_raises_the_reward_on_the_shipped_recipe(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl", "recipe", "run", str(ROOT / "recipes" / "ppo.toml"),
-         "--set", "run.steps=50", "--set", "run.seed=0", "--set", "cluster.dashboard_port=0",
-         "--set", f'run.out_dir="{tmp_path}"'],
-        cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = tmp_path.iterdir()
-    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run = run_recipe(ROOT / "recipes" / "ppo.toml", "run.steps=50", "run.seed=0", "cluster.dashboard_port=0",
+                     out=tmp_path, timeout=400)
+    rewards = [r["reward_mean"] for r in run.records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first > MARGIN, (first, last, rewards)

@@ -6,12 +6,10 @@ for users with a hub validates with local stand-ins."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY_RECIPE
+from tests.helpers import TINY_RECIPE, run_recipe, streamrl
 
 VERL_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -48,14 +46,6 @@ def recipe(folder, tiny_model, task: str, reward: str) -> str:
     return str(folder / "recipe.toml")
 
 
-def run(args: list[str], folder) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    newest = sorted((folder / "runs").iterdir(), key=lambda p: p.stat().st_mtime)[-1]
-    return [json.loads(line) for line in (newest / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_a_verl_parquet_with_a_compute_score_file_runs_and_resumes_mid_epoch_without_repeating_a_row(
         tmp_path, tiny_model):
@@ -63,14 +53,14 @@ def test_a_verl_parquet_with_a_compute_score_file_runs_and_resumes_mid_epoch_wit
     (tmp_path / "reward.py").write_text(VERL_REWARD)
     file = recipe(tmp_path, tiny_model, '[task]\nname = "dataset"\npath = "train.parquet"\n',
                   '[reward]\nname = "python"\npath = "reward.py"\n')
-    whole = run(["run", file, "--set", "run.steps=8"], tmp_path)
+    whole = run_recipe(file, "run.steps=8").records
     assert all(r["reward_errors"] == 0 and r["reward/arith/mean"] == 1.0 for r in whole)
     rows = [round(r["reward/row/mean"] * 4) for r in whole]  # 4 prompts a step: the sum of their rows
     assert sum(rows[:6]) == sum(range(24))  # steps 0-5 are one epoch: every row once
     # stopped after step 4 (mid-epoch, its last checkpoint), then resumed to 8: the same rows
-    run(["run", file, "--set", "run.steps=4", "--set", "run.mode=batch"], tmp_path)
+    run_recipe(file, "run.steps=4", "run.mode=batch")
     (first,) = [p for p in (tmp_path / "runs").iterdir() if (p / "metrics.jsonl").read_text().count("\n") == 4]
-    resumed = run(["resume", str(first), "--set", "run.steps=8"], tmp_path)
+    resumed = run_recipe(first, "run.steps=8", command="resume").records
     assert [round(r["reward/row/mean"] * 4) for r in resumed] == rows
 
 
@@ -84,8 +74,7 @@ def test_a_trl_jsonl_with_trl_reward_functions_runs(tmp_path, tiny_model):
     file = recipe(tmp_path, tiny_model, '[task]\nname = "dataset"\npath = "data.jsonl"\neval_fraction = 0.2\n',
                   '[reward]\nname = "python"\npath = "trl_rewards.py"\n'
                   '[[reward.functions]]\nfunction = "correct"\n[[reward.functions]]\nfunction = "short"\nweight = 0.1\n')
-    records = run(["run", file, "--set", "run.steps=3", "--set", "eval.every=2", "--set", "eval.greedy=false"],
-                  tmp_path)
+    records = run_recipe(file, "run.steps=3", "eval.every=2", "eval.greedy=false").records
     assert all(r["reward_errors"] == 0 for r in records)
     assert all(r["reward_mean"] == pytest.approx(r["reward/correct/mean"] + 0.1 * r["reward/short/mean"])
                for r in records)
@@ -94,11 +83,11 @@ def test_a_trl_jsonl_with_trl_reward_functions_runs(tmp_path, tiny_model):
 
 def test_the_gpu_recipe_validates_with_local_stand_ins(tmp_path, tiny_model):
     write_verl(tmp_path, 8)
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "validate", "recipes/gpu-qwen-gsm8k.toml",
-                           "--set", f'model.path="{tiny_model}"', "--set", f'task.path="{tmp_path / "train.parquet"}"',
-                           "--set", f'task.eval_path="{tmp_path / "train.parquet"}"',
-                           "--set", "engine.max_new_tokens=32"],  # (the stand-in model has 64 positions)
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = streamrl("recipe", "validate", "recipes/gpu-qwen-gsm8k.toml",
+                    "--set", f'model.path="{tiny_model}"', "--set", f'task.path="{tmp_path / "train.parquet"}"',
+                    "--set", f'task.eval_path="{tmp_path / "train.parquet"}"',
+                    "--set", "engine.max_new_tokens=32",  # (the stand-in model has 64 positions)
+                    timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith(": ok"), proc.stderr
 
 

@@ -16,8 +16,7 @@ from streamrl.planning.profile import StageProfile, from_cost_model
 from streamrl.recipe.recipe import load_recipe
 from streamrl.sim.batching import ContinuousBatch
 from streamrl.sim.engine import SimEngine
-from tests.conftest import ROOT
-from tests.test_cli import streamrl
+from tests.helpers import ROOT, streamrl
 
 W3 = ROOT / "recipes" / "paper-7b-20k.toml"
 

@@ -9,7 +9,7 @@ import pytest
 
 from streamrl.errors import UserError
 from streamrl.plugins.registry import build_registry
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 LOCAL_REWARD = textwrap.dedent('''
     from pydantic import BaseModel, ConfigDict

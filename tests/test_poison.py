@@ -23,8 +23,7 @@ from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.cli import main
 from streamrl.errors import NonFiniteStep
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
-from tests.test_cli import streamrl
-from tests.test_trainer import make_groups
+from tests.helpers import make_groups, read_records, streamrl, with_plugin
 
 
 class NaNAfter(GRPO):
@@ -191,14 +190,11 @@ PARITY_REWARD = BROKEN_REWARD.replace('raise KeyError("answer")', "return float(
     '"broken", Empty, Broken', '"parity", Empty, Broken')  # (rewards that differ within a group: real gradients)
 
 
-def with_plugin(recipe: Path, name: str, code: str, section: str) -> Path:
-    (recipe.parent / f"{name}.py").write_text(code)
-    text = recipe.read_text()
-    text = (text.replace('name = "exact_match"', f'name = "{name}"') if section == "reward"
-            else text + f'\n[algorithm]\nname = "{name}"\n')
-    out = recipe.parent / f"{name}.toml"
-    out.write_text(text + f'\n[plugins]\nmodules = ["{name}.py"]\n')
-    return out
+def with_algorithm_or_reward(recipe: Path, name: str, code: str, section: str) -> Path:
+    """``recipe`` with the recipe-local plugin ``code`` as its algorithm or its reward (``section``)."""
+    if section == "reward":
+        return with_plugin(recipe, name, code, replace=('name = "exact_match"', f'name = "{name}"'))
+    return with_plugin(recipe, name, code, extra=f'\n[algorithm]\nname = "{name}"\n')
 
 
 def error_lines(proc) -> list[str]:
@@ -208,7 +204,7 @@ def error_lines(proc) -> list[str]:
 
 @pytest.mark.slow
 def test_a_plugin_algorithm_returning_nan_stops_the_run_in_one_line_and_nothing_of_it_is_kept(tiny_recipe, tmp_path):
-    recipe = with_plugin(tiny_recipe, "nan_later", NAN_ALGORITHM, "algorithm")
+    recipe = with_algorithm_or_reward(tiny_recipe, "nan_later", NAN_ALGORITHM, "algorithm")
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--set", "run.checkpoint_every=1",
                     "--set", "run.mode=batch", "--plain", "--no-report")
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -219,14 +215,14 @@ def test_a_plugin_algorithm_returning_nan_stops_the_run_in_one_line_and_nothing_
         f"last checkpoint is step-000001 (resume with: streamrl recipe resume {run}, --set to change the recipe)"]
     # the step after the last good one is in neither the checkpoints nor the metrics
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000001"]
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert [r["step"] for r in read_records(run)] == [0]
     state = json.loads((run / "status.json").read_text())
     assert state["state"] == "failed" and state["error"].startswith("NonFiniteStep: step 2:")
 
 
 @pytest.mark.slow
 def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its_error(tiny_recipe, tmp_path):
-    recipe = with_plugin(tiny_recipe, "broken", BROKEN_REWARD, "reward")
+    recipe = with_algorithm_or_reward(tiny_recipe, "broken", BROKEN_REWARD, "reward")
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--plain", "--no-report")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert error_lines(proc) == [
@@ -240,19 +236,19 @@ def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its
 
 @pytest.mark.slow
 def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_recipe, tmp_path):
-    recipe = with_plugin(tiny_recipe, "constant", CONSTANT_REWARD, "reward")
+    recipe = with_algorithm_or_reward(tiny_recipe, "constant", CONSTANT_REWARD, "reward")
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=2", "--plain", "--no-report")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [line for line in proc.stderr.splitlines() if "all samples got the same reward" in line]
     assert len(warned) == 1 and warned[0].startswith("no learning signal at step 1: in every prompt's group"), \
         proc.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
-    assert [json.loads(line)["flat_groups"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1.0, 1.0]
+    assert [r["flat_groups"] for r in read_records(run)] == [1.0, 1.0]
 
 
 @pytest.mark.slow
 def test_a_learning_rate_far_too_high_stops_the_run_at_its_first_update_and_nothing_of_it_is_kept(tiny_recipe, tmp_path):
-    recipe = with_plugin(tiny_recipe, "parity", PARITY_REWARD, "reward")
+    recipe = with_algorithm_or_reward(tiny_recipe, "parity", PARITY_REWARD, "reward")
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--set", "run.checkpoint_every=1",
                     "--set", "trainer.lr=1e9", "--plain", "--no-report")
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -4,13 +4,9 @@ gives the same samples, versions and rewards step by step, on real worker proces
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT, run_recipe
 
 ADDITION = str(ROOT / "recipes" / "addition.toml")
 SMALL = ["run.steps=5", "trainer.prompts_per_step=8", "pools.generate.groups_per_task=2", "cluster.dashboard_port=0",
@@ -19,12 +15,7 @@ SMALL = ["run.steps=5", "trainer.prompts_per_step=8", "pools.generate.groups_per
 
 def run(tmp_path, tag: str, overrides: list[str]) -> list[dict]:
     out = tmp_path / tag
-    args = [a for kv in SMALL + overrides + [f'run.out_dir="{out}"'] for a in ("--set", kv)]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", ADDITION, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_recipe(ADDITION, *SMALL, *overrides, out=out).records
 
 
 def what_the_seed_decides(records: list[dict]) -> list[tuple]:

@@ -15,14 +15,9 @@ import pytest
 from streamrl.errors import UserError
 from streamrl.telemetry import timeline as tl
 from streamrl.telemetry.report import write_report
-from tests.conftest import ROOT, TINY_RECIPE
+from tests.helpers import ROOT, streamrl, write_tiny_recipe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def streamrl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def sample(uid, worker="generate-0", gen=(0.0, 1.0), reward_end=1.2, trained=2.0, on="train-0", version=0,
@@ -251,8 +246,7 @@ def test_importing_streamrl_and_the_runner_does_not_import_matplotlib():
 def real_run(tmp_path_factory, tiny_model) -> Path:
     """A tiny recipe run in stream mode, with its end-of-run report (the default)."""
     folder = tmp_path_factory.mktemp("report-run")
-    recipe = folder / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
+    recipe = write_tiny_recipe(folder, tiny_model)
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=stream", "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "streamrl: warning: report" not in proc.stderr, proc.stderr[-3000:]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,47 +15,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
-from tests.test_cli import check_every_sample_trained_once, streamrl
+from tests.helpers import (check_every_sample_trained_once, only_run, read_records, sets, start_run,
+                           streamrl, wait_for_steps, write_tiny_recipe)
 
 # reproducible sampling + batch order: the same seed gives the same samples and the same update
 SAME = ["engine.reproducible=true", "run.mode=batch", "run.steps=12", "run.checkpoint_every=0",
         "trainer.lr=1e-2"]
 
 
-def sets(*values):
-    return [a for v in values for a in ("--set", v)]
-
-
-def only_run(out: Path) -> Path:
-    (run,) = [p for p in out.iterdir() if p.is_dir()]
-    return run
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def start_run(recipe: Path, settings: list[str], out: Path, steps_done: int) -> subprocess.Popen:
+def start_and_wait(recipe: Path, settings: list[str], out: Path, steps_done: int):
     """``streamrl recipe run`` in its own process group, returned once ``steps_done`` records exist."""
-    run = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe),
-                            *sets(*settings, f"run.out_dir={out}")], cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while not list(out.glob("*/metrics.jsonl")) or len(records(only_run(out))) < steps_done:
-        assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
-        time.sleep(0.05)
+    run = start_run(recipe, out, *settings, steps=None)
+    wait_for_steps(run, out, steps_done)
     return run
 
 
 @pytest.fixture(scope="module")
 def straight(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
     """The recipe, and the folder of its uninterrupted run (the oracle)."""
-    from tests.conftest import TINY_RECIPE
-
     folder = tmp_path_factory.mktemp("resume")
-    recipe = folder / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
+    recipe = write_tiny_recipe(folder, tiny_model)
     proc = streamrl("recipe", "run", str(recipe), *sets(*SAME, f"run.out_dir={folder / 'straight'}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return recipe, only_run(folder / "straight")
@@ -71,7 +48,7 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
     # Ctrl-C goes to the whole process group, the cluster's worker processes included;
     # kill -9 hits only the controller's process (the workers must not outlive it)
     t0 = time.perf_counter()
-    run = start_run(recipe, [*SAME, "run.checkpoint_every=2"], stopped, steps_done=3)
+    run = start_and_wait(recipe, [*SAME, "run.checkpoint_every=2"], stopped, steps_done=3)
     starting = time.perf_counter() - t0  # the cluster's start, the model loads and 3 steps
     children = psutil.Process(run.pid).children(recursive=True)
     assert children  # the embedded cluster's processes
@@ -106,14 +83,14 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from step-{resumed_at:06d}" in proc.stderr
     assert json.loads((folder / "status.json").read_text())["state"] == "completed"
-    recs = records(folder)
+    recs = read_records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
     check_every_sample_trained_once(recs)
     a = load_file(oracle / "policy" / "model.safetensors")
     b = load_file(folder / "policy" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     # and the runs were the same all along: same rewards every step
-    assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in records(oracle)]
+    assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in read_records(oracle)]
 
 
 def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
@@ -142,7 +119,7 @@ def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_
     recipe, _ = straight
     stopped = tmp_path / "stopped"
     args = ["run.mode=async", "run.max_staleness=1", "run.steps=12", "run.checkpoint_every=3"]
-    run = start_run(recipe, args, stopped, steps_done=4)
+    run = start_and_wait(recipe, args, stopped, steps_done=4)
     os.killpg(run.pid, signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130, err[-3000:]
@@ -158,7 +135,7 @@ def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_
 
     proc = streamrl("recipe", "resume", str(folder))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    recs = records(folder)
+    recs = read_records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
     check_every_sample_trained_once(recs)
 
@@ -181,7 +158,7 @@ def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step-000003" in proc.stderr
     straight_run = only_run(tmp_path / "whole")
-    assert [r["reward_mean"] for r in records(folder)] == [r["reward_mean"] for r in records(straight_run)]
+    assert [r["reward_mean"] for r in read_records(folder)] == [r["reward_mean"] for r in read_records(straight_run)]
     for part_file in ("model.safetensors", "critic/model.safetensors"):
         a = load_file(straight_run / "policy" / part_file)
         b = load_file(folder / "policy" / part_file)
@@ -203,7 +180,7 @@ def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path):
     proc = streamrl("recipe", "run", str(recipe), *sets(*ranked, f"run.out_dir={tmp_path / 'straight'}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     oracle = only_run(tmp_path / "straight")
-    run = start_run(recipe, ranked, tmp_path / "stopped", steps_done=3)
+    run = start_and_wait(recipe, ranked, tmp_path / "stopped", steps_done=3)
     os.killpg(run.pid, signal.SIGINT)
     run.communicate(timeout=60)
     folder = only_run(tmp_path / "stopped")
@@ -216,7 +193,7 @@ def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path):
     assert a["data"] == b["data"] and a["mean"] == b["mean"]
     seen = [json.loads((r / "checkpoints" / "step-000008" / "dispatch.json").read_text()) for r in (oracle, folder)]
     assert seen[0] == seen[1] and len(seen[0]["observed_lengths"]) == 8 * 16
-    assert [r["ranker_recall"] for r in records(folder)] == [r["ranker_recall"] for r in records(oracle)]
+    assert [r["ranker_recall"] for r in read_records(folder)] == [r["ranker_recall"] for r in read_records(oracle)]
 
 
 BROKEN_RANKER = """
@@ -244,12 +221,9 @@ def register_rankers():
 
 @pytest.mark.slow
 def test_a_ranker_whose_state_cannot_be_saved_is_warned_about_and_the_checkpoint_still_written(tiny_model, tmp_path):
-    from tests.conftest import TINY_RECIPE
-
-    recipe = tmp_path / "tiny.toml"
     (tmp_path / "stubborn.py").write_text(BROKEN_RANKER)
-    recipe.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
-                      + '\n[ranker]\nname = "stubborn"\n\n[plugins]\nmodules = ["./stubborn.py"]\n')
+    recipe = write_tiny_recipe(tmp_path, tiny_model,
+                               more='\n[ranker]\nname = "stubborn"\n\n[plugins]\nmodules = ["./stubborn.py"]\n')
     proc = streamrl("recipe", "run", str(recipe), *sets("run.steps=4", "run.checkpoint_every=2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ranker: its state could not be saved (RuntimeError: nothing to give)" in proc.stderr

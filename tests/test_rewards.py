@@ -8,7 +8,6 @@ import importlib.util
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ from streamrl.rewards.scoring import score_group
 from streamrl.sample import Prompt, Sample
 from streamrl.telemetry.record import reward_means
 from streamrl.telemetry.stats import TrainTaskStats
-from tests.conftest import ROOT, TINY_RECIPE
+from tests.helpers import ROOT, TINY_RECIPE, run_recipe, streamrl
 
 DATA = ROOT / "tests" / "data"
 
@@ -250,8 +249,7 @@ def test_a_bad_python_reward_is_one_line_at_validation(tmp_path, reward, rewards
 def test_recipe_validate_prints_the_error_on_one_line(tmp_path):
     shutil.copy(DATA / "python_rewards.py", tmp_path / "rewards.py")
     (tmp_path / "recipe.toml").write_text(SIM_RECIPE + 'path = "rewards.py"\nfunction = "nope"\n')
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "validate", str(tmp_path / "recipe.toml")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = streamrl("recipe", "validate", str(tmp_path / "recipe.toml"), timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("streamrl: error: reward.function: rewards.py defines no function 'nope'")
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -404,11 +402,7 @@ def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny
         '[[reward.functions]]\nfunction = "answer_in"\nweight = 0.5\n'
         '[[reward.functions]]\nfunction = "shorter"\nweight = 0.1\nname = "brevity"\n')
     (tmp_path / "recipe.toml").write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(tmp_path / "recipe.toml")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_recipe(tmp_path / "recipe.toml", timeout=300).records
     assert len(records) == 2
     for r in records:
         assert r["reward_errors"] == 0
@@ -434,11 +428,7 @@ def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path):
     text = text.replace('[reward]\nname = "exact_match"\n', '[reward]\nname = "math"\n')
     text = text.replace("max_new_tokens = 6", "max_new_tokens = 16")
     (tmp_path / "recipe.toml").write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(tmp_path / "recipe.toml")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_recipe(tmp_path / "recipe.toml", timeout=300).records
     assert [r["reward_errors"] for r in records] == [0, 0]
     assert all(r["reward/timeout/mean"] == 0.0 for r in records)
     # the warm-started model boxes its answers: math-verify reads them

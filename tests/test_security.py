@@ -13,78 +13,24 @@ read that folder, and which Host headers the dashboard answers.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import shutil
 import stat
-import subprocess
-import sys
-import threading
-import time
-import warnings
 from pathlib import Path
 
 import psutil
 import pytest
 
-from streamrl.errors import RunWarning
 from streamrl.checkpoints import folders
-from tests.conftest import ROOT, TINY_RECIPE
+from tests.helpers import listeners_of, newest_usable, rewrite_manifest, streamrl
 
 
 # -- listeners ----------------------------------------------------------------------------------
-def listeners_of(root: psutil.Process) -> set[tuple[int, str, int]]:
-    """(pid, address, port) of every TCP socket ``root`` and its descendants listen on."""
-    found = set()
-    try:
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return found
-    for proc in procs:
-        try:
-            for conn in proc.net_connections(kind="tcp"):
-                if conn.status == psutil.CONN_LISTEN:
-                    found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def watch_listeners(args: list[str], timeout: float = 600) -> tuple[subprocess.CompletedProcess, set]:
-    """Run ``python -m streamrl *args`` and, every 50 ms until it ends, note what its process
-    tree listens on (short-lived listeners too: a weight version's store lives about a second)."""
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    seen: set = set()
-    done = threading.Event()
-
-    def poll():
-        root = psutil.Process(proc.pid)
-        while not done.is_set():
-            seen.update(listeners_of(root))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=poll, daemon=True)
-    watcher.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        done.set()
-        watcher.join(10)
-        if proc.poll() is None:
-            proc.kill()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
-
-
 @pytest.mark.slow
-def test_a_run_with_two_train_workers_and_torch_distributed_listens_on_loopback_only(tiny_model, tmp_path):
-    recipe = tmp_path / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model))
-    proc, seen = watch_listeners(["recipe", "run", str(recipe), "--set", "pools.train.workers=2",
-                                  "--set", 'transfer={name="torch_distributed", timeout_s=60}',
-                                  "--set", "run.steps=3", "--plain", "--no-report"])
+def test_a_run_with_two_train_workers_and_torch_distributed_listens_on_loopback_only(torch_distributed_run):
+    # (conftest's run: two train workers, two generate workers, the torch_distributed transfer)
+    proc, seen = torch_distributed_run["proc"], torch_distributed_run["listeners"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     outside = sorted(s for s in seen if s[1] != "127.0.0.1")
     assert outside == [], outside  # before: train-0's store on '::' (every interface), for the whole run
@@ -93,7 +39,7 @@ def test_a_run_with_two_train_workers_and_torch_distributed_listens_on_loopback_
     per_process: dict[int, int] = {}
     for pid, _, _ in seen:
         per_process[pid] = per_process.get(pid, 0) + 1
-    assert len(per_process) >= 5, per_process  # streamrl (with the scheduler) and four workers
+    assert len(per_process) >= 5, per_process  # streamrl (with the scheduler) and the workers (five here)
     assert max(per_process.values()) >= 4, per_process
 
 
@@ -157,32 +103,11 @@ def craft(path: Path, marker: Path, torch_format: bool) -> None:
         path.write_bytes(pickle.dumps(Crafted(marker)))
 
 
-def rewrite_manifest(ckpt: Path) -> None:
-    """What someone who can write the run folder does next: a manifest that matches the files."""
-    (ckpt / folders.MANIFEST).unlink()
-    folders.write_manifest(ckpt)
-    files = json.loads((ckpt / folders.MANIFEST).read_text())["files"]
-    for name, f in files.items():
-        assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == f["sha256"]
-
-
-@pytest.fixture(scope="module")
-def ranked_run(tiny_model, tmp_path_factory) -> Path:
+@pytest.fixture
+def ranked_run(checkpointed_run) -> Path:
     """A finished run with checkpoints step-000002 and step-000004, each with ``ranker.pt`` (never
-    modified: copy it)."""
-    folder = tmp_path_factory.mktemp("security")
-    recipe = folder / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
-    from tests.test_cli import streamrl
-
-    proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=batch", "--set", "run.steps=4",
-                    "--set", "run.checkpoint_every=2", "--set", 'ranker.name="learned"',
-                    "--set", 'scheduler.name="skew"', "--plain", "--no-report")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = (folder / "runs").iterdir()
-    for step in ("step-000002", "step-000004"):
-        assert (run / "checkpoints" / step / "ranker.pt").is_file()
-    return run
+    modified: copy it). conftest's ``checkpointed_run``, which tests/test_checkpoint_faults.py damages too."""
+    return checkpointed_run
 
 
 @pytest.fixture
@@ -190,13 +115,6 @@ def run_copy(ranked_run, tmp_path) -> Path:
     copy = tmp_path / ranked_run.name
     shutil.copytree(ranked_run, copy)
     return copy
-
-
-def usable_with_warnings(run: Path):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        best = folders.latest(run)
-    return best, [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
 
 
 @pytest.mark.slow
@@ -208,7 +126,7 @@ def test_the_checkpoints_a_run_writes_load_without_full_unpickling(ranked_run):
         assert unsafe_torch_file(ckpt / "ranker.pt") is None
         read_metadata(ckpt / "trainer" / "dcp")
         assert folders.refused(ckpt) is None
-    assert usable_with_warnings(ranked_run) == (ranked_run / "checkpoints" / "step-000004", [])
+    assert newest_usable(ranked_run) == (ranked_run / "checkpoints" / "step-000004", [])
 
 
 @pytest.mark.slow
@@ -222,7 +140,7 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_never_runs(run_copy, tm
     ckpt = run_copy / "checkpoints" / "step-000004"
     craft(ckpt / where, marker, torch_format)
     rewrite_manifest(ckpt)
-    best, warned = usable_with_warnings(run_copy)
+    best, warned = newest_usable(run_copy)
     assert not marker.exists()
     assert best is not None and best.name == "step-000002"
     assert len(warned) == 1 and "\n" not in warned[0], warned
@@ -232,8 +150,6 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_never_runs(run_copy, tm
 
 @pytest.mark.slow
 def test_a_resume_passes_over_a_crafted_trainer_pt_in_one_line_and_finishes(run_copy, tmp_path):
-    from tests.test_cli import streamrl
-
     marker = tmp_path / "crafted-pickle-ran"
     ckpt = run_copy / "checkpoints" / "step-000004"
     craft(ckpt / "trainer" / "trainer.pt", marker, torch_format=True)
@@ -252,8 +168,6 @@ def test_a_resume_passes_over_a_crafted_trainer_pt_in_one_line_and_finishes(run_
 
 @pytest.mark.slow
 def test_a_resume_with_only_crafted_checkpoints_stops_in_one_line(run_copy, tmp_path):
-    from tests.test_cli import streamrl
-
     marker = tmp_path / "crafted-pickle-ran"
     for step in ("step-000002", "step-000004"):
         craft(run_copy / "checkpoints" / step / "trainer" / "trainer.pt", marker, torch_format=True)
@@ -304,9 +218,6 @@ def test_a_real_runs_folder_is_its_owners_alone(ranked_run):
 
 
 # -- the dashboard answers its own name only --------------------------------------------------------
-from tests.test_dashboard import scheduler_only  # noqa: E402,F401  (the fixture)
-
-
 def status_of(port: int, path: str, host: str, origin: str | None = None) -> int:
     import http.client
 

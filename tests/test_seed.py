@@ -3,15 +3,11 @@ the same seed gives the same metrics while another seed gives others."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from streamrl.plugins.resolve import resolve
 from streamrl.recipe.recipe import load_recipe
-from tests.conftest import ROOT
+from tests.helpers import ROOT, run_recipe
 
 W3 = str(ROOT / "recipes" / "paper-7b-20k.toml")
 SMALL = ["pools.generate.workers=2", "pools.generate.threads=8", "trainer.prompts_per_step=8",
@@ -27,12 +23,7 @@ def test_run_seed_fills_unset_seed_fields_only():
 
 def run(tmp_path, seed: int) -> list[tuple]:
     out = tmp_path / f"seed{seed}-{len(list(tmp_path.iterdir()))}"
-    args = [a for kv in SMALL + [f"run.seed={seed}", f'run.out_dir="{out}"'] for a in ("--set", kv)]
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", W3, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_recipe(W3, *SMALL, f"run.seed={seed}", out=out, timeout=300).records
     # what the seed decides (prompts, sampled lengths, rewards), not wall-clock timings
     return [(r["reward_mean"], r["response_len_mean"], sorted((x["uid"], x["response_len"]) for x in r["sample_log"]))
             for r in records]

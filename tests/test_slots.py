@@ -4,7 +4,6 @@ same decode step a GPU captures in a graph, run eagerly."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from streamrl.engines.slot_decoder import SlotDecoder, check_supported
 from streamrl.engines.slots import SlotEngine
 from streamrl.sample import Prompt
 from streamrl.training.trainer import pad_batch, token_logprobs
-from tests.conftest import ROOT
+from tests.helpers import ROOT, until
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +33,6 @@ def qwen_model(tmp_path_factory):
 def model_path(request, tiny_model, qwen_model):
     """Each architecture the slot decoder supports."""
     return tiny_model if request.param == "llama" else qwen_model
-
-
-def until(cond, within: float = 30.0):
-    """Wait for ``cond()``; the deadline only guards against a hang."""
-    deadline = time.time() + within
-    while not cond():
-        assert time.time() < deadline, "gave up waiting"
-        time.sleep(0.002)
 
 
 def slot_engine(path, **config) -> SlotEngine:
@@ -136,7 +127,7 @@ def test_a_weight_load_mid_generation_drops_nothing_and_the_next_steps_use_the_n
     try:
         asker = threading.Thread(target=lambda: out.append(engine.generate(prompt, 1)))
         asker.start()
-        until(lambda: int(engine.decoder.generated[0]) >= 5)
+        until(lambda: int(engine.decoder.generated[0]) >= 5, every=0.002)
         old_model = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
         engine.load_weights({n: p * 1.5 for n, p in old_model.items()}, 1)
         asker.join(60)
@@ -211,7 +202,7 @@ def test_requests_start_by_priority_under_max_running_and_closing_fails_the_rest
             for uid, priority in [("first", 0.0), ("low", 1.0), ("high", 9.0), ("mid", 5.0)]:
                 threads.append(threading.Thread(target=ask, args=(uid, priority)))
                 threads[-1].start()
-                until(lambda: sum(engine.requests_in_flight()) == len(threads))
+                until(lambda: sum(engine.requests_in_flight()) == len(threads), every=0.002)
             assert engine.requests_in_flight() == (0, 4)
         for t in threads:
             t.join(timeout=30)
@@ -219,7 +210,7 @@ def test_requests_start_by_priority_under_max_running_and_closing_fails_the_rest
         with engine._weights_paused():  # a request the loop will never start: closing fails it
             threads = [threading.Thread(target=ask, args=("late", 0.0))]
             threads[0].start()
-            until(lambda: engine.requests_in_flight() == (0, 1))
+            until(lambda: engine.requests_in_flight() == (0, 1), every=0.002)
             closer = threading.Thread(target=engine.close)
             closer.start()
             threads[0].join(30)

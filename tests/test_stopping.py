@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import start
 
 
 @pytest.mark.slow
@@ -20,9 +18,7 @@ def test_a_second_ctrl_c_while_the_cluster_starts_stops_at_once(tiny_recipe, tmp
     # the two signals reach the process group while the workers are being started (their
     # signals blocked, streamrl counting them): the second must stop the run before any step,
     # not be merged with the first into one stop request that runs a step and checkpoints it
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
-                             "--set", "run.steps=50"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = start("recipe", "run", str(tiny_recipe), "--plain", "--set", "run.steps=50")
     deadline = time.time() + 60
     while not psutil.Process(proc.pid).children(recursive=True):  # the cluster's first process is starting
         assert time.time() < deadline and proc.poll() is None, "the run started no worker process"
@@ -42,9 +38,7 @@ def test_a_second_ctrl_c_while_the_cluster_starts_stops_at_once(tiny_recipe, tmp
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_mid_run_stops_at_once_with_nothing_of_dasks_on_the_terminal(tiny_recipe, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "run", str(tiny_recipe), "--plain",
-                             "--set", "run.steps=200"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = start("recipe", "run", str(tiny_recipe), "--plain", "--set", "run.steps=200", group=False)
     seen = []
     while not any("step   3/" in line for line in seen):  # (readline: a hang guard is the test's timeout)
         line = proc.stderr.readline()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -17,7 +16,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests import helpers
+from tests.helpers import ROOT, read_records
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,8 @@ def site(tmp_path_factory):
 
 
 def streamrl(site, *args, disable: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(site), STREAMRL_DISABLE_PLUGINS=disable)
-    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    """The command with the plugins in ``site`` installed (and those in ``disable`` disabled)."""
+    return helpers.streamrl(*args, env=dict(os.environ, PYTHONPATH=str(site), STREAMRL_DISABLE_PLUGINS=disable))
 
 
 def test_installed_plugin_is_listed_with_its_distribution_and_broken_one_is_reported(site):
@@ -85,7 +84,7 @@ def test_recipe_runs_end_to_end_with_the_installed_plugin(site, tiny_recipe, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "streamrl-broken" in proc.stderr  # reported, and the run still succeeded
     (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir)
     assert len(records) == 2 and records[-1]["reward_errors"] == 0
     # the plugin's reward ran on the reward worker and scored real answers
     assert sum(r["reward_mean"] for r in records) > 0

@@ -14,8 +14,7 @@ import pytest
 
 from streamrl.telemetry.trace import TASKS, TraceRecorder, write_trace
 from streamrl.telemetry.trace_events import us, worker_of
-from tests.conftest import TINY_RECIPE
-from tests.test_cli import streamrl
+from tests.helpers import read_records, sets, streamrl, write_tiny_recipe
 
 #: what each kind of event must carry (Chrome trace event format)
 REQUIRED = {"X": {"name", "ph", "pid", "tid", "ts", "dur"}, "C": {"name", "ph", "pid", "ts", "args"},
@@ -183,10 +182,9 @@ def test_an_empty_folder_writes_no_trace(tmp_path):
 def run(tiny_model, tmp_path_factory) -> Path:
     """An async run of 2 steps with 2 generate workers, resumed to 3 steps."""
     folder = tmp_path_factory.mktemp("trace")
-    recipe = folder / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model))
-    sets = ["run.mode=async", "run.max_staleness=1", "run.steps=2", "pools.generate.workers=2", "run.report=false"]
-    proc = streamrl("recipe", "run", str(recipe), *[a for s in sets for a in ("--set", s)])
+    recipe = write_tiny_recipe(folder, tiny_model)
+    proc = streamrl("recipe", "run", str(recipe), *sets("run.mode=async", "run.max_staleness=1", "run.steps=2",
+                                                        "pools.generate.workers=2", "run.report=false"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (out,) = (folder / "runs").iterdir()
     first = json.loads((out / "trace.json").read_text())["traceEvents"]
@@ -196,15 +194,10 @@ def run(tiny_model, tmp_path_factory) -> Path:
     return out
 
 
-def records_of(run: Path) -> list[dict]:
-    """The run's ``metrics.jsonl`` records."""
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_every_trained_sample_is_in_the_trace_where_and_when_its_log_says(run):
     trace = Trace(run / "trace.json")
-    records = records_of(run)
+    records = read_records(run)
     assert [r["step"] for r in records] == [0, 1, 2]
     check_well_formed(trace)
     check_samples(trace, records)
@@ -228,7 +221,7 @@ def test_tasks_appear_on_the_workers_that_ran_them(run):
     loads = {(e["args"]["version"], trace.worker(e)) for e in tasks if e["name"] == "load-weights"}
     assert {(v, w) for v in (1, 2, 3) for w in ("generate-0", "generate-1")} <= loads
     # the generate tasks hold the samples they made
-    for r in records_of(run):
+    for r in read_records(run):
         for x in r["sample_log"]:
             assert any(trace.worker(e) == x["worker"] and e["ts"] - 20_000 <= us(x["gen_start"])
                        and us(x["gen_end"]) <= e["ts"] + e["dur"] + 20_000

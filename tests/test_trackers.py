@@ -18,7 +18,7 @@ import pytest
 from streamrl.errors import UserError
 from streamrl.telemetry.names import DROPPED, NAMES, tracker_metrics
 from streamrl.telemetry.record import StepRecord
-from tests.conftest import ROOT, TINY_RECIPE
+from tests.helpers import ROOT, read_records, streamrl, write_tiny_recipe
 
 TRACKERS = """
 [[metrics]]
@@ -55,14 +55,12 @@ def offline_env(folder: Path) -> dict:
 def run(tmp_path_factory, tiny_model):
     """One 3-step run with all four trackers (and an evaluation at the start and the end)."""
     folder = tmp_path_factory.mktemp("trackers")
-    recipe = folder / "recipe.toml"
-    recipe.write_text(TINY_RECIPE.format(out=folder / "runs", model=tiny_model) + TRACKERS)
+    recipe = write_tiny_recipe(folder, tiny_model, name="recipe.toml", more=TRACKERS)
     env = offline_env(folder)
-    proc = subprocess.run([sys.executable, "-m", "streamrl", "recipe", "run", str(recipe), "--set", "run.steps=3",
-                           "--plain"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--plain", env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (folder / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     return {"dir": run_dir, "records": records, "proc": proc, "env": env}
 

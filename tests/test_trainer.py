@@ -9,30 +9,9 @@ import pytest
 import torch
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
-from streamrl.sample import Prompt, Sample
 from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig, pad_batch, token_logprobs
-
-
-def make_groups(trainer: HFTrainer, n_groups=6, size=4, seed=0):
-    """Groups sampled from the trainer's own model, with random rewards."""
-    rng = random.Random(seed)
-    tok = trainer.tokenizer
-    groups = []
-    for g in range(n_groups):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        prompt = Prompt(uid=f"0-{g}", text=f"{a}+{b}=", answer=str(a + b))
-        ids = [tok.bos_token_id] + tok(prompt.text, add_special_tokens=False).input_ids
-        group = []
-        for k in range(size):
-            resp = [rng.randint(3, len(tok) - 1) for _ in range(rng.randint(1, 5))]
-            s = Sample(uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=ids, response_ids=resp,
-                       logprobs=[0.0] * len(resp))
-            s.logprobs = trainer.logprobs([s])[0]
-            s.reward = float(rng.random() < 0.5)
-            group.append(s)
-        groups.append(group)
-    return groups
+from tests.helpers import make_groups
 
 
 def new_trainer(model_path):

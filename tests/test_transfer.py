@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
+from tests.helpers import check_every_sample_trained_once, read_records
 
 
 def weights():
@@ -74,16 +75,11 @@ def test_a_receiver_that_never_comes_fails_the_others_within_the_timeout():
 
 
 @pytest.mark.slow
-def test_a_run_publishes_through_torch_distributed_to_two_generate_workers(tiny_recipe, tmp_path):
-    import json
-
-    from tests.test_cli import check_every_sample_trained_once, streamrl
-
-    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", 'transfer={name="torch_distributed", timeout_s=60}',
-                    "--set", "pools.generate.workers=2", "--set", "run.steps=3")
+def test_a_run_publishes_through_torch_distributed_to_two_generate_workers(torch_distributed_run):
+    # (conftest's run: two generate workers, two train workers; tests/test_security.py watched its sockets)
+    proc = torch_distributed_run["proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_records(torch_distributed_run["dir"])
     check_every_sample_trained_once(recs)
     # every sample of step s came from policy s: each generate worker loaded each broadcast
     assert all(x["version"] == r["step"] for r in recs for x in r["sample_log"])

@@ -1,0 +1,412 @@
+"""What the test modules share (one copy of each): the real ``streamrl`` command run as a user
+runs it (a subprocess, ``cwd`` the repository), a recipe run from it and its records, a run
+started in the background and stopped, faults put into a running run, and the tiny recipe.
+
+Test modules import from here (and fixtures come from ``conftest.py``); no test module imports
+another."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_RECIPE = """
+[run]
+name = "tiny"
+steps = 2
+out_dir = "{out}"
+
+[cluster]
+dashboard_port = 0
+
+[pools.generate]
+threads = 4
+[pools.train]
+threads = 1
+[pools.reward]
+threads = 1
+
+[model]
+path = "{model}"
+
+[task]
+name = "addition"
+
+[engine]
+name = "hf"
+max_new_tokens = 6
+
+[reward]
+name = "exact_match"
+
+[trainer]
+lr = 1e-3
+prompts_per_step = 4
+samples_per_prompt = 4
+groups_per_micro_batch = 1
+"""
+
+
+def write_tiny_recipe(folder: Path, model: Path, name: str = "tiny.toml", more: str = "") -> Path:
+    """``TINY_RECIPE`` for ``model`` in ``folder`` (its runs go to ``folder / "runs"``), with ``more``
+    appended."""
+    path = folder / name
+    path.write_text(TINY_RECIPE.format(out=folder / "runs", model=model) + more)
+    return path
+
+
+# -- the command ------------------------------------------------------------------------------------
+def streamrl(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m streamrl *args``, waited for, its output captured."""
+    return subprocess.run([sys.executable, "-m", "streamrl", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def sets(*values: str) -> list[str]:
+    """``--set`` before each of ``values``."""
+    return [a for v in values for a in ("--set", v)]
+
+
+def one_line_error(err: str) -> str:
+    """The only non-blank line of ``err`` (checked: one line, no traceback)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def last_error_line(proc: subprocess.CompletedProcess, status: int) -> str:
+    """The last line of stderr, after checking the exit status and that no traceback came out."""
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("streamrl: error: "), proc.stderr[-3000:]
+    return last
+
+
+# -- a run's folder -----------------------------------------------------------------------------------
+def only_run(out: Path) -> Path:
+    """The one run folder in ``out``."""
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    return run
+
+
+def read_records(run_dir: Path, partial: bool = False) -> list[dict]:
+    """The run's ``metrics.jsonl`` records. ``partial``: of a run still going (none yet, or a
+    last line being written, is no error)."""
+    path = run_dir / "metrics.jsonl"
+    if not partial:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@dataclass
+class Run:
+    """A finished ``streamrl recipe run``: the process, and its run folder (None if it made none)."""
+
+    proc: subprocess.CompletedProcess
+    dir: Path | None
+
+    @property
+    def records(self) -> list[dict]:
+        return read_records(self.dir)
+
+
+def run_recipe(recipe, *settings: str, out: Path | None = None, args: tuple[str, ...] = (), env: dict | None = None,
+               timeout: int = 600, command: str = "run") -> Run:
+    """``streamrl recipe run RECIPE --set ...`` (``run.out_dir`` = ``out`` when given), checked to
+    succeed; the run folder is the one in ``out``, else the one the command prints."""
+    more = [f'run.out_dir="{out}"'] if out is not None else []
+    proc = streamrl("recipe", command, str(recipe), *sets(*settings, *more), *args, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Run(proc, only_run(out) if out is not None else Path(proc.stdout.strip().splitlines()[-1]))
+
+
+# -- a run in the background --------------------------------------------------------------------------
+def start(*args: str, group: bool = True, env: dict | None = None) -> subprocess.Popen:
+    """``python -m streamrl *args`` in the background, its output piped; ``group``: as the leader
+    of its own process group (as under systemd, Slurm or a terminal: its workers are in it)."""
+    return subprocess.Popen([sys.executable, "-m", "streamrl", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=group, env=env)
+
+
+def start_run(recipe: Path, out: Path, *settings: str, steps: int | None = 14) -> subprocess.Popen:
+    """``streamrl recipe run`` into ``out`` (of ``steps`` steps unless None), in its own process group."""
+    return start("recipe", "run", str(recipe),
+                 *sets(f"run.out_dir={out}", *([f"run.steps={steps}"] if steps else []), *settings))
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``proc``'s process group if it still runs (a test's clean-up)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 240) -> Path:
+    """Wait until the run in ``out`` has recorded ``steps`` steps (while ``proc`` runs); its folder."""
+    deadline = time.time() + timeout
+    while True:
+        runs = list(out.glob("*/metrics.jsonl"))
+        if runs and len(runs[0].read_text().splitlines()) >= steps:
+            return runs[0].parent
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def until(cond, within: float = 30.0, every: float = 0.01):
+    """Wait for ``cond()`` to be true and return it; the deadline only guards against a hang."""
+    deadline = time.time() + within
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.time() < deadline, "gave up waiting"
+        time.sleep(every)
+
+
+# -- a running run's cluster ---------------------------------------------------------------------------
+def worker_addresses(run_dir: Path) -> dict[str, str]:
+    """``{worker name: address}`` of the run's cluster now (through its scheduler)."""
+    from distributed import Client
+
+    from streamrl.cluster import lifecycle
+
+    address = json.loads((run_dir / "status.json").read_text())["scheduler"]
+    with Client(address, timeout=10) as client:
+        return {str(w["name"]): a for a, w in lifecycle.workers(client).items()}
+
+
+def kill_worker(run_dir: Path, *names: str) -> None:
+    """``kill -9`` the processes of the workers called ``names`` (found through the run's
+    scheduler), one right after another."""
+    from distributed import Client
+
+    from streamrl.cluster import lifecycle
+
+    address = json.loads((run_dir / "status.json").read_text())["scheduler"]
+    with Client(address, timeout=10) as client:
+        addrs = [a for a, w in lifecycle.workers(client).items() if w["name"] in names]
+        assert len(addrs) == len(names), (names, lifecycle.workers(client))
+        pids = client.run(os.getpid, workers=addrs)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+
+
+# -- what a run listens on ----------------------------------------------------------------------------
+def listeners_of(root) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket ``root`` (a ``psutil.Process``) and its descendants
+    listen on."""
+    import psutil
+
+    found = set()
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return found
+    for proc in procs:
+        try:
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def watch_listeners(args: list[str], timeout: float = 600) -> tuple[subprocess.CompletedProcess, set]:
+    """Run ``python -m streamrl *args`` and, every 50 ms until it ends, note what its process
+    tree listens on (short-lived listeners too: a weight version's store lives about a second)."""
+    import threading
+
+    import psutil
+
+    proc = start(*args, group=False)
+    seen: set = set()
+    done = threading.Event()
+
+    def poll():
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            seen.update(listeners_of(root))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        done.set()
+        watcher.join(10)
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
+
+
+# -- what a run's records must show ------------------------------------------------------------------
+def check_every_sample_trained_once(records, prompts=4, n=4):
+    """By sample id: each step trained exactly its own prompts' samples, none twice, none lost."""
+    seen = set()
+    for r in records:
+        uids = [x["uid"] for x in r["sample_log"]]
+        assert sorted(uids) == sorted(f"{r['step']}-{i:03d}-{k}" for i in range(prompts) for k in range(n)), r["step"]
+        assert not seen & set(uids)
+        seen |= set(uids)
+        for x in r["sample_log"]:
+            # the timeline is ordered, and staleness is what the version says
+            assert x["submitted"] <= x["gen_start"] <= x["gen_end"] <= x["reward_end"] <= x["trained"], x
+            assert x["staleness"] == r["step"] - x["version"]
+
+
+def check_pool_accounting(records, workers=None, ahead=False):
+    """``ahead`` (async): generation runs in earlier windows than its step's, so a step's window
+    may hold none of it (the last steps' groups were all generated before they began)."""
+    import pytest
+
+    workers = workers or {"generate": 1, "train": 1, "reward": 1}
+    for r in records:
+        for pool, n in workers.items():
+            acc = r["pools"][pool]
+            assert 0.0 <= acc["idle_ratio"] <= 1.0 and acc["busy_s"] >= 0.0
+            # busy + idle covers the accounting window (step boundary to boundary) once per worker
+            assert acc["busy_s"] + acc["idle_s"] == pytest.approx(n * r["accounting_window_s"], abs=1e-3), (pool, acc)
+            assert r["step_s"] <= r["accounting_window_s"] + 1e-3
+        assert r["pools"]["train"]["busy_s"] > 0 and (ahead or r["pools"]["generate"]["busy_s"] > 0)
+    assert sum(r["pools"]["generate"]["busy_s"] for r in records) > 0
+
+
+# -- recipes with more in them ------------------------------------------------------------------------
+def with_plugin(recipe: Path, name: str, code: str, extra: str = "", replace: tuple[str, str] | None = None) -> Path:
+    """A copy of ``recipe`` (``<name>.toml`` beside it) that loads ``code`` as the recipe-local
+    plugin ``<name>.py``, with ``replace`` applied to its text and ``extra`` appended."""
+    (recipe.parent / f"{name}.py").write_text(code)
+    text = recipe.read_text()
+    if replace:
+        text = text.replace(*replace)
+    out = recipe.parent / f"{name}.toml"
+    out.write_text(text + extra + f'\n[plugins]\nmodules = ["{name}.py"]\n')
+    return out
+
+
+LEARNERS = """
+[[learners]]
+name = "grpo"
+
+[[learners]]
+name = "rloo"
+algorithm = {{ name = "rloo" }}
+trainer = {{ lr = 2e-3 }}
+{more}
+"""
+
+
+def with_learners(recipe: Path, more: str = "", head: str = "") -> Path:
+    """``learners.toml`` beside ``recipe``: it, with a grpo and an rloo learner (and ``more``)."""
+    out = recipe.with_name("learners.toml")
+    out.write_text(head + recipe.read_text() + LEARNERS.format(more=more))
+    return out
+
+
+PARITY_REWARD = """
+from pydantic import BaseModel
+import streamrl
+from streamrl.plugins.registry import Component
+
+class ParityConfig(BaseModel):
+    pass
+
+class Parity:
+    def __init__(self, config):
+        pass
+    def score(self, prompt, response):
+        return float(len(response) % 2 == 0)
+
+@streamrl.hookimpl
+def register_rewards():
+    return [Component("reward", "length_parity", ParityConfig, Parity)]
+"""
+
+
+def parity_recipe(folder, tiny_model, overrides=()):
+    """The tiny recipe with a recipe-local reward that has variance. An untrained model never
+    adds correctly; this gives GRPO a signal (and checks that a plugin defined in a file next to
+    the recipe reaches the workers)."""
+    from streamrl.recipe.recipe import load_recipe
+
+    path = folder / "tiny.toml"
+    (folder / "parity.py").write_text(PARITY_REWARD)
+    text = TINY_RECIPE.format(out=folder / "runs", model=tiny_model)
+    text = text.replace('name = "exact_match"', 'name = "length_parity"')
+    path.write_text(text + '\n[plugins]\nmodules = ["./parity.py"]\n')
+    return load_recipe(path, list(overrides))
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def rewrite_manifest(ckpt: Path) -> None:
+    """What someone who can write the run folder does next: a manifest that matches the files as
+    they are now."""
+    import hashlib
+
+    from streamrl.checkpoints import folders
+
+    (ckpt / folders.MANIFEST).unlink()
+    folders.write_manifest(ckpt)
+    files = json.loads((ckpt / folders.MANIFEST).read_text())["files"]
+    for name, f in files.items():
+        assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == f["sha256"]
+
+
+def newest_usable(run: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint a resume of ``run`` would take, and the run warnings that choice gave."""
+    from streamrl.checkpoints import folders
+    from streamrl.errors import RunWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        best = folders.latest(run)
+    return best, [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+
+
+# -- the trainer in this process ------------------------------------------------------------------
+def make_groups(trainer, n_groups=6, size=4, seed=0):
+    """Groups sampled from the trainer's own model, with random rewards."""
+    import random
+
+    from streamrl.sample import Prompt, Sample
+
+    rng = random.Random(seed)
+    tok = trainer.tokenizer
+    groups = []
+    for g in range(n_groups):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        prompt = Prompt(uid=f"0-{g}", text=f"{a}+{b}=", answer=str(a + b))
+        ids = [tok.bos_token_id] + tok(prompt.text, add_special_tokens=False).input_ids
+        group = []
+        for k in range(size):
+            resp = [rng.randint(3, len(tok) - 1) for _ in range(rng.randint(1, 5))]
+            s = Sample(uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=ids, response_ids=resp,
+                       logprobs=[0.0] * len(resp))
+            s.logprobs = trainer.logprobs([s])[0]
+            s.reward = float(rng.random() < 0.5)
+            group.append(s)
+        groups.append(group)
+    return groups
