@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import TINY_RECIPE
+from tests.helpers import TINY_RECIPE
 
 pytestmark = pytest.mark.slow
 
