@@ -25,7 +25,7 @@ from streamrl.cluster import lifecycle, factories
 from streamrl.errors import UserError
 from streamrl.recipe.recipe import load_recipe
 from tests.helpers import (ROOT, check_every_sample_trained_once, one_line_error, only_run, read_records, streamrl,
-                           with_learners, write_tiny_recipe)
+                           with_learners)
 
 LOOPBACK = 'scheduler_options = { host = "127.0.0.1", dashboard_address = "127.0.0.1:0" }'
 SLURM = f"""
@@ -54,27 +54,17 @@ def worker_line(script: str) -> dict:
     return dask_worker_cli.make_context("dask worker", rest).params
 
 
-@pytest.fixture(scope="module")
-def local_cluster_run(tiny_model, tmp_path_factory):
-    """``distributed.LocalCluster`` as the recipe's factory: 3 steps, two generate workers and a
-    side learner (rloo) besides the served one, so the factory's cluster starts workers of every
-    kind streamrl labels."""
-    folder = tmp_path_factory.mktemp("local-cluster")
-    recipe = with_learners(write_tiny_recipe(folder, tiny_model))
-    proc = streamrl("recipe", "run", str(recipe), "--plain", "--set", "cluster.factory=distributed.LocalCluster",
+@pytest.mark.slow
+def test_a_local_cluster_factory_runs_a_recipe_with_the_pools_it_labels(tiny_recipe, tmp_path):
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--plain", "--set", "cluster.factory=distributed.LocalCluster",
                     "--set", 'cluster.factory_options={host="127.0.0.1", dashboard_address="127.0.0.1:0"}',
                     "--set", "pools.generate.workers=2", "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, read_records(only_run(folder / "runs"))
-
-
-@pytest.mark.slow
-def test_a_local_cluster_factory_runs_a_recipe_with_the_pools_it_labels(local_cluster_run):
-    proc, recs = local_cluster_run
     assert "Traceback" not in proc.stderr and "still alive" not in proc.stderr
     # LocalCluster alone would start one worker per core, of no pool: streamrl asked it for
     # none and started the pools' own, named as on the embedded cluster
     assert "pools: generate=2, train=1, reward=1" in proc.stderr
+    recs = read_records(only_run(tmp_path / "runs"))
     assert [r["step"] for r in recs] == [0, 1, 2]
     check_every_sample_trained_once(recs)
     assert {x["worker"] for r in recs for x in r["sample_log"]} == {"generate-0", "generate-1"}
@@ -112,9 +102,13 @@ def test_each_side_learner_gets_a_job_of_its_own_with_the_train_pools_settings(t
 
 
 @pytest.mark.slow
-def test_a_local_cluster_factory_runs_side_learners_on_workers_it_labels(local_cluster_run):
-    _, recs = local_cluster_run
-    assert [r["step"] for r in recs] == [0, 1, 2]
+def test_a_local_cluster_factory_runs_side_learners_on_workers_it_labels(tiny_recipe, tmp_path):
+    proc = streamrl("recipe", "run", str(with_learners(tiny_recipe)), "--plain",
+                    "--set", "cluster.factory=distributed.LocalCluster",
+                    "--set", 'cluster.factory_options={host="127.0.0.1", dashboard_address="127.0.0.1:0"}')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = read_records(only_run(tmp_path / "runs"))
+    assert [r["step"] for r in recs] == [0, 1]
     # the side learner trained on the worker the factory's cluster started for it
     rloo = recs[-1]["learners"]["rloo"]
     assert rloo["worker"] == "learner-rloo" and rloo["steps_trained"] >= 1 and not rloo.get("error")
