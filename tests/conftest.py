@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import only_run, sets, streamrl, watch_listeners, write_tiny_recipe
+from tests.helpers import sets, watch_listeners, write_tiny_recipe
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -44,26 +44,7 @@ def scheduler_only():
     cluster.close()
 
 
-# -- runs that several test modules read (never modify them: copy one to damage it) -------------------
-@pytest.fixture(scope="session")
-def checkpointed_run(tiny_model, tmp_path_factory) -> Path:
-    """A finished batch run of 4 steps with checkpoints step-000002 and step-000004: fsdp over two
-    train workers (each checkpoint holds two shards), a learned ranker (``ranker.pt`` in each) and
-    the skew scheduler (``dispatch.json``), reproducible sampling. Damaged copies of it are what
-    tests/test_checkpoint_faults.py and tests/test_security.py resume from."""
-    folder = tmp_path_factory.mktemp("checkpointed")
-    recipe = write_tiny_recipe(folder, tiny_model)
-    proc = streamrl("recipe", "run", str(recipe), *sets(
-        "run.mode=batch", "run.steps=4", "run.checkpoint_every=2", "pools.train.workers=2", "trainer.strategy=fsdp",
-        "engine.reproducible=true", 'ranker.name="learned"', 'scheduler.name="skew"'), "--plain", "--no-report")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = only_run(folder / "runs")
-    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-000002", "step-000004"]
-    for step in ("step-000002", "step-000004"):
-        assert (run / "checkpoints" / step / "ranker.pt").is_file()
-    return run
-
-
+# -- runs that several test modules read ------------------------------------------------------------
 @pytest.fixture(scope="session")
 def torch_distributed_run(tiny_model, tmp_path_factory) -> dict:
     """A 3-step run publishing through the torch_distributed transfer, with two train workers and

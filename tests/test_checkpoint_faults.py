@@ -7,9 +7,8 @@ the run; with no usable checkpoint it stops in one line. A torn last line of ``m
 disk that fills while a checkpoint is written stops the run in one line, leaves no partial
 folder and keeps the older checkpoints.
 
-One real run (fsdp over two train workers, so its checkpoints hold two shards: conftest's
-``checkpointed_run``, which tests/test_security.py reads too) makes the checkpoints every test
-here damages a copy of.
+One real run (fsdp over two train workers, so its checkpoints hold two shards) makes the
+checkpoints every test here damages a copy of.
 """
 
 from __future__ import annotations
@@ -35,10 +34,16 @@ def stderr_lines(proc) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-@pytest.fixture
-def finished(checkpointed_run) -> Path:
+@pytest.fixture(scope="module")
+def finished(tiny_model, tmp_path_factory) -> Path:
     """A finished run with checkpoints step-000002 and step-000004 (never modified: copy it)."""
-    return checkpointed_run
+    folder = tmp_path_factory.mktemp("ckpt-faults")
+    recipe = write_tiny_recipe(folder, tiny_model)
+    proc = streamrl("recipe", "run", str(recipe), *sets(*SHARDED), "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (folder / "runs").iterdir()
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-000002", "step-000004"]
+    return run
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from streamrl.checkpoints import folders
-from tests.helpers import listeners_of, newest_usable, rewrite_manifest, streamrl
+from tests.helpers import listeners_of, newest_usable, rewrite_manifest, streamrl, write_tiny_recipe
 
 
 # -- listeners ----------------------------------------------------------------------------------
@@ -103,11 +103,20 @@ def craft(path: Path, marker: Path, torch_format: bool) -> None:
         path.write_bytes(pickle.dumps(Crafted(marker)))
 
 
-@pytest.fixture
-def ranked_run(checkpointed_run) -> Path:
+@pytest.fixture(scope="module")
+def ranked_run(tiny_model, tmp_path_factory) -> Path:
     """A finished run with checkpoints step-000002 and step-000004, each with ``ranker.pt`` (never
-    modified: copy it). conftest's ``checkpointed_run``, which tests/test_checkpoint_faults.py damages too."""
-    return checkpointed_run
+    modified: copy it)."""
+    folder = tmp_path_factory.mktemp("security")
+    recipe = write_tiny_recipe(folder, tiny_model)
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=batch", "--set", "run.steps=4",
+                    "--set", "run.checkpoint_every=2", "--set", 'ranker.name="learned"',
+                    "--set", 'scheduler.name="skew"', "--plain", "--no-report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (folder / "runs").iterdir()
+    for step in ("step-000002", "step-000004"):
+        assert (run / "checkpoints" / step / "ranker.pt").is_file()
+    return run
 
 
 @pytest.fixture
