@@ -20,12 +20,13 @@ kind              recipe section         base class                      lives o
 ``metric_sink``   ``[[metrics]]``        :class:`MetricSink`             the ``streamrl`` process
 ``ranker``        ``[ranker]``           :class:`Ranker`                 the rank worker
 ``scheduler``     ``[scheduler]``        :class:`Scheduler`              the ``streamrl`` process
+``tool_parser``   ``serve.tool_parser``  :class:`ToolParser`             the serving generate worker
 ================  =====================  ==============================  ======================
 
 Besides the base classes, a few pieces the built-ins are made of, for plugins to build on:
 :class:`ClippedSurrogate` (with :class:`ClippedConfig`), the PPO clipped loss an algorithm gets by
 giving only ``advantages``; :func:`fit_decode_latency`, the affine decode-step profile an engine
-returns from ``decode_latency``.
+returns from ``decode_latency``; :class:`Environment`, the gym-style shape of an agent task.
 
 Components built on workers are shipped there by value (cloudpickle), so a component defined
 in a file next to the recipe works without installing anything; an installed package must be
@@ -53,6 +54,7 @@ KINDS = {
     "metric_sink": "register_metric_sinks",
     "ranker": "register_rankers",
     "scheduler": "register_schedulers",
+    "tool_parser": "register_tool_parsers",
 }
 
 
@@ -104,6 +106,7 @@ def close_component(obj: Any) -> None:
 
 from streamrl.recipe.recipe import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
+from streamrl.contracts.agents import Environment, ToolParser
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
 from streamrl.contracts.generation import Engine, EngineCapabilities, ReceiveMissed, Transfer, fit_decode_latency
 from streamrl.contracts.inputs import Reward, Task
@@ -118,7 +121,7 @@ __all__ = [
     "KINDS", "Component", "close_component", "hookimpl", "RecipePath", "PathOrHubId", "Prompt", "Sample", "Group",
     "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "ReceiveMissed", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext", "TrainerFootprint",
-    "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink",
+    "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink", "ToolParser", "Environment",
     # helpers a plugin builds on: the clipped policy-gradient loss, an engine's decode profile
     "ClippedSurrogate", "ClippedConfig", "fit_decode_latency",
 ]

@@ -52,6 +52,11 @@ class Sample:
     token_versions: list[int] = field(default_factory=list)
     """The version that generated each response token, where the engine tracks it (served
     requests); empty: every token is :attr:`policy_version`'s."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 for each response token the policy generated (trained), 0 for one it did not (a tool's
+    output or a user turn that an agent's chat template put between two model calls: it is part
+    of the context, not of the policy's actions); its log-prob is 0 and its version the one
+    before it. Empty: every response token is trained (one model call)."""
     reward: float | None = None
     """Filled by the reward task."""
     reward_info: dict[str, float] = field(default_factory=dict)

@@ -89,7 +89,7 @@ def test_no_import_circle_in_the_package():
 
 
 #: The loop's folders as layers, lowest first: a module imports from its own layer or below.
-LAYERS = ["streamrl.flow", "streamrl.extensions", "streamrl.serve", "streamrl.learners", "streamrl.run"]
+LAYERS = ["streamrl.flow", "streamrl.extensions", "streamrl.serve", "streamrl.agents", "streamrl.learners", "streamrl.run"]
 #: What stands above them: the commands that drive a run (benchmarks and the planner included).
 ABOVE = ("streamrl.cli", "streamrl.__main__", "streamrl.bench", "streamrl.planning", "streamrl.reference")
 

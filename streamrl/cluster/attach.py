@@ -169,7 +169,7 @@ def release(client: Client) -> None:
 #: engine and the receiving end of the transfer, a train worker the trainer, its algorithm and
 #: the sending end; a reward worker the reward, a rank worker the ranker.
 BUILT_ON = {"generate": ("engine", "transfer"), "train": ("trainer", "algorithm", "transfer"),
-            "reward": ("reward",), "rank": ("ranker",)}
+            "reward": ("reward",), "rank": ("ranker",), "agent": ()}
 
 
 def check_worker_imports(client: Client, recipe: Recipe, pools: dict[str, dict[str, str]]) -> None:

@@ -176,7 +176,7 @@ def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool
     ``[pools.<name>] workers`` asks for, and with ``learners`` every side learner its worker (a
     factory's workers come up in their own time: a batch job waits in its queue); ``why`` ends
     the timeout's message."""
-    want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank"]
+    want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank", "agent"]
             if getattr(recipe.pools, pool) is not None}
     side = side_learner_names(recipe) if learners else []
     if side:

@@ -111,7 +111,7 @@ def gpu_ids(ids: list[str], per_worker: int, i: int) -> list[str]:
 def pool_worker_names(recipe: Recipe) -> list[tuple[str, int]]:
     """``(pool, i)`` of every worker the recipe's ``[pools.*]`` tables ask for, pool by pool."""
     out = []
-    for pool in [*REQUIRED_POOLS, "rank"]:
+    for pool in [*REQUIRED_POOLS, "rank", "agent"]:
         cfg = getattr(recipe.pools, pool)
         if cfg is not None:  # (an optional pool left out)
             out += [(pool, i) for i in range(cfg.workers)]
@@ -198,7 +198,7 @@ def memory_limit(recipe: Recipe, pool: str) -> str | int:
         return cfg.memory_limit
     import psutil
 
-    pools = [getattr(recipe.pools, p) for p in ("generate", "train", "reward", "rank")]
+    pools = [getattr(recipe.pools, p) for p in ("generate", "train", "reward", "rank", "agent")]
     workers = sum(p.workers for p in pools if p is not None) + len(recipe.learners)
     return psutil.virtual_memory().total // max(1, workers)
 

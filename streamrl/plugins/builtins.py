@@ -8,6 +8,7 @@ from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.algorithms.ppo import PPO, PPOConfig
 from streamrl.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
 from streamrl.algorithms.rloo import RLOO, RLOOConfig
+from streamrl.tasks.agent import AgentConfig, AgentTask
 from streamrl.api import Component, hookimpl
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, LearnedRanker, LearnedRankerConfig,
@@ -15,6 +16,7 @@ from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, Learne
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
 from streamrl.rewards.math_reward import MathReward, MathRewardConfig
 from streamrl.rewards.python import PythonReward, PythonRewardConfig
+from streamrl.chat.tool_calls import HermesConfig, HermesToolParser
 from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
@@ -66,7 +68,8 @@ def register_tasks():
     return [Component("task", "addition", AdditionConfig, AdditionTask),
             Component("task", "countdown", CountdownConfig, CountdownTask),
             Component("task", "longtail-sim", LongTailSimConfig, LongTailSimTask),
-            Component("task", "dataset", DatasetConfig, DatasetTask)]
+            Component("task", "dataset", DatasetConfig, DatasetTask),
+            Component("task", "agent", AgentConfig, AgentTask)]
 
 
 @hookimpl
@@ -95,3 +98,8 @@ def register_metric_sinks():
             Component("metric_sink", "wandb", WandbConfig, WandbSink),
             Component("metric_sink", "mlflow", MLflowConfig, MLflowSink),
             Component("metric_sink", "trackio", TrackioConfig, TrackioSink)]
+
+
+@hookimpl
+def register_tool_parsers():
+    return [Component("tool_parser", "hermes", HermesConfig, HermesToolParser)]

@@ -175,6 +175,22 @@ def register_schedulers() -> list[Component]:
 
 
 @hookspec
+def register_tool_parsers() -> list[Component]:
+    """Register tool-call parsers: how a model's reply text becomes OpenAI's ``tool_calls``, on
+    the generate worker that serves the endpoint (``[serve] tool_parser = ...``).
+
+    :returns: ``Component("tool_parser", name, ConfigModel, factory)`` entries; ``factory`` builds
+        a :class:`streamrl.api.ToolParser`.
+
+    Example::
+
+        @hookimpl
+        def register_tool_parsers():
+            return [Component("tool_parser", "hermes", HermesConfig, HermesToolParser)]
+    """
+
+
+@hookspec
 def on_run_start(recipe, run_dir) -> None:
     """Called in the ``streamrl`` process once the cluster is up, before the first step.
 

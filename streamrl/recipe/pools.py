@@ -28,7 +28,7 @@ class ClusterConfig(Strict):
     factory_options: dict[str, Any] = {}
     """Keyword arguments for ``factory`` (for SLURMCluster e.g. ``cores``, ``memory``,
     ``queue``, ``walltime``, ``scheduler_options``)."""
-    pool_options: dict[Literal["generate", "train", "reward", "rank"], dict[str, Any]] = {}
+    pool_options: dict[Literal["generate", "train", "reward", "rank", "agent"], dict[str, Any]] = {}
     """Per pool, options of the factory's worker specification that differ for that pool's
     workers, over ``factory_options`` (``[cluster.pool_options.train] job_extra_directives =
     ["--gres=gpu:4"]`` for a SLURM train job)."""
@@ -170,6 +170,10 @@ class PoolsConfig(Strict):
     rank: PoolConfig | None = None
     """Optional worker for the length ranker (``[ranker]``); without it the ranker lives on the
     first reward worker."""
+    agent: PoolConfig | None = None
+    """Optional workers that run an agent task's rollouts (``[task] name = "agent"``): each
+    thread runs one prompt group's rollouts at a time, concurrently. Without it they run on the
+    reward pool."""
 
 
 #: The pools every run needs, with what they are for (used in error messages).

@@ -48,6 +48,10 @@ class ServeConfig(Strict):
     samples_per_step: int = Field(16, ge=1)
     """A training step starts once this many rewarded samples have come in (whole requests:
     the ``n`` completions of one request are one group and stay together)."""
+    tool_parser: str = "hermes"
+    """How a reply's text becomes OpenAI's ``tool_calls`` when a request offers ``tools``: a
+    registered ``tool_parser`` (``hermes``: ``<tool_call>{json}</tool_call>`` blocks, the format
+    of Qwen, Hermes and the shipped tiny calculator model)."""
     max_pending: int = Field(256, ge=1)
     """Completions asked for but not finished, across all requests; a request that would go
     past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""

@@ -18,19 +18,25 @@ per reward worker: the file only has to exist where ``streamrl`` runs.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any, Callable
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from streamrl.api import RecipePath, Reward
 from streamrl.errors import UserError
+from streamrl.plugins.user_files import exec_user_source, load_user_file
 from streamrl.rewards.scoring import reward_value
 from streamrl.sample import Prompt
 
@@ -53,59 +59,6 @@ class _NotDefined(ValueError):
 class RewardFunctionError(Exception):
     """A reward function raised, or returned something that is not a score (the message names
     the function)."""
-
-
-@dataclass
-class _Loaded:
-    source: str
-    module: ModuleType
-
-
-# Validators of one recipe run separately for each field naming the same file; importing a file
-# runs its top-level code, so do it once per version of the file.
-_LOADED: dict[tuple[str, int, int], _Loaded] = {}
-
-
-def _module_name(path: str) -> str:
-    return f"streamrl_reward_{Path(path).stem}_{zlib.crc32(path.encode()):08x}"
-
-
-def _exec(path: str, source: str) -> ModuleType:
-    """Import ``source`` as the module of file ``path`` (registered in ``sys.modules``, as an
-    import would, so dataclasses and pickling inside it work)."""
-    name = _module_name(path)
-    spec = importlib.util.spec_from_loader(name, loader=None, origin=path)
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = path
-    sys.modules[name] = module
-    try:
-        exec(compile(source, path, "exec"), module.__dict__)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
-
-
-def _load(path: str) -> _Loaded:
-    """The file at ``path``, read and imported (``ValueError``: a one-line reason it cannot be)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{'no such file' if not file.exists() else 'not a file'}: {file}")
-    stat = file.stat()
-    key = (str(file), stat.st_mtime_ns, stat.st_size)
-    if key not in _LOADED:
-        try:
-            source = file.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read it ({exc})") from None
-        try:
-            module = _exec(str(file), source)
-        except SyntaxError as exc:
-            raise ValueError(f"cannot import it: SyntaxError: {exc.msg} (line {exc.lineno})") from None
-        except Exception as exc:
-            raise ValueError(f"cannot import it: {type(exc).__name__}: {exc}") from None
-        _LOADED[key] = _Loaded(source, module)
-    return _LOADED[key]
 
 
 def convention(fn: Callable) -> str:
@@ -139,7 +92,7 @@ def convention(fn: Callable) -> str:
 
 def _find(path: str, name: str) -> str:
     """The convention of function ``name`` of the file at ``path`` (``ValueError`` if it has none)."""
-    module = _load(path).module
+    module = load_user_file(path).module
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         defined = sorted(k for k, v in vars(module).items()
@@ -152,7 +105,7 @@ def _find(path: str, name: str) -> str:
 def _loads(path: str | None) -> str | None:
     """A reward file must import: it is run at validation, so a typo in it is one line then."""
     if path is not None:
-        _load(path)
+        load_user_file(path)
     return path
 
 
@@ -239,7 +192,7 @@ class PythonRewardConfig(BaseModel):
         if twice:
             raise UserError(f"reward.functions: {', '.join(twice)} named twice; give each a distinct name = \"...\"")
         for path in {self.path, *(f.path for f in self.functions)} - {None}:
-            self._sources[path] = _load(path).source
+            self._sources[path] = load_user_file(path).source
         return self
 
     def chosen(self) -> list[tuple[str, str, str, float]]:
@@ -297,7 +250,7 @@ class PythonReward(Reward):
         for path, function, name, weight in config.chosen():
             if path not in modules:
                 source = config._sources.get(path)
-                modules[path] = _exec(path, source) if source is not None else _load(path).module
+                modules[path] = exec_user_source(path, source) if source is not None else load_user_file(path).module
             fn = getattr(modules[path], function)
             params = inspect.signature(fn).parameters.values()
             self.functions.append(_Function(

@@ -3,6 +3,8 @@ The controller calls them; only this module knows which there are."""
 
 from __future__ import annotations
 
+from streamrl.agents.extension import AgentRollouts
+from streamrl.tasks.agent import AgentTask
 from streamrl.extensions import evaluate
 from streamrl.extensions.elastic import ElasticGrowth
 from streamrl.extensions.step_extension import StepExtension
@@ -14,11 +16,13 @@ def for_run(ctl) -> list[StepExtension]:
     """The run's step extensions, in the order they are called: the elastic pool (when the
     recipe asks for one and the cluster can grow), held-out evaluation (``[eval]``), the side
     learners (always: they can be added while the run goes on). Evaluation comes before the
-    learners: their record repeats the main learner's evaluation. Served traffic (``[serve]``)
-    comes first: it supplies the steps' samples."""
+    learners: their record repeats the main learner's evaluation. Agent rollouts (``[task] name =
+    "agent"``), or else served traffic (``[serve]``), come first: they supply the steps' samples."""
     r = ctl.recipe
     out: list[StepExtension] = []
-    if r.serve is not None:
+    if isinstance(ctl.task, AgentTask):  # an agent's rollouts, against endpoints of their own
+        out.append(AgentRollouts(ctl))
+    elif r.serve is not None:
         out.append(ServedTraffic(ctl))
     cfg = r.pools.generate.elastic if r.pools.generate else None
     if cfg is not None and ctl.topology.can_grow:  # (benchmarks pass no cluster)

@@ -70,6 +70,8 @@ class Completion:
         self._open = params.n
         self.cancelled = False
         """Whether :meth:`cancel` stopped the request (its choices are not trained)."""
+        self.turn = None
+        """The agent rollout's call this request is (``openai_api.Turn``), or None."""
 
     def start(self) -> None:
         """Queue every choice in the engine."""

@@ -23,10 +23,10 @@ from streamrl.serve.traffic import Traffic
 _RUNNING: dict[str, tuple] = {}
 
 
-def start(config: dict, model_name: str) -> str:
+def start(config: dict, model_name: str, tool_parser=None) -> str:
     """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
-    Raises naming the setting when the engine cannot stream (not the slot decoder) or the port
-    cannot be bound."""
+    ``tool_parser``: the built ``serve.tool_parser``. Raises naming the setting when the engine
+    cannot stream (not the slot decoder) or the port cannot be bound."""
     import uvicorn
 
     from streamrl.serve.openai_api import Endpoint, make_app
@@ -38,7 +38,9 @@ def start(config: dict, model_name: str) -> str:
         raise ValueError('streamrl serve needs engine.batching = "slots" (the engine that streams each decode '
                          f"step's tokens); this engine is {type(engine).__name__}")
     traffic = Traffic(cfg.feedback_timeout_s)
-    app = make_app(Endpoint(engine, cfg, traffic, model_name))
+    api = Endpoint(engine, cfg, traffic, model_name, tool_parser)
+    api.worker = str(get_worker().name)
+    app = make_app(api)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="off"))
     thread = threading.Thread(target=server.run, name="streamrl-serve", daemon=True)

@@ -33,6 +33,8 @@ class ServedTraffic(StepExtension):
         self.model_name = r.serve.model_name or r.run.name
         self.max_staleness = r.run.max_staleness
         self.topology = ctl.topology
+        self.tool_parser = ctl.resolved.registry.get("tool_parser", r.serve.tool_parser, "serve.tool_parser").build(
+            {}, "serve.tool_parser")
         self.pin: dict | None = None
         self._last_take: Future | None = None
         self.worker = ""
@@ -44,7 +46,8 @@ class ServedTraffic(StepExtension):
         self.worker = sorted(self.topology.generate)[0]
         self.pin = self.topology.pins[self.worker]
         try:
-            self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name, pure=False,
+            self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
+                                          self.tool_parser, pure=False,
                                           key=f"serve-start-{time.time_ns()}", **self.pin).result()
         except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
             raise UserError(str(e)) from None

@@ -10,6 +10,11 @@ Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
 status; each is one line in the worker's log. Sampling follows the policy: ``temperature`` may be
 omitted, equal ``engine.temperature`` (the samples the learners train on) or be 0 (greedy; served,
 not trained); ``top_p`` 1; ``seed`` is accepted and not honoured (one draw serves all slots).
+
+Tools: a chat request's ``tools`` reach the model's chat template, and each reply is parsed by
+the ``serve.tool_parser`` into ``message.tool_calls`` (``finish_reason: "tool_calls"``). An agent's
+calls that carry the ``X-Streamrl-Rollout`` header join one token-faithful trajectory
+(``serve/trajectories.py``), which ``POST /v1/streamrl/rollouts/{id}/finish`` hands over.
 """
 
 from __future__ import annotations
@@ -24,9 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from streamrl.chat.messages import MessageError, normalize, render, reply_message
 from streamrl.serve.completion import Completion, Params
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.traffic import Traffic
+from streamrl.serve.trajectories import Trajectories
+
+#: The header that ties a call to an agent's rollout (its value: the rollout's id).
+ROLLOUT_HEADER = "x-streamrl-rollout"
 
 log = logging.getLogger("streamrl.serve")
 
@@ -71,6 +81,10 @@ class ChatRequest(Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    """Functions the model may call, in OpenAI's format; shown to the model by its chat template."""
+    tool_choice: str | dict[str, Any] | None = None
+    """``"none"``: the reply is not parsed for tool calls; anything else parses it."""
 
 
 class CompletionRequest(Sampling):
@@ -93,9 +107,13 @@ class Feedback(BaseModel):
 class Endpoint:
     """What the API serves from: the engine, its tokenizer, the traffic store and the settings."""
 
-    def __init__(self, engine, config: ServeConfig, traffic: Traffic, model_name: str):
+    def __init__(self, engine, config: ServeConfig, traffic: Traffic, model_name: str, tool_parser=None):
         self.engine, self.config, self.traffic, self.model_name = engine, config, traffic, model_name
         self.tokenizer = engine.tokenizer
+        self.tool_parser = tool_parser
+        self.worker = ""
+        """The name of the Dask worker serving (set by ``endpoint.start``)."""
+        self.trajectories = Trajectories(self.tokenizer, self.encode_chat)
         self.pending = 0  # choices asked and not ended (serve.max_pending)
         self.created = int(time.time())
 
@@ -124,9 +142,10 @@ class Endpoint:
             field = ".".join(str(x) for x in err["loc"])
             raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
 
-    def params(self, req: Sampling, prompt_ids: list[int]) -> Params:
-        """The request's sampling, checked against the engine and the policy."""
-        if req.model != self.model_name:
+    def params(self, req: Sampling, prompt_ids: list[int], rollout: bool = False) -> Params:
+        """The request's sampling, checked against the engine and the policy (``rollout``: a
+        call of an agent's rollout, which the run's policy answers whatever ``model`` names)."""
+        if req.model != self.model_name and not rollout:
             raise APIError(404, f"The model '{req.model}' does not exist; this endpoint serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
         c = self.engine.config
@@ -154,20 +173,25 @@ class Endpoint:
                            kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer)
 
-    def chat_prompt(self, req: ChatRequest) -> list[int]:
-        """The messages through the model's chat template (a plain ``role: content`` layout for a
-        tokenizer without one)."""
-        tok = self.tokenizer
-        for i, m in enumerate(req.messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-                raise APIError(400, f"messages[{i}] needs a string 'role' and a 'content'.", param=f"messages.{i}")
-        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
-                     "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))} for m in req.messages]
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return tok(text, add_special_tokens=False).input_ids
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    def messages(self, req: ChatRequest) -> list[dict[str, Any]]:
+        """The request's messages in the canonical shape (``chat/messages.py``); a 400 naming the
+        first bad one."""
+        try:
+            return normalize(req.messages)
+        except MessageError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Rendered chat text as token ids (the template wrote the special tokens; a tokenizer
+        without a template gets the engine's own encoding, BOS first)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.engine.encode(text)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The messages (and tools) through the model's chat template (a plain ``role: content``
+        layout for a tokenizer without one)."""
+        return self.encode_chat(render(self.tokenizer, messages, tools, generation_prompt=True))
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         """The prompt as the engine encodes a task's (BOS, then the text), or the given token ids."""
@@ -208,8 +232,20 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         req = await endpoint.body(request, ChatRequest)
         if req.top_logprobs:
             raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).", param="top_logprobs")
-        ids = endpoint.chat_prompt(req)
-        return await respond(endpoint, request, req, ids, chat=True)
+        messages = endpoint.messages(req)
+        rollout = request.headers.get(ROLLOUT_HEADER)
+        if rollout is None:
+            return await respond(endpoint, request, req, endpoint.chat_prompt(messages, req.tools), chat=True)
+        if req.n != 1:
+            raise APIError(400, "A rollout's call asks for one reply (n = 1); a group is several rollouts.", param="n")
+        ids, segment = endpoint.trajectories.prompt(rollout, messages, req.tools)
+        turn = Turn(rollout, segment, messages, ids)
+        try:
+            return await respond(endpoint, request, req, ids, chat=True, turn=turn)
+        except BaseException:
+            if not turn.done:
+                endpoint.trajectories.abandon(rollout, segment)
+            raise
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -233,6 +269,12 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                            param="id" if problem.startswith("no completion") else "index")
         return {"object": "feedback", "id": fb.id, "accepted": True}
 
+    @app.post("/v1/streamrl/rollouts/{rollout}/finish")
+    async def finish_rollout(rollout: str, request: Request):
+        endpoint.authorize(request)
+        return {"object": "streamrl.rollout", "id": rollout, "worker": endpoint.worker,
+                **endpoint.trajectories.finish(rollout)}
+
     @app.get("/v1/serve/stats")
     async def stats(request: Request):
         endpoint.authorize(request)
@@ -242,11 +284,22 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     return app
 
 
-async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list[int], chat: bool):
+class Turn:
+    """A call of an agent's rollout: where its reply goes when it ends (the rollout's
+    trajectory, not the traffic the learners take one request at a time)."""
+
+    def __init__(self, rollout: str, segment, messages: list[dict[str, Any]], prompt_ids: list[int]):
+        self.rollout, self.segment, self.messages, self.prompt_ids = rollout, segment, messages, prompt_ids
+        self.done = False
+
+
+async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list[int], chat: bool,
+                  turn: Turn | None = None):
     """Run the request in the engine; the whole response, or its server-sent events."""
-    params = endpoint.params(req, ids)
+    params = endpoint.params(req, ids, rollout=turn is not None)
     cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     completion = Completion(endpoint.engine, endpoint.tokenizer, cid, ids, params)
+    completion.turn = turn
     endpoint.pending += params.n
     endpoint.traffic.started(cid)
     try:
@@ -254,7 +307,8 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
     except ValueError as e:  # the engine's own check (a prompt past its slots)
         endpoint.pending -= params.n
         raise APIError(400, str(e), param="prompt") from None
-    fmt = Format(endpoint, req, cid, chat, ids)
+    tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
+    fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None)
     if req.stream:
         return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -265,7 +319,7 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
     except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
         raise APIError(500, f"Generation failed: {e}", kind="server_error") from None
     finally:
-        finished(endpoint, completion)
+        finished(endpoint, completion, fmt)
     return fmt.whole(completion)
 
 
@@ -276,7 +330,7 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
     try:
         yield sse(fmt.chunk(None, first=True))
         async for ev in completion.events():
-            yield sse(fmt.chunk(ev))
+            yield sse(fmt.chunk(ev, choice=completion.choices[ev.index]))
         if (req.stream_options or {}).get("include_usage"):
             yield sse(fmt.usage_chunk(completion))
         yield "data: [DONE]\n\n"
@@ -286,13 +340,25 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
     finally:
         if not all(c.finish_reason for c in completion.choices):
             completion.cancel()
-        finished(endpoint, completion)
+        finished(endpoint, completion, fmt)
 
 
-def finished(endpoint: Endpoint, completion: Completion) -> None:
+def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
     """The request ended: free its place and hand its choices to the learners (not a cancelled
-    one, nor a greedy one, which is not a sample of the policy)."""
+    one, nor a greedy one, which is not a sample of the policy); a rollout's call joins its
+    trajectory instead."""
     endpoint.pending -= completion.params.n
+    turn = completion.turn
+    if turn is not None:
+        c = completion.choices[0]
+        if completion.cancelled or not c.finish_reason:
+            endpoint.trajectories.abandon(turn.rollout, turn.segment)
+        else:
+            n = c.stopped_at if c.stopped_at is not None else len(c.tokens)
+            endpoint.trajectories.add(turn.rollout, turn.segment, turn.messages, turn.prompt_ids, c.tokens[:n],
+                                      c.logprobs[:n], c.versions[:n], fmt.reply(c))
+        turn.done = True
+        return
     if completion.cancelled or not all(c.finish_reason for c in completion.choices):
         endpoint.traffic.count("cancelled")
         endpoint.traffic.dropped(completion.cid)
@@ -311,8 +377,10 @@ def sse(obj: dict) -> str:
 class Format:
     """OpenAI's response and chunk bodies for one request."""
 
-    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int]):
+    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int], tool_parser=None):
         self.endpoint, self.req, self.cid, self.chat, self.prompt_ids = endpoint, req, cid, chat, prompt_ids
+        self.tool_parser = tool_parser
+        self._replies: dict[int, dict] = {}
         self.created = int(time.time())
         self.want_logprobs = bool(getattr(req, "logprobs", False))
 
@@ -333,21 +401,45 @@ class Format:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": out,
                 "total_tokens": len(self.prompt_ids) + out}
 
+    def reply(self, c) -> dict:
+        """Choice ``c``'s assistant message, canonical (``chat/messages.py``): its text, parsed for
+        tool calls when the request offered tools."""
+        if c.index not in self._replies:
+            content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
+            ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
+            self._replies[c.index] = reply_message(content, calls, ids)
+        return self._replies[c.index]
+
+    def finish_reason(self, c) -> str | None:
+        """``tool_calls`` for a finished reply that calls tools, else the choice's own."""
+        if c.finish_reason and self.chat and self.reply(c).get("tool_calls"):
+            return "tool_calls"
+        return c.finish_reason
+
+    def message(self, c) -> dict:
+        """OpenAI's ``message`` of choice ``c`` (``content`` null when it only calls tools)."""
+        reply = self.reply(c)
+        msg = {"role": "assistant", "content": reply["content"] or (None if reply.get("tool_calls") else "")}
+        if reply.get("tool_calls"):
+            msg["tool_calls"] = reply["tool_calls"]
+        return msg
+
     def whole(self, completion: Completion) -> dict:
         """The non-streamed response."""
         choices = []
         for c in completion.choices:
-            body = ({"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text})
+            body = {"message": self.message(c)} if self.chat else {"text": c.text}
             lp = self._token_logprobs(c.tokens, c.logprobs) if self.want_logprobs else None
-            choices.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason})
+            choices.append({"index": c.index, **body, "logprobs": lp, "finish_reason": self.finish_reason(c)})
         return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": self.usage(completion),
                 "streamrl": {"prompt_token_ids": self.prompt_ids,
                              "choices": [{"index": c.index, "token_ids": c.tokens, "logprobs": c.logprobs,
                                           "policy_versions": c.versions} for c in completion.choices]}}
 
-    def chunk(self, ev, first: bool = False) -> dict:
-        """One streamed chunk: a choice's new text and tokens (``ev``), or the opening one."""
+    def chunk(self, ev, first: bool = False, choice=None) -> dict:
+        """One streamed chunk: a choice's new text and tokens (``ev``; ``choice``: the choice it
+        belongs to), or the opening one."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         if first:
             extra = {"streamrl": {"prompt_token_ids": self.prompt_ids}}
@@ -358,8 +450,16 @@ class Format:
                 for k in range(self.req.n)]}
         lp = self._token_logprobs(ev.tokens, ev.logprobs) if self.want_logprobs and ev.tokens else None
         body = {"delta": {"content": ev.text}} if self.chat else {"text": ev.text}
+        finish = ev.finish_reason
+        if finish and self.tool_parser is not None and choice is not None:
+            # the reply's tool calls, parsed once it is whole, ride on its last chunk (its text
+            # streamed as the model wrote it, call markup included)
+            calls = self.reply(choice).get("tool_calls", [])
+            if calls:
+                body["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                finish = "tool_calls"
         return {**self._base(obj), "choices": [{"index": ev.index, **body, "logprobs": lp,
-                                                "finish_reason": ev.finish_reason}],
+                                                "finish_reason": finish}],
                 "streamrl": {"index": ev.index, "token_ids": ev.tokens, "logprobs": ev.logprobs,
                              "policy_version": ev.version}}
 

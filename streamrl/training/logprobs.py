@@ -23,7 +23,8 @@ def pad_batch(samples, pad_id: int):
     """Right-padded ``input_ids``, ``attention_mask`` and a mask of response-token positions.
 
     ``response_mask[i, t]`` is 1 where token ``t+1`` of row ``i`` is a response token, i.e. it
-    lines up with the logits at position ``t`` that predicted it.
+    lines up with the logits at position ``t`` that predicted it, and 0 where the sample's
+    ``loss_mask`` says the token was not generated (an agent's tool output between two turns).
     """
     rows = [s.prompt_ids + s.response_ids for s in samples]
     width = max(len(r) for r in rows)
@@ -35,7 +36,7 @@ def pad_batch(samples, pad_id: int):
         ids[i, : len(row)] = torch.tensor(row)
         attn[i, : len(row)] = 1
         p, r = len(s.prompt_ids), len(s.response_ids)
-        resp[i, p - 1: p - 1 + r] = 1.0
+        resp[i, p - 1: p - 1 + r] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1.0
         old[i, p - 1: p - 1 + r] = torch.tensor(s.logprobs, dtype=torch.float32)
     return ids, attn, resp, old
 

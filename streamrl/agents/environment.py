@@ -1,0 +1,36 @@
+"""streamrl's rollout of a gym-style :class:`~streamrl.api.Environment`: reset, then one model
+reply and one ``step`` per turn, through the same endpoint and client a user's rollout function
+gets, so both shapes train the same way."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+async def _maybe(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+async def environment_rollout(client, row: dict[str, Any], env_class, max_turns: int, max_tokens: int | None,
+                              model: str = "policy") -> float:
+    """Run one episode of ``env_class`` on ``row``; the sum of its step rewards."""
+    env = env_class()
+    try:
+        messages = list(await _maybe(env.reset(row)))
+        total = 0.0
+        for _ in range(max_turns):
+            kwargs: dict[str, Any] = {"tools": env.tools} if env.tools else {}
+            if max_tokens:
+                kwargs["max_tokens"] = max_tokens
+            reply = await client.chat.completions.create(model=model, messages=messages, **kwargs)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+            messages.append(message)
+            new, reward, done = await _maybe(env.step(message))
+            total += float(reward)
+            messages += list(new)
+            if done:
+                break
+        return total
+    finally:
+        await _maybe(env.close())

@@ -1,0 +1,117 @@
+"""Agent rollouts as the run's source of samples: a step extension (``[task] name = "agent"``).
+
+After placement it starts an OpenAI-compatible endpoint on every generate worker (any free
+loopback port; ``[serve]``'s key and tool parser when the recipe has that table). Each step's
+samples are then, per row the task hands out, one task on the agent pool (``pools.agent``, else
+the reward pool) that runs the row's ``trainer.samples_per_prompt`` rollouts against those
+endpoints and returns their trajectories with their rewards. Weight publication goes on as in
+any run: in ``async`` mode a rollout in flight when new weights load goes on with them, its
+tokens marked with their versions.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from distributed import Future
+
+from streamrl.agents.rollout import EVENT_TOPIC, run_group
+from streamrl.errors import UserError
+from streamrl.extensions.step_extension import StepExtension
+from streamrl.flow import submit
+from streamrl.recipe.serve import ServeConfig
+from streamrl.serve import endpoint
+
+
+class AgentRollouts(StepExtension):
+    """Starts the endpoints, submits each step's rollouts, records how they went."""
+
+    def __init__(self, ctl):
+        r = ctl.recipe
+        self.client, self.task, self.recipe = ctl.client, ctl.task, r
+        serve = r.serve or ServeConfig()
+        self.config = serve.model_copy(update={"port": 0})  # one endpoint per generate worker
+        self.model_name = serve.model_name or r.run.name
+        self.tool_parser = ctl.resolved.registry.get("tool_parser", serve.tool_parser, "serve.tool_parser").build(
+            {}, "serve.tool_parser")
+        self.spec = ctl.task.config.spec()
+        self.pool = "agent" if r.pools.agent is not None else "reward"
+        self.topology = ctl.topology
+        self.urls: list[str] = []
+        self.pins: list[dict] = []
+        self.seen: set[str] = set()
+        self._events_after = 0.0  # the time of the last event counted
+        self._named: set[str] = set()  # the kinds of failure already named on the console
+        self._lines: list[str] = []
+
+    def placed(self, ctl) -> None:
+        """Start an endpoint on every generate worker."""
+        self.urls, self.pins = [], []
+        for name in sorted(self.topology.generate):
+            pin = self.topology.pins[name]
+            try:
+                url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name, self.tool_parser,
+                                         pure=False, key=f"agent-endpoint-{name}-{time.time_ns()}", **pin).result()
+            except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix
+                raise UserError(str(e)) from None
+            self.urls.append(url)
+            self.pins.append(pin)
+
+    def started(self, run_dir: Path) -> list[str]:
+        """The endpoints' addresses, for the console (an outside agent may use them too)."""
+        return [f"agent rollouts on the {self.pool} pool against {len(self.urls)} endpoint(s): {', '.join(self.urls)}"]
+
+    def samples(self, step: int, min_version: int) -> list[Future]:
+        """The step's rows, each rolled out ``trainer.samples_per_prompt`` times on the agent pool."""
+        t = self.recipe.trainer
+        prompts = self.task.prompts(step, t.prompts_per_step)
+        submit.check_prompts("agent", step, prompts, t.prompts_per_step, self.seen)
+        n, out = t.samples_per_prompt, []
+        for i, prompt in enumerate(prompts):
+            out.append(self.client.submit(run_group, prompt, n, self.urls, self.spec, self.config.api_key, step,
+                                          first=i * n, key=f"agent-{step}-{prompt.uid}-{time.time_ns()}", pure=False,
+                                          resources={self.pool: 1}))
+        return out
+
+    def record(self, step: int, record) -> None:
+        """``turns_mean`` (model calls per rollout), ``tool_calls_mean`` and the rollouts'
+        failures (``agent/errors``, ``agent/timeouts``, ``agent/no_calls``, ``agent/splits``)
+        of the groups that finished since the last record."""
+        try:
+            events = self.client.get_events(EVENT_TOPIC)
+        except Exception:  # noqa: BLE001 -- the counts are a report; the step goes on without them
+            return
+        new = [msg for at, msg in events if at > self._events_after]
+        if events:
+            self._events_after = max(self._events_after, max(at for at, _ in events))
+        rollouts = sum(m["rollouts"] for m in new)
+        if not rollouts:
+            return
+        record.extra["turns_mean"] = round(sum(m["calls"] for m in new) / rollouts, 4)
+        record.extra["tool_calls_mean"] = round(sum(m["tool_calls"] for m in new) / rollouts, 4)
+        for key in ("errors", "timeouts", "no_calls", "splits"):
+            record.extra[f"agent/{key}"] = sum(m[key] for m in new)
+        first = next((m["first_error"] for m in new if m["first_error"]), "")
+        if first:
+            record.extra["agent/first_error"] = first
+            kind = first.split(":", 1)[0]
+            if kind not in self._named:
+                self._named.add(kind)
+                self._lines.append(f"[yellow]agent rollouts: {first[:200]}[/] (counted per step as agent/errors, "
+                                   "agent/timeouts, agent/no_calls; named here once)")
+
+    def between_steps(self, done: int, run_dir: Path) -> list[str]:
+        """A kind of rollout failure not seen before, named once on the console."""
+        lines, self._lines = self._lines, []
+        return lines
+
+    def close(self) -> None:
+        """Stop the endpoints."""
+        for pin in self.pins:
+            try:
+                self.client.submit(endpoint.stop, pure=False, key=f"agent-endpoint-stop-{time.time_ns()}",
+                                   **pin).result(timeout=30)
+            except Exception:  # noqa: BLE001 -- the worker may be gone already: nothing left to stop
+                pass
+        self.pins = []

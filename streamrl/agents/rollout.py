@@ -1,0 +1,205 @@
+"""Agent workers: a prompt group's rollouts, run concurrently, each in a thread of its own with
+its own event loop, then read back from the endpoint as token-faithful samples.
+
+A rollout gets an ``openai.AsyncOpenAI`` whose every request carries the ``X-Streamrl-Rollout``
+header, so the endpoint joins its calls into one trajectory (``serve/trajectories.py``); when the
+rollout returns, ``POST /v1/streamrl/rollouts/<id>/finish`` hands the trajectory over. Each
+rollout runs in its own thread: agent code that blocks (a synchronous tool that hangs) holds
+only that thread, and is abandoned at ``task.rollout_timeout_s`` while the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import secrets
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+# imported here, once, not by each rollout's thread: a hundred threads importing a package at
+# once can hang on the import lock, which the worker's own event loop needs too
+import openai
+from distributed import get_worker
+
+from streamrl.plugins.user_files import exec_user_source
+from streamrl.rewards.scoring import reward_value
+from streamrl.sample import Group, Prompt, Sample
+
+#: The header that ties a request to its rollout (the endpoint reads it).
+ROLLOUT_HEADER = "X-Streamrl-Rollout"
+
+#: The Dask event topic of each group's rollout counts (``agents/extension.py`` reads it).
+EVENT_TOPIC = "streamrl-agent"
+
+#: Seconds to wait for the endpoint to hand over a trajectory.
+FINISH_TIMEOUT_S = 30.0
+
+# the user's file, imported once per worker and version of its text (the group tasks of a
+# worker's threads ask at once)
+_MODULES: dict[tuple[str, int], Any] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+@dataclass
+class Outcome:
+    """How one rollout ended."""
+
+    reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    """``"TypeError: ..."`` when the agent raised, ``"RolloutTimeout: ..."`` when it was abandoned."""
+    seconds: float = 0.0
+
+
+class RolloutThread(threading.Thread):
+    """One rollout: the agent's coroutine on an event loop of its own."""
+
+    def __init__(self, make_coroutine):
+        super().__init__(daemon=True, name="streamrl-rollout")
+        self.make_coroutine = make_coroutine
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+
+    def run(self) -> None:
+        """Run the coroutine to its end (or its cancellation)."""
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            self._task = loop.create_task(self.make_coroutine())
+            self.result = loop.run_until_complete(self._task)
+        except BaseException as e:  # noqa: BLE001 -- the agent's failure, reported by the group
+            self.error = e
+        finally:
+            loop.close()
+
+    def abandon(self) -> None:
+        """Cancel the coroutine (it gets ``CancelledError`` at its next await; code that never
+        awaits keeps only this thread)."""
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # (the loop closed meanwhile)
+                pass
+
+
+def agent_of(spec: dict):
+    """The user's rollout function, or streamrl's rollout of the user's environment class."""
+    key = (spec["path"], zlib.crc32(spec["source"].encode()))
+    with _MODULES_LOCK:
+        if key not in _MODULES:
+            _MODULES[key] = exec_user_source(spec["path"], spec["source"])
+        module = _MODULES[key]
+    if spec["function"]:
+        return getattr(module, spec["function"])
+    from streamrl.agents.environment import environment_rollout
+
+    env_class = getattr(module, spec["environment"])
+
+    async def rollout(client, row):
+        return await environment_rollout(client, row, env_class, spec["max_turns"], spec["max_tokens"])
+    return rollout
+
+
+def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str, step: int, first: int = 0
+              ) -> list[Group]:
+    """Agent worker: ``n`` rollouts of ``prompt``'s row (``Prompt.columns``), rollout ``k`` on
+    endpoint ``urls[(first + k) % len(urls)]``; returns the group (a bundle of one) of their
+    trajectories' samples, each with its rollout's reward. A rollout that raised or timed out
+    is scored 0 with its error; one that never called the model leaves no sample. The counts go
+    to the Dask event ``streamrl-agent``."""
+    agent = agent_of(spec)
+    row = dict(prompt.columns)
+    tag = secrets.token_hex(4)
+    runs = []
+    for k in range(n):
+        rid = f"{prompt.uid}-{k}-{tag}"
+        url = urls[(first + k) % len(urls)]
+        thread = RolloutThread(_rollout_coroutine(agent, url, api_key, rid, row, spec["timeout_s"]))
+        runs.append((k, rid, url, thread, time.time()))
+        thread.start()
+    deadline = time.time() + spec["timeout_s"]
+    outcomes = []
+    for k, rid, url, thread, started in runs:
+        thread.join(max(0.0, deadline - time.time()))
+        outcomes.append(_outcome(thread, started, spec["timeout_s"]))
+    group: Group = []
+    counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
+              "splits": 0, "first_error": ""}
+    for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
+        traj = _finish(url, api_key, rid)
+        counts["calls"] += traj["calls"]
+        counts["tool_calls"] += traj["tool_calls"]
+        counts["splits"] += traj["splits"]
+        if outcome.error:
+            counts["timeouts" if outcome.error.startswith("RolloutTimeout") else "errors"] += 1
+            counts["first_error"] = counts["first_error"] or outcome.error
+        if not traj["segments"] and not outcome.error:
+            counts["no_calls"] += 1
+            counts["first_error"] = counts["first_error"] or "the rollout returned without calling the model"
+        group += samples_of(prompt, k, traj, outcome, started)
+    get_worker().log_event(EVENT_TOPIC, counts)
+    return [group] if group else []
+
+
+def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "streamrl", timeout=timeout_s,
+                                    default_headers={ROLLOUT_HEADER: rid})
+        try:
+            result = agent(client, row)
+            return await result if inspect.isawaitable(result) else result
+        finally:
+            await client.close()
+    return main
+
+
+def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome:
+    seconds = time.time() - started
+    if thread.is_alive():
+        thread.abandon()
+        return Outcome(error=f"RolloutTimeout: still running after {timeout_s:g} s (task.rollout_timeout_s)",
+                       seconds=seconds)
+    if thread.error is not None:
+        e = thread.error
+        return Outcome(error=f"{type(e).__name__}: {e}"[:500], seconds=seconds)
+    try:
+        reward, info = reward_value(thread.result)
+    except (TypeError, ValueError) as e:
+        return Outcome(error=f"{type(e).__name__}: the rollout returned {thread.result!r:.80}: {e}"[:500],
+                       seconds=seconds)
+    return Outcome(reward, info, seconds=seconds)
+
+
+def _finish(url: str, api_key: str, rid: str) -> dict:
+    """The rollout's trajectory, taken from the endpoint that served it."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(f"{url}/streamrl/rollouts/{rid}/finish", headers=headers, timeout=FINISH_TIMEOUT_S)
+    r.raise_for_status()
+    return r.json()
+
+
+def samples_of(prompt: Prompt, k: int, traj: dict, outcome: Outcome, started: float) -> list[Sample]:
+    """Rollout ``k``'s trajectory (each of its segments) as samples with its reward."""
+    out = []
+    info = {**outcome.info, "turns": float(traj["calls"]), "tool_calls": float(traj["tool_calls"])}
+    for j, seg in enumerate(traj["segments"]):
+        versions = seg["policy_versions"]
+        s = Sample(uid=f"{prompt.uid}-{k}" + (f".{j}" if j else ""), prompt=prompt, prompt_ids=seg["prompt_ids"],
+                   response_ids=seg["response_ids"], logprobs=seg["logprobs"], response_text=seg.get("text", ""),
+                   policy_version=min(versions) if versions else 0, token_versions=versions,
+                   loss_mask=seg["loss_mask"], reward=outcome.reward, reward_info=dict(info),
+                   worker=traj.get("worker", ""), times={"submitted": started, "gen_start": started,
+                                                         "gen_end": started + outcome.seconds,
+                                                         "reward_end": started + outcome.seconds})
+        if outcome.error:
+            s.reward_error = outcome.error
+            s.times["reward_error"] = 1.0
+            s.response_text += f"\n[rollout error: {outcome.error}]"
+        out.append(s)
+    return out

@@ -1,0 +1,122 @@
+"""Chat messages as the endpoint takes them: checked, put into the shape chat templates read,
+and rendered with the model's template (tools included).
+
+OpenAI's clients send ``content`` as a string, a list of parts or null (an assistant turn that
+only calls tools), and an assistant's ``tool_calls`` with ``arguments`` as JSON text; Hugging
+Face chat templates read ``arguments`` as a mapping. :func:`template_messages` turns the one into
+the other, so a conversation an agent wrote for OpenAI's API renders as the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: The roles a message may have.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class MessageError(ValueError):
+    """A message the endpoint cannot take; ``param`` names it (``messages.3.content``)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's ``content`` as text: a string, the text parts of a list, or "" for null."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
+    raise MessageError(f"{where}.content must be a string, a list of content parts or null.", f"{where}.content")
+
+
+def normalize(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's messages, checked, in one canonical shape: ``role``, ``content`` (text),
+    and where present ``tool_calls`` (``[{"id", "type", "function": {"name", "arguments"}}]``,
+    arguments as JSON text), ``tool_call_id`` and ``name``. Two conversations that mean the same
+    compare equal in this shape (how an agent's next call is matched to its last)."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise MessageError(f"{where}.role must be one of {', '.join(ROLES)}.", f"{where}.role")
+        if "content" not in m and not m.get("tool_calls"):
+            raise MessageError(f"{where} needs a 'content'.", f"{where}.content")
+        msg: dict[str, Any] = {"role": m["role"], "content": text_of(m.get("content"), where)}
+        if m.get("tool_calls"):
+            if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
+                raise MessageError(f"{where}.tool_calls must be a list, on an assistant message.", f"{where}.tool_calls")
+            msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls.{k}") for k, c in enumerate(m["tool_calls"])]
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise MessageError(f"{where} needs a 'function' with a 'name'.", where)
+    args = fn.get("arguments", "{}")
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Canonical messages (:func:`normalize`) as chat templates read them: tool calls'
+    ``arguments`` parsed into mappings (left as text where they are not JSON)."""
+    out = []
+    for m in messages:
+        if "tool_calls" in m:
+            calls = []
+            for c in m["tool_calls"]:
+                try:
+                    args = json.loads(c["function"]["arguments"])
+                except json.JSONDecodeError:
+                    args = c["function"]["arguments"]
+                calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None, generation_prompt: bool) -> str:
+    """The conversation as the model's chat template writes it (``tools`` passed to the
+    template, which shows them as the model was trained to see them), ending with the
+    assistant's header when ``generation_prompt``. A tokenizer without a template gets a plain
+    ``role: content`` layout (and no tools)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+                                             add_generation_prompt=generation_prompt, tokenize=False)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant:" if generation_prompt else "")
+
+
+def reply_message(content: str | None, calls: list[dict[str, str]], call_ids: list[str]) -> dict[str, Any]:
+    """The assistant message a reply is, in the canonical shape (what the agent sends back in its
+    next call's history)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if calls:
+        msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                             for cid, c in zip(call_ids, calls)]
+    return msg
+
+
+def message_key(m: dict[str, Any]) -> tuple:
+    """What a canonical message means, for comparing an agent's history with what the endpoint
+    saw and said: role, text (whitespace around it aside), tool calls (name and arguments as
+    JSON values) and the tool call a result answers. Call ids of assistant turns are left out
+    (an agent may keep its own)."""
+    calls = tuple((c["function"]["name"], _canonical_json(c["function"]["arguments"])) for c in m.get("tool_calls", []))
+    return m["role"], (m.get("content") or "").strip(), calls, m.get("name", "")
+
+
+def _canonical_json(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True)
+    except json.JSONDecodeError:
+        return text

@@ -1,0 +1,54 @@
+"""Agents: the ``tool_parser`` contract and the gym-style :class:`Environment`.
+
+Plugins and users' agent files import these from ``streamrl.api``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ToolParser:
+    """Turns the text of a model's reply into OpenAI's ``tool_calls`` (runs on the generate worker
+    that serves the endpoint, once per reply of a request that offered ``tools``).
+
+    A model writes a tool call in the format its chat template taught it; the endpoint hands
+    agent code OpenAI's structured form, so the code runs unchanged against any model. Register
+    a parser for another format with ``register_tool_parsers`` and name it in ``[serve]
+    tool_parser``."""
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
+        """``(content, calls)``: the reply's text outside its tool calls (None when nothing is
+        left) and each call as ``{"name": ..., "arguments": <JSON text>}``, in order. Text that
+        looks like a call but does not parse stays in the content (the agent sees what the model
+        wrote)."""
+        return text, []
+
+    def close(self) -> None:
+        """Release what the parser holds (nothing, by default)."""
+
+
+class Environment:
+    """A gym-style environment, for users who prefer SkyRL's or TRL's shape to writing the
+    rollout loop themselves (``[task] name = "agent"``, ``environment = "MyEnv"``).
+
+    streamrl's rollout builds one environment per rollout, calls :meth:`reset`, then asks the
+    model for a reply to the conversation so far and hands it to :meth:`step`, until ``done`` or
+    ``task.max_turns`` replies; the rewards :meth:`step` returns are summed. :meth:`close` runs
+    however the rollout ends. Methods may be plain or ``async``."""
+
+    tools: list[dict[str, Any]] = []
+    """Tools offered to the model on every call, in OpenAI's format (``{"type": "function",
+    "function": {"name", "description", "parameters"}}``); empty: none."""
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """Start a rollout on dataset row ``row``: the conversation's first messages."""
+        raise NotImplementedError
+
+    def step(self, message: dict[str, Any]) -> tuple[list[dict[str, Any]], float, bool]:
+        """The model replied ``message`` (OpenAI's assistant message as a dict: ``content``,
+        ``tool_calls``): the messages that follow it (tool results, a user turn), the reward of
+        this step, and whether the rollout is over."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """The rollout ended (also after a timeout or an error)."""

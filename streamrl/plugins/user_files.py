@@ -1,0 +1,68 @@
+"""Users' own Python files (a reward's functions, an agent's rollout): read and imported
+where ``streamrl`` runs when the recipe is validated -- so a missing file, a syntax error or a
+missing function is one line before any worker starts -- and their text shipped to the workers,
+which import it again: the file only has to exist where ``streamrl`` runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+
+@dataclass
+class _Loaded:
+    """A user file: its text and the module it imports as."""
+
+    source: str
+    module: ModuleType
+
+
+# Validators of one recipe run separately for each field naming the same file; importing a file
+# runs its top-level code, so do it once per version of the file.
+_LOADED: dict[tuple[str, int, int], _Loaded] = {}
+
+
+def _module_name(path: str) -> str:
+    return f"streamrl_user_{Path(path).stem}_{zlib.crc32(path.encode()):08x}"
+
+
+def exec_user_source(path: str, source: str) -> ModuleType:
+    """Import ``source`` as the module of file ``path`` (registered in ``sys.modules``, as an
+    import would, so dataclasses and pickling inside it work)."""
+    name = _module_name(path)
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=path)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = path
+    sys.modules[name] = module
+    try:
+        exec(compile(source, path, "exec"), module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def load_user_file(path: str) -> _Loaded:
+    """The file at ``path``, read and imported (``ValueError``: a one-line reason it cannot be)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{'no such file' if not file.exists() else 'not a file'}: {file}")
+    stat = file.stat()
+    key = (str(file), stat.st_mtime_ns, stat.st_size)
+    if key not in _LOADED:
+        try:
+            source = file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read it ({exc})") from None
+        try:
+            module = exec_user_source(str(file), source)
+        except SyntaxError as exc:
+            raise ValueError(f"cannot import it: SyntaxError: {exc.msg} (line {exc.lineno})") from None
+        except Exception as exc:
+            raise ValueError(f"cannot import it: {type(exc).__name__}: {exc}") from None
+        _LOADED[key] = _Loaded(source, module)
+    return _LOADED[key]

@@ -1,0 +1,166 @@
+"""An agent's rollout as one token-faithful trajectory, on the worker that serves it.
+
+Every call an agent makes with the ``X-Streamrl-Rollout`` header joins its rollout here. The
+first call's prompt is rendered by the chat template; each later call that continues the
+conversation -- its messages are the last call's, then the reply the endpoint gave, then new
+ones (tool results, a user turn) -- is *not* rendered again: its prompt is the last prompt, the
+exact tokens the engine generated, and the template's text for what follows the reply only.
+That text is found by rendering the conversation with a placeholder in the reply's place, so the
+generated tokens are never decoded and re-tokenised (which drifts: a model's tokens are not
+always the tokenizer's for the same text).
+
+The trajectory is then one sample: the first prompt, and a response made of each call's
+generated tokens (trained: loss mask 1, their behaviour log-probs and policy versions) and the
+template's tokens between them (context only: mask 0). A call that does not continue the
+conversation (an agent that rewrote or cut its history, changed its tools or asked for a
+reply in parallel) starts a new segment, rendered from scratch; the split is counted, and each
+segment is a sample of the rollout's group with the rollout's reward.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from streamrl.chat.messages import message_key, render
+
+#: Stands in for a reply's text when the template renders a conversation around it (no
+#: template writes this, so where it lands tells what the template adds after a reply).
+PLACEHOLDER = "\u2063streamrl-reply\u2063"
+
+
+@dataclass
+class Segment:
+    """One run of calls that continue each other: the sample it becomes, and what the next
+    call must continue."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    history: list[tuple] = field(default_factory=list)
+    """``message_key`` of the last call's messages and of the reply given: what the next call's
+    messages must start with."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The last call's messages and the reply, canonical (rendering around the placeholder)."""
+    tools: str = ""
+    calls: int = 0
+    ended_by_eos: bool = False
+    busy: bool = False
+    """A call of this segment is decoding (a parallel call cannot continue it)."""
+
+    def context(self) -> list[int]:
+        """Every token so far: the next call's prompt starts with them."""
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass
+class Rollout:
+    """The calls of one rollout, as segments."""
+
+    segments: list[Segment] = field(default_factory=list)
+    calls: int = 0
+    tool_calls: int = 0
+    splits: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class Trajectories:
+    """The rollouts in flight on this endpoint (thread-safe: the HTTP server's event loop adds,
+    a rollout's end takes)."""
+
+    def __init__(self, tokenizer, encode: Callable[[str], list[int]]):
+        self.tokenizer = tokenizer
+        self.encode = encode  # chat text -> token ids, as the endpoint tokenizes a rendered prompt
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        self._lock = threading.Lock()
+        self._rollouts: dict[str, Rollout] = {}
+
+    def prompt(self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict] | None
+               ) -> tuple[list[int], Segment]:
+        """The prompt of a rollout's call with canonical ``messages``, and the segment it joins
+        (marked busy until :meth:`add` or :meth:`abandon`)."""
+        tools_key = json.dumps(tools or [], sort_keys=True)
+        keys = [message_key(m) for m in messages]
+        with self._lock:
+            rollout = self._rollouts.setdefault(rollout_id, Rollout())
+            rollout.calls += 1
+            for seg in reversed(rollout.segments):
+                k = len(seg.history)
+                if (not seg.busy and seg.tools == tools_key and len(keys) > k and keys[:k] == seg.history
+                        and messages[k]["role"] != "assistant"):
+                    ids = self._continue(seg, messages[k:], tools)
+                    if ids is not None:
+                        seg.busy = True
+                        return ids, seg
+            if rollout.segments:
+                rollout.splits += 1
+            seg = Segment(prompt_ids=[], tools=tools_key, busy=True)
+            rollout.segments.append(seg)
+        ids = self.encode(render(self.tokenizer, messages, tools, generation_prompt=True))
+        seg.prompt_ids = ids
+        return ids, seg
+
+    def _continue(self, seg: Segment, new: list[dict[str, Any]], tools) -> list[int] | None:
+        # the template's text after the reply: the reply's end of turn, the new messages and the
+        # next assistant header; the reply itself is its generated tokens, as they are
+        last_prompt = render(self.tokenizer, seg.messages[:-1], tools, generation_prompt=True)
+        around = render(self.tokenizer, seg.messages[:-1] + [{"role": "assistant", "content": PLACEHOLDER}] + new,
+                        tools, generation_prompt=True)
+        if not around.startswith(last_prompt + PLACEHOLDER):
+            return None  # the template writes the reply's turn in a way tokens cannot be kept for
+        after = around[len(last_prompt + PLACEHOLDER):]
+        if seg.ended_by_eos and self.eos_text and after.startswith(self.eos_text):
+            after = after[len(self.eos_text):]  # the model's own end of turn stands for the template's
+        return seg.context() + self.encode(after)
+
+    def add(self, rollout_id: str, seg: Segment, messages: list[dict[str, Any]], prompt_ids: list[int],
+            tokens: list[int], logprobs: list[float], versions: list[int], reply: dict[str, Any]) -> None:
+        """A call of the rollout finished: ``tokens`` generated for ``prompt_ids`` (from
+        :meth:`prompt`), and the ``reply`` message the agent was given."""
+        with self._lock:
+            rollout = self._rollouts.get(rollout_id)
+            if rollout is None:  # (the rollout ended while its call ran: nothing to join)
+                return
+            gap = prompt_ids[len(seg.context()):] if seg.calls else []
+            fill = seg.versions[-1] if seg.versions else (versions[0] if versions else 0)
+            seg.response_ids += gap + tokens
+            seg.loss_mask += [0] * len(gap) + [1] * len(tokens)
+            seg.logprobs += [0.0] * len(gap) + list(logprobs)
+            seg.versions += [fill] * len(gap) + list(versions)
+            seg.messages = messages + [reply]
+            seg.history = [message_key(m) for m in seg.messages]
+            seg.ended_by_eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_token_id
+            seg.calls += 1
+            seg.busy = False
+            rollout.tool_calls += len(reply.get("tool_calls", []))
+
+    def abandon(self, rollout_id: str, seg: Segment) -> None:
+        """A call failed or was cancelled: its segment takes later calls as before."""
+        with self._lock:
+            seg.busy = False
+            rollout = self._rollouts.get(rollout_id)
+            if rollout is not None and seg.calls == 0 and seg in rollout.segments:
+                rollout.segments.remove(seg)
+
+    def finish(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout is over: its segments (those with a reply) and counts, removed from here."""
+        with self._lock:
+            rollout = self._rollouts.pop(rollout_id, None)
+        if rollout is None:
+            return {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
+        segments = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
+                     "logprobs": s.logprobs, "policy_versions": s.versions, "calls": s.calls,
+                     "text": self.tokenizer.decode(s.response_ids, skip_special_tokens=False)}
+                    for s in rollout.segments if s.calls]
+        return {"segments": segments, "calls": rollout.calls, "tool_calls": rollout.tool_calls,
+                "splits": rollout.splits}
+
+    def in_flight(self) -> int:
+        """Rollouts begun and not finished."""
+        with self._lock:
+            return len(self._rollouts)

@@ -1,0 +1,208 @@
+"""Agents' calls through the endpoint, in this process on CPU (a real uvicorn server and the
+real ``openai`` client, no cluster): tool calls parsed into OpenAI's form, a rollout's calls
+joined into one trajectory whose tokens and log-probs are the engine's, a rewritten history
+split, the loss mask in the trainer's batch, and the agent task's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from streamrl.engines.base import HFEngineConfig
+from streamrl.engines.slots import SlotEngine
+from streamrl.errors import UserError
+from streamrl.recipe.recipe import validate_section
+from streamrl.recipe.serve import ServeConfig
+from streamrl.sample import Prompt, Sample
+from streamrl.serve.openai_api import Endpoint, make_app
+from streamrl.chat.tool_calls import HermesToolParser
+from streamrl.serve.traffic import Traffic
+from streamrl.training.logprobs import naive_token_logprobs, pad_batch
+from tests.helpers import ROOT
+
+CALC_MODEL = ROOT / "models" / "tiny-calculator"
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The calculator model behind a real endpoint on a free loopback port."""
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=8, max_prompt_tokens=128, max_new_tokens=64,
+                                       temperature=1.0, profile=False))
+    engine.load(str(CALC_MODEL))
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", HermesToolParser())
+    server = uvicorn.Server(uvicorn.Config(make_app(api), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield api, f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+        engine.close()
+
+
+def rollout_client(url: str, rid: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="x", default_headers={"X-Streamrl-Rollout": rid}, max_retries=0)
+
+
+def finish(url: str, rid: str) -> dict:
+    import httpx
+
+    return httpx.post(f"{url}/streamrl/rollouts/{rid}/finish", timeout=30).json()
+
+
+def test_the_hermes_parser_turns_blocks_into_calls_and_leaves_broken_ones_as_text():
+    p = HermesToolParser()
+    assert p.parse('ok <tool_call>{"name": "calc", "arguments": {"x": "2*3"}}</tool_call>') == (
+        "ok", [{"name": "calc", "arguments": '{"x": "2*3"}'}])
+    assert p.parse('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>')[1] == [
+        {"name": "a", "arguments": "{}"}, {"name": "b", "arguments": "{}"}]
+    assert p.parse("<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    assert p.parse("plain") == ("plain", [])
+
+
+def two_turns(url: str, rid: str, greedy_first: bool = False):
+    """An agent's two calls: the model's first reply, a tool result, the second reply."""
+    client = rollout_client(url, rid)
+    messages = [{"role": "user", "content": "What is 12*34?"}]
+    first = client.chat.completions.create(model="anything", messages=messages, tools=TOOLS, max_tokens=64)
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": "c", "content": "408"})
+    second = client.chat.completions.create(model="anything", messages=messages, tools=TOOLS, max_tokens=64)
+    return first, second, messages
+
+
+def test_a_rollouts_calls_join_one_trajectory_with_the_engines_tokens_and_logprobs(served):
+    api, url = served
+    first, second, _ = two_turns(url, "r-join")
+    traj = finish(url, "r-join")
+    assert traj["calls"] == 2 and traj["splits"] == 0 and len(traj["segments"]) == 1
+    seg = traj["segments"][0]
+    a = first.model_extra["streamrl"]
+    b = second.model_extra["streamrl"]
+    gen1, gen2 = a["choices"][0]["token_ids"], b["choices"][0]["token_ids"]
+    # the second prompt is the first prompt, the first reply's own tokens, then the template's
+    # text for the tool turn and the next header -- never the reply re-tokenised
+    assert b["prompt_token_ids"][:len(a["prompt_token_ids"]) + len(gen1)] == a["prompt_token_ids"] + gen1
+    gap = b["prompt_token_ids"][len(a["prompt_token_ids"]) + len(gen1):]
+    tok = api.tokenizer
+    assert tok.decode(gap, skip_special_tokens=False) == "<|tool|>408<|end|><|assistant|>"
+    assert seg["prompt_ids"] == a["prompt_token_ids"]
+    assert seg["response_ids"] == gen1 + gap + gen2
+    assert seg["loss_mask"] == [1] * len(gen1) + [0] * len(gap) + [1] * len(gen2)
+    assert seg["logprobs"][:len(gen1)] == a["choices"][0]["logprobs"]
+    assert seg["logprobs"][-len(gen2):] == b["choices"][0]["logprobs"]
+    # the behaviour log-probs are what the trainer computes for the same tokens (same weights)
+    ids = torch.tensor([seg["prompt_ids"] + seg["response_ids"]])
+    with torch.no_grad():
+        lp = naive_token_logprobs(api.engine.model, ids, torch.ones_like(ids))[0, len(seg["prompt_ids"]) - 1:]
+    for k, m in enumerate(seg["loss_mask"]):
+        if m:
+            assert abs(lp[k].item() - seg["logprobs"][k]) < 1e-4, k
+    assert finish(url, "r-join")["segments"] == []  # handed over once
+
+
+def test_a_reply_with_a_tool_call_comes_back_as_openai_tool_calls(served):
+    api, url = served
+    client = rollout_client(url, "r-tools")
+    # the warm-started model calls the tool on some questions: ask until one does
+    for k in range(30):
+        r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"What is {10 + k}*47?"}],
+                                           tools=TOOLS, max_tokens=64)
+        if r.choices[0].message.tool_calls:
+            break
+    msg = r.choices[0].message
+    assert msg.tool_calls, "the model never called the tool in 30 tries"
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "calc" and call.id.startswith("call_")
+    assert "x" in json.loads(call.function.arguments)
+    finish(url, "r-tools")
+
+
+def test_a_rewritten_history_starts_a_new_segment_and_counts_the_split(served):
+    api, url = served
+    client = rollout_client(url, "r-split")
+    messages = [{"role": "user", "content": "What is 21*43?"}]
+    first = client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=64)
+    # the agent rewrites the model's reply before going on: the trajectory cannot continue
+    messages += [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "again?"}]
+    second = client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=64)
+    traj = finish(url, "r-split")
+    assert traj["splits"] == 1 and len(traj["segments"]) == 2
+    assert traj["segments"][1]["prompt_ids"] == second.model_extra["streamrl"]["prompt_token_ids"]
+    assert traj["segments"][0]["response_ids"] == first.model_extra["streamrl"]["choices"][0]["token_ids"]
+    assert all(m == 1 for s in traj["segments"] for m in s["loss_mask"])
+
+
+def test_a_rollouts_call_asks_for_one_reply(served):
+    api, url = served
+    with pytest.raises(openai.BadRequestError, match="n = 1"):
+        rollout_client(url, "r-n").chat.completions.create(model="p", messages=[{"role": "user", "content": "1"}], n=2)
+
+
+def test_the_loss_mask_leaves_tool_tokens_out_of_the_trainers_batch():
+    prompt = Prompt(uid="p", text="")
+    s = Sample(uid="s", prompt=prompt, prompt_ids=[1, 5, 6], response_ids=[7, 8, 9, 10], logprobs=[-1, 0, 0, -2],
+               loss_mask=[1, 0, 0, 1])
+    plain = Sample(uid="t", prompt=prompt, prompt_ids=[1, 5], response_ids=[7, 8], logprobs=[-1, -1])
+    _, _, resp, old = pad_batch([s, plain], 0)
+    assert resp[0].tolist() == [0, 0, 1, 0, 0, 1]
+    assert resp[1].tolist()[:3] == [0, 1, 1]
+
+
+def agent_section(tmp_path: Path, code: str, **more) -> dict:
+    f = tmp_path / "agent.py"
+    f.write_text(code)
+    return {"path": str(f), "data": {"path": str(ROOT / "data" / "calculator" / "train.jsonl")}, **more}
+
+
+@pytest.mark.parametrize("code, more, says", [
+    ("async def rollout(client, row):\n    return 1.0\n", {}, "set exactly one of function"),
+    ("def rollout(client, row):\n    return 1.0\n", {"function": "rollout"}, "no async function 'rollout'"),
+    ("x = 1\n", {"environment": "Env"}, "no class 'Env' subclassing"),
+    ("import nowhere_to_be_found\n", {"function": "rollout"}, "ModuleNotFoundError"),
+])
+def test_a_wrong_agent_file_is_one_line(tmp_path, code, more, says):
+    from streamrl.tasks.agent import AgentConfig
+
+    with pytest.raises(UserError) as e:
+        validate_section(AgentConfig, agent_section(tmp_path, code, **more), "task")
+    assert says in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("task.")
+
+
+def test_new_weights_between_two_calls_keep_the_trajectory_and_mark_each_tokens_version(served):
+    api, url = served
+    engine = api.engine
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    client = rollout_client(url, "r-versions")
+    messages = [{"role": "user", "content": "What is 33*44?"}]
+    first = client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=64)
+    v0 = engine.version
+    engine.load_weights({n: p + 0.01 * torch.randn_like(p) for n, p in before.items()}, v0 + 1)
+    try:
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+        second = client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=64)
+    finally:
+        engine.load_weights(before, v0 + 2)
+    (seg,) = finish(url, "r-versions")["segments"]
+    n1 = len(first.model_extra["streamrl"]["choices"][0]["token_ids"])
+    n2 = len(second.model_extra["streamrl"]["choices"][0]["token_ids"])
+    versions, mask = seg["policy_versions"], seg["loss_mask"]
+    assert len(versions) == len(seg["response_ids"]) == len(mask)
+    assert versions[:n1] == [v0] * n1 and versions[-n2:] == [v0 + 1] * n2  # each call's own policy
+    assert all(v == v0 for v, m in zip(versions[n1:-n2], mask[n1:-n2]))  # the gap: context, the earlier version
+    assert seg["logprobs"][:n1] == first.model_extra["streamrl"]["choices"][0]["logprobs"]  # the behaviour kept

@@ -1,0 +1,65 @@
+"""Agent tasks end to end through the real CLI: an agent written only against the ``openai``
+client trains on its multi-turn, tool-calling trajectories; a hung tool and a raising rollout
+are contained and counted; the gym-style environment trains the same way."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import ROOT, run_recipe
+
+pytestmark = pytest.mark.slow
+
+AGENT_RECIPE = ROOT / "recipes" / "agent.toml"
+SMALL = ("trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "pools.agent.threads=4")
+
+# the shipped calculator agent, and rows whose rollout hangs in a synchronous tool or raises
+FLAKY = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
+
+import time as _time
+
+
+async def flaky(client, row):
+    kind = int(row["answer"]) % 5
+    if kind == 0:
+        await rollout(client, row)
+        _time.sleep(30)  # a tool that hangs without ever awaiting: only its own thread is held
+    if kind == 1:
+        raise ValueError("the tool exploded")
+    return await rollout(client, row)
+'''
+
+
+def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_rollouts_are_contained(tmp_path):
+    agent = tmp_path / "flaky_agent.py"
+    agent.write_text(FLAKY)
+    run = run_recipe(AGENT_RECIPE, "run.steps=3", *SMALL, f'task.path="{agent}"', 'task.function="flaky"',
+                     "task.rollout_timeout_s=4", out=tmp_path / "runs", timeout=420)
+    records = run.records
+    assert [r["step"] for r in records] == [0, 1, 2]
+    seen = set()
+    for r in records:
+        uids = [x["uid"] for x in r["sample_log"]]
+        assert len(uids) == len(set(uids)) and not seen & set(uids)  # nothing trained twice
+        seen |= set(uids)
+        assert all(u.startswith(f"{r['step']}-") for u in uids)
+        assert r["turns_mean"] >= 1.0 and "tool_calls_mean" in r
+    assert sum(r["agent/timeouts"] for r in records) >= 1
+    assert sum(r["agent/errors"] for r in records) >= 1
+    assert any("the tool exploded" in (r.get("agent/first_error") or "") or "exploded" in (r.get("reward_error_first") or "")
+               for r in records)
+    # several turns with tool calls were trained (the warm-started model calls the tool at times)
+    assert sum(r["tool_calls_mean"] for r in records) > 0
+    assert max(r["turns_mean"] for r in records) > 1.0
+    out = run.proc.stdout + run.proc.stderr
+    assert "RolloutTimeout" in out or "exploded" in out  # named on the console
+    assert "Traceback" not in out
+
+
+def test_the_gym_style_environment_trains(tmp_path):
+    env = ROOT / "examples" / "agent" / "calculator_env.py"
+    run = run_recipe(AGENT_RECIPE, "run.steps=2", *SMALL, f'task.path="{env}"', 'task.function=""',
+                     'task.environment="Calculator"', "task.max_turns=3", out=tmp_path / "runs", timeout=300)
+    records = run.records
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["samples"] >= 16 and r["turns_mean"] >= 1.0 for r in records)
