@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import secrets
+import ssl
 import threading
 import time
 import zlib
@@ -37,6 +38,13 @@ EVENT_TOPIC = "streamrl-agent"
 
 #: Seconds to wait for the endpoint to hand over a trajectory.
 FINISH_TIMEOUT_S = 30.0
+
+# One TLS context for every client of this worker. httpx builds one per client otherwise, loading
+# the CA bundle each time: a hundred rollout threads doing that at once held the worker for
+# minutes (OpenSSL's loading contends badly), long enough for Dask to restart it. The endpoints
+# are plain HTTP; the context is only ever read.
+_TLS = ssl.create_default_context()
+_HTTP = httpx.Client(verify=_TLS, timeout=FINISH_TIMEOUT_S)  # thread-safe: the groups' trajectory reads
 
 # the user's file, imported once per worker and version of its text (the group tasks of a
 # worker's threads ask at once)
@@ -150,7 +158,8 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
 def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float):
     async def main():
         client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "streamrl", timeout=timeout_s,
-                                    default_headers={ROLLOUT_HEADER: rid})
+                                    default_headers={ROLLOUT_HEADER: rid},
+                                    http_client=httpx.AsyncClient(verify=_TLS, timeout=timeout_s))
         try:
             result = agent(client, row)
             return await result if inspect.isawaitable(result) else result
@@ -179,7 +188,7 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome
 def _finish(url: str, api_key: str, rid: str) -> dict:
     """The rollout's trajectory, taken from the endpoint that served it."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(f"{url}/streamrl/rollouts/{rid}/finish", headers=headers, timeout=FINISH_TIMEOUT_S)
+    r = _HTTP.post(f"{url}/streamrl/rollouts/{rid}/finish", headers=headers)
     r.raise_for_status()
     return r.json()
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streamrl.chat.messages import MessageError, normalize, render, reply_message
@@ -133,6 +134,8 @@ class Endpoint:
             raw = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "The request body is not valid JSON.") from None
+        except ClientDisconnect:  # the client went away before its body came: nothing to answer
+            raise APIError(400, "The client disconnected before sending its request.") from None
         if not isinstance(raw, dict):
             raise APIError(400, "The request body must be a JSON object.")
         try:
