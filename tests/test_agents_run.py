@@ -16,15 +16,18 @@ SMALL = ("trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "pools.ag
 # the shipped calculator agent, and rows whose rollout hangs in a synchronous tool or raises
 FLAKY = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
 
+import itertools as _itertools
 import time as _time
+
+_calls = _itertools.count()
 
 
 async def flaky(client, row):
-    kind = int(row["answer"]) % 5
-    if kind == 0:
+    k = next(_calls)  # (per worker: every 8th rollout hangs, every 8th + 1 raises)
+    if k % 8 == 0:
         await rollout(client, row)
-        _time.sleep(30)  # a tool that hangs without ever awaiting: only its own thread is held
-    if kind == 1:
+        _time.sleep(60)  # a tool that hangs without ever awaiting: only its own thread is held
+    if k % 8 == 1:
         raise ValueError("the tool exploded")
     return await rollout(client, row)
 '''
@@ -34,7 +37,7 @@ def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_r
     agent = tmp_path / "flaky_agent.py"
     agent.write_text(FLAKY)
     run = run_recipe(AGENT_RECIPE, "run.steps=3", *SMALL, f'task.path="{agent}"', 'task.function="flaky"',
-                     "task.rollout_timeout_s=4", out=tmp_path / "runs", timeout=420)
+                     "task.rollout_timeout_s=12", out=tmp_path / "runs", timeout=420)
     records = run.records
     assert [r["step"] for r in records] == [0, 1, 2]
     seen = set()
@@ -43,7 +46,7 @@ def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_r
         assert len(uids) == len(set(uids)) and not seen & set(uids)  # nothing trained twice
         seen |= set(uids)
         assert all(u.startswith(f"{r['step']}-") for u in uids)
-        assert r["turns_mean"] >= 1.0 and "tool_calls_mean" in r
+        assert r["turns_mean"] > 0.5 and "tool_calls_mean" in r  # (a raising rollout calls nothing)
     assert sum(r["agent/timeouts"] for r in records) >= 1
     assert sum(r["agent/errors"] for r in records) >= 1
     assert any("the tool exploded" in (r.get("agent/first_error") or "") or "exploded" in (r.get("reward_error_first") or "")

@@ -98,8 +98,8 @@ class AgentRollouts(StepExtension):
             kind = first.split(":", 1)[0]
             if kind not in self._named:
                 self._named.add(kind)
-                self._lines.append(f"[yellow]agent rollouts: {first[:200]}[/] (counted per step as agent/errors, "
-                                   "agent/timeouts, agent/no_calls; named here once)")
+                self._lines.append(f"agent rollouts: {first[:200]} (counted per step as agent/errors, agent/timeouts, "
+                                   "agent/no_calls; each kind named here once)")
 
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
         """A kind of rollout failure not seen before, named once on the console."""
