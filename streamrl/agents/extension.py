@@ -77,7 +77,8 @@ class AgentRollouts(StepExtension):
     def record(self, step: int, record) -> None:
         """``turns_mean`` (model calls per rollout), ``tool_calls_mean`` and the rollouts'
         failures (``agent/errors``, ``agent/timeouts``, ``agent/no_calls``, ``agent/splits``)
-        of the groups that finished since the last record."""
+        and ``agent/crossed_updates`` (rollouts that went on across a weight update), over the
+        groups that finished since the last record."""
         try:
             events = self.client.get_events(EVENT_TOPIC)
         except Exception:  # noqa: BLE001 -- the counts are a report; the step goes on without them
@@ -90,7 +91,7 @@ class AgentRollouts(StepExtension):
             return
         record.extra["turns_mean"] = round(sum(m["calls"] for m in new) / rollouts, 4)
         record.extra["tool_calls_mean"] = round(sum(m["tool_calls"] for m in new) / rollouts, 4)
-        for key in ("errors", "timeouts", "no_calls", "splits"):
+        for key in ("errors", "timeouts", "no_calls", "splits", "crossed_updates"):
             record.extra[f"agent/{key}"] = sum(m[key] for m in new)
         first = next((m["first_error"] for m in new if m["first_error"]), "")
         if first:

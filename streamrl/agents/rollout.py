@@ -138,7 +138,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         outcomes.append(_outcome(thread, started, spec["timeout_s"]))
     group: Group = []
     counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
-              "splits": 0, "first_error": ""}
+              "splits": 0, "crossed_updates": 0, "first_error": ""}
     for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
         traj = _finish(url, api_key, rid)
         counts["calls"] += traj["calls"]
@@ -150,7 +150,10 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         if not traj["segments"] and not outcome.error:
             counts["no_calls"] += 1
             counts["first_error"] = counts["first_error"] or "the rollout returned without calling the model"
-        group += samples_of(prompt, k, traj, outcome, started)
+        samples = samples_of(prompt, k, traj, outcome, started)
+        # a rollout that went on across a weight update: its tokens come from several versions
+        counts["crossed_updates"] += len({v for s in samples for v, m in zip(s.token_versions, s.loss_mask) if m}) > 1
+        group += samples
     get_worker().log_event(EVENT_TOPIC, counts)
     return [group] if group else []
 
