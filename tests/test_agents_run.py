@@ -4,6 +4,8 @@ are contained and counted; the gym-style environment trains the same way."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers import ROOT, run_recipe
@@ -54,6 +56,10 @@ def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_r
     # several turns with tool calls were trained (the warm-started model calls the tool at times)
     assert sum(r["tool_calls_mean"] for r in records) > 0
     assert max(r["turns_mean"] for r in records) > 1.0
+    # the trace shows the trajectories: a reply that called the tool, its result, the answer
+    trace = json.loads((run.dir / "trace.json").read_text())
+    texts = [e["args"]["text"] for e in trace["traceEvents"] if e.get("name") == "train" and "text" in e.get("args", {})]
+    assert any("<tool_call>" in t and "<|tool|>" in t for t in texts)
     out = run.proc.stdout + run.proc.stderr
     assert "RolloutTimeout" in out or "exploded" in out  # named on the console
     assert "Traceback" not in out

@@ -112,6 +112,19 @@ def _peer_lost(exc: Exception) -> Exception:
     return exc
 
 
+def _trajectory_fields(s) -> dict:
+    # an agent's multi-turn trajectory: its turns and tool calls, and its text (tool results
+    # and all, cut short), for the trace -- a one-call sample has none of these
+    if not s.loss_mask:
+        return {}
+    return {"turns": int(s.reward_info.get("turns", 0)), "tool_calls": int(s.reward_info.get("tool_calls", 0)),
+            "text": s.response_text[:TRAJECTORY_TEXT_CHARS]}
+
+
+#: Characters of an agent trajectory's text kept in its step record (``sample_log``) for the trace.
+TRAJECTORY_TEXT_CHARS = 400
+
+
 def train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int = 0, groups_per_micro_batch: int = 0,
                  after=None, trainer_id: str | dict | None = None, trainer: str = TRAINER) -> TrainTaskStats:
     """See :func:`_train_groups`; a rank lost mid-collective becomes :class:`ResidentLost`.
@@ -162,7 +175,7 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     stats.sample_log = [
         {"uid": s.uid, "version": s.policy_version, "worker": s.worker, **{k: round(v, 4) for k, v in s.times.items()},
          "trained": round(trained, 4), "trained_on": rank, "response_len": len(s.response_ids),
-         "prompt_len": len(s.prompt_ids)}
+         "prompt_len": len(s.prompt_ids), **_trajectory_fields(s)}
         for s in samples]
     stats.gen_end_max = max(s.times["gen_end"] for s in samples)
     stats.policy_version_min = min(s.policy_version for s in samples)

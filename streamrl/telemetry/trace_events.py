@@ -215,12 +215,14 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
     """A slice per sample per phase: ``queued`` (submitted to the start of its generation) and
     ``generate`` on its generate worker, ``score`` on the reward worker whose task scored it (its
     task's start to ``reward_end``), ``wait`` (scored, waiting for its train task) and ``train``
-    (its train task's start to ``trained``) on the train worker that trained it."""
+    (its train task's start to ``trained``) on the train worker that trained it. An agent's
+    trajectory also carries its turns, tool calls and text."""
     step, out = record["step"], []
     log = sorted(record.get("sample_log", ()), key=lambda x: x.get("submitted") or x.get("gen_start", 0.0))
     for x in log:
         args = {"uid": x["uid"], "step": step, "version": x.get("version"), "staleness": x.get("staleness"),
-                "prompt_len": x.get("prompt_len"), "response_len": x.get("response_len")}
+                "prompt_len": x.get("prompt_len"), "response_len": x.get("response_len"),
+                **{k: x[k] for k in ("turns", "tool_calls", "text") if k in x}}  # (an agent's trajectory)
         gen_start, gen_end = x.get("gen_start"), x.get("gen_end")
         worker = x.get("worker") or "generate"
         if gen_start is not None and gen_end is not None:
