@@ -72,14 +72,20 @@ def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, e
     return group
 
 
-def score_chunks(*chunks: Group) -> list[Group]:
-    """Reward pool: join a group's chunks (in sample order, each sample once) and score it, as
-    :func:`score_groups` scores a whole one."""
+def join_chunks(*chunks: Group) -> Group:
+    """A group from its chunks, in sample order; a sample in two chunks is an error (it would
+    be trained twice)."""
     samples = sorted((s for c in chunks for s in c), key=lambda s: int(s.uid.rsplit("-", 1)[1]))
     uids = [s.uid for s in samples]
     if len(set(uids)) != len(uids):
         raise ValueError(f"a group's chunks overlap: {sorted(u for u in uids if uids.count(u) > 1)[0]} twice")
-    return score_groups([samples])
+    return samples
+
+
+def score_chunks(*chunks: Group) -> list[Group]:
+    """Reward pool: join a group's chunks (:func:`join_chunks`) and score it, as
+    :func:`score_groups` scores a whole one."""
+    return score_groups([join_chunks(*chunks)])
 
 
 def rank_prompts(prompts: list[Prompt], after=None) -> list[float]:
