@@ -38,6 +38,10 @@ class LongTailConfig(BaseModel):
     chunk: int = Field(1, ge=0)
     """Samples per chunk of a group (0: the whole group is one chunk, on one instance). Small
     chunks let one long group's samples spread over several instances."""
+    split_share: float = Field(1.0, ge=0, le=1)
+    """Share of the groups, longest estimated first, that are cut into chunks; the others stay
+    whole (one generate task each: chunks cost tasks). All by default: a group's samples are
+    alike in length, so spreading every group evens the instances out even with no ranker."""
     online: bool = True
     """Update a group's estimate from its own finished samples (and each sample's progress);
     false: the prior alone, as at dispatch."""
@@ -159,9 +163,12 @@ class LongTailPolicy:
         sibling chunks while the finishes tie)."""
         self.start(groups)
         pieces = []
+        ests = {g.group: self.estimate(g.group) for g in groups}
+        ranked = sorted(groups, key=lambda g: -ests[g.group])
+        cut = {g.group for g in ranked[:round(self.config.split_share * len(groups))]}
         for g in groups:
-            size = self.config.chunk or g.samples
-            est = self.estimate(g.group)
+            size = (self.config.chunk or g.samples) if g.group in cut else g.samples
+            est = ests[g.group]
             for s in range(0, g.samples, size):
                 pieces.append((est, g, tuple(range(s, min(s + size, g.samples)))))
         pieces.sort(key=lambda p: -p[0])
