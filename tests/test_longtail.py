@@ -139,3 +139,10 @@ def test_a_groups_chunks_join_in_sample_order_and_an_overlap_is_refused():
     assert [len(s.response_ids) for s in joined] == [len(s.response_ids) for s in whole]  # same lengths
     with pytest.raises(ValueError, match="overlap"):
         join_chunks(parts[0], parts[0])
+
+
+def test_one_instance_gets_whole_groups():
+    prompts = [Prompt(uid=str(i), text=f"p{i}") for i in range(4)]
+    out = LongTail(LongTailConfig(chunk=1)).dispatch(prompts, [float(i) for i in range(4)], ["only"],
+                                                     DispatchContext(8, [10, 20, 30], 5.0, STEP))
+    assert sorted(a.index for a in out) == [0, 1, 2, 3] and all(a.samples == () for a in out)

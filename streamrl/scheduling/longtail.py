@@ -165,7 +165,7 @@ class LongTailPolicy:
         pieces = []
         ests = {g.group: self.estimate(g.group) for g in groups}
         ranked = sorted(groups, key=lambda g: -ests[g.group])
-        cut = {g.group for g in ranked[:round(self.config.split_share * len(groups))]}
+        cut = {g.group for g in ranked[:round(self.config.split_share * len(groups))]} if instances > 1 else set()
         for g in groups:
             size = (self.config.chunk or g.samples) if g.group in cut else g.samples
             est = ests[g.group]
@@ -257,9 +257,15 @@ class LongTail(Scheduler):
         priors = prior_from_scores(scores, ctx.observed_lengths)
         specs = [GroupSpec(str(i), ctx.samples_per_prompt, int(ctx.prompt_tokens), prior)
                  for i, prior in enumerate(priors)]
-        chunks = policy.place(specs, len(workers))
-        self.last_chunks = len(chunks)
-        return [Assignment(int(c.group), workers[c.instance], c.priority, c.samples) for c in chunks]
+        merged: dict[tuple[int, int], list] = {}  # a group's chunks on one instance: one task
+        for c in policy.place(specs, len(workers)):
+            merged.setdefault((int(c.group), c.instance), [c.priority, []])[1].extend(c.samples)
+        per_group: dict[int, int] = {}
+        for i, _ in merged:
+            per_group[i] = per_group.get(i, 0) + 1
+        self.last_chunks = len(merged)
+        return [Assignment(i, workers[w], prio, () if per_group[i] == 1 else tuple(sorted(samples)))
+                for (i, w), (prio, samples) in sorted(merged.items())]
 
 
 __all__ = ["Chunk", "GroupSpec", "LongTail", "LongTailConfig", "LongTailPolicy", "Move", "Running"]
