@@ -8,7 +8,7 @@ Variants (each a full run of the recipe, ``--set`` overrides applied to all):
 * ``lpt-oracle``    -- the same without the split: predicted work balanced over all instances
   (greedy LPT), longest first inside each;
 * ``skew-learned``  -- skew scheduler with the online ``learned`` ranker (the real thing);
-* ``longtail-learned`` -- the ``longtail`` scheduler: groups cut into one-sample chunks, placed
+* ``longtail-learned`` -- the ``longtail`` scheduler: groups cut into chunks, placed
   longest estimated first on the instance whose estimated finish is earliest, priors from the
   ``learned`` ranker.
 
@@ -67,6 +67,7 @@ def rollout_variants() -> list:
             Variant("skew-learned", Skew(SkewConfig()), ranker=learned()),
             Variant("longtail-learned, whole groups", policy=LongTailConfig(chunk=0), ranker=learned()),
             Variant("longtail-learned", policy=LongTailConfig(), ranker=learned()),
+            Variant("longtail-learned, chunks of 1", policy=LongTailConfig(chunk=1), ranker=learned()),
             Variant("longtail, no ranker", policy=LongTailConfig()),
             Variant("longtail-learned +moves", policy=LongTailConfig(migrate=True), ranker=learned()),
             Variant("longtail-learned +moves, whole groups", policy=LongTailConfig(chunk=0, migrate=True),
@@ -110,7 +111,7 @@ def rollout_table(resolved, steps: int, warmup: int, console: Console) -> dict |
 def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out: str | None = None,
           console: Console | None = None) -> dict:
     """Run the variants, print the table, write the JSON result; returns the result."""
-    console = console or Console(stderr=True, width=120)
+    console = console or Console(stderr=True, width=160)
     resolved, time_scale = describe(file, overrides)
     simulated = time_scale is not None
     rows = run_variants(file, overrides, variants_for(resolved), steps, warmup, console, "skew", time_scale)

@@ -35,9 +35,11 @@ class LongTailConfig(BaseModel):
     """Options of the long-tail rollout policy (``[scheduler]`` options of ``longtail``)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    chunk: int = Field(1, ge=0)
+    chunk: int = Field(4, ge=0)
     """Samples per chunk of a group (0: the whole group is one chunk, on one instance). Small
-    chunks let one long group's samples spread over several instances."""
+    chunks let one long group's samples spread over several instances; each chunk is a generate
+    task, and an instance runs at most ``pools.generate.threads`` at once, so chunks that
+    outnumber the threads wait (measured on W3, docs/benchmarks.md)."""
     split_share: float = Field(1.0, ge=0, le=1)
     """Share of the groups, longest estimated first, that are cut into chunks; the others stay
     whole (one generate task each: chunks cost tasks). All by default: a group's samples are
