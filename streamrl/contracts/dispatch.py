@@ -47,6 +47,10 @@ class Assignment:
     """Name of the generate worker (engine instance), one of ``workers``."""
     priority: float = 0.0
     """Higher is admitted first by the engine."""
+    samples: tuple[int, ...] = ()
+    """Which of the group's samples (0-based) this assignment generates; empty: all of them. A
+    scheduler may split a group into chunks on different workers: one assignment per chunk,
+    together covering every sample exactly once."""
 
 
 @dataclass

@@ -74,6 +74,17 @@ class Engine:
         blocks until all are done. Higher ``priority`` is admitted first when requests queue."""
         raise NotImplementedError
 
+    def generate_samples(self, prompt: Prompt, samples: list[int], priority: float = 0.0) -> Group:
+        """The samples numbered ``samples`` of ``prompt``'s group: a chunk of it, when a scheduler
+        splits a group over instances. Their uids are ``f"{prompt.uid}-{k}"`` for ``k`` in
+        ``samples``, so the chunks of a group join without a clash. The default generates
+        ``len(samples)`` and renumbers them; an engine whose samples depend on their number
+        (a seeded one) overrides it."""
+        group = self.generate(prompt, len(samples), priority)
+        for s, k in zip(group, samples):
+            s.uid = f"{prompt.uid}-{k}"
+        return group
+
     def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
         """One group of ``n`` samples per prompt (``pools.generate.groups_per_task`` > 1). The
         default calls :meth:`generate` for every prompt at once, from one thread each, so the

@@ -47,9 +47,10 @@ class Dispatcher:
         self.prompt_tokens = 0.0
         self.last_observe: Future | None = None
 
-    def place(self, step: int, prompts: list[Prompt]) -> dict[int, tuple[str, float]]:
-        """``{prompt index: (worker name, priority)}``; empty without a scheduler (Dask
-        places the tasks)."""
+    def place(self, step: int, prompts: list[Prompt]) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
+        """``{prompt index: [(worker name, priority, samples)]}``, one entry per chunk of the
+        group (``samples`` empty: the whole group); empty without a scheduler (Dask places the
+        tasks)."""
         self.step_prompts[step] = prompts
         scores = [0.0] * len(prompts)
         if self.rank_worker is not None:
@@ -67,11 +68,21 @@ class Dispatcher:
         if unknown:
             raise UserError(f"scheduler: dispatch() placed a prompt on {unknown[0]!r}, which is not one of the "
                             f"generate workers it was given ({', '.join(workers)})")
-        return {a.index: (a.worker, a.priority) for a in placed}
+        out: dict[int, list[tuple[str, float, tuple[int, ...]]]] = {}
+        for a in placed:
+            out.setdefault(a.index, []).append((a.worker, a.priority, tuple(a.samples)))
+        for i, pieces in out.items():
+            covered = sorted(k for p in pieces for k in (p[2] or range(self.samples_per_prompt)))
+            if covered != list(range(self.samples_per_prompt)):
+                raise UserError(f"scheduler: dispatch() placed prompt {i}'s samples as {covered}; a group's chunks must "
+                                f"cover its {self.samples_per_prompt} samples exactly once")
+        return out
 
     def learn(self, step: int, sample_log: list[dict]) -> dict:
         """After a step: feed the observed lengths to the ranker; returns the record's dispatch
-        fields (``generate_makespan_s``, ``ranker_recall``, the scheduler's metrics)."""
+        fields (``generate_makespan_s``, ``ranker_recall``, ``first_sample_recall``: the same
+        recall for the estimate each group gives of itself when its first sample finishes, the
+        scheduler's metrics)."""
         if step not in self.step_prompts or not sample_log:
             return {}  # the step's samples were not the task's prompts (served traffic): nothing placed
         by_prompt: dict[str, list[int]] = {}
@@ -83,8 +94,16 @@ class Dispatcher:
         self.prompt_tokens = sum(x["prompt_len"] for x in sample_log) / max(len(sample_log), 1)
         out = {"generate_makespan_s": max(x["gen_end"] for x in sample_log) - min(x["submitted"] for x in sample_log)}
         out.update(self.scheduler_metrics.pop(step, {}))
+        actual = [sum(math.log(max(n, 1)) for n in ls) / max(len(ls), 1) for ls in lengths]
+        # the estimate a group gives of itself once its first sample is done: that sample's length
+        first: dict[str, tuple[float, int]] = {}
+        for x in sample_log:
+            g = x["uid"].rsplit("-", 1)[0]
+            if g not in first or x["gen_end"] < first[g][0]:
+                first[g] = (x["gen_end"], x["response_len"])
+        if len(prompts) > 1 and all(p.uid in first for p in prompts):
+            out["first_sample_recall"] = top_recall([math.log(max(first[p.uid][1], 1)) for p in prompts], actual, 0.2)
         if self.rank_worker is not None:
-            actual = [sum(math.log(max(n, 1)) for n in ls) / max(len(ls), 1) for ls in lengths]
             out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
             self.last_observe = self.client.submit(
                 task_functions.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",

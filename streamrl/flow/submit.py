@@ -49,29 +49,39 @@ def samples_per_step(recipe: Recipe) -> int:
     return recipe.trainer.prompts_per_step * recipe.trainer.samples_per_prompt
 
 
+#: A scheduler's placement of one prompt group: ``(worker, priority, samples)`` per piece
+#: (``samples`` empty: the whole group), one piece unless the group was split into chunks.
+Pieces = list[tuple[str, float, tuple[int, ...]]]
+
+
 def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
-               placed: dict[int, tuple[str, float]], min_version: int,
+               placed: dict[int, Pieces], min_version: int,
                on_generate: Callable[[str | None, Future], None] | None = None) -> list[Future]:
     """Generate + reward tasks for step ``step``'s ``prompts`` (``placed``: a scheduler's
-    ``{index: (worker, priority)}``, else empty); returns the futures of the scored bundles (lists
-    of ``groups_per_task`` groups). ``min_version`` is the policy every engine holds by now; an
-    engine found older (its worker was restarted) catches up before it generates.
-    ``on_generate(worker, future)`` hears of each generate task (``worker``: the one a scheduler
-    pinned it to, else None)."""
+    ``{index: pieces}``, else empty); returns the futures of the scored bundles (lists of
+    ``groups_per_task`` groups; a group split into chunks is a bundle of its own, joined by its
+    reward task). ``min_version`` is the policy every engine holds by now; an engine found older
+    (its worker was restarted) catches up before it generates. ``on_generate(worker, future)``
+    hears of each generate task (``worker``: the one a scheduler pinned it to, else None)."""
     client, n = topo.client, recipe.trainer.samples_per_prompt
     # Bundles of groups_per_task prompts that go to the same place: the scheduler's worker (in
     # its order), or any generate worker.
     per_task = groups_per_task(recipe)
     by_place: dict[str | None, list[int]] = {}
-    for i in range(len(prompts)):
-        by_place.setdefault(placed[i][0] if i in placed else None, []).append(i)
     scored = []
+    for i in range(len(prompts)):
+        pieces = placed.get(i)
+        if pieces and (len(pieces) > 1 or pieces[0][2]):
+            scored.append(chunked(topo, step, prompts[i], pieces, min_version, on_generate))
+            continue
+        by_place.setdefault(pieces[0][0] if pieces else None, []).append(i)
+    whole = {i: (p[0][0], p[0][1]) for i, p in placed.items() if p}
     for name, idx in by_place.items():
         for j in range(0, len(idx), per_task):
             chunk = idx[j:j + per_task]
             bundle = [prompts[i] for i in chunk]
             where: dict = {"resources": {"generate": 1}}
-            priorities = [placed[i][1] if i in placed else 0.0 for i in chunk]
+            priorities = [whole[i][1] if i in whole else 0.0 for i in chunk]
             if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
                 where = {**lifecycle.with_resources(topo.pins[name], generate=1), "priority": int(max(priorities))}
             key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
@@ -85,6 +95,25 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
             if on_generate is not None:
                 on_generate(name, gen)
     return scored
+
+
+def chunked(topo: Topology, step: int, prompt: Prompt, pieces: Pieces, min_version: int,
+            on_generate: Callable[[str | None, Future], None] | None) -> Future:
+    """One group split into chunks: a generate task per chunk, pinned to its worker, and one
+    reward task that joins them (each sample once) and scores the group; returns its future."""
+    client, gens = topo.client, []
+    for worker, priority, samples in pieces:
+        where = {**lifecycle.with_resources(topo.pins[worker], generate=1), "priority": int(priority)}
+        with spans.phase(step, "generate"):
+            gen = client.submit(task_functions.generate_chunk, prompt, list(samples), submitted=time.time(),
+                                engine_priority=priority, min_version=min_version,
+                                key=spans.step_key("generate", step, f"{prompt.uid}:{samples[0]}"), retries=1, **where)
+        gens.append(gen)
+        if on_generate is not None:
+            on_generate(worker, gen)
+    with spans.phase(step, "reward"):
+        return client.submit(task_functions.score_chunks, *gens, key=spans.step_key("reward", step, prompt.uid),
+                             resources={"reward": 1}, retries=1)
 
 
 def epochs(topo: Topology, recipe: Recipe, passes: int, step: int, scored: list[Future], stream: bool,

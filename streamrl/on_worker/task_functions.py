@@ -53,6 +53,41 @@ def generate_groups(prompts: list[Prompt], n: int, submitted: float = 0.0,
     return groups
 
 
+def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, engine_priority: float = 0.0,
+                   min_version: int = 0) -> Group:
+    """Generate pool: the samples numbered ``samples`` of ``prompt``'s group (one chunk of a group
+    a scheduler split over instances; :func:`score_chunks` joins them)."""
+    engine = resident(ENGINE)
+    if engine.version < min_version:
+        catch_up(engine, min_version)
+    start = time.time()
+    group = engine.generate_samples(prompt, list(samples), engine_priority)
+    end = time.time()
+    name = str(get_worker().name)
+    for s in group:
+        s.times["submitted"] = submitted
+        s.times.setdefault("gen_start", start)
+        s.times.setdefault("gen_end", end)
+        s.worker = name
+    return group
+
+
+def join_chunks(*chunks: Group) -> Group:
+    """A group from its chunks, in sample order; a sample in two chunks is an error (it would
+    be trained twice)."""
+    samples = sorted((s for c in chunks for s in c), key=lambda s: int(s.uid.rsplit("-", 1)[1]))
+    uids = [s.uid for s in samples]
+    if len(set(uids)) != len(uids):
+        raise ValueError(f"a group's chunks overlap: {sorted(u for u in uids if uids.count(u) > 1)[0]} twice")
+    return samples
+
+
+def score_chunks(*chunks: Group) -> list[Group]:
+    """Reward pool: join a group's chunks (:func:`join_chunks`) and score it, as
+    :func:`score_groups` scores a whole one."""
+    return score_groups([join_chunks(*chunks)])
+
+
 def rank_prompts(prompts: list[Prompt], after=None) -> list[float]:
     """Rank pool: the length ranker's scores (higher = longer)."""
     return [float(x) for x in resident(RANKER).predict(prompts)]

@@ -17,6 +17,7 @@ from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
 from streamrl.rewards.math_reward import MathReward, MathRewardConfig
 from streamrl.rewards.python import PythonReward, PythonRewardConfig
 from streamrl.chat.tool_calls import HermesConfig, HermesToolParser
+from streamrl.scheduling.longtail import LongTail, LongTailConfig
 from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.sim.trainer import SimTrainer, SimTrainerConfig
@@ -88,7 +89,8 @@ def register_rankers():
 
 @hookimpl
 def register_schedulers():
-    return [Component("scheduler", "fcfs", FCFSConfig, FCFS), Component("scheduler", "skew", SkewConfig, Skew)]
+    return [Component("scheduler", "fcfs", FCFSConfig, FCFS), Component("scheduler", "skew", SkewConfig, Skew),
+            Component("scheduler", "longtail", LongTailConfig, LongTail)]
 
 
 @hookimpl

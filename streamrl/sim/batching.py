@@ -95,6 +95,23 @@ class ContinuousBatch:
         h = a - b / 2
         return max(int((-h + math.sqrt(h * h + 2 * b * seconds)) / b), 0)
 
+    def generated(self, r: Request) -> int:
+        """Tokens ``r`` has generated so far (0 while it waits)."""
+        return self.steps - (r.end_step - r.length) if r in self.running else 0
+
+    def remove(self, r: Request) -> int:
+        """Take ``r`` out of the batch or the queue (a sample moved elsewhere); returns the
+        tokens it had generated."""
+        if r in self.running:
+            done = self.generated(r)
+            self.running.remove(r)
+            heapq.heapify(self.running)
+            self.base_sum -= r.base
+            return done
+        self.waiting = [w for w in self.waiting if w[2] is not r]
+        heapq.heapify(self.waiting)
+        return 0
+
     def advance(self, steps: int) -> list[Request]:
         """Take ``steps`` decode steps (at most up to the next finish); returns the requests
         that finished."""

@@ -89,15 +89,20 @@ class SimEngine(Engine):
 
     def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
         """Simulate ``n`` samples of ``prompt``; blocks until all finish."""
+        return self.generate_samples(prompt, list(range(n)), priority)
+
+    def generate_samples(self, prompt: Prompt, samples: list[int], priority: float = 0.0) -> Group:
+        """Simulate the samples numbered ``samples`` of ``prompt``'s group (each one's length
+        depends on its number, so a chunk of a group gets the lengths the whole group would)."""
         start = time.time()
         version = self.version
         with self.cv:
             reqs = [self.batch.add(prompt.answer["prompt_tokens"],
                                    sample_length(prompt, random.Random(f"{self.config.seed}-{prompt.uid}-{k}")),
-                                   priority, Future()) for k in range(n)]
+                                   priority, Future()) for k in samples]
             self.cv.notify()
         group = []
-        for k, r in enumerate(reqs):
+        for k, r in zip(samples, reqs):
             end = r.payload.result()
             group.append(Sample(
                 uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=range(r.prompt_tokens), response_ids=range(r.length),

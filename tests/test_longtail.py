@@ -1,0 +1,148 @@
+"""Lengths learned from a group's own samples, groups in chunks, stragglers moved: the estimator,
+the placement and the simulated rollout (no cluster)."""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import partial
+
+import pytest
+
+from streamrl.api import DispatchContext, Prompt
+from streamrl.scheduling.estimates import GroupLengths, LengthEstimateConfig, prior_from_scores, tail_mean
+from streamrl.scheduling.longtail import GroupSpec, LongTail, LongTailConfig, LongTailPolicy, Running
+from streamrl.sim import latency
+from streamrl.sim.latency import Profile
+from streamrl.sim.rollout import Rollout, SampleRecord
+from streamrl.sim.rollout_run import Setup, Variant, simulate
+from streamrl.sim.workload import LongTailSimConfig, LongTailSimTask
+from streamrl.scheduling.schedulers import FCFS, FCFSConfig
+
+STEP = partial(latency.step_latency, Profile())
+
+
+def test_a_groups_own_finished_sample_moves_its_estimate_past_a_wrong_prior():
+    est = GroupLengths(LengthEstimateConfig(sigma=0.3, tau=1.0))
+    est.start("g", math.log(1000))
+    before = est.estimate("g")
+    est.finish("g", 8000)
+    after = est.estimate("g")
+    assert before < 2000 < 6000 < after  # one sample outweighs a vague prior
+
+
+def test_siblings_still_running_pull_the_estimate_up():
+    # the first sample to finish is the shortest: counting the running ones as censored corrects it
+    plain, censored = (GroupLengths(LengthEstimateConfig(censored=c)) for c in (False, True))
+    for e in (plain, censored):
+        e.start("g", math.log(2000))
+        e.finish("g", 2000, running=[6000] * 7)
+    assert censored.mean_log("g", [6000] * 7) > plain.mean_log("g", [6000] * 7) + 0.3
+
+
+def test_a_running_sample_is_expected_longer_than_it_already_is():
+    assert tail_mean(math.log(1000), 0.5, 0) == pytest.approx(1000 * math.exp(0.125))
+    assert tail_mean(math.log(1000), 0.5, 5000) > 5000
+    assert tail_mean(math.log(1000), 0.5, 1e7) >= 1e7  # far past any belief: still finite and above
+
+
+def test_spreads_are_learned_from_closed_groups():
+    est = GroupLengths(LengthEstimateConfig(sigma=2.0, tau=2.0))
+    rng = random.Random(0)
+    for g in range(40):
+        mu = rng.gauss(8, 0.1)
+        est.start(str(g), 8.0)
+        for _ in range(4):
+            est.finish(str(g), int(math.exp(rng.gauss(mu, 0.2))))
+        est.close(str(g))
+    assert 0.1 < est.sigma < 0.35 and est.tau < 0.5
+
+
+def test_priors_follow_the_rankers_order_and_equal_scores_are_equal():
+    observed = list(range(100, 10100, 100))
+    priors = prior_from_scores([0.1, 3.0, 1.0], observed)
+    assert priors[1] > priors[2] > priors[0]
+    assert len(set(prior_from_scores([0.0] * 4, observed))) == 1
+
+
+def test_chunks_cover_every_sample_once_and_a_long_group_spreads():
+    policy = LongTailPolicy(LongTailConfig(chunk=2), STEP)
+    groups = [GroupSpec("long", 8, 500, math.log(16000))] + [GroupSpec(f"s{i}", 8, 500, math.log(2000)) for i in range(7)]
+    chunks = policy.place(groups, 4)
+    for g in groups:
+        assert sorted(k for c in chunks if c.group == g.group for k in c.samples) == list(range(8))
+    assert len({c.instance for c in chunks if c.group == "long"}) == 4  # not all on one instance
+    first = max(chunks, key=lambda c: c.priority)
+    assert first.group == "long"  # longest first
+
+
+def test_the_scheduler_returns_chunk_assignments_and_refuses_moves():
+    prompts = [Prompt(uid=str(i), text=f"p{i}") for i in range(6)]
+    out = LongTail(LongTailConfig(chunk=4)).dispatch(prompts, [float(i) for i in range(6)], ["a", "b", "c"],
+                                                     DispatchContext(8, [1000, 5000, 9000], 300.0, STEP))
+    assert len(out) == 12 and all(len(a.samples) == 4 for a in out)
+    with pytest.raises(ValueError, match="migrate"):
+        LongTail(LongTailConfig(migrate=True))
+
+
+def test_a_straggler_far_past_its_estimate_on_a_crowded_instance_is_moved():
+    policy = LongTailPolicy(LongTailConfig(migrate=True, gain=0.0), STEP)
+    policy.start([GroupSpec("g", 8, 500, math.log(1000)), GroupSpec("h", 8, 500, math.log(1000))])
+    crowded = [Running(("g", k), "g", 900, 500) for k in range(40)] + [Running("late", "h", 9000, 500)]
+    moves = policy.moves([crowded, []])
+    assert [(m.key, m.source, m.target) for m in moves][:1] == [("late", 0, 1)]
+    assert LongTailPolicy(LongTailConfig(migrate=False), STEP).moves([crowded, []]) == []
+
+
+def test_a_moved_straggler_keeps_its_tokens_and_versions_and_nothing_is_lost_or_doubled():
+    profile = Profile()
+    policy = LongTailPolicy(LongTailConfig(migrate=True, gain=0.0), partial(latency.step_latency, profile))
+    policy.start([GroupSpec("g", 8, 500, math.log(500)), GroupSpec("h", 1, 500, math.log(500))])
+    samples = [SampleRecord("g", k, 600, 500) for k in range(8)] + [SampleRecord("h", 0, 6000, 500)]
+    placed = [(s, 0, 0.0) for s in samples]  # everything crowded on instance 0, instance 1 idle
+    result = Rollout(profile, 2, tick_s=1.0).run(samples, placed, policy, version=7)
+    assert result.moved >= 1
+    straggler = samples[-1]
+    assert len(straggler.segments) >= 2 and {i for i, _, _ in straggler.segments} == {0, 1}
+    assert sum(n for _, _, n in straggler.segments) == 6000  # every token once, none lost or doubled
+    assert all(v == 7 for _, v, _ in straggler.segments)  # its tokens keep their versions
+    for s in samples[:-1]:
+        assert sum(n for _, _, n in s.segments) == 600
+    assert set(result.group_end_s) == {"g", "h"}
+
+
+def test_the_rollout_model_reproduces_w3_and_chunks_beat_whole_groups():
+    task = LongTailSimTask(LongTailSimConfig(dataset_size=256))
+    setup = Setup(task, Profile(), 4, 16, 8, train_gpus=2)
+    fcfs = simulate(setup, Variant("fcfs", FCFS(FCFSConfig())), 2, 1)
+    whole = simulate(setup, Variant("whole", policy=LongTailConfig(chunk=0)), 2, 1)
+    chunked = simulate(setup, Variant("chunks", policy=LongTailConfig(chunk=1)), 2, 1)
+    assert chunked["generate_makespan_s"] < min(fcfs["generate_makespan_s"], whole["generate_makespan_s"])
+    assert 0.0 <= chunked["recall_first"] <= 1.0
+
+
+def test_a_groups_chunks_join_in_sample_order_and_an_overlap_is_refused():
+    from streamrl.on_worker.task_functions import join_chunks
+    from streamrl.sim.engine import SimEngine, SimEngineConfig
+
+    task = LongTailSimTask(LongTailSimConfig(dataset_size=8))
+    prompt = task.prompts(0, 1)[0]
+    engine = SimEngine(SimEngineConfig(time_scale=1e-6))
+    engine.load()
+    try:
+        whole = engine.generate(prompt, 4)
+        parts = [engine.generate_samples(prompt, [2, 0]), engine.generate_samples(prompt, [3, 1])]
+    finally:
+        engine.close()
+    joined = join_chunks(*parts)
+    assert [s.uid for s in joined] == [s.uid for s in whole]
+    assert [len(s.response_ids) for s in joined] == [len(s.response_ids) for s in whole]  # same lengths
+    with pytest.raises(ValueError, match="overlap"):
+        join_chunks(parts[0], parts[0])
+
+
+def test_one_instance_gets_whole_groups():
+    prompts = [Prompt(uid=str(i), text=f"p{i}") for i in range(4)]
+    out = LongTail(LongTailConfig(chunk=1)).dispatch(prompts, [float(i) for i in range(4)], ["only"],
+                                                     DispatchContext(8, [10, 20, 30], 5.0, STEP))
+    assert sorted(a.index for a in out) == [0, 1, 2, 3] and all(a.samples == () for a in out)
