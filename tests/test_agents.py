@@ -206,3 +206,24 @@ def test_new_weights_between_two_calls_keep_the_trajectory_and_mark_each_tokens_
     assert versions[:n1] == [v0] * n1 and versions[-n2:] == [v0 + 1] * n2  # each call's own policy
     assert all(v == v0 for v, m in zip(versions[n1:-n2], mask[n1:-n2]))  # the gap: context, the earlier version
     assert seg["logprobs"][:n1] == first.model_extra["streamrl"]["choices"][0]["logprobs"]  # the behaviour kept
+
+
+def test_feedback_by_session_rewards_every_waiting_completion_of_it(served):
+    import httpx
+
+    api, url = served
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    before = api.traffic.snapshot()["rewarded"]
+    for q in ("What is 11*11?", "And 12*12?"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": q}], max_tokens=8,
+                                       extra_body={"session": "conversation-7"})
+    r = httpx.post(f"{url}/feedback", json={"session": "conversation-7", "reward": 1.0})
+    assert r.status_code == 200 and r.json()["completions"] == 2
+    assert api.traffic.snapshot()["rewarded"] == before + 2  # both, ready for a training step
+    again = httpx.post(f"{url}/feedback", json={"session": "conversation-7", "reward": 1.0})
+    assert again.status_code == 400 and "already rewarded" in again.json()["error"]["message"]
+    unknown = httpx.post(f"{url}/feedback", json={"session": "nobody", "reward": 1.0})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "session"
+    both = httpx.post(f"{url}/feedback", json={"session": "s", "id": "cmpl-1", "reward": 1.0})
+    assert both.status_code == 400 and both.json()["error"]["message"] == \
+        "give exactly one of 'id' (a completion) and 'session'."

@@ -73,12 +73,12 @@ def test_skew_variants_switch_components_without_carrying_foreign_options():
     resolved, time_scale = describe(str(ROOT / "recipes/longtail-cpu.toml"), user)
     assert time_scale is None  # a real engine
     variants = variants_for(resolved)
-    assert list(variants) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned"]  # countdown has true lengths
+    assert list(variants) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned", "longtail-learned"]  # countdown has true lengths
     for name, extra in variants.items():
         loaded = load_recipe(ROOT / "recipes/longtail-cpu.toml", user + extra)
         runner.resolve(loaded)  # every variant validates
         r = loaded.recipe
-        assert r.scheduler.name == ("fcfs" if name == "fcfs" else "skew")
+        assert r.scheduler.name == ("fcfs" if name == "fcfs" else "longtail" if name.startswith("longtail") else "skew")
         if r.scheduler.name == "skew":
             assert r.scheduler.options()["alpha"] == 0.1  # the user's skew options are kept
         if name.endswith("oracle"):

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streamrl.chat.messages import MessageError, normalize, render, reply_message
 from streamrl.serve.completion import Completion, Params
@@ -74,6 +74,9 @@ class Sampling(BaseModel):
     stream_options: dict[str, Any] | None = None
     answer: Any = None
     """streamrl's own: the reference answer the recipe's reward checks (``serve.reward = "recipe"``)."""
+    session: str | None = Field(None, min_length=1, max_length=256)
+    """streamrl's own: a conversation or user session this request belongs to; one ``POST
+    /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
 
 
 class ChatRequest(Sampling):
@@ -97,12 +100,22 @@ class CompletionRequest(Sampling):
 
 
 class Feedback(BaseModel):
-    """``POST /v1/feedback``: a reward for one choice (``index``) or every choice of a completion."""
+    """``POST /v1/feedback``: a reward for one choice (``index``) or every choice of a completion
+    (``id``), or for every waiting completion of a session (``session``)."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str
+    id: str | None = None
+    session: str | None = None
     index: int | None = Field(None, ge=0)
     reward: float
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "Feedback":
+        if (self.id is None) == (self.session is None):
+            raise ValueError("give exactly one of 'id' (a completion) and 'session'")
+        if self.session is not None and self.index is not None:
+            raise ValueError("'index' names a choice of a completion; a session's feedback rewards every choice")
+        return self
 
 
 class Endpoint:
@@ -143,6 +156,8 @@ class Endpoint:
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"])
+            if not field:  # a rule over several fields (``model_validator``): its own words
+                raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None
             raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
 
     def params(self, req: Sampling, prompt_ids: list[int], rollout: bool = False) -> Params:
@@ -266,6 +281,12 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     async def feedback(request: Request):
         endpoint.authorize(request)
         fb = await endpoint.body(request, Feedback)
+        if fb.session is not None:
+            reached, problem = endpoint.traffic.session_feedback(fb.session, fb.reward)
+            if problem is not None:
+                raise APIError(404 if problem.startswith("no completion") else 400, problem[0].upper() + problem[1:] + ".",
+                               param="session")
+            return {"object": "feedback", "session": fb.session, "accepted": True, "completions": reached}
         problem = endpoint.traffic.feedback(fb.id, fb.index, fb.reward)
         if problem is not None:
             raise APIError(404 if problem.startswith("no completion") else 400, problem[0].upper() + problem[1:] + ".",
@@ -304,7 +325,7 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
     completion = Completion(endpoint.engine, endpoint.tokenizer, cid, ids, params)
     completion.turn = turn
     endpoint.pending += params.n
-    endpoint.traffic.started(cid)
+    endpoint.traffic.started(cid, getattr(req, "session", None))
     try:
         completion.start()
     except ValueError as e:  # the engine's own check (a prompt past its slots)

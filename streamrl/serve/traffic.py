@@ -37,16 +37,19 @@ class Traffic:
         self._ready: list[Group] = []
         self._takers: set[int] = set()  # the steps whose takes wait now (served lowest first)
         self._state: dict[str, str] = {}  # completion id -> running | waiting | rewarded | dropped
+        self._sessions: dict[str, list[str]] = {}  # session id -> its completions' ids, oldest first
         self.counts: dict[str, int] = {"requests": 0, "completions": 0, "rewarded": 0, "unrewarded_dropped": 0,
                                        "stale_dropped": 0, "refused": 0, "cancelled": 0, "feedback": 0}
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
         self._stopped = False
 
-    def started(self, completion_id: str) -> None:
-        """A request was accepted: feedback may name ``completion_id`` from now on."""
+    def started(self, completion_id: str, session: str | None = None) -> None:
+        """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from now on."""
         with self._lock:
             self._state[completion_id] = "running"
             self.counts["requests"] += 1
+            if session is not None:
+                self._sessions.setdefault(session, []).append(completion_id)
 
     def count(self, what: str, n: int = 1) -> None:
         """Add ``n`` to counter ``what``."""
@@ -91,6 +94,28 @@ class Traffic:
                 self._early.setdefault(completion_id, {})[index] = reward
                 return None
             return self._apply(completion_id, index, reward)
+
+    def session_feedback(self, session: str, reward: float) -> tuple[int, str | None]:
+        """A client's reward for every completion of ``session`` not rewarded yet (an
+        application that scores a whole conversation). Returns how many completions it reached,
+        and why it reached none (an unknown session, or none of its completions waits)."""
+        with self._lock:
+            ids = self._sessions.get(session)
+            if ids is None:
+                return 0, f"no completion with session {session!r}"
+            open_ids = [cid for cid in ids if self._state.get(cid) in ("running", "waiting")]
+            if not open_ids:
+                return 0, f"every completion of session {session!r} is already rewarded or dropped"
+            self.counts["feedback"] += 1
+            for cid in open_ids:
+                if self._state[cid] == "running":
+                    self._early.setdefault(cid, {})[None] = reward
+                else:
+                    self._apply(cid, None, reward)
+            # (a session's later completions start a new round of feedback)
+            self._sessions[session] = [cid for cid in ids if self._state.get(cid) in ("running", "waiting")
+                                       and cid not in open_ids]
+            return len(open_ids), None
 
     def _apply(self, completion_id: str, index: int | None, reward: float) -> str | None:
         group = self._waiting[completion_id].group
