@@ -227,3 +227,36 @@ def test_feedback_by_session_rewards_every_waiting_completion_of_it(served):
     both = httpx.post(f"{url}/feedback", json={"session": "s", "id": "cmpl-1", "reward": 1.0})
     assert both.status_code == 400 and both.json()["error"]["message"] == \
         "give exactly one of 'id' (a completion) and 'session'."
+
+
+def test_a_streamed_tool_call_comes_as_openai_streams_it_and_the_trajectory_continues(served):
+    api, url = served
+    for k in range(40):
+        rid = f"r-stream-{k}"
+        client = rollout_client(url, rid)
+        messages = [{"role": "user", "content": f"What is {20 + k}*31?"}]
+        content, calls, reason = "", {}, None
+        for chunk in client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=64,
+                                                    stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for c in choice.delta.tool_calls or []:
+                    calls[c.index] = c
+                reason = choice.finish_reason or reason
+        if calls:
+            break
+    assert calls, "the model never called the tool in 40 tries"
+    assert "<tool_call>" not in content and reason == "tool_calls"  # no call markup streamed as content
+    call = calls[0]
+    assert call.function.name == "calc" and "x" in json.loads(call.function.arguments)
+    # the message the agent rebuilt from the stream continues the trajectory (no split)
+    messages += [{"role": "assistant", "content": content or None,
+                  "tool_calls": [{"id": call.id, "type": "function",
+                                  "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "620"}]
+    client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=64)
+    traj = finish(url, rid)
+    assert traj["splits"] == 0 and traj["calls"] == 2 and len(traj["segments"]) == 1
+    with pytest.raises(openai.APIStatusError) as late:  # the rollout is over: a late call is refused
+        client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=8)
+    assert late.value.status_code == 409

@@ -284,7 +284,7 @@ def test_recipe_mistakes_about_the_factory_are_one_line(tiny_recipe):
     assert "cluster: address and factory are both set" in error(
         "cluster.factory=distributed.LocalCluster", "cluster.address=tcp://127.0.0.1:8786")
     assert "cluster: factory_options is set but factory is not" in error("cluster.factory_options={cores=2}")
-    assert "cluster.pool_options.gen.[key]: expected 'generate', 'train', 'reward' or 'rank'" in error(
+    assert "cluster.pool_options.gen.[key]: expected 'generate', 'train', 'reward', 'rank' or 'agent'" in error(
         "cluster.factory=distributed.LocalCluster", "cluster.pool_options={gen={}}")
 
 

@@ -76,6 +76,11 @@ def test_gae_spreads_the_final_reward_over_the_response_tokens():
     # lam = 1, gamma = 1: the Monte-Carlo return minus the value, at every response token
     mc, _ = PPO(PPOConfig(gamma=1.0, lam=1.0)).token_advantages(torch.tensor([1.0]), values, mask)
     assert mc[0, 1:4].tolist() == pytest.approx([0.8, 0.6, 0.4])
+    # an agent's tool result between two replies (mask 0 inside the response) is skipped, not
+    # a restart: the first reply's tokens still see the final reward
+    gap = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]])
+    with_gap, _ = PPO(PPOConfig(gamma=1.0, lam=1.0)).token_advantages(torch.tensor([1.0]), values, gap)
+    assert with_gap[0].tolist() == pytest.approx([0.0, 0.8, 0.0, 0.4, 0.0])
 
 
 def test_ppo_trainer_fits_its_critic_and_reports_it(tiny_model):

@@ -71,7 +71,7 @@ class AgentRollouts(StepExtension):
         for i, prompt in enumerate(prompts):
             out.append(self.client.submit(run_group, prompt, n, self.urls, self.spec, self.config.api_key, step,
                                           first=i * n, key=f"agent-{step}-{prompt.uid}-{time.time_ns()}", pure=False,
-                                          resources={self.pool: 1}))
+                                          resources={self.pool: 1}, retries=1))
         return out
 
     def record(self, step: int, record) -> None:

@@ -140,7 +140,11 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
               "splits": 0, "crossed_updates": 0, "first_error": ""}
     for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
-        traj = _finish(url, api_key, rid)
+        try:
+            traj = _finish(url, api_key, rid)
+        except httpx.HTTPError as e:  # its endpoint is gone (a restarted generate worker): nothing to train
+            traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
+            outcome.error = outcome.error or f"EndpointLost: the trajectory could not be read from {url} ({e})"
         counts["calls"] += traj["calls"]
         counts["tool_calls"] += traj["tool_calls"]
         counts["splits"] += traj["splits"]

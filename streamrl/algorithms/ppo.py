@@ -61,7 +61,12 @@ class PPO(ClippedSurrogate):
         sequence rewards ``[B]``, the critic's ``values [B, T]`` and the response ``mask``."""
         c = self.config
         B, T = mask.shape
-        last = (mask * torch.arange(T, device=mask.device)).argmax(-1)  # each response's last token
+        positions = torch.arange(T, device=mask.device)
+        last = (mask * positions).argmax(-1)  # each response's last token
+        first = (mask > 0).float().argmax(-1)  # and its first
+        # tokens the policy did not generate inside a response (an agent's tool results, masked
+        # out) are skipped, not a restart: the recursion carries the reward across them
+        gap = (mask == 0) & (positions >= first[:, None]) & (positions <= last[:, None])
         token_r = torch.zeros_like(values)
         token_r[torch.arange(B), last] = rewards
         values = values * mask
@@ -72,9 +77,9 @@ class PPO(ClippedSurrogate):
             delta = token_r[:, t] + c.gamma * next_v - values[:, t]
             a = delta + c.gamma * c.lam * next_adv
             adv[:, t] = a * mask[:, t]
-            # outside the response (padding, prompt) the recursion restarts
-            next_adv = torch.where(mask[:, t] > 0, a, torch.zeros_like(a))
-            next_v = torch.where(mask[:, t] > 0, values[:, t], torch.zeros_like(a))
+            # outside the response (padding, prompt) the recursion restarts; across a gap it goes on
+            next_adv = torch.where(mask[:, t] > 0, a, torch.where(gap[:, t], next_adv, torch.zeros_like(a)))
+            next_v = torch.where(mask[:, t] > 0, values[:, t], torch.where(gap[:, t], next_v, torch.zeros_like(a)))
         return adv, (adv + values) * mask
 
     def value_loss(self, values, old_values, returns, mask):

@@ -109,8 +109,8 @@ def reply_message(content: str | None, calls: list[dict[str, str]], call_ids: li
 def message_key(m: dict[str, Any]) -> tuple:
     """What a canonical message means, for comparing an agent's history with what the endpoint
     saw and said: role, text (whitespace around it aside), tool calls (name and arguments as
-    JSON values) and the tool call a result answers. Call ids of assistant turns are left out
-    (an agent may keep its own)."""
+    JSON values) and a tool result's ``name``. Call ids are left out (an agent may keep its
+    own)."""
     calls = tuple((c["function"]["name"], _canonical_json(c["function"]["arguments"])) for c in m.get("tool_calls", []))
     return m["role"], (m.get("content") or "").strip(), calls, m.get("name", "")
 

@@ -29,6 +29,8 @@ class HermesConfig(BaseModel):
 class HermesToolParser(ToolParser):
     """``<tool_call>{json}</tool_call>`` blocks (see the module's docstring)."""
 
+    start = "<tool_call>"
+
     def __init__(self, config: HermesConfig | None = None):
         self.config = config
 

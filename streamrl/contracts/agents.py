@@ -16,6 +16,11 @@ class ToolParser:
     a parser for another format with ``register_tool_parsers`` and name it in ``[serve]
     tool_parser``."""
 
+    start: str = ""
+    """The text that opens a tool call in the model's output (``"<tool_call>"``): a streamed
+    reply sends its text as content up to it and holds the rest back for :meth:`parse`, as
+    OpenAI's API never streams call markup as content. Empty: the text streams as written."""
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         """``(content, calls)``: the reply's text outside its tool calls (None when nothing is
         left) and each call as ``{"name": ..., "arguments": <JSON text>}``, in order. Text that

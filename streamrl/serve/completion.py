@@ -72,6 +72,8 @@ class Completion:
         """Whether :meth:`cancel` stopped the request (its choices are not trained)."""
         self.turn = None
         """The agent rollout's call this request is (``openai_api.Turn``), or None."""
+        self.ended = False
+        """Whether the endpoint has handed the request's end on (``openai_api.finished``)."""
 
     def start(self) -> None:
         """Queue every choice in the engine."""

@@ -256,7 +256,13 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             return await respond(endpoint, request, req, endpoint.chat_prompt(messages, req.tools), chat=True)
         if req.n != 1:
             raise APIError(400, "A rollout's call asks for one reply (n = 1); a group is several rollouts.", param="n")
-        ids, segment = endpoint.trajectories.prompt(rollout, messages, req.tools)
+        if req.temperature == 0:  # a greedy reply is not a sample of the policy: it cannot be trained
+            raise APIError(400, "A rollout's call samples from the policy: temperature 0 (greedy) is not served to "
+                                "rollouts; omit temperature.", param="temperature")
+        try:
+            ids, segment = endpoint.trajectories.prompt(rollout, messages, req.tools)
+        except ValueError as e:
+            raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         turn = Turn(rollout, segment, messages, ids)
         try:
             return await respond(endpoint, request, req, ids, chat=True, turn=turn)
@@ -354,6 +360,8 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
     try:
         yield sse(fmt.chunk(None, first=True))
         async for ev in completion.events():
+            if completion.turn is not None and all(c.finish_reason for c in completion.choices):
+                finished(endpoint, completion, fmt)  # the trajectory has the reply before the client sees its end
             yield sse(fmt.chunk(ev, choice=completion.choices[ev.index]))
         if (req.stream_options or {}).get("include_usage"):
             yield sse(fmt.usage_chunk(completion))
@@ -370,7 +378,10 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
 def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
     """The request ended: free its place and hand its choices to the learners (not a cancelled
     one, nor a greedy one, which is not a sample of the policy); a rollout's call joins its
-    trajectory instead."""
+    trajectory instead. Once per request, however it ends."""
+    if completion.ended:
+        return
+    completion.ended = True
     endpoint.pending -= completion.params.n
     turn = completion.turn
     if turn is not None:
@@ -405,6 +416,7 @@ class Format:
         self.endpoint, self.req, self.cid, self.chat, self.prompt_ids = endpoint, req, cid, chat, prompt_ids
         self.tool_parser = tool_parser
         self._replies: dict[int, dict] = {}
+        self._sent: dict[int, str] = {}  # per choice, the content streamed so far (tool parsing on)
         self.created = int(time.time())
         self.want_logprobs = bool(getattr(req, "logprobs", False))
 
@@ -436,7 +448,7 @@ class Format:
 
     def finish_reason(self, c) -> str | None:
         """``tool_calls`` for a finished reply that calls tools, else the choice's own."""
-        if c.finish_reason and self.chat and self.reply(c).get("tool_calls"):
+        if c.finish_reason == "stop" and self.chat and self.reply(c).get("tool_calls"):
             return "tool_calls"
         return c.finish_reason
 
@@ -475,17 +487,38 @@ class Format:
         lp = self._token_logprobs(ev.tokens, ev.logprobs) if self.want_logprobs and ev.tokens else None
         body = {"delta": {"content": ev.text}} if self.chat else {"text": ev.text}
         finish = ev.finish_reason
+        if self.tool_parser is not None and choice is not None:
+            body["delta"]["content"] = self._content_delta(choice, bool(finish))
         if finish and self.tool_parser is not None and choice is not None:
-            # the reply's tool calls, parsed once it is whole, ride on its last chunk (its text
-            # streamed as the model wrote it, call markup included)
+            # the reply's tool calls, parsed once it is whole, ride on its last chunk
             calls = self.reply(choice).get("tool_calls", [])
-            if calls:
+            if calls and choice.finish_reason == "stop":
                 body["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
                 finish = "tool_calls"
         return {**self._base(obj), "choices": [{"index": ev.index, **body, "logprobs": lp,
                                                 "finish_reason": finish}],
                 "streamrl": {"index": ev.index, "token_ids": ev.tokens, "logprobs": ev.logprobs,
                              "policy_version": ev.version}}
+
+    def _content_delta(self, choice, whole: bool) -> str:
+        """What to stream of a choice's text as content now, tool parsing on: its text up to the
+        first tool call's opening (less a tail that may be the opening's start), and once the
+        reply is whole the rest of its parsed content."""
+        sent = self._sent.get(choice.index, "")
+        if whole:
+            content = self.reply(choice)["content"] or ""
+            delta = content[len(sent):] if content.startswith(sent) else ""
+        else:
+            text, start = choice.text, getattr(self.tool_parser, "start", "")
+            at = text.find(start) if start else -1
+            if at >= 0:
+                text = text[:at]
+            elif start:
+                hold = next((k for k in range(min(len(start) - 1, len(text)), 0, -1) if text.endswith(start[:k])), 0)
+                text = text[:len(text) - hold]
+            delta = text[len(sent):] if text.startswith(sent) else ""
+        self._sent[choice.index] = sent + delta
+        return delta
 
     def usage_chunk(self, completion: Completion) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""

@@ -22,10 +22,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from streamrl.chat.messages import message_key, render
+
+#: Seconds a rollout may go without a call before it is dropped from the store (an agent worker
+#: that died, or a rollout abandoned without its trajectory ever being asked for).
+STALE_ROLLOUT_S = 3600.0
+
+#: Finished rollouts remembered, so that a late call of one is refused rather than begun anew.
+FINISHED_KEPT = 100_000
 
 #: Stands in for a reply's text when the template renders a conversation around it (no
 #: template writes this, so where it lands tells what the template adds after a reply).
@@ -66,7 +74,8 @@ class Rollout:
     calls: int = 0
     tool_calls: int = 0
     splits: int = 0
-    started: float = field(default_factory=time.time)
+    active: float = field(default_factory=time.time)
+    """When its last call began (a rollout idle past :data:`STALE_ROLLOUT_S` is dropped)."""
 
 
 class Trajectories:
@@ -79,21 +88,32 @@ class Trajectories:
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self._lock = threading.Lock()
         self._rollouts: dict[str, Rollout] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self.dropped_stale = 0
+        """Rollouts dropped for going :data:`STALE_ROLLOUT_S` without a call (never finished)."""
 
     def prompt(self, rollout_id: str, messages: list[dict[str, Any]], tools: list[dict] | None
                ) -> tuple[list[int], Segment]:
         """The prompt of a rollout's call with canonical ``messages``, and the segment it joins
-        (marked busy until :meth:`add` or :meth:`abandon`)."""
+        (marked busy until :meth:`add` or :meth:`abandon`). ``ValueError`` for a call of a
+        rollout already finished."""
         tools_key = json.dumps(tools or [], sort_keys=True)
         keys = [message_key(m) for m in messages]
         with self._lock:
+            if rollout_id in self._finished:
+                raise ValueError(f"rollout {rollout_id!r} is finished: its trajectory was handed over")
+            self._sweep()
             rollout = self._rollouts.setdefault(rollout_id, Rollout())
             rollout.calls += 1
+            rollout.active = time.time()
             for seg in reversed(rollout.segments):
                 k = len(seg.history)
                 if (not seg.busy and seg.tools == tools_key and len(keys) > k and keys[:k] == seg.history
                         and messages[k]["role"] != "assistant"):
-                    ids = self._continue(seg, messages[k:], tools)
+                    try:
+                        ids = self._continue(seg, messages[k:], tools)
+                    except Exception:  # noqa: BLE001 -- a template that refuses the placeholder: render anew
+                        ids = None
                     if ids is not None:
                         seg.busy = True
                         return ids, seg
@@ -116,7 +136,8 @@ class Trajectories:
         after = around[len(last_prompt + PLACEHOLDER):]
         if seg.ended_by_eos and self.eos_text and after.startswith(self.eos_text):
             after = after[len(self.eos_text):]  # the model's own end of turn stands for the template's
-        return seg.context() + self.encode(after)
+        # (the text goes on a sequence: no BOS in front of it, whatever the tokenizer adds to a prompt)
+        return seg.context() + self.tokenizer(after, add_special_tokens=False).input_ids
 
     def add(self, rollout_id: str, seg: Segment, messages: list[dict[str, Any]], prompt_ids: list[int],
             tokens: list[int], logprobs: list[float], versions: list[int], reply: dict[str, Any]) -> None:
@@ -140,17 +161,26 @@ class Trajectories:
             rollout.tool_calls += len(reply.get("tool_calls", []))
 
     def abandon(self, rollout_id: str, seg: Segment) -> None:
-        """A call failed or was cancelled: its segment takes later calls as before."""
+        """A call failed, was refused or was cancelled: its segment takes later calls as before
+        (a segment it opened is removed, and the call is not counted)."""
         with self._lock:
             seg.busy = False
             rollout = self._rollouts.get(rollout_id)
-            if rollout is not None and seg.calls == 0 and seg in rollout.segments:
+            if rollout is None:
+                return
+            rollout.calls -= 1
+            if seg.calls == 0 and seg in rollout.segments:
+                if rollout.segments[0] is not seg:
+                    rollout.splits -= 1
                 rollout.segments.remove(seg)
 
     def finish(self, rollout_id: str) -> dict[str, Any]:
         """The rollout is over: its segments (those with a reply) and counts, removed from here."""
         with self._lock:
             rollout = self._rollouts.pop(rollout_id, None)
+            self._finished[rollout_id] = None
+            while len(self._finished) > FINISHED_KEPT:
+                self._finished.popitem(last=False)
         if rollout is None:
             return {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
         segments = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
@@ -159,6 +189,13 @@ class Trajectories:
                     for s in rollout.segments if s.calls]
         return {"segments": segments, "calls": rollout.calls, "tool_calls": rollout.tool_calls,
                 "splits": rollout.splits}
+
+    def _sweep(self) -> None:
+        # (under the lock) rollouts nobody will finish: their agent worker died, or gave up on them
+        now = time.time()
+        for rid in [rid for rid, r in self._rollouts.items() if now - r.active > STALE_ROLLOUT_S]:
+            del self._rollouts[rid]
+            self.dropped_stale += 1
 
     def in_flight(self) -> int:
         """Rollouts begun and not finished."""
