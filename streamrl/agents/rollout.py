@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-# imported here, once, not by each rollout's thread: a hundred threads importing a package at
-# once can hang on the import lock, which the worker's own event loop needs too
-import openai
 from distributed import get_worker
 
 from streamrl.plugins.user_files import exec_user_source
@@ -122,6 +119,8 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     is scored 0 with its error; one that never called the model leaves no sample. The counts go
     to the Dask event ``streamrl-agent``."""
     agent = agent_of(spec)
+    with _MODULES_LOCK:  # once per worker, by one task, before any rollout thread needs it (not
+        import openai  # noqa: F401 -- at the CLI's import: trackers such as wandb react to its presence)
     row = dict(prompt.columns)
     tag = secrets.token_hex(4)
     runs = []
@@ -164,6 +163,8 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
 
 def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float):
     async def main():
+        import openai  # (imported already by the group's task: a lookup)
+
         client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "streamrl", timeout=timeout_s,
                                     default_headers={ROLLOUT_HEADER: rid},
                                     http_client=httpx.AsyncClient(verify=_TLS, timeout=timeout_s))
