@@ -33,9 +33,11 @@ def test_the_slot_engine_ends_a_response_the_reward_calls_hopeless(tiny_model):
     engine.stop_early_with(watch)
     try:
         (group,) = engine.generate_groups([Prompt(uid="p", text="12+34=")], 4, [0.0])
+        (again,) = engine.generate_groups([Prompt(uid="q", text="1+2=")], 2, [0.0])  # the loop goes on
+        assert engine.loop_error is None and len(again) == 2
     finally:
         engine.close()
-    assert len(group) == 4 and {p for p, _ in watch.asked} == {"p"}
+    assert len(group) == 4 and {p for p, _ in watch.asked} == {"p", "q"}
     for s in group:
         # asked every 2 tokens: stopped at the first check with 3 characters or more, not at 12
         assert s.times.get("stopped_early") == 1.0
@@ -59,3 +61,51 @@ def test_countdown_stops_at_its_first_wrong_number_and_the_score_is_the_same():
 def test_stop_early_needs_the_slot_engine():
     with pytest.raises(UserError, match='stop_early_every needs batching = "slots"'):
         validate_section(HFEngineConfig, {"stop_early_every": 4}, "engine")
+
+
+STOPPING_REWARD = '''
+from pydantic import BaseModel
+
+from streamrl.api import Component, Reward, hookimpl
+
+
+class Empty(BaseModel):
+    pass
+
+
+class ShortOnly(Reward):
+    """Scores the response's length in characters, up to 2; stops any response past 2."""
+
+    def __init__(self, config):
+        pass
+
+    def stop_early(self, prompt, text):
+        return len(text) > 2
+
+    def score(self, prompt, response):
+        return float(min(len(response), 2))
+
+
+@hookimpl
+def register_rewards():
+    return [Component("reward", "short_only", Empty, ShortOnly)]
+'''
+
+
+@pytest.mark.slow
+def test_a_run_ends_responses_early_counts_them_and_trains_each_once(tiny_recipe):
+    from tests.helpers import read_records, streamrl, with_plugin
+
+    recipe = with_plugin(tiny_recipe, "short_only", STOPPING_REWARD, replace=('name = "exact_match"', 'name = "short_only"'))
+    proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report", "--set", 'engine.batching="slots"',
+                    "--set", "engine.stop_early_every=1", "--set", "engine.max_new_tokens=12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
+    records = read_records(run_dir)
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(0 < r["stopped_early"] <= 1 for r in records)  # the share of each step's 16 samples
+    for r in records:
+        uids = [x["uid"] for x in r["sample_log"]]
+        assert sorted(uids) == sorted(f"{r['step']}-{i:03d}-{k}" for i in range(4) for k in range(4))
+        ended = [x for x in r["sample_log"] if x.get("stopped_early")]
+        assert ended and all(x["response_len"] < 12 for x in ended)

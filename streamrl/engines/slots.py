@@ -119,7 +119,8 @@ class SlotEngine(TransformersEngine):
         self._emit()
         if self._watched:
             self._watch()
-        self._hand_back()
+        if self._slot_of:  # (the watch may have ended every running request)
+            self._hand_back()
         return True
 
     def _size(self) -> int:
