@@ -137,6 +137,12 @@ def parser() -> argparse.ArgumentParser:
     modes.add_argument("--steps", type=int, default=5, help="measured steps per mode")
     modes.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
     modes.add_argument("--out", default=None, help="write the JSON result here")
+    early = bench.add_parser("stop-early", help="responses ended early by the reward's stop_early, and not")
+    _recipe_args(early)
+    early.add_argument("--every", type=int, default=8, help="engine.stop_early_every of the variant that stops early")
+    early.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    early.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    early.add_argument("--out", default=None, help="write the JSON result here")
     skew = bench.add_parser("skew", help="fcfs vs the skew scheduler (oracle and learned ranker)")
     _recipe_args(skew)
     skew.add_argument("--steps", type=int, default=5, help="measured steps per variant")
@@ -329,6 +335,13 @@ def cmd_bench(args) -> int:
             raise UserError("--repeats must be >= 1")
         transfer.bench(args.file, args.overrides, [t.strip() for t in args.transfers.split(",") if t.strip()],
                        args.repeats, args.out)
+        return 0
+    if args.cmd == "stop-early":
+        from streamrl.bench import stop_early
+
+        if args.every < 1 or args.steps < 1 or args.warmup < 0:
+            raise UserError("--every and --steps must be >= 1, --warmup >= 0")
+        stop_early.bench(args.file, args.overrides, args.every, args.steps, args.warmup, args.out)
         return 0
     if args.cmd == "serve":
         from streamrl.bench import serve

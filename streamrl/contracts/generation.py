@@ -41,6 +41,10 @@ class EngineCapabilities:
     greedy: bool = False
     """True when the engine implements :meth:`Engine.generate_greedy` (held-out evaluation then
     decodes greedily; otherwise it samples)."""
+    stops_early: bool = False
+    """True when the engine watches each response as it is decoded and asks the reward's
+    :meth:`~streamrl.api.Reward.stop_early` whether to end it there: the engine is then handed
+    a reward of its own on its worker (:meth:`Engine.stop_early_with`)."""
     repeatable: bool = False
     """True when a group's samples depend only on the weights, the seed and the prompt (not on
     timing or on which requests share a batch). The controller then makes the rest of the run
@@ -68,6 +72,12 @@ class Engine:
         """Load the model (``from_pretrained``) and start generating. ``None`` when the recipe
         has no model (only for an engine declaring ``needs_model=False``)."""
         raise NotImplementedError
+
+    def stop_early_with(self, reward) -> None:
+        """Watch each response with ``reward`` (the run's reward, built on this worker): a
+        response its ``stop_early(prompt, text so far)`` calls hopeless ends there. Called once,
+        after :meth:`load`, on an engine whose capabilities say ``stops_early``."""
+        raise NotImplementedError(f"{type(self).__name__} does not stop responses early")
 
     def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
         """``n`` samples of ``prompt``, with per-token logprobs and ``policy_version`` set;

@@ -62,6 +62,14 @@ class Reward:
         the task put there to check it; ``prompt.columns`` the rest of its dataset row)."""
         raise NotImplementedError
 
+    def stop_early(self, prompt: Prompt, text: str) -> bool:
+        """Whether a response still being generated, ``text`` so far, can stop here: its reward
+        can no longer change (a format already broken, a wrong number already written), so the
+        rest of its generation would be wasted. Asked by an engine that watches responses
+        (``engine.stop_early_every``), on the generate worker, every few tokens: it must be
+        quick. A response stopped is scored and trained as it stands. Default: never."""
+        return False
+
     def score_group(self, prompts: list[Prompt], responses: list[str]) -> list:
         """The scores of several responses at once (a group: one prompt's samples), in order,
         each what :meth:`score` returns, or the exception that sample failed with (scored 0 and

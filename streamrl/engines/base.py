@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.api import Engine, fit_decode_latency
 from streamrl.errors import WeightShapeMismatch
@@ -78,6 +78,17 @@ class HFEngineConfig(BaseModel):
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a generate task waits for one response before it fails (naming the request)
     instead of hanging the step on a stuck generation loop."""
+    stop_early_every: int = Field(0, ge=0)
+    """``batching = "slots"``: every this many tokens of a response, ask the reward's
+    ``stop_early(prompt, text so far)`` (``Reward.stop_early``) and end the response there when
+    it says the rest cannot change its score -- the tokens it would have spent go to other
+    requests. The reward is built on each generate worker for it. 0: never."""
+
+    @model_validator(mode="after")
+    def _stop_early_in_slots(self) -> "HFEngineConfig":
+        if self.stop_early_every and self.batching != "slots":
+            raise ValueError('stop_early_every needs batching = "slots" (the loop that sees each decode step)')
+        return self
 
 class TransformersEngine(Engine):
     """Generation with per-token logprobs from a transformers model (built on the worker).
@@ -215,6 +226,8 @@ class TransformersEngine(Engine):
             out = await_response(rid, fut, self.config.request_timeout)
             group.append(self._sample(prompt, ids, rid, out.tokens, out.logprobs,
                                       version if out.version is None else out.version, start, time.time()))
+            if out.stopped_early:
+                group[-1].times["stopped_early"] = 1.0
         return group
 
     def _sample(self, prompt: Prompt, ids: list[int], rid: str, tokens: list[int], logprobs: list[float],

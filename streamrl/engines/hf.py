@@ -58,4 +58,5 @@ class HFEngine(TransformersEngine):
         return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
                                   max_new_tokens=config.max_new_tokens,
                                   kv_capacity_tokens=HFEngine.variant(config).kv_capacity_tokens(config),
-                                  repeatable=config.reproducible, greedy=True)
+                                  repeatable=config.reproducible, greedy=True,
+                                  stops_early=config.stop_early_every > 0)

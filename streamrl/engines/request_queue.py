@@ -35,6 +35,8 @@ class Response:
     token_versions: list[int] | None = None
     """The policy version that produced each token, where the loop tracks it (a served request
     on the slot decoder: a weight load mid-response shows as a change)."""
+    stopped_early: bool = False
+    """The reward's ``stop_early`` ended it before EOS or its token limit."""
 
 
 class RequestQueue:

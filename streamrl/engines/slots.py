@@ -74,6 +74,9 @@ class SlotEngine(TransformersEngine):
         self._cancel_lock = threading.Lock()
         self.loop_error: BaseException | None = None
         """What killed the loop, if something did (every request then fails naming it)."""
+        self._stop_early = None  # the reward that may end a response early (stop_early_with)
+        self._watched: dict[str, list] = {}  # request id -> [its prompt, tokens when last asked]
+        self._ended_early: set[str] = set()  # released by the watch: their responses say so
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -114,7 +117,10 @@ class SlotEngine(TransformersEngine):
             return False
         self.decoder.step(self._size())
         self._emit()
-        self._hand_back()
+        if self._watched:
+            self._watch()
+        if self._slot_of:  # (the watch may have ended every running request)
+            self._hand_back()
         return True
 
     def _size(self) -> int:
@@ -167,8 +173,46 @@ class SlotEngine(TransformersEngine):
         for slot, (tokens, logprobs) in zip(slots, self.decoder.release(slots)):
             rid = self._slot_of.pop(slot)
             served = self._streams.pop(rid, None)
-            self._queue.finish(rid, Response(tokens, logprobs, token_versions=served.versions if served else None))
+            self._watched.pop(rid, None)
+            early = rid in self._ended_early
+            self._ended_early.discard(rid)
+            self._queue.finish(rid, Response(tokens, logprobs, token_versions=served.versions if served else None,
+                                             stopped_early=early))
             heapq.heappush(self._free, slot)
+
+    # -- responses ended early --------------------------------------------------------------------
+
+    def stop_early_with(self, reward) -> None:
+        """Ask ``reward.stop_early(prompt, text)`` every ``engine.stop_early_every`` tokens of a
+        task's response; a response it stops is released at once, its tokens so far its sample."""
+        self._stop_early = reward
+
+    def _watch(self) -> None:
+        # (the loop's thread, after a decode step) the watched requests that decoded another
+        # stop_early_every tokens: their text so far, and the reward's verdict on it
+        every = self.config.stop_early_every
+        live = [(slot, rid) for slot, rid in self._slot_of.items() if rid in self._watched]
+        if not live:
+            return
+        idx = torch.tensor([slot for slot, _ in live], device=self.decoder.device)
+        counts = self.decoder.generated[idx].tolist()
+        due = [(slot, rid, n) for (slot, rid), n in zip(live, counts) if n - self._watched[rid][1] >= every]
+        if not due:
+            return
+        rows = self.decoder.out_tokens[torch.tensor([s for s, _, _ in due], device=self.decoder.device)].tolist()
+        stop = []
+        for (slot, rid, n), row in zip(due, rows):
+            prompt = self._watched[rid][0]
+            self._watched[rid][1] = n
+            try:
+                hopeless = bool(self._stop_early.stop_early(prompt, self.tokenizer.decode(row[:n], skip_special_tokens=True)))
+            except Exception:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
+                hopeless = False
+            if hopeless:
+                stop.append(slot)
+                self._ended_early.add(rid)
+        if stop:
+            self._release(stop)
 
     # -- served requests ------------------------------------------------------------------------
 
@@ -234,6 +278,10 @@ class SlotEngine(TransformersEngine):
         """As :meth:`TransformersEngine.generate_groups`; a prompt longer than
         ``engine.max_prompt_tokens`` fails its requests at once, naming the field."""
         self._check_prompts(prompts, [self.prompt_ids(p) for p in prompts])
+        if self._stop_early is not None:  # (written before the requests are queued: the loop reads it)
+            for p in prompts:
+                for k in range(n):
+                    self._watched[f"{p.uid}-{k}"] = [p, 0]
         return super().generate_groups(prompts, n, priorities)
 
     def _check_prompts(self, prompts: list[Prompt], ids: list[list[int]]) -> None:

@@ -20,10 +20,13 @@ from streamrl.plugins.resolve import Chosen, Resolved
 from streamrl.telemetry import bubbles
 
 
-def build_engine(engine: Chosen, model_path: str | None):
-    """Runs on a generate worker: make the engine and load the model."""
+def build_engine(engine: Chosen, model_path: str | None, reward: Chosen | None = None):
+    """Runs on a generate worker: make the engine and load the model; ``reward``: built here
+    too, for an engine that stops hopeless responses early (``EngineCapabilities.stops_early``)."""
     obj = engine.build()
     obj.load(model_path)
+    if reward is not None:
+        obj.stop_early_with(reward.build())
     return obj
 
 
@@ -45,7 +48,8 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
     gen_threads = r.pools.generate.torch_threads if r.pools.generate else 1
     train_threads = r.pools.train.torch_threads if r.pools.train else 1
     build_trainer = partial(resolved.trainer.build, trainer_context(resolved, sharded))
-    client.register_plugin(Resident(ENGINE, partial(build_engine, resolved.engine, resolved.model_path),
+    watch = resolved.reward if resolved.engine.capabilities().stops_early else None
+    client.register_plugin(Resident(ENGINE, partial(build_engine, resolved.engine, resolved.model_path, watch),
                                     torch_threads=gen_threads, seed=seed, what=f"engine {r.engine.name!r}"))
     client.register_plugin(Resident(TRAINER, build_trainer, torch_threads=train_threads, seed=seed,
                                     what=f"trainer {r.trainer.name!r}"))

@@ -215,6 +215,9 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     stats.gen_end_max = max(s.times["gen_end"] for s in samples)
     stats.policy_version_min = min(s.policy_version for s in samples)
     stats.reward_errors = sum(1 for s in samples if "reward_error" in s.times)
+    early = sum(1 for s in samples if "stopped_early" in s.times)
+    if early:  # (``stopped_early`` in the record: the share of the step's samples its engine ended early)
+        stats.sums["stopped_early"] = stats.sums.get("stopped_early", 0.0) + early
     stats.reward_error_first = next((s.reward_error for s in samples if s.reward_error), None)
     stats.add_reward_info(s.reward_info for s in samples)
     pairs = [g for g in groups if len(g) > 1]

@@ -96,6 +96,13 @@ class CountdownReward(Reward):
     def __init__(self, config: CountdownRewardConfig):
         self.config = config
 
+    def stop_early(self, prompt: Prompt, text: str) -> bool:
+        """Stop at the first wrong number: the score counts the numbers before it, and nothing
+        after it can change the score (a complete number is one followed by a space)."""
+        want = prompt.answer["target"].split()
+        done = text.split()[:-1] if text and not text[-1].isspace() else text.split()
+        return any(w != g for w, g in zip(want, done)) or len(done) > len(want)
+
     def score(self, prompt: Prompt, response: str) -> float:
         """Compare the response with ``prompt.answer["target"]`` number by number."""
         target = prompt.answer["target"]

@@ -19,6 +19,7 @@ NAMES = {
     "reward_mean": "reward/mean",
     "reward_errors": "reward/errors",
     "flat_groups": "reward/flat_groups_frac",
+    "stopped_early": "generation/stopped_early_frac",
     "response_len_mean": "response_length/mean",
     "loss": "actor/loss",
     "grad_norm": "actor/grad_norm",
