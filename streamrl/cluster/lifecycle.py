@@ -15,7 +15,6 @@ streamrl leaves that one running and takes the run's state off it when the run e
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import dask
@@ -29,43 +28,6 @@ from streamrl.cluster.pool_workers import LEARN, PIN, PRE_SPAWN_ENV, side_learne
 from streamrl.cluster.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
 from streamrl.recipe.pools import REQUIRED_POOLS
 from streamrl.recipe.recipe import Recipe
-
-
-#: What the embedded cluster's workers are forked with already imported (see :func:`warm_worker_start`).
-WARM_MODULES = ("torch", "transformers", "streamrl.on_worker.task_functions", "streamrl.plugins.builtins")
-
-
-def warm_worker_start() -> None:
-    """Start the embedded cluster's workers by forking a server process that has already
-    imported torch, transformers and streamrl's worker code, instead of spawning each from
-    scratch (Dask's ``forkserver`` method, with those modules preloaded). Every worker would
-    import them itself otherwise: about two seconds of CPU each, the largest part of a small
-    run's start. The server starts now, with the workers' malloc settings and one OpenMP thread
-    in its environment (it loads torch, which reads them once). ``STREAMRL_WORKER_START=spawn``
-    keeps Dask's default."""
-    import multiprocessing.forkserver
-
-    from distributed.utils import get_mp_context
-
-    if os.environ.get("STREAMRL_WORKER_START", "spawn") != "forkserver":
-        return
-    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    ctx = get_mp_context()  # (Dask's own preload list, set once)
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:  # already running (a run before, in this process)
-        return
-    ctx.set_forkserver_preload(list(server._preload_modules or []) + [m for m in WARM_MODULES])
-    env = {**PRE_SPAWN_ENV, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        server.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client]:
@@ -112,7 +74,6 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                            "must offer the pools' resources themselves; see docs/deploy.md)", learners=labelled)
         else:
             host = c.host
-            warm_worker_start()
             cluster = SpecCluster(
                 workers=worker_spec(recipe, level),
                 scheduler={"cls": Scheduler, "options": {
