@@ -309,7 +309,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     async def stats(request: Request):
         endpoint.authorize(request)
         return {"object": "serve.stats", "pending": endpoint.pending, "policy_version": endpoint.engine.version,
-                **endpoint.traffic.snapshot()}
+                "rollouts_in_flight": endpoint.trajectories.in_flight(),
+                "rollouts_dropped_stale": endpoint.trajectories.dropped_stale, **endpoint.traffic.snapshot()}
 
     return app
 
