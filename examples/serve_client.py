@@ -7,6 +7,9 @@ Each user asks ``a+b=`` for ``--n`` answers (one request, streamed), rewards eac
 it is the sum and 0 when not (``POST /v1/feedback``), and goes on until ``--seconds`` have
 passed. Every 10 seconds it prints the share of right answers in that window: it rises as the
 endpoint's learners train on the feedback.
+
+``--models`` splits the users between several served policies (the variants of a recipe with
+``[[learners]]``, ``GET /v1/models``), and the accuracy is printed for each: an A/B comparison.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def user(client: OpenAI, url: str, key: str, model: str, args, tally: list, stop
         for k, text in enumerate(texts):
             right = text.strip() == str(a + b)
             feedback(url, key, cid, k, 1.0 if right else 0.0)
-            tally.append((time.time(), right))
+            tally.append((time.time(), right, model))
 
 
 def main() -> None:
@@ -63,6 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="", help="the endpoint's base URL (default: the newest runs/*/serve.json)")
     ap.add_argument("--model", default="", help="the served model's name (default: serve.json's)")
+    ap.add_argument("--models", default="", help="comma-separated models to split the users between (A/B), "
+                                                 "e.g. serve-ab/grpo,serve-ab/ppo")
     ap.add_argument("--api-key", default="none", help="serve.api_key, when the endpoint has one")
     ap.add_argument("--runs", default="runs", help="where run folders are")
     ap.add_argument("--users", type=int, default=4, help="concurrent users")
@@ -70,10 +75,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=300, help="how long the users keep asking")
     args = ap.parse_args()
     url, model = endpoint(args)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] or [model]
     client = OpenAI(base_url=url, api_key=args.api_key, max_retries=5)
-    tally: list[tuple[float, bool]] = []
+    tally: list[tuple[float, bool, str]] = []
     stop = threading.Event()
-    threads = [threading.Thread(target=user, args=(client, url, args.api_key, model, args, tally, stop, i), daemon=True)
+    threads = [threading.Thread(target=user, args=(client, url, args.api_key, models[i % len(models)], args, tally,
+                                                   stop, i), daemon=True)
                for i in range(args.users)]
     for t in threads:
         t.start()
@@ -81,10 +88,14 @@ def main() -> None:
     while time.time() - t0 < args.seconds:
         time.sleep(10)
         now = time.time()
-        window = [right for t, right in tally if now - t <= 10]
-        if window:
-            print(f"{now - t0:5.0f} s  accuracy {sum(window) / len(window):.3f}  ({len(window)} answers in 10 s)",
-                  flush=True)
+        parts = []
+        for m in models:
+            window = [right for t, right, by in tally if now - t <= 10 and by == m]
+            if window:
+                name = f"{m} " if len(models) > 1 else ""
+                parts.append(f"{name}accuracy {sum(window) / len(window):.3f}  ({len(window)} answers in 10 s)")
+        if parts:
+            print(f"{now - t0:5.0f} s  " + "   ".join(parts), flush=True)
     stop.set()
     for t in threads:
         t.join(timeout=30)

@@ -11,12 +11,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 import openai
 import pytest
 import torch
 
-from tests.helpers import TINY_RECIPE
+from tests.helpers import TINY_RECIPE, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +29,25 @@ port = 0
 api_key = "{key}"
 samples_per_step = 8
 max_pending = 24
+
+[[learners]]
+name = "a"
+
+[[learners]]
+name = "b"
+trainer = {{ lr = 0.01 }}
+when_full = "pace"
 """
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model):
-    """A ``streamrl serve`` process on a tiny recipe; yields (base url, model, run folder)."""
+    """A ``streamrl serve`` process on a tiny recipe with two learners (``a`` served, ``b`` a side
+    learner, served beside it as a variant); yields (base url, model, run folder)."""
     tmp = tmp_path_factory.mktemp("serve")
     recipe = tmp / "serve.toml"
     text = TINY_RECIPE.format(out=tmp / "runs", model=tiny_model).replace(
-        "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 4')
+        "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 8')
     text = text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16\nmax_prompt_tokens = 48')
     recipe.write_text(text + SERVE.format(key=KEY))
     log = open(tmp / "serve.log", "w")
@@ -85,7 +95,7 @@ def stats(url: str) -> dict:
 def test_completions_and_chat_answer_the_openai_client_with_tokens_and_logprobs(served, tiny_model):
     url, model, _ = served
     c = client(url)
-    assert [m.id for m in c.models.list().data] == [model]
+    assert [m.id for m in c.models.list().data] == [model, f"{model}/a", f"{model}/b"]
     out = c.completions.create(model=model, prompt="12+34=", n=3, max_tokens=5)
     assert len(out.choices) == 3 and out.usage.completion_tokens > 0
     extra = out.model_extra["streamrl"]
@@ -181,6 +191,59 @@ def test_every_rewarded_completion_is_trained_exactly_once(served):
     assert after["ready"] == 0 and after["stale_dropped"] == before["stale_dropped"]
     versions = [r["policy_version"] for r in records]
     assert versions == list(range(versions[0], versions[0] + 3))  # each step published a new policy
+
+
+def test_a_side_learners_policy_answers_its_model_and_every_learner_trains_on_all_traffic(served):
+    url, model, run_dir = served
+    c = client(url)
+    status, body = post(url, "/completions", json.dumps({"model": f"{model}/zz", "prompt": "1+1="}).encode())
+    assert status == 404 and f"'{model}/b'" in body["error"]["message"]
+    # streamed from the side learner's worker: each decode step's tokens as they come
+    chunks = list(c.completions.create(model=f"{model}/b", prompt="5+6=", n=2, max_tokens=6, stream=True))
+    per_token = [ch for ch in chunks if ch.model_extra.get("streamrl", {}).get("token_ids")]
+    assert per_token and all(ch.model == f"{model}/b" for ch in chunks)
+    assert len(per_token) == sum(len(ch.model_extra["streamrl"]["token_ids"]) for ch in per_token)
+    before = stats(url)["variants"]
+    records_before = len(read_records(run_dir, partial=True))
+    asked = {}
+    for k in range(4):  # 4 requests x 4 choices to each policy: 32 samples, 4 steps of 8
+        for m in (model, f"{model}/b"):
+            out = c.completions.create(model=m, prompt=f"{30 + k}+{k}=", n=4, max_tokens=6)
+            assert out.model == m and len(out.model_extra["streamrl"]["choices"]) == 4
+            asked[out.id] = m
+    rewards = {model: 0.0, f"{model}/b": 1.0}  # a reward that tells the variants apart
+    for cid, m in asked.items():
+        assert post(url, "/feedback", json.dumps({"id": cid, "reward": rewards[m]}).encode())[0] == 200
+    after = stats(url)["variants"]
+    for m, reward in rewards.items():
+        assert after[m]["requests"] - before.get(m, {}).get("requests", 0) == 4
+        assert after[m]["rewarded"] - before.get(m, {}).get("rewarded", 0) == 16
+        was = before.get(m, {"rewarded": 0, "reward_mean": 0.0})
+        earned = after[m]["reward_mean"] * after[m]["rewarded"] - (was["reward_mean"] or 0.0) * was["rewarded"]
+        assert earned == pytest.approx(16 * reward, abs=1e-3) and after[m]["ttft_p50_ms"] > 0
+    uids = {f"{cid}-{i}" for cid in asked for i in range(4)}
+    # every learner trains on every rewarded sample, whichever policy answered it
+    deadline, records, b_trained = time.time() + 180, [], {}
+    while time.time() < deadline:
+        records = read_records(run_dir, partial=True)[records_before:]
+        main = {x["uid"]: r["step"] for r in records for x in r["sample_log"]}
+        b_trained = {t[0]: t for r in records for t in r.get("learners", {}).get("b", {}).get("trained", [])}
+        if uids <= set(main) and {main[u] for u in uids} <= set(b_trained):
+            break
+        time.sleep(0.5)
+    steps = sorted({main[u] for u in uids})
+    assert uids <= set(main), "the served learner did not train on every rewarded sample"
+    for r in records:
+        if r["step"] in steps:
+            made_by = {x["worker"] for x in r["sample_log"] if x["uid"] in uids and asked[x["uid"].rsplit("-", 1)[0]] != model}
+            assert made_by <= {"learner-b"}  # the variant's samples say which worker decoded them
+            log = sorted(x["uid"] for x in r["sample_log"])
+            assert b_trained[r["step"]][1:] == [len(log), zlib.crc32("\n".join(log).encode())]  # the same samples
+    # the variant's engine took the side learner's new weights after its steps
+    out = c.completions.create(model=f"{model}/b", prompt="7+8=", n=2, max_tokens=6)
+    assert min(min(x["policy_versions"]) for x in out.model_extra["streamrl"]["choices"]) >= 1
+    record = read_records(run_dir, partial=True)[-1]
+    assert record["serve/variants"][f"{model}/b"]["rewarded"] >= 16
 
 
 def test_a_host_off_loopback_without_a_key_is_refused_in_one_line(tiny_recipe):

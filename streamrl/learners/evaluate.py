@@ -31,8 +31,11 @@ def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version
     """A learner's worker: its engine takes the trainer's current weights, then answers
     ``prompts`` (as ``extensions/evaluate.eval_groups``)."""
     eng, held = resident(engine), resident(trainer)
-    if eng.version != held.version:
-        eng.load_weights(held.named_weights(), held.version)
+    if getattr(eng, "trainer_version", None) != held.version:
+        # (served beside the run's policy, the engine numbers versions by the stream's steps:
+        # ``serve/variants.refresh``)
+        eng.load_weights(held.named_weights(), held.version + getattr(eng, "version_offset", 0))
+        eng.trainer_version = held.version
     if greedy:
         return eng.generate_greedy(prompts)
     return eng.generate_groups(prompts, n, [0.0] * len(prompts))

@@ -52,6 +52,12 @@ class ServeConfig(Strict):
     """How a reply's text becomes OpenAI's ``tool_calls`` when a request offers ``tools``: a
     registered ``tool_parser`` (``hermes``: ``<tool_call>{json}</tool_call>`` blocks, the format
     of Qwen, Hermes and the shipped tiny calculator model)."""
+    variants: bool = True
+    """Serve each side learner's current policy too (``[[learners]]``, and those added while
+    the run goes on), from an engine on its own worker: a request whose ``model`` is
+    ``<model_name>/<learner>`` is answered by that learner's policy, and every learner trains on
+    all rewarded traffic, whichever policy answered it (an A/B comparison of algorithms on live
+    traffic). False: only the served policy answers; side learners build no engine for it."""
     max_pending: int = Field(256, ge=1)
     """Completions asked for but not finished, across all requests; a request that would go
     past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""

@@ -10,6 +10,7 @@ from streamrl.extensions.elastic import ElasticGrowth
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.learners.extension import SideLearners
 from streamrl.serve.extension import ServedTraffic
+from streamrl.learners.served import ServedVariants
 
 
 def for_run(ctl) -> list[StepExtension]:
@@ -17,7 +18,8 @@ def for_run(ctl) -> list[StepExtension]:
     recipe asks for one and the cluster can grow), held-out evaluation (``[eval]``), the side
     learners (always: they can be added while the run goes on). Evaluation comes before the
     learners: their record repeats the main learner's evaluation. Agent rollouts (``[task] name =
-    "agent"``), or else served traffic (``[serve]``), come first: they supply the steps' samples."""
+    "agent"``), or else served traffic (``[serve]``), come first: they supply the steps' samples;
+    the side learners' policies served beside the run's (``serve.variants``) come last."""
     r = ctl.recipe
     out: list[StepExtension] = []
     if isinstance(ctl.task, AgentTask):  # an agent's rollouts, against endpoints of their own
@@ -31,4 +33,7 @@ def for_run(ctl) -> list[StepExtension]:
     if evaluator is not None:
         out.append(evaluate.HeldOutEvaluation(evaluator, r.run.steps))
     out.append(SideLearners(ctl))
+    served = next((e for e in out if isinstance(e, ServedTraffic)), None)
+    if served is not None and r.serve.variants:  # after the learners: it serves the policies they train
+        out.append(ServedVariants(ctl, served))
     return out

@@ -74,6 +74,9 @@ class Completion:
         """The agent rollout's call this request is (``openai_api.Turn``), or None."""
         self.ended = False
         """Whether the endpoint has handed the request's end on (``openai_api.finished``)."""
+        self.first_token_at: float | None = None
+        """When the first token of any choice came (time to first token, per variant)."""
+        self.last_token_at: float | None = None
 
     def start(self) -> None:
         """Queue every choice in the engine."""
@@ -108,6 +111,9 @@ class Completion:
                 tokens, logprobs, version = rest
                 if c.finish_reason is not None:  # decoded after a stop sequence: not sent, not trained
                     continue
+                self.last_token_at = time.time()
+                if self.first_token_at is None:
+                    self.first_token_at = self.last_token_at
                 c.tokens += tokens
                 c.logprobs += logprobs
                 c.versions += [version] * len(tokens)
@@ -142,6 +148,19 @@ class Completion:
         c.text = full
         return new
 
+    @property
+    def first_token_s(self) -> float | None:
+        """Seconds from the request to its first token (None: no token came)."""
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def token_s(self) -> float | None:
+        """Seconds between two tokens of a choice after the first, on average (None: too few)."""
+        longest = max((len(c.tokens) for c in self.choices), default=0)
+        if self.first_token_at is None or longest < 2:
+            return None
+        return (self.last_token_at - self.first_token_at) / (longest - 1)
+
     def samples(self) -> Group:
         """The choices as training samples (a stop sequence's tokens kept: the policy made
         them), each token with the version that decoded it."""
@@ -155,5 +174,6 @@ class Completion:
             group.append(Sample(uid=c.rid, prompt=prompt, prompt_ids=list(self.prompt_ids),
                                 response_ids=c.tokens[:n], logprobs=c.logprobs[:n], response_text=c.text,
                                 policy_version=min(versions) if versions else self.engine.version,
+                                worker=getattr(self.engine, "worker", ""),
                                 token_versions=versions, times={"gen_start": self.started, "gen_end": end}))
         return group

@@ -53,7 +53,7 @@ def start(config: dict, model_name: str, tool_parser=None) -> str:
         raise ValueError(f"serve: could not listen on {cfg.host}:{cfg.port} (serve.host, serve.port: the port may be "
                          "in use)")
     port = server.servers[0].sockets[0].getsockname()[1]
-    _RUNNING["endpoint"] = (server, thread, traffic)
+    _RUNNING["endpoint"] = (server, thread, traffic, api)
     return f"http://{cfg.host}:{port}/v1"
 
 
@@ -66,9 +66,43 @@ def take(step: int, min_samples: int, min_version: int, wait_s: float, after=Non
     groups = traffic.take(step, min_samples, min_version, wait_s)
     name = str(get_worker().name)
     for s in (s for g in groups for s in g):
-        s.worker = name
+        s.worker = s.worker or name  # (a learner's policy made it on that learner's worker)
         s.times["submitted"] = s.times.get("gen_start", 0.0)
     return groups
+
+
+def add_variant(model: str, url: str, key: str, learner: str, worker: str) -> list[str]:
+    """Generate worker: requests naming ``model`` are answered from then on by learner
+    ``learner``'s token server at ``url`` on worker ``worker`` (``serve/variants.py``); returns
+    the models served. ``model`` already served: it moves to the new server."""
+    from streamrl.serve.variants import RemoteEngine
+
+    api = _api()
+    remote = RemoteEngine(api.engine, url, key, learner)
+    remote.worker = worker
+    old = api.engines.get(model)
+    api.engines = {**api.engines, model: remote}  # (a new dict: a request looking one up sees either)
+    if isinstance(old, RemoteEngine):
+        old.close()
+    return list(api.engines)
+
+
+def alias(model: str) -> list[str]:
+    """Generate worker: requests naming ``model`` are answered by the served policy too."""
+    api = _api()
+    api.engines = {**api.engines, model: api.engine}
+    return list(api.engines)
+
+
+def remove_variant(model: str) -> list[str]:
+    """Generate worker: stop serving ``model`` (its requests in flight fail); returns the models served."""
+    api = _api()
+    engines = dict(api.engines)
+    old = engines.pop(model, None)
+    api.engines = engines
+    if old is not None and old is not api.engine:
+        old.close()
+    return list(api.engines)
 
 
 def stats() -> dict[str, int]:
@@ -90,11 +124,18 @@ def stop() -> bool:
     running = _RUNNING.pop("endpoint", None)
     if running is None:
         return False
-    server, thread, traffic = running
+    server, thread, traffic, _ = running
     traffic.stop()
     server.should_exit = True
     thread.join(timeout=5)
     return True
+
+
+def _api():
+    running = _RUNNING.get("endpoint")
+    if running is None:
+        raise RuntimeError(f"no endpoint runs on worker {get_worker().name} (its worker was restarted?)")
+    return running[3]
 
 
 def _traffic() -> Traffic:

@@ -130,6 +130,21 @@ class Endpoint:
         self.trajectories = Trajectories(self.tokenizer, self.encode_chat)
         self.pending = 0  # choices asked and not ended (serve.max_pending)
         self.created = int(time.time())
+        self.engines: dict[str, Any] = {model_name: engine}
+        """What answers each ``model`` a request may give: the served policy's engine under
+        ``model_name``, and each learner's (``serve/variants.py``) under its own name."""
+
+    def engine_for(self, model: str, rollout: bool = False):
+        """The engine that answers ``model`` (an agent's rollout: always the run's policy); a 404
+        naming the models served otherwise."""
+        if rollout:
+            return self.engine
+        engine = self.engines.get(model)
+        if engine is None:
+            names = ", ".join(f"'{m}'" for m in self.engines)
+            raise APIError(404, f"The model '{model}' does not exist; this endpoint serves {names} (GET /v1/models).",
+                           param="model", code="model_not_found")
+        return engine
 
     # -- checks ---------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -160,13 +175,9 @@ class Endpoint:
                 raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None
             raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
 
-    def params(self, req: Sampling, prompt_ids: list[int], rollout: bool = False) -> Params:
-        """The request's sampling, checked against the engine and the policy (``rollout``: a
-        call of an agent's rollout, which the run's policy answers whatever ``model`` names)."""
-        if req.model != self.model_name and not rollout:
-            raise APIError(404, f"The model '{req.model}' does not exist; this endpoint serves "
-                                f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
-        c = self.engine.config
+    def params(self, req: Sampling, prompt_ids: list[int]) -> Params:
+        """The request's sampling, checked against the engine and the policy."""
+        c = self.engine.config  # (a learner's engine has the served one's settings)
         if req.temperature not in (None, 0) and abs(req.temperature - c.temperature) > 1e-6:
             raise APIError(400, f"temperature {req.temperature} is not served: the policy samples at "
                                 f"{c.temperature} (engine.temperature); omit it, or 0 for greedy.", param="temperature")
@@ -241,8 +252,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         endpoint.authorize(request)
-        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
-                                            "created": endpoint.created, "owned_by": "streamrl"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": endpoint.created,
+                                            "owned_by": "streamrl"} for name in list(endpoint.engines)]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -327,19 +338,21 @@ class Turn:
 async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list[int], chat: bool,
                   turn: Turn | None = None):
     """Run the request in the engine; the whole response, or its server-sent events."""
-    params = endpoint.params(req, ids, rollout=turn is not None)
+    engine = endpoint.engine_for(req.model, rollout=turn is not None)
+    params = endpoint.params(req, ids)
     cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    completion = Completion(endpoint.engine, endpoint.tokenizer, cid, ids, params)
+    completion = Completion(engine, endpoint.tokenizer, cid, ids, params)
     completion.turn = turn
     endpoint.pending += params.n
-    endpoint.traffic.started(cid, getattr(req, "session", None))
+    model = endpoint.model_name if turn is not None else req.model
+    endpoint.traffic.started(cid, getattr(req, "session", None), model)
     try:
         completion.start()
     except ValueError as e:  # the engine's own check (a prompt past its slots)
         endpoint.pending -= params.n
         raise APIError(400, str(e), param="prompt") from None
     tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
-    fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None)
+    fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
     if req.stream:
         return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -395,6 +408,7 @@ def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
                                       c.logprobs[:n], c.versions[:n], fmt.reply(c))
         turn.done = True
         return
+    endpoint.traffic.timed(completion.cid, completion.first_token_s, completion.token_s)
     if completion.cancelled or not all(c.finish_reason for c in completion.choices):
         endpoint.traffic.count("cancelled")
         endpoint.traffic.dropped(completion.cid)
@@ -413,8 +427,10 @@ def sse(obj: dict) -> str:
 class Format:
     """OpenAI's response and chunk bodies for one request."""
 
-    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int], tool_parser=None):
+    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int], tool_parser=None,
+                 model: str = ""):
         self.endpoint, self.req, self.cid, self.chat, self.prompt_ids = endpoint, req, cid, chat, prompt_ids
+        self.model = model or endpoint.model_name
         self.tool_parser = tool_parser
         self._replies: dict[int, dict] = {}
         self._sent: dict[int, str] = {}  # per choice, the content streamed so far (tool parsing on)
@@ -422,7 +438,7 @@ class Format:
         self.want_logprobs = bool(getattr(req, "logprobs", False))
 
     def _base(self, obj: str) -> dict:
-        return {"id": self.cid, "object": obj, "created": self.created, "model": self.endpoint.model_name}
+        return {"id": self.cid, "object": obj, "created": self.created, "model": self.model}
 
     def _token_logprobs(self, tokens: list[int], logprobs: list[float]):
         tok = self.endpoint.tokenizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from streamrl.sample import Group
@@ -23,6 +23,36 @@ class Waiting:
 
     group: Group
     finished: float = field(default_factory=time.time)
+
+
+#: How many of a model's latest rewards and latencies its recent figures are taken over.
+RECENT = 256
+
+
+@dataclass
+class ModelTally:
+    """What one served model (the served policy, or a learner's) has answered and earned: the
+    figures an A/B comparison of variants reads."""
+
+    requests: int = 0
+    completions: int = 0
+    rewarded: int = 0
+    reward_sum: float = 0.0
+    rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    first_token_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    token_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+
+    def report(self) -> dict:
+        """Totals, the mean reward (all, and the latest :data:`RECENT`), and the latest
+        requests' time to first token (p50, p99) and time between tokens (p50), in ms."""
+        def pct(values, q):
+            v = sorted(values)
+            return round(1000 * v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
+        return {"requests": self.requests, "completions": self.completions, "rewarded": self.rewarded,
+                "reward_mean": round(self.reward_sum / self.rewarded, 6) if self.rewarded else None,
+                "reward_recent": round(sum(self.rewards) / len(self.rewards), 6) if self.rewards else None,
+                "ttft_p50_ms": pct(self.first_token_s, 0.5), "ttft_p99_ms": pct(self.first_token_s, 0.99),
+                "itl_p50_ms": pct(self.token_s, 0.5)}
 
 
 class Traffic:
@@ -38,16 +68,22 @@ class Traffic:
         self._takers: set[int] = set()  # the steps whose takes wait now (served lowest first)
         self._state: dict[str, str] = {}  # completion id -> running | waiting | rewarded | dropped
         self._sessions: dict[str, list[str]] = {}  # session id -> its completions' ids, oldest first
+        self._model: dict[str, str] = {}  # completion id -> the model that answered it
+        self.models: dict[str, ModelTally] = {}
+        """Per served model (``model`` of the requests), what it answered and earned."""
         self.counts: dict[str, int] = {"requests": 0, "completions": 0, "rewarded": 0, "unrewarded_dropped": 0,
                                        "stale_dropped": 0, "refused": 0, "cancelled": 0, "feedback": 0}
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
         self._stopped = False
 
-    def started(self, completion_id: str, session: str | None = None) -> None:
-        """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from now on."""
+    def started(self, completion_id: str, session: str | None = None, model: str = "") -> None:
+        """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from
+        now on. ``model``: the one that answers it (its figures are kept apart)."""
         with self._lock:
             self._state[completion_id] = "running"
             self.counts["requests"] += 1
+            self._model[completion_id] = model
+            self.models.setdefault(model, ModelTally()).requests += 1
             if session is not None:
                 self._sessions.setdefault(session, []).append(completion_id)
 
@@ -55,6 +91,16 @@ class Traffic:
         """Add ``n`` to counter ``what``."""
         with self._lock:
             self.counts[what] = self.counts.get(what, 0) + n
+
+    def timed(self, completion_id: str, first_token_s: float | None, token_s: float | None) -> None:
+        """Request ``completion_id`` ended: its time to first token and between tokens."""
+        with self._lock:
+            tally = self.models.get(self._model.get(completion_id, ""))
+            if tally is not None:
+                if first_token_s is not None:
+                    tally.first_token_s.append(first_token_s)
+                if token_s is not None:
+                    tally.token_s.append(token_s)
 
     def dropped(self, completion_id: str) -> None:
         """Request ``completion_id`` ended without samples to learn from (cancelled, greedy)."""
@@ -67,6 +113,9 @@ class Traffic:
         recipe's reward scores it when a step takes it), so it is ready for a step at once."""
         with self._lock:
             self.counts["completions"] += len(group)
+            tally = self.models.get(self._model.get(completion_id, ""))
+            if tally is not None:
+                tally.completions += len(group)
             if ready:
                 self._state[completion_id] = "rewarded"
                 self._ready.append(group)
@@ -128,6 +177,11 @@ class Traffic:
             self._state[completion_id] = "rewarded"
             self._ready.append(group)
             self.counts["rewarded"] += len(group)
+            tally = self.models.get(self._model.get(completion_id, ""))
+            if tally is not None:
+                tally.rewarded += len(group)
+                tally.reward_sum += sum(s.reward for s in group)
+                tally.rewards.extend(s.reward for s in group)
             self._lock.notify_all()
         return None
 
@@ -185,9 +239,11 @@ class Traffic:
             self._stopped = True
             self._lock.notify_all()
 
-    def snapshot(self) -> dict[str, int]:
-        """The counters, and how many samples wait for a reward or for a step now."""
+    def snapshot(self) -> dict:
+        """The counters, how many samples wait for a reward or for a step now, and each served
+        model's figures (``variants``: :meth:`ModelTally.report`)."""
         with self._lock:
             self._expire()
             return {**self.counts, "waiting_for_reward": sum(len(w.group) for w in self._waiting.values()),
-                    "ready": sum(len(g) for g in self._ready)}
+                    "ready": sum(len(g) for g in self._ready),
+                    "variants": {m: t.report() for m, t in self.models.items()}}

@@ -1,0 +1,166 @@
+"""Variants served side by side: each side learner's policy behind the run's endpoint (``[serve]``
+with ``[[learners]]``; ``serve.variants``), as a step extension after the side learners'.
+
+Once the learners are placed (and whenever one is added or removed between steps) each learner
+still training gets a token server on its worker (``serve/variants.py``) and the endpoint a model
+``<model_name>/<learner>`` answered from it; the served learner's name is an alias of the served
+policy. After each step a learner is handed, its engine takes its new weights right after that
+step's optimizer step, in the learner's worker. The traffic of every variant joins the one stream:
+every learner trains on all of it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from functools import partial
+from pathlib import Path
+
+from streamrl.errors import RunWarning
+from streamrl.extensions.step_extension import StepExtension
+from streamrl.flow.placement import build_engine
+from streamrl.learners.evaluate import engine_resident
+from streamrl.learners.extension import SideLearners
+from streamrl.on_worker.resident import Resident
+from streamrl.serve import endpoint, variants
+
+
+def trained_through(lr) -> int:
+    """The version a side learner's policy is served as: the stream's steps it has trained
+    through (its last step plus one; before its first, the step it joined at)."""
+    return lr.joined_at if lr.last_step is None else lr.last_step + 1
+
+
+class ServedVariants(StepExtension):
+    """Serves every side learner's policy from its worker, beside the run's."""
+
+    def __init__(self, ctl, traffic):
+        self.ctl = weakref.proxy(ctl)  # (as the side learners': no cycle through the controller)
+        self.traffic = traffic
+        """The run's :class:`~streamrl.serve.extension.ServedTraffic` (its endpoint's worker)."""
+        self.served: dict[str, str] = {}
+        """Learner name -> the model its policy answers."""
+        self._registered: set[str] = set()
+        self._refreshing: dict[str, list] = {}  # learner name -> its weight loads not seen finished
+        self._failed: set[str] = set()  # learners whose engine could not take their weights (said once)
+
+    def _fanout(self):
+        learners = self.ctl.extension(SideLearners)
+        return learners.fanout if learners is not None else None
+
+    def placed(self, ctl) -> None:
+        """The served learner's alias, and a variant for each side learner."""
+        self.served, self._registered = {}, set()
+        main = ctl.resolved.learners[0]
+        if len(ctl.resolved.learners) > 1 and main.served:
+            self._endpoint(endpoint.alias, variants.variant_model(self.traffic.model_name, main.name))
+        self._sync()
+
+    def started(self, run_dir: Path) -> list[str]:
+        """A line naming the variants served."""
+        if not self.served:
+            return []
+        return ["variants: " + ", ".join(f"{model} ({name}'s policy)" for name, model in self.served.items())]
+
+    def trained(self, step: int, scored) -> None:
+        """Each variant's engine takes its learner's weights once it has trained step ``step``."""
+        fanout = self._fanout()
+        for name in self.served:
+            lr = fanout.learners.get(name) if fanout else None
+            if lr is None or lr.state != "training" or not lr.inflight or lr.inflight[-1].step != step:
+                continue  # (it skipped the step: nothing new to load)
+            # priority 1: right after the optimizer step, before the learner's next train tasks
+            self._check(name)
+            # (held: a future no client holds is forgotten, and its task may never run)
+            self._refreshing.setdefault(name, []).append(self.ctl.client.submit(
+                variants.refresh, engine_resident(name), lr.plan.resident, step + 1, after=lr.inflight[-1].last,
+                key=f"variant-refresh-{name}-{step}-{time.time_ns()}", priority=1, pure=False, **lr.view.train_pin))
+
+    def between_steps(self, done: int, run_dir: Path) -> list[str]:
+        """Learners added or removed since the last step: served, or no longer."""
+        return self._sync()
+
+    def resume(self, checkpoint: Path) -> None:
+        """Learners the checkpoint placed again are served again, and every variant's engine
+        takes its learner's restored weights."""
+        self._sync()
+        fanout = self._fanout()
+        for name in self.served:
+            lr = fanout.learners[name]
+            self.ctl.client.submit(variants.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
+                                   pure=False, key=f"variant-refresh-{name}-resume-{time.time_ns()}",
+                                   **lr.view.train_pin).result()
+
+    def close(self) -> None:
+        """Stop the learners' token servers (the endpoint stops with the run)."""
+        fanout = self._fanout()
+        for name in list(self.served):
+            lr = fanout.learners.get(name) if fanout else None
+            if lr is not None:
+                self._stop_server(lr)
+        self.served, self._refreshing = {}, {}
+
+    # -- what it does ---------------------------------------------------------------------------
+    def _check(self, name: str) -> None:
+        # the loads that finished: one that failed is said once (the variant goes on serving the
+        # weights it has; the learner's own training is not touched)
+        pending = []
+        for f in self._refreshing.get(name, []):
+            if not f.done():
+                pending.append(f)
+            elif f.status == "error" and name not in self._failed:
+                self._failed.add(name)
+                exc = f.exception()
+                warnings.warn(RunWarning(f"variant {self.served.get(name, name)!r} could not take learner {name!r}'s "
+                                         f"new weights ({type(exc).__name__}: {exc}); it serves the weights it has"),
+                              stacklevel=2)
+        self._refreshing[name] = pending
+
+    def _sync(self) -> list[str]:
+        fanout = self._fanout()
+        if fanout is None:
+            return []
+        lines = []
+        for name, lr in fanout.learners.items():
+            if lr.state == "removed" and name in self.served:
+                self._endpoint(endpoint.remove_variant, self.served.pop(name))
+                self._stop_server(lr)
+                lines.append(f"variant {name!r}: no longer served (the learner left)")
+            elif lr.state == "training" and name not in self.served:
+                model = self._start(lr)
+                if model:
+                    lines.append(f"variant {model!r}: served ({name}'s policy)")
+        return lines
+
+    def _start(self, lr) -> str | None:
+        ctl, name = self.ctl, lr.name
+        engine = engine_resident(name)
+        if lr.evaluator is None and engine not in self._registered:
+            # (with [eval] the learner's evaluation engine is this one, registered already)
+            r = ctl.resolved
+            ctl.client.register_plugin(Resident(engine, partial(build_engine, r.engine, r.model_path),
+                                                seed=r.recipe.run.seed, what=f"learner {name!r}'s engine"))
+        self._registered.add(engine)
+        model = variants.variant_model(self.traffic.model_name, name)
+        try:
+            url, key = ctl.client.submit(variants.start, engine, lr.plan.resident, trained_through(lr), pure=False,
+                                         key=f"variant-start-{name}-{time.time_ns()}",
+                                         **lr.view.train_pin).result(timeout=ctl.recipe.cluster.startup_timeout)
+            self._endpoint(endpoint.add_variant, model, url, key, name, lr.plan.worker)
+        except Exception as exc:  # noqa: BLE001 -- a variant not served is reported; the run and the others go on
+            warnings.warn(RunWarning(f"variant {model!r} is not served: {type(exc).__name__}: {exc}"), stacklevel=2)
+            return None
+        self.served[name] = model
+        return model
+
+    def _stop_server(self, lr) -> None:
+        try:
+            self.ctl.client.submit(variants.stop, engine_resident(lr.name), pure=False,
+                                   key=f"variant-stop-{lr.name}-{time.time_ns()}", **lr.view.train_pin).result(timeout=30)
+        except Exception:  # noqa: BLE001 -- its worker is gone: nothing left to stop
+            pass
+
+    def _endpoint(self, fn, *args):
+        return self.ctl.client.submit(fn, *args, pure=False, key=f"serve-variants-{time.time_ns()}",
+                                      **self.traffic.pin).result(timeout=30)

@@ -1,0 +1,226 @@
+"""Several policies behind one endpoint: each side learner's current policy, served from its own
+worker, answers the requests whose ``model`` names it.
+
+A side learner keeps an engine beside its trainer (the resident its held-out evaluation uses),
+which takes the trainer's weights in the same process after each of its steps (:func:`refresh`).
+That worker runs a small token server (:func:`start`): one route that decodes a prompt's tokens
+and streams each decode step's tokens, log-probs and policy version back, as newline-delimited
+JSON. The endpoint drives it through :class:`RemoteEngine`, which has the slot engine's
+``stream`` / ``cancel`` face, so a variant's request goes through everything a request of the
+served policy goes through (the checks, stop sequences, tool calls, streaming, feedback, the
+traffic the learners take): only where its tokens are decoded differs.
+
+The token server listens on the worker's own address on a free port, and takes only requests
+that carry a key made for it at start, which only the endpoint knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from distributed import get_worker
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from streamrl.on_worker.resident import resident
+
+# the token servers of this worker process: engine resident name -> (uvicorn server, thread)
+_SERVERS: dict[str, tuple] = {}
+
+
+def variant_model(model_name: str, learner: str) -> str:
+    """The ``model`` a request gives to be answered by learner ``learner``'s policy."""
+    return f"{model_name}/{learner}"
+
+
+# -- the learner's worker ----------------------------------------------------------------------
+
+
+def refresh(engine: str, trainer: str, version: int, after=None) -> int:
+    """Learner worker: the engine ``engine`` takes trainer ``trainer``'s weights when it has
+    trained since the last time (``after``: the step's futures, which Dask runs first), and serves
+    them as ``version``: the stream's steps this policy has trained through (the last step it
+    trained, plus one), so that its tokens' versions count steps as the served policy's do and the
+    staleness bound means the same for both, whatever steps the learner skipped or joined after.
+    Returns the version served."""
+    eng, held = resident(engine), resident(trainer)
+    # (its held-out evaluation loads the trainer's weights too, numbering them the same way)
+    eng.version_offset = version - held.version
+    if getattr(eng, "trainer_version", None) != held.version:
+        eng.load_weights(held.named_weights(), version)
+        eng.trainer_version = held.version
+    else:
+        eng.version = version
+    return eng.version
+
+
+def start(engine: str, trainer: str, version: int) -> tuple[str, str]:
+    """Learner worker: serve engine ``engine`` (with trainer ``trainer``'s current weights, as
+    ``version``: :func:`refresh`) on a token server at this worker's address; returns its base
+    URL and the key requests must carry.
+    Raises naming the setting when the engine cannot stream (not the slot decoder)."""
+    import uvicorn
+
+    stop(engine)
+    eng = resident(engine)
+    if not hasattr(eng, "stream"):
+        raise ValueError('serving a learner\'s policy needs engine.batching = "slots" (the engine that streams each '
+                         f"decode step's tokens); this engine is {type(eng).__name__}")
+    refresh(engine, trainer, version)
+    key = secrets.token_hex(16)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        if not secrets.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
+            return JSONResponse({"error": "wrong key"}, status_code=401)
+        body = await request.json()
+        return StreamingResponse(_decode(eng, body), media_type="application/x-ndjson")
+
+    host = get_worker().address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", access_log=False,
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, name=f"streamrl-variant-{engine}", daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        server.should_exit = True
+        raise RuntimeError(f"the token server of {engine} could not listen on {host}")
+    _SERVERS[engine] = (server, thread)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return f"http://{host}:{port}", key
+
+
+async def _decode(eng, body: dict):
+    """One request's decode steps as JSON lines: ``{"tokens", "logprobs", "version"}`` per step,
+    then ``{"done": tokens}`` (or ``{"error": message}``). A client that goes away cancels it."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    rid = str(body["rid"])
+
+    def on_tokens(tokens, logprobs, version):  # (the engine's loop thread)
+        loop.call_soon_threadsafe(queue.put_nowait, {"tokens": tokens, "logprobs": logprobs, "version": version})
+
+    def done(future):
+        exc = future.exception()
+        end = {"error": str(exc) or type(exc).__name__} if exc is not None else {"done": list(future.result().tokens)}
+        loop.call_soon_threadsafe(queue.put_nowait, end)
+
+    try:
+        eng.stream(rid, list(body["ids"]), int(body["max_new_tokens"]), on_tokens=on_tokens,
+                   greedy=bool(body.get("greedy"))).add_done_callback(done)
+    except ValueError as e:
+        yield json.dumps({"error": str(e)}) + "\n"
+        return
+    ended = False
+    try:
+        while not ended:
+            item = await queue.get()
+            ended = "done" in item or "error" in item
+            yield json.dumps(item, separators=(",", ":")) + "\n"
+    finally:
+        if not ended:  # the endpoint went away (its client did, or a stop sequence was found)
+            eng.cancel(rid)
+
+
+def stop(engine: str) -> bool:
+    """Learner worker: stop the token server of ``engine`` if one runs here."""
+    running = _SERVERS.pop(engine, None)
+    if running is None:
+        return False
+    server, thread = running
+    server.should_exit = True
+    thread.join(timeout=5)
+    return True
+
+
+# -- the endpoint's side -----------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """What a remote request ended with (the slot engine's ``Response`` as far as the endpoint
+    reads it)."""
+
+    tokens: list[int]
+
+
+class RemoteEngine:
+    """A learner's engine as the endpoint sees it: ``stream`` and ``cancel`` against its token
+    server, the served engine's tokenizer and settings (the learners share the model's)."""
+
+    def __init__(self, local, url: str, key: str, learner: str):
+        self.config, self.tokenizer, self.encode = local.config, local.tokenizer, local.encode
+        self.url, self.key, self.learner = url, key, learner
+        self.version = 0
+        """The newest version its tokens came with."""
+        self.worker = ""
+        """The learner's worker (its samples say they were made there)."""
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._client = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the endpoint's, where the client lives
+
+    def stream(self, rid: str, ids: list[int], max_new_tokens: int, on_tokens=None, greedy: bool = False) -> Future:
+        """Decode one request on the learner's worker (called on the endpoint's event loop):
+        ``on_tokens`` gets each step's tokens as they come; the future its :class:`Reply`."""
+        future: Future = Future()
+        task = asyncio.get_running_loop().create_task(self._run(rid, ids, max_new_tokens, greedy, on_tokens, future))
+        self._tasks[rid] = task
+        task.add_done_callback(lambda _: self._tasks.pop(rid, None))
+        return future
+
+    async def _run(self, rid, ids, max_new_tokens, greedy, on_tokens, future: Future) -> None:
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+            self._loop = asyncio.get_running_loop()
+        got: list[int] = []
+        try:
+            async with self._client.stream("POST", f"{self.url}/generate", headers={"Authorization": f"Bearer {self.key}"},
+                                           json={"rid": rid, "ids": ids, "max_new_tokens": max_new_tokens,
+                                                 "greedy": greedy}) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    item = json.loads(line)
+                    if "error" in item:
+                        raise RuntimeError(f"learner {self.learner!r}: {item['error']}")
+                    if "done" in item:
+                        future.set_result(Reply(item["done"]))
+                        return
+                    self.version = max(self.version, item["version"])
+                    got += item["tokens"]
+                    if on_tokens is not None:
+                        on_tokens(item["tokens"], item["logprobs"], item["version"])
+            raise RuntimeError(f"learner {self.learner!r}: its token server ended the response early")
+        except asyncio.CancelledError:  # cancelled: what was decoded so far, as the slot engine answers
+            future.set_result(Reply(got))
+        except Exception as e:  # noqa: BLE001 -- the request fails (a 500 to its client); the endpoint goes on
+            if not future.done():
+                future.set_exception(e if isinstance(e, RuntimeError) else
+                                     RuntimeError(f"learner {self.learner!r} could not be reached: {type(e).__name__}: {e}"))
+
+    def cancel(self, rid: str) -> None:
+        """Stop request ``rid`` (its future gets the tokens so far); nothing if it ended."""
+        task = self._tasks.get(rid)
+        if task is not None:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def close(self) -> None:
+        """No longer served (called from any thread): its requests in flight end with what they
+        have, and its HTTP client closes."""
+        for task in list(self._tasks.values()):
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        client, self._client = self._client, None
+        if client is not None and self._loop is not None:
+            asyncio.run_coroutine_threadsafe(client.aclose(), self._loop)
