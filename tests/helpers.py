@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -410,3 +411,29 @@ def make_groups(trainer, n_groups=6, size=4, seed=0):
             group.append(s)
         groups.append(group)
     return groups
+
+
+@contextmanager
+def endpoint_in_process(api):
+    """The OpenAI-compatible app of ``api`` (a ``serve.openai_api.Endpoint``) on a free loopback
+    port, in a thread of this process; yields its base URL (``.../v1``)."""
+    import threading
+
+    import uvicorn
+
+    from streamrl.serve.openai_api import make_app
+
+    server = uvicorn.Server(uvicorn.Config(make_app(api), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+

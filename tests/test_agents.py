@@ -21,11 +21,11 @@ from streamrl.errors import UserError
 from streamrl.recipe.recipe import validate_section
 from streamrl.recipe.serve import ServeConfig
 from streamrl.sample import Prompt, Sample
-from streamrl.serve.openai_api import Endpoint, make_app
+from streamrl.serve.openai_api import Endpoint
 from streamrl.chat.tool_calls import HermesToolParser
 from streamrl.serve.traffic import Traffic
 from streamrl.training.logprobs import naive_token_logprobs, pad_batch
-from tests.helpers import ROOT
+from tests.helpers import ROOT, endpoint_in_process
 
 CALC_MODEL = ROOT / "models" / "tiny-calculator"
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
@@ -38,19 +38,10 @@ def served():
                                        temperature=1.0, profile=False))
     engine.load(str(CALC_MODEL))
     api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", HermesToolParser())
-    server = uvicorn.Server(uvicorn.Config(make_app(api), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield api, f"http://127.0.0.1:{port}/v1"
+        with endpoint_in_process(api) as url:
+            yield api, url
     finally:
-        server.should_exit = True
-        thread.join(5)
         engine.close()
 
 

@@ -11,6 +11,7 @@ from streamrl.errors import UserError
 from streamrl.recipe.recipe import validate_section
 from streamrl.sample import Prompt
 from streamrl.tasks.countdown import CountdownReward, CountdownRewardConfig
+from tests.helpers import endpoint_in_process
 
 
 class StopAtThree:
@@ -45,6 +46,40 @@ def test_the_slot_engine_ends_a_response_the_reward_calls_hopeless(tiny_model):
         before = engine.tokenizer.decode(s.response_ids[:-2], skip_special_tokens=True)
         assert len(before) < 3  # the check before did not stop it
         assert len(s.logprobs) == len(s.response_ids)
+
+
+def test_a_served_response_the_reward_calls_hopeless_ends_there_and_is_counted(tiny_model):
+    import openai
+
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.traffic import Traffic
+
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=8, max_prompt_tokens=16, max_new_tokens=12,
+                                       temperature=1.0, profile=False, stop_early_every=2))
+    engine.load(str(tiny_model))
+    engine.decoder.eos_id.fill_(-1)  # no response ends by itself: only the limit or the watch
+    watch = StopAtThree()
+    engine.stop_early_with(watch)
+    api = Endpoint(engine, ServeConfig(port=0, reward="recipe"), Traffic(60.0), "policy")
+    try:
+        with endpoint_in_process(api) as url:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            out = client.completions.create(model="policy", prompt="12+34=", n=3, max_tokens=12,
+                                            extra_body={"answer": "46"})
+            chunks = list(client.completions.create(model="policy", prompt="1+2=", n=1, max_tokens=12, stream=True))
+            groups = api.traffic.take(0, 4, 0, 5.0)
+    finally:
+        engine.close()
+    for choice, extra in zip(out.choices, out.model_extra["streamrl"]["choices"]):
+        assert choice.finish_reason == "stop" and extra["stopped_early"] is True
+        assert len(extra["token_ids"]) < 12 and len(choice.text) >= 3  # ended at the watch, not the limit
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["stop"]
+    assert {uid for uid, _ in watch.asked} >= {out.id}  # asked about the served request, its answer with it
+    assert api.traffic.snapshot()["stopped_early"] == 4
+    samples = [s for g in groups for s in g]
+    assert len(samples) == 4 and all(s.times.get("stopped_early") == 1.0 for s in samples)  # the step counts them
+    assert {s.prompt.answer for s in samples} == {"46", None}
 
 
 def test_countdown_stops_at_its_first_wrong_number_and_the_score_is_the_same():

@@ -218,12 +218,17 @@ class SlotEngine(TransformersEngine):
 
     def stream(self, rid: str, ids: list[int], max_new_tokens: int,
                on_tokens: Callable[[list[int], list[float], int], None] | None = None,
-               greedy: bool = False, priority: float = 0.0) -> Future:
+               greedy: bool = False, priority: float = 0.0, prompt: Prompt | None = None) -> Future:
         """Serve one request: queue it, call ``on_tokens(tokens, logprobs, version)`` from the
         loop's thread with each step's new tokens (the callback must be quick: the loop waits
         for it), and return the future of its :class:`Response`, whose ``token_versions`` say
-        which policy decoded each token. ``greedy``: the argmax (``temperature = 0``)."""
+        which policy decoded each token. ``greedy``: the argmax (``temperature = 0``).
+        ``prompt``: what the reward's ``stop_early`` is asked about, when this engine stops
+        hopeless responses early (:meth:`stop_early_with`): a served response is watched as a
+        task's is, and one it stops ends there (``Response.stopped_early``)."""
         self._check_ids(f"request {rid}", ids)
+        if prompt is not None and self._stop_early is not None:  # (before it is queued: the loop reads it)
+            self._watched[rid] = [prompt, 0]
         self._streams[rid] = Stream(on_tokens, max(1, min(max_new_tokens, self.config.max_new_tokens)), greedy)
         future = self._queue.put([(rid, ids, priority)])[rid]
         self._submitted()

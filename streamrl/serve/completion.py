@@ -43,6 +43,9 @@ class Choice:
     finish_reason: str | None = None
     stopped_at: int | None = None
     """Token count when a stop sequence was found: the trained response ends there."""
+    stopped_early: bool = False
+    """The reward's ``stop_early`` ended it (``engine.stop_early_every``): a hopeless response,
+    not decoded to its end; it is trained on as far as it went."""
 
 
 @dataclass
@@ -64,6 +67,9 @@ class Completion:
         self.engine, self.tokenizer, self.cid = engine, tokenizer, cid
         self.prompt_ids, self.params = prompt_ids, params
         self.choices = [Choice(k, f"{cid}-{k}") for k in range(params.n)]
+        self.prompt = Prompt(uid=cid, text=tokenizer.decode(prompt_ids, skip_special_tokens=True),
+                             answer=params.answer, token_ids=list(prompt_ids))
+        """The request as a prompt: what the reward scores and its ``stop_early`` is asked about."""
         self.started = time.time()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -82,7 +88,8 @@ class Completion:
         """Queue every choice in the engine."""
         for c in self.choices:
             future = self.engine.stream(c.rid, self.prompt_ids, self.params.max_tokens,
-                                        on_tokens=self._from_engine(c.index), greedy=self.params.greedy)
+                                        on_tokens=self._from_engine(c.index), greedy=self.params.greedy,
+                                        prompt=self.prompt)
             future.add_done_callback(self._done(c.index))
 
     def _from_engine(self, index: int):
@@ -130,7 +137,9 @@ class Completion:
             if c.finish_reason is None:
                 response = future.result()
                 eos = self.tokenizer.eos_token_id
-                if response.tokens and response.tokens[-1] == eos:
+                if getattr(response, "stopped_early", False):
+                    c.finish_reason, c.stopped_early = "stop", True
+                elif response.tokens and response.tokens[-1] == eos:
                     c.finish_reason = "stop"
                 else:
                     c.finish_reason = "cancelled" if self.cancelled else "length"
@@ -164,8 +173,7 @@ class Completion:
     def samples(self) -> Group:
         """The choices as training samples (a stop sequence's tokens kept: the policy made
         them), each token with the version that decoded it."""
-        prompt = Prompt(uid=self.cid, text=self.tokenizer.decode(self.prompt_ids, skip_special_tokens=True),
-                        answer=self.params.answer, token_ids=list(self.prompt_ids))
+        prompt = self.prompt
         end = time.time()
         group = []
         for c in self.choices:
@@ -175,5 +183,6 @@ class Completion:
                                 response_ids=c.tokens[:n], logprobs=c.logprobs[:n], response_text=c.text,
                                 policy_version=min(versions) if versions else self.engine.version,
                                 worker=getattr(self.engine, "worker", ""),
-                                token_versions=versions, times={"gen_start": self.started, "gen_end": end}))
+                                token_versions=versions, times={"gen_start": self.started, "gen_end": end,
+                                                                **({"stopped_early": 1.0} if c.stopped_early else {})}))
         return group

@@ -416,6 +416,9 @@ def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
     if completion.params.greedy:
         endpoint.traffic.dropped(completion.cid)
         return
+    early = sum(c.stopped_early for c in completion.choices)
+    if early:
+        endpoint.traffic.count("stopped_early", early)
     endpoint.traffic.finished(completion.cid, completion.samples(), ready=endpoint.config.reward == "recipe")
 
 
@@ -488,7 +491,9 @@ class Format:
                 "usage": self.usage(completion),
                 "streamrl": {"prompt_token_ids": self.prompt_ids,
                              "choices": [{"index": c.index, "token_ids": c.tokens, "logprobs": c.logprobs,
-                                          "policy_versions": c.versions} for c in completion.choices]}}
+                                          "policy_versions": c.versions,
+                                          **({"stopped_early": True} if c.stopped_early else {})}
+                                         for c in completion.choices]}}
 
     def chunk(self, ev, first: bool = False, choice=None) -> dict:
         """One streamed chunk: a choice's new text and tokens (``ev``; ``choice``: the choice it

@@ -168,9 +168,11 @@ class RemoteEngine:
         self._client = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the endpoint's, where the client lives
 
-    def stream(self, rid: str, ids: list[int], max_new_tokens: int, on_tokens=None, greedy: bool = False) -> Future:
+    def stream(self, rid: str, ids: list[int], max_new_tokens: int, on_tokens=None, greedy: bool = False,
+               prompt=None) -> Future:
         """Decode one request on the learner's worker (called on the endpoint's event loop):
-        ``on_tokens`` gets each step's tokens as they come; the future its :class:`Reply`."""
+        ``on_tokens`` gets each step's tokens as they come; the future its :class:`Reply`. (A
+        learner's engine has no reward to stop a response early: ``prompt`` is not used.)"""
         future: Future = Future()
         task = asyncio.get_running_loop().create_task(self._run(rid, ids, max_new_tokens, greedy, on_tokens, future))
         self._tasks[rid] = task
