@@ -243,9 +243,11 @@ def test_a_learner_that_is_not_served_runs_at_a_lower_cpu_priority(tiny_recipe):
     from distributed import Client, SpecCluster
 
     more = 'nice = 7\n\n[[learners]]\nname = "dpo"\nalgorithm = { name = "dpo" }\n'  # (nice: the rloo table's)
-    loaded = load_recipe(with_learners(tiny_recipe, more=more), [])
+    loaded = load_recipe(with_learners(tiny_recipe, more=more), ["pools.train.nice=5"])
     spec = worker_spec(loaded.recipe)
     assert "learner-grpo" not in spec  # served: on the train pool
+    assert spec["train-0"]["options"]["env"]["STREAMRL_NICE"] == "5"  # a pool's own nice
+    assert "STREAMRL_NICE" not in spec["reward-0"]["options"]["env"]
     assert spec["learner-dpo"]["options"]["env"]["STREAMRL_NICE"] == "10"  # the default
     assert spec["learner-rloo"]["options"]["env"]["STREAMRL_NICE"] == "7"
     base = os.getpriority(os.PRIO_PROCESS, 0)

@@ -84,7 +84,8 @@ def ignore_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-#: Set by :func:`learner_worker`: how much to lower the worker process's CPU priority.
+#: Set by :func:`pool_worker` (a pool's ``nice``) and :func:`learner_worker`: how much to lower
+#: the worker process's CPU priority.
 NICE_ENV = "STREAMRL_NICE"
 
 
@@ -172,6 +173,8 @@ def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> 
     its GPUs when ``cuda_visible_devices`` lists some)."""
     cfg = getattr(recipe.pools, pool)
     env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
+    if cfg.nice:
+        env[NICE_ENV] = str(cfg.nice)
     gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
