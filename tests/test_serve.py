@@ -230,7 +230,12 @@ def test_a_side_learners_policy_answers_its_model_and_every_learner_trains_on_al
         b_trained = {t[0]: t for r in records for t in r.get("learners", {}).get("b", {}).get("trained", [])}
         if uids <= set(main) and {main[u] for u in uids} <= set(b_trained):
             break
-        time.sleep(0.5)
+        if uids <= set(main):
+            # the side learner's steps show in the records of the steps after them: a step more
+            for k in range(2):
+                extra = c.completions.create(model=model, prompt=f"{k}+1=", n=4, max_tokens=6)
+                post(url, "/feedback", json.dumps({"id": extra.id, "reward": 0.5}).encode())
+        time.sleep(1.0)
     steps = sorted({main[u] for u in uids})
     assert uids <= set(main), "the served learner did not train on every rewarded sample"
     for r in records:
