@@ -37,6 +37,7 @@ class ModelTally:
     requests: int = 0
     completions: int = 0
     rewarded: int = 0
+    stale_dropped: int = 0
     reward_sum: float = 0.0
     rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     first_token_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -49,6 +50,7 @@ class ModelTally:
             v = sorted(values)
             return round(1000 * v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
         return {"requests": self.requests, "completions": self.completions, "rewarded": self.rewarded,
+                "stale_dropped": self.stale_dropped,
                 "reward_mean": round(self.reward_sum / self.rewarded, 6) if self.rewarded else None,
                 "reward_recent": round(sum(self.rewards) / len(self.rewards), 6) if self.rewards else None,
                 "ttft_p50_ms": pct(self.first_token_s, 0.5), "ttft_p99_ms": pct(self.first_token_s, 0.99),
@@ -210,6 +212,9 @@ class Traffic:
                 for g in self._ready:
                     if min(min(s.token_versions or [s.policy_version]) for s in g) < min_version:
                         self.counts["stale_dropped"] += len(g)
+                        tally = self.models.get(self._model.get(g[0].prompt.uid, ""))
+                        if tally is not None:
+                            tally.stale_dropped += len(g)
                     else:
                         fresh.append(g)
                 self._ready = fresh
