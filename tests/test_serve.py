@@ -42,13 +42,15 @@ when_full = "pace"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model):
-    """A ``streamrl serve`` process on a tiny recipe with two learners (``a`` served, ``b`` a side
-    learner, served beside it as a variant); yields (base url, model, run folder)."""
+    """A ``streamrl serve`` process on a tiny recipe with two generate workers (the endpoint on
+    the first spreads requests over both) and two learners (``a`` served, ``b`` a side learner,
+    served beside it as a variant); yields (base url, model, run folder)."""
     tmp = tmp_path_factory.mktemp("serve")
     recipe = tmp / "serve.toml"
     text = TINY_RECIPE.format(out=tmp / "runs", model=tiny_model).replace(
         "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 8')
     text = text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16\nmax_prompt_tokens = 48')
+    text = text.replace("[pools.generate]\nthreads = 4", "[pools.generate]\nworkers = 2\nthreads = 4")
     recipe.write_text(text + SERVE.format(key=KEY))
     log = open(tmp / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", str(recipe), "--plain"], stdout=log,
@@ -191,6 +193,8 @@ def test_every_rewarded_completion_is_trained_exactly_once(served):
     assert after["ready"] == 0 and after["stale_dropped"] == before["stale_dropped"]
     versions = [r["policy_version"] for r in records]
     assert versions == list(range(versions[0], versions[0] + 3))  # each step published a new policy
+    # both generate workers answered (the endpoint's own engine, and the other's through its token server)
+    assert {x["worker"] for r in records for x in r["sample_log"]} == {"generate-0", "generate-1"}
 
 
 def test_a_side_learners_policy_answers_its_model_and_every_learner_trains_on_all_traffic(served):

@@ -33,7 +33,7 @@ def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version
     eng, held = resident(engine), resident(trainer)
     if getattr(eng, "trainer_version", None) != held.version:
         # (served beside the run's policy, the engine numbers versions by the stream's steps:
-        # ``serve/variants.refresh``)
+        # ``serve/remote_engines.refresh``)
         eng.load_weights(held.named_weights(), held.version + getattr(eng, "version_offset", 0))
         eng.trainer_version = held.version
     if greedy:

@@ -2,7 +2,7 @@
 with ``[[learners]]``; ``serve.variants``), as a step extension after the side learners'.
 
 Once the learners are placed (and whenever one is added or removed between steps) each learner
-still training gets a token server on its worker (``serve/variants.py``) and the endpoint a model
+still training gets a token server on its worker (``serve/remote_engines.py``) and the endpoint a model
 ``<model_name>/<learner>`` answered from it; the served learner's name is an alias of the served
 policy. After each step a learner is handed, its engine takes its new weights right after that
 step's optimizer step, in the learner's worker. The traffic of every variant joins the one stream:
@@ -23,7 +23,7 @@ from streamrl.flow.placement import build_engine
 from streamrl.learners.evaluate import engine_resident
 from streamrl.learners.extension import SideLearners
 from streamrl.on_worker.resident import Resident
-from streamrl.serve import endpoint, variants
+from streamrl.serve import endpoint, remote_engines
 
 
 def trained_through(lr) -> int:
@@ -54,7 +54,7 @@ class ServedVariants(StepExtension):
         self.served, self._registered = {}, set()
         main = ctl.resolved.learners[0]
         if len(ctl.resolved.learners) > 1 and main.served:
-            self._endpoint(endpoint.alias, variants.variant_model(self.traffic.model_name, main.name))
+            self._endpoint(endpoint.alias, remote_engines.variant_model(self.traffic.model_name, main.name))
         self._sync()
 
     def started(self, run_dir: Path) -> list[str]:
@@ -74,7 +74,7 @@ class ServedVariants(StepExtension):
             self._check(name)
             # (held: a future no client holds is forgotten, and its task may never run)
             self._refreshing.setdefault(name, []).append(self.ctl.client.submit(
-                variants.refresh, engine_resident(name), lr.plan.resident, step + 1, after=lr.inflight[-1].last,
+                remote_engines.refresh, engine_resident(name), lr.plan.resident, step + 1, after=lr.inflight[-1].last,
                 key=f"variant-refresh-{name}-{step}-{time.time_ns()}", priority=1, pure=False, **lr.view.train_pin))
 
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
@@ -88,7 +88,7 @@ class ServedVariants(StepExtension):
         fanout = self._fanout()
         for name in self.served:
             lr = fanout.learners[name]
-            self.ctl.client.submit(variants.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
+            self.ctl.client.submit(remote_engines.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
                                    pure=False, key=f"variant-refresh-{name}-resume-{time.time_ns()}",
                                    **lr.view.train_pin).result()
 
@@ -142,9 +142,9 @@ class ServedVariants(StepExtension):
             ctl.client.register_plugin(Resident(engine, partial(build_engine, r.engine, r.model_path),
                                                 seed=r.recipe.run.seed, what=f"learner {name!r}'s engine"))
         self._registered.add(engine)
-        model = variants.variant_model(self.traffic.model_name, name)
+        model = remote_engines.variant_model(self.traffic.model_name, name)
         try:
-            url, key = ctl.client.submit(variants.start, engine, lr.plan.resident, trained_through(lr), pure=False,
+            url, key = ctl.client.submit(remote_engines.start, engine, lr.plan.resident, trained_through(lr), pure=False,
                                          key=f"variant-start-{name}-{time.time_ns()}",
                                          **lr.view.train_pin).result(timeout=ctl.recipe.cluster.startup_timeout)
             self._endpoint(endpoint.add_variant, model, url, key, name, lr.plan.worker)
@@ -156,7 +156,7 @@ class ServedVariants(StepExtension):
 
     def _stop_server(self, lr) -> None:
         try:
-            self.ctl.client.submit(variants.stop, engine_resident(lr.name), pure=False,
+            self.ctl.client.submit(remote_engines.stop, engine_resident(lr.name), pure=False,
                                    key=f"variant-stop-{lr.name}-{time.time_ns()}", **lr.view.train_pin).result(timeout=30)
         except Exception:  # noqa: BLE001 -- its worker is gone: nothing left to stop
             pass

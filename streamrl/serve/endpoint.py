@@ -71,37 +71,52 @@ def take(step: int, min_samples: int, min_version: int, wait_s: float, after=Non
     return groups
 
 
-def add_variant(model: str, url: str, key: str, learner: str, worker: str) -> list[str]:
-    """Generate worker: requests naming ``model`` are answered from then on by learner
-    ``learner``'s token server at ``url`` on worker ``worker`` (``serve/variants.py``); returns
-    the models served. ``model`` already served: it moves to the new server."""
-    from streamrl.serve.variants import RemoteEngine
+def add_replica(url: str, key: str, worker: str) -> int:
+    """Generate worker (the endpoint's): another generate worker's engine, behind its token
+    server at ``url``, answers the served policy's requests too; returns how many engines do."""
+    from streamrl.serve.remote_engines import RemoteEngine
 
     api = _api()
-    remote = RemoteEngine(api.engine, url, key, learner)
-    remote.worker = worker
-    old = api.engines.get(model)
-    api.engines = {**api.engines, model: remote}  # (a new dict: a request looking one up sees either)
-    if isinstance(old, RemoteEngine):
-        old.close()
+    engines = api.engines[api.model_name]
+    engines.append(RemoteEngine(api.engine, url, key, worker))  # (the aliases share this list)
+    return len(engines)
+
+
+def add_variant(model: str, url: str, key: str, learner: str, worker: str) -> list[str]:
+    """Generate worker: requests naming ``model`` are answered from then on by learner
+    ``learner``'s token server at ``url`` on worker ``worker`` (``serve/remote_engines.py``);
+    returns the models served. ``model`` already served: it moves to the new server."""
+    from streamrl.serve.remote_engines import RemoteEngine
+
+    api = _api()
+    remote = RemoteEngine(api.engine, url, key, worker, what=f"learner {learner!r}")
+    old = api.engines.get(model, [])
+    api.engines = {**api.engines, model: [remote]}  # (a new dict: a request looking one up sees either)
+    for engine in old:
+        if isinstance(engine, RemoteEngine):
+            engine.close()
     return list(api.engines)
 
 
 def alias(model: str) -> list[str]:
     """Generate worker: requests naming ``model`` are answered by the served policy too."""
     api = _api()
-    api.engines = {**api.engines, model: api.engine}
+    api.engines = {**api.engines, model: api.engines[api.model_name]}
     return list(api.engines)
 
 
 def remove_variant(model: str) -> list[str]:
-    """Generate worker: stop serving ``model`` (its requests in flight fail); returns the models served."""
+    """Generate worker: stop serving ``model`` (its requests in flight end with what they have);
+    returns the models served."""
+    from streamrl.serve.remote_engines import RemoteEngine
+
     api = _api()
     engines = dict(api.engines)
-    old = engines.pop(model, None)
+    old = engines.pop(model, [])
     api.engines = engines
-    if old is not None and old is not api.engine:
-        old.close()
+    for engine in old:
+        if isinstance(engine, RemoteEngine):
+            engine.close()
     return list(api.engines)
 
 

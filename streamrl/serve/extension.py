@@ -1,7 +1,9 @@
 """Served traffic as the run's source of samples: a step extension (``[serve]``).
 
-After placement it starts the endpoint on the first generate worker; each step's samples are
-then a :func:`~streamrl.serve.endpoint.take` of that worker's rewarded traffic (scored by the
+After placement it starts the endpoint on the first generate worker, and a token server on each
+other one (``serve/remote_engines.py``): the endpoint spreads requests over every generate
+worker's engine. Each step's samples are then a :func:`~streamrl.serve.endpoint.take` of the
+endpoint's rewarded traffic (scored by the
 recipe's reward on the reward pool when ``serve.reward = "recipe"``) instead of generation of
 the task's prompts. Weight publication goes on as in any run: the engine loads each new policy
 between two decode steps while the endpoint keeps answering.
@@ -18,7 +20,8 @@ from distributed import Future
 from streamrl.errors import UserError
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.on_worker import task_functions
-from streamrl.serve import endpoint
+from streamrl.on_worker.resident import ENGINE
+from streamrl.serve import endpoint, remote_engines
 
 #: How long one take waits for traffic before it is asked again (the run's stop ends it sooner).
 TAKE_WAIT_S = 24 * 3600.0
@@ -37,6 +40,8 @@ class ServedTraffic(StepExtension):
             {}, "serve.tool_parser")
         self.pin: dict | None = None
         self._last_take: Future | None = None
+        self.replicas: list[dict] = []
+        """The pins of the other generate workers whose engines the endpoint also serves from."""
         self.worker = ""
         self.url = ""
 
@@ -51,13 +56,22 @@ class ServedTraffic(StepExtension):
                                           key=f"serve-start-{time.time_ns()}", **self.pin).result()
         except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
             raise UserError(str(e)) from None
+        self.replicas = []
+        for worker in sorted(self.topology.generate)[1:]:
+            pin = self.topology.pins[worker]
+            url, key = self.client.submit(remote_engines.start, ENGINE, pure=False,
+                                          key=f"serve-replica-{worker}-{time.time_ns()}", **pin).result()
+            self.client.submit(endpoint.add_replica, url, key, worker, pure=False,
+                               key=f"serve-add-replica-{time.time_ns()}", **self.pin).result()
+            self.replicas.append(pin)
 
     def started(self, run_dir: Path) -> list[str]:
         """``serve.json`` in the run folder (where clients find the endpoint), and the line that says it."""
         (run_dir / "serve.json").write_text(json.dumps({"url": self.url, "model": self.model_name,
                                                         "worker": self.worker}) + "\n")
         key = " (Authorization: Bearer <serve.api_key>)" if self.config.api_key else ""
-        return [f"serving: {self.url} model={self.model_name}{key}; rewards from "
+        workers = f" on {1 + len(self.replicas)} generate workers" if self.replicas else ""
+        return [f"serving: {self.url} model={self.model_name}{key}{workers}; rewards from "
                 + ("POST /v1/feedback" if self.config.reward == "feedback" else "the recipe's [reward]")]
 
     def samples(self, step: int, min_version: int) -> list[Future]:
@@ -91,7 +105,14 @@ class ServedTraffic(StepExtension):
                 pass
 
     def close(self) -> None:
-        """Stop the endpoint (a take still waiting returns)."""
+        """Stop the endpoint (a take still waiting returns) and the other workers' token servers."""
+        for pin in self.replicas:
+            try:
+                self.client.submit(remote_engines.stop, ENGINE, pure=False, key=f"serve-replica-stop-{time.time_ns()}",
+                                   **pin).result(timeout=30)
+            except Exception:  # noqa: BLE001 -- the worker may be gone already: nothing left to stop
+                pass
+        self.replicas = []
         if self.pin is None:
             return
         try:

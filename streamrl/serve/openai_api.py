@@ -130,21 +130,28 @@ class Endpoint:
         self.trajectories = Trajectories(self.tokenizer, self.encode_chat)
         self.pending = 0  # choices asked and not ended (serve.max_pending)
         self.created = int(time.time())
-        self.engines: dict[str, Any] = {model_name: engine}
-        """What answers each ``model`` a request may give: the served policy's engine under
-        ``model_name``, and each learner's (``serve/variants.py``) under its own name."""
+        self.engines: dict[str, list] = {model_name: [engine]}
+        """The engines that answer each ``model`` a request may give: under ``model_name`` the
+        served policy's, this worker's and the other generate workers' (``serve/remote_engines.py``),
+        and under a side learner's name that learner's."""
+        self.running: dict[int, int] = {}
+        """Choices running per engine (by ``id``): a request goes to the least busy."""
+        self._turn = 0
 
     def engine_for(self, model: str, rollout: bool = False):
-        """The engine that answers ``model`` (an agent's rollout: always the run's policy); a 404
-        naming the models served otherwise."""
+        """The engine that answers ``model``, the least busy of those that can (an agent's
+        rollout: always this worker's, whose trajectory store it joins); a 404 naming the models
+        served otherwise."""
         if rollout:
             return self.engine
-        engine = self.engines.get(model)
-        if engine is None:
+        engines = self.engines.get(model)
+        if engines is None:
             names = ", ".join(f"'{m}'" for m in self.engines)
             raise APIError(404, f"The model '{model}' does not exist; this endpoint serves {names} (GET /v1/models).",
                            param="model", code="model_not_found")
-        return engine
+        self._turn += 1  # (ties go round: sequential requests spread over the workers too)
+        k = self._turn % len(engines)
+        return min(engines[k:] + engines[:k], key=lambda e: self.running.get(id(e), 0))
 
     # -- checks ---------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -344,12 +351,14 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
     completion = Completion(engine, endpoint.tokenizer, cid, ids, params)
     completion.turn = turn
     endpoint.pending += params.n
+    endpoint.running[id(engine)] = endpoint.running.get(id(engine), 0) + params.n
     model = endpoint.model_name if turn is not None else req.model
     endpoint.traffic.started(cid, getattr(req, "session", None), model)
     try:
         completion.start()
     except ValueError as e:  # the engine's own check (a prompt past its slots)
         endpoint.pending -= params.n
+        endpoint.running[id(engine)] -= params.n
         raise APIError(400, str(e), param="prompt") from None
     tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
     fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
@@ -397,6 +406,7 @@ def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
         return
     completion.ended = True
     endpoint.pending -= completion.params.n
+    endpoint.running[id(completion.engine)] = endpoint.running.get(id(completion.engine), 0) - completion.params.n
     turn = completion.turn
     if turn is not None:
         c = completion.choices[0]

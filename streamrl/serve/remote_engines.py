@@ -1,17 +1,23 @@
-"""Several policies behind one endpoint: each side learner's current policy, served from its own
-worker, answers the requests whose ``model`` names it.
+"""Engines on other workers behind the one endpoint: the endpoint decodes a request on an engine
+in its own process, or on one of these through a token server on that engine's worker.
 
-A side learner keeps an engine beside its trainer (the resident its held-out evaluation uses),
-which takes the trainer's weights in the same process after each of its steps (:func:`refresh`).
-That worker runs a small token server (:func:`start`): one route that decodes a prompt's tokens
-and streams each decode step's tokens, log-probs and policy version back, as newline-delimited
-JSON. The endpoint drives it through :class:`RemoteEngine`, which has the slot engine's
-``stream`` / ``cancel`` face, so a variant's request goes through everything a request of the
-served policy goes through (the checks, stop sequences, tool calls, streaming, feedback, the
-traffic the learners take): only where its tokens are decoded differs.
+Two kinds of engine are reached so:
 
-The token server listens on the worker's own address on a free port, and takes only requests
-that carry a key made for it at start, which only the endpoint knows.
+- **the generate pool's other workers** (replicas): the endpoint listens on the first generate
+  worker and spreads the served policy's requests over every generate worker's engine, each
+  loading every new policy as it is published;
+- **a side learner's engine** (a variant, ``learners/served.py``): the learner keeps an engine
+  beside its trainer (the resident its held-out evaluation uses), which takes the trainer's
+  weights in the same process after each of its steps (:func:`refresh`), and answers the requests
+  whose ``model`` names the learner.
+
+A token server (:func:`start`) has one route: it decodes a prompt's tokens and streams each
+decode step's tokens, log-probs and policy version back as newline-delimited JSON. The endpoint
+drives it through :class:`RemoteEngine`, which has the slot engine's ``stream`` / ``cancel`` face,
+so a request decoded elsewhere goes through everything any request goes through (the checks,
+stop sequences, tool calls, streaming, feedback, the traffic the learners take): only where its
+tokens are decoded differs. A token server listens on its worker's own address, on a free port,
+and takes only requests that carry the key made for it at start, which only the endpoint knows.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def variant_model(model_name: str, learner: str) -> str:
     return f"{model_name}/{learner}"
 
 
-# -- the learner's worker ----------------------------------------------------------------------
+# -- the engine's worker -----------------------------------------------------------------------
 
 
 def refresh(engine: str, trainer: str, version: int, after=None) -> int:
@@ -60,19 +66,21 @@ def refresh(engine: str, trainer: str, version: int, after=None) -> int:
     return eng.version
 
 
-def start(engine: str, trainer: str, version: int) -> tuple[str, str]:
-    """Learner worker: serve engine ``engine`` (with trainer ``trainer``'s current weights, as
-    ``version``: :func:`refresh`) on a token server at this worker's address; returns its base
-    URL and the key requests must carry.
-    Raises naming the setting when the engine cannot stream (not the slot decoder)."""
+def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[str, str]:
+    """The engine's worker: serve engine ``engine`` on a token server at this worker's address;
+    returns its base URL and the key requests must carry. ``trainer``: a side learner's, whose
+    current weights the engine takes first, as ``version`` (:func:`refresh`); None for a generate
+    worker's engine, which loads each published policy itself. Raises naming the setting when
+    the engine cannot stream (not the slot decoder)."""
     import uvicorn
 
     stop(engine)
     eng = resident(engine)
     if not hasattr(eng, "stream"):
-        raise ValueError('serving a learner\'s policy needs engine.batching = "slots" (the engine that streams each '
+        raise ValueError('streamrl serve needs engine.batching = "slots" (the engine that streams each '
                          f"decode step's tokens); this engine is {type(eng).__name__}")
-    refresh(engine, trainer, version)
+    if trainer is not None:
+        refresh(engine, trainer, version)
     key = secrets.token_hex(16)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -154,25 +162,29 @@ class Reply:
 
 
 class RemoteEngine:
-    """A learner's engine as the endpoint sees it: ``stream`` and ``cancel`` against its token
-    server, the served engine's tokenizer and settings (the learners share the model's)."""
+    """An engine on another worker as the endpoint sees it: ``stream`` and ``cancel`` against its
+    token server, the local engine's tokenizer and settings (every engine of a run has the same
+    model and ``[engine]`` table)."""
 
-    def __init__(self, local, url: str, key: str, learner: str):
+    def __init__(self, local, url: str, key: str, worker: str, what: str = ""):
         self.config, self.tokenizer, self.encode = local.config, local.tokenizer, local.encode
-        self.url, self.key, self.learner = url, key, learner
-        self.version = 0
+        self.url, self.key = url, key
+        self.worker = worker
+        """The worker it decodes on (its samples say they were made there)."""
+        self.what = what or f"worker {worker!r}"
+        """How errors name it (``learner 'b'``)."""
+        self.version = local.version
         """The newest version its tokens came with."""
-        self.worker = ""
-        """The learner's worker (its samples say they were made there)."""
         self._tasks: dict[str, asyncio.Task] = {}
         self._client = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the endpoint's, where the client lives
 
     def stream(self, rid: str, ids: list[int], max_new_tokens: int, on_tokens=None, greedy: bool = False,
                prompt=None) -> Future:
-        """Decode one request on the learner's worker (called on the endpoint's event loop):
-        ``on_tokens`` gets each step's tokens as they come; the future its :class:`Reply`. (A
-        learner's engine has no reward to stop a response early: ``prompt`` is not used.)"""
+        """Decode one request on the engine's worker (called on the endpoint's event loop):
+        ``on_tokens`` gets each step's tokens as they come; the future its :class:`Reply`.
+        (``prompt``, for a reward that stops a response early, is not sent: a remote engine's
+        responses decode to their end.)"""
         future: Future = Future()
         task = asyncio.get_running_loop().create_task(self._run(rid, ids, max_new_tokens, greedy, on_tokens, future))
         self._tasks[rid] = task
@@ -196,7 +208,7 @@ class RemoteEngine:
                         continue
                     item = json.loads(line)
                     if "error" in item:
-                        raise RuntimeError(f"learner {self.learner!r}: {item['error']}")
+                        raise RuntimeError(f"{self.what}: {item['error']}")
                     if "done" in item:
                         future.set_result(Reply(item["done"]))
                         return
@@ -204,13 +216,13 @@ class RemoteEngine:
                     got += item["tokens"]
                     if on_tokens is not None:
                         on_tokens(item["tokens"], item["logprobs"], item["version"])
-            raise RuntimeError(f"learner {self.learner!r}: its token server ended the response early")
+            raise RuntimeError(f"{self.what}: its token server ended the response early")
         except asyncio.CancelledError:  # cancelled: what was decoded so far, as the slot engine answers
             future.set_result(Reply(got))
         except Exception as e:  # noqa: BLE001 -- the request fails (a 500 to its client); the endpoint goes on
             if not future.done():
                 future.set_exception(e if isinstance(e, RuntimeError) else
-                                     RuntimeError(f"learner {self.learner!r} could not be reached: {type(e).__name__}: {e}"))
+                                     RuntimeError(f"{self.what} could not be reached: {type(e).__name__}: {e}"))
 
     def cancel(self, rid: str) -> None:
         """Stop request ``rid`` (its future gets the tokens so far); nothing if it ended."""
