@@ -251,6 +251,7 @@ class SlotEngine(TransformersEngine):
                 stop.append(running[rid])
             elif self._queue.cancel(rid):
                 self._streams.pop(rid, None)
+                self._watched.pop(rid, None)
         if stop:
             self._emit()
             self._release(stop)

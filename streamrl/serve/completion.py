@@ -89,7 +89,8 @@ class Completion:
         for c in self.choices:
             future = self.engine.stream(c.rid, self.prompt_ids, self.params.max_tokens,
                                         on_tokens=self._from_engine(c.index), greedy=self.params.greedy,
-                                        prompt=self.prompt)
+                                        # (an agent's turn is not a whole response: not the reward's to end)
+                                        prompt=self.prompt if self.turn is None else None)
             future.add_done_callback(self._done(c.index))
 
     def _from_engine(self, index: int):
@@ -132,8 +133,10 @@ class Completion:
             self._open -= 1
             future = rest[0]
             exc = future.exception()
-            if exc is not None:
+            if exc is not None and c.finish_reason is None:  # (after its end -- a stop sequence -- it lost nothing)
                 raise RuntimeError(f"choice {index} of {self.cid} failed: {exc}")
+            if exc is not None:
+                continue
             if c.finish_reason is None:
                 response = future.result()
                 eos = self.tokenizer.eos_token_id

@@ -36,6 +36,9 @@ from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.traffic import Traffic
 from streamrl.serve.trajectories import Trajectories
 
+#: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
+UNHEALTHY_S = 10.0
+
 #: The header that ties a call to an agent's rollout (its value: the rollout's id).
 ROLLOUT_HEADER = "x-streamrl-rollout"
 
@@ -149,9 +152,11 @@ class Endpoint:
             names = ", ".join(f"'{m}'" for m in self.engines)
             raise APIError(404, f"The model '{model}' does not exist; this endpoint serves {names} (GET /v1/models).",
                            param="model", code="model_not_found")
+        # one that failed to answer in the last few seconds is passed over while another can
+        healthy = [e for e in engines if time.time() - getattr(e, "failed_at", 0.0) > UNHEALTHY_S] or engines
         self._turn += 1  # (ties go round: sequential requests spread over the workers too)
-        k = self._turn % len(engines)
-        return min(engines[k:] + engines[:k], key=lambda e: self.running.get(id(e), 0))
+        k = self._turn % len(healthy)
+        return min(healthy[k:] + healthy[:k], key=lambda e: self.running.get(id(e), 0))
 
     # -- checks ---------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -370,6 +375,7 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
             if await request.is_disconnected():
                 completion.cancel()
     except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
+        completion.cancel()  # (its other choices stop decoding too)
         raise APIError(500, f"Generation failed: {e}", kind="server_error") from None
     finally:
         finished(endpoint, completion, fmt)

@@ -92,6 +92,7 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
         return StreamingResponse(_decode(eng, body), media_type="application/x-ndjson")
 
     host = get_worker().address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    netloc = f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL is bracketed)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", access_log=False,
                                            lifespan="off"))
     thread = threading.Thread(target=server.run, name=f"streamrl-variant-{engine}", daemon=True)
@@ -104,7 +105,7 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
         raise RuntimeError(f"the token server of {engine} could not listen on {host}")
     _SERVERS[engine] = (server, thread)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return f"http://{host}:{port}", key
+    return f"http://{netloc}:{port}", key
 
 
 async def _decode(eng, body: dict):
@@ -175,6 +176,10 @@ class RemoteEngine:
         """How errors name it (``learner 'b'``)."""
         self.version = local.version
         """The newest version its tokens came with."""
+        self.failed_at = 0.0
+        """When a request last failed to reach it (the endpoint passes it over for a while)."""
+        self.closed = False
+        """No longer served (:meth:`close`): requests fail at once."""
         self._tasks: dict[str, asyncio.Task] = {}
         self._client = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the endpoint's, where the client lives
@@ -191,17 +196,29 @@ class RemoteEngine:
         task.add_done_callback(lambda _: self._tasks.pop(rid, None))
         return future
 
-    async def _run(self, rid, ids, max_new_tokens, greedy, on_tokens, future: Future) -> None:
+    def _http(self):
         import httpx
 
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+            # no limit on connections: every choice running here holds one (serve.max_pending
+            # bounds them); a read timeout as long as the engine lets a request wait, so that a
+            # token server whose host went silent fails its requests instead of holding them
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(connect=10.0, read=max(600.0, float(self.config.request_timeout or 0)),
+                                      write=30.0, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
             self._loop = asyncio.get_running_loop()
+        return self._client
+
+    async def _run(self, rid, ids, max_new_tokens, greedy, on_tokens, future: Future) -> None:
         got: list[int] = []
         try:
-            async with self._client.stream("POST", f"{self.url}/generate", headers={"Authorization": f"Bearer {self.key}"},
-                                           json={"rid": rid, "ids": ids, "max_new_tokens": max_new_tokens,
-                                                 "greedy": greedy}) as response:
+            if self.closed:
+                raise RuntimeError(f"{self.what} is no longer served")
+            client = self._http()
+            async with client.stream("POST", f"{self.url}/generate", headers={"Authorization": f"Bearer {self.key}"},
+                                     json={"rid": rid, "ids": ids, "max_new_tokens": max_new_tokens,
+                                           "greedy": greedy}) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
                     if not line:
@@ -216,13 +233,21 @@ class RemoteEngine:
                     got += item["tokens"]
                     if on_tokens is not None:
                         on_tokens(item["tokens"], item["logprobs"], item["version"])
+            self.failed_at = time.time()
             raise RuntimeError(f"{self.what}: its token server ended the response early")
-        except asyncio.CancelledError:  # cancelled: what was decoded so far, as the slot engine answers
-            future.set_result(Reply(got))
+        except asyncio.CancelledError:
+            if future.done():  # (cancelled while the finished response's connection closed)
+                return
+            if self.closed:  # no longer served: a failure, not a response cut short by its client
+                future.set_exception(RuntimeError(f"{self.what} is no longer served"))
+            else:  # cancelled by the endpoint: what was decoded so far, as the slot engine answers
+                future.set_result(Reply(got))
         except Exception as e:  # noqa: BLE001 -- the request fails (a 500 to its client); the endpoint goes on
+            if not isinstance(e, RuntimeError) or not str(e).startswith(self.what):
+                self.failed_at = time.time()
+                e = RuntimeError(f"{self.what} could not be reached: {type(e).__name__}: {e}")
             if not future.done():
-                future.set_exception(e if isinstance(e, RuntimeError) else
-                                     RuntimeError(f"{self.what} could not be reached: {type(e).__name__}: {e}"))
+                future.set_exception(e)
 
     def cancel(self, rid: str) -> None:
         """Stop request ``rid`` (its future gets the tokens so far); nothing if it ended."""
@@ -231,10 +256,14 @@ class RemoteEngine:
             task.get_loop().call_soon_threadsafe(task.cancel)
 
     def close(self) -> None:
-        """No longer served (called from any thread): its requests in flight end with what they
-        have, and its HTTP client closes."""
-        for task in list(self._tasks.values()):
+        """No longer served (called from any thread): its requests in flight fail, and its HTTP
+        client closes once they have."""
+        self.closed = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.get_loop().call_soon_threadsafe(task.cancel)
-        client, self._client = self._client, None
-        if client is not None and self._loop is not None:
-            asyncio.run_coroutine_threadsafe(client.aclose(), self._loop)
+        if self._loop is not None and self._client is not None:
+            async def shut(client=self._client):
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await client.aclose()
+            asyncio.run_coroutine_threadsafe(shut(), self._loop)
