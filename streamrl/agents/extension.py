@@ -24,6 +24,10 @@ from streamrl.recipe.serve import ServeConfig
 from streamrl.serve import endpoint
 
 
+#: Seconds a step's record waits for its groups' counts (``record``).
+EVENT_WAIT_S = 2.0
+
+
 class AgentRollouts(StepExtension):
     """Starts the endpoints, submits each step's rollouts, records how they went."""
 
@@ -79,11 +83,18 @@ class AgentRollouts(StepExtension):
         failures (``agent/errors``, ``agent/timeouts``, ``agent/no_calls``, ``agent/splits``)
         and ``agent/crossed_updates`` (rollouts that went on across a weight update), over the
         groups that finished since the last record."""
-        try:
-            events = self.client.get_events(EVENT_TOPIC)
-        except Exception:  # noqa: BLE001 -- the counts are a report; the step goes on without them
-            return
-        new = [msg for at, msg in events if at > self._events_after]
+        # a group's counts reach the scheduler as an event, a moment after its result: wait (a
+        # little) for this step's groups, so that each record has its own step's figures
+        deadline = time.time() + EVENT_WAIT_S
+        while True:
+            try:
+                events = self.client.get_events(EVENT_TOPIC)
+            except Exception:  # noqa: BLE001 -- the counts are a report; the step goes on without them
+                return
+            new = [msg for at, msg in events if at > self._events_after]
+            if sum(m.get("step") == step for m in new) >= self.recipe.trainer.prompts_per_step or time.time() > deadline:
+                break
+            time.sleep(0.05)
         if events:
             self._events_after = max(self._events_after, max(at for at, _ in events))
         rollouts = sum(m["rollouts"] for m in new)
