@@ -100,9 +100,9 @@ class PoolConfig(Strict):
     """Extra environment variables for this pool's workers."""
     nice: int = Field(0, ge=0, le=19)
     """How much lower the CPU priority (Unix ``nice``) of this pool's workers is, on the embedded
-    cluster (workers you start yourself keep their own). Where pools share CPUs, a lower priority
-    for one lets the others go first: a serving recipe gives the train pool one, so that a
-    training step takes the CPU the decode loop leaves instead of slowing the answers."""
+    cluster (workers you start yourself keep their own). Where pools share CPUs with each other
+    and with other work, a lower priority for one lets the others go first: the serving recipes
+    give the train pool one, so that decoding for clients goes ahead of training."""
     cost_per_device: float = Field(1.0, ge=0)
     """Relative price of one of this pool's devices per unit time (e.g. per hour). ``streamrl
     plan`` and the benchmarks report samples per cost unit with it."""
