@@ -82,12 +82,14 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             done = step + 1
             for line in controller.between_steps(done, folder.path):  # e.g. ``streamrl learners add|remove``
                 console_line(line)
+            stop.stop_now_if_asked_twice()
             if stop.requested and controller.training_ahead:
                 continue  # the next step is already training: stop after it
             if stop.requested or checkpoint_after(done):
                 with span("checkpoint"):
                     saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
                 folder.mark("running", step=done, checkpoint=str(saved))
+        stop.stop_now_if_asked_twice()  # (a second signal lost while the checkpoint was written)
         if stop.requested and done < r.run.steps:
             folder.mark("interrupted", step=done)
             raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
@@ -219,7 +221,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             raise RunFailed(f"{_who_was_lost(exc, controller)}; the run stopped, {then}") from None
         raise
     finally:
-        stop.uninstall()
+        stop.winding_down()  # (a signal now must not cut the cluster's shutdown short)
         if watchdog is not None:
             watchdog.uninstall()
         warnings_log.detach()
@@ -232,6 +234,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         if dask_cluster is not None or client is not None:
             lifecycle.stop(dask_cluster, client)
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
+        stop.uninstall()
+        stop.stop_now_if_asked_twice()  # a second signal while it closed: the command says it was interrupted
     errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
     if errors:
         first = next((rec["reward_error_first"] for rec in folder.records if rec.get("reward_error_first")), None)

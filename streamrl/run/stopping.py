@@ -26,6 +26,7 @@ import _thread
 import os
 import select
 import signal
+import sys
 import threading
 from multiprocessing import resource_tracker
 from contextlib import contextmanager
@@ -54,8 +55,16 @@ class StopRequest:
         """True once a stop was asked for."""
         return self.signal is not None
 
+    def stop_now_if_asked_twice(self) -> None:
+        """Raise ``KeyboardInterrupt`` when a second signal came but its interrupt was lost: one
+        that lands in a garbage-collector callback (``distributed`` installs one) is printed as
+        "Exception ignored" and the run would go on to its checkpoint."""
+        if self._now:
+            raise KeyboardInterrupt
+
     def _handle(self, signum, frame) -> None:
         if self.signal is not None:
+            self._now = True  # (kept: Python drops an exception raised inside a gc callback)
             raise KeyboardInterrupt  # the second signal: stop now
         self.signal = signum
         self.say(f"{NAMES.get(signum, signum)}: stopping after this step with a checkpoint "
@@ -63,12 +72,35 @@ class StopRequest:
         for listener in self._listeners:
             threading.Thread(target=listener, name="streamrl-stopping", daemon=True).start()
 
+    def winding_down(self) -> None:
+        """The run is closing (its folder, its cluster): a signal from now on is only noted, so
+        that the cluster is still shut down; :meth:`stop_now_if_asked_twice` acts on it after."""
+        if self._old:
+            for sig in NAMES:
+                signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+        else:
+            self._now = True
+
     def install(self) -> None:
         """Handle SIGINT and SIGTERM in this process (main thread only; elsewhere, do nothing)."""
         if threading.current_thread() is not threading.main_thread() or self._old:
             return  # (installed already, by :meth:`deferred`)
         for sig in NAMES:
             self._old[sig] = signal.signal(sig, self._handle)
+        # the second signal's interrupt, when it lands in a callback Python cannot raise from
+        # (a garbage-collector callback): kept for the run to act on, not printed as a traceback
+        self._old_unraisable = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+
+    def _unraisable(self, unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self._now = True
+            return
+        self._old_unraisable(unraisable)
 
     @contextmanager
     def deferred(self, hold: bool = True) -> Iterator[None]:
@@ -151,3 +183,5 @@ class StopRequest:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
+        if getattr(self, "_old_unraisable", None) is not None:
+            sys.unraisablehook, self._old_unraisable = self._old_unraisable, None
