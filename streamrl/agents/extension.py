@@ -46,6 +46,7 @@ class AgentRollouts(StepExtension):
         self.pins: list[dict] = []
         self.seen: set[str] = set()
         self._events_after = 0.0  # the time of the last event counted
+        self._by_step: dict[int, list[dict]] = {}  # groups' counts read, by step, not recorded yet
         self._named: set[str] = set()  # the kinds of failure already named on the console
         self._lines: list[str] = []
 
@@ -82,21 +83,25 @@ class AgentRollouts(StepExtension):
         """``turns_mean`` (model calls per rollout), ``tool_calls_mean`` and the rollouts'
         failures (``agent/errors``, ``agent/timeouts``, ``agent/no_calls``, ``agent/splits``)
         and ``agent/crossed_updates`` (rollouts that went on across a weight update), over the
-        groups that finished since the last record."""
+        step's groups (and any of earlier steps not recorded yet)."""
         # a group's counts reach the scheduler as an event, a moment after its result: wait (a
-        # little) for this step's groups, so that each record has its own step's figures
+        # little) for this step's groups. Events are kept by step, so that a group of the next
+        # step (asked ahead) waits for the next record instead of landing in this one.
         deadline = time.time() + EVENT_WAIT_S
         while True:
             try:
                 events = self.client.get_events(EVENT_TOPIC)
             except Exception:  # noqa: BLE001 -- the counts are a report; the step goes on without them
                 return
-            new = [msg for at, msg in events if at > self._events_after]
-            if sum(m.get("step") == step for m in new) >= self.recipe.trainer.prompts_per_step or time.time() > deadline:
+            for at, msg in events:
+                if at > self._events_after:
+                    self._by_step.setdefault(msg.get("step", step), []).append(msg)
+            if events:
+                self._events_after = max(self._events_after, max(at for at, _ in events))
+            if len(self._by_step.get(step, [])) >= self.recipe.trainer.prompts_per_step or time.time() > deadline:
                 break
             time.sleep(0.05)
-        if events:
-            self._events_after = max(self._events_after, max(at for at, _ in events))
+        new = [m for k in sorted(self._by_step) if k <= step for m in self._by_step.pop(k)]
         rollouts = sum(m["rollouts"] for m in new)
         if not rollouts:
             return
