@@ -146,3 +146,54 @@ def test_one_instance_gets_whole_groups():
     out = LongTail(LongTailConfig(chunk=1)).dispatch(prompts, [float(i) for i in range(4)], ["only"],
                                                      DispatchContext(8, [10, 20, 30], 5.0, STEP))
     assert sorted(a.index for a in out) == [0, 1, 2, 3] and all(a.samples == () for a in out)
+
+
+def test_without_a_tail_the_scheduler_places_like_fcfs_and_asks_the_ranker_nothing():
+    prompts = [Prompt(uid=f"0-{i}", text=f"p{i}") for i in range(6)]
+    scheduler = LongTail(LongTailConfig())
+    flat = DispatchContext(8, [4] * 60 + [5] * 40, 20.0, STEP)  # W1-like: P99 / median = 1.25
+    assert not scheduler.needs_scores(["a", "b"], flat)
+    out = scheduler.dispatch(prompts, [0.0] * 6, ["a", "b"], flat)
+    assert [(a.index, a.worker, a.samples) for a in out] == [(i, "ab"[i % 2], ()) for i in range(6)]
+    tailed = DispatchContext(8, [400] * 90 + [4000] * 10, 20.0, STEP)
+    assert scheduler.needs_scores(["a", "b"], tailed)
+    assert scheduler.needs_scores(["a", "b"], DispatchContext(8, [4] * 10, 20.0, STEP))  # too few seen to judge
+
+
+def test_the_scheduler_learns_its_spreads_across_steps_and_not_from_placeholder_priors():
+    task = LongTailSimTask(LongTailSimConfig(dataset_size=512))
+    scheduler, observed, workers = LongTail(LongTailConfig()), [], ["a", "b", "c", "d"]
+    for step in range(3):
+        prompts = task.prompts(step, 32)
+        out = scheduler.dispatch(prompts, [random.random() for _ in prompts], workers,
+                                 DispatchContext(8, observed, 600.0, STEP))
+        # every priority is a length a Dask priority and an engine can take: no blow-up from a
+        # first step whose priors were placeholders
+        assert all(1 <= a.priority <= 20480 * 4 for a in out), max(a.priority for a in out)
+        lengths = [[int(math.exp(random.Random(f"{p.uid}-{k}").gauss(p.answer["log_median"], 0.35)))
+                    for k in range(8)] for p in prompts]
+        scheduler.observe(prompts, lengths)
+        observed += [n for ls in lengths for n in ls]
+        if step == 0:  # the placeholder priors taught nothing about how far groups land from them
+            assert scheduler.policy.lengths.tau == LengthEstimateConfig().tau
+    assert scheduler.policy.lengths.sigma == pytest.approx(0.35, abs=0.08)  # learned from the groups
+    assert scheduler.policy.lengths.tau != LengthEstimateConfig().tau
+    assert scheduler.policy.lengths.groups == {}  # every observed group closed
+
+
+def test_a_dask_priority_is_clamped_and_a_nan_priority_is_refused_in_one_line():
+    from streamrl.flow.submit import DASK_PRIORITY_LIMIT, dask_priority
+
+    assert dask_priority(1e19) == DASK_PRIORITY_LIMIT and dask_priority(float("inf")) == DASK_PRIORITY_LIMIT
+    assert dask_priority(-float("inf")) == -DASK_PRIORITY_LIMIT and dask_priority(12.7) == 12
+    from streamrl.api import Assignment
+    from streamrl.errors import UserError
+    from streamrl.flow.dispatch import placement
+
+    assert placement([Assignment(0, "a", 3.0)], ["a"], 2) == {0: [("a", 3.0, ())]}
+    with pytest.raises(UserError, match=r"gave prompt 0 the priority nan; expected a number"):
+        placement([Assignment(0, "a", float("nan"))], ["a"], 2)
+    with pytest.raises(UserError, match="not one of the generate workers"):
+        placement([Assignment(0, "z")], ["a"], 2)
+    with pytest.raises(UserError, match=r"samples as \[0\]"):
+        placement([Assignment(0, "a", 0.0, (0,))], ["a"], 2)

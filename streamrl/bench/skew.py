@@ -24,11 +24,24 @@ end-to-end samples/s (step boundary to boundary), ratios to fcfs, the ranker's t
 
 from __future__ import annotations
 
+import statistics
+
 from rich.console import Console
 from rich.table import Table
 
 from streamrl.bench.modes import write_result
 from streamrl.bench.variants import describe, run_variants
+from streamrl.errors import UserError
+
+
+def medians(rows: list[dict]) -> dict:
+    """One row from several passes of a variant: each number the median over the passes, the
+    rest (run folder, idle shares) from the first pass."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and all(key in r for r in rows):
+            out[key] = statistics.median(r[key] for r in rows)
+    return out
 
 
 def variants_for(resolved) -> dict[str, list[str]]:
@@ -109,28 +122,52 @@ def rollout_table(resolved, steps: int, warmup: int, console: Console) -> dict |
 
 
 def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out: str | None = None,
-          console: Console | None = None) -> dict:
-    """Run the variants, print the table, write the JSON result; returns the result."""
+          console: Console | None = None, repeats: int = 1) -> dict:
+    """Run the variants ``repeats`` times (interleaved, every other pass in reverse order), print
+    the table, write the JSON result; returns the result. Its ``variants`` are each variant's
+    medians over the passes (ratios to each pass's own ``fcfs``), ``passes`` every pass."""
+    if repeats < 1:
+        raise UserError(f"--repeats: expected >= 1 (got {repeats})")
     console = console or Console(stderr=True, width=160)
     resolved, time_scale = describe(file, overrides)
     simulated = time_scale is not None
-    rows = run_variants(file, overrides, variants_for(resolved), steps, warmup, console, "skew", time_scale)
-    ref = rows["fcfs"]
-    for row in rows.values():
-        row["speedup_generate"] = ref["generate_makespan_s"] / row["generate_makespan_s"]
-        row["speedup_end_to_end"] = row["samples_per_s"] / ref["samples_per_s"]
+    variants = variants_for(resolved)
+    if repeats > 1:  # an A/A pair: how far two runs of one variant land apart on this machine
+        variants["fcfs-again"] = variants["fcfs"]
+    passes = []
+    for i in range(repeats):
+        label = "skew" if repeats == 1 else f"skew, pass {i + 1}/{repeats}"
+        # a drift of the machine's speed during the bench must not favour the variant run first
+        order = dict(list(variants.items())[::-1 if i % 2 else 1])
+        rows = run_variants(file, overrides, order, steps, warmup, console, label, time_scale)
+        rows = {name: rows[name] for name in variants}
+        ref = rows["fcfs"]
+        for row in rows.values():
+            row["speedup_generate"] = ref["generate_makespan_s"] / row["generate_makespan_s"]
+            row["speedup_end_to_end"] = row["samples_per_s"] / ref["samples_per_s"]
+        passes.append(rows)
+    rows = {name: medians([p[name] for p in passes]) for name in variants}
     result = {"recipe": str(file), "overrides": list(overrides), "simulated": simulated, "time_scale": time_scale,
-              "steps": steps, "warmup": warmup, "variants": rows}
+              "steps": steps, "warmup": warmup, "repeats": repeats, "variants": rows, "passes": passes}
     scale = time_scale or 1.0
     t = Table(title=f"streamrl bench skew {file}" + (f" -- SIMULATED (1 simulated s = {time_scale} s)" if simulated else ""))
+    if repeats > 1:
+        t.caption = (f"medians over {repeats} interleaved passes; \\[range] over the passes; fcfs-again is fcfs run "
+                     "twice per pass: the bench's own noise")
     for col in ["variant", "gen makespan (sim s)" if simulated else "gen makespan s", "x fcfs (gen)",
                 "sim samples/s" if simulated else "samples/s", "x fcfs (e2e)", "per cost-hour", "sync share",
                 "recall@20%", "own first recall", "idle gen"]:
         t.add_column(col, justify="right")
+
+    def ratio(name: str, key: str) -> str:
+        spread = [p[name][key] for p in passes]
+        return f"{rows[name][key]:.2f}" + (f" [{min(spread):.2f}-{max(spread):.2f}]" if repeats > 1 else "")
+
     for name, r in rows.items():
         rate = r["samples_per_s"] * (time_scale or 1.0)
-        t.add_row(name, f"{r['generate_makespan_s'] / scale:.1f}", f"{r['speedup_generate']:.2f}", f"{rate:.2f}",
-                  f"{r['speedup_end_to_end']:.2f}", f"{r['samples_per_cost_hour']:,.0f}", f"{r['weight_sync_share']:.1%}",
+        t.add_row(name, f"{r['generate_makespan_s'] / scale:.1f}", ratio(name, "speedup_generate"), f"{rate:.2f}",
+                  ratio(name, "speedup_end_to_end"), f"{r['samples_per_cost_hour']:,.0f}",
+                  f"{r['weight_sync_share']:.1%}",
                   f"{r['ranker_recall']:.2f}" if "ranker_recall" in r else "-",
                   f"{r['first_sample_recall']:.2f}" if "first_sample_recall" in r else "-",
                   f"{r['idle'].get('generate', 0):.0%}")

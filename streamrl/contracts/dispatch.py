@@ -77,6 +77,19 @@ class Scheduler:
         one), ``workers`` the generate workers' names."""
         raise NotImplementedError
 
+    def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
+        """Whether this step's placement uses the ranker's scores. Ranking is a round trip to
+        the rank worker before the step's generation is submitted, and each step's lesson costs
+        the ranker's worker CPU; a scheduler that has nothing to place by length (one instance,
+        or no long tail in the lengths seen) answers False, and the step is dispatched with
+        every score 0.0 and teaches the ranker nothing. Default: True."""
+        return True
+
+    def observe(self, prompts: list[Prompt], lengths: list[list[int]]) -> None:
+        """After a step: each of its prompts' observed output lengths (one per sample), in the
+        order ``dispatch`` got them. A scheduler that learns across steps (how far a group's
+        lengths land from its estimate) uses it; default: nothing."""
+
     def metrics(self) -> dict[str, float]:
         """Optional: numbers about the last dispatch, merged into the step's metrics record."""
         return {}

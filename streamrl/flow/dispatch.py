@@ -17,7 +17,7 @@ from pathlib import Path
 
 from distributed import Client, Future
 
-from streamrl.api import DispatchContext, Prompt, Scheduler
+from streamrl.api import Assignment, DispatchContext, Prompt, Scheduler
 from streamrl.errors import RunWarning, UserError
 from streamrl.on_worker import task_functions
 from streamrl.flow.topology import Topology
@@ -46,6 +46,7 @@ class Dispatcher:
         self.observed_lengths: list[int] = []
         self.prompt_tokens = 0.0
         self.last_observe: Future | None = None
+        self.observe_failed = False
 
     def place(self, step: int, prompts: list[Prompt]) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
         """``{prompt index: [(worker name, priority, samples)]}``, one entry per chunk of the
@@ -53,30 +54,18 @@ class Dispatcher:
         tasks)."""
         self.step_prompts[step] = prompts
         scores = [0.0] * len(prompts)
-        if self.rank_worker is not None:
+        ctx = DispatchContext(self.samples_per_prompt, self.observed_lengths, self.prompt_tokens, self.step_latency)
+        workers = list(self.topology.generate)
+        if self.rank_worker is not None and (self.scheduler is None or self.scheduler.needs_scores(workers, ctx)):
             scores = self.client.submit(
                 task_functions.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
                 workers=[self.rank_worker], allow_other_workers=False).result()
             self.predicted[step] = scores
         if self.scheduler is None:
             return {}
-        ctx = DispatchContext(self.samples_per_prompt, self.observed_lengths, self.prompt_tokens, self.step_latency)
-        workers = list(self.topology.generate)
         placed = self.scheduler.dispatch(prompts, scores, workers, ctx)
         self.scheduler_metrics[step] = dict(self.scheduler.metrics())
-        unknown = sorted({a.worker for a in placed} - set(workers))
-        if unknown:
-            raise UserError(f"scheduler: dispatch() placed a prompt on {unknown[0]!r}, which is not one of the "
-                            f"generate workers it was given ({', '.join(workers)})")
-        out: dict[int, list[tuple[str, float, tuple[int, ...]]]] = {}
-        for a in placed:
-            out.setdefault(a.index, []).append((a.worker, a.priority, tuple(a.samples)))
-        for i, pieces in out.items():
-            covered = sorted(k for p in pieces for k in (p[2] or range(self.samples_per_prompt)))
-            if covered != list(range(self.samples_per_prompt)):
-                raise UserError(f"scheduler: dispatch() placed prompt {i}'s samples as {covered}; a group's chunks must "
-                                f"cover its {self.samples_per_prompt} samples exactly once")
-        return out
+        return placement(placed, workers, self.samples_per_prompt)
 
     def learn(self, step: int, sample_log: list[dict]) -> dict:
         """After a step: feed the observed lengths to the ranker; returns the record's dispatch
@@ -103,7 +92,15 @@ class Dispatcher:
                 first[g] = (x["gen_end"], x["response_len"])
         if len(prompts) > 1 and all(p.uid in first for p in prompts):
             out["first_sample_recall"] = top_recall([math.log(max(first[p.uid][1], 1)) for p in prompts], actual, 0.2)
-        if self.rank_worker is not None:
+        if self.scheduler is not None and not self.observe_failed:
+            try:
+                self.scheduler.observe(prompts, lengths)
+            except Exception as exc:  # it only tunes placement: the run goes on, said once
+                if not self.observe_failed:
+                    self.observe_failed = True
+                    warnings.warn(f"scheduler: observe() raised {type(exc).__name__}: {exc}; its lessons are "
+                                  "skipped from now on", RunWarning, stacklevel=2)
+        if step in self.predicted:  # a step placed without the ranker's scores teaches it nothing
             out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
             self.last_observe = self.client.submit(
                 task_functions.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
@@ -149,3 +146,27 @@ class Dispatcher:
                 self.last_observe = None
                 warnings.warn(f"ranker: could not take back its state from {blob} ({type(exc).__name__}: {exc}); "
                               "it learns again from this run's samples", RunWarning, stacklevel=2)
+
+
+def placement(placed: list[Assignment], workers: list[str],
+              samples_per_prompt: int) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
+    """A scheduler's assignments as ``{prompt index: [(worker, priority, samples)]}``, checked:
+    every worker one of ``workers``, every priority a number, every group's samples covered
+    exactly once. A plugin's mistake is one line naming it (:class:`UserError`)."""
+    unknown = sorted({a.worker for a in placed} - set(workers))
+    if unknown:
+        raise UserError(f"scheduler: dispatch() placed a prompt on {unknown[0]!r}, which is not one of the "
+                        f"generate workers it was given ({', '.join(workers)})")
+    odd = [a for a in placed if not isinstance(a.priority, (int, float)) or math.isnan(a.priority)]
+    if odd:
+        raise UserError(f"scheduler: dispatch() gave prompt {odd[0].index} the priority {odd[0].priority!r}; "
+                        "expected a number (higher is admitted first)")
+    out: dict[int, list[tuple[str, float, tuple[int, ...]]]] = {}
+    for a in placed:
+        out.setdefault(a.index, []).append((a.worker, a.priority, tuple(a.samples)))
+    for i, pieces in out.items():
+        covered = sorted(k for p in pieces for k in (p[2] or range(samples_per_prompt)))
+        if covered != list(range(samples_per_prompt)):
+            raise UserError(f"scheduler: dispatch() placed prompt {i}'s samples as {covered}; a group's chunks must "
+                            f"cover its {samples_per_prompt} samples exactly once")
+    return out

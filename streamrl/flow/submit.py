@@ -83,7 +83,8 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
             where: dict = {"resources": {"generate": 1}}
             priorities = [whole[i][1] if i in whole else 0.0 for i in chunk]
             if name is not None:  # pinned by the scheduler; Dask priority follows the engine's
-                where = {**lifecycle.with_resources(topo.pins[name], generate=1), "priority": int(max(priorities))}
+                where = {**lifecycle.with_resources(topo.pins[name], generate=1),
+                         "priority": dask_priority(max(priorities))}
             key = bundle[0].uid + (f"+{len(bundle) - 1}" if len(bundle) > 1 else "")
             with spans.phase(step, "generate"):
                 gen = client.submit(task_functions.generate_groups, bundle, n, submitted=time.time(),
@@ -97,13 +98,25 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
     return scored
 
 
+def dask_priority(priority: float) -> int:
+    """A scheduler's priority as Dask takes it: an integer, clamped to 32 bits. A length
+    estimate can be any size (infinity: first of all), and an integer past 64 bits cannot be
+    sent to the scheduler at all, so the task would never run; the engine still gets the exact
+    priority to order its queue."""
+    return int(max(-DASK_PRIORITY_LIMIT, min(DASK_PRIORITY_LIMIT, priority)))
+
+
+#: Largest Dask priority :func:`dask_priority` hands on.
+DASK_PRIORITY_LIMIT = 2 ** 31 - 1
+
+
 def chunked(topo: Topology, step: int, prompt: Prompt, pieces: Pieces, min_version: int,
             on_generate: Callable[[str | None, Future], None] | None) -> Future:
     """One group split into chunks: a generate task per chunk, pinned to its worker, and one
     reward task that joins them (each sample once) and scores the group; returns its future."""
     client, gens = topo.client, []
     for worker, priority, samples in pieces:
-        where = {**lifecycle.with_resources(topo.pins[worker], generate=1), "priority": int(priority)}
+        where = {**lifecycle.with_resources(topo.pins[worker], generate=1), "priority": dask_priority(priority)}
         with spans.phase(step, "generate"):
             gen = client.submit(task_functions.generate_chunk, prompt, list(samples), submitted=time.time(),
                                 engine_priority=priority, min_version=min_version,

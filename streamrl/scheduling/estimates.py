@@ -86,6 +86,9 @@ class GroupBelief:
     """Lengths of its finished samples."""
     first_estimate: float | None = None
     """Its estimated mean log length when its first sample finished (for recall)."""
+    informed: bool = True
+    """Whether the prior came from lengths seen in the run; a group started before any was
+    seen has a placeholder prior, and how far it lands from it teaches nothing about ``tau``."""
 
 
 class GroupLengths:
@@ -99,9 +102,9 @@ class GroupLengths:
         self._within: list[float] = []  # squared deviations of samples from their group's mean log
         self._between: list[float] = []  # squared deviations of groups' mean logs from their prior
 
-    def start(self, group: str, prior_log: float) -> None:
-        """A group enters with its prior log length."""
-        self.groups[group] = GroupBelief(prior_log)
+    def start(self, group: str, prior_log: float, informed: bool = True) -> None:
+        """A group enters with its prior log length (``informed``: see :class:`GroupBelief`)."""
+        self.groups[group] = GroupBelief(prior_log, informed=informed)
 
     def mean_log(self, group: str, running: list[int] = ()) -> float:
         """The group's estimated mean log length: the prior and its finished samples combined,
@@ -145,7 +148,8 @@ class GroupLengths:
             logs = [math.log(max(n, 1)) for n in g.finished]
             m = sum(logs) / len(logs)
             self._within += [(x - m) ** 2 for x in logs][:]
-            self._between.append((m - g.prior) ** 2)
+            if g.informed:
+                self._between.append((m - g.prior) ** 2)
             self.learn()
         return g
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Assignment, DispatchContext, Scheduler
 from streamrl.scheduling.estimates import GroupLengths, LengthEstimateConfig, prior_from_scores
+from streamrl.scheduling.schedulers import quantile
 
 
 class LongTailConfig(BaseModel):
@@ -62,6 +63,13 @@ class LongTailConfig(BaseModel):
     """Most moves per decision (each re-prefills its sample's tokens so far)."""
     estimate: LengthEstimateConfig = LengthEstimateConfig()
     """How a group's length belief starts and moves (``[scheduler.estimate]``)."""
+    tail_ratio: float = Field(2.0, ge=1)
+    """Lengths have a tail worth placing when the run's observed P99 output length is more than
+    this many times the median. Without one the scheduler places whole groups round-robin, as ``fcfs`` does, and asks the ranker nothing: where there
+    is no tail, ordering by length cannot pay for the ranker's round trip."""
+    tail_min_observed: int = Field(64, ge=1)
+    """Observed samples needed before the run's lengths are judged tail-less; until then the
+    scheduler assumes a tail."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,8 @@ class GroupSpec:
     """Prompt length in tokens."""
     prior: float
     """Prior log length (from the ranker's score, :func:`~streamrl.scheduling.estimates.prior_from_scores`)."""
+    informed: bool = True
+    """False when no length had been seen yet and ``prior`` is a placeholder."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,7 @@ class LongTailPolicy:
     def start(self, groups: list[GroupSpec]) -> None:
         """Groups enter: their beliefs start at their priors."""
         for g in groups:
-            self.lengths.start(g.group, g.prior)
+            self.lengths.start(g.group, g.prior, g.informed)
 
     def estimate(self, group: str, generated: int = 0, running: list[int] = ()) -> float:
         """Expected total length of a sample of ``group`` that has ``generated`` tokens so far."""
@@ -161,8 +171,14 @@ class LongTailPolicy:
     # -- placement ---------------------------------------------------------------------------
     def place(self, groups: list[GroupSpec], instances: int) -> list[Chunk]:
         """Chunks of every group on ``instances`` instances, longest estimated first, each to
-        the instance whose estimated finish is earliest (and to a different one than its
-        sibling chunks while the finishes tie)."""
+        the instance with the least estimated work so far: the per-context-token cost of every
+        token placed on it (equal work: the lower index).
+
+        The decode-step overhead (``c0`` times an instance's longest sample) is left out here: an
+        estimate is a group's *expected* length, while an instance's longest sample is the
+        longest of the many it holds, about the same on every instance of a long-tailed step.
+        Counting the expected longest made long groups look free to stack on the instance that
+        already had one (measured in docs/benchmarks.md)."""
         self.start(groups)
         pieces = []
         ests = {g.group: self.estimate(g.group) for g in groups}
@@ -174,16 +190,11 @@ class LongTailPolicy:
             for s in range(0, g.samples, size):
                 pieces.append((est, g, tuple(range(s, min(s + size, g.samples)))))
         pieces.sort(key=lambda p: -p[0])
-        longest = [0.0] * instances
-        work = [0.0] * instances  # per-context-token seconds of the tokens placed
+        work = [0.0] * instances  # context-token reads of the tokens placed (only ratios matter)
         out = []
         for est, g, samples in pieces:
-            def finish(i: int) -> float:
-                w = work[i] + self.per_ctx * len(samples) * est * (g.prompt_tokens + est / 2)
-                return self.c0 * max(longest[i], est) + w
-            i = min(range(instances), key=lambda j: (finish(j), j))
-            longest[i] = max(longest[i], est)
-            work[i] += self.per_ctx * len(samples) * est * (g.prompt_tokens + est / 2)
+            i = min(range(instances), key=lambda j: (work[j], j))
+            work[i] += len(samples) * est * (g.prompt_tokens + est / 2)
             out.append(Chunk(g.group, samples, i, est))
         return out
 
@@ -248,26 +259,63 @@ class LongTail(Scheduler):
                              "sample between engines; the simulated rollout of `streamrl bench skew` measures it")
         self.config = config
         self.last_chunks = 0
+        self.policy: LongTailPolicy | None = None
+        """The placement policy; its length estimates learn across the run's steps."""
 
     def metrics(self) -> dict[str, float]:
         """``chunks``: generate tasks the last dispatch made."""
         return {"chunks": self.last_chunks}
 
+    def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
+        """Only when there is something to place by length: a long tail in the lengths seen so
+        far (``tail_ratio``)."""
+        seen = ctx.observed_lengths
+        if len(seen) < self.config.tail_min_observed:
+            return True
+        return quantile(seen, 0.99) > self.config.tail_ratio * quantile(seen, 0.5)
+
     def dispatch(self, prompts, scores, workers: list[str], ctx: DispatchContext) -> list[Assignment]:
-        """One assignment per chunk (see :meth:`LongTailPolicy.place`)."""
-        policy = LongTailPolicy(self.config, ctx.step_latency or (lambda context: 1.0))
+        """One assignment per chunk (see :meth:`LongTailPolicy.place`); whole groups round-robin
+        when there is nothing to place by length (:meth:`needs_scores`)."""
+        if not self.needs_scores(workers, ctx):
+            self.last_chunks = len(prompts)
+            return [Assignment(i, workers[i % len(workers)]) for i in range(len(prompts))]
+        if self.policy is None:  # the latency model is known from the first dispatch on
+            self.policy = LongTailPolicy(self.config, ctx.step_latency or (lambda context: 1.0))
         priors = prior_from_scores(scores, ctx.observed_lengths)
-        specs = [GroupSpec(str(i), ctx.samples_per_prompt, int(ctx.prompt_tokens), prior)
-                 for i, prior in enumerate(priors)]
+        specs = [GroupSpec(p.uid, ctx.samples_per_prompt, int(ctx.prompt_tokens), prior, bool(ctx.observed_lengths))
+                 for p, prior in zip(prompts, priors)]
+        index = {p.uid: i for i, p in enumerate(prompts)}
         merged: dict[tuple[int, int], list] = {}  # a group's chunks on one instance: one task
-        for c in policy.place(specs, len(workers)):
-            merged.setdefault((int(c.group), c.instance), [c.priority, []])[1].extend(c.samples)
+        for c in self.policy.place(specs, len(workers)):
+            merged.setdefault((index[c.group], c.instance), [c.priority, []])[1].extend(c.samples)
         per_group: dict[int, int] = {}
         for i, _ in merged:
             per_group[i] = per_group.get(i, 0) + 1
         self.last_chunks = len(merged)
+        self._forget_unobserved()
         return [Assignment(i, workers[w], prio, () if per_group[i] == 1 else tuple(sorted(samples)))
                 for (i, w), (prio, samples) in sorted(merged.items())]
+
+    def observe(self, prompts, lengths: list[list[int]]) -> None:
+        """A step's groups are done: their lengths teach the estimates how far a group lands
+        from its prior (``tau``) and how far its samples spread (``sigma``). Without it every
+        step would place on the starting spreads, which on a long tail is about as good as
+        round-robin (docs/benchmarks.md)."""
+        if self.policy is None:
+            return
+        open_groups = self.policy.lengths.groups
+        for p, ls in zip(prompts, lengths):
+            if p.uid in open_groups:
+                for n in ls:
+                    self.policy.finished(p.uid, n)
+                self.policy.close(p.uid)
+
+    def _forget_unobserved(self, keep: int = 4096) -> None:
+        # groups whose step never reports back (a step cut short, served traffic) must not pile up
+        groups = self.policy.lengths.groups
+        for uid in list(groups)[:max(len(groups) - keep, 0)]:
+            del groups[uid]
 
 
 __all__ = ["Chunk", "GroupSpec", "LongTail", "LongTailConfig", "LongTailPolicy", "Move", "Running"]

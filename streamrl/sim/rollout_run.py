@@ -90,7 +90,8 @@ def simulate(setup: Setup, variant: Variant, steps: int, warmup: int) -> dict:
         scores = variant.ranker.predict(prompts) if variant.ranker is not None else [0.0] * len(prompts)
         if policy is not None:
             priors = prior_from_scores(scores, observed)
-            specs = [GroupSpec(p.uid, n, p.answer["prompt_tokens"], prior) for p, prior in zip(prompts, priors)]
+            specs = [GroupSpec(p.uid, n, p.answer["prompt_tokens"], prior, bool(observed))
+                     for p, prior in zip(prompts, priors)]
             placed = [(by_group[c.group][k], c.instance, c.priority)
                       for c in policy.place(specs, setup.instances) for k in c.samples]
         else:
