@@ -9,8 +9,10 @@ Variants (each a full run of the recipe, ``--set`` overrides applied to all):
   (greedy LPT), longest first inside each;
 * ``skew-learned``  -- skew scheduler with the online ``learned`` ranker (the real thing);
 * ``longtail-learned`` -- the ``longtail`` scheduler: groups cut into chunks, placed
-  longest estimated first on the instance whose estimated finish is earliest, priors from the
-  ``learned`` ranker.
+  longest estimated first on the instance with the least estimated work, priors from the
+  ``learned`` ranker;
+* ``fcfs-again`` (with ``--repeats`` above 1) -- ``fcfs`` once more in every pass: how far two
+  runs of one variant land apart on this machine, the noise to read the other ratios against.
 
 On a simulated recipe whose prompts carry their hidden length model, a second table comes from
 the rollout model (:mod:`streamrl.sim.rollout_run`: every instance on one virtual clock, no

@@ -5,8 +5,9 @@ It decides three things, as pure policy over what it is told (no clock, no engin
 
 * **placement** (:meth:`LongTailPolicy.place`): each prompt group is cut into chunks of
   ``chunk`` samples; chunks are taken longest-estimated first and each goes to the instance
-  whose estimated finish is earliest so far, so one group's long samples can land on different
-  instances instead of crowding one;
+  with the least estimated work so far, so one group's long samples can land on different
+  instances instead of crowding one (and where the run's lengths have no long tail, whole
+  groups go round-robin, as ``fcfs`` places them, without asking the ranker);
 * **admission order**: every chunk carries its estimated length as its priority, so inside an
   instance the longest start first;
 * **stragglers** (:meth:`LongTailPolicy.moves`): a running sample far past its group's estimate,
@@ -250,8 +251,9 @@ class LongTailPolicy:
 
 class LongTail(Scheduler):
     """``[scheduler] name = "longtail"``: a run's groups cut into chunks and placed by
-    :meth:`LongTailPolicy.place` (priors from the ranker's scores, longest first, earliest
-    estimated finish), admitted longest first inside each instance."""
+    :meth:`LongTailPolicy.place` (priors from the ranker's scores, longest first, least
+    estimated work), admitted longest first inside each instance. One policy serves the whole
+    run, so the spreads of its estimates are learned from every step's groups."""
 
     def __init__(self, config: LongTailConfig):
         if config.migrate:
