@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Assignment, DispatchContext, Scheduler
 from streamrl.scheduling.estimates import GroupLengths, LengthEstimateConfig, prior_from_scores
-from streamrl.scheduling.schedulers import quantile
+from streamrl.scheduling.schedulers import has_tail
 
 
 class LongTailConfig(BaseModel):
@@ -64,7 +64,7 @@ class LongTailConfig(BaseModel):
     """Most moves per decision (each re-prefills its sample's tokens so far)."""
     estimate: LengthEstimateConfig = LengthEstimateConfig()
     """How a group's length belief starts and moves (``[scheduler.estimate]``)."""
-    tail_ratio: float = Field(2.0, ge=1)
+    tail_ratio: float = Field(1.5, ge=1)
     """Lengths have a tail worth placing when the run's observed P99 output length is more than
     this many times the median. Without one the scheduler places whole groups round-robin, as ``fcfs`` does, and asks the ranker nothing: where there
     is no tail, ordering by length cannot pay for the ranker's round trip."""
@@ -271,10 +271,7 @@ class LongTail(Scheduler):
     def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
         """Only when there is something to place by length: a long tail in the lengths seen so
         far (``tail_ratio``)."""
-        seen = ctx.observed_lengths
-        if len(seen) < self.config.tail_min_observed:
-            return True
-        return quantile(seen, 0.99) > self.config.tail_ratio * quantile(seen, 0.5)
+        return has_tail(ctx.observed_lengths, self.config.tail_ratio, self.config.tail_min_observed)
 
     def dispatch(self, prompts, scores, workers: list[str], ctx: DispatchContext) -> list[Assignment]:
         """One assignment per chunk (see :meth:`LongTailPolicy.place`); whole groups round-robin
