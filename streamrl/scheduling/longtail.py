@@ -66,8 +66,9 @@ class LongTailConfig(BaseModel):
     """How a group's length belief starts and moves (``[scheduler.estimate]``)."""
     tail_ratio: float = Field(1.5, ge=1)
     """Lengths have a tail worth placing when the run's observed P99 output length is more than
-    this many times the median. Without one the scheduler places whole groups round-robin, as ``fcfs`` does, and asks the ranker nothing: where there
-    is no tail, ordering by length cannot pay for the ranker's round trip."""
+    this many times the median. Without one the scheduler places whole groups round-robin, as
+    ``fcfs`` does, and asks the ranker nothing: where there is no tail, ordering by length
+    cannot pay for the ranker's round trip."""
     tail_min_observed: int = Field(64, ge=1)
     """Observed samples needed before the run's lengths are judged tail-less; until then the
     scheduler assumes a tail."""
