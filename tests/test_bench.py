@@ -85,6 +85,19 @@ def test_skew_variants_switch_components_without_carrying_foreign_options():
             assert r.ranker.name == "oracle" and "ngram" not in r.ranker.options()
 
 
+def test_bench_skew_passes_fold_into_medians_and_a_bad_repeat_count_is_one_line():
+    from streamrl.bench.skew import bench, medians
+    from streamrl.errors import UserError
+
+    passes = [{"speedup_generate": x, "samples_per_s": 10.0 * x, "run_dir": f"run-{i}", "idle": {"generate": 0.1}}
+              for i, x in enumerate([1.10, 0.90, 1.02])]
+    row = medians(passes)
+    assert row["speedup_generate"] == 1.02 and row["samples_per_s"] == pytest.approx(10.2)
+    assert row["run_dir"] == "run-0" and row["idle"] == {"generate": 0.1}  # not numbers: the first pass's
+    with pytest.raises(UserError, match="--repeats: expected >= 1"):
+        bench(str(ROOT / "recipes/paper-7b-20k.toml"), [], repeats=0)
+
+
 @pytest.mark.slow
 def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
     out = tmp_path / "skew.json"
