@@ -162,12 +162,3 @@ def test_a_ranker_restored_from_its_state_predicts_and_learns_on_exactly_as_the_
         restored.observe(ps, ls)
     assert restored.predict(probe) == original.predict(probe)
 
-
-def test_skew_asks_the_ranker_only_where_lengths_have_a_tail():
-    skew = Skew(SkewConfig())
-    assert not skew.needs_scores(["a", "b"], DispatchContext(8, [4] * 90 + [5] * 10))  # W1-like
-    assert skew.needs_scores(["a", "b"], DispatchContext(8, [50] * 90 + [400] * 10))
-    assert skew.needs_scores(["a", "b"], DispatchContext(8, [4] * 8))  # too few seen to judge
-    flat = Skew(SkewConfig()).dispatch([Prompt(uid=str(i), text="x") for i in range(4)], [0.0] * 4, ["a", "b"],
-                                       DispatchContext(8, [4] * 100, 5.0, lambda context: 1.0))
-    assert [(a.index, a.worker, a.priority) for a in flat] == [(0, "a", 0.0), (1, "b", 0.0), (2, "a", 0.0), (3, "b", 0.0)]

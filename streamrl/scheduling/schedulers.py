@@ -93,10 +93,6 @@ class SkewConfig(BaseModel):
     """Admit longest-predicted first inside each instance."""
     split: bool = True
     """Try a long-tail/regular split of the instances; false: only balance predicted work."""
-    tail_ratio: float = Field(1.5, ge=1)
-    """Lengths have a tail worth ranking when the run's observed P99 output length is more than
-    this many times the median; without one a step asks the ranker nothing (its round trip
-    before each step cannot pay where every output is about as long)."""
 
 
 def rank_lengths(n: int, observed: list[int]) -> list[float]:
@@ -147,17 +143,8 @@ class Skew(Scheduler):
         """``long_tail_instances``: instances the last dispatch gave to long-tail prompts."""
         return {"long_tail_instances": self.last_split}
 
-    def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
-        """Only when the lengths seen so far have a long tail (``tail_ratio``)."""
-        return has_tail(ctx.observed_lengths, self.config.tail_ratio, self.config.min_observed)
-
     def dispatch(self, prompts, scores, workers: list[str], ctx: DispatchContext) -> list[Assignment]:
-        """Split instances between long-tail and regular prompts; LPT inside each. Where the
-        lengths have no tail (:meth:`needs_scores`), round-robin as ``fcfs``: the scores are
-        all 0.0 then, and ranks made of them would be the prompts' order in disguise."""
-        if not self.needs_scores(workers, ctx):
-            self.last_split = 0
-            return [Assignment(i, workers[i % len(workers)]) for i in range(len(prompts))]
+        """Split instances between long-tail and regular prompts; LPT inside each."""
         c = self.config
         order = sorted(range(len(prompts)), key=lambda i: (-scores[i], i))  # longest predicted first
         prio = {i: (len(order) - r if c.lpt else 0.0) for r, i in enumerate(order)}
