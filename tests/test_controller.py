@@ -241,3 +241,27 @@ def test_the_ranker_is_built_with_the_models_before_the_first_step(client):
     built = client.submit(lambda: get_worker().plugins[RANKER].obj is not None, workers=[ctl.topology.rank],
                           pure=False).result()
     assert built  # not left for the first step's placement to build (and import torch) on its critical path
+
+
+def test_a_scheduler_whose_observe_raises_is_warned_about_once_and_the_steps_go_on(client):
+    from streamrl.cluster import lifecycle
+    from streamrl.errors import RunWarning
+    from streamrl.scheduling.longtail import LongTail, LongTailConfig
+
+    class Forgetful(LongTail):
+        calls = 0
+
+        def observe(self, prompts, lengths):
+            Forgetful.calls += 1
+            raise RuntimeError("lost its notes")
+
+    resolved = resolve(load_recipe(W3, SMALL + ['scheduler={name="longtail"}', 'ranker={name="learned"}',
+                                                "run.steps=3"]))
+    ctl = Controller(resolved, client, lifecycle.pool_workers(client))
+    ctl.place_residents()
+    ctl.dispatcher.scheduler = Forgetful(LongTailConfig())  # a plugin's mistake, after placement
+    with pytest.warns(RunWarning, match=r"scheduler: observe\(\) raised RuntimeError: lost its notes"):
+        records = [ctl.step(s) for s in range(3)]
+    assert Forgetful.calls == 1  # said once, then left out
+    assert [r["samples"] for r in records] == [12, 12, 12]
+    assert all(0.0 <= r["ranker_recall"] <= 1.0 for r in records)  # the ranker still learns and ranks
