@@ -96,10 +96,9 @@ class Dispatcher:
             try:
                 self.scheduler.observe(prompts, lengths)
             except Exception as exc:  # it only tunes placement: the run goes on, said once
-                if not self.observe_failed:
-                    self.observe_failed = True
-                    warnings.warn(f"scheduler: observe() raised {type(exc).__name__}: {exc}; its lessons are "
-                                  "skipped from now on", RunWarning, stacklevel=2)
+                self.observe_failed = True
+                warnings.warn(f"scheduler: observe() raised {type(exc).__name__}: {exc}; its lessons are "
+                              "skipped from now on", RunWarning, stacklevel=2)
         if step in self.predicted:  # a step placed without the ranker's scores teaches it nothing
             out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
             self.last_observe = self.client.submit(
