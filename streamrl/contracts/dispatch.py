@@ -80,8 +80,8 @@ class Scheduler:
     def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
         """Whether this step's placement uses the ranker's scores. Ranking is a round trip to
         the rank worker before the step's generation is submitted, and each step's lesson costs
-        the ranker's worker CPU; a scheduler that has nothing to place by length (one instance,
-        or no long tail in the lengths seen) answers False, and the step is dispatched with
+        the ranker's worker CPU; a scheduler that has nothing to place by length (no long tail
+        in the lengths seen, say) answers False, and the step is dispatched with
         every score 0.0 and teaches the ranker nothing. Default: True."""
         return True
 

@@ -98,16 +98,16 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
     return scored
 
 
-def dask_priority(priority: float) -> int:
-    """A scheduler's priority as Dask takes it: an integer, clamped to 32 bits. A length
-    estimate can be any size (infinity: first of all), and an integer past 64 bits cannot be
-    sent to the scheduler at all, so the task would never run; the engine still gets the exact
-    priority to order its queue."""
-    return int(max(-DASK_PRIORITY_LIMIT, min(DASK_PRIORITY_LIMIT, priority)))
-
-
 #: Largest Dask priority :func:`dask_priority` hands on.
 DASK_PRIORITY_LIMIT = 2 ** 31 - 1
+
+
+def dask_priority(priority: float) -> int:
+    """A scheduler's priority as Dask takes it: an integer, clamped to 32 bits. A length
+    estimate can be any size (infinity: first of all), and Dask sends a task's priority negated
+    to its worker, where one outside 64 bits does not serialize and the task never runs; the
+    engine still gets the exact priority to order its queue."""
+    return int(max(-DASK_PRIORITY_LIMIT, min(DASK_PRIORITY_LIMIT, priority)))
 
 
 def chunked(topo: Topology, step: int, prompt: Prompt, pieces: Pieces, min_version: int,
