@@ -271,6 +271,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def warm_workers(recipe) -> None:
+    """Start the server the embedded cluster's workers fork from now, before the run's own imports
+    (``cluster/warm_start.py``), so both go on at once."""
+    from streamrl.cluster import warm_start
+
+    warm_start.begin(recipe)
+
+
 def cmd_recipe(args) -> int:
     from streamrl.recipe.recipe import load_recipe, to_toml
 
@@ -278,6 +286,7 @@ def cmd_recipe(args) -> int:
         from streamrl.run import runner
 
         loaded, run_dir = runner.load_for_resume(args.run_dir, args.overrides)
+        warm_workers(loaded.recipe)
         print(runner.run(loaded, verbose=args.verbose, resume_dir=run_dir, plain=args.plain,
                          profile=args.profile, report=args.report, from_checkpoint=args.from_checkpoint))
         return 0
@@ -285,6 +294,8 @@ def cmd_recipe(args) -> int:
     if args.cmd == "show":
         print(to_toml(loaded.recipe), end="")
         return 0
+    if args.cmd == "run":
+        warm_workers(loaded.recipe)
     from streamrl.run import runner
 
     if args.cmd == "validate":
@@ -301,11 +312,13 @@ def cmd_serve(args) -> int:
     its defaults when the recipe has none)."""
     from streamrl.recipe.recipe import load_recipe
     from streamrl.recipe.serve import ServeConfig
-    from streamrl.run import runner
 
     loaded = load_recipe(args.file, args.overrides)  # (a --set serve.* makes the table if the recipe has none)
     if loaded.recipe.serve is None:
         loaded.recipe.serve = ServeConfig()
+    warm_workers(loaded.recipe)
+    from streamrl.run import runner
+
     run_dir = runner.run(loaded, verbose=args.verbose, plain=args.plain, profile=args.profile, report=args.report)
     print(run_dir)
     return 0

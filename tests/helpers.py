@@ -186,6 +186,26 @@ def until(cond, within: float = 30.0, every: float = 0.01):
 
 
 # -- a running run's cluster ---------------------------------------------------------------------------
+def worker_processes(pid: int) -> list:
+    """The embedded cluster's worker processes under process ``pid`` (``psutil.Process``es): those
+    a nanny spawned, and those forked from the warm-start server (``cluster/warm_start.py``)."""
+    import psutil
+
+    found = []
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for proc in procs:
+        try:
+            if "spawn_main" in " ".join(proc.cmdline()) or "multiprocessing.forkserver" in " ".join(
+                    proc.parent().cmdline()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
+            pass
+    return found
+
+
 def worker_addresses(run_dir: Path) -> dict[str, str]:
     """``{worker name: address}`` of the run's cluster now (through its scheduler)."""
     from distributed import Client

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tests.helpers import (kill_worker, last_error_line, read_records, start, stop, streamrl, wait_for_steps,
-                           with_plugin, worker_addresses)
+                           with_plugin, worker_addresses, worker_processes)
 
 
 # -- SIGTERM to the process group ----------------------------------------------------------
@@ -69,15 +69,12 @@ def test_sigterm_to_the_process_group_stops_the_run_in_order_and_names_the_resum
 
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_while_the_cluster_starts_stops_the_run_after_its_first_step(tiny_recipe, tmp_path):
-    import psutil
-
     proc = start("recipe", "run", str(tiny_recipe), "--plain", "--set", f"run.out_dir={tmp_path}",
                  "--set", "run.steps=400")
     try:
-        # the first worker process spawned: the embedded cluster is starting (its start takes seconds)
+        # the first worker process started: the embedded cluster is starting (its start takes seconds)
         deadline = time.time() + 120
-        while proc.poll() is None and time.time() < deadline and not any(
-                "spawn_main" in " ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()):
+        while proc.poll() is None and time.time() < deadline and not worker_processes(proc.pid):
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=180)  # a hang guard only

@@ -7,10 +7,9 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
-from tests.helpers import start
+from tests.helpers import start, worker_processes
 
 
 @pytest.mark.slow
@@ -20,7 +19,7 @@ def test_a_second_ctrl_c_while_the_cluster_starts_stops_at_once(tiny_recipe, tmp
     # not be merged with the first into one stop request that runs a step and checkpoints it
     proc = start("recipe", "run", str(tiny_recipe), "--plain", "--set", "run.steps=50")
     deadline = time.time() + 60
-    while not psutil.Process(proc.pid).children(recursive=True):  # the cluster's first process is starting
+    while not worker_processes(proc.pid):  # the cluster's first worker is starting
         assert time.time() < deadline and proc.poll() is None, "the run started no worker process"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)

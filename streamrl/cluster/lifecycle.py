@@ -26,6 +26,7 @@ from streamrl.cluster.attach import (EXPECTED_SCHEDULER, check_scheduler_address
 from streamrl.errors import UserError
 from streamrl.cluster.pool_workers import LEARN, PIN, PRE_SPAWN_ENV, side_learner_names, worker_spec, workers
 from streamrl.cluster.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
+from streamrl.cluster import warm_start
 from streamrl.recipe.pools import REQUIRED_POOLS
 from streamrl.recipe.recipe import Recipe
 
@@ -74,6 +75,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                            "must offer the pools' resources themselves; see docs/deploy.md)", learners=labelled)
         else:
             host = c.host
+            warm_start.begin(recipe)  # (started already by the command, as early as it could)
             cluster = SpecCluster(
                 workers=worker_spec(recipe, level),
                 scheduler={"cls": Scheduler, "options": {

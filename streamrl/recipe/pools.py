@@ -42,6 +42,14 @@ class ClusterConfig(Strict):
     system, include the time its jobs wait in the queue)."""
     connect_timeout: float = Field(10.0, gt=0)
     """Seconds to wait for the scheduler at ``address`` to answer."""
+    worker_start: Literal["auto", "warm", "spawn"] = "auto"
+    """How the embedded cluster starts its workers. ``warm``: forked from one server process that
+    has imported torch, transformers and streamrl's worker code once, so a worker starts in a
+    fraction of a second instead of importing them itself (seconds of CPU each); every worker then
+    has the environment the ``streamrl`` process had when the server started, plus the pools'
+    usual settings. ``spawn``: each a fresh interpreter (Dask's default), which a pool's own
+    ``env`` of variables read at import needs. ``auto``: ``warm`` unless a pool sets ``env`` or
+    the machine has an NVIDIA GPU (CUDA must not start before a fork)."""
 
     @field_validator("address")
     @classmethod

@@ -1,0 +1,127 @@
+"""Warm worker start: the embedded cluster's workers forked from a process that has already
+imported what every worker imports, instead of each spawned as a fresh interpreter.
+
+A worker of a small run spends most of its start importing torch, transformers and Dask, a few
+seconds of CPU each, and a run on a laptop starts three or more of them at once; a cluster
+restarted for every run (as CI does, and anyone trying recipes) pays it each time. Python's
+``forkserver`` start method keeps one server process with those modules loaded and forks a
+worker from it in a fraction of a second. The server is started as soon as the recipe is known
+(:func:`begin`), so its imports overlap the ``streamrl`` process's own; Dask's Nanny then starts
+(and restarts, and adds) every worker through it.
+
+What a forked worker cannot get this way is an environment variable that a library reads when it
+is imported or a process starts (OpenMP's thread count, glibc's malloc settings, the Hugging Face
+hub's offline switch): the server takes the workers' environment when it starts, so every worker
+has the same one. Where a pool sets an ``env`` of its own, or the machine has an NVIDIA GPU (CUDA
+must not be initialised before a fork, and torch's import may probe for it), ``auto`` keeps Dask's
+``spawn`` (``cluster.worker_start``)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.forkserver
+import os
+import signal
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+import dask
+
+from streamrl.cluster.devices import ENV as DEVICE_ENV
+from streamrl.cluster.pool_workers import NICE_ENV, PRE_SPAWN_ENV, STOP_SIGNALS, WORKER_ENV, planned_workers
+from streamrl.recipe.recipe import Recipe
+
+#: What every worker imports, loaded once in the server: the libraries, then streamrl's worker side.
+WARM_MODULES = ["torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
+                "streamrl.on_worker.task_functions", "streamrl.plugins.builtins"]
+
+#: Loaded last by the server: it ends the server without a slow interpreter teardown (see there).
+LAST_MODULE = "streamrl.cluster.warm_server"
+
+#: Worker environment variables that are read at run time (by streamrl, or by CUDA when it starts),
+#: so a worker forked from the server gets them right: set after the fork, from the Nanny's spec.
+LATE_ENV = {*WORKER_ENV, DEVICE_ENV, NICE_ENV, "CUDA_VISIBLE_DEVICES"}
+
+def wanted(recipe: Recipe) -> bool:
+    """Whether this run's workers start warm: only the embedded cluster's (a factory's or an
+    existing cluster's workers are started by someone else), as ``cluster.worker_start`` says;
+    ``auto`` where no pool's environment needs a fresh process and the machine has no NVIDIA GPU."""
+    c = recipe.cluster
+    if c.address or c.factory or c.worker_start == "spawn":
+        return False
+    if c.worker_start == "warm":
+        return True
+    own_env = any(set(w["env"]) - LATE_ENV for _, w in planned_workers(recipe))
+    return not own_env and not has_nvidia_gpu()
+
+
+def has_nvidia_gpu() -> bool:
+    """Whether the NVIDIA driver lists a GPU on this machine (without importing torch)."""
+    try:
+        return any(Path("/proc/driver/nvidia/gpus").iterdir())
+    except OSError:
+        return False
+
+
+def begin(recipe: Recipe) -> bool:
+    """Start the fork server for ``recipe``'s workers now, if they start warm (:func:`wanted`),
+    and make Dask's Nanny start workers through it; returns whether they do. Idempotent: a
+    second run in this process reuses the server, and its workers get the environment this
+    process had when the server started. Call it from the main thread, as early as the recipe is
+    known: the server's imports then overlap this process's."""
+    c = recipe.cluster
+    if c.address or c.factory:
+        return False  # (workers started by someone else)
+    if not wanted(recipe):
+        # (a warm run before this one, in this process, set Dask's start method for the process)
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
+        return False
+    from distributed.utils import get_mp_context
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    ctx = get_mp_context()  # (sets Dask's own preload list, once)
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return True
+    env = worker_environment()
+    dask_modules = [m for m in server._preload_modules or [] if m not in WARM_MODULES]
+    ctx.set_forkserver_preload([*dask_modules, *WARM_MODULES, *sorted(model_modules(recipe)), LAST_MODULE])
+    # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
+    # spawned worker does (run/stopping.py): a worker ends the block once it ignores both
+    # (pool_workers.ignore_stop_signals), and the server, whose parent stops it, keeps it. The
+    # resource tracker, which the server's start starts, would end the block in this thread.
+    resource_tracker.ensure_running()
+    saved = {k: os.environ.get(k) for k in env}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    os.environ.update(env)
+    try:
+        server.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    return True
+
+
+def worker_environment() -> dict[str, str]:
+    """What the server's environment adds to this process's: what Dask sets before it spawns a
+    worker (one OpenMP thread, glibc's malloc settings: read once, when a process starts or
+    loads the library) and what every worker gets (quiet libraries, no hub access)."""
+    env = {**dask.config.get("distributed.nanny.pre-spawn-environ"), **PRE_SPAWN_ENV,
+           **dask.config.get("distributed.nanny.environ"), **WORKER_ENV}
+    return {k: str(v) for k, v in env.items()}
+
+
+def model_modules(recipe: Recipe) -> set[str]:
+    """The transformers module of the recipe's model architecture (``config.json``'s
+    ``model_type``), when the model is a local folder: importing it is a second of a worker's start."""
+    try:
+        model_type = json.loads((Path(recipe.model.path) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    if not str(model_type).isidentifier():
+        return set()
+    return {f"transformers.models.{model_type}.modeling_{model_type}"}

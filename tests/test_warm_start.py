@@ -1,0 +1,110 @@
+"""Warm worker start (``cluster/warm_start.py``): which runs start their workers from the fork
+server, and that a worker forked from it is the worker a spawned one would be -- its libraries
+already loaded, the pools' environment, the stop signals ignored, and restarted through the same
+server when it dies."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import signal
+import sys
+
+import pytest
+from distributed import Client
+
+from streamrl.cluster import lifecycle, warm_start
+from streamrl.recipe.recipe import load_recipe
+from tests.helpers import until
+
+
+def recipe_with(tiny_recipe, *overrides):
+    return load_recipe(tiny_recipe, list(overrides)).recipe
+
+
+def test_auto_starts_warm_only_the_embedded_clusters_workers_without_an_env_of_their_own(tiny_recipe, monkeypatch):
+    monkeypatch.setattr(warm_start, "has_nvidia_gpu", lambda: False)
+    assert warm_start.wanted(recipe_with(tiny_recipe))
+    # (the pools' usual settings are set after the fork: no reason to spawn)
+    assert warm_start.wanted(recipe_with(tiny_recipe, "pools.train.nice=5", "pools.generate.device=cpu"))
+    # a variable a library may read when imported: only a fresh process gets it right
+    assert not warm_start.wanted(recipe_with(tiny_recipe, 'pools.train.env={OMP_NUM_THREADS="2"}'))
+    assert warm_start.wanted(recipe_with(tiny_recipe, 'pools.train.env={OMP_NUM_THREADS="2"}',
+                                         "cluster.worker_start=warm"))
+    assert not warm_start.wanted(recipe_with(tiny_recipe, "cluster.worker_start=spawn"))
+    # workers someone else starts
+    assert not warm_start.wanted(recipe_with(tiny_recipe, "cluster.address=tcp://127.0.0.1:8786",
+                                             "cluster.worker_start=warm"))
+    assert not warm_start.wanted(recipe_with(tiny_recipe, "cluster.factory=distributed.LocalCluster"))
+    # a GPU machine: CUDA must not start before a fork
+    monkeypatch.setattr(warm_start, "has_nvidia_gpu", lambda: True)
+    assert not warm_start.wanted(recipe_with(tiny_recipe))
+    assert warm_start.wanted(recipe_with(tiny_recipe, "cluster.worker_start=warm"))
+
+
+def test_a_bad_worker_start_is_one_line(tiny_recipe):
+    from streamrl.errors import UserError
+
+    with pytest.raises(UserError, match="cluster.worker_start") as err:
+        recipe_with(tiny_recipe, "cluster.worker_start=fork")
+    assert "\n" not in str(err.value)
+
+
+def test_the_model_architecture_is_preloaded_when_the_model_is_a_local_folder(tiny_recipe, tmp_path):
+    assert warm_start.model_modules(recipe_with(tiny_recipe)) == {"transformers.models.llama.modeling_llama"}
+    assert warm_start.model_modules(recipe_with(tiny_recipe, f'model.path="{tmp_path}/none"')) == set()
+
+
+def about_the_worker() -> dict:
+    """What a test asks each worker (run there by ``client.run``)."""
+    return {"ppid": os.getppid(), "pid": os.getpid(), "torch": "torch" in sys.modules,
+            "omp": os.environ.get("OMP_NUM_THREADS"), "malloc": os.environ.get("MALLOC_TOP_PAD_"),
+            "offline": os.environ.get("HF_HUB_OFFLINE"), "device": os.environ.get("STREAMRL_DEVICE"),
+            "sigint": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+            "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
+            "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+
+
+@pytest.mark.slow
+def test_warm_workers_are_forked_from_the_server_with_the_pools_environment_and_restart_through_it(tiny_recipe):
+    recipe = recipe_with(tiny_recipe, "cluster.worker_start=warm", "pools.reward.device=cpu")
+    cluster, client = lifecycle.start(recipe)
+    try:
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        assert server is not None and server != os.getpid()
+        names = {a: w["name"] for a, w in lifecycle.workers(client).items()}
+        seen = {names[a]: got for a, got in client.run(about_the_worker).items()}
+        assert set(seen) == {"generate-0", "train-0", "reward-0"}
+        for name, got in seen.items():
+            assert got["ppid"] == server, (name, got)
+            # the reward worker never imports torch itself: the server had
+            assert got["torch"] and got["omp"] == "1" and got["offline"] == "1", (name, got)
+            assert got["malloc"] == lifecycle.PRE_SPAWN_ENV["MALLOC_TOP_PAD_"], (name, got)
+            # a Ctrl-C to the process group is the streamrl process's to handle
+            assert got["sigint"] and got["sigterm"] and got["blocked"] == [], (name, got)
+        assert seen["reward-0"]["device"] == "cpu" and seen["train-0"]["device"] == "auto"
+
+        # a worker that dies is restarted by its nanny, forked from the same server
+        os.kill(seen["reward-0"]["pid"], signal.SIGKILL)
+
+        def restarted():
+            now = {w["name"]: a for a, w in lifecycle.workers(client).items()}
+            return now.get("reward-0") if now.get("reward-0") and now["reward-0"] not in names else None
+
+        address = until(restarted, within=60, every=0.1)
+        again = client.run(about_the_worker, workers=[address])[address]
+        assert again["ppid"] == server and again["pid"] != seen["reward-0"]["pid"] and again["sigint"]
+    finally:
+        lifecycle.stop(cluster, client)
+
+
+@pytest.mark.slow
+def test_spawned_workers_are_children_of_their_nanny(tiny_recipe):
+    cluster, client = lifecycle.start(recipe_with(tiny_recipe, "cluster.worker_start=spawn"))
+    try:
+        seen = client.run(about_the_worker)
+        assert len(seen) == 3
+        for got in seen.values():
+            assert got["ppid"] == os.getpid() and got["sigint"] and got["blocked"] == [], got
+    finally:
+        lifecycle.stop(cluster, client)
