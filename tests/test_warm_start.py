@@ -15,7 +15,7 @@ from distributed import Client
 
 from streamrl.cluster import lifecycle, warm_start
 from streamrl.recipe.recipe import load_recipe
-from tests.helpers import until
+from tests.helpers import ROOT, until
 
 
 def recipe_with(tiny_recipe, *overrides):
@@ -50,9 +50,15 @@ def test_a_bad_worker_start_is_one_line(tiny_recipe):
     assert "\n" not in str(err.value)
 
 
-def test_the_model_architecture_is_preloaded_when_the_model_is_a_local_folder(tiny_recipe, tmp_path):
-    assert warm_start.model_modules(recipe_with(tiny_recipe)) == {"transformers.models.llama.modeling_llama"}
-    assert warm_start.model_modules(recipe_with(tiny_recipe, f'model.path="{tmp_path}/none"')) == set()
+def test_the_server_loads_the_libraries_and_the_model_architecture_only_for_a_recipe_with_a_model(tiny_recipe,
+                                                                                                 tmp_path):
+    modules = warm_start.preload(recipe_with(tiny_recipe))
+    assert {"torch", "transformers", "transformers.models.llama.modeling_llama"} <= set(modules)
+    assert "transformers.models.llama.modeling_llama" not in warm_start.preload(
+        recipe_with(tiny_recipe, f'model.path="{tmp_path}/none"'))
+    # a simulated engine's workers never load torch: neither does the server for them
+    sim = load_recipe(ROOT / "recipes" / "paper-7b-20k.toml").recipe
+    assert sim.model is None and not {"torch", "transformers"} & set(warm_start.preload(sim))
 
 
 def about_the_worker() -> dict:

@@ -31,9 +31,13 @@ from streamrl.cluster.devices import ENV as DEVICE_ENV
 from streamrl.cluster.pool_workers import NICE_ENV, PRE_SPAWN_ENV, STOP_SIGNALS, WORKER_ENV, planned_workers
 from streamrl.recipe.recipe import Recipe
 
-#: What every worker imports, loaded once in the server: the libraries, then streamrl's worker side.
-WARM_MODULES = ["torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
-                "streamrl.on_worker.task_functions", "streamrl.plugins.builtins"]
+#: What every worker imports, loaded once in the server: Dask's own list, then streamrl's worker side.
+WORKER_MODULES = ["streamrl.on_worker.task_functions"]
+
+#: What a worker of a recipe with a real model imports besides: the libraries (most of a worker's
+#: start), then the built-in engine and trainer (a plugin's own are imported after the fork).
+MODEL_MODULES = ["torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
+                 "streamrl.engines.hf", "streamrl.training.trainer"]
 
 #: Loaded last by the server: it ends the server without a slow interpreter teardown (see there).
 LAST_MODULE = "streamrl.cluster.warm_server"
@@ -84,8 +88,7 @@ def begin(recipe: Recipe) -> bool:
     if server._forkserver_pid is not None:
         return True
     env = worker_environment()
-    dask_modules = [m for m in server._preload_modules or [] if m not in WARM_MODULES]
-    ctx.set_forkserver_preload([*dask_modules, *WARM_MODULES, *sorted(model_modules(recipe)), LAST_MODULE])
+    ctx.set_forkserver_preload([*(server._preload_modules or []), *preload(recipe), LAST_MODULE])
     # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
     # spawned worker does (run/stopping.py): a worker ends the block once it ignores both
     # (pool_workers.ignore_stop_signals), and the server, whose parent stops it, keeps it. The
@@ -115,13 +118,18 @@ def worker_environment() -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def model_modules(recipe: Recipe) -> set[str]:
-    """The transformers module of the recipe's model architecture (``config.json``'s
-    ``model_type``), when the model is a local folder: importing it is a second of a worker's start."""
+def preload(recipe: Recipe) -> list[str]:
+    """What the server imports for ``recipe``'s workers: streamrl's worker side, and where the
+    recipe has a model (a simulated engine's has none, and its workers never load torch), the
+    libraries and the module of the model's architecture (``config.json``'s ``model_type``, when
+    the model is a local folder: about a second of a worker's start)."""
+    if recipe.model is None or not recipe.model.path:
+        return list(WORKER_MODULES)
+    modules = [*WORKER_MODULES, *MODEL_MODULES]
     try:
         model_type = json.loads((Path(recipe.model.path) / "config.json").read_text())["model_type"]
     except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    if not str(model_type).isidentifier():
-        return set()
-    return {f"transformers.models.{model_type}.modeling_{model_type}"}
+        return modules
+    if str(model_type).isidentifier():
+        modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    return modules
