@@ -46,6 +46,7 @@ LAST_MODULE = "streamrl.cluster.warm_server"
 #: so a worker forked from the server gets them right: set after the fork, from the Nanny's spec.
 LATE_ENV = {*WORKER_ENV, DEVICE_ENV, NICE_ENV, "CUDA_VISIBLE_DEVICES"}
 
+
 def wanted(recipe: Recipe) -> bool:
     """Whether this run's workers start warm: only the embedded cluster's (a factory's or an
     existing cluster's workers are started by someone else), as ``cluster.worker_start`` says;
