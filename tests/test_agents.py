@@ -251,3 +251,16 @@ def test_a_streamed_tool_call_comes_as_openai_streams_it_and_the_trajectory_cont
     with pytest.raises(openai.APIStatusError) as late:  # the rollout is over: a late call is refused
         client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=8)
     assert late.value.status_code == 409
+
+
+def test_a_steps_quoted_failure_is_a_raised_error_before_a_timeout_before_a_rollout_without_calls():
+    from streamrl.agents.rollout import NO_CALLS, first_error
+
+    timeout = "RolloutTimeout: the rollout ran past task.rollout_timeout_s (12 s)"
+    raised = "ValueError: the tool exploded"
+    kept = ""
+    for error in (NO_CALLS, timeout, raised, "KeyError: 'x'", timeout):
+        kept = first_error(kept, error)
+    assert kept == raised  # (the earlier of two raised errors)
+    assert first_error(first_error("", NO_CALLS), timeout) == timeout
+    assert first_error(timeout, NO_CALLS) == timeout

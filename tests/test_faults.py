@@ -64,8 +64,10 @@ def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(
     together = pool == "with generate and reward"
     # (together: the loss is found once a killed worker is back, the generate worker catching up
     # on weights whose sender is gone, or the train worker; three restart at once on 2 cores,
-    # 10-12 s. Before, the catch-up waited out its timeout twice: 252 s)
-    assert stopped < (3.0 if together else 0.5) * started, (stopped, started)
+    # 10-12 s. Before, the catch-up waited out its timeout twice: 252 s). Alone, 0.75: the
+    # workers start warm (forked with the libraries loaded), so the start is shorter than it was
+    # with spawned ones, when the bound was half of it.
+    assert stopped < (3.0 if together else 0.75) * started, (stopped, started)
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     # Dask's words about the losses and restarts go to warnings.log (the generate and reward

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from distributed import Future
 
-from streamrl.agents.rollout import EVENT_TOPIC, run_group
+from streamrl.agents.rollout import EVENT_TOPIC, first_error, run_group
 from streamrl.errors import UserError
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.flow import submit
@@ -109,7 +109,10 @@ class AgentRollouts(StepExtension):
         record.extra["tool_calls_mean"] = round(sum(m["tool_calls"] for m in new) / rollouts, 4)
         for key in ("errors", "timeouts", "no_calls", "splits", "crossed_updates"):
             record.extra[f"agent/{key}"] = sum(m[key] for m in new)
-        first = next((m["first_error"] for m in new if m["first_error"]), "")
+        first = ""
+        for m in new:
+            if m["first_error"]:
+                first = first_error(first, m["first_error"])
         if first:
             record.extra["agent/first_error"] = first
             kind = first.split(":", 1)[0]

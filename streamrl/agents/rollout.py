@@ -111,6 +111,21 @@ def agent_of(spec: dict):
     return rollout
 
 
+#: What a rollout that returned without calling the model is reported as.
+NO_CALLS = "the rollout returned without calling the model"
+
+
+def first_error(kept: str, new: str) -> str:
+    """The failure to quote for a step, of ``kept`` (so far; "" for none) and ``new``: a raised
+    error before a timeout, a timeout before a rollout that called nothing, else the earlier one.
+    A raised error's text says what went wrong; a timeout is counted apart (``agent/timeouts``)
+    and says only how long it waited, so one in the same step must not hide the error."""
+    def rank(error: str) -> int:
+        return 2 if error == NO_CALLS else 1 if error.startswith("RolloutTimeout") else 0
+
+    return new if not kept or rank(new) < rank(kept) else kept
+
+
 def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str, step: int, first: int = 0
               ) -> list[Group]:
     """Agent worker: ``n`` rollouts of ``prompt``'s row (``Prompt.columns``), rollout ``k`` on
@@ -149,10 +164,10 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         counts["splits"] += traj["splits"]
         if outcome.error:
             counts["timeouts" if outcome.error.startswith("RolloutTimeout") else "errors"] += 1
-            counts["first_error"] = counts["first_error"] or outcome.error
+            counts["first_error"] = first_error(counts["first_error"], outcome.error)
         if not traj["segments"] and not outcome.error:
             counts["no_calls"] += 1
-            counts["first_error"] = counts["first_error"] or "the rollout returned without calling the model"
+            counts["first_error"] = first_error(counts["first_error"], NO_CALLS)
         samples = samples_of(prompt, k, traj, outcome, started)
         # a rollout that went on across a weight update: its tokens come from several versions
         counts["crossed_updates"] += len({v for s in samples for v, m in zip(s.token_versions, s.loss_mask) if m}) > 1
