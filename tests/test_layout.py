@@ -5,6 +5,8 @@ a circle hidden in a function is still a circle."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 
 from tests.helpers import ROOT
 
@@ -168,3 +170,15 @@ def test_at_most_eight_modules_sit_at_the_top_of_the_package():
     top = sorted(p.name for p in (ROOT / "streamrl").glob("*.py"))
     assert "api.py" in top  # the folder is really read
     assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_the_streamrl_process_validates_recipes_without_importing_torch():
+    # The `streamrl` process validates, submits and records; only workers build models. Importing
+    # torch there cost every command about 2 s of CPU and a second of teardown. (A dataset of
+    # chat prompts is the exception: it loads the model's tokenizer, and transformers with it.)
+    recipes = ["addition", "ppo", "grpo", "agent", "learners", "serve", "paper-7b-20k"]
+    code = ("import sys\nfrom streamrl.cli import main\n"
+            "status = [main(['recipe', 'validate', f'recipes/{name}.toml']) for name in sys.argv[1:]]\n"
+            "print(status, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *recipes], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1] == f"{[0] * len(recipes)} []", done.stdout + done.stderr

@@ -12,7 +12,6 @@ says how stale samples are corrected). The trainer sums L_i over the batch and s
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
@@ -32,6 +31,8 @@ class GRPO(ClippedSurrogate):
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """Group-normalised advantages; an all-equal group gets zeros (no signal, no update)."""
+        import torch  # here, not at the top: the `streamrl` process registers GRPO without torch
+
         r = torch.tensor(rewards, dtype=torch.float32)
         a = r - r.mean()
         if self.config.scale_rewards and len(rewards) > 1:  # config is a GRPOConfig here

@@ -21,7 +21,6 @@ equals batch).
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
@@ -55,35 +54,39 @@ class PPO(ClippedSurrogate):
         """Unused: PPO's advantages are per token (:meth:`token_advantages`)."""
         return [0.0] * len(rewards)
 
-    @torch.no_grad()
     def token_advantages(self, rewards, values, mask):
         """GAE over the response tokens: ``(advantages [B, T], returns [B, T])`` from the
         sequence rewards ``[B]``, the critic's ``values [B, T]`` and the response ``mask``."""
-        c = self.config
-        B, T = mask.shape
-        positions = torch.arange(T, device=mask.device)
-        last = (mask * positions).argmax(-1)  # each response's last token
-        first = (mask > 0).float().argmax(-1)  # and its first
-        # tokens the policy did not generate inside a response (an agent's tool results, masked
-        # out) are skipped, not a restart: the recursion carries the reward across them
-        gap = (mask == 0) & (positions >= first[:, None]) & (positions <= last[:, None])
-        token_r = torch.zeros_like(values)
-        token_r[torch.arange(B), last] = rewards
-        values = values * mask
-        adv = torch.zeros_like(values)
-        next_adv = torch.zeros(B, device=values.device)
-        next_v = torch.zeros(B, device=values.device)
-        for t in range(T - 1, -1, -1):
-            delta = token_r[:, t] + c.gamma * next_v - values[:, t]
-            a = delta + c.gamma * c.lam * next_adv
-            adv[:, t] = a * mask[:, t]
-            # outside the response (padding, prompt) the recursion restarts; across a gap it goes on
-            next_adv = torch.where(mask[:, t] > 0, a, torch.where(gap[:, t], next_adv, torch.zeros_like(a)))
-            next_v = torch.where(mask[:, t] > 0, values[:, t], torch.where(gap[:, t], next_v, torch.zeros_like(a)))
-        return adv, (adv + values) * mask
+        import torch  # here, not at the top: the `streamrl` process registers PPO without torch
+
+        with torch.no_grad():
+            c = self.config
+            B, T = mask.shape
+            positions = torch.arange(T, device=mask.device)
+            last = (mask * positions).argmax(-1)  # each response's last token
+            first = (mask > 0).float().argmax(-1)  # and its first
+            # tokens the policy did not generate inside a response (an agent's tool results, masked
+            # out) are skipped, not a restart: the recursion carries the reward across them
+            gap = (mask == 0) & (positions >= first[:, None]) & (positions <= last[:, None])
+            token_r = torch.zeros_like(values)
+            token_r[torch.arange(B), last] = rewards
+            values = values * mask
+            adv = torch.zeros_like(values)
+            next_adv = torch.zeros(B, device=values.device)
+            next_v = torch.zeros(B, device=values.device)
+            for t in range(T - 1, -1, -1):
+                delta = token_r[:, t] + c.gamma * next_v - values[:, t]
+                a = delta + c.gamma * c.lam * next_adv
+                adv[:, t] = a * mask[:, t]
+                # outside the response (padding, prompt) the recursion restarts; across a gap it goes on
+                next_adv = torch.where(mask[:, t] > 0, a, torch.where(gap[:, t], next_adv, torch.zeros_like(a)))
+                next_v = torch.where(mask[:, t] > 0, values[:, t], torch.where(gap[:, t], next_v, torch.zeros_like(a)))
+            return adv, (adv + values) * mask
 
     def value_loss(self, values, old_values, returns, mask):
         """Per-sample clipped value loss ``[B]`` (mean over the response tokens)."""
+        import torch
+
         c = self.config
         clipped = old_values + (values - old_values).clamp(-c.value_clip, c.value_clip)
         per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)

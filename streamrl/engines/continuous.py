@@ -27,12 +27,6 @@ from streamrl.engines.request_queue import Response
 class ContinuousEngine(TransformersEngine):
     """The ``hf`` engine on transformers' continuous batching."""
 
-    @classmethod
-    def kv_capacity_tokens(cls, config: HFEngineConfig) -> int:
-        """``num_blocks`` blocks of ``page_size`` tokens; 0 when ``kv_memory_fraction`` sizes the
-        cache from the device's free memory instead (known only once it is built)."""
-        return 0 if config.kv_memory_fraction else config.num_blocks * config.page_size
-
     def __init__(self, config: HFEngineConfig):
         super().__init__(config)
         self.manager = None

@@ -15,25 +15,23 @@ latency profile, closing) and, for the two batching ones, the priority queue of 
 
 ``HFEngine(config)`` builds the variant ``config`` asks for: it is the factory the recipe's
 ``[engine] name = "hf"`` is registered with, and its :meth:`HFEngine.capabilities` is read before
-any engine is built.
+any engine is built. This module and the config (``engines/hf_config.py``) import no torch: the
+``streamrl`` process registers and validates the engine but never generates, so it starts without
+torch; the variants are imported when one is built, on a generate worker.
 """
 
 from __future__ import annotations
 
-from streamrl.api import EngineCapabilities
-from streamrl.engines.base import HFEngineConfig, TransformersEngine
-from streamrl.engines.continuous import ContinuousEngine
-from streamrl.engines.seeded import SeededEngine
-from streamrl.engines.slots import SlotEngine
-from streamrl.engines.static import StaticEngine
+from streamrl.api import Engine, EngineCapabilities
+from streamrl.engines.hf_config import HFEngineConfig, kv_capacity_tokens
 
-__all__ = ["HFEngine", "HFEngineConfig", "TransformersEngine"]
+__all__ = ["HFEngine", "HFEngineConfig"]
 
 
-class HFEngine(TransformersEngine):
+class HFEngine(Engine):
     """The ``hf`` engine as a recipe names it: ``HFEngine(config)`` builds the variant
     ``config`` asks for (:meth:`variant`). To extend the engine, subclass a variant or
-    :class:`TransformersEngine`."""
+    ``engines.base.TransformersEngine``."""
 
     def __new__(cls, config: HFEngineConfig):
         # The registered factory is this class (Component.capabilities reads a class's own
@@ -42,21 +40,33 @@ class HFEngine(TransformersEngine):
         return cls.variant(config)(config)
 
     @staticmethod
-    def variant(config: HFEngineConfig) -> type[TransformersEngine]:
+    def variant(config: HFEngineConfig) -> type[Engine]:
         """The engine class ``config`` asks for: seeded when ``reproducible`` (whatever
         ``batching`` says), else continuous, static or slot batching."""
         if config.reproducible:
+            from streamrl.engines.seeded import SeededEngine
+
             return SeededEngine
-        return {"static": StaticEngine, "slots": SlotEngine}.get(config.batching, ContinuousEngine)
+        if config.batching == "static":
+            from streamrl.engines.static import StaticEngine
+
+            return StaticEngine
+        if config.batching == "slots":
+            from streamrl.engines.slots import SlotEngine
+
+            return SlotEngine
+        from streamrl.engines.continuous import ContinuousEngine
+
+        return ContinuousEngine
 
     @classmethod
     def capabilities(cls, config: HFEngineConfig) -> EngineCapabilities:
         """``engine.temperature`` (the trainer divides its logits by it), ``max_running``,
-        ``max_new_tokens``, the KV cache's tokens when ``num_blocks`` sizes it (continuous
-        batching), and whether a seed repeats the samples (``reproducible``); every variant
-        decodes greedily for evaluation."""
+        ``max_new_tokens``, the KV cache's tokens when the config fixes them
+        (:func:`~streamrl.engines.hf_config.kv_capacity_tokens`), and whether a seed repeats the
+        samples (``reproducible``); every variant decodes greedily for evaluation."""
         return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
                                   max_new_tokens=config.max_new_tokens,
-                                  kv_capacity_tokens=HFEngine.variant(config).kv_capacity_tokens(config),
+                                  kv_capacity_tokens=kv_capacity_tokens(config),
                                   repeatable=config.reproducible, greedy=True,
                                   stops_early=config.stop_early_every > 0)

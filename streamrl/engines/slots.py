@@ -53,11 +53,6 @@ class Stream:
 class SlotEngine(TransformersEngine):
     """The ``hf`` engine on streamrl's slot decoder."""
 
-    @classmethod
-    def kv_capacity_tokens(cls, config: HFEngineConfig) -> int:
-        """``slots`` slots of ``max_prompt_tokens + max_new_tokens`` positions each."""
-        return config.slots * (config.max_prompt_tokens + config.max_new_tokens)
-
     def __init__(self, config: HFEngineConfig):
         super().__init__(config)
         self.decoder: SlotDecoder | None = None

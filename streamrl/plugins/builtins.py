@@ -30,7 +30,7 @@ from streamrl.telemetry.trackers.mlflow import MLflowConfig, MLflowSink
 from streamrl.telemetry.trackers.tensorboard import TensorBoardConfig, TensorBoardSink
 from streamrl.telemetry.trackers.trackio import TrackioConfig, TrackioSink
 from streamrl.telemetry.trackers.wandb import WandbConfig, WandbSink
-from streamrl.training.trainer import HFTrainer, HFTrainerConfig
+from streamrl.training.hf import HFTrainerConfig, HFTrainerFactory
 from streamrl.transfer.dask import DaskTransfer, DaskTransferConfig
 from streamrl.transfer.cuda_ipc import CudaIpcConfig, CudaIpcTransfer
 from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
@@ -51,7 +51,7 @@ def register_engines():
 
 @hookimpl
 def register_trainers():
-    return [Component("trainer", "hf", HFTrainerConfig, HFTrainer),
+    return [Component("trainer", "hf", HFTrainerConfig, HFTrainerFactory),
             Component("trainer", "sim", SimTrainerConfig, SimTrainer)]
 
 

@@ -1,0 +1,95 @@
+"""The ``[engine]`` table of ``name = "hf"`` and what it fixes before any engine is built.
+
+Apart from the engine's code so that the ``streamrl`` process, which validates recipes and reads
+capabilities but never generates, does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class HFEngineConfig(BaseModel):
+    """The ``[engine]`` table of ``name = "hf"``: sampling, batching and the KV cache."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    max_new_tokens: int = Field(16, ge=1)
+    """Most tokens generated per response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. The trainer divides its logits by the same value, so the engine's
+    logprobs and the trainer's agree."""
+    max_batch_tokens: int = Field(1024, ge=16)
+    """Most tokens in one forward pass of the continuous-batching loop."""
+    num_blocks: int = Field(256, ge=1)
+    """KV-cache blocks (of ``page_size`` tokens each) reserved on the worker."""
+    page_size: int = Field(32, ge=1)
+    """Tokens per KV-cache block."""
+    batching: Literal["continuous", "static", "slots"] = "continuous"
+    """``continuous``: transformers' continuous batching, requests join the running batch at any
+    decode step (long or uneven outputs). ``static``: the requests waiting when a batch starts
+    are decoded together as one padded batch until all finish (``engines/static.py``); faster
+    when outputs are short and arrive together, as in W1. ``slots``: streamrl's own decode loop
+    over the model's modules with a static KV cache of ``slots`` request slots, each decode step
+    one captured CUDA graph on a GPU (``engines/slots.py``; Llama and Qwen2 models): the fast
+    path on a GPU, where the other two spend most of a step launching kernels."""
+    slots: int = Field(64, ge=1)
+    """``batching = "slots"``: requests decoding at once (each holds a slot of the KV cache from
+    its prefill to its last token; more wait in the engine's queue). Size it to the requests a
+    worker gets at once (prompts x samples per step, over the generate workers)."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """``batching = "slots"``: the longest prompt a slot takes; each slot holds
+    ``max_prompt_tokens + max_new_tokens`` positions, so together with ``slots`` this sizes the
+    KV cache. A longer prompt fails its request, naming this field."""
+    max_running: int = Field(0, ge=0)
+    """Most requests in the running batch at once; the rest wait in the engine's queue, highest
+    priority first. 0: no cap (every request goes straight into the batch)."""
+    profile: bool = True
+    """Measure the decode step latency at a few batch sizes when the engine starts (about a
+    second on CPU); a scheduler (``skew``) uses it to decide how many instances the long tail
+    gets. False: no profile, schedulers only balance predicted work."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Torch dtype the engine loads the model in. ``auto``: bfloat16 on a GPU, float32 on CPU
+    (where float32 keeps engine and trainer logprobs within 1e-5)."""
+    cuda_graph: bool = True
+    """On a GPU, let continuous batching replay CUDA graphs of its decode steps (measured ~1.9x
+    tokens/s on an H100 for a 0.5B model). Ignored on CPU."""
+    kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
+    """Size the KV cache as this share of the device's free memory instead of ``num_blocks``
+    (continuous batching; leave room for a train worker sharing the GPU)."""
+    reproducible: bool = False
+    """True: each group is decoded alone with a random generator seeded by ``seed`` and the
+    prompt, so a seed gives the same samples every run (and a resumed run the same samples as an
+    uninterrupted one); no continuous batching across groups, so slower under load."""
+    seed: int | None = None
+    """Seed of ``reproducible`` sampling (default: ``run.seed``)."""
+    request_timeout: float = Field(600.0, gt=0)
+    """Seconds a generate task waits for one response before it fails (naming the request)
+    instead of hanging the step on a stuck generation loop."""
+    stop_early_every: int = Field(0, ge=0)
+    """``batching = "slots"``: every this many tokens of a response, ask the reward's
+    ``stop_early(prompt, text so far)`` (``Reward.stop_early``) and end the response there when
+    it says the rest cannot change its score -- the tokens it would have spent go to other
+    requests. The reward is built on each generate worker for it. 0: never."""
+
+    @model_validator(mode="after")
+    def _stop_early_in_slots(self) -> "HFEngineConfig":
+        if self.stop_early_every and self.batching != "slots":
+            raise ValueError('stop_early_every needs batching = "slots" (the loop that sees each decode step)')
+        return self
+
+
+def kv_capacity_tokens(config: HFEngineConfig) -> int:
+    """Tokens the KV cache holds, fixed by ``config`` before the engine is built; 0 where it is
+    not fixed: it grows with each batch (static batching, seeded decoding), or
+    ``kv_memory_fraction`` sizes it from the device's free memory, known only once it is built.
+    Continuous batching holds ``num_blocks`` blocks of ``page_size`` tokens; slot batching
+    ``slots`` slots of ``max_prompt_tokens + max_new_tokens`` positions each."""
+    if config.reproducible:
+        return 0
+    if config.batching == "slots":
+        return config.slots * (config.max_prompt_tokens + config.max_new_tokens)
+    if config.batching == "continuous" and not config.kv_memory_fraction:
+        return config.num_blocks * config.page_size
+    return 0
