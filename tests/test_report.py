@@ -219,7 +219,7 @@ def test_the_runs_own_end_of_run_report_only_warns(tmp_path):
     warned = []
     files = _write_views(folder, None, True, warned.append)
     assert "report" not in files and files["run folder"] == folder.path
-    assert len(warned) == 1 and warned[0].startswith("writing the run's trace or report failed") \
+    assert len(warned) == 1 and warned[0].startswith("writing the run's report failed") \
         and str(folder.path) in warned[0]
 
 

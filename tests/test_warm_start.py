@@ -53,7 +53,8 @@ def test_a_bad_worker_start_is_one_line(tiny_recipe):
 def test_the_server_loads_the_libraries_and_the_model_architecture_only_for_a_recipe_with_a_model(tiny_recipe,
                                                                                                  tmp_path):
     modules = warm_start.preload(recipe_with(tiny_recipe))
-    assert {"torch", "transformers", "transformers.models.llama.modeling_llama"} <= set(modules)
+    assert {"torch", "transformers", "transformers.models.llama.modeling_llama", "streamrl.engines.continuous",
+            "streamrl.training.trainer"} <= set(modules)
     assert "transformers.models.llama.modeling_llama" not in warm_start.preload(
         recipe_with(tiny_recipe, f'model.path="{tmp_path}/none"'))
     # a simulated engine's workers never load torch: neither does the server for them

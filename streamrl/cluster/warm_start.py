@@ -35,9 +35,11 @@ from streamrl.recipe.recipe import Recipe
 WORKER_MODULES = ["streamrl.on_worker.task_functions"]
 
 #: What a worker of a recipe with a real model imports besides: the libraries (most of a worker's
-#: start), then the built-in engine and trainer (a plugin's own are imported after the fork).
+#: start), then the built-in engine's variants and trainer (a plugin's own are imported after the
+#: fork; the modules they are registered from import no torch, so they name the real classes).
 MODEL_MODULES = ["torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
-                 "streamrl.engines.hf", "streamrl.training.trainer"]
+                 "streamrl.engines.continuous", "streamrl.engines.static", "streamrl.engines.slots",
+                 "streamrl.engines.seeded", "streamrl.training.trainer"]
 
 #: Loaded last by the server: it ends the server without a slow interpreter teardown (see there).
 LAST_MODULE = "streamrl.cluster.warm_server"

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -112,19 +114,53 @@ def _who_was_lost(exc: ResidentLost, controller: Controller | None) -> str:
     return f"worker {', '.join(lost)} of the train pool was lost ({text.removeprefix('worker ')})"
 
 
-def _write_views(folder: RunFolder, trace: TraceRecorder | None, report: bool, warn) -> dict[str, Path]:
-    """After the run, however it ended: the trace and the report, written from what the run
-    recorded (a failure here is a warning: the run's own outcome matters more). Returns the
-    files there are, by label."""
-    files = {"run folder": folder.path}
+def _close_trace(trace: TraceRecorder | None, warn) -> Path | None:
+    """After the run, however it ended, while the cluster is still up: the trace's last tasks
+    are fetched from the scheduler and ``trace.json`` is written (a failure is a warning)."""
     try:
-        if trace is not None and (path := trace.close()) is not None:
-            files["trace (Perfetto)"] = path.name
+        return trace.close() if trace is not None else None
+    except Exception as exc:
+        warn(f"writing the run's trace failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _stop_cluster_meanwhile(cluster, client) -> Callable[[], None]:
+    """Start shutting the cluster down in a thread and return what waits for it to be done.
+
+    The workers' exits take about as long as the report takes to draw, and neither needs the
+    other, so they overlap; an error of the shutdown is raised by the wait, as it would be here."""
+    failed: list[BaseException] = []
+
+    def shut_down():
+        try:
+            lifecycle.stop(cluster, client)
+        except BaseException as exc:  # re-raised in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=shut_down, name="streamrl-cluster-stop", daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
+
+
+def _write_views(folder: RunFolder, trace_file: Path | None, report: bool, warn) -> dict[str, Path]:
+    """After the run, however it ended: the report, written from what the run recorded (a
+    failure here is a warning: the run's own outcome matters more). Returns the files there
+    are, by label, with the trace written before (:func:`_close_trace`)."""
+    files = {"run folder": folder.path}
+    if trace_file is not None:
+        files["trace (Perfetto)"] = trace_file.name
+    try:
         if report and folder.records:
             if (path := write_report([folder.path])) is not None:
                 files["report"] = path.relative_to(folder.path) if path.is_relative_to(folder.path) else path
     except Exception as exc:
-        warn(f"writing the run's trace or report failed: {type(exc).__name__}: {exc}")
+        warn(f"writing the run's report failed: {type(exc).__name__}: {exc}")
     if (folder.path / "dask-report.html").exists():
         files["dask report"] = "dask-report.html"
     return files
@@ -226,13 +262,17 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             watchdog.uninstall()
         warnings_log.detach()
         folder.close()
-        files = _write_views(folder, trace, r.run.report if report is None else report, warn)
+        trace_file = _close_trace(trace, warn)
+        stopped = (_stop_cluster_meanwhile(dask_cluster, client)
+                   if dask_cluster is not None or client is not None else lambda: None)
         try:
-            hooks.on_run_end(run_dir=folder.path, metrics=folder.records)
-        except Exception as exc:  # an observer's failure must not hide the run's outcome
-            warn(f"on_run_end failed: {type(exc).__name__}: {exc}")
-        if dask_cluster is not None or client is not None:
-            lifecycle.stop(dask_cluster, client)
+            files = _write_views(folder, trace_file, r.run.report if report is None else report, warn)
+            try:
+                hooks.on_run_end(run_dir=folder.path, metrics=folder.records)
+            except Exception as exc:  # an observer's failure must not hide the run's outcome
+                warn(f"on_run_end failed: {type(exc).__name__}: {exc}")
+        finally:
+            stopped()
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
         stop.uninstall()
         stop.stop_now_if_asked_twice()  # a second signal while it closed: the command says it was interrupted
