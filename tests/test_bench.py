@@ -247,3 +247,22 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert all(r["response_tokens_per_s"] > 0 for r in result["phases"]["engine-4"]["variants"])
     table = out.with_suffix(".md").read_text()
     assert "| trainer-8 | status, seconds | ok," in table and "8 x 32 bf16: tokens/s, MFU, peak GiB" in table
+
+
+def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_path):
+    # `--against` runs the other checkout's own virtualenv (DIR/.venv/bin/python); here one whose
+    # python is this one stands in for it
+    other = tmp_path / "other"
+    (other / ".venv" / "bin").mkdir(parents=True)
+    (other / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (other / ".venv" / "bin" / "python").chmod(0o755)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "worker_start.py"), "recipes/addition.toml",
+                           "--command", "validate", "--repeats", "1", "--model", str(tiny_model), "--against", str(other)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "recipe validate" in proc.stdout and "  this    pass 1:" in proc.stdout and "  against pass 1:" in proc.stdout
+    assert "this: " in proc.stdout and "x the CPU of against" in proc.stdout
+    missing = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "worker_start.py"), "recipes/addition.toml",
+                              "--against", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and missing.stderr.strip() == \
+        f"worker_start: --against {tmp_path / 'none'}: no virtualenv at {tmp_path / 'none' / '.venv'}"
