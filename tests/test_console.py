@@ -4,11 +4,12 @@ run folder, and Dask's performance report (spans by step and phase: tests/test_c
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 from rich.console import Console
 
-from streamrl.telemetry.console import RunDisplay, step_line, summary_table
+from streamrl.telemetry.console import RunDisplay, WarningsLog, step_line, summary_table
 from tests.helpers import read_records, streamrl, write_tiny_recipe
 
 
@@ -101,3 +102,23 @@ def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_rep
     for name in ["generate", "reward", "train", "optimizer-step", "export-weights", "load-weights"]:
         assert name in html, name
     assert [r["step"] for r in read_records(run_dir)] == [0, 1]
+
+
+def test_dasks_warnings_and_failed_broadcasts_go_to_the_run_folder_and_other_errors_to_the_terminal(tmp_path, caplog):
+    # a worker killed mid-run: the scheduler's "broadcast to <it> failed" (streamrl's own
+    # questions to every worker, errors ignored) and its "Removing worker" go to warnings.log;
+    # an error of another kind still reaches the terminal
+    log = WarningsLog(tmp_path / "warnings.log")
+    log.take_dask_warnings()
+    scheduler = logging.getLogger("distributed.scheduler")
+    try:
+        with caplog.at_level(logging.INFO, logger="distributed.scheduler"):
+            scheduler.error("broadcast to %s failed: %s: %s", "tcp://127.0.0.1:1", "CommClosedError", "reset")
+            scheduler.warning("Removing worker %r", "tcp://127.0.0.1:1")
+            scheduler.error("something else broke")
+    finally:
+        log.release_dask_warnings()
+    assert [r.getMessage() for r in caplog.records] == ["something else broke"]
+    kept = (tmp_path / "warnings.log").read_text()
+    assert "ERROR: broadcast to tcp://127.0.0.1:1 failed: CommClosedError: reset (dask)" in kept
+    assert "WARNING: Removing worker 'tcp://127.0.0.1:1'" in kept and log.count == 2

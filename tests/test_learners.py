@@ -129,11 +129,15 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
     final = json.loads((run_dir / "learners.json").read_text())
     # generation happened once: every step's samples are the stream's, trained by the main learner
     main = uid_crcs(records)
-    # the healthy side learner trained every step on exactly the stream's samples, each once
+    # the healthy side learner trained on exactly the stream's samples, each step once, in order;
+    # a step it was still two behind on (its queue of 2 full: a loaded machine) is skipped and
+    # counted (when_full = "skip"), never lost. The first two steps always find room.
     trained = [t for r in records for t in r["learners"]["rloo"]["trained"]] + final["rloo"]["trained"]
-    assert [t[0] for t in trained] == [0, 1, 2, 3]
+    steps = [t[0] for t in trained]
+    assert steps[:2] == [0, 1] and steps == sorted(set(steps)) and steps[-1] <= 3, steps
+    assert len(steps) + final["rloo"]["skipped_steps"] == 4, (steps, final["rloo"])
     assert all(samples == 16 and crc == main[step] for step, samples, crc in trained)
-    assert final["rloo"]["state"] == "training" and final["rloo"]["steps_trained"] == 4
+    assert final["rloo"]["state"] == "training" and final["rloo"]["steps_trained"] == len(steps)
     # the failing ones are marked failed, each in one line naming it; generation went on
     assert final["raises"]["state"] == "failed" and "RuntimeError: this learner's bug" in final["raises"]["failure"]
     assert final["dies"]["state"] == "failed", final["dies"]

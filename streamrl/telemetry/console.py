@@ -312,9 +312,14 @@ class WarningsLog:
 
     def take_dask_warnings(self) -> None:
         """Until :meth:`release_dask_warnings`, write the warnings of :data:`DASK_LOGGERS` here
-        instead of the terminal (errors still go there); ``--verbose`` runs do not call it."""
+        instead of the terminal (errors still go there, but for the scheduler's failed
+        broadcasts); ``--verbose`` runs do not call it."""
         def tap(record: logging.LogRecord) -> bool:
-            if record.levelno >= logging.ERROR:
+            # The scheduler logs "broadcast to <worker> failed" as an error when a worker dies
+            # between its loss and the scheduler noticing it, and streamrl asks every worker
+            # something then (busy clocks, an elastic pool's probe) with errors ignored: the
+            # loss is told by the lines that follow, the error itself is noise on the terminal.
+            if record.levelno >= logging.ERROR and not str(record.msg).startswith("broadcast to"):
                 return True
             self.write(record.name, record.levelname, record.getMessage(), "dask")
             return False
