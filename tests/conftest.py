@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import sets, watch_listeners, write_tiny_recipe
+from tests.helpers import hand_started_cluster, sets, watch_listeners, write_tiny_recipe
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -42,6 +42,18 @@ def scheduler_only():
     yield client
     client.close()
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory):
+    """One cluster started by hand (``dask scheduler`` and a worker per pool of ``TINY_RECIPE``)
+    that tests run small recipes on, with ``*shared_cluster.sets``, one run at a time (one per
+    pytest-xdist process). It saves each such run the start and stop of a cluster of its own,
+    most of a small run's CPU. A run leaves nothing of itself on a cluster it did not start
+    (tests/test_cluster_cli.py checks that), so runs on it do not see each other. Not for a test
+    that kills a worker, needs other pools, or is about the embedded cluster's start and stop."""
+    with hand_started_cluster(tmp_path_factory.mktemp("shared-cluster")) as cluster:
+        yield cluster
 
 
 # -- runs that several test modules read ------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,6 +231,85 @@ def kill_worker(run_dir: Path, *names: str) -> None:
         pids = client.run(os.getpid, workers=addrs)
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
+
+
+# -- a cluster started by hand -------------------------------------------------------------------------
+DASK = str(Path(sys.executable).with_name("dask"))
+#: The pools' threads in ``TINY_RECIPE``: each worker offers as many slots.
+POOLS = {"generate": 4, "train": 1, "reward": 1}
+
+
+@dataclass
+class HandCluster:
+    """A cluster started with Dask's own command line: its scheduler's address, the folder of its
+    logs, its processes (each the leader of its own process group)."""
+
+    address: str
+    folder: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def sets(self) -> list[str]:
+        """The ``--set`` value that runs a recipe on it."""
+        return [f"cluster.address={self.address}"]
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    """A ``dask`` command in its own process group (the worker's nanny and the worker process
+    it spawns are both in it: teardown kills the group). The malloc setting is the one README
+    asks for on a hand-started worker."""
+    from streamrl.cluster import lifecycle
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": lifecycle.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
+    with open(log, "w") as out:
+        return subprocess.Popen([DASK, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=ROOT)
+
+
+def start_scheduler(folder: Path) -> tuple[subprocess.Popen, str]:
+    """``dask scheduler`` on a free loopback port; returns it and its address (from the
+    scheduler file, which the scheduler writes once it listens)."""
+    file = folder / "scheduler.json"
+    proc = spawn(["scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+                  "--scheduler-file", str(file)], folder / "scheduler.log")
+    deadline = time.time() + 60
+    while True:
+        try:
+            return proc, json.loads(file.read_text())["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            assert proc.poll() is None and time.time() < deadline, (folder / "scheduler.log").read_text()[-3000:]
+            time.sleep(0.1)
+
+
+def kill_all(procs: dict[str, subprocess.Popen]) -> None:
+    """``kill -9`` each process's group, and wait for it."""
+    for proc in procs.values():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def hand_started_cluster(folder: Path):
+    """``dask scheduler`` and one ``dask worker`` per pool of ``TINY_RECIPE`` (``--name
+    POOL-0 --nthreads N --resources POOL=N``), as docs/deploy.md tells users, all on loopback;
+    the ``HandCluster`` once every worker is up; killed on exit."""
+    from distributed import Client
+
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["scheduler"], address = start_scheduler(folder)
+        for pool, threads in POOLS.items():
+            procs[f"{pool}-0"] = spawn(["worker", address, "--host", "127.0.0.1", "--no-dashboard",
+                                        "--name", f"{pool}-0", "--nthreads", str(threads),
+                                        "--resources", f"{pool}={threads}"], folder / f"{pool}-0.log")
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(len(POOLS), timeout=180)
+        yield HandCluster(address, folder, procs)
+    finally:
+        kill_all(procs)
 
 
 # -- what a run listens on ----------------------------------------------------------------------------

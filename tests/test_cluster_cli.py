@@ -15,12 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from distributed import Client
@@ -28,76 +22,18 @@ from distributed import Client
 from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
 from streamrl.recipe.recipe import load_recipe
-from tests.helpers import (ROOT, check_every_sample_trained_once, kill_worker, one_line_error, read_records,
-                           start_run, streamrl, wait_for_steps)
+from tests.helpers import (check_every_sample_trained_once, hand_started_cluster, kill_all, kill_worker, one_line_error,
+                           read_records, start_run, start_scheduler, streamrl, wait_for_steps)
 
 pytestmark = pytest.mark.slow
-
-DASK = str(Path(sys.executable).with_name("dask"))
-#: The pools' threads in tests/conftest.py's TINY_RECIPE: each worker offers as many slots.
-POOLS = {"generate": 4, "train": 1, "reward": 1}
-
-
-@dataclass
-class HandCluster:
-    address: str
-    folder: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-
-
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
-    """A ``dask`` command in its own process group (the worker's nanny and the worker process
-    it spawns are both in it: teardown kills the group). The malloc setting is the one README
-    asks for on a hand-started worker."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": lifecycle.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
-    with open(log, "w") as out:
-        return subprocess.Popen([DASK, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=ROOT)
-
-
-def start_scheduler(folder: Path) -> tuple[subprocess.Popen, str]:
-    """``dask scheduler`` on a free loopback port; returns it and its address (from the
-    scheduler file, which the scheduler writes once it listens)."""
-    file = folder / "scheduler.json"
-    proc = spawn(["scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
-                  "--scheduler-file", str(file)], folder / "scheduler.log")
-    deadline = time.time() + 60
-    while True:
-        try:
-            return proc, json.loads(file.read_text())["address"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            assert proc.poll() is None and time.time() < deadline, (folder / "scheduler.log").read_text()[-3000:]
-            time.sleep(0.1)
-
-
-def kill_all(procs: dict[str, subprocess.Popen]) -> None:
-    for proc in procs.values():
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
-
 
 @pytest.fixture(scope="module")
 def hand_cluster(tmp_path_factory):
     """``dask scheduler`` and one ``dask worker`` per pool, exactly as docs/deploy.md says
-    (a worker's ``worker:<name>`` resource is streamrl's to add, so it is left out here)."""
-    folder = tmp_path_factory.mktemp("hand-cluster")
-    hc = None
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        procs["scheduler"], address = start_scheduler(folder)
-        hc = HandCluster(address, folder, procs)
-        for pool, threads in POOLS.items():
-            procs[f"{pool}-0"] = spawn(["worker", address, "--host", "127.0.0.1", "--no-dashboard",
-                                        "--name", f"{pool}-0", "--nthreads", str(threads),
-                                        "--resources", f"{pool}={threads}"], folder / f"{pool}-0.log")
-        with Client(address, timeout=30) as client:
-            client.wait_for_workers(len(POOLS), timeout=180)
+    (a worker's ``worker:<name>`` resource is streamrl's to add, so it is left out here). Its own,
+    not the session's shared one: a test here kills one of its workers."""
+    with hand_started_cluster(tmp_path_factory.mktemp("hand-cluster")) as hc:
         yield hc
-    finally:
-        kill_all(procs)
 
 
 def worker_pids(address: str) -> dict[str, int]:

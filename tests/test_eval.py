@@ -38,10 +38,11 @@ def test_a_task_without_held_out_prompts_cannot_be_evaluated(tiny_recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "batch"])
-def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_the_last(tiny_recipe, tmp_path, mode):
+def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_the_last(tiny_recipe, tmp_path, mode,
+                                                                                       shared_cluster):
     # every step: evaluations overlap (the same held-out prompts in flight twice at once)
     records = run_recipe(tiny_recipe, f"run.mode={mode}", "run.steps=5", "eval.every=1", "eval.samples=2",
-                         "eval.greedy=false", "task.eval_size=6", out=tmp_path / "out").records
+                         "eval.greedy=false", "task.eval_size=6", *shared_cluster.sets, out=tmp_path / "out").records
     versions = [e["eval/policy_version"] for r in records
                 for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
     assert versions == [0, 1, 2, 3, 4, 5]  # every evaluation recorded once, in order
@@ -52,12 +53,12 @@ def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_th
 
 
 @pytest.fixture(scope="module")
-def greedy_run(tiny_model, tmp_path_factory):
+def greedy_run(tiny_model, tmp_path_factory, shared_cluster):
     """An async run of 3 steps with a greedy evaluation every step (the default engine), on 4
     held-out prompts: its records, and its folder as a finished run to score."""
     folder = tmp_path_factory.mktemp("eval")
     return run_recipe(write_tiny_recipe(folder, tiny_model), "run.mode=async", "run.steps=3", "eval.every=1",
-                      "task.eval_size=4", out=folder / "out")
+                      "task.eval_size=4", *shared_cluster.sets, out=folder / "out")
 
 
 @pytest.mark.slow
