@@ -23,7 +23,7 @@ from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.cli import main
 from streamrl.errors import NonFiniteStep
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
-from tests.helpers import make_groups, read_records, streamrl, with_plugin
+from tests.helpers import make_groups, read_records, sets, streamrl, with_plugin
 
 
 class NaNAfter(GRPO):
@@ -203,10 +203,11 @@ def error_lines(proc) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_plugin_algorithm_returning_nan_stops_the_run_in_one_line_and_nothing_of_it_is_kept(tiny_recipe, tmp_path):
+def test_a_plugin_algorithm_returning_nan_stops_the_run_in_one_line_and_nothing_of_it_is_kept(tiny_recipe, tmp_path,
+                                                                                              shared_cluster):
     recipe = with_algorithm_or_reward(tiny_recipe, "nan_later", NAN_ALGORITHM, "algorithm")
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--set", "run.checkpoint_every=1",
-                    "--set", "run.mode=batch", "--plain", "--no-report")
+                    "--set", "run.mode=batch", *sets(*shared_cluster.sets), "--plain", "--no-report")
     assert proc.returncode == 1, proc.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
     assert error_lines(proc) == [
@@ -221,9 +222,11 @@ def test_a_plugin_algorithm_returning_nan_stops_the_run_in_one_line_and_nothing_
 
 
 @pytest.mark.slow
-def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its_error(tiny_recipe, tmp_path):
+def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its_error(tiny_recipe, tmp_path,
+                                                                                       shared_cluster):
     recipe = with_algorithm_or_reward(tiny_recipe, "broken", BROKEN_REWARD, "reward")
-    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--plain", "--no-report")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", *sets(*shared_cluster.sets), "--plain",
+                    "--no-report")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert error_lines(proc) == [
         "streamrl: error: step 1: the reward failed for all 16 samples (the first: KeyError: 'answer'), so the "
@@ -235,9 +238,10 @@ def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its
 
 
 @pytest.mark.slow
-def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_recipe, tmp_path):
+def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_recipe, tmp_path, shared_cluster):
     recipe = with_algorithm_or_reward(tiny_recipe, "constant", CONSTANT_REWARD, "reward")
-    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=2", "--plain", "--no-report")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=2", *sets(*shared_cluster.sets), "--plain",
+                    "--no-report")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [line for line in proc.stderr.splitlines() if "all samples got the same reward" in line]
     assert len(warned) == 1 and warned[0].startswith("no learning signal at step 1: in every prompt's group"), \
@@ -247,10 +251,11 @@ def test_a_run_whose_every_group_got_equal_rewards_is_warned_about_once(tiny_rec
 
 
 @pytest.mark.slow
-def test_a_learning_rate_far_too_high_stops_the_run_at_its_first_update_and_nothing_of_it_is_kept(tiny_recipe, tmp_path):
+def test_a_learning_rate_far_too_high_stops_the_run_at_its_first_update_and_nothing_of_it_is_kept(tiny_recipe, tmp_path,
+                                                                                                   shared_cluster):
     recipe = with_algorithm_or_reward(tiny_recipe, "parity", PARITY_REWARD, "reward")
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--set", "run.checkpoint_every=1",
-                    "--set", "trainer.lr=1e9", "--plain", "--no-report")
+                    "--set", "trainer.lr=1e9", *sets(*shared_cluster.sets), "--plain", "--no-report")
     assert proc.returncode == 1, proc.stderr[-3000:]
     # the update is finite, but it moves the weights' norm by orders of magnitude (trainer.max_weight_change)
     (line,) = error_lines(proc)

@@ -15,7 +15,7 @@ import pytest
 from streamrl.errors import UserError
 from streamrl.telemetry import timeline as tl
 from streamrl.telemetry.report import write_report
-from tests.helpers import ROOT, streamrl, write_tiny_recipe
+from tests.helpers import ROOT, sets, streamrl, write_tiny_recipe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -243,11 +243,12 @@ def test_importing_streamrl_and_the_runner_does_not_import_matplotlib():
 # -- real runs, through the CLI ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory, tiny_model) -> Path:
+def real_run(tmp_path_factory, tiny_model, shared_cluster) -> Path:
     """A tiny recipe run in stream mode, with its end-of-run report (the default)."""
     folder = tmp_path_factory.mktemp("report-run")
     recipe = write_tiny_recipe(folder, tiny_model)
-    proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=stream", "--set", "run.steps=3")
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=stream", "--set", "run.steps=3",
+                    *sets(*shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "streamrl: warning: report" not in proc.stderr, proc.stderr[-3000:]
     (run,) = (folder / "runs").iterdir()

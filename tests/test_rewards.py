@@ -393,7 +393,7 @@ def test_math_scores_in_a_dask_worker_thread():
 
 
 @pytest.mark.slow
-def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny_model):
+def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny_model, shared_cluster):
     shutil.copy(DATA / "python_rewards.py", tmp_path / "rewards.py")
     text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
         '[reward]\nname = "exact_match"\n',
@@ -402,7 +402,7 @@ def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny
         '[[reward.functions]]\nfunction = "answer_in"\nweight = 0.5\n'
         '[[reward.functions]]\nfunction = "shorter"\nweight = 0.1\nname = "brevity"\n')
     (tmp_path / "recipe.toml").write_text(text)
-    records = run_recipe(tmp_path / "recipe.toml", timeout=300).records
+    records = run_recipe(tmp_path / "recipe.toml", *shared_cluster.sets, timeout=300).records
     assert len(records) == 2
     for r in records:
         assert r["reward_errors"] == 0
@@ -419,7 +419,7 @@ def test_a_recipe_with_python_rewards_runs_and_logs_each_function(tmp_path, tiny
 
 @pytest.mark.slow
 @needs_math_verify
-def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path):
+def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path, shared_cluster):
     # verl's layout (chat prompts, reward_model.ground_truth) through the dataset task, checked by
     # math-verify on the reward workers of a real run
     text = TINY_RECIPE.format(out=tmp_path / "runs", model=ROOT / "models" / "tiny-word-problems")
@@ -428,7 +428,7 @@ def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path):
     text = text.replace('[reward]\nname = "exact_match"\n', '[reward]\nname = "math"\n')
     text = text.replace("max_new_tokens = 6", "max_new_tokens = 16")
     (tmp_path / "recipe.toml").write_text(text)
-    records = run_recipe(tmp_path / "recipe.toml", timeout=300).records
+    records = run_recipe(tmp_path / "recipe.toml", *shared_cluster.sets, timeout=300).records
     assert [r["reward_errors"] for r in records] == [0, 0]
     assert all(r["reward/timeout/mean"] == 0.0 for r in records)
     # the warm-started model boxes its answers: math-verify reads them

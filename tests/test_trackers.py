@@ -18,7 +18,7 @@ import pytest
 from streamrl.errors import UserError
 from streamrl.telemetry.names import DROPPED, NAMES, tracker_metrics
 from streamrl.telemetry.record import StepRecord
-from tests.helpers import ROOT, read_records, streamrl, write_tiny_recipe
+from tests.helpers import ROOT, read_records, sets, streamrl, write_tiny_recipe
 
 TRACKERS = """
 [[metrics]]
@@ -52,12 +52,13 @@ def offline_env(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_model):
+def run(tmp_path_factory, tiny_model, shared_cluster):
     """One 3-step run with all four trackers (and an evaluation at the start and the end)."""
     folder = tmp_path_factory.mktemp("trackers")
     recipe = write_tiny_recipe(folder, tiny_model, name="recipe.toml", more=TRACKERS)
     env = offline_env(folder)
-    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", "--plain", env=env, timeout=600)
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", *sets(*shared_cluster.sets), "--plain", env=env,
+                    timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (folder / "runs").iterdir()
     records = read_records(run_dir)
