@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import (ROOT, check_every_sample_trained_once, check_pool_accounting, read_records,
+from tests.helpers import (ROOT, check_every_sample_trained_once, check_pool_accounting, read_records, sets,
                            streamrl)
 
 
@@ -101,9 +101,9 @@ def test_plugins_list_shows_builtins():
 
 
 @pytest.mark.slow
-def test_async_mode_keeps_staleness_within_the_bound(tiny_recipe, tmp_path):
+def test_async_mode_keeps_staleness_within_the_bound(tiny_recipe, tmp_path, shared_cluster):
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.mode=async", "--set", "run.max_staleness=1",
-                    "--set", "run.steps=5")
+                    "--set", "run.steps=5", *sets(*shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     recs = read_records(run_dir)

@@ -48,19 +48,19 @@ def recipe(folder, tiny_model, task: str, reward: str) -> str:
 
 @pytest.mark.slow
 def test_a_verl_parquet_with_a_compute_score_file_runs_and_resumes_mid_epoch_without_repeating_a_row(
-        tmp_path, tiny_model):
+        tmp_path, tiny_model, shared_cluster):
     write_verl(tmp_path, 24)
     (tmp_path / "reward.py").write_text(VERL_REWARD)
     file = recipe(tmp_path, tiny_model, '[task]\nname = "dataset"\npath = "train.parquet"\n',
                   '[reward]\nname = "python"\npath = "reward.py"\n')
-    whole = run_recipe(file, "run.steps=8").records
+    whole = run_recipe(file, "run.steps=8", *shared_cluster.sets).records
     assert all(r["reward_errors"] == 0 and r["reward/arith/mean"] == 1.0 for r in whole)
     rows = [round(r["reward/row/mean"] * 4) for r in whole]  # 4 prompts a step: the sum of their rows
     assert sum(rows[:6]) == sum(range(24))  # steps 0-5 are one epoch: every row once
     # stopped after step 4 (mid-epoch, its last checkpoint), then resumed to 8: the same rows
-    run_recipe(file, "run.steps=4", "run.mode=batch")
+    run_recipe(file, "run.steps=4", "run.mode=batch", *shared_cluster.sets)
     (first,) = [p for p in (tmp_path / "runs").iterdir() if (p / "metrics.jsonl").read_text().count("\n") == 4]
-    resumed = run_recipe(first, "run.steps=8", command="resume").records
+    resumed = run_recipe(first, "run.steps=8", *shared_cluster.sets, command="resume").records
     assert [round(r["reward/row/mean"] * 4) for r in resumed] == rows
 
 

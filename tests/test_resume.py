@@ -173,12 +173,13 @@ def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_
 
 
 @pytest.mark.slow
-def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path):
+def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path, shared_cluster):
     # the learned ranker (and the lengths the skew scheduler has seen) are in every checkpoint:
     # after a resume the ranker is the one the uninterrupted run has, weights and all
     recipe, _ = straight
     ranked = [*SAME, "run.steps=8", "run.checkpoint_every=2", 'ranker.name="learned"', 'scheduler.name="skew"']
-    proc = streamrl("recipe", "run", str(recipe), *sets(*ranked, f"run.out_dir={tmp_path / 'straight'}"))
+    proc = streamrl("recipe", "run", str(recipe), *sets(*ranked, f"run.out_dir={tmp_path / 'straight'}",
+                                                        *shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     oracle = only_run(tmp_path / "straight")
     run = start_and_wait(recipe, ranked, tmp_path / "stopped", steps_done=3)
@@ -221,11 +222,12 @@ def register_rankers():
 
 
 @pytest.mark.slow
-def test_a_ranker_whose_state_cannot_be_saved_is_warned_about_and_the_checkpoint_still_written(tiny_model, tmp_path):
+def test_a_ranker_whose_state_cannot_be_saved_is_warned_about_and_the_checkpoint_still_written(tiny_model, tmp_path,
+                                                                                               shared_cluster):
     (tmp_path / "stubborn.py").write_text(BROKEN_RANKER)
     recipe = write_tiny_recipe(tmp_path, tiny_model,
                                more='\n[ranker]\nname = "stubborn"\n\n[plugins]\nmodules = ["./stubborn.py"]\n')
-    proc = streamrl("recipe", "run", str(recipe), *sets("run.steps=4", "run.checkpoint_every=2"))
+    proc = streamrl("recipe", "run", str(recipe), *sets("run.steps=4", "run.checkpoint_every=2", *shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ranker: its state could not be saved (RuntimeError: nothing to give)" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from streamrl.checkpoints import folders
-from tests.helpers import listeners_of, newest_usable, rewrite_manifest, streamrl, write_tiny_recipe
+from tests.helpers import listeners_of, newest_usable, rewrite_manifest, sets, streamrl, write_tiny_recipe
 
 
 # -- listeners ----------------------------------------------------------------------------------
@@ -104,14 +104,14 @@ def craft(path: Path, marker: Path, torch_format: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranked_run(tiny_model, tmp_path_factory) -> Path:
+def ranked_run(tiny_model, tmp_path_factory, shared_cluster) -> Path:
     """A finished run with checkpoints step-000002 and step-000004, each with ``ranker.pt`` (never
     modified: copy it)."""
     folder = tmp_path_factory.mktemp("security")
     recipe = write_tiny_recipe(folder, tiny_model)
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.mode=batch", "--set", "run.steps=4",
                     "--set", "run.checkpoint_every=2", "--set", 'ranker.name="learned"',
-                    "--set", 'scheduler.name="skew"', "--plain", "--no-report")
+                    "--set", 'scheduler.name="skew"', *sets(*shared_cluster.sets), "--plain", "--no-report")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = (folder / "runs").iterdir()
     for step in ("step-000002", "step-000004"):
@@ -158,12 +158,13 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_never_runs(run_copy, tm
 
 
 @pytest.mark.slow
-def test_a_resume_passes_over_a_crafted_trainer_pt_in_one_line_and_finishes(run_copy, tmp_path):
+def test_a_resume_passes_over_a_crafted_trainer_pt_in_one_line_and_finishes(run_copy, tmp_path, shared_cluster):
     marker = tmp_path / "crafted-pickle-ran"
     ckpt = run_copy / "checkpoints" / "step-000004"
     craft(ckpt / "trainer" / "trainer.pt", marker, torch_format=True)
     rewrite_manifest(ckpt)
-    proc = streamrl("recipe", "resume", str(run_copy), "--set", "run.steps=5", "--plain", "--no-report")
+    proc = streamrl("recipe", "resume", str(run_copy), *sets("run.steps=5", *shared_cluster.sets), "--plain",
+                    "--no-report")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not marker.exists()
     assert "Traceback" not in proc.stderr
