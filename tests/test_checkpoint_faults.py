@@ -282,17 +282,19 @@ def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room
 
 # -- a poisoned update ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_ruinous_update_is_never_checkpointed_and_a_resume_can_pick_an_earlier_checkpoint(tmp_path):
+def test_a_ruinous_update_is_never_checkpointed_and_a_resume_can_pick_an_earlier_checkpoint(tmp_path, shared_cluster):
     # The shipped PPO recipe stopped at step 10, resumed with trainer.lr = 1e9 and a checkpoint
     # after every step: step 11's update is finite but ruins the policy (before, its checkpoint
     # was written, step 12's gradient was NaN, and every resume from step-000011 failed the same
     # way). It stops at step 11 itself, nothing of it checkpointed, naming the checkpoint to go
-    # on from and an earlier one
-    first = streamrl("recipe", "run", "recipes/ppo.toml", *sets("run.steps=10", "run.checkpoint_every=5",
-                                                                 f'run.out_dir="{tmp_path}"'), "--plain", "--no-report")
+    # on from and an earlier one. (On the shared cluster: the checks are the controller's.)
+    on = shared_cluster.sets
+    first = streamrl("recipe", "run", "recipes/ppo.toml",
+                     *sets("run.steps=10", "run.checkpoint_every=5", f'run.out_dir="{tmp_path}"', *on), "--plain",
+                     "--no-report")
     assert first.returncode == 0, first.stderr[-3000:]
     (run,) = tmp_path.iterdir()
-    bad = streamrl("recipe", "resume", str(run), *sets("run.steps=20", "trainer.lr=1e9", "run.checkpoint_every=1"),
+    bad = streamrl("recipe", "resume", str(run), *sets("run.steps=20", "trainer.lr=1e9", "run.checkpoint_every=1", *on),
                    "--plain", "--no-report")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
     last = stderr_lines(bad)[-1]
@@ -301,12 +303,14 @@ def test_a_ruinous_update_is_never_checkpointed_and_a_resume_can_pick_an_earlier
     assert f"resume from an earlier one, step-000005 (streamrl recipe resume {run} --from step-000005)" in last
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000005", "step-000010"]
     # a sane learning rate goes on from the last checkpoint
-    good = streamrl("recipe", "resume", str(run), *sets("run.steps=12", "trainer.lr=5e-4", "run.checkpoint_every=1"),
+    good = streamrl("recipe", "resume", str(run),
+                    *sets("run.steps=12", "trainer.lr=5e-4", "run.checkpoint_every=1", *on),
                     "--plain", "--no-report")
     assert good.returncode == 0, good.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000011", "step-000012"]
     # --from picks an older checkpoint; the newer one is set aside, the steps after it run again
-    again = streamrl("recipe", "resume", str(run), "--from", "step-11", *sets("run.steps=13"), "--plain", "--no-report")
+    again = streamrl("recipe", "resume", str(run), "--from", "step-11", *sets("run.steps=13", *on), "--plain",
+                     "--no-report")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from step-000011" in again.stderr
     assert ("streamrl: warning: checkpoints/step-000012 is kept as passed-over-step-000012 (the resumed run writes "

@@ -57,8 +57,8 @@ def run(tmp_path_factory, tiny_model, shared_cluster):
     folder = tmp_path_factory.mktemp("trackers")
     recipe = write_tiny_recipe(folder, tiny_model, name="recipe.toml", more=TRACKERS)
     env = offline_env(folder)
-    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", *sets(*shared_cluster.sets), "--plain", env=env,
-                    timeout=600)
+    proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=3", *sets(*shared_cluster.sets), "--plain",
+                    env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (folder / "runs").iterdir()
     records = read_records(run_dir)
