@@ -244,7 +244,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_older_checkpo
 
 
 @pytest.mark.slow
-def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room_finishes_real_tmpfs(tiny_recipe, tmp_path):
+def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room_finishes_real_tmpfs(tiny_recipe, tmp_path,
+                                                                                                     shared_cluster):
     import subprocess
 
     disk = tmp_path / "disk"
@@ -256,7 +257,8 @@ def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room
         pytest.skip(f"this machine cannot mount a small tmpfs here: {mounted.stderr.strip()}")
     try:
         proc = streamrl("recipe", "run", str(tiny_recipe), *sets(f"run.out_dir={disk}", "run.steps=8",
-                                                                 "run.checkpoint_every=2"), "--plain", "--no-report")
+                                                                 "run.checkpoint_every=2", *shared_cluster.sets),
+                        "--plain", "--no-report")
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
         (run,) = disk.iterdir()
@@ -272,7 +274,7 @@ def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room
         assert folders.verify(run / "checkpoints" / "step-000004") is None
         # room again: the resume finishes the run from step-000004
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
-        proc = streamrl("recipe", "resume", str(run), "--plain", "--no-report")
+        proc = streamrl("recipe", "resume", str(run), *sets(*shared_cluster.sets), "--plain", "--no-report")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "resumed from step-000004" in proc.stderr
         assert [r["step"] for r in read_records(run)] == list(range(8))
