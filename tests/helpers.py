@@ -174,6 +174,21 @@ def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float
         time.sleep(0.05)
 
 
+def finish_order(engine) -> list[str]:
+    """The request ids ``engine``'s queue hands responses back for, in the order it does (a list
+    that grows as they end). The order in which the asking threads wake up and stamp their
+    samples' ``gen_end`` is the OS's, on a loaded machine not the engine's."""
+    order: list[str] = []
+    finish = engine._queue.finish
+
+    def recorded(rid, response):
+        order.append(rid)
+        finish(rid, response)
+
+    engine._queue.finish = recorded
+    return order
+
+
 def until(cond, within: float = 30.0, every: float = 0.01):
     """Wait for ``cond()`` to be true and return it; the deadline only guards against a hang."""
     deadline = time.time() + within

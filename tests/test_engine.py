@@ -14,7 +14,7 @@ from streamrl.engines.seeded import SeededEngine
 from streamrl.engines.slots import SlotEngine
 from streamrl.engines.static import StaticEngine
 from streamrl.sample import Prompt
-from tests.helpers import until
+from tests.helpers import finish_order, until
 
 
 @pytest.mark.parametrize("config,variant,kv_tokens", [
@@ -99,11 +99,10 @@ def test_closing_the_engine_fails_the_requests_still_waiting(tiny_model, monkeyp
 def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
     engine = HFEngine(HFEngineConfig(max_new_tokens=3, max_running=1))
     engine.load(str(tiny_model))
-    done: dict[str, float] = {}
+    order = finish_order(engine)
 
     def ask(uid, priority):
-        group = engine.generate(Prompt(uid=uid, text="1+2=", answer="3"), 1, priority=priority)
-        done[uid] = group[0].times["gen_end"]
+        engine.generate(Prompt(uid=uid, text="1+2=", answer="3"), 1, priority=priority)
 
     threads = []
     try:
@@ -115,7 +114,7 @@ def test_hf_engine_admits_by_priority_under_max_running(tiny_model):
             assert engine.requests_in_flight() == (1, 3)  # the cap holds the rest back
         for t in threads:
             t.join(timeout=30)
-        assert sorted(done, key=done.get) == ["first", "high", "mid", "low"]
+        assert order == ["first-0", "high-0", "mid-0", "low-0"]
     finally:
         engine.close()
 
