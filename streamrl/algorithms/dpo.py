@@ -1,42 +1,12 @@
-"""DPO (Rafailov et al., 2023, "Direct Preference Optimization"): learn from a preferred and a
-dispreferred response to the same prompt, against a frozen reference policy, with no reward
-model and no policy-gradient estimator.
+"""DPO (Rafailov et al., 2023): learn from each group's best and worst sample as a preference
+pair, against the frozen initial policy, with no reward model and no policy-gradient estimator.
 
-Each group of samples of one prompt gives at most one pair: its highest-reward sample is the
-*chosen* one (advantage +1), its lowest-reward sample the *rejected* one (advantage -1), every
-other sample gets 0 (first one on ties, both ways); a group whose rewards are all equal gives no
-pair and nothing is learned. With ``logp`` the policy's and ``logp_ref`` the reference's (the
-frozen initial policy's) summed log-probabilities of a response:
-
-    z_i = sum_t (logp_t - logp_ref_t) * mask_t                  # sequence log-ratio of sample i
-    d   = beta * (z_chosen - z_rejected)
-    L   = -(1 - ls) * logsigmoid(d) - ls * logsigmoid(-d)       # ls: label smoothing (cDPO)
-    L  += -nll * sum_t(logp_chosen_t * mask_t) / sum_t(mask_t)  # nll: optional (RPO)
-
-``beta * z`` is DPO's implicit reward; ``d`` the reward margin of the pair. ``nll > 0`` adds
-the chosen response's mean token negative log-likelihood, ``- nll * mean_t logp_chosen_t`` (RPO:
-Pang et al., 2024, "Iterative Reasoning Preference Optimization"): plain DPO can lower the
-likelihood of the chosen response too, as long as the rejected one falls faster, and greedy
-decoding then drifts to responses neither side ever showed. ``ls > 0`` is
-conservative DPO (Mitchell, 2023): each preference label is taken as flipped with probability
-``ls``, so the loss no longer pushes the margin up without bound.
-
-The trainer gives the loss whole groups, laid out group by group in group order, and leaves
-samples with advantage 0 out of the forward/backward (``zero_advantage_no_gradient``), keeping
-their order. Each group holds exactly one chosen and one rejected sample, in whatever order
-inside the group, so the k-th sample with advantage > 0 of a micro-batch and its k-th sample with
-advantage < 0 are the two sides of the same pair. The pair's loss ``L`` sits on the chosen
-sample's position of ``per_sample``, 0 on the rejected one's; the trainer sums ``per_sample``
-and scales by 1 / samples in the batch (every sample of every group counted, the ones left out
-too), so a batch's loss is the mean of ``L`` over its pairs divided by the samples per prompt --
-fold that into ``trainer.lr``.
-
-DPO is off-policy by construction: the loss reads the policy's and the reference's
-log-probabilities only, never those of the policy that generated the samples (``old`` is unused).
-Samples from another policy, stale samples (``async`` mode) and several ``epochs`` over a batch
-need no correction.
-
-torch is imported in :meth:`DPO.loss` only, like ``clipped.py``.
+Chosen +1, rejected -1, every other sample 0; the loss is ``-logsigmoid(beta * (z_chosen -
+z_rejected))`` with ``z`` a response's summed log-ratio to the reference, plus optional label
+smoothing (cDPO) and the chosen response's NLL (RPO). The trainer leaves advantage-0 samples out
+and keeps the order, so the k-th positive and k-th negative sample of a micro-batch are one pair.
+Off-policy by construction (``old`` is unused). docs/architecture.md ("Components") has the
+whole loss and why each term. torch is imported in :meth:`DPO.loss` only, like ``clipped.py``.
 """
 
 from __future__ import annotations

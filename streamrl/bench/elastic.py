@@ -48,9 +48,9 @@ def exactly_once(records: list[dict], prompts: int, samples_per_prompt: int) -> 
 
 def pool_figures(records: list[dict]) -> dict:
     """The generate pool's size over the steps, samples per generate-worker-second, and response
-    tokens per second: runs of one recipe learn apart (measured on W2: mean response lengths of
-    40-50 tokens between runs of the same 16 steps), and a run whose answers got shorter has
-    more samples/s for the same generation speed."""
+    tokens per second: runs of one recipe learn apart (their mean response lengths differ from
+    run to run), and a run whose answers got shorter has more samples/s for the same generation
+    speed."""
     sizes = [r["generate_workers"] for r in records]
     worker_s = sum(r["generate_workers"] * r["accounting_window_s"] for r in records)
     window = sum(r["accounting_window_s"] for r in records)

@@ -1,41 +1,13 @@
-"""Checkpoints of a run: the trainer's state and the controller's, together, at a step boundary.
+"""Checkpoint folders of a run: the trainer's state and the controller's, together, at a step boundary.
 
 ``<run folder>/checkpoints/step-000040/`` holds ``trainer/`` (written by the trainer on its
-worker: weights, optimizer, schedules, RNG states) and ``controller.json`` (the next step to run,
-the policy version, how many metrics records belong to the run so far). A checkpoint is built in
-a ``.tmp-`` folder and renamed only once both parts are there, so a crash mid-write leaves the
-previous checkpoint as the newest one. The ``run.keep_checkpoints`` newest are kept.
-
-What is not saved, on purpose: samples in flight. Prompts are a function of the step
-(``task.prompts(step, n)``), so a resumed run generates the prompts of every step after the
-checkpoint again -- in ``async`` mode, too, the ones generated ahead -- and trains each step's
-prompts once.
-
-What the run learned about output lengths is saved too: ``ranker.pt`` (the length ranker's
-``state_dict`` after the lessons of every step up to the checkpoint) and ``dispatch.json`` (the
-lengths the scheduler sizes its work by), so a resumed run ranks and places its prompts as the
-uninterrupted run would have.
-
-Every checkpoint is checked before a run resumes from it. Its last file, ``manifest.json``,
-written once everything else is there, lists every file with its size and SHA-256; a
-checkpoint whose files do not match it (one deleted or cut short, a shard of a sharded trainer
-gone, a byte changed) is passed over for the one before it with a one-line warning naming what
-is wrong (:func:`latest`), and a run with none that matches cannot resume (one line naming
-each). A checkpoint written before checkpoints had a manifest is checked by reading it: its JSON
-files parse, ``trainer.pt`` loads, every byte range its DCP metadata names is in its files.
-Hashing reads every byte once more when a checkpoint is written and once when it is resumed
-from (about a second per GB per core here, the files hashed in parallel).
-
-A manifest guards against accidents, not against someone who can write the run folder (they can
-rewrite it too). So nothing in a checkpoint is unpickled with Python's full pickle, which would run
-whatever code a crafted file names: ``*.pt`` files hold only tensors and plain values and must
-load with ``torch.load(weights_only=True)``, DCP's ``.metadata`` must name only DCP's own
-metadata classes (``checkpoints/trainer_state.py``). A checkpoint with a file that does not is refused
-like a damaged one, in one line, before anything of it reaches a worker.
-
-A checkpoint that cannot be written (a full disk) stops the run in one line
-(:class:`~streamrl.errors.CheckpointFailed`): its partial ``.tmp-`` folder is removed, and the
-older checkpoints are left as they were.
+worker), ``controller.json`` (the next step, the policy version, the metrics records so far),
+the ranker's and the scheduler's state, and last ``manifest.json`` (each file's size and
+SHA-256). It is built in a ``.tmp-`` folder and renamed once complete, so a crash mid-write
+leaves the previous one newest. A resume checks the newest against its manifest and passes over
+a damaged one for the one before (:func:`latest`); nothing in a checkpoint is unpickled with full
+pickle. docs/architecture.md ("Failure containment, checkpoints and resume") says what is saved,
+what is not, and why.
 """
 
 from __future__ import annotations

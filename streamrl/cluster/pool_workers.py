@@ -32,11 +32,10 @@ PIN_SLOTS = 1_000_000
 #: glibc reads its malloc settings once, at process start. Dask sets MALLOC_TRIM_THRESHOLD_=65536
 #: there (give freed memory back to the OS); setting any malloc threshold also freezes the mmap
 #: threshold at 128 KiB, so every activation and gradient above that is a fresh mmap with page
-#: faults on each use -- a tiny model's forward/backward ran 2x slower on a worker than in a
-#: plain process (0.58 s vs 0.29 s per 512 W1 samples). Big blocks come from the heap again
-#: (32 MiB is glibc's ceiling); the trim stays, but above 64 MiB of padding at the top of the
-#: heap: with the trim alone, each step's freed activations went back to the OS and came back
-#: as page faults (a W1 training step of 512 samples: 0.208 s vs 0.192 s with the padding).
+#: faults on each use -- a tiny model's forward/backward ran twice as slow on a worker as in a
+#: plain process. Big blocks come from the heap again (32 MiB is glibc's ceiling); the trim
+#: stays, but above 64 MiB of padding at the top of the heap: with the trim alone, each step's
+#: freed activations went back to the OS and came back as page faults (docs/benchmarks.md).
 PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TOP_PAD_": str(64 * 1024 * 1024)}
 
 #: Environment every worker gets: quiet libraries, no hub access, no tokenizer thread pools.

@@ -17,7 +17,7 @@ class QuickExit(WorkerPlugin):
     """After a clean close, end the worker process without the interpreter's slow finalization.
 
     A worker that imported torch and transformers spends seconds in C-level teardown after its
-    last line of Python (measured: >2.5 s under load, past the Nanny's 4 s grace period), so
+    last line of Python (under load, past the Nanny's 4 s grace period), so
     the Nanny kills it and warns "Worker process still alive after 4.0 seconds, killing" at the
     end of every run. Once the worker has closed cleanly there is nothing left to finalize: an
     ``atexit`` hook registered last runs first, flushes, and calls ``os._exit(0)``. A worker

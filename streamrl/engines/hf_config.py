@@ -53,8 +53,8 @@ class HFEngineConfig(BaseModel):
     """Torch dtype the engine loads the model in. ``auto``: bfloat16 on a GPU, float32 on CPU
     (where float32 keeps engine and trainer logprobs within 1e-5)."""
     cuda_graph: bool = True
-    """On a GPU, let continuous batching replay CUDA graphs of its decode steps (measured ~1.9x
-    tokens/s on an H100 for a 0.5B model). Ignored on CPU."""
+    """On a GPU, let continuous batching replay CUDA graphs of its decode steps: each step's
+    many small kernel launches become one (docs/benchmarks.md has the gain). Ignored on CPU."""
     kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
     """Size the KV cache as this share of the device's free memory instead of ``num_blocks``
     (continuous batching; leave room for a train worker sharing the GPU)."""

@@ -4,8 +4,7 @@ The ``hf`` engine's default is transformers' continuous batching, which admits r
 every decode step -- what a long tail of outputs needs. When outputs are short and arrive
 together (W1: 512 responses of ~4 tokens per step), its per-step bookkeeping (paged cache,
 attention masks rebuilt per step) costs more than the model: one padded batch with a plain KV
-cache decodes the same 512 responses 2-3x faster on one CPU thread (measured in
-docs/benchmarks.md). The price: a request that arrives while a batch runs waits for the next
+cache decodes the same responses faster on one CPU thread (docs/benchmarks.md). The price: a request that arrives while a batch runs waits for the next
 one, and rows that finished early ride along until the longest row ends.
 
 Prompts are left-padded so every row's next token is in the last column; position ids count

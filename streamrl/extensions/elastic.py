@@ -1,39 +1,12 @@
 """The elastic generate pool (``[pools.generate] elastic = { min = .., max = .. }``).
 
-StreamRL sizes the generate side to keep both stages busy; a fixed split is only right for the
-lengths it was planned on. Here the controller watches each step's pool use and, between
-steps, adds a generate worker when the trainer waited for samples while generation used its
-whole pool, or retires one when the rest could have generated the step comfortably. The rule is made for ``async`` (and ``stream``), where
-the pools overlap; in ``stream`` mode a retired worker lengthens the generation phase, which the
-trainer waits for, so keep ``shrink_when_busy_below`` low there. A change is a small state machine, one worker at a
-time, so the run never blocks on a process start:
-
-* **starting** -- a new ``Nanny`` is added to the embedded ``SpecCluster``. It offers the
-  ``generate`` resource with 0 slots, so no generate task can land on it yet.
-* **joining** -- once it is up: the trainer's current weights are exported for it alone (the
-  export is awaited, so the next optimizer step cannot change them first) and loaded into its
-  engine by a task pinned to it.
-* **active** -- when its load is done and holds the newest published version, it gets its slots
-  and joins the next publication, before the controller publishes: from then on it is a generate
-  worker like the others.
-* **draining** -- a worker to retire leaves the dispatcher's list and future publications at
-  once. Without a scheduler it also offers 0 slots: Dask sends it no more generate tasks and it
-  starts none of those queued on it. It stays up until the tasks pinned to it (its
-  scheduler-placed groups, its pending weight loads) are done and it runs nothing; then Dask
-  retires it gracefully: results only it holds are copied to another worker, and groups still
-  queued on it go to the others. Every group is generated, and trained, exactly once.
-
-A worker added must pay for itself: if the 3 steps after it joined clearly did not raise
-tokens/s by ``min_gain`` over the (up to 6) steps before it was asked for, it is retired and the
-pool holds its size for ``hold_steps``. On a machine whose cores are all busy (2 cores: one
-engine and the trainer), another process only competes for them, and the idle shares alone
-cannot tell. "Clearly": tokens/s moves from step to step with the prompts drawn (measured on a
-long-tailed task: ~11% per step), so 3 steps against 3 cannot see a 10% gain; the worker is
-retired only when the gain, plus ``PROBE_Z`` standard errors of it from that step-to-step
-spread, is still below ``min_gain`` (:func:`paid`).
-
-A run's records carry ``generate_workers`` (how many generated in that step) and
-``elastic`` (what changed at its end).
+A fixed split of the generate and train sides is only right for the lengths it was planned on.
+Between steps the controller asks :func:`decide` whether the trainer waited for samples while
+generation used its whole pool (add a generate worker) or the rest could have generated the
+step comfortably (retire one). A change goes one worker at a time through ``starting``,
+``joining``, ``active`` and ``draining``, so the run never blocks on a process start, and a
+worker added must pay for itself (:func:`paid`) or it is retired again. docs/architecture.md
+("Elastic generate pool") has each state and the rule.
 """
 
 from __future__ import annotations
@@ -73,8 +46,8 @@ def generation_busy(busy_s: float, window_s: float, generate_s: float, n: int, a
 
     Where generation runs ahead of training (``async``) that is the whole step. In ``stream``
     and ``batch`` it is the step's generation window only, from the step's start to its last
-    sample (``generate_s``): after it the pool waits for new weights by design (measured on W2
-    in stream mode: ~35% of every step with one worker), which says nothing about whether
+    sample (``generate_s``): after it the pool waits for new weights by design (a third of a
+    ``stream`` step with one worker, docs/benchmarks.md), which says nothing about whether
     generation kept up, and an idle share over the whole step never showed it saturated."""
     span = window_s if ahead or generate_s <= 0 else min(generate_s, window_s)
     return min(1.0, busy_s / (n * span)) if span > 0 and n > 0 else 0.0

@@ -5,8 +5,8 @@ An evaluation of policy version ``v`` is a batch of Dask tasks like a step's gen
 generate (on the generate pool, after the loads of ``v``), reward (reward pool), and a small
 summary -- submitted at a Dask priority below training's generate tasks, so queued training generation
 goes first and evaluation fills the generate pool's idle time. (Once started, an evaluation
-task holds its slot, and greedy decoding pauses the engine's loop while it runs; measured on
-W1 async with eval every 10 steps: no loss of samples/s, docs/benchmarks.md.) An evaluation
+task holds its slot, and greedy decoding pauses the engine's loop while it runs; what that
+costs a run is in docs/benchmarks.md.) An evaluation
 that fails is reported in the record (``eval_error``) and training goes on. Its result is merged into the record
 of the step during which it finished (``eval/policy_version`` says which policy it measured).
 Evaluations run at the start, every ``eval.every`` steps and after the last step; the last one

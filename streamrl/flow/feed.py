@@ -2,8 +2,8 @@
 
 Between two steps the controller has bookkeeping to do: hear that the optimizer step finished,
 wait for the new weights to reach the engines (the admission of a later step needs them), take
-the busy clocks, build and write the record. On W1 that was ~0.06 s of a 0.28 s step, and the
-trainer -- the bottleneck -- idled through it. In ``async`` mode the next step's groups were
+the busy clocks, build and write the record. On a small workload that is a fifth of a step
+(docs/benchmarks.md), and the trainer -- the bottleneck -- idled through it. In ``async`` mode the next step's groups were
 generated ahead, so a thread can hand them to the trainer as soon as the optimizer step is done
 while the controller's own thread does the rest (``Controller.step(start_next_training=True)``).
 

@@ -71,8 +71,8 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
                            allow_other_workers=False, pure=False)
              for addr, name in ends.items()]
     if resolved.ranker is not None and rank_worker is not None:
-        # measured on W2: built on first use, the ranker (and torch, imported on a reward
-        # worker) held the first step's generation back by 2.8 s
+        # built on first use, the ranker (and torch, imported on a reward worker) held the
+        # first step's generation back by seconds (docs/benchmarks.md)
         futs.append(client.submit(task_functions.warm_up, RANKER, key="load-ranker", workers=[rank_worker],
                                   allow_other_workers=False, pure=False))
     for f in futs:

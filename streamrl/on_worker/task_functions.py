@@ -186,8 +186,9 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     trainer = resident(name)
     groups = [g for bundle in bundles for g in bundle]
     # Shortest groups first: a micro-batch is padded to its longest sequence, so neighbours of
-    # similar length waste little (measured on W2, whose lengths span 5-255 tokens: batch mode
-    # trained 1.56x slower in submission order). Order does not change the accumulated gradient.
+    # similar length waste little (on lengths that span two orders of magnitude, submission
+    # order trained much slower: docs/benchmarks.md). Order does not change the accumulated
+    # gradient.
     order = sorted(range(len(groups)), key=lambda i: max(len(s.prompt_ids) + len(s.response_ids) for s in groups[i]))
     cuts = [[order[j] for j in idx] for idx in
             pack([group_tokens(groups[i]) for i in order], micro_batch_tokens, groups_per_micro_batch)]

@@ -13,10 +13,9 @@ the same scored groups, off-policy: the samples carry the served policy's per-to
 a per-token importance ratio whose gradient is cut off outside ``[1-e, 1+e]`` (PPO's clip as a
 trust region around the behaviour policy). Decoupled PPO (``off_policy_cap > 0``, which clips to
 the learner's own previous weights and weights tokens by the capped ratio) is left to the
-recipe: measured on the addition workload (40 async steps, greedy held-out reward), a GRPO
-learner beside a served PPO one lost reward with it (0.28 -> 0.06, cap 2.0; 0.28 -> 0.16, cap
-1.0), while one with the clip to the behaviour policy beside a served GRPO one gained it
-(0.28 -> 0.42, the served one 0.28 -> 0.44).
+recipe: on the addition workload a GRPO learner beside a served PPO one lost held-out reward
+with it, while one with the clip to the behaviour policy gained it (docs/learners.md has the
+figures).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 RL needs a policy that is sometimes right, or every group has zero reward variance and GRPO has
 no signal. A short run of next-token cross-entropy on (prompt, answer) pairs gets there; stop it
-early (W1: ~30 s on 2 cores gives ~60% greedy accuracy) and let RL do the rest.
+early (well short of solving the task: docs/benchmarks.md has what a short warm start gives) and
+let RL do the rest.
 """
 
 from __future__ import annotations
