@@ -1,6 +1,7 @@
 """What the test modules share (one copy of each): the real ``streamrl`` command run as a user
 runs it (a subprocess, ``cwd`` the repository), a recipe run from it and its records, a run
-started in the background and stopped, faults put into a running run, and the tiny recipe.
+started in the background and stopped, faults put into a running run, a cluster started by hand
+with Dask's own command line, and the tiny recipe.
 
 Test modules import from here (and fixtures come from ``conftest.py``); no test module imports
 another."""
@@ -15,7 +16,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,12 +257,10 @@ POOLS = {"generate": 4, "train": 1, "reward": 1}
 
 @dataclass
 class HandCluster:
-    """A cluster started with Dask's own command line: its scheduler's address, the folder of its
-    logs, its processes (each the leader of its own process group)."""
+    """A cluster started with Dask's own command line (:func:`hand_started_cluster` owns its
+    processes): its scheduler's address."""
 
     address: str
-    folder: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
     def sets(self) -> list[str]:
@@ -322,7 +321,7 @@ def hand_started_cluster(folder: Path):
                                         "--resources", f"{pool}={threads}"], folder / f"{pool}-0.log")
         with Client(address, timeout=30) as client:
             client.wait_for_workers(len(POOLS), timeout=180)
-        yield HandCluster(address, folder, procs)
+        yield HandCluster(address)
     finally:
         kill_all(procs)
 
