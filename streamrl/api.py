@@ -108,7 +108,8 @@ from streamrl.recipe.recipe import PathOrHubId, RecipePath  # noqa: E402  (confi
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.agents import Environment, ToolParser
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler
-from streamrl.contracts.generation import Engine, EngineCapabilities, ReceiveMissed, Transfer, fit_decode_latency
+from streamrl.contracts.generation import (Engine, EngineCapabilities, ReceiveMissed, RequestsNow, Transfer,
+                                          fit_decode_latency)
 from streamrl.contracts.inputs import Reward, Task
 from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext, TrainerFootprint
 from streamrl.contracts.observing import MetricSink
@@ -119,7 +120,7 @@ DECLARING = {"engine": Engine, "trainer": Trainer}
 
 __all__ = [
     "KINDS", "Component", "close_component", "hookimpl", "RecipePath", "PathOrHubId", "Prompt", "Sample", "Group",
-    "Task", "Reward", "Engine", "EngineCapabilities", "Transfer", "ReceiveMissed", "Algorithm", "Trainer",
+    "Task", "Reward", "Engine", "EngineCapabilities", "RequestsNow", "Transfer", "ReceiveMissed", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext", "TrainerFootprint",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink", "ToolParser", "Environment",
     # helpers a plugin builds on: the clipped policy-gradient loss, an engine's decode profile

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel
 
-from streamrl.sample import Group, Prompt
+from streamrl.sample import Group, Prompt, Sample
 
 if TYPE_CHECKING:  # torch is imported only where tensors are used
     import torch
@@ -45,6 +45,11 @@ class EngineCapabilities:
     """True when the engine watches each response as it is decoded and asks the reward's
     :meth:`~streamrl.api.Reward.stop_early` whether to end it there: the engine is then handed
     a reward of its own on its worker (:meth:`Engine.stop_early_with`)."""
+    moves_samples: bool = False
+    """True when the engine can hand a running sample over to another instance: it reports what
+    runs (:meth:`Engine.requests_now`), takes a sample out with its tokens so far
+    (:meth:`Engine.move_out`) and finishes one taken out of another instance
+    (:meth:`Engine.continue_sample`). The ``longtail`` scheduler's straggler moves need it."""
     repeatable: bool = False
     """True when a group's samples depend only on the weights, the seed and the prompt (not on
     timing or on which requests share a batch). The controller then makes the rest of the run
@@ -95,6 +100,33 @@ class Engine:
             s.uid = f"{prompt.uid}-{k}"
         return group
 
+    def generate_movable(self, prompt: Prompt, samples: list[int], priority: float,
+                         on_moved: Callable[[Sample], Any]) -> Group:
+        """As :meth:`generate_samples`, for an engine that ``moves_samples``: when one of these
+        samples is taken out (:meth:`move_out`), call ``on_moved(partial)`` at once with it (its
+        tokens, logprobs and ``token_versions`` so far) and use ``on_moved(...).result()``, the
+        sample finished elsewhere, in its place. ``on_moved`` must return quickly."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move samples between instances")
+
+    def requests_now(self) -> "RequestsNow":
+        """For an engine that ``moves_samples``: the task samples decoding now, and those that
+        finished since the last call (a coordinator calls it a few times a second; it must be
+        quick and safe from any thread)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move samples between instances")
+
+    def move_out(self, uid: str) -> bool:
+        """For an engine that ``moves_samples``: take running sample ``uid`` out at the next
+        decode step; the :meth:`generate_movable` call waiting for it hands it over. False when
+        ``uid`` is not running here (it may still finish before it is taken: then it stays)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move samples between instances")
+
+    def continue_sample(self, partial: Sample, priority: float = 0.0) -> Sample:
+        """For an engine that ``moves_samples``: finish ``partial``, a sample another instance
+        took out, by prefilling its prompt and response so far and decoding the rest. The result
+        keeps every earlier token, logprob and token version; its new tokens carry this engine's
+        versions, and ``policy_version`` is the oldest of them all."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move samples between instances")
+
     def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
         """One group of ``n`` samples per prompt (``pools.generate.groups_per_task`` > 1). The
         default calls :meth:`generate` for every prompt at once, from one thread each, so the
@@ -123,6 +155,19 @@ class Engine:
 
     def close(self) -> None:
         """Stop generating; requests still waiting must fail, never hang."""
+
+
+@dataclass
+class RequestsNow:
+    """What an engine is decoding now (:meth:`Engine.requests_now`), for a coordinator that moves
+    stragglers between instances."""
+
+    running: list[tuple[str, int, int, bool]]
+    """``(sample uid, response tokens so far, prompt tokens, movable)`` of each running task
+    sample: a continued one counts the tokens it brought along as its response's, and is not
+    movable again (it loads its instance all the same)."""
+    finished: list[tuple[str, int]]
+    """``(sample uid, response tokens)`` of the task samples that finished since the last call."""
 
 
 def affine_latency(c0: float, per_token: float, context: float) -> float:

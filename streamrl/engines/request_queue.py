@@ -37,6 +37,9 @@ class Response:
     on the slot decoder: a weight load mid-response shows as a change)."""
     stopped_early: bool = False
     """The reward's ``stop_early`` ended it before EOS or its token limit."""
+    moved: bool = False
+    """Taken out mid-response to be finished on another instance (``Engine.move_out``): the
+    tokens are the response so far."""
 
 
 class RequestQueue:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,10 +34,15 @@ import torch
 from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.request_queue import Response, await_response
 from streamrl.engines.slot_decoder import SlotDecoder
-from streamrl.sample import Group, Prompt
+from streamrl.contracts.generation import RequestsNow
+from streamrl.sample import Group, Prompt, Sample
 
 #: The request ids of greedy (evaluation) requests start with it: their slots take the argmax.
 GREEDY = "greedy:"
+
+#: Ended task samples the engine remembers for :meth:`SlotEngine.requests_now` (a run without a
+#: straggler mover never asks).
+FINISHED_KEPT = 8192
 
 
 @dataclass
@@ -72,6 +78,10 @@ class SlotEngine(TransformersEngine):
         self._stop_early = None  # the reward that may end a response early (stop_early_with)
         self._watched: dict[str, list] = {}  # request id -> [its prompt, tokens when last asked]
         self._ended_early: set[str] = set()  # released by the watch: their responses say so
+        # task samples a straggler mover may see: rid -> (prompt tokens, tokens brought along, movable)
+        self._task_info: dict[str, tuple[int, int, bool]] = {}
+        self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
+        self._moving: set[str] = set()  # taken out at the next turn, to go on elsewhere
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -171,8 +181,13 @@ class SlotEngine(TransformersEngine):
             self._watched.pop(rid, None)
             early = rid in self._ended_early
             self._ended_early.discard(rid)
+            moved = rid in self._moving
+            self._moving.discard(rid)
+            info = self._task_info.pop(rid, None)
+            if info is not None and not moved:
+                self._finished_tasks.append((rid, info[1] + len(tokens)))
             self._queue.finish(rid, Response(tokens, logprobs, token_versions=served.versions if served else None,
-                                             stopped_early=early))
+                                             stopped_early=early, moved=moved))
             heapq.heappush(self._free, slot)
 
     # -- responses ended early --------------------------------------------------------------------
@@ -244,6 +259,8 @@ class SlotEngine(TransformersEngine):
         for rid in cancels:
             if rid in running:
                 stop.append(running[rid])
+            elif rid in self._moving:  # it ended before it could be taken out: it stays here
+                self._moving.discard(rid)
             elif self._queue.cancel(rid):
                 self._streams.pop(rid, None)
                 self._watched.pop(rid, None)
@@ -284,6 +301,99 @@ class SlotEngine(TransformersEngine):
                 for k in range(n):
                     self._watched[f"{p.uid}-{k}"] = [p, 0]
         return super().generate_groups(prompts, n, priorities)
+
+    # -- samples moved between instances ----------------------------------------------------------
+
+    def generate_movable(self, prompt: Prompt, samples: list[int], priority: float, on_moved) -> Group:
+        """The samples numbered ``samples`` of ``prompt``'s group; one taken out by
+        :meth:`move_out` goes to ``on_moved`` the moment it is out (its tokens so far carry the
+        version the group was asked under, as an unmoved sample's do), and comes back finished."""
+        ids = self.prompt_ids(prompt)
+        self._check_prompts([prompt], [ids])
+        rids = [f"{prompt.uid}-{k}" for k in samples]
+        for rid in rids:  # (written before the requests are queued: the loop reads them)
+            self._task_info[rid] = (len(ids), 0, True)
+            if self._stop_early is not None:
+                self._watched[rid] = [prompt, 0]
+        version, start = self.version, time.time()
+        futures = self._queue.put([(rid, ids, priority) for rid in rids])
+        self._submitted()
+        pending = {futures[rid]: rid for rid in rids}
+        ended, handed = {}, {}
+        while pending:  # whichever ends first, so a moved sample goes on elsewhere at once
+            done, _ = wait(list(pending), timeout=self.config.request_timeout, return_when=FIRST_COMPLETED)
+            if not done:
+                rid = next(iter(pending.values()))
+                await_response(rid, futures[rid], 0)  # raises, naming it and the timeout
+            for f in done:
+                rid = pending.pop(f)
+                out = await_response(rid, f, 0)
+                if out.moved:
+                    partial = self._sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, time.time())
+                    partial.token_versions = [version] * len(out.tokens)
+                    partial.times["moved"] = partial.times["gen_end"]
+                    handed[rid] = on_moved(partial)
+                else:
+                    ended[rid] = (out, time.time())
+        group = []
+        for rid in rids:
+            if rid in handed:
+                group.append(handed[rid].result())
+                continue
+            out, end = ended[rid]
+            group.append(self._sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, end))
+            if out.stopped_early:
+                group[-1].times["stopped_early"] = 1.0
+        return group
+
+    def requests_now(self) -> RequestsNow:
+        """The task samples in slots now (with the tokens they have) and those that ended since
+        the last call. Safe from any thread: it copies the loop's tables before reading them."""
+        slots = dict(self._slot_of)
+        info = dict(self._task_info)
+        live = [(slot, rid) for slot, rid in slots.items() if rid in info]
+        counts = self.decoder.generated[torch.tensor([s for s, _ in live], dtype=torch.long)
+                                        .to(self.decoder.device)].tolist() if live else []
+        running = [(rid, info[rid][1] + int(n), info[rid][0], info[rid][2]) for (_, rid), n in zip(live, counts)]
+        finished = [self._finished_tasks.popleft() for _ in range(len(self._finished_tasks))]
+        return RequestsNow(running, finished)
+
+    def move_out(self, uid: str) -> bool:
+        """Take running sample ``uid`` out at the loop's next turn, its tokens so far handed to
+        the :meth:`generate_movable` call that asked for it. False when it is not a movable sample
+        running here; it may still end by itself before the turn, and then it stays."""
+        info = self._task_info.get(uid)
+        if info is None or not info[2] or uid not in dict(self._slot_of).values():
+            return False
+        self._moving.add(uid)
+        self.cancel(uid)
+        return True
+
+    def continue_sample(self, partial: Sample, priority: float = 0.0) -> Sample:
+        """Finish a sample another instance took out: its prompt and response so far are
+        prefilled into a slot and decoded on, up to ``max_new_tokens`` in all. Its new tokens
+        carry the versions this engine decoded them with; it is not moved again."""
+        rid, done = partial.uid, len(partial.response_ids)
+        ids = list(partial.prompt_ids) + list(partial.response_ids)
+        versions = list(partial.token_versions or [partial.policy_version] * done)
+        limit = self.config.max_new_tokens - done
+        if limit < 1 or len(partial.prompt_ids) > self.config.max_prompt_tokens:
+            raise ValueError(f"hf engine: moved sample {rid} has {len(partial.prompt_ids)} prompt and {done} "
+                             f"response tokens; a slot holds {self.config.max_prompt_tokens} + "
+                             f"{self.config.max_new_tokens} (engine.max_prompt_tokens, engine.max_new_tokens)")
+        self._task_info[rid] = (len(partial.prompt_ids), done, False)
+        self._streams[rid] = Stream(None, limit, False)  # a stream: the loop records each token's version
+        version = self.version
+        future = self._queue.put([(rid, ids, priority)])[rid]
+        self._submitted()
+        out = await_response(rid, future, self.config.request_timeout)
+        versions += out.token_versions or [version] * len(out.tokens)
+        sample = self._sample(partial.prompt, partial.prompt_ids, rid, list(partial.response_ids) + out.tokens,
+                              list(partial.logprobs) + list(out.logprobs), min(versions),
+                              partial.times.get("gen_start", time.time()), time.time())
+        sample.token_versions = versions
+        sample.times["moved"] = partial.times.get("moved", sample.times["gen_end"])
+        return sample
 
     def _check_prompts(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
         for p, i in zip(prompts, ids):

@@ -15,15 +15,18 @@ may outgrow the cache afterwards (a real engine would preempt). Everything it re
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
 from functools import partial
 import random
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.api import Engine
+from streamrl.api import Engine, RequestsNow
 from streamrl.sample import Group, Prompt, Sample
 from streamrl.sim import latency
 from streamrl.sim.batching import ContinuousBatch
@@ -37,6 +40,23 @@ from streamrl.sim.workload import sample_length
 #: often by milliseconds; losing that on every chunk would run the simulated cluster slower
 #: than its cost model says (measured: ~20% slower generation on 2 cores with 8 instances).
 CATCH_UP_S = 0.25
+
+#: Finished samples an engine remembers for :meth:`SimEngine.requests_now` (a run without a
+#: straggler mover never asks).
+FINISHED_KEPT = 8192
+
+
+@dataclass(eq=False)
+class _Job:
+    """One sample's request in the batch."""
+
+    uid: str
+    prompt_tokens: int
+    before: int  # response tokens it brought along (continued from another instance)
+    movable: bool = False
+    future: Future = field(default_factory=Future)  # (end time, tokens when moved out or None)
+    request: Any = None
+    end: float = 0.0
 
 
 class SimEngineConfig(BaseModel):
@@ -61,7 +81,7 @@ class SimEngine(Engine):
         """No model; the cost model (everything this engine reports is simulated), and its batch
         limits as ``streamrl plan`` models them."""
         return SimEngineCapabilities(profile=config.profile, time_scale=config.time_scale, seed=config.seed,
-                                     max_running=config.max_running,
+                                     max_running=config.max_running, moves_samples=True,
                                      kv_capacity_tokens=latency.kv_capacity_tokens(config.profile))
 
     def __init__(self, config: SimEngineConfig):
@@ -74,6 +94,9 @@ class SimEngine(Engine):
         self.cv = threading.Condition()
         self.paused = threading.Lock()  # held while weights load: decoding stops, as on a real engine
         self.closed = threading.Event()
+        self.jobs: dict[str, _Job] = {}  # sample uid -> its request, while it waits or runs
+        # (uid, length) of samples finished since requests_now; bounded, as nothing may ask
+        self.finished: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)
         self.busy_sim_s = 0.0
         """Simulated seconds this instance spent decoding or prefilling."""
 
@@ -94,21 +117,86 @@ class SimEngine(Engine):
     def generate_samples(self, prompt: Prompt, samples: list[int], priority: float = 0.0) -> Group:
         """Simulate the samples numbered ``samples`` of ``prompt``'s group (each one's length
         depends on its number, so a chunk of a group gets the lengths the whole group would)."""
-        start = time.time()
+        return self.generate_movable(prompt, samples, priority, None)
+
+    def generate_movable(self, prompt: Prompt, samples: list[int], priority: float, on_moved) -> Group:
+        """As :meth:`generate_samples`; a sample taken out (:meth:`move_out`) is handed to
+        ``on_moved`` at once, and what it returns finishes it."""
+        start, version = time.time(), self.version
+        jobs = []
+        with self.cv:
+            for k in samples:
+                job = _Job(f"{prompt.uid}-{k}", prompt.answer["prompt_tokens"], 0, movable=on_moved is not None)
+                job.request = self.batch.add(job.prompt_tokens, self._length(prompt, k), priority, job)
+                self.jobs[job.uid] = job
+                jobs.append(job)
+            self.cv.notify()
+        pending = {job.future: job for job in jobs}
+        handed = {}
+        # wait for whichever ends first, so a moved sample goes on elsewhere at once
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for f in done:
+                job = pending.pop(f)
+                end, moved = f.result()
+                if moved is not None:
+                    handed[job.uid] = on_moved(self._sample(prompt, job.uid, moved, [version] * moved, start, end,
+                                                            {"moved": end}))
+                else:
+                    job.end = end
+        return [handed[job.uid].result() if job.uid in handed else
+                self._sample(prompt, job.uid, job.request.length, [], start, job.end, {}, version)
+                for job in jobs]
+
+    def continue_sample(self, partial: Sample, priority: float = 0.0) -> Sample:
+        """Finish a sample another instance took out: prefill its prompt and tokens so far, then
+        decode the rest of the length it was always going to have. Moves once: a continued sample
+        is not offered to the mover again."""
+        k = int(partial.uid.rsplit("-", 1)[1])
+        done = len(partial.response_ids)
+        total = self._length(partial.prompt, k)
         version = self.version
         with self.cv:
-            reqs = [self.batch.add(prompt.answer["prompt_tokens"],
-                                   sample_length(prompt, random.Random(f"{self.config.seed}-{prompt.uid}-{k}")),
-                                   priority, Future()) for k in samples]
+            job = _Job(partial.uid, partial.prompt.answer["prompt_tokens"], done, movable=False)
+            job.request = self.batch.add(job.prompt_tokens + done, max(total - done, 1), priority, job)
+            self.jobs[job.uid] = job
             self.cv.notify()
-        group = []
-        for k, r in zip(samples, reqs):
-            end = r.payload.result()
-            group.append(Sample(
-                uid=f"{prompt.uid}-{k}", prompt=prompt, prompt_ids=range(r.prompt_tokens), response_ids=range(r.length),
-                logprobs=[], response_text=f"[simulated: {r.length} tokens]", policy_version=version,
-                times={"gen_start": start, "gen_end": end}))
-        return group
+        end, _ = job.future.result()
+        versions = list(partial.token_versions or [partial.policy_version] * done)
+        versions += [version] * (done + job.request.length - len(versions))
+        return self._sample(partial.prompt, partial.uid, len(versions), versions,
+                            partial.times.get("gen_start", end), end, {"moved": partial.times.get("moved", end)})
+
+    def requests_now(self) -> RequestsNow:
+        """The samples decoding now, and those finished since the last call."""
+        with self.cv:
+            running = [(r.payload.uid, r.payload.before + self.batch.generated(r), r.payload.prompt_tokens,
+                        r.payload.movable) for r in self.batch.running]
+            finished = list(self.finished)
+            self.finished.clear()
+        return RequestsNow(running, finished)
+
+    def move_out(self, uid: str) -> bool:
+        """Take running sample ``uid`` out now, with the tokens it has."""
+        with self.cv:
+            job = self.jobs.get(uid)
+            if job is None or not job.movable or job.request not in self.batch.running:
+                return False
+            done = self.batch.remove(job.request)
+            del self.jobs[uid]
+            job.future.set_result((time.time(), done))
+        return True
+
+    def _length(self, prompt: Prompt, k: int) -> int:
+        return sample_length(prompt, random.Random(f"{self.config.seed}-{prompt.uid}-{k}"))
+
+    @staticmethod
+    def _sample(prompt: Prompt, uid: str, length: int, versions: list[int], start: float, end: float,
+                extra: dict, version: int | None = None) -> Sample:
+        return Sample(uid=uid, prompt=prompt, prompt_ids=range(prompt.answer["prompt_tokens"]),
+                      response_ids=range(length), logprobs=[], response_text=f"[simulated: {length} tokens]",
+                      policy_version=min(versions) if versions else version, token_versions=versions,
+                      times={"gen_start": start, "gen_end": end, **extra})
 
     def _loop(self) -> None:
         scale, batch = self.config.time_scale, self.batch
@@ -133,8 +221,12 @@ class SimEngine(Engine):
             done_at = time.time()
             with self.cv:
                 finished = batch.advance(steps)
+                for r in finished:
+                    job = r.payload
+                    self.jobs.pop(job.uid, None)
+                    self.finished.append((job.uid, job.before + r.length))
             for r in finished:
-                r.payload.set_result(done_at)
+                r.payload.future.set_result((done_at, None))
 
     def load_weights(self, named_tensors, version: int) -> None:
         """Simulate receiving the weights: decoding pauses for the broadcast time."""

@@ -1,0 +1,116 @@
+"""Samples moved between engine instances mid-response (what the ``longtail`` scheduler's
+straggler moves do): taken out with their tokens so far, finished on another instance that
+re-prefills them, nothing lost or generated twice, each token keeping the version that made it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from streamrl.engines.hf import HFEngine, HFEngineConfig
+from streamrl.recipe.recipe import load_recipe
+from streamrl.run import runner
+from streamrl.sample import Prompt
+from streamrl.sim.engine import SimEngine, SimEngineConfig
+from streamrl.training.trainer import pad_batch, token_logprobs
+from tests.helpers import ROOT, until
+
+
+def slot_engine(path, **config):
+    engine = HFEngine(HFEngineConfig(batching="slots", profile=False, **config))
+    engine.load(str(path))
+    return engine
+
+
+def trainer_logprobs(model, sample, pad_id):
+    ids, attn, resp, _ = pad_batch([sample], pad_id)
+    return token_logprobs(model, ids, attn, 1.0)[resp.bool()]
+
+
+def test_a_sample_moved_mid_response_is_finished_by_the_other_engine_with_its_tokens_and_versions(tiny_model):
+    source = slot_engine(tiny_model, max_new_tokens=40, slots=4)
+    target = slot_engine(tiny_model, max_new_tokens=40, slots=4)
+    pool = ThreadPoolExecutor(2)
+    try:
+        for e in (source, target):
+            e.decoder.eos_id.fill_(-1)  # every response runs to 40 tokens: the move lands mid-way
+        with torch.no_grad():  # the target holds a newer policy
+            target.load_weights({n: p * 1.5 for n, p in target.model.named_parameters()}, 1)
+        handed = []
+
+        def on_moved(partial):
+            handed.append(partial)
+            return pool.submit(target.continue_sample, partial, 0.0)
+        prompt = Prompt(uid="m", text="12+34=", answer="")
+        out = []
+        asker = threading.Thread(target=lambda: out.append(source.generate_movable(prompt, [0, 1, 2], 0.0, on_moved)))
+        asker.start()
+        until(lambda: len(source.requests_now().running) == 3 and
+              min(n for _, n, _, _ in source.requests_now().running) >= 5, every=0.002)
+        assert not source.move_out("nobody") and source.move_out("m-1")
+        asker.join(60)
+        (group,) = out
+        (partial,) = handed
+        k = len(partial.response_ids)
+        assert [s.uid for s in group] == ["m-0", "m-1", "m-2"] and 5 <= k < 40
+        moved = group[1]
+        assert len(moved.response_ids) == 40 and moved.response_ids[:k] == partial.response_ids
+        assert moved.token_versions == [0] * k + [1] * (40 - k) and moved.policy_version == 0
+        assert "moved" in moved.times and all(len(s.response_ids) == 40 and not s.token_versions for s in group[::2])
+        # its first k tokens are the source's policy, the rest the target's, continuing the same text
+        pad = source.tokenizer.pad_token_id
+        assert torch.allclose(trainer_logprobs(source.model, moved, pad)[:k], torch.tensor(moved.logprobs[:k]), atol=1e-4)
+        assert torch.allclose(trainer_logprobs(target.model, moved, pad)[k:], torch.tensor(moved.logprobs[k:]), atol=1e-4)
+        assert sorted(source.requests_now().finished) == [("m-0", 40), ("m-2", 40)]
+        assert target.requests_now().finished == [("m-1", 40)]
+        assert source.requests_in_flight() == (0, 0) and target.requests_in_flight() == (0, 0)
+    finally:
+        pool.shutdown()
+        source.close()
+        target.close()
+
+
+def test_a_sample_that_ends_before_it_is_taken_out_stays_where_it_is(tiny_model):
+    engine = slot_engine(tiny_model, max_new_tokens=3, slots=2)
+    try:
+        group = engine.generate_movable(Prompt(uid="s", text="1+2=", answer=""), [0], 0.0,
+                                        lambda partial: pytest.fail("nothing was moved"))
+        assert not engine.move_out("s-0")  # ended: not running any more
+        assert len(group) == 1 and not group[0].token_versions and "moved" not in group[0].times
+        engine._moving.add("s-9")  # asked to move, ended first: the next turn forgets it
+        engine.cancel("s-9")
+        until(lambda: not engine._moving, every=0.01)
+    finally:
+        engine.close()
+
+
+def test_a_simulated_sample_moved_keeps_its_whole_length_and_the_versions_of_both_instances():
+    task = runner.resolve(load_recipe(str(ROOT / "recipes/paper-7b-20k.toml"), [])).task.build()
+    prompt = task.prompts(0, 1)[0]
+    source, target = SimEngine(SimEngineConfig(time_scale=0.01)), SimEngine(SimEngineConfig(time_scale=0.01))
+    pool = ThreadPoolExecutor(2)
+    try:
+        source.load()
+        target.load()
+        target.version = 3
+        lengths = {k: source._length(prompt, k) for k in range(4)}
+        longest = max(lengths, key=lengths.get)
+        asked = pool.submit(source.generate_movable, prompt, list(range(4)), 0.0,
+                            lambda partial: pool.submit(target.continue_sample, partial, 1.0))
+        until(lambda: any(n > 200 for _, n, _, _ in source.requests_now().running), every=0.005)
+        assert source.move_out(f"{prompt.uid}-{longest}")
+        group = asked.result(60)
+        assert [len(s.response_ids) for s in group] == [lengths[k] for k in range(4)]
+        moved = group[longest]
+        k = moved.token_versions.count(0)
+        assert 200 < k < lengths[longest] and moved.token_versions == [0] * k + [3] * (lengths[longest] - k)
+        assert moved.policy_version == 0 and all(not s.token_versions for i, s in enumerate(group) if i != longest)
+        assert target.requests_now().finished == [(moved.uid, lengths[longest])]
+    finally:
+        pool.shutdown()
+        source.close()
+        target.close()
