@@ -11,6 +11,7 @@ import pytest
 
 from streamrl.api import DispatchContext, Prompt
 from streamrl.scheduling.estimates import GroupLengths, LengthEstimateConfig, prior_from_scores, tail_mean
+from streamrl.api import RequestsNow
 from streamrl.scheduling.longtail import GroupSpec, LongTail, LongTailConfig, LongTailPolicy, Running
 from streamrl.sim import latency
 from streamrl.sim.latency import Profile
@@ -76,13 +77,31 @@ def test_chunks_cover_every_sample_once_and_a_long_group_spreads():
     assert first.group == "long"  # longest first
 
 
-def test_the_scheduler_returns_chunk_assignments_and_refuses_moves():
+def test_the_scheduler_returns_chunk_assignments_and_with_moves_every_group_is_a_movable_chunk():
     prompts = [Prompt(uid=str(i), text=f"p{i}") for i in range(6)]
     out = LongTail(LongTailConfig(chunk=4)).dispatch(prompts, [float(i) for i in range(6)], ["a", "b", "c"],
                                                      DispatchContext(8, [1000, 5000, 9000], 300.0, STEP))
     assert len(out) == 12 and all(len(a.samples) == 4 for a in out)
-    with pytest.raises(ValueError, match="migrate"):
-        LongTail(LongTailConfig(migrate=True))
+    # no tail: whole groups round-robin; moving samples needs them named (a chunk task), all 8
+    flat = DispatchContext(8, [1000] * 100, 300.0, STEP)
+    assert all(a.samples == () for a in LongTail(LongTailConfig()).dispatch(prompts, [0.0] * 6, ["a", "b"], flat))
+    moving = LongTail(LongTailConfig(migrate=True))
+    assert moving.moves_samples and not LongTail(LongTailConfig()).moves_samples
+    assert all(a.samples == tuple(range(8)) for a in moving.dispatch(prompts, [0.0] * 6, ["a", "b"], flat))
+
+
+def test_the_scheduler_moves_from_what_engines_report_and_learns_each_finished_sample_once():
+    scheduler = LongTail(LongTailConfig(migrate=True, gain=0.0, chunk=0))
+    prompts = [Prompt(uid="g", text="g"), Prompt(uid="h", text="h")]
+    ctx = DispatchContext(8, [500, 1000, 20000] * 30, 500.0, STEP)
+    scheduler.dispatch(prompts, [0.0, 0.0], ["a", "b"], ctx)
+    crowded = RequestsNow([(f"g-{k}", 900, 500, True) for k in range(7)] + [("h-0", 9000, 500, True),
+                          ("h-1", 9500, 500, False)], [("g-7", 400)])
+    moves = scheduler.moves([crowded, RequestsNow([], [])])
+    assert moves and moves[0] == ("h-0", 0, 1) and all(uid != "h-1" for uid, _, _ in moves)  # h-1 moved once already
+    assert scheduler.policy.lengths.groups["g"].finished == [400]  # g-7 taught g's estimate mid-step
+    scheduler.observe(prompts, [[400] + [900] * 7, [9000] * 8])
+    assert "g" not in scheduler.policy.lengths.groups and not scheduler.seen_online  # closed, g-7 counted once
 
 
 def test_a_straggler_far_past_its_estimate_on_a_crowded_instance_is_moved():

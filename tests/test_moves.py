@@ -4,8 +4,8 @@ re-prefills them, nothing lost or generated twice, each token keeping the versio
 
 from __future__ import annotations
 
+import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,7 +17,7 @@ from streamrl.run import runner
 from streamrl.sample import Prompt
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.training.trainer import pad_batch, token_logprobs
-from tests.helpers import ROOT, until
+from tests.helpers import ROOT, check_every_sample_trained_once, run_recipe, until
 
 
 def slot_engine(path, **config):
@@ -114,3 +114,32 @@ def test_a_simulated_sample_moved_keeps_its_whole_length_and_the_versions_of_bot
         pool.shutdown()
         source.close()
         target.close()
+
+
+MOVING = ('scheduler={name="longtail", migrate=true, straggler_ratio=0.3, gain=0.0, move_every_s=0.05, '
+          'max_moves=4}')
+
+
+@pytest.mark.slow
+def test_a_simulated_run_moves_stragglers_and_trains_every_sample_once_at_its_whole_length(tmp_path):
+    from streamrl.sim.workload import sample_length
+
+    prompts, n = 8, 8
+    run = run_recipe(ROOT / "recipes/paper-7b-20k.toml", MOVING, "pools.generate.workers=3", "run.steps=3",
+                     f"trainer.prompts_per_step={prompts}", f"trainer.samples_per_prompt={n}",
+                     "cluster.dashboard_port=0", out=tmp_path, args=("--no-report",))
+    records = run.records
+    check_every_sample_trained_once(records, prompts, n)
+    task = runner.resolve(load_recipe(str(ROOT / "recipes/paper-7b-20k.toml"), [])).task.build()
+    by_uid = {p.uid: p for r in records for p in task.prompts(r["step"], prompts)}
+    moved = 0
+    for r in records:
+        for x in r["sample_log"]:
+            group, k = x["uid"].rsplit("-", 1)
+            # a moved sample's tokens: those before the move and after it, each once
+            assert x["response_len"] == sample_length(by_uid[group], random.Random(f"0-{group}-{k}")), x
+            if "moved" in x:
+                moved += 1
+                assert x["gen_start"] <= x["moved"] <= x["gen_end"]
+        assert r["moves/looks"] > 0
+    assert moved > 0 and moved == sum(r["moves/moved"] for r in records)

@@ -71,6 +71,12 @@ class DispatchContext:
 class Scheduler:
     """Places a step's prompt groups on generate workers and orders them (on the client)."""
 
+    moves_samples: bool = False
+    """True when the scheduler moves running samples between instances (:meth:`moves`): each
+    chunk is then generated so that a sample can leave it, and a mover in the ``streamrl``
+    process shows the scheduler what every engine decodes, a few times a second. It needs an
+    engine whose capabilities say ``moves_samples``."""
+
     def dispatch(self, prompts: list[Prompt], scores: list[float], workers: list[str],
                  ctx: DispatchContext) -> list[Assignment]:
         """One :class:`Assignment` per prompt: ``scores`` are the ranker's (all 0.0 without
@@ -89,6 +95,13 @@ class Scheduler:
         """After a step: each of its prompts' observed output lengths (one per sample), in the
         order ``dispatch`` got them. A scheduler that learns across steps (how far a group's
         lengths land from its estimate) uses it; default: nothing."""
+
+    def moves(self, instances: list) -> list[tuple[str, int, int]]:
+        """For a scheduler that ``moves_samples``: ``instances`` is what each generate worker's
+        engine decodes now (a :class:`~streamrl.api.RequestsNow` each, in the order ``dispatch``
+        got the workers; None for one that did not answer); returns the samples to move now as
+        ``(sample uid, index of the worker it leaves, index of the one that finishes it)``."""
+        return []
 
     def metrics(self) -> dict[str, float]:
         """Optional: numbers about the last dispatch, merged into the step's metrics record."""

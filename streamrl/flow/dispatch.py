@@ -34,6 +34,8 @@ class Dispatcher:
         self.topology = topology
         self.samples_per_prompt = samples_per_prompt
         self.scheduler = scheduler
+        self.movable = bool(scheduler is not None and getattr(scheduler, "moves_samples", False))
+        """The scheduler moves running samples between instances: chunks are generated to let them."""
         self.rank_worker = topology.rank
         """Name of the worker holding the ranker; None: no ranker."""
         self.step_latency = None

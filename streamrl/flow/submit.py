@@ -56,13 +56,14 @@ Pieces = list[tuple[str, float, tuple[int, ...]]]
 
 def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
                placed: dict[int, Pieces], min_version: int,
-               on_generate: Callable[[str | None, Future], None] | None = None) -> list[Future]:
+               on_generate: Callable[[str | None, Future], None] | None = None, movable: bool = False) -> list[Future]:
     """Generate + reward tasks for step ``step``'s ``prompts`` (``placed``: a scheduler's
     ``{index: pieces}``, else empty); returns the futures of the scored bundles (lists of
     ``groups_per_task`` groups; a group split into chunks is a bundle of its own, joined by its
     reward task). ``min_version`` is the policy every engine holds by now; an engine found older
     (its worker was restarted) catches up before it generates. ``on_generate(worker, future)``
-    hears of each generate task (``worker``: the one a scheduler pinned it to, else None)."""
+    hears of each generate task (``worker``: the one a scheduler pinned it to, else None).
+    ``movable``: the scheduler moves running samples, so chunks are generated to let them go."""
     client, n = topo.client, recipe.trainer.samples_per_prompt
     # Bundles of groups_per_task prompts that go to the same place: the scheduler's worker (in
     # its order), or any generate worker.
@@ -72,7 +73,7 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
     for i in range(len(prompts)):
         pieces = placed.get(i)
         if pieces and (len(pieces) > 1 or pieces[0][2]):
-            scored.append(chunked(topo, step, prompts[i], pieces, min_version, on_generate))
+            scored.append(chunked(topo, step, prompts[i], pieces, min_version, on_generate, movable))
             continue
         by_place.setdefault(pieces[0][0] if pieces else None, []).append(i)
     whole = {i: (p[0][0], p[0][1]) for i, p in placed.items() if p}
@@ -111,7 +112,7 @@ def dask_priority(priority: float) -> int:
 
 
 def chunked(topo: Topology, step: int, prompt: Prompt, pieces: Pieces, min_version: int,
-            on_generate: Callable[[str | None, Future], None] | None) -> Future:
+            on_generate: Callable[[str | None, Future], None] | None, movable: bool = False) -> Future:
     """One group split into chunks: a generate task per chunk, pinned to its worker, and one
     reward task that joins them (each sample once) and scores the group; returns its future."""
     client, gens = topo.client, []
@@ -119,7 +120,7 @@ def chunked(topo: Topology, step: int, prompt: Prompt, pieces: Pieces, min_versi
         where = {**lifecycle.with_resources(topo.pins[worker], generate=1), "priority": dask_priority(priority)}
         with spans.phase(step, "generate"):
             gen = client.submit(task_functions.generate_chunk, prompt, list(samples), submitted=time.time(),
-                                engine_priority=priority, min_version=min_version,
+                                engine_priority=priority, min_version=min_version, movable=movable,
                                 key=spans.step_key("generate", step, f"{prompt.uid}:{samples[0]}"), retries=1, **where)
         gens.append(gen)
         if on_generate is not None:

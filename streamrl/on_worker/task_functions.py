@@ -14,7 +14,7 @@ import re
 import threading
 import time
 
-from distributed import get_worker
+from distributed import get_client, get_worker
 
 from streamrl.contracts.generation import ReceiveMissed
 from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
@@ -54,22 +54,83 @@ def generate_groups(prompts: list[Prompt], n: int, submitted: float = 0.0,
 
 
 def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, engine_priority: float = 0.0,
-                   min_version: int = 0) -> Group:
+                   min_version: int = 0, movable: bool = False) -> Group:
     """Generate pool: the samples numbered ``samples`` of ``prompt``'s group (one chunk of a group
-    a scheduler split over instances; :func:`score_chunks` joins them)."""
+    a scheduler split over instances; :func:`score_chunks` joins them). ``movable``: a straggler
+    mover may take one out (:func:`move_sample`); it is then finished by a task on the worker it
+    was moved to (:func:`continue_moved`), and this task returns it finished."""
     engine = resident(ENGINE)
     if engine.version < min_version:
         catch_up(engine, min_version)
     start = time.time()
-    group = engine.generate_samples(prompt, list(samples), engine_priority)
+    if movable:
+        client = get_client()
+
+        def on_moved(partial):
+            pin = MOVE_TARGETS.pop(partial.uid)
+            # ahead of the target's queued work: the sample has waited long enough
+            return client.submit(continue_moved, partial, engine_priority, key=f"moved-{partial.uid}-{time.time_ns()}",
+                                 priority=LOAD_PRIORITY - 1, retries=1, pure=False, **pin)
+        try:
+            group = engine.generate_movable(prompt, list(samples), engine_priority, on_moved)
+        finally:
+            for k in samples:  # asked to move but ended first
+                MOVE_TARGETS.pop(f"{prompt.uid}-{k}", None)
+    else:
+        group = engine.generate_samples(prompt, list(samples), engine_priority)
     end = time.time()
     name = str(get_worker().name)
     for s in group:
         s.times["submitted"] = submitted
         s.times.setdefault("gen_start", start)
         s.times.setdefault("gen_end", end)
-        s.worker = name
+        s.worker = s.worker or name
     return group
+
+
+#: ``{sample uid: submit() keywords of the worker it moves to}``, on the worker it leaves: set by
+#: :func:`move_sample`, read by the :func:`generate_chunk` task that hands the sample over.
+MOVE_TARGETS: dict[str, dict] = {}
+
+
+def requests_now(dask_worker=None):
+    """Run on a generate worker by ``Client.run`` (not a task: it must answer while every task
+    slot waits on the engine): what its engine decodes now (``Engine.requests_now``), or None
+    where no engine that moves samples is built."""
+    plugin = dask_worker.plugins.get(ENGINE) if dask_worker is not None else None
+    engine = getattr(plugin, "obj", None)
+    if engine is None or not engine_moves(engine):
+        return None
+    return engine.requests_now()
+
+
+def move_sample(uid: str, pin: dict, dask_worker=None) -> bool:
+    """Run on a generate worker by ``Client.run``: take running sample ``uid`` out of its engine,
+    to be finished where ``pin`` (``submit()`` keywords) places a task. False when it is not
+    running there any more."""
+    engine = getattr(dask_worker.plugins.get(ENGINE), "obj", None)
+    if engine is None:
+        return False
+    MOVE_TARGETS[uid] = pin
+    if not engine.move_out(uid):
+        MOVE_TARGETS.pop(uid, None)
+        return False
+    return True
+
+
+def continue_moved(partial, priority: float):
+    """Generate pool, on the worker a sample moved to: finish it (``Engine.continue_sample``)."""
+    sample = resident(ENGINE).continue_sample(partial, priority)
+    sample.worker = str(get_worker().name)
+    return sample
+
+
+def engine_moves(engine) -> bool:
+    """Whether ``engine`` can hand running samples between instances (its class overrides
+    ``Engine.move_out``)."""
+    from streamrl.api import Engine
+
+    return type(engine).move_out is not Engine.move_out
 
 
 def join_chunks(*chunks: Group) -> Group:

@@ -114,7 +114,8 @@ class Controller:
             if self.repeatable:  # the next version's loads wait for it
                 self.generating.setdefault(version, []).append(gen)
 
-        scored = submit.generation(self.topology, self.recipe, step, prompts, placed, version, submitted)
+        scored = submit.generation(self.topology, self.recipe, step, prompts, placed, version, submitted,
+                                   movable=self.dispatcher.movable)
         with self.lock:
             self.submit_s += time.time() - t0
             self.submitted_groups += len(prompts)

@@ -23,6 +23,8 @@ updated by each group's finished samples (``online``) and each sample's own prog
 from __future__ import annotations
 
 import math
+import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,10 +52,14 @@ class LongTailConfig(BaseModel):
     """Update a group's estimate from its own finished samples (and each sample's progress);
     false: the prior alone, as at dispatch."""
     migrate: bool = False
-    """Move stragglers between instances. It needs a coordinator that sees every instance's
-    running samples and can take one out with its tokens: the simulated rollout
-    (:mod:`streamrl.sim.rollout`, ``streamrl bench skew``'s rollout rows) has one; a run's
-    ``longtail`` scheduler places chunks once and refuses ``migrate = true``."""
+    """Move stragglers between instances: a run looks at every engine's running samples every
+    ``move_every_s`` and moves what :meth:`LongTailPolicy.moves` picks (the engine must declare
+    ``moves_samples``: ``sim``, and ``hf`` with ``batching = "slots"``); the rollout model of
+    ``streamrl bench skew`` does the same in virtual time. Off by default: on the long-tail
+    workload measured it does not pay (docs/benchmarks.md)."""
+    move_every_s: float = Field(0.25, gt=0)
+    """Real seconds between two looks at the engines when ``migrate`` (each look is one small
+    call to every generate worker)."""
     straggler_ratio: float = Field(1.0, gt=0)
     """A running sample is a straggler once it has generated this many times its group's
     estimated sample length (the estimate of a sample not yet started)."""
@@ -116,6 +122,8 @@ class Running:
     """Tokens generated so far."""
     prompt_tokens: int
     """Its prompt's tokens."""
+    movable: bool = True
+    """False for one that cannot move (moved once already): it only loads its instance."""
 
 
 @dataclass(frozen=True)
@@ -226,7 +234,7 @@ class LongTailPolicy:
                 est = self.estimate(s.group, s.generated, by_group[s.group])
                 fresh = self.estimate(s.group, 0, by_group[s.group])
                 rows.append((s.prompt_tokens + s.generated, max(est - s.generated, 1.0),
-                             s.generated >= c.straggler_ratio * fresh, s.key))
+                             s.movable and s.generated >= c.straggler_ratio * fresh, s.key))
             state.append(rows)
         out: list[Move] = []
         moved: set = set()
@@ -257,17 +265,40 @@ class LongTail(Scheduler):
     run, so the spreads of its estimates are learned from every step's groups."""
 
     def __init__(self, config: LongTailConfig):
-        if config.migrate:
-            raise ValueError("scheduler.migrate = true: a run places a step's chunks once and cannot move a running "
-                             "sample between engines; the simulated rollout of `streamrl bench skew` measures it")
         self.config = config
+        self.moves_samples = config.migrate
         self.last_chunks = 0
         self.policy: LongTailPolicy | None = None
         """The placement policy; its length estimates learn across the run's steps."""
+        self.seen_online: dict[str, list[int]] = {}  # group -> lengths the mover reported mid-step
+        # the mover's thread and the controller's (dispatch, observe) share the policy
+        self.lock = threading.Lock()
 
     def metrics(self) -> dict[str, float]:
         """``chunks``: generate tasks the last dispatch made."""
         return {"chunks": self.last_chunks}
+
+    def moves(self, instances: list) -> list[tuple[str, int, int]]:
+        """Stragglers to move now (:meth:`LongTailPolicy.moves`), after the samples that finished
+        since the last look have taught their groups' estimates."""
+        with self.lock:
+            if self.policy is None:
+                return []
+            open_groups = self.policy.lengths.groups
+            views = [[Running(uid, uid.rsplit("-", 1)[0], n, prompt, movable) for uid, n, prompt, movable in
+                      (now.running if now is not None else [])] for now in instances]
+            running: dict[str, list[int]] = {}
+            for v in views:
+                for r in v:
+                    running.setdefault(r.group, []).append(r.generated)
+            for now in instances:
+                for uid, length in (now.finished if now is not None else []):
+                    group = uid.rsplit("-", 1)[0]
+                    if group in open_groups:
+                        self.policy.finished(group, length, running.get(group, []))
+                        self.seen_online.setdefault(group, []).append(length)
+            views = [[r for r in v if r.group in open_groups] for v in views]
+            return [(m.key, m.source, m.target) for m in self.policy.moves(views)]
 
     def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
         """Only when there is something to place by length: a long tail in the lengths seen so
@@ -277,9 +308,14 @@ class LongTail(Scheduler):
     def dispatch(self, prompts, scores, workers: list[str], ctx: DispatchContext) -> list[Assignment]:
         """One assignment per chunk (see :meth:`LongTailPolicy.place`); whole groups round-robin
         when there is nothing to place by length (:meth:`needs_scores`)."""
+        with self.lock:
+            return self._dispatch(prompts, scores, workers, ctx)
+
+    def _dispatch(self, prompts, scores, workers: list[str], ctx: DispatchContext) -> list[Assignment]:
+        every = tuple(range(ctx.samples_per_prompt)) if self.moves_samples else ()  # movable: a chunk task
         if not self.needs_scores(workers, ctx):
             self.last_chunks = len(prompts)
-            return [Assignment(i, workers[i % len(workers)]) for i in range(len(prompts))]
+            return [Assignment(i, workers[i % len(workers)], 0.0, every) for i in range(len(prompts))]
         if self.policy is None:  # the latency model is known from the first dispatch on
             self.policy = LongTailPolicy(self.config, ctx.step_latency or (lambda context: 1.0))
         priors = prior_from_scores(scores, ctx.observed_lengths)
@@ -294,7 +330,7 @@ class LongTail(Scheduler):
             per_group[i] = per_group.get(i, 0) + 1
         self.last_chunks = len(merged)
         self._forget_unobserved()
-        return [Assignment(i, workers[w], prio, () if per_group[i] == 1 else tuple(sorted(samples)))
+        return [Assignment(i, workers[w], prio, () if per_group[i] == 1 and not every else tuple(sorted(samples)))
                 for (i, w), (prio, samples) in sorted(merged.items())]
 
     def observe(self, prompts, lengths: list[list[int]]) -> None:
@@ -302,20 +338,26 @@ class LongTail(Scheduler):
         from its prior (``tau``) and how far its samples spread (``sigma``). Without it every
         step would place on the starting spreads, which on a long tail is about as good as
         round-robin (docs/benchmarks.md)."""
-        if self.policy is None:
-            return
-        open_groups = self.policy.lengths.groups
-        for p, ls in zip(prompts, lengths):
-            if p.uid in open_groups:
-                for n in ls:
-                    self.policy.finished(p.uid, n)
-                self.policy.close(p.uid)
+        with self.lock:
+            if self.policy is None:
+                return
+            open_groups = self.policy.lengths.groups
+            for p, ls in zip(prompts, lengths):
+                seen = Counter(self.seen_online.pop(p.uid, []))  # taught mid-step by the mover already
+                if p.uid in open_groups:
+                    for n in ls:
+                        if seen[n] > 0:
+                            seen[n] -= 1
+                        else:
+                            self.policy.finished(p.uid, n)
+                    self.policy.close(p.uid)
 
     def _forget_unobserved(self, keep: int = 4096) -> None:
         # groups whose step never reports back (a step cut short, served traffic) must not pile up
         groups = self.policy.lengths.groups
         for uid in list(groups)[:max(len(groups) - keep, 0)]:
             del groups[uid]
+            self.seen_online.pop(uid, None)
 
 
 __all__ = ["Chunk", "GroupSpec", "LongTail", "LongTailConfig", "LongTailPolicy", "Move", "Running"]

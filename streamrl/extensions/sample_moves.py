@@ -1,0 +1,112 @@
+"""Running samples moved between generate workers, for a scheduler that ``moves_samples``.
+
+A sample's instance is fixed when its chunk is placed; the ``longtail`` scheduler may later want
+a straggler -- far past its group's estimate, on an instance that will finish well after
+another -- to go on where there is room. This extension is the scheduler's eyes and hands in a
+run: a thread in the ``streamrl`` process asks every generate worker what its engine decodes
+(``Client.run``: an answer from the worker's event loop, not a task, as every task slot may be
+waiting on the engine), hands that to :meth:`Scheduler.moves`, and tells the source worker to take
+each chosen sample out. The chunk task there hands the sample, its tokens so far, to a task on
+the target worker, which re-prefills and finishes it; the chunk returns it finished, so the
+reward and the trainer see one whole sample, once (``on_worker/task_functions.generate_chunk``).
+
+A look that fails (a worker gone, a scheduler that raised) is skipped and said once: moves only
+speed generation up, and every sample finishes where it is without them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+from streamrl.cluster import pool_workers
+from streamrl.errors import RunWarning, UserError
+from streamrl.extensions.step_extension import StepExtension
+from streamrl.on_worker import task_functions
+
+
+class SampleMoves(StepExtension):
+    """The mover of the module's docstring; idle unless the run's scheduler ``moves_samples``."""
+
+    def __init__(self):
+        self.ctl = None
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+        self.looks = 0
+        """Looks at the engines so far."""
+        self.moved = 0
+        """Samples taken out of their instance so far."""
+        self.look_s = 0.0
+        """Seconds spent looking and moving, in all."""
+        self.warned = False
+        self.recorded = (0, 0, 0.0)  # (moved, looks, look_s) at the last record
+
+    def placed(self, ctl) -> None:
+        """Start looking when the scheduler moves samples; refuse an engine that cannot."""
+        scheduler = ctl.dispatcher.scheduler
+        if scheduler is None or not getattr(scheduler, "moves_samples", False) or self.thread is not None:
+            return
+        engine = ctl.recipe.engine.name
+        if not ctl.resolved.engine.capabilities().moves_samples:
+            raise UserError(f"scheduler {ctl.recipe.scheduler.name!r} moves running samples between instances, "
+                            f"but engine {engine!r} cannot hand a sample over (its capabilities lack "
+                            "moves_samples; the sim engine and hf with batching = \"slots\" can): "
+                            "set scheduler.migrate = false or change the engine")
+        self.ctl = ctl
+        self.every = float(getattr(getattr(scheduler, "config", None), "move_every_s", 0.25))
+        self.thread = threading.Thread(target=self._loop, name="streamrl-sample-moves", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every):
+            start = time.perf_counter()
+            try:
+                self.look()
+            except Exception as exc:  # noqa: BLE001 -- a look that fails moves nothing; samples finish where they are
+                if not self.warned and not self.stop.is_set():
+                    self.warned = True
+                    warnings.warn(f"sample moves: a look at the engines failed ({type(exc).__name__}: {exc}); "
+                                  "samples finish where they are until a look succeeds", RunWarning, stacklevel=1)
+            self.look_s += time.perf_counter() - start
+
+    def look(self) -> int:
+        """One look: what every engine decodes, the scheduler's moves, each carried out; returns
+        how many samples left their instance."""
+        ctl = self.ctl
+        names = list(ctl.topology.generate)
+        address = {str(info.get("name", addr)): addr for addr, info in pool_workers.workers(ctl.client).items()}
+        live = [address[n] for n in names if n in address]
+        answers = ctl.client.run(task_functions.requests_now, workers=live, on_error="return") if live else {}
+        seen = [answers.get(address.get(n)) for n in names]
+        seen = [s if s is not None and not isinstance(s, BaseException) else None for s in seen]
+        self.looks += 1
+        moved = 0
+        for uid, source, target in ctl.dispatcher.scheduler.moves(seen):
+            if seen[source] is None or names[target] not in ctl.topology.pins:
+                continue
+            taken = ctl.client.run(task_functions.move_sample, uid, ctl.topology.pins[names[target]],
+                                   workers=[address[names[source]]], on_error="return")
+            moved += taken.get(address[names[source]]) is True
+        self.moved += moved
+        return moved
+
+    def record(self, step: int, record) -> None:
+        """Since the last record, when the run moves samples: ``moves/moved`` (samples taken
+        out of their instance), ``moves/looks`` and ``moves/look_s`` (the mover's own cost)."""
+        if self.thread is None:
+            return
+        now = (self.moved, self.looks, self.look_s)
+        before, self.recorded = self.recorded, now
+        record.extra.update({"moves/moved": now[0] - before[0], "moves/looks": now[1] - before[1],
+                             "moves/look_s": round(now[2] - before[2], 3)})
+
+    def stopping(self) -> None:
+        """Stop looking: the step ends with what it has."""
+        self.stop.set()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
