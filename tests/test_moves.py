@@ -17,7 +17,8 @@ from streamrl.run import runner
 from streamrl.sample import Prompt
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.training.trainer import pad_batch, token_logprobs
-from tests.helpers import ROOT, check_every_sample_trained_once, run_recipe, until
+from tests.helpers import (ROOT, check_every_sample_trained_once, last_error_line, run_recipe, sets, streamrl, until,
+                           write_tiny_recipe)
 
 
 def slot_engine(path, **config):
@@ -143,3 +144,25 @@ def test_a_simulated_run_moves_stragglers_and_trains_every_sample_once_at_its_wh
                 assert x["gen_start"] <= x["moved"] <= x["gen_end"]
         assert r["moves/looks"] > 0
     assert moved > 0 and moved == sum(r["moves/moved"] for r in records)
+
+
+@pytest.mark.slow
+def test_a_run_on_the_hf_slot_engine_moves_samples_and_trains_each_once(tmp_path, tiny_model):
+    recipe = write_tiny_recipe(tmp_path, tiny_model)
+    run = run_recipe(recipe, MOVING.replace("}", ", tail_ratio=1.0}"), "pools.generate.workers=2",
+                     'engine.batching="slots"', "engine.max_new_tokens=40", "run.steps=3", out=tmp_path / "runs")
+    records = run.records
+    check_every_sample_trained_once(records, 4, 4)
+    moved = [x for r in records for x in r["sample_log"] if "moved" in x]
+    assert moved and all(1 <= x["response_len"] <= 40 and x["gen_start"] <= x["moved"] <= x["gen_end"] for x in moved)
+    assert all(r["loss"] == r["loss"] for r in records)  # trained (a NaN loss is not equal to itself)
+    log = run.dir / "warnings.log"  # no look at the engines met the cluster stopping
+    assert not log.exists() or "broadcast" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_moves_on_an_engine_that_cannot_hand_a_sample_over_are_refused_in_one_line(tmp_path, tiny_model, shared_cluster):
+    recipe = write_tiny_recipe(tmp_path, tiny_model)
+    proc = streamrl("recipe", "run", recipe, *sets(MOVING, *shared_cluster.sets))
+    line = last_error_line(proc, 2)
+    assert "scheduler 'longtail' moves running samples" in line and "engine 'hf'" in line and "migrate" in line

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from pathlib import Path
 
 from streamrl.cluster import pool_workers
 from streamrl.errors import RunWarning, UserError
@@ -104,6 +105,11 @@ class SampleMoves(StepExtension):
     def stopping(self) -> None:
         """Stop looking: the step ends with what it has."""
         self.stop.set()
+
+    def finish(self, policy_dir: Path) -> None:
+        """The last step is done: nothing is left to move, and a look must not meet the workers
+        as the cluster stops."""
+        self.close()
 
     def close(self) -> None:
         """Stop the thread."""
