@@ -108,10 +108,12 @@ def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
                     "--steps", "2", "--warmup", "1", "--out", str(out), *small, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["variants"]
-    assert list(rows) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned", "longtail-learned"]
+    assert list(rows) == ["fcfs", "skew-oracle", "lpt-oracle", "skew-learned", "longtail-learned",
+                          "longtail-learned +moves"]  # the sim engine moves samples between instances
     assert "ranker_recall" not in rows["fcfs"]  # the W3 recipe has no ranker of its own
-    for name in ["skew-oracle", "lpt-oracle", "skew-learned", "longtail-learned"]:
+    for name in ["skew-oracle", "lpt-oracle", "skew-learned", "longtail-learned", "longtail-learned +moves"]:
         assert 0.0 <= rows[name]["ranker_recall"] <= 1.0 and rows[name]["generate_makespan_s"] > 0
+    assert rows["longtail-learned +moves"]["moves/moved"] >= 0 and "moves/moved" not in rows["longtail-learned"]
 
 
 @pytest.mark.slow

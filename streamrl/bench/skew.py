@@ -64,6 +64,8 @@ def variants_for(resolved) -> dict[str, list[str]]:
         out["lpt-oracle"] = [use("scheduler", "skew"), "scheduler.split=false", use("ranker", "oracle")]
     out["skew-learned"] = [use("scheduler", "skew"), use("ranker", "learned")]
     out["longtail-learned"] = [use("scheduler", "longtail"), use("ranker", "learned")]
+    if resolved.engine.capabilities().moves_samples:  # stragglers moved between the run's live engines
+        out["longtail-learned +moves"] = [use("scheduler", "longtail"), "scheduler.migrate=true", use("ranker", "learned")]
     return out
 
 
@@ -158,7 +160,7 @@ def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out:
                      "twice per pass: the bench's own noise")
     for col in ["variant", "gen makespan (sim s)" if simulated else "gen makespan s", "x fcfs (gen)",
                 "sim samples/s" if simulated else "samples/s", "x fcfs (e2e)", "per cost-hour", "sync share",
-                "recall@20%", "own first recall", "idle gen"]:
+                "recall@20%", "own first recall", "moved/step", "idle gen"]:
         t.add_column(col, justify="right")
 
     def ratio(name: str, key: str) -> str:
@@ -172,6 +174,7 @@ def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out:
                   f"{r['weight_sync_share']:.1%}",
                   f"{r['ranker_recall']:.2f}" if "ranker_recall" in r else "-",
                   f"{r['first_sample_recall']:.2f}" if "first_sample_recall" in r else "-",
+                  f"{r['moves/moved']:.1f}" if "moves/moved" in r else "-",
                   f"{r['idle'].get('generate', 0):.0%}")
     console.print(t)
     rollout = rollout_table(resolved, steps, warmup, console)

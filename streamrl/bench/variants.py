@@ -67,10 +67,10 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
     makespans = [r["generate_makespan_s"] for r in rs if "generate_makespan_s" in r]
     if makespans:  # submission of a step's first group to its last sample generated
         row["generate_makespan_s"] = sum(makespans) / len(makespans)
-    for key in ("ranker_recall", "first_sample_recall"):
-        recalls = [r[key] for r in rs if key in r]
-        if recalls:
-            row[key] = sum(recalls) / len(recalls)
+    for key in ("ranker_recall", "first_sample_recall", "moves/moved"):
+        values = [r[key] for r in rs if key in r]
+        if values:  # per step
+            row[key] = sum(values) / len(values)
     if time_scale:  # report simulated throughput in simulated seconds too
         row["sim_samples_per_s"] = row["samples_per_s"] * time_scale
     # what the weights' publication costs the step (an elastic pool's size moves step by step)
