@@ -16,7 +16,7 @@ import time
 
 from distributed import get_client, get_worker
 
-from streamrl.contracts.generation import ReceiveMissed
+from streamrl.contracts.generation import Engine, ReceiveMissed
 from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
 from streamrl.on_worker.microbatch import group_tokens, pack
 from streamrl.cluster.pool_workers import workers
@@ -119,8 +119,13 @@ def move_sample(uid: str, pin: dict, dask_worker=None) -> bool:
 
 
 def continue_moved(partial, priority: float):
-    """Generate pool, on the worker a sample moved to: finish it (``Engine.continue_sample``)."""
-    sample = resident(ENGINE).continue_sample(partial, priority)
+    """Generate pool, on the worker a sample moved to: finish it (``Engine.continue_sample``),
+    with a policy no older than the one it left (a restarted worker catches up first)."""
+    engine = resident(ENGINE)
+    newest = max(partial.token_versions or [partial.policy_version])
+    if engine.version < newest:
+        catch_up(engine, newest)
+    sample = engine.continue_sample(partial, priority)
     sample.worker = str(get_worker().name)
     return sample
 
@@ -128,8 +133,6 @@ def continue_moved(partial, priority: float):
 def engine_moves(engine) -> bool:
     """Whether ``engine`` can hand running samples between instances (its class overrides
     ``Engine.move_out``)."""
-    from streamrl.api import Engine
-
     return type(engine).move_out is not Engine.move_out
 
 
