@@ -18,7 +18,7 @@ from streamrl.sample import Prompt
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.training.trainer import pad_batch, token_logprobs
 from tests.helpers import (ROOT, check_every_sample_trained_once, last_error_line, run_recipe, sets, streamrl, until,
-                           write_tiny_recipe)
+                           with_plugin, write_tiny_recipe)
 
 
 def slot_engine(path, **config):
@@ -166,3 +166,48 @@ def test_moves_on_an_engine_that_cannot_hand_a_sample_over_are_refused_in_one_li
     proc = streamrl("recipe", "run", recipe, *sets(MOVING, *shared_cluster.sets))
     line = last_error_line(proc, 2)
     assert "scheduler 'longtail' moves running samples" in line and "engine 'hf'" in line and "migrate" in line
+
+
+FAILING_MOVER = '''
+from pydantic import BaseModel
+from streamrl.api import Assignment, Component, Scheduler, hookimpl
+
+
+class Empty(BaseModel):
+    pass
+
+
+class FailingMover(Scheduler):
+    """Places every group whole, round-robin, and fails whenever it is asked for moves."""
+
+    moves_samples = True
+
+    def __init__(self, config):
+        pass
+
+    def dispatch(self, prompts, scores, workers, ctx):
+        return [Assignment(i, workers[i % len(workers)], 0.0, tuple(range(ctx.samples_per_prompt)))
+                for i in range(len(prompts))]
+
+    def moves(self, instances):
+        raise RuntimeError("boom in moves")
+
+
+@hookimpl
+def register_schedulers():
+    return [Component("scheduler", "failing_mover", Empty, FailingMover)]
+'''
+
+
+@pytest.mark.slow
+def test_a_scheduler_plugin_that_fails_to_pick_moves_is_said_once_and_the_run_goes_on(tmp_path):
+    recipe = tmp_path / "w3.toml"
+    recipe.write_text((ROOT / "recipes/paper-7b-20k.toml").read_text())
+    recipe = with_plugin(recipe, "failing_mover", FAILING_MOVER, extra='\n[scheduler]\nname = "failing_mover"\n')
+    run = run_recipe(recipe, "pools.generate.workers=2", "run.steps=2", "trainer.prompts_per_step=4",
+                     "trainer.samples_per_prompt=4", "cluster.dashboard_port=0", out=tmp_path / "runs",
+                     args=("--no-report",))
+    check_every_sample_trained_once(run.records, 4, 4)
+    said = [line for line in run.proc.stderr.splitlines() if "sample moves" in line]
+    assert len(said) == 1 and "RuntimeError: boom in moves" in said[0]
+    assert all(r["moves/moved"] == 0 and r["moves/looks"] > 0 for r in run.records)
