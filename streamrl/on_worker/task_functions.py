@@ -65,11 +65,14 @@ def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, e
     start = time.time()
     if movable:
         client = get_client()
+        own = get_worker().get_current_task()
+        phase = own[0] if isinstance(own, tuple) else "generate"  # the step's generate phase, for the trace
 
         def on_moved(partial):
             pin = MOVE_TARGETS.pop(partial.uid)
             # ahead of the target's queued work: the sample has waited long enough
-            return client.submit(continue_moved, partial, engine_priority, key=f"moved-{partial.uid}-{time.time_ns()}",
+            return client.submit(continue_moved, partial, engine_priority,
+                                 key=(phase, f"{partial.uid} moved {time.time_ns()}"),
                                  priority=LOAD_PRIORITY - 1, retries=1, pure=False, **pin)
         try:
             group = engine.generate_movable(prompt, list(samples), engine_priority, on_moved)
