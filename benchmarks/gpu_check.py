@@ -23,8 +23,10 @@ outside still leaves what it measured), by default:
    torch.profiler table of one step of each.
 
 Named in ``--phases`` only: ``recipe_baseline`` (the recipe with the engine and transfer it had
-before: continuous batching, the ``dask`` transfer) and ``factory`` (the recipe for two steps on a
-``dask_cuda.LocalCUDACluster``, every pool on GPU 0).
+before: continuous batching, the ``dask`` transfer), ``factory`` (the recipe for two steps on a
+``dask_cuda.LocalCUDACluster``, every pool on GPU 0) and ``longtail`` (W2, ``recipes/longtail-cpu.toml``,
+on two slot-decoder instances sharing the GPU: ``streamrl bench skew``'s variants, ``fcfs``
+against the ``longtail`` scheduler with and without moving stragglers).
 
 On an H100 the phases took: model 32-48 s, engine 43 + 92 s, recipe 56 s, transfer about 90 s,
 head 32 s, trainer about 20 s a variant: about 7 minutes for the default phases.
@@ -273,6 +275,35 @@ class Check:
             row["ways"] = json.loads(out.read_text())
             self.save()
 
+    def longtail(self, model: str) -> None:
+        """W2 on the GPU engine: ``bench skew recipes/longtail-cpu.toml`` (countdown, lengths set
+        by the prompt with a long tail) with two slot-decoder instances sharing the GPU, so
+        ``fcfs``, ``skew``, ``longtail`` and ``longtail`` moving stragglers run side by side. Its
+        model (``model init --task countdown``, warm-started) is made here; ``model`` is unused."""
+        small = self.args.small
+        path = self.work / "tiny-countdown"
+        if not (path / "config.json").exists():
+            self.run("longtail-model", streamrl("model", "init", "--task", "countdown", "--out", str(path),
+                                                "--warmstart-steps", "20" if small else "120"), 600)
+        gpu = ([f'pools.{p}.device="cuda"' for p in ("generate", "train")]
+               + [f'pools.{p}.cuda_visible_devices=["0"]' for p in ("generate", "train")]
+               if self.args.device == "cuda" else [])
+        prompts = 4 if small else 32
+        over = [f"model.path=\"{path}\"", 'engine.batching="slots"', f"engine.slots={16 * 8}",
+                "engine.max_prompt_tokens=32", f"engine.cuda_graph={'true' if self.args.device == 'cuda' else 'false'}",
+                f"trainer.prompts_per_step={prompts}", "cluster.dashboard_port=0", *gpu]
+        out = self.work / "longtail.json"
+        steps, warmup = ("2", "1") if small else ("5", "2")
+        row = self.run("longtail", streamrl("bench", "skew", str(ROOT / "recipes" / "longtail-cpu.toml"), *sets(over),
+                                            "--steps", steps, "--warmup", warmup, "--out", str(out)),
+                       self.args.longtail_timeout)
+        if out.exists():
+            found = json.loads(out.read_text())["variants"]
+            row["skew"] = {name: {k: r.get(k) for k in ("generate_makespan_s", "speedup_generate", "samples_per_s",
+                                                         "speedup_end_to_end", "moves/moved", "ranker_recall")}
+                           for name, r in found.items()}
+            self.save()
+
     def transfer(self, model: str) -> None:
         """``bench transfer``: one weight publication, train worker's GPU -> the engine."""
         s = sizes(self.args.small)
@@ -313,6 +344,10 @@ def table(result: dict) -> str:
             lines.append(f"| head | {w['way']}: s fwd+bwd, TFLOP/s, peak GiB, rel. diff (logp, dh, dW) | "
                          + (w["error"] if "error" in w else
                             f"{w['seconds']:.4f}, {w['tflops']}, {w['peak_gib']}, {w['rel_diff_logprob_gradh_gradw']}") + " |")
+        for variant, r in row.get("skew", {}).items():
+            lines.append(f"| longtail | {variant}: gen makespan s, x fcfs (gen), x fcfs (e2e), moved/step | "
+                         f"{r['generate_makespan_s']:.3f}, {r['speedup_generate']:.2f}, {r['speedup_end_to_end']:.2f}, "
+                         f"{r.get('moves/moved') or 0:.1f} |")
         if name == "transfer" and row.get("result"):
             for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
                 lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "
@@ -330,7 +365,8 @@ def main() -> int:
     ap.add_argument("--work", default="gpu-check-work", help="folder for the model, runs and logs")
     ap.add_argument("--phases", default="engine,recipe,transfer,head,trainer",
                     help="comma-separated phases to run (also: recipe_baseline, the recipe with the engine and "
-                         "transfer of before; factory, the recipe on a dask-cuda cluster)")
+                         "transfer of before; factory, the recipe on a dask-cuda cluster; longtail, W2's "
+                         "scheduling variants on the GPU engine)")
     ap.add_argument("--engine-requests", type=int, action="append", default=[],
                     help="concurrent requests of an engine measurement (repeatable; default 256 and 64)")
     ap.add_argument("--trainer-samples", type=int, action="append", default=[],
@@ -343,6 +379,7 @@ def main() -> int:
     ap.add_argument("--engine-timeout", type=float, default=100, help="seconds for each engine variant")
     ap.add_argument("--trainer-timeout", type=float, default=120, help="seconds for each trainer batch size")
     ap.add_argument("--transfer-timeout", type=float, default=90, help="seconds for the transfer bench")
+    ap.add_argument("--longtail-timeout", type=float, default=540, help="seconds for the long-tail bench")
     args = ap.parse_args()
     check = Check(args)
     check.env()
