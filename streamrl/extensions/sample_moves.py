@@ -42,6 +42,7 @@ class SampleMoves(StepExtension):
         """Seconds spent looking and moving, in all."""
         self.warned = False
         self.recorded = (0, 0, 0.0)  # (moved, looks, look_s) at the last record
+        self.address: dict[str, str] = {}  # generate worker name -> address, kept between looks
 
     def placed(self, ctl) -> None:
         """Start looking when the scheduler moves samples; refuse an engine that cannot."""
@@ -76,10 +77,15 @@ class SampleMoves(StepExtension):
         how many samples left their instance."""
         ctl = self.ctl
         names = list(ctl.topology.generate)
-        address = {str(info.get("name", addr)): addr for addr, info in pool_workers.workers(ctl.client).items()}
+        address = self.address
+        if any(n not in address for n in names):  # a new or restarted worker: ask the scheduler again
+            address = self.address = {str(info.get("name", addr)): addr
+                                      for addr, info in pool_workers.workers(ctl.client).items()}
         live = [address[n] for n in names if n in address]
         answers = ctl.client.run(task_functions.requests_now, workers=live, on_error="return") if live else {}
         seen = [answers.get(address.get(n)) for n in names]
+        if any(isinstance(s, BaseException) for s in seen):
+            self.address = {}  # (a worker gone from its address: the next look asks where it is now)
         seen = [s if s is not None and not isinstance(s, BaseException) else None for s in seen]
         self.looks += 1
         moved = 0
