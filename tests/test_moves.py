@@ -17,8 +17,8 @@ from streamrl.run import runner
 from streamrl.sample import Prompt
 from streamrl.sim.engine import SimEngine, SimEngineConfig
 from streamrl.training.trainer import pad_batch, token_logprobs
-from tests.helpers import (ROOT, check_every_sample_trained_once, last_error_line, run_recipe, sets, streamrl, until,
-                           with_plugin, write_tiny_recipe)
+from tests.helpers import (ROOT, check_every_sample_trained_once, kill_worker, last_error_line, read_records, run_recipe,
+                           sets, start_run, stop, streamrl, until, wait_for_steps, with_plugin, write_tiny_recipe)
 
 
 def slot_engine(path, **config):
@@ -211,3 +211,29 @@ def test_a_scheduler_plugin_that_fails_to_pick_moves_is_said_once_and_the_run_go
     said = [line for line in run.proc.stderr.splitlines() if "sample moves" in line]
     assert len(said) == 1 and "RuntimeError: boom in moves" in said[0]
     assert all(r["moves/moved"] == 0 and r["moves/looks"] > 0 for r in run.records)
+
+
+@pytest.mark.slow
+def test_a_generate_worker_killed_while_samples_move_loses_and_repeats_nothing(tmp_path):
+    from streamrl.sim.workload import sample_length
+
+    prompts, n = 8, 8
+    proc = start_run(ROOT / "recipes/paper-7b-20k.toml", tmp_path, MOVING, "pools.generate.workers=3",
+                     f"trainer.prompts_per_step={prompts}", f"trainer.samples_per_prompt={n}",
+                     "cluster.dashboard_port=0", steps=8)
+    try:
+        run_dir = wait_for_steps(proc, tmp_path, 2)
+        kill_worker(run_dir, "generate-1")
+        _, err = proc.communicate(timeout=300)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    records = read_records(run_dir)
+    check_every_sample_trained_once(records, prompts, n)
+    task = runner.resolve(load_recipe(str(ROOT / "recipes/paper-7b-20k.toml"), [])).task.build()
+    by_uid = {p.uid: p for r in records for p in task.prompts(r["step"], prompts)}
+    for x in (x for r in records for x in r["sample_log"]):
+        group, k = x["uid"].rsplit("-", 1)
+        assert x["response_len"] == sample_length(by_uid[group], random.Random(f"0-{group}-{k}")), x
+    # the mover found the restarted worker again: samples still move in the last steps
+    assert sum(r["moves/moved"] for r in records[-3:]) > 0

@@ -11,7 +11,8 @@ the target worker, which re-prefills and finishes it; the chunk returns it finis
 reward and the trainer see one whole sample, once (``on_worker/task_functions.generate_chunk``).
 
 A look that fails (a worker gone, a scheduler that raised) is skipped and said once: moves only
-speed generation up, and every sample finishes where it is without them.
+speed generation up, and every sample finishes where it is without them. A look waits at most
+:data:`LOOK_TIMEOUT_S` for the workers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from streamrl.cluster import pool_workers
 from streamrl.errors import RunWarning, UserError
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.on_worker import task_functions
+
+
+#: Seconds a look, or a move, may wait for the workers' answers. A worker killed since the last look
+#: never answers at its old address (the scheduler's broadcast would wait for the connection for
+#: long); the look is given up, the workers' addresses asked again, and the next look goes on.
+LOOK_TIMEOUT_S = 5.0
 
 
 class SampleMoves(StepExtension):
@@ -66,6 +73,7 @@ class SampleMoves(StepExtension):
             try:
                 self.look()
             except Exception as exc:  # noqa: BLE001 -- a look that fails moves nothing; samples finish where they are
+                self.address = {}  # (a worker lost: the next look asks where the workers are now)
                 if not self.warned and not self.stop.is_set():
                     self.warned = True
                     warnings.warn(f"sample moves: a look at the engines failed ({type(exc).__name__}: {exc}); "
@@ -82,7 +90,8 @@ class SampleMoves(StepExtension):
             address = self.address = {str(info.get("name", addr)): addr
                                       for addr, info in pool_workers.workers(ctl.client).items()}
         live = [address[n] for n in names if n in address]
-        answers = ctl.client.run(task_functions.requests_now, workers=live, on_error="return") if live else {}
+        answers = (ctl.client.run(task_functions.requests_now, workers=live, on_error="return",
+                                  callback_timeout=LOOK_TIMEOUT_S) if live else {})
         seen = [answers.get(address.get(n)) for n in names]
         if any(isinstance(s, BaseException) for s in seen):
             self.address = {}  # (a worker gone from its address: the next look asks where it is now)
@@ -93,7 +102,7 @@ class SampleMoves(StepExtension):
             if seen[source] is None or names[target] not in ctl.topology.pins:
                 continue
             taken = ctl.client.run(task_functions.move_sample, uid, ctl.topology.pins[names[target]],
-                                   workers=[address[names[source]]], on_error="return")
+                                   workers=[address[names[source]]], on_error="return", callback_timeout=LOOK_TIMEOUT_S)
             moved += taken.get(address[names[source]]) is True
         self.moved += moved
         return moved
