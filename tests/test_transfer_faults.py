@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -90,8 +91,6 @@ def test_a_group_that_never_forms_says_how_long_it_really_waited():
 
 def test_a_store_that_accepts_but_never_answers_is_given_up_on_within_its_deadline(monkeypatch):
     # torch's store client waits on such a store past its own timeout (here: for ever)
-    import threading
-
     from streamrl.transfer import torch_distributed
 
     monkeypatch.setattr(torch_distributed, "STORE_ANSWER_S", 2.0)
@@ -109,6 +108,55 @@ def test_a_store_that_accepts_but_never_answers_is_given_up_on_within_its_deadli
             if thread.name == f"streamrl-store-{port}":
                 thread.join(30)
                 assert not thread.is_alive()
+
+
+def _stuck_in_gloo(monkeypatch, transfer):
+    """``transfer``'s group set-up blocks, as gloo's connect was seen to when a member died while
+    the group's sockets connected (it cannot be made to on demand: a stand-in at that edge).
+    Returns the event that lets it go."""
+    let_go = threading.Event()
+
+    def stuck(store, rank, world):
+        let_go.wait(60)
+        raise RuntimeError("let go")
+
+    monkeypatch.setattr(transfer, "_group", stuck)
+    return let_go
+
+
+def test_a_receiver_stuck_in_gloo_after_its_sender_failed_misses_within_moments(monkeypatch):
+    # the sender's group never forms (a second receiver is dead): its thread fails after its
+    # 2 s timeout and lets the store go. The receiver's own timeout (120 s) is not what ends it
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2))
+    sender.receivers = 2
+    token = sender.send(weights(), version=1)
+    receiver = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120))
+    let_go = _stuck_in_gloo(monkeypatch, receiver)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ReceiveMissed, match=r"not received after [\d.]+ s \(transfer.timeout_s = 120\): "
+                                                r"its sender left the group \(its store closed\)"):
+            receiver.receive(token, 1)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        let_go.set()
+
+
+def test_a_receiver_stuck_in_gloo_past_its_timeout_misses(monkeypatch):
+    # the sender still holds its store (its own timeout is long): the receiver's timeout ends it
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=30))
+    sender.receivers = 1
+    token = sender.send(weights(), version=1)
+    receiver = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2))
+    let_go = _stuck_in_gloo(monkeypatch, receiver)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ReceiveMissed, match=r"\(transfer.timeout_s = 2\): its group did not form, or a "
+                                                r"broadcast did not end, within the timeout"):
+            receiver.receive(token, 1)
+        assert 2 < time.perf_counter() - t0 < 15
+    finally:
+        let_go.set()
 
 
 @pytest.mark.slow

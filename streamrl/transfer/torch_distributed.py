@@ -43,6 +43,13 @@ log = logging.getLogger(__name__)
 #: within ``timeout_s``).
 STORE_ANSWER_S = 15.0
 
+#: Seconds between a receiver's looks at its group (is the sender's store still open?).
+WATCH_EVERY_S = 1.0
+
+#: Seconds a receiver waits for its broadcasts to end after the sender's store closed: a sender
+#: that succeeded closes it while its last bytes arrive (milliseconds); one that failed, for good.
+SENDER_GONE_S = 5.0
+
 
 def _store_client(host: str, port: int, world: int, answer_s: float):
     """A client of the group's store at ``host:port``, connected within ``answer_s`` seconds
@@ -76,6 +83,16 @@ class TorchDistributedConfig(BaseModel):
     """Megabytes per broadcast: fewer collectives against a bounded extra buffer."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds every member waits for the others (group set-up and each broadcast)."""
+
+
+def _store_open(host: str, port: int) -> bool:
+    """Whether the group's store still accepts connections (the sender holds it while its
+    broadcasts run)."""
+    try:
+        socket.create_connection((host, port), timeout=WATCH_EVERY_S).close()
+        return True
+    except OSError:
+        return False
 
 
 def _buckets(layout: list[tuple[str, list[int], str]], bucket_bytes: float) -> list[list[int]]:
@@ -209,22 +226,55 @@ class TorchDistributedTransfer(Transfer):
             raise missed(f"its store did not answer ({type(exc).__name__})") from None
         if rank >= payload["world"]:  # every place taken: this worker replaces one that left
             raise missed(f"its group of {payload['world']} was full")
-        try:
-            group = self._group(store, rank, payload["world"])
-            layout, out = payload["layout"], {}
-            for idx in _buckets(layout, self.config.bucket_mb * 2**20):
-                dtype = getattr(torch, layout[idx[0]][2])
-                shapes = [torch.Size(layout[i][1]) for i in idx]
-                flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype)
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                group.broadcast([flat], opts).wait()
-                offset = 0
-                for i, shape in zip(idx, shapes):
-                    out[layout[i][0]] = flat[offset:offset + shape.numel()].view(shape)
-                    offset += shape.numel()
-            return out
-        except Exception as exc:
+        # gloo runs in a thread of its own, watched from here: a member killed while the group's
+        # sockets connect can leave the others in gloo's connect for good, past its own timeout
+        # (seen: a receiver still waiting 6 minutes after the sender had failed and let its store
+        # go). A receive that gives up leaves that thread blocked in gloo until the worker ends.
+        progress = [time.monotonic()]
+        done: dict = {}
+
+        def join_and_receive() -> None:
+            try:
+                group = self._group(store, rank, payload["world"])
+                progress[0] = time.monotonic()
+                layout, out = payload["layout"], {}
+                for idx in _buckets(layout, self.config.bucket_mb * 2**20):
+                    dtype = getattr(torch, layout[idx[0]][2])
+                    shapes = [torch.Size(layout[i][1]) for i in idx]
+                    flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype)
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    group.broadcast([flat], opts).wait()
+                    progress[0] = time.monotonic()
+                    offset = 0
+                    for i, shape in zip(idx, shapes):
+                        out[layout[i][0]] = flat[offset:offset + shape.numel()].view(shape)
+                        offset += shape.numel()
+                done["weights"] = out
+            except Exception as exc:
+                done["error"] = exc
+
+        thread = threading.Thread(target=join_and_receive, name=f"streamrl-receive-v{version}", daemon=True)
+        thread.start()
+        closed_since = None
+        while True:
+            thread.join(WATCH_EVERY_S)
+            if not thread.is_alive():
+                break
+            now = time.monotonic()
+            if now - progress[0] > self.config.timeout_s + WATCH_EVERY_S:  # (gloo's own timeout, missed)
+                raise missed("its group did not form, or a broadcast did not end, within the timeout; "
+                             "is every generate worker alive?")
+            # the sender lets the store go when its broadcasts end, done or failed: done, the last
+            # bytes are arriving here; failed, this group is over whatever gloo waits for
+            if _store_open(host, int(port)):
+                closed_since = None
+            elif closed_since is None:
+                closed_since = now
+            elif now - closed_since > SENDER_GONE_S:
+                raise missed("its sender left the group (its store closed); is every generate worker alive?")
+        if "error" in done:
             # a member gone mid-way fails at once (gloo sees its sockets close); one that never
             # came fails after timeout_s: the elapsed time tells them apart
-            raise missed(f"its group failed ({type(exc).__name__}); is every generate worker alive?") from None
+            raise missed(f"its group failed ({type(done['error']).__name__}); is every generate worker alive?")
+        return done["weights"]
