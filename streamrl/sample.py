@@ -68,7 +68,9 @@ class Sample:
     """What the reward raised (``"ValueError: ..."``) or why its value was not a score, when it
     failed for this sample (scored 0); empty otherwise."""
     times: dict[str, float] = field(default_factory=dict)
-    """Wall-clock timestamps: ``gen_start``, ``gen_end``, ``reward_end``."""
+    """Wall-clock timestamps: ``gen_start``, ``gen_end``, ``reward_end``; and ``clock_shift``, the
+    seconds Dask added to the generate worker's clock in its task stream when the sample was made
+    (the trace puts ``gen_start`` and ``gen_end`` in that frame)."""
 
 
 Group = list[Sample]

@@ -67,7 +67,9 @@ def check_samples(trace: Trace, records: list[dict]) -> None:
         (gen,), (train,) = by_phase["generate"][x["uid"]], by_phase["train"][x["uid"]]
         assert trace.worker(gen) == x["worker"] and trace.process[gen["pid"]] == f"{x['worker']} samples"
         assert trace.worker(train) == x["trained_on"]
-        assert abs(gen["ts"] - us(x["gen_start"])) <= 1 and abs(gen["ts"] + gen["dur"] - us(x["gen_end"])) <= 1
+        shift = x.get("clock_shift", 0.0)  # (the generate stamps are drawn in the task stream's frame)
+        assert abs(gen["ts"] - us(x["gen_start"] + shift)) <= 1
+        assert abs(gen["ts"] + gen["dur"] - us(x["gen_end"] + shift)) <= 1
         assert abs(train["ts"] + train["dur"] - us(x["trained"])) <= 1 and train["ts"] >= us(x["reward_end"]) - 1
         assert gen["args"] == train["args"] == {
             "uid": x["uid"], "step": r["step"], "version": x["version"], "staleness": x["staleness"],
@@ -94,17 +96,18 @@ def check_steps(trace: Trace, records: list[dict]) -> None:
 def hand_made(folder: Path) -> list[dict]:
     """A run folder with one step of two samples from two generate workers, trained in one
     train task, and the task stream that goes with it (two back-to-back tasks on train-0 whose
-    times overlap by a millisecond, as Dask's clock correction makes them)."""
+    times overlap by a millisecond, as Dask's clock correction makes them; generate-1's tasks
+    shifted 80 ms by it, which its sample's ``clock_shift`` says)."""
     t = 1_800_000_000.0
     log = [{"uid": f"0-000-{k}", "version": 0, "worker": f"generate-{k}", "submitted": t, "gen_start": t + 0.1 + k,
-            "gen_end": t + 1.2 + k, "reward_end": t + 2.5 + k, "trained": t + 4.5, "trained_on": "train-0",
-            "response_len": 4 + k, "prompt_len": 7, "staleness": 0} for k in range(2)]
+            "gen_end": t + 1.2 + k, "clock_shift": 0.08 * k, "reward_end": t + 2.5 + k, "trained": t + 4.5,
+            "trained_on": "train-0", "response_len": 4 + k, "prompt_len": 7, "staleness": 0} for k in range(2)]
     record = {"step": 0, "policy_version": 1, "samples": 2, "time": t + 5.0, "step_s": 5.0, "weight_sync_s": 0.4,
               "controller_s": 0.05, "accounting_window_s": 5.0, "pools": {"generate": {"idle_ratio": 0.5}},
               "sample_log": log}
     tasks = [{"segment": {"start": t - 1, "resumed": False}},
              *[{"key": ["generate-0", f"0-000+{k}"], "worker": f"generate-{k}", "status": "OK",
-                "startstops": [["compute", t + 0.1 + k, t + 1.2 + k, None]]} for k in range(2)],
+                "startstops": [["compute", t + 0.1 + 1.08 * k, t + 1.2 + 1.08 * k, None]]} for k in range(2)],
              *[{"key": ["reward-0", f"0-000+{k}"], "worker": "reward-0", "status": "OK",
                 "startstops": [["transfer", t + 1.3 + k, t + 1.4 + k, f"generate-{k}"],
                                ["compute", t + 2.0 + k, t + 2.5 + k, None]]} for k in range(2)],
@@ -223,8 +226,9 @@ def test_tasks_appear_on_the_workers_that_ran_them(run):
     # the generate tasks hold the samples they made
     for r in read_records(run):
         for x in r["sample_log"]:
-            assert any(trace.worker(e) == x["worker"] and e["ts"] - 20_000 <= us(x["gen_start"])
-                       and us(x["gen_end"]) <= e["ts"] + e["dur"] + 20_000
+            shift = x["clock_shift"]  # (Dask's estimate of the scheduler's clock less the worker's)
+            assert any(trace.worker(e) == x["worker"] and e["ts"] - 20_000 <= us(x["gen_start"] + shift)
+                       and us(x["gen_end"] + shift) <= e["ts"] + e["dur"] + 20_000
                        for e in tasks if e["name"] == "generate" and e["args"]["step"] == r["step"]), x
 
 

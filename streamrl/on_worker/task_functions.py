@@ -32,11 +32,21 @@ LATEST_SENDER = "streamrl-latest-weights-sender"  # who exported LATEST: {"pin",
 LOAD_PRIORITY = 1_000_000
 
 
+def dask_clock_shift() -> float:
+    """What Dask adds to this worker's clock in the task stream (its estimate of the scheduler's
+    clock less its own, renewed at each heartbeat; taken as the task starts, as Dask takes it).
+    A sample keeps it (``times["clock_shift"]``) so that the trace draws the sample's own stamps
+    in the task stream's frame: on a loaded machine the estimate drifts even where the clocks
+    agree, and a sample would be drawn outside the task that made it."""
+    return float(getattr(get_worker(), "scheduler_delay", 0.0) or 0.0)
+
+
 def generate_groups(prompts: list[Prompt], n: int, submitted: float = 0.0,
                     engine_priorities: list[float] | None = None, min_version: int = 0) -> list[Group]:
     """Generate pool: ``n`` samples of each prompt (``pools.generate.groups_per_task`` of them).
     ``submitted`` is when the controller asked; ``engine_priorities`` (from a scheduler; higher
     first) order the engine's queue; an engine older than ``min_version`` catches up first."""
+    shift = dask_clock_shift()  # (first: Dask took it as the task started)
     engine = resident(ENGINE)
     if engine.version < min_version:
         catch_up(engine, min_version)
@@ -46,6 +56,7 @@ def generate_groups(prompts: list[Prompt], n: int, submitted: float = 0.0,
     name = str(get_worker().name)
     for s in (s for g in groups for s in g):
         s.times["submitted"] = submitted
+        s.times["clock_shift"] = shift
         # an engine that does not time its samples gets the task's own times
         s.times.setdefault("gen_start", start)
         s.times.setdefault("gen_end", end)
@@ -59,6 +70,7 @@ def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, e
     a scheduler split over instances; :func:`score_chunks` joins them). ``movable``: a straggler
     mover may take one out (:func:`move_sample`); it is then finished by a task on the worker it
     was moved to (:func:`continue_moved`), and this task returns it finished."""
+    shift = dask_clock_shift()  # (first: Dask took it as the task started)
     engine = resident(ENGINE)
     if engine.version < min_version:
         catch_up(engine, min_version)
@@ -85,6 +97,7 @@ def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, e
     name = str(get_worker().name)
     for s in group:
         s.times["submitted"] = submitted
+        s.times["clock_shift"] = shift
         s.times.setdefault("gen_start", start)
         s.times.setdefault("gen_end", end)
         s.worker = s.worker or name
