@@ -13,7 +13,7 @@ import time
 import pytest
 
 from streamrl.cluster import quiet
-from tests.helpers import (check_every_sample_trained_once, kill_worker, read_records, start_run, streamrl,
+from tests.helpers import (check_every_sample_trained_once, kill_worker, read_records, start_run, stop, streamrl,
                            wait_for_steps)
 
 
@@ -25,9 +25,12 @@ def test_a_killed_generate_worker_loses_and_repeats_nothing(tiny_recipe, tmp_pat
     # neither hang nor lose work: the restarted worker is brought up to date, then generates
     proc = start_run(tiny_recipe, tmp_path, "pools.generate.workers=2", f"transfer.name={transfer}",
                  *(["transfer.timeout_s=10"] if transfer == "torch_distributed" else []))
-    run_dir = wait_for_steps(proc, tmp_path, 3)
-    kill_worker(run_dir, "generate-1")
-    _, err = proc.communicate(timeout=300)
+    try:
+        run_dir = wait_for_steps(proc, tmp_path, 3)
+        kill_worker(run_dir, "generate-1")
+        _, err = proc.communicate(timeout=300)
+    finally:  # a run that hangs must not go on beside the tests after this one
+        stop(proc)
     assert proc.returncode == 0, err[-3000:]
     recs = read_records(run_dir)
     assert [r["step"] for r in recs] == list(range(14))

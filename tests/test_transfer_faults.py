@@ -21,7 +21,7 @@ from distributed import Client
 from streamrl.cluster import lifecycle
 from streamrl.api import ReceiveMissed
 from streamrl.transfer.torch_distributed import TorchDistributedConfig, TorchDistributedTransfer
-from tests.helpers import check_every_sample_trained_once, read_records, start_run, wait_for_steps
+from tests.helpers import check_every_sample_trained_once, read_records, start_run, stop, wait_for_steps
 
 
 def kill_in_a_load(run_dir, name: str, within: float = 60.0) -> bool:
@@ -110,6 +110,30 @@ def test_a_store_that_accepts_but_never_answers_is_given_up_on_within_its_deadli
                 assert not thread.is_alive()
 
 
+def test_a_member_killed_while_its_group_forms_is_seen_silent_and_the_others_miss_within_moments(monkeypatch):
+    # member 1 took its place and beat once, then its worker died (a store client that stops:
+    # what the store sees of a killed worker). gloo would wait its whole timeout (120 s) for it
+    import datetime
+
+    import torch.distributed as dist
+
+    from streamrl.transfer import torch_distributed
+
+    monkeypatch.setattr(torch_distributed, "MEMBER_SILENT_S", 3.0)
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120))
+    sender.receivers = 2
+    token = sender.send(weights(), version=1)
+    host, port = token["address"].rsplit(":", 1)
+    dead = dist.TCPStore(host, int(port), 3, False, timeout=datetime.timedelta(seconds=10))
+    assert dead.add("streamrl-next-rank", 1) == 1
+    dead.add(torch_distributed.BEAT + "1", 1)
+    t0 = time.perf_counter()
+    with pytest.raises(ReceiveMissed, match=r"\(transfer.timeout_s = 120\): member 1 of its group of 3 went "
+                                            r"silent while the group formed; is every generate worker alive\?"):
+        TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120)).receive(token, 1)
+    assert time.perf_counter() - t0 < 20
+
+
 def _stuck_in_gloo(monkeypatch, transfer):
     """``transfer``'s group set-up blocks, as gloo's connect was seen to when a member died while
     the group's sockets connected (it cannot be made to on demand: a stand-in at that edge).
@@ -167,13 +191,16 @@ def test_a_killed_generate_worker_leaves_the_broadcast_group_and_rejoins_it(tiny
     # that version's group (a kill between publications is the easy case); the second hits a
     # worker that was restarted once, so it must have rejoined the groups in between
     proc = start_run(tiny_recipe, tmp_path, "pools.generate.workers=2", "transfer.name=torch_distributed")
-    run_dir = wait_for_steps(proc, tmp_path, 3)
-    t0 = time.perf_counter()
-    assert kill_in_a_load(run_dir, "generate-1")
-    wait_for_steps(proc, tmp_path, 7)
-    assert kill_in_a_load(run_dir, "generate-1")
-    _, err = proc.communicate(timeout=400)
-    after_kill = time.perf_counter() - t0
+    try:
+        run_dir = wait_for_steps(proc, tmp_path, 3)
+        t0 = time.perf_counter()
+        assert kill_in_a_load(run_dir, "generate-1")
+        wait_for_steps(proc, tmp_path, 7)
+        assert kill_in_a_load(run_dir, "generate-1")
+        _, err = proc.communicate(timeout=400)
+        after_kill = time.perf_counter() - t0
+    finally:  # a run that hangs must not go on beside the tests after this one
+        stop(proc)
     assert proc.returncode == 0, err[-3000:]
     recs = read_records(run_dir)
     assert [r["step"] for r in recs] == list(range(14))

@@ -119,6 +119,67 @@ def _host() -> str:
     return own_host()
 
 
+#: Store key prefix of a receiver's heartbeat: a counter it adds to every :data:`WATCH_EVERY_S`
+#: while it receives, and sets to ``done`` when it leaves the group whole.
+BEAT = "streamrl-beat-"
+
+#: Seconds another member's heartbeat may stand still, while this receiver's group forms, before
+#: it counts that member as lost (a worker killed mid-join: gloo would wait its whole timeout).
+MEMBER_SILENT_S = 10.0
+
+
+class _Watch:
+    """A receiver's view of its group from outside gloo, on a store connection of its own: it
+    beats for its rank and looks at the others' beats and at the sender's store."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int):
+        self.host, self.port, self.rank, self.world = host, port, rank, world
+        self.store = None
+        self.heard: dict[int, tuple[bytes, float]] = {}  # rank -> (its last beat, when it changed)
+        self.closed_since: float | None = None
+
+    def look(self, forming: bool) -> str:
+        """Beat once; why the group is lost ("" while it is not): the sender's store closed for
+        :data:`SENDER_GONE_S`, or, while the group forms, a member silent for :data:`MEMBER_SILENT_S`."""
+        now = time.monotonic()
+        # the sender lets the store go when its broadcasts end, done or failed: done, the last
+        # bytes are arriving here; failed, this group is over whatever gloo waits for
+        if not _store_open(self.host, self.port):
+            self.closed_since = self.closed_since or now
+            if now - self.closed_since > SENDER_GONE_S:
+                return "its sender left the group (its store closed)"
+            return ""
+        self.closed_since = None
+        try:
+            if self.store is None:
+                self.store = _store_client(self.host, self.port, self.world, 5 * WATCH_EVERY_S)
+            self.store.add(f"{BEAT}{self.rank}", 1)
+            if not forming:  # (formed: gloo sees a member's sockets close, at once)
+                return ""
+            for r in range(1, self.world):
+                if r == self.rank or not self.store.check([f"{BEAT}{r}"]):  # (not come yet: gloo's timeout)
+                    continue
+                beat = self.store.get(f"{BEAT}{r}")
+                last = self.heard.get(r)
+                if beat == b"done" or last is None or last[0] != beat:
+                    self.heard[r] = (beat, now)
+                elif now - last[1] > MEMBER_SILENT_S:
+                    return f"member {r} of its group of {self.world} went silent while the group formed"
+        except Exception as exc:  # (the store going: the next look sees it closed)
+            log.debug("torch_distributed transfer: a look at the store failed: %s", exc)
+        return ""
+
+    def leave(self, whole_on=None) -> None:
+        """Drop the connection; ``whole_on``: a store client (the one gloo is done with) to say
+        that this member left whole, so that its beat standing still is no loss."""
+        try:
+            if whole_on is not None:
+                whole_on.set(f"{BEAT}{self.rank}", "done")
+        except Exception:  # noqa: BLE001 -- the sender may have let the store go already
+            pass
+        self.store = None
+
+
 class TorchDistributedTransfer(Transfer):
     """Weights broadcast over a gloo process group per version."""
 
@@ -221,22 +282,24 @@ class TorchDistributedTransfer(Transfer):
         try:
             store = _store_client(host, int(port), payload["world"], min(STORE_ANSWER_S, self.config.timeout_s))
             rank = int(store.add("streamrl-next-rank", 1))  # 1 .. receivers, in arrival order
+            if rank < payload["world"]:
+                store.add(f"{BEAT}{rank}", 1)  # (at once: a member killed from here on is seen silent)
             store.set_timeout(timeout)
         except Exception as exc:
             raise missed(f"its store did not answer ({type(exc).__name__})") from None
         if rank >= payload["world"]:  # every place taken: this worker replaces one that left
             raise missed(f"its group of {payload['world']} was full")
-        # gloo runs in a thread of its own, watched from here: a member killed while the group's
-        # sockets connect can leave the others in gloo's connect for good, past its own timeout
-        # (seen: a receiver still waiting 6 minutes after the sender had failed and let its store
-        # go). A receive that gives up leaves that thread blocked in gloo until the worker ends.
-        progress = [time.monotonic()]
+        # gloo runs in a thread of its own, watched from here (:class:`_Watch`): a member killed
+        # while the group's sockets connect leaves the others in gloo's connect until its timeout,
+        # and was seen to leave one there for good, after the sender had failed and let its store
+        # go. A receive that gives up leaves that thread blocked in gloo until the worker ends.
+        progress = [time.monotonic(), False]  # (last progress, whether the group has formed)
         done: dict = {}
 
         def join_and_receive() -> None:
             try:
                 group = self._group(store, rank, payload["world"])
-                progress[0] = time.monotonic()
+                progress[:] = [time.monotonic(), True]
                 layout, out = payload["layout"], {}
                 for idx in _buckets(layout, self.config.bucket_mb * 2**20):
                     dtype = getattr(torch, layout[idx[0]][2])
@@ -256,23 +319,20 @@ class TorchDistributedTransfer(Transfer):
 
         thread = threading.Thread(target=join_and_receive, name=f"streamrl-receive-v{version}", daemon=True)
         thread.start()
-        closed_since = None
-        while True:
-            thread.join(WATCH_EVERY_S)
-            if not thread.is_alive():
-                break
-            now = time.monotonic()
-            if now - progress[0] > self.config.timeout_s + WATCH_EVERY_S:  # (gloo's own timeout, missed)
-                raise missed("its group did not form, or a broadcast did not end, within the timeout; "
-                             "is every generate worker alive?")
-            # the sender lets the store go when its broadcasts end, done or failed: done, the last
-            # bytes are arriving here; failed, this group is over whatever gloo waits for
-            if _store_open(host, int(port)):
-                closed_since = None
-            elif closed_since is None:
-                closed_since = now
-            elif now - closed_since > SENDER_GONE_S:
-                raise missed("its sender left the group (its store closed); is every generate worker alive?")
+        watch = _Watch(host, int(port), rank, payload["world"])
+        try:
+            while True:
+                thread.join(WATCH_EVERY_S)
+                if not thread.is_alive():
+                    break
+                if time.monotonic() - progress[0] > self.config.timeout_s + WATCH_EVERY_S:  # (gloo's own, missed)
+                    raise missed("its group did not form, or a broadcast did not end, within the timeout; "
+                                 "is every generate worker alive?")
+                why = watch.look(forming=not progress[1])
+                if why:
+                    raise missed(f"{why}; is every generate worker alive?")
+        finally:
+            watch.leave(whole_on=store if "weights" in done else None)
         if "error" in done:
             # a member gone mid-way fails at once (gloo sees its sockets close); one that never
             # came fails after timeout_s: the elapsed time tells them apart
