@@ -18,6 +18,13 @@ for that worker alone: :meth:`TorchDistributedTransfer.resend` serves the newest
 over a group of two (the train worker keeps the last one it sent for that: one CPU copy of the
 weights). The next publication's group has only the generate workers up at that moment.
 
+A member lost while the group's sockets connect is another matter: gloo keeps trying to reach
+it until its timeout, and was seen to stay in that connect for good. So each receiver runs gloo
+in a thread and watches its group from outside it, on a store connection of its own: it beats
+(a counter in the store) every second, and gives up, with :class:`ReceiveMissed`, when another
+member's beat stands still while the group forms, when the sender's store has closed (the
+sender failed), or when nothing moved for ``timeout_s``.
+
 The store and gloo's sockets listen on the interface of the worker's Dask address only (127.0.0.1
 on the embedded cluster), as the train pool's group does (``training/data_parallel.py``).
 
