@@ -249,7 +249,8 @@ class Check:
                                                     *[x for v in variants for x in ("--variant", v)],
                                                     "--samples", str(n), "--prompt-tokens", str(s["trainer_prompt"]),
                                                     "--response-tokens", str(s["trainer_response"]),
-                                                    "--steps", "3", "--warmup", "1", "--out", str(out), *extra),
+                                                    "--steps", "2" if self.args.small else "3", "--warmup", "1",
+                                                    "--out", str(out), *extra),
                            self.args.trainer_timeout)
             if out.exists():
                 row["variants"] = [{k: v for k, v in r.items() if k != "steps"} for r in json.loads(out.read_text())]
