@@ -148,37 +148,26 @@ def _stuck_in_gloo(monkeypatch, transfer):
     return let_go
 
 
-def test_a_receiver_stuck_in_gloo_after_its_sender_failed_misses_within_moments(monkeypatch):
-    # the sender's group never forms (a second receiver is dead): its thread fails after its
-    # 2 s timeout and lets the store go. The receiver's own timeout (120 s) is not what ends it
-    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2))
-    sender.receivers = 2
-    token = sender.send(weights(), version=1)
-    receiver = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120))
-    let_go = _stuck_in_gloo(monkeypatch, receiver)
-    t0 = time.perf_counter()
-    try:
-        with pytest.raises(ReceiveMissed, match=r"not received after [\d.]+ s \(transfer.timeout_s = 120\): "
-                                                r"its sender left the group \(its store closed\)"):
-            receiver.receive(token, 1)
-        assert time.perf_counter() - t0 < 30
-    finally:
-        let_go.set()
-
-
-def test_a_receiver_stuck_in_gloo_past_its_timeout_misses(monkeypatch):
+@pytest.mark.parametrize("sender_timeout, receivers, receiver_timeout, why, within", [
+    # the sender's group never forms (a second receiver is dead): its thread fails after its 2 s
+    # timeout and lets the store go. The receiver's own timeout (120 s) is not what ends it
+    (2, 2, 120, r"not received after [\d.]+ s \(transfer.timeout_s = 120\): its sender left the group "
+                r"\(its store closed\)", (0, 30)),
     # the sender still holds its store (its own timeout is long): the receiver's timeout ends it
-    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=30))
-    sender.receivers = 1
+    (30, 1, 2, r"\(transfer.timeout_s = 2\): its group did not form, or a broadcast did not end, within "
+               r"the timeout", (2, 15)),
+], ids=["after its sender failed", "past its timeout"])
+def test_a_receiver_stuck_in_gloo_misses(monkeypatch, sender_timeout, receivers, receiver_timeout, why, within):
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=sender_timeout))
+    sender.receivers = receivers
     token = sender.send(weights(), version=1)
-    receiver = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=2))
+    receiver = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=receiver_timeout))
     let_go = _stuck_in_gloo(monkeypatch, receiver)
     t0 = time.perf_counter()
     try:
-        with pytest.raises(ReceiveMissed, match=r"\(transfer.timeout_s = 2\): its group did not form, or a "
-                                                r"broadcast did not end, within the timeout"):
+        with pytest.raises(ReceiveMissed, match=why):
             receiver.receive(token, 1)
-        assert 2 < time.perf_counter() - t0 < 15
+        assert within[0] < time.perf_counter() - t0 < within[1]
     finally:
         let_go.set()
 

@@ -224,10 +224,10 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
                 "prompt_len": x.get("prompt_len"), "response_len": x.get("response_len"),
                 **{k: x[k] for k in ("turns", "tool_calls", "text") if k in x}}  # (an agent's trajectory)
         gen_start, gen_end = x.get("gen_start"), x.get("gen_end")
-        if gen_start is not None and gen_end is not None:  # in the frame of Dask's task slices
-            gen_start, gen_end = gen_start + x.get("clock_shift", 0.0), gen_end + x.get("clock_shift", 0.0)
         worker = x.get("worker") or "generate"
         if gen_start is not None and gen_end is not None:
+            shift = x.get("clock_shift", 0.0)  # (into the frame of Dask's task slices)
+            gen_start, gen_end = gen_start + shift, gen_end + shift
             pid = tracks.samples(worker)
             queued = x.get("submitted") or gen_start  # (0: a task that was not told when it was asked)
             # (from the earlier of the two: the controller's and the worker's clocks may differ)
