@@ -427,6 +427,9 @@ def test_the_math_reward_runs_on_the_shipped_verl_dataset(tmp_path, shared_clust
                         f'[task]\nname = "dataset"\npath = "{ROOT / "data" / "word-problems" / "train.parquet"}"\n')
     text = text.replace('[reward]\nname = "exact_match"\n', '[reward]\nname = "math"\n')
     text = text.replace("max_new_tokens = 6", "max_new_tokens = 16")
+    # a step at the tiny recipe's lr can unlearn the boxes (measured: 8 of 16 answered after it):
+    # this checks the reward, not learning, so the policy stays the warm-started one
+    text = text.replace("lr = 1e-3", "lr = 1e-7")
     (tmp_path / "recipe.toml").write_text(text)
     records = run_recipe(tmp_path / "recipe.toml", *shared_cluster.sets, timeout=300).records
     assert [r["reward_errors"] for r in records] == [0, 0]
