@@ -72,11 +72,11 @@ def sizes(small: bool) -> dict:
         return dict(recipe_steps=2, recipe=["trainer.prompts_per_step=2", "trainer.samples_per_prompt=2",
                                             "engine.max_new_tokens=8"],
                     engine=["trainer.prompts_per_step=2", "trainer.samples_per_prompt=4", "engine.max_new_tokens=8"],
-                    engine_steps=1, trainer_samples=[4, 8], trainer_prompt=8, trainer_response=24,
+                    engine_steps=1, trainer_samples=[4, 8], trainer_prompt=8, trainer_response=24, trainer_steps=2,
                     transfer_repeats=1, engine_requests=[8, 4])
     return dict(recipe_steps=4, recipe=[],
                 engine=["trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "engine.max_new_tokens=256"],
-                engine_steps=1, trainer_samples=[64], trainer_prompt=64, trainer_response=512,
+                engine_steps=1, trainer_samples=[64], trainer_prompt=64, trainer_response=512, trainer_steps=3,
                 transfer_repeats=3, engine_requests=[256, 64])
 
 
@@ -249,7 +249,7 @@ class Check:
                                                     *[x for v in variants for x in ("--variant", v)],
                                                     "--samples", str(n), "--prompt-tokens", str(s["trainer_prompt"]),
                                                     "--response-tokens", str(s["trainer_response"]),
-                                                    "--steps", "2" if self.args.small else "3", "--warmup", "1",
+                                                    "--steps", str(s["trainer_steps"]), "--warmup", "1",
                                                     "--out", str(out), *extra),
                            self.args.trainer_timeout)
             if out.exists():
