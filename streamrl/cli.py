@@ -325,7 +325,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from streamrl.training.model_init import init_model
+    from streamrl.models.initialize import init_model
 
     if args.arch is not None:
         from streamrl.recipe.recipe import parse_override

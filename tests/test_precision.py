@@ -210,7 +210,7 @@ def test_activation_checkpointing_gives_the_same_gradient(tiny_model):
 
 
 def test_device_auto_is_the_cpu_here_and_cuda_without_a_gpu_is_an_error(monkeypatch):
-    from streamrl.cluster.devices import ENV, worker_device
+    from streamrl.devices import ENV, worker_device
 
     monkeypatch.delenv(ENV, raising=False)
     assert worker_device() == "cpu"  # no GPU on this machine

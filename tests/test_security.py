@@ -128,7 +128,7 @@ def run_copy(ranked_run, tmp_path) -> Path:
 
 @pytest.mark.slow
 def test_the_checkpoints_a_run_writes_load_without_full_unpickling(ranked_run):
-    from streamrl.checkpoints.trainer_state import read_metadata, unsafe_torch_file
+    from streamrl.training.trainer_state import read_metadata, unsafe_torch_file
 
     for ckpt in sorted((ranked_run / "checkpoints").iterdir()):
         assert unsafe_torch_file(ckpt / "trainer" / "trainer.pt") is None
@@ -192,7 +192,7 @@ def test_a_resume_with_only_crafted_checkpoints_stops_in_one_line(run_copy, tmp_
 
 def test_the_trainer_refuses_a_crafted_trainer_pt_itself(tmp_path):
     # the worker's own load is weights_only too, whatever the controller checked before
-    from streamrl.checkpoints.trainer_state import unsafe_torch_file
+    from streamrl.training.trainer_state import unsafe_torch_file
 
     import torch
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from distributed import get_worker
 
-from streamrl.plugins.user_files import exec_user_source
+from streamrl.recipe.user_files import exec_user_source
 from streamrl.rewards.scoring import reward_value
 from streamrl.sample import Group, Prompt, Sample
 

@@ -1,6 +1,6 @@
 """``streamrl bench trainer RECIPE``: the recipe's trainer on synthetic batches, in this process.
 
-It builds the trainer the recipe names (on ``streamrl.cluster.devices.worker_device()``: the GPU when this
+It builds the trainer the recipe names (on ``streamrl.devices.worker_device()``: the GPU when this
 process sees one), makes ``--samples`` samples of ``--prompt-tokens + --response-tokens`` random
 token ids in groups of ``trainer.samples_per_prompt`` with rewards that give every group a
 signal, cuts them into micro-batches by the recipe's token budget exactly as train tasks do,

@@ -233,7 +233,7 @@ def refused(ckpt: Path) -> str | None:
     """The first file of checkpoint ``ckpt`` that cannot be read without running code (one phrase
     naming it, relative to ``ckpt``), or None: every ``*.pt`` must load with
     ``weights_only=True`` and every DCP ``.metadata`` with the restricted reader."""
-    from streamrl.checkpoints.trainer_state import RefusedGlobal, read_metadata, unsafe_torch_file
+    from streamrl.training.trainer_state import RefusedGlobal, read_metadata, unsafe_torch_file
 
     for path in sorted(ckpt.rglob("*.pt")):
         problem = unsafe_torch_file(path)
@@ -269,7 +269,7 @@ def _verify_legacy(ckpt: Path) -> str | None:
 
 def _dcp_problem(dcp: Path) -> str | None:
     """Every byte range the DCP metadata of folder ``dcp`` names lies inside its files."""
-    from streamrl.checkpoints.trainer_state import read_metadata
+    from streamrl.training.trainer_state import read_metadata
 
     try:
         metadata = read_metadata(dcp)

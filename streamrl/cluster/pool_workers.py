@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from distributed import Nanny, Worker
 
-from streamrl.cluster.devices import ENV as DEVICE_ENV
+from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.recipe.learners import LearnerConfig, main_learner
 from streamrl.recipe.pools import REQUIRED_POOLS
 from streamrl.recipe.recipe import Recipe

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import dask
 
-from streamrl.cluster.devices import ENV as DEVICE_ENV
+from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.cluster.pool_workers import NICE_ENV, PRE_SPAWN_ENV, STOP_SIGNALS, WORKER_ENV, planned_workers
 from streamrl.recipe.recipe import Recipe
 

@@ -46,10 +46,10 @@ class TransformersEngine(Engine):
 
     def load(self, model_path: str | None, device: str | None = None) -> None:
         """Load model + tokenizer with ``from_pretrained`` onto ``device`` (default: the pool's,
-        ``streamrl.cluster.devices.worker_device``) and start the generation loop."""
+        ``streamrl.devices.worker_device``) and start the generation loop."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from streamrl.cluster.devices import worker_device
+        from streamrl.devices import worker_device
 
         device = device or worker_device()
         dtype = self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

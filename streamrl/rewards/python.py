@@ -36,7 +36,7 @@ from pydantic import (
 
 from streamrl.api import RecipePath, Reward
 from streamrl.errors import UserError
-from streamrl.plugins.user_files import exec_user_source, load_user_file
+from streamrl.recipe.user_files import exec_user_source, load_user_file
 from streamrl.rewards.scoring import reward_value
 from streamrl.sample import Prompt
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from streamrl.api import PathOrHubId, Prompt, RecipePath, Task
 from streamrl.contracts.agents import Environment
-from streamrl.plugins.user_files import load_user_file
+from streamrl.recipe.user_files import load_user_file
 from streamrl.tasks.dataset import DatasetConfig, DatasetTask
 
 

@@ -21,7 +21,7 @@ import torch
 
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
-from streamrl.cluster.devices import worker_device
+from streamrl.devices import worker_device
 from streamrl.errors import NonFiniteStep, RunFailed
 from streamrl.sample import Group, Sample
 from streamrl.training import fsdp
@@ -315,14 +315,14 @@ class HFTrainer(Trainer):
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
 
     def save_checkpoint(self, path: str) -> None:
-        """Policy, AdamW, LR schedule, critic, algorithm state and RNGs (``checkpoints/trainer_state.py``)."""
-        from streamrl.checkpoints import trainer_state
+        """Policy, AdamW, LR schedule, critic, algorithm state and RNGs (``training/trainer_state.py``)."""
+        from streamrl.training import trainer_state
 
         trainer_state.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder in place."""
-        from streamrl.checkpoints import trainer_state
+        from streamrl.training import trainer_state
 
         trainer_state.load(self, path)
         # a checkpoint written before steps that are not finite were refused may hold NaN
