@@ -23,7 +23,7 @@ from distributed.cli.dask_worker import main as dask_worker_cli
 
 from streamrl.cluster import lifecycle, factories
 from streamrl.errors import UserError
-from streamrl.recipe.recipe import load_recipe
+from streamrl.recipe.recipe import check_pools, load_recipe
 from tests.helpers import (ROOT, check_every_sample_trained_once, one_line_error, only_run, read_records, streamrl,
                            with_learners)
 
@@ -254,8 +254,10 @@ def test_a_factory_whose_package_is_missing_or_whose_options_are_wrong_is_one_li
     assert fails("cluster.factory=dask.config.get", "cluster.factory_options={key='distributed.version'}") == (
         "cluster.factory: dask.config.get returned a value of type int, not a Dask cluster "
         "(distributed.deploy.Cluster)")
-    assert fails("cluster.factory=distributed.LocalCluster",
-                 "pools.generate.elastic={min=1,max=2}").startswith("pools.generate.elastic: grows the embedded")
+    # (found with the pools, before any cluster starts: `recipe validate` says it too)
+    with pytest.raises(UserError, match="^pools.generate.elastic: grows the embedded cluster only"):
+        check_pools(load_recipe(tiny_recipe, ["cluster.factory=distributed.LocalCluster",
+                                              "pools.generate.elastic={min=1,max=2}"]).recipe)
 
 
 def test_a_batch_system_that_refuses_the_jobs_is_one_line_and_closes_the_cluster(tiny_recipe, tmp_path, monkeypatch):

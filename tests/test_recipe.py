@@ -130,3 +130,30 @@ def test_a_task_must_give_the_prompts_asked_for_with_uids_new_to_the_run():
         check_prompts("t", 1, [Prompt(uid="1-0", text="a", answer=""), Prompt(uid="0-1", text="b", answer="")], 2, seen)
     with pytest.raises(UserError, match="prompt uid 'x' repeats in step 2"):
         check_prompts("t", 2, [Prompt(uid="x", text="a", answer=""), Prompt(uid="x", text="b", answer="")], 2, seen)
+
+
+def test_what_the_run_asks_of_its_engine_and_cluster_is_checked_before_any_cluster_starts(capsys, tiny_recipe):
+    # Each of these once passed validation and failed after the cluster had started.
+    serving = tiny_recipe.parent / "serving.toml"
+    serving.write_text(tiny_recipe.read_text() + '\n[serve]\nport = 0\n')
+    code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="continuous"')
+    assert code == 2 and '[serve] serves from an endpoint, which needs an engine that streams' in one_line_error(err)
+    code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"')
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'scheduler.name="longtail"',
+                           "--set", "scheduler.migrate=true", "--set", 'engine.batching="static"')
+    assert code == 2 and "scheduler: 'longtail' moves running samples between instances" in one_line_error(err)
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'scheduler.name="longtail"',
+                           "--set", "scheduler.migrate=true", "--set", 'engine.batching="slots"')
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'cluster.factory="x.y:make"',
+                           "--set", "pools.generate.elastic={min=1, max=2}")
+    assert code == 2 and "pools.generate.elastic: grows the embedded cluster only" in one_line_error(err)
+
+
+def test_an_agent_task_needs_an_engine_that_streams(capsys):
+    from tests.helpers import ROOT
+
+    code, _, err = run_cli(capsys, "recipe", "validate", str(ROOT / "recipes" / "agent.toml"),
+                           "--set", 'engine.batching="static"')
+    assert code == 2 and 'task.name = "agent" serves from an endpoint' in one_line_error(err)

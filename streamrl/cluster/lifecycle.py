@@ -60,9 +60,6 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
         elif c.factory:
             from streamrl.cluster import factories  # imports the factory's library only now
 
-            if recipe.pools.generate is not None and recipe.pools.generate.elastic is not None:
-                raise UserError("pools.generate.elastic: grows the embedded cluster only; with cluster.factory, "
-                                "set pools.generate.workers instead")
             cluster = factories.create(recipe)
             labelled = factories.labellable(cluster)
             if labelled:

@@ -50,6 +50,11 @@ class EngineCapabilities:
     runs (:meth:`Engine.requests_now`), takes a sample out with its tokens so far
     (:meth:`Engine.move_out`) and finishes one taken out of another instance
     (:meth:`Engine.continue_sample`). The ``longtail`` scheduler's straggler moves need it."""
+    streams: bool = False
+    """True when the engine streams each response's tokens to its caller as they are decoded
+    (``stream(rid, ids, max_new_tokens, on_tokens, ...)``, as ``hf`` with ``batching = "slots"``
+    does). An endpoint is built on it, so ``[serve]`` recipes and agent tasks need it:
+    ``streamrl recipe validate`` refuses them on an engine that does not stream."""
     repeatable: bool = False
     """True when a group's samples depend only on the weights, the seed and the prompt (not on
     timing or on which requests share a batch). The controller then makes the rest of the run

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 from streamrl.cluster import pool_workers
-from streamrl.errors import RunWarning, UserError
+from streamrl.errors import RunWarning
 from streamrl.extensions.step_extension import StepExtension
 from streamrl.on_worker import task_functions
 
@@ -52,16 +52,11 @@ class SampleMoves(StepExtension):
         self.address: dict[str, str] = {}  # generate worker name -> address, kept between looks
 
     def placed(self, ctl) -> None:
-        """Start looking when the scheduler moves samples; refuse an engine that cannot."""
+        """Start looking when the scheduler moves samples."""
         scheduler = ctl.dispatcher.scheduler
         if scheduler is None or not getattr(scheduler, "moves_samples", False) or self.thread is not None:
             return
-        engine = ctl.recipe.engine.name
-        if not ctl.resolved.engine.capabilities().moves_samples:
-            raise UserError(f"scheduler {ctl.recipe.scheduler.name!r} moves running samples between instances, "
-                            f"but engine {engine!r} cannot hand a sample over (its capabilities lack "
-                            "moves_samples; the sim engine and hf with batching = \"slots\" can): "
-                            "set scheduler.migrate = false or change the engine")
+        # (an engine that cannot hand a sample over was refused when the recipe was resolved)
         self.ctl = ctl
         self.every = float(getattr(getattr(scheduler, "config", None), "move_every_s", 0.25))
         self.thread = threading.Thread(target=self._loop, name="streamrl-sample-moves", daemon=True)

@@ -15,6 +15,7 @@ from streamrl.api import Algorithm, Component
 from streamrl.errors import UserError
 from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
+from streamrl.tasks.agent import AgentTask
 
 
 @dataclass
@@ -135,6 +136,7 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     out.algorithm, out.trainer = out.learners[0].algorithm, out.learners[0].trainer
     for plan in out.learners:
         _check_group_size(out, plan)
+    _check_engine_can(out)
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
                    if c.capabilities().needs_model]
     if needs_model:
@@ -207,6 +209,25 @@ def _check_group_size(out: Resolved, plan: LearnerPlan) -> None:
 
 #: Where a model's config.json says how many positions (prompt and response together) it has.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def _check_engine_can(out: Resolved) -> None:
+    """What the run asks of its engine, checked against what the engine declares
+    (:class:`~streamrl.api.EngineCapabilities`) before any cluster starts: an endpoint (``[serve]``,
+    an agent task) needs an engine that streams; a scheduler that moves running samples needs one
+    that can hand a sample over."""
+    r = out.recipe
+    can = out.engine.capabilities()
+    wanted = "[serve]" if r.serve is not None else f'task.name = "{r.task.name}"' if out.task.component.factory is AgentTask else ""
+    if wanted and not can.streams:
+        raise UserError(f"engine: {wanted} serves from an endpoint, which needs an engine that streams each response's "
+                        f"tokens; engine {r.engine.name!r} with these settings does not (its capabilities lack streams): "
+                        'use [engine] name = "hf" with batching = "slots" (and reproducible = false)')
+    if out.scheduler is not None and getattr(out.scheduler.build_here(), "moves_samples", False) and not can.moves_samples:
+        raise UserError(f"scheduler: {r.scheduler.name!r} moves running samples between instances, but engine "
+                        f"{r.engine.name!r} with these settings cannot hand a sample over (its capabilities lack "
+                        'moves_samples; the sim engine and hf with batching = "slots" can): set scheduler.migrate = '
+                        "false or change the engine")
 
 
 def _check_positions(out: Resolved, model: Path) -> None:

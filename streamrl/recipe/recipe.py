@@ -348,12 +348,16 @@ def load_recipe(file: str | Path, overrides: list[str] = ()) -> LoadedRecipe:
 
 
 def check_pools(recipe: Recipe) -> None:
-    """An embedded cluster needs a ``[pools.<name>]`` table for every pool the run uses."""
+    """An embedded cluster needs a ``[pools.<name>]`` table for every pool the run uses; an
+    elastic generate pool needs the embedded cluster (streamrl starts its workers)."""
     gen = recipe.pools.generate
     if gen is not None and gen.elastic is not None:
         if recipe.cluster.address:  # streamrl cannot start worker processes on the user's machines
             raise UserError("pools.generate.elastic: needs the embedded cluster; cluster.address is set "
                             "(remove one of them)")
+        if recipe.cluster.factory:  # a factory's workers come from its own job scripts, not streamrl's
+            raise UserError("pools.generate.elastic: grows the embedded cluster only; with cluster.factory, "
+                            "set pools.generate.workers instead")
         if recipe.run.mode == "colocated":
             raise UserError("pools.generate.elastic: run.mode 'colocated' generates on the train workers; "
                             "use batch, stream or async")
