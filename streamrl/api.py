@@ -1,6 +1,6 @@
 """Everything a plugin touches, in one import: ``from streamrl.api import ...``.
 
-A *component* is a named, configurable piece a recipe picks by name. There are nine kinds; each
+A *component* is a named, configurable piece a recipe picks by name. There are ten kinds; each
 has a base class here with its contract in typed methods, documented optional methods (with the
 default streamrl uses when you do not override them) and ``close()``. Engines and trainers also
 declare what they can do before they are built, in one place: the classmethod
@@ -27,6 +27,8 @@ Besides the base classes, a few pieces the built-ins are made of, for plugins to
 :class:`ClippedSurrogate` (with :class:`ClippedConfig`), the PPO clipped loss an algorithm gets by
 giving only ``advantages``; :func:`fit_decode_latency`, the affine decode-step profile an engine
 returns from ``decode_latency``; :class:`Environment`, the gym-style shape of an agent task.
+A feature of the step loop that is not a component is a :class:`StepExtension`, added by the
+``add_step_extensions`` hook and handed the run's :class:`RunContext`.
 
 Components built on workers are shipped there by value (cloudpickle), so a component defined
 in a file next to the recipe works without installing anything; an installed package must be
@@ -113,6 +115,7 @@ from streamrl.contracts.generation import (Engine, EngineCapabilities, ReceiveMi
 from streamrl.contracts.inputs import Reward, Task
 from streamrl.contracts.learning import Algorithm, Trainer, TrainerCapabilities, TrainerContext, TrainerFootprint
 from streamrl.contracts.observing import MetricSink
+from streamrl.contracts.step_extension import RunContext, StepExtension
 
 #: The kinds that declare capabilities before they are built, with the base class declaring
 #: their defaults (:meth:`Component.capabilities`).
@@ -123,6 +126,7 @@ __all__ = [
     "Task", "Reward", "Engine", "EngineCapabilities", "RequestsNow", "Transfer", "ReceiveMissed", "Algorithm", "Trainer",
     "TrainerCapabilities", "TrainerContext", "TrainerFootprint",
     "Ranker", "Scheduler", "Assignment", "DispatchContext", "MetricSink", "ToolParser", "Environment",
+    "StepExtension", "RunContext",
     # helpers a plugin builds on: the clipped policy-gradient loss, an engine's decode profile
     "ClippedSurrogate", "ClippedConfig", "fit_decode_latency",
 ]

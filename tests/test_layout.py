@@ -155,17 +155,16 @@ def test_the_loops_folders_are_layers_and_nothing_below_them_imports_them():
     assert arrows_up(graph) == []
 
 
-FEATURES = ("elastic", "fanout", "evaluator", "learner", "eval")
-
-
-def feature_branches(source: str) -> list[str]:
-    """The ``if`` tests (and conditional expressions) of ``source`` that name a feature."""
+def recipe_branches(source: str) -> list[str]:
+    """The ``if`` tests (and conditional expressions) of ``source`` that read the recipe or its
+    resolved components: a feature the recipe turns on, decided where the test stands."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.If, ast.IfExp)):
-            text = ast.unparse(node.test)
-            if any(f in text for f in FEATURES):
-                out.append(text)
+            names = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)}
+            names |= {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+            if names & {"recipe", "resolved", "r"}:
+                out.append(ast.unparse(node.test))
     return out
 
 
@@ -176,17 +175,33 @@ def controller_assignments(source: str) -> list[str]:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("controller", "ctl")]
 
 
-def test_the_checkers_find_a_feature_branch_and_an_assignment_from_outside():
-    assert feature_branches("if self.elastic:\n    pass\nx = 1 if self.fanout else 2") == ["self.elastic", "self.fanout"]
+def test_the_checkers_find_a_branch_on_the_recipe_and_an_assignment_from_outside():
+    assert recipe_branches("if self.resolved.serves_initial:\n    pass\nx = 1 if r.serve else 2\nif self.version:\n"
+                           "    pass") == ["self.resolved.serves_initial", "r.serve"]
     assert controller_assignments("controller.fanout = 3\nctl.version += 1\nside.fanout = 1") == [
         "controller.fanout", "ctl.version"]
 
 
-def test_the_controllers_step_has_no_branch_on_a_feature_and_no_module_sets_its_attributes():
-    # features are step extensions (extensions/step_extension.py): the controller calls them, never tests for them
-    assert feature_branches((ROOT / "streamrl" / "run" / "controller.py").read_text()) == []
+def test_the_controllers_step_has_no_branch_on_the_recipe_and_no_module_sets_its_attributes():
+    # features are step extensions (contracts/step_extension.py), chosen from the recipe in
+    # run/extensions.py: the controller calls them and never tests the recipe for one
+    assert recipe_branches((ROOT / "streamrl" / "run" / "controller.py").read_text()) == []
     for path in (ROOT / "streamrl").rglob("*.py"):
         assert controller_assignments(path.read_text()) == [], path
+
+
+def test_no_step_extension_imports_or_receives_the_controller():
+    # an extension sees the run through its RunContext; only the run's own modules know the controller
+    graph = import_graph()
+    importers = sorted(m for m, deps in graph.items() if "streamrl.run.controller" in deps)
+    assert importers and all(m.startswith(("streamrl.run.", "streamrl.bench.", "streamrl.cli")) for m in importers), importers
+    for path in (ROOT / "streamrl").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            if not any(ast.unparse(b) == "StepExtension" for b in cls.bases):
+                continue
+            params = [a.arg for f in cls.body if isinstance(f, ast.FunctionDef) for a in f.args.args]
+            assert not {"ctl", "controller"} & set(params), f"{path}: {cls.name} takes the controller"
 
 
 #: The modules at the top of ``streamrl/`` besides packages: the public surface and the entry points

@@ -107,3 +107,92 @@ def test_shipped_plugins_import_nothing_from_streamrl_but_its_api():
     imports = {f"{f.relative_to(ROOT)}:{line}": m for f in files for line, m in streamrl_imports(f)}
     assert "streamrl.api" in imports.values()  # the check sees the imports it is about
     assert {k: m for k, m in imports.items() if m != "streamrl.api"} == {}
+
+
+EXTENSION_PLUGIN = '''
+from streamrl.api import StepExtension, hookimpl
+
+
+class GroupsSoFar(StepExtension):
+    order = 35  # between held-out evaluation (30) and the side learners (40)
+
+    def __init__(self, context):
+        self.context = context
+        self.groups = 0
+        self.seen = []
+
+    def placed(self, context):
+        self.seen.append(("placed", context.version))
+
+    def trained(self, step, scored):
+        self.groups += len(scored)
+
+    def record(self, step, record):
+        record.extra["groups_so_far"] = self.groups
+        record.extra["context_version"] = self.context.version
+        record.extra["extension_order"] = [type(e).__name__ for e in self.context.extensions]
+
+
+@hookimpl
+def add_step_extensions(context):
+    return [GroupsSoFar(context)] if context.recipe.run.name != "without" else None
+'''
+
+
+def test_a_plugin_adds_a_step_extension_in_its_declared_order_and_a_wrong_one_is_one_line(tmp_path, tiny_recipe):
+    from streamrl.contracts.step_extension import RunContext
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+    from streamrl.run import extensions
+
+    (tmp_path / "ext.py").write_text(EXTENSION_PLUGIN)
+    tiny_recipe.write_text(tiny_recipe.read_text() + '\n[plugins]\nmodules = ["ext.py"]\n')
+
+    def context(*overrides):
+        resolved = resolve(load_recipe(tiny_recipe, list(overrides)))
+        return RunContext(None, resolved, resolved.task.build_here(), None, repeatable=False, feeds_ahead=False)
+
+    added = extensions.from_plugins(context())
+    assert [type(e).__name__ for e in added] == ["GroupsSoFar"]
+    assert extensions.from_plugins(context('run.name="without"')) == []  # None: none added
+    (tmp_path / "ext.py").write_text(EXTENSION_PLUGIN.replace("[GroupsSoFar(context)]", "[object()]"))
+    with pytest.raises(UserError, match=r"^plugin 'local:ext.py': add_step_extensions returned object, not a "
+                                        r"StepExtension"):
+        extensions.from_plugins(context())
+    (tmp_path / "ext.py").write_text(EXTENSION_PLUGIN.replace("return [GroupsSoFar", "return 1 / 0 or [GroupsSoFar"))
+    with pytest.raises(UserError, match=r"^plugin 'local:ext.py': add_step_extensions failed: ZeroDivisionError"):
+        extensions.from_plugins(context())
+
+
+@pytest.mark.slow
+def test_a_plugins_step_extension_takes_part_in_a_run(tmp_path, tiny_recipe, shared_cluster):
+    from tests.helpers import only_run, read_records, sets, streamrl
+
+    (tmp_path / "ext.py").write_text(EXTENSION_PLUGIN)
+    tiny_recipe.write_text(tiny_recipe.read_text() + '\n[plugins]\nmodules = ["ext.py"]\n')
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--plain", "--no-report",
+                    *sets("run.steps=2", "eval.every=1", *shared_cluster.sets))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = read_records(only_run(tmp_path / "runs"))
+    # the tiny recipe trains 4 groups a step; the extension saw each step's training and the
+    # version the context held when the record was taken
+    assert [r["groups_so_far"] for r in recs] == [4, 8]
+    assert [r["context_version"] for r in recs] == [1, 2]
+    assert recs[0]["extension_order"] == ["HeldOutEvaluation", "GroupsSoFar", "SideLearners", "SampleMoves"]
+
+
+def test_every_import_line_in_the_docs_imports_as_written():
+    # a name the docs recommend must import exactly as they write it
+    import re
+
+    statements = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for m in re.finditer(r"^(?:from streamrl[\w.]* import (?:\([^)]*\)|[^\n]+)|import streamrl[\w.]*)", text, re.M):
+            statements.append((doc.name, re.sub(r"#[^\n]*", "", m.group(0))))
+    assert len(statements) >= 6, statements  # the docs are really read
+    for doc, statement in statements:
+        try:
+            exec(statement, {})
+        except ImportError as exc:
+            pytest.fail(f"{doc}: {statement.splitlines()[0]} ... fails: {exc}")

@@ -18,7 +18,7 @@ from distributed import Future
 
 from streamrl.agents.rollout import EVENT_TOPIC, first_error, run_group
 from streamrl.errors import UserError
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.flow import submit
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve import endpoint
@@ -31,17 +31,19 @@ EVENT_WAIT_S = 2.0
 class AgentRollouts(StepExtension):
     """Starts the endpoints, submits each step's rollouts, records how they went."""
 
-    def __init__(self, ctl):
-        r = ctl.recipe
-        self.client, self.task, self.recipe = ctl.client, ctl.task, r
+    order = 10
+
+    def __init__(self, context):
+        r = context.recipe
+        self.client, self.task, self.recipe = context.client, context.task, r
         serve = r.serve or ServeConfig()
         self.config = serve.model_copy(update={"port": 0})  # one endpoint per generate worker
         self.model_name = serve.model_name or r.run.name
-        self.tool_parser = ctl.resolved.registry.get("tool_parser", serve.tool_parser, "serve.tool_parser").build(
+        self.tool_parser = context.resolved.registry.get("tool_parser", serve.tool_parser, "serve.tool_parser").build(
             {}, "serve.tool_parser")
-        self.spec = ctl.task.config.spec()
+        self.spec = context.task.config.spec()
         self.pool = "agent" if r.pools.agent is not None else "reward"
-        self.topology = ctl.topology
+        self.topology = context.topology
         self.urls: list[str] = []
         self.pins: list[dict] = []
         self.seen: set[str] = set()
@@ -50,7 +52,7 @@ class AgentRollouts(StepExtension):
         self._named: set[str] = set()  # the kinds of failure already named on the console
         self._lines: list[str] = []
 
-    def placed(self, ctl) -> None:
+    def placed(self, context) -> None:
         """Start an endpoint on every generate worker."""
         self.urls, self.pins = [], []
         for name in sorted(self.topology.generate):

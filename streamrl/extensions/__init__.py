@@ -1,4 +1,5 @@
-"""Step extensions: features that plug into the step loop at named moments
-(``step_extension.py``): the elastic generate pool (``elastic.py``) and held-out evaluation
-(``evaluate.py``). The side learners' extension is ``learners/extension.py``, beside the
-learners it calls."""
+"""Step extensions: features that plug into the step loop at named moments (their contract is
+``contracts/step_extension.py``): the elastic generate pool (``elastic.py``), held-out evaluation
+(``evaluate.py``) and the mover of running samples (``sample_moves.py``). The side learners',
+served traffic's and agent rollouts' extensions live beside what they call (``learners/``,
+``serve/``, ``agents/``)."""

@@ -20,7 +20,7 @@ from distributed import Future, wait
 
 from streamrl.cluster import pool_workers
 from streamrl.on_worker import task_functions
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.flow.topology import Topology
@@ -303,23 +303,24 @@ class ElasticPool:
 
 
 class ElasticGrowth(StepExtension):
-    """The elastic generate pool as a step extension (``extensions/step_extension.py``): made once the
+    """The elastic generate pool as a step extension (``contracts/step_extension.py``): made once the
     residents are placed (and kept when the run starts over), it tracks every task pinned to a
     generate worker, brings a joining worker up to date before a publication, and decides at
     each step's record."""
 
+    order = 20
     holds_boundary = True  # a joining worker is brought up to date between publication and training
 
     def __init__(self, cfg: ElasticConfig):
         self.cfg = cfg
         self.pool: ElasticPool | None = None
 
-    def placed(self, ctl) -> None:
+    def placed(self, context) -> None:
         """Start managing the pool (once: a run that starts over keeps the workers it has)."""
         if self.pool is None:
             level = logging.getLogger("distributed.worker").getEffectiveLevel()
-            self.pool = ElasticPool(ctl.topology, ctl.recipe, self.cfg, level,
-                                    placed=ctl.resolved.scheduler is not None, ahead=ctl.mode.feeds)
+            self.pool = ElasticPool(context.topology, context.recipe, self.cfg, level,
+                                    placed=context.resolved.scheduler is not None, ahead=context.feeds_ahead)
 
     def pinned(self, worker: str | None, future: Future) -> None:
         """A retired worker first runs out the tasks pinned to it."""

@@ -29,7 +29,7 @@ from streamrl.api import Task
 from streamrl.errors import UserError
 from streamrl.flow import submit
 from streamrl.on_worker import task_functions
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.recipe.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
@@ -174,9 +174,11 @@ def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluat
 
 
 class HeldOutEvaluation(StepExtension):
-    """Held-out evaluation as a step extension (``extensions/step_extension.py``): the initial policy once
+    """Held-out evaluation as a step extension (``contracts/step_extension.py``): the initial policy once
     the first step's training is submitted, each due version once its weights are loaded, the
     metrics in the records as they finish (all of them by the last step's record)."""
+
+    order = 30
 
     def __init__(self, evaluator: Evaluator, steps: int):
         self.evaluator, self.steps = evaluator, steps

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from streamrl.cluster import pool_workers
 from streamrl.errors import RunWarning
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker import task_functions
 
 
@@ -37,8 +37,10 @@ LOOK_TIMEOUT_S = 5.0
 class SampleMoves(StepExtension):
     """The mover of the module's docstring; idle unless the run's scheduler ``moves_samples``."""
 
+    order = 50
+
     def __init__(self):
-        self.ctl = None
+        self.context = None
         self.thread: threading.Thread | None = None
         self.stop = threading.Event()
         self.looks = 0
@@ -51,13 +53,13 @@ class SampleMoves(StepExtension):
         self.recorded = (0, 0, 0.0)  # (moved, looks, look_s) at the last record
         self.address: dict[str, str] = {}  # generate worker name -> address, kept between looks
 
-    def placed(self, ctl) -> None:
+    def placed(self, context) -> None:
         """Start looking when the scheduler moves samples."""
-        scheduler = ctl.dispatcher.scheduler
+        scheduler = context.scheduler
         if scheduler is None or not getattr(scheduler, "moves_samples", False) or self.thread is not None:
             return
         # (an engine that cannot hand a sample over was refused when the recipe was resolved)
-        self.ctl = ctl
+        self.context = context
         self.every = float(getattr(getattr(scheduler, "config", None), "move_every_s", 0.25))
         self.thread = threading.Thread(target=self._loop, name="streamrl-sample-moves", daemon=True)
         self.thread.start()
@@ -78,7 +80,7 @@ class SampleMoves(StepExtension):
     def look(self) -> int:
         """One look: what every engine decodes, the scheduler's moves, each carried out; returns
         how many samples left their instance."""
-        ctl = self.ctl
+        ctl = self.context
         names = list(ctl.topology.generate)
         address = self.address
         if any(n not in address for n in names):  # a new or restarted worker: ask the scheduler again
@@ -93,7 +95,7 @@ class SampleMoves(StepExtension):
         seen = [s if s is not None and not isinstance(s, BaseException) else None for s in seen]
         self.looks += 1
         moved = 0
-        for uid, source, target in ctl.dispatcher.scheduler.moves(seen):
+        for uid, source, target in ctl.scheduler.moves(seen):
             if seen[source] is None or names[target] not in ctl.topology.pins:
                 continue
             taken = ctl.client.run(task_functions.move_sample, uid, ctl.topology.pins[names[target]],

@@ -2,7 +2,7 @@
 
 The control channel is the run's own Dask scheduler (its address is in the run folder's
 ``status.json``). A command puts a request on the Dask ``Queue`` :data:`REQUESTS` and waits for
-the answer in a Dask ``Variable`` named after the request; the controller reads the queue at each
+the answer in a Dask ``Variable`` named after the request; the run reads the queue at each
 step boundary (:func:`serve`), so a learner added joins at the next step and one removed leaves
 before it. ``list`` needs no channel: it reads the run folder's newest record.
 
@@ -101,7 +101,7 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
     """At a step boundary (``step``: the next one): carry out every request waiting; returns a
     line per request for the console. A refused request is answered, never raised: the run goes
     on. ``side``: the run's :class:`~streamrl.learners.extension.SideLearners`."""
-    client = side.ctl.client
+    client = side.context.client
     try:
         requests = Queue(REQUESTS, client=client).get(batch=True)
     except Exception:
@@ -134,11 +134,10 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     from streamrl.plugins.resolve import learner_plan
     from streamrl.learners import runtime
     from streamrl.recipe.learners import LearnerConfig
-    from streamrl.learners.fanout import Fanout
     from streamrl.recipe.recipe import validate_section
 
-    controller = side.ctl
-    resolved, topo = controller.resolved, controller.topology
+    run = side.context
+    resolved, topo = run.resolved, run.topology
     table = validate_section(LearnerConfig, request["table"], "learner").model_dump()
     name = table["name"]
     fanout = side.fanout
@@ -160,30 +159,27 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     plan = learner_plan(resolved, name, table, served=False)
     plan.added = True
     worker = plan.worker
-    runtime.ensure_worker(controller.client, topo, resolved.recipe, name)
+    runtime.ensure_worker(run.client, topo, resolved.recipe, name)
     start = request.get("start", "served")
     start_model = None
     if start == "served" and resume_from is None:
         # the served policy as it is now, after the last step: saved, and the new trainer built from it
         folder = run_dir / "learners" / f"start-{name}"
-        controller.client.submit(task_functions.save_policy, str(folder), after=controller.last_step,
+        run.client.submit(task_functions.save_policy, str(folder), after=run.last_optimizer_step,
                                  trainer_id=topo.incarnations, key=f"save-start-{name}-{time.time_ns()}",
                                  **topo.train_pin).result()
         start_model = str(folder)
-    learner = runtime.place_one(controller.client, resolved, plan, topo.pins, joined_at=step,
-                                task=fanout.task if fanout is not None and fanout.task is not None else controller.task,
+    learner = runtime.place_one(run.client, resolved, plan, topo.pins, joined_at=step,
+                                task=fanout.task if fanout is not None and fanout.task is not None else run.task,
                                 model_path=start_model)
     if resume_from is not None:
-        controller.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
+        run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
                                  **learner.view.train_pin).result()
         if name in known:  # its counts go on
             old = known[name]
             learner = replace(learner, steps_trained=old.steps_trained, skipped_steps=old.skipped_steps,
                               samples_trained=old.samples_trained, last_step=old.last_step)
-    if side.fanout is None:
-        side.fanout = Fanout(controller.client, resolved.recipe, [], controller.repeatable)
-        side.fanout.task = controller.task
-    side.fanout.add(learner)
+    side.add(learner)
     where = {"served": "the served policy's current weights", "initial": "the initial model"}.get(start, start)
     origin = f"its state in {resume_from.parent.parent.name}" if resume_from is not None else where
     return f"learner {name!r} ({plan.algorithm.component.name}) added on worker {worker}, from {origin}; " \
@@ -193,8 +189,8 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
 def remove(side, run_dir: Path, name: str) -> str:
     """Stop learner ``name`` after the steps it has queued: save its policy to
     ``policy/<name>/``, release its trainer and (embedded cluster) its worker."""
-    controller, fanout = side.ctl, side.fanout
-    if name == controller.resolved.learners[0].name:
+    run, fanout = side.context, side.fanout
+    if name == run.resolved.learners[0].name:
         raise UserError(f"learner {name!r} is the main learner; it cannot be removed while the run goes on")
     if fanout is None or name not in fanout.learners or fanout.learners[name].state == "removed":
         known = ", ".join(fanout.learners) if fanout else "none"
@@ -210,10 +206,10 @@ def remove(side, run_dir: Path, name: str) -> str:
 
     for resident_name in (lr.plan.resident, engine_resident(name)):
         try:
-            controller.client.unregister_worker_plugin(resident_name)
+            run.client.unregister_worker_plugin(resident_name)
         except Exception:
             pass  # (not registered: no [eval])
-    if controller.topology.can_grow and lr.plan.worker in (controller.topology.spec_cluster.worker_spec or {}):
-        controller.topology.stop_worker(lr.plan.worker)
+    if run.topology.can_grow and lr.plan.worker in (run.topology.spec_cluster.worker_spec or {}):
+        run.topology.stop_worker(lr.plan.worker)
     where = saved.get(name)
     return f"learner {name!r} removed after {lr.steps_trained} steps" + (f"; its policy is in {where}" if where else "")

@@ -1,15 +1,14 @@
-"""The side learners as a step extension (``extensions/step_extension.py``): built beside the residents,
+"""The side learners as a step extension (``contracts/step_extension.py``): built beside the residents,
 handed every step's scored groups, recorded, checkpointed, restored and finished with the run,
 and added or removed between steps on request (``streamrl learners add|remove``)."""
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 from distributed import Future
 
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.learners import control, runtime
 from streamrl.learners.fanout import Fanout
 
@@ -17,23 +16,22 @@ from streamrl.learners.fanout import Fanout
 class SideLearners(StepExtension):
     """Every learner of the run but the main one: ``[[learners]]`` and those added while it runs."""
 
-    def __init__(self, ctl):
-        # a weak reference: the controller holds its extensions, and a cycle would keep a finished
-        # run's controller -- and the futures it holds -- alive until the garbage collector ran;
-        # a controller that starts over on the same cluster would then be answered with them
-        self.ctl = weakref.proxy(ctl)
-        """The controller (its client, topology, resolved recipe, task, last step)."""
+    order = 40
+
+    def __init__(self, context):
+        self.context = context
+        """The run (its client, topology, resolved recipe, task, last optimizer step)."""
         self.fanout: Fanout | None = None
         """The side learners, once placed (None: none so far)."""
         self._placing: list[runtime.Placing] = []
 
-    def placing(self, ctl) -> None:
+    def placing(self, context) -> None:
         """Start building the recipe's side learners on their workers, beside the residents."""
-        self._placing = runtime.begin(ctl.client, ctl.resolved, ctl.topology.pins, ctl.task)
+        self._placing = runtime.begin(context.client, context.resolved, context.topology.pins, context.task)
 
-    def placed(self, ctl) -> None:
+    def placed(self, context) -> None:
         """Wait for them; from here they take the stream."""
-        self.fanout = runtime.start(ctl.client, ctl.resolved, ctl.repeatable, self._placing, ctl.task)
+        self.fanout = runtime.start(context.client, context.resolved, context.repeatable, self._placing, context.task)
         self._placing = []
 
     def trained(self, step: int, scored: list[Future]) -> None:
@@ -44,7 +42,7 @@ class SideLearners(StepExtension):
     def record(self, step: int, record) -> None:
         """Every learner's figures by name (``learners``), after evaluation's metrics are in."""
         if self.fanout:
-            record.extra["learners"] = runtime.record(self.fanout, self.ctl.resolved, record)
+            record.extra["learners"] = runtime.record(self.fanout, self.context.resolved, record)
 
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
         """Carry out ``streamrl learners add|remove`` requests waiting."""
@@ -56,8 +54,16 @@ class SideLearners(StepExtension):
 
     def resume(self, checkpoint: Path) -> None:
         """Restore every side learner of ``checkpoint`` (those added while running placed again)."""
-        ctl = self.ctl
-        self.fanout = runtime.resume(self.fanout, ctl.client, ctl.resolved, ctl.topology, checkpoint)
+        c = self.context
+        self.fanout = runtime.resume(self.fanout, c.client, c.resolved, c.topology, checkpoint)
+
+    def add(self, learner) -> None:
+        """A learner placed while the run goes on (``streamrl learners add``) takes the stream
+        from the next step."""
+        if self.fanout is None:
+            self.fanout = Fanout(self.context.client, self.context.recipe, [], self.context.repeatable)
+            self.fanout.task = self.context.task
+        self.fanout.add(learner)
 
     def finish(self, policy_dir: Path) -> None:
         """Their queued steps, policies (``policy_dir/<name>``) and final evaluations."""

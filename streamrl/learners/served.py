@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
 from functools import partial
 from pathlib import Path
 
 from streamrl.errors import RunWarning
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.flow.placement import build_engine
 from streamrl.learners.evaluate import engine_resident
 from streamrl.learners.extension import SideLearners
@@ -35,8 +34,10 @@ def trained_through(lr) -> int:
 class ServedVariants(StepExtension):
     """Serves every side learner's policy from its worker, beside the run's."""
 
-    def __init__(self, ctl, traffic):
-        self.ctl = weakref.proxy(ctl)  # (as the side learners': no cycle through the controller)
+    order = 60
+
+    def __init__(self, context, traffic):
+        self.context = context
         self.traffic = traffic
         """The run's :class:`~streamrl.serve.extension.ServedTraffic` (its endpoint's worker)."""
         self.served: dict[str, str] = {}
@@ -46,14 +47,14 @@ class ServedVariants(StepExtension):
         self._failed: set[str] = set()  # learners whose engine could not take their weights (said once)
 
     def _fanout(self):
-        learners = self.ctl.extension(SideLearners)
+        learners = self.context.extension(SideLearners)
         return learners.fanout if learners is not None else None
 
-    def placed(self, ctl) -> None:
+    def placed(self, context) -> None:
         """The served learner's alias, and a variant for each side learner."""
         self.served, self._registered = {}, set()
-        main = ctl.resolved.learners[0]
-        if len(ctl.resolved.learners) > 1 and main.served:
+        main = context.resolved.learners[0]
+        if len(context.resolved.learners) > 1 and main.served:
             self._endpoint(endpoint.alias, remote_engines.variant_model(self.traffic.model_name, main.name))
         self._sync()
 
@@ -73,7 +74,7 @@ class ServedVariants(StepExtension):
             # priority 1: right after the optimizer step, before the learner's next train tasks
             self._check(name)
             # (held: a future no client holds is forgotten, and its task may never run)
-            self._refreshing.setdefault(name, []).append(self.ctl.client.submit(
+            self._refreshing.setdefault(name, []).append(self.context.client.submit(
                 remote_engines.refresh, engine_resident(name), lr.plan.resident, step + 1, after=lr.inflight[-1].last,
                 key=f"variant-refresh-{name}-{step}-{time.time_ns()}", priority=1, pure=False, **lr.view.train_pin))
 
@@ -88,7 +89,7 @@ class ServedVariants(StepExtension):
         fanout = self._fanout()
         for name in self.served:
             lr = fanout.learners[name]
-            self.ctl.client.submit(remote_engines.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
+            self.context.client.submit(remote_engines.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
                                    pure=False, key=f"variant-refresh-{name}-resume-{time.time_ns()}",
                                    **lr.view.train_pin).result()
 
@@ -134,19 +135,19 @@ class ServedVariants(StepExtension):
         return lines
 
     def _start(self, lr) -> str | None:
-        ctl, name = self.ctl, lr.name
+        context, name = self.context, lr.name
         engine = engine_resident(name)
         if lr.evaluator is None and engine not in self._registered:
             # (with [eval] the learner's evaluation engine is this one, registered already)
-            r = ctl.resolved
-            ctl.client.register_plugin(Resident(engine, partial(build_engine, r.engine, r.model_path),
+            r = context.resolved
+            context.client.register_plugin(Resident(engine, partial(build_engine, r.engine, r.model_path),
                                                 seed=r.recipe.run.seed, what=f"learner {name!r}'s engine"))
         self._registered.add(engine)
         model = remote_engines.variant_model(self.traffic.model_name, name)
         try:
-            url, key = ctl.client.submit(remote_engines.start, engine, lr.plan.resident, trained_through(lr), pure=False,
+            url, key = context.client.submit(remote_engines.start, engine, lr.plan.resident, trained_through(lr), pure=False,
                                          key=f"variant-start-{name}-{time.time_ns()}",
-                                         **lr.view.train_pin).result(timeout=ctl.recipe.cluster.startup_timeout)
+                                         **lr.view.train_pin).result(timeout=context.recipe.cluster.startup_timeout)
             self._endpoint(endpoint.add_variant, model, url, key, name, lr.plan.worker)
         except Exception as exc:  # noqa: BLE001 -- a variant not served is reported; the run and the others go on
             warnings.warn(RunWarning(f"variant {model!r} is not served: {type(exc).__name__}: {exc}"), stacklevel=2)
@@ -156,11 +157,11 @@ class ServedVariants(StepExtension):
 
     def _stop_server(self, lr) -> None:
         try:
-            self.ctl.client.submit(remote_engines.stop, engine_resident(lr.name), pure=False,
+            self.context.client.submit(remote_engines.stop, engine_resident(lr.name), pure=False,
                                    key=f"variant-stop-{lr.name}-{time.time_ns()}", **lr.view.train_pin).result(timeout=30)
         except Exception:  # noqa: BLE001 -- its worker is gone: nothing left to stop
             pass
 
     def _endpoint(self, fn, *args):
-        return self.ctl.client.submit(fn, *args, pure=False, key=f"serve-variants-{time.time_ns()}",
+        return self.context.client.submit(fn, *args, pure=False, key=f"serve-variants-{time.time_ns()}",
                                       **self.traffic.pin).result(timeout=30)

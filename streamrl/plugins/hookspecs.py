@@ -1,6 +1,6 @@
 """Hook specifications: the contract between streamrl and its plugins.
 
-Every replaceable piece of streamrl is a *component* (see :mod:`streamrl.api` for the nine kinds
+Every replaceable piece of streamrl is a *component* (see :mod:`streamrl.api` for the ten kinds
 and their base classes) handed over by a plugin through one of the ``register_*`` hooks below.
 The built-ins are registered exactly the same way (``streamrl/plugins/builtins.py``), so nothing you
 write is a second-class citizen.
@@ -187,6 +187,38 @@ def register_tool_parsers() -> list[Component]:
         @hookimpl
         def register_tool_parsers():
             return [Component("tool_parser", "hermes", HermesConfig, HermesToolParser)]
+    """
+
+
+@hookspec
+def add_step_extensions(context) -> list:
+    """Add features to the step loop of a run: called once per run in the ``streamrl`` process,
+    after the cluster is up and before anything is placed on it.
+
+    :param context: the run's :class:`streamrl.api.RunContext` (its client, resolved recipe,
+        task and topology; the policy version and scheduler as the run goes on).
+    :returns: :class:`streamrl.api.StepExtension` objects (a list, or None for none). Each is
+        called at the moments of the step it overrides, in its declared ``order`` among the
+        run's built-in extensions (``contracts/step_extension.py``).
+
+    If it raises or returns something else, the run stops before its first step with one line
+    naming the plugin; an extension that raises later stops the run as a failure of the loop would.
+
+    Example::
+
+        class CountGroups(StepExtension):
+            def __init__(self):
+                self.groups = 0
+
+            def trained(self, step, scored):
+                self.groups += len(scored)
+
+            def record(self, step, record):
+                record.extra["groups_so_far"] = self.groups
+
+        @hookimpl
+        def add_step_extensions(context):
+            return [CountGroups()]
     """
 
 

@@ -103,6 +103,11 @@ class Resolved:
         """The generate pool keeps the starting model (``run.serve = "initial"``)."""
         return self.recipe.run.serve == INITIAL
 
+    def build_scheduler(self) -> Any:
+        """The recipe's scheduler built in this process (schedulers are pure policy: light), or
+        None when the recipe names none."""
+        return self.scheduler.build_here() if self.scheduler is not None else None
+
     @property
     def recipe(self) -> Recipe:
         """The validated recipe."""
@@ -223,7 +228,7 @@ def _check_engine_can(out: Resolved) -> None:
         raise UserError(f"engine: {wanted} serves from an endpoint, which needs an engine that streams each response's "
                         f"tokens; engine {r.engine.name!r} with these settings does not (its capabilities lack streams): "
                         'use [engine] name = "hf" with batching = "slots" (and reproducible = false)')
-    if out.scheduler is not None and getattr(out.scheduler.build_here(), "moves_samples", False) and not can.moves_samples:
+    if getattr(out.build_scheduler(), "moves_samples", False) and not can.moves_samples:
         raise UserError(f"scheduler: {r.scheduler.name!r} moves running samples between instances, but engine "
                         f"{r.engine.name!r} with these settings cannot hand a sample over (its capabilities lack "
                         'moves_samples; the sim engine and hf with batching = "slots" can): set scheduler.migrate = '

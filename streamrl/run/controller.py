@@ -11,9 +11,10 @@ with the next is the mode's business (``flow/modes.py``); where workers are, the
 pass, so the policy version counts steps (batches).
 
 Features that act inside a step -- the elastic generate pool, the side learners, held-out
-evaluation -- are step extensions (``extensions/step_extension.py``): the step calls each extension at
-its moments (placed, pinned, trained, before_publish, published, record, ...) and has no branch
-on any of them.
+evaluation, served traffic -- are step extensions (``contracts/step_extension.py``): the step calls
+each extension at its moments (placed, pinned, trained, before_publish, published, record, ...)
+and has no branch on any of them. They see the run through a ``RunContext``, which the
+controller keeps current; never the controller itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from distributed import Client, Future, SpecCluster, wait
 
 from streamrl.flow import modes, placement, submit
 from streamrl.checkpoints import folders
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import RunContext, StepExtension
 from streamrl.flow.feed import Feed
 from streamrl.plugins.resolve import Resolved
 from streamrl.flow.topology import Topology
@@ -59,8 +60,15 @@ class Controller:
         # a feed admits generation from its thread while this one writes the record: the
         # dispatcher (placement and lessons) and the submission counters are shared
         self.lock = threading.Lock()
-        self.extensions: list[StepExtension] = extensions.for_run(self)
+        self.context = RunContext(client, resolved, self.task, self.topology, self.repeatable,
+                                  feeds_ahead=modes.make(r.run.mode, r.run.max_staleness, r.run.steps).feeds)
+        # (a mode is a small strategy object: made here only to ask, as _start_over makes the run's)
+        """What the extensions see of the run (kept current here)."""
+        self.extensions: list[StepExtension] = extensions.for_run(self.context)
         """The features that plug into the step, in the order they are called."""
+        self.context.extensions = self.extensions
+        # False: the engines keep the policy they started with (run.serve = "initial")
+        self.publishes = all(e.publishes for e in self.extensions)
         self._start_over()
 
     def _start_over(self) -> None:
@@ -68,8 +76,9 @@ class Controller:
         r = self.recipe
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
         self.dispatcher: Dispatcher | None = None
-        self.version = 0
+        self.version = self.context.version = 0
         self.last_step: list[Future] | None = None  # every rank's last optimizer step
+        self.context.last_optimizer_step = None
         # the next step's training, handed over early (step(start_next_training=True)), and its groups
         self.next_training: Feed | None = None
         self.next_training_groups: list[Future] = []
@@ -84,14 +93,15 @@ class Controller:
         train group and start the clocks. Calling it again starts over from the initial weights."""
         topo, r = self.topology, self.recipe
         self._start_over()
-        self._call("placing", self)  # (what is built beside the residents starts now)
+        self._call("placing", self.context)  # (what is built beside the residents starts now)
         placement.place(self.client, self.resolved, {n: n for n in topo.generate}, topo.trainer, topo.rank,
                         topo.sharded)
-        scheduler = self.resolved.scheduler.build_here() if self.resolved.scheduler else None
+        scheduler = self.resolved.build_scheduler()
         self.dispatcher = Dispatcher(self.client, topo, r.trainer.samples_per_prompt, scheduler)
+        self.context.scheduler = scheduler
         self.clock = bubbles.snapshot(self.client)  # busy clocks at the last step boundary
         topo.form_train_group(r.trainer.strategy, r.cluster.startup_timeout)
-        self._call("placed", self)
+        self._call("placed", self.context)
 
     # -- one step -------------------------------------------------------------------------
     def generate(self, step: int, min_version: int | None = None) -> list[Future]:
@@ -107,7 +117,7 @@ class Controller:
         submit.check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         with self.lock:
             placed = self.dispatcher.place(step, prompts)
-        version = 0 if self.resolved.serves_initial else version  # (the engines keep the starting model)
+        version = version if self.publishes else 0  # (the engines keep the starting model)
 
         def submitted(name: str | None, gen: Future) -> None:
             self._call("pinned", name, gen)
@@ -142,7 +152,7 @@ class Controller:
                                          self.mode.streams, self.last_step, ordered=self.repeatable)
         admitted = time.time()
         self._call("trained", step, scored)
-        self.last_step = last
+        self.last_step = self.context.last_optimizer_step = last
         step_fut = last[0]
         trained_at: list[float] = []
         step_fut.add_done_callback(lambda _: trained_at.append(time.time()))
@@ -152,7 +162,7 @@ class Controller:
         # Published before the step is done: the export depends on the optimizer step and runs
         # right after it on the train worker (its priority is above any train task), without
         # waiting for the controller to hear of the step and come back.
-        loads = [] if self.resolved.serves_initial else self._publish(step_fut, version)
+        loads = self._publish(step_fut, version) if self.publishes else []
         self._call("published", version, loads)
         self.mode.published(version, loads)
         held = any(e.holds_boundary for e in self.extensions)
@@ -163,7 +173,7 @@ class Controller:
         if feeding:  # meanwhile, here: the next step's admission (it waits for the weights just published)
             self.mode.admit(self.generate, step + 1)
         t_trained = trained_at[0] if trained_at else time.time()
-        self.version = version
+        self.version = self.context.version = version
         if self.epochs > 1:
             last_epoch = last_epoch_stats([f.result() for f in passes[-1]], self.epochs)
             step_stats = replace(step_stats, extra={**step_stats.extra, **last_epoch})
@@ -171,7 +181,7 @@ class Controller:
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
         # (A next step started early holds its own optimizer steps.)
         if self.next_training is None:
-            self.last_step = None
+            self.last_step = self.context.last_optimizer_step = None
         return self._record(step, passes[0], step_stats, t0, t_trained, admitted, generate_workers)
 
     def _publish(self, after: Future | None, version: int, tag: str = "") -> list[Future]:
@@ -222,9 +232,9 @@ class Controller:
         # every rank starts from the same state
         folders.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
         self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
-        self.version = state["policy_version"]
+        self.version = self.context.version = state["policy_version"]
         self._call("resume", checkpoint)
-        if not self.resolved.serves_initial:
+        if self.publishes:
             wait_loaded(self._publish(None, self.version, tag=f"-resume-{time.time_ns()}"))
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
@@ -244,7 +254,7 @@ class Controller:
 
     def extension(self, kind: type) -> StepExtension | None:
         """The run's extension of class ``kind`` (None: the run has none)."""
-        return next((e for e in self.extensions if isinstance(e, kind)), None)
+        return self.context.extension(kind)
 
     @property
     def training_ahead(self) -> bool:

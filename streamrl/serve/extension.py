@@ -18,7 +18,7 @@ from pathlib import Path
 from distributed import Future
 
 from streamrl.errors import UserError
-from streamrl.extensions.step_extension import StepExtension
+from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker import task_functions
 from streamrl.on_worker.resident import ENGINE
 from streamrl.serve import endpoint, remote_engines
@@ -30,13 +30,15 @@ TAKE_WAIT_S = 24 * 3600.0
 class ServedTraffic(StepExtension):
     """Starts the endpoint, feeds each step its rewarded traffic, records the endpoint's counts."""
 
-    def __init__(self, ctl):
-        r = ctl.recipe
-        self.client, self.config = ctl.client, r.serve
+    order = 10
+
+    def __init__(self, context):
+        r = context.recipe
+        self.client, self.config = context.client, r.serve
         self.model_name = r.serve.model_name or r.run.name
         self.max_staleness = r.run.max_staleness
-        self.topology = ctl.topology
-        self.tool_parser = ctl.resolved.registry.get("tool_parser", r.serve.tool_parser, "serve.tool_parser").build(
+        self.topology = context.topology
+        self.tool_parser = context.resolved.registry.get("tool_parser", r.serve.tool_parser, "serve.tool_parser").build(
             {}, "serve.tool_parser")
         self.pin: dict | None = None
         self._last_take: Future | None = None
@@ -45,7 +47,7 @@ class ServedTraffic(StepExtension):
         self.worker = ""
         self.url = ""
 
-    def placed(self, ctl) -> None:
+    def placed(self, context) -> None:
         """Start the endpoint on the first generate worker."""
         self._last_take = None
         self.worker = sorted(self.topology.generate)[0]
