@@ -6,7 +6,8 @@ default streamrl uses when you do not override them) and ``close()``. Engines an
 declare what they can do before they are built, in one place: the classmethod
 ``capabilities(config)`` returning an :class:`EngineCapabilities` or a
 :class:`TrainerCapabilities`. Subclassing the base class is the easy way to get the defaults;
-streamrl never probes objects with ``getattr``.
+an object that does not subclass it gets the same documented defaults wherever streamrl reads an
+optional attribute or method (a scheduler without ``moves_samples`` moves nothing).
 
 ================  =====================  ==============================  ======================
 kind              recipe section         base class                      lives on

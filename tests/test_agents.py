@@ -220,6 +220,32 @@ def test_feedback_by_session_rewards_every_waiting_completion_of_it(served):
         "give exactly one of 'id' (a completion) and 'session'."
 
 
+def test_a_reward_that_is_not_a_finite_bounded_number_is_refused_and_never_trained(served):
+    # One such value among a batch's once overflowed the step's loss and ended the run.
+    import httpx
+
+    api, url = served
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    cid = client.completions.create(model="policy", prompt="12*12=", max_tokens=4).id
+    before = api.traffic.snapshot()["rewarded"]
+    for bad in ("1e308", "-1e7", "Infinity", "-Infinity", "NaN", '"NaN"', '"3"', "true", "null"):
+        body = '{"id": "%s", "reward": %s}' % (cid, bad)
+        r = httpx.post(f"{url}/feedback", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "reward", (bad, r.json())
+    assert api.traffic.snapshot()["rewarded"] == before  # nothing of them reached training
+    assert httpx.post(f"{url}/feedback", json={"id": cid, "reward": -1e6}).status_code == 200  # the bound itself
+
+
+def test_a_reward_past_the_limit_is_a_counted_error_wherever_it_comes_from():
+    from streamrl.rewards.scoring import REWARD_LIMIT, reward_value
+
+    assert reward_value(REWARD_LIMIT) == (REWARD_LIMIT, {}) and reward_value({"score": -2.5}) == (-2.5, {})
+    for bad in (1e308, -1e7, {"score": 2e6}, float("nan")):
+        with pytest.raises(ValueError, match="reward is"):
+            reward_value(bad)
+
+
 def test_a_streamed_tool_call_comes_as_openai_streams_it_and_the_trajectory_continues(served):
     api, url = served
     for k in range(40):

@@ -165,7 +165,7 @@ def test_moves_on_an_engine_that_cannot_hand_a_sample_over_are_refused_in_one_li
     recipe = write_tiny_recipe(tmp_path, tiny_model)
     proc = streamrl("recipe", "run", recipe, *sets(MOVING, *shared_cluster.sets))
     line = last_error_line(proc, 2)
-    assert "scheduler 'longtail' moves running samples" in line and "engine 'hf'" in line and "migrate" in line
+    assert "scheduler: 'longtail' moves running samples" in line and "engine 'hf'" in line and "migrate" in line
 
 
 FAILING_MOVER = '''

@@ -26,9 +26,7 @@ from distributed import get_worker
 from streamrl.recipe.user_files import exec_user_source
 from streamrl.rewards.scoring import reward_value
 from streamrl.sample import Group, Prompt, Sample
-
-#: The header that ties a request to its rollout (the endpoint reads it).
-ROLLOUT_HEADER = "X-Streamrl-Rollout"
+from streamrl.serve.trajectories import ROLLOUT_HEADER
 
 #: The Dask event topic of each group's rollout counts (``agents/extension.py`` reads it).
 EVENT_TOPIC = "streamrl-agent"

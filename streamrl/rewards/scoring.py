@@ -13,12 +13,18 @@ from typing import Any, Callable
 from streamrl.api import Reward
 from streamrl.sample import Group
 
+#: The largest reward magnitude streamrl trains on. A reward is a number a user's function, an
+#: agent or a client sends; one huge value among a batch's (1e308) makes its advantages and loss
+#: overflow, so anything past this is refused where it enters (an error counted for that sample,
+#: or a 400 to the client), never trained. Rewards that mean something stay far inside it.
+REWARD_LIMIT = 1e6
+
 
 def reward_value(value: Any) -> tuple[float, dict[str, float]]:
     """The score and the named values of what a reward gave for one response: a number, or a
     dict with ``"score"`` and other named values (those that are not numbers are left out, as
-    verl's dicts carry strings such as the extracted answer). Raises on anything else, or on a
-    score that is not a finite number."""
+    verl's dicts carry strings such as the extracted answer). Raises on anything else, on a
+    score that is not a finite number, or on one past :data:`REWARD_LIMIT` either way."""
     info: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
@@ -38,6 +44,8 @@ def reward_value(value: Any) -> tuple[float, dict[str, float]]:
     score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"reward is {score}")
+    if abs(score) > REWARD_LIMIT:
+        raise ValueError(f"reward is {score:g}; rewards must lie within [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]")
     return score, info
 
 

@@ -38,7 +38,7 @@ class Called(StepObserver):
 
 
 def sink_observers(sinks: list) -> list[StepObserver]:
-    """Each metric sink (``[[sinks]]``, a tracker) as an observer."""
+    """Each metric sink (``[[metrics]]``, a tracker) as an observer."""
     return [Called(f"metric sink {type(s).__name__}", s.write) for s in sinks]
 
 

@@ -1,4 +1,6 @@
 """Serve and learn: the OpenAI-compatible endpoint on a generate worker (``openai_api.py``, run
 there by ``endpoint.py``), one request's choices in the engine (``completion.py``), the served
 completions waiting for rewards and steps (``traffic.py``), and the step extension that makes
-them a run's samples (``extension.py``). The ``[serve]`` table is ``recipe/serve.py``."""
+them a run's samples (``extension.py``), an agent's calls joined into one token-faithful
+trajectory (``trajectories.py``), and a token server beside an engine on another worker, which
+the endpoint streams from (``remote_engines.py``). The ``[serve]`` table is ``recipe/serve.py``."""

@@ -33,14 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from streamrl.chat.messages import MessageError, normalize, render, reply_message
 from streamrl.serve.completion import Completion, Params
 from streamrl.recipe.serve import ServeConfig
+from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.serve.traffic import Traffic
-from streamrl.serve.trajectories import Trajectories
+from streamrl.serve.trajectories import ROLLOUT_HEADER, Trajectories
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
-
-#: The header that ties a call to an agent's rollout (its value: the rollout's id).
-ROLLOUT_HEADER = "x-streamrl-rollout"
 
 log = logging.getLogger("streamrl.serve")
 
@@ -110,7 +108,9 @@ class Feedback(BaseModel):
     id: str | None = None
     session: str | None = None
     index: int | None = Field(None, ge=0)
-    reward: float
+    reward: float = Field(strict=True, allow_inf_nan=False, ge=-REWARD_LIMIT, le=REWARD_LIMIT)
+    """A JSON number (not a string or a boolean), finite and within ``REWARD_LIMIT`` either way:
+    one value past it would overflow a training step's loss."""
 
     @model_validator(mode="after")
     def _one_target(self) -> "Feedback":

@@ -28,6 +28,10 @@ from typing import Any, Callable
 
 from streamrl.chat.messages import message_key, render
 
+#: The header that ties a call to an agent's rollout (its value: the rollout's id; HTTP header
+#: names are case-insensitive). The agent's client sends it, the endpoint reads it.
+ROLLOUT_HEADER = "X-Streamrl-Rollout"
+
 #: Seconds a rollout may go without a call before it is dropped from the store (an agent worker
 #: that died, or a rollout abandoned without its trajectory ever being asked for).
 STALE_ROLLOUT_S = 3600.0
