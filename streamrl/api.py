@@ -5,9 +5,9 @@ has a base class here with its contract in typed methods, documented optional me
 default streamrl uses when you do not override them) and ``close()``. Engines and trainers also
 declare what they can do before they are built, in one place: the classmethod
 ``capabilities(config)`` returning an :class:`EngineCapabilities` or a
-:class:`TrainerCapabilities`. Subclassing the base class is the easy way to get the defaults;
-an object that does not subclass it gets the same documented defaults wherever streamrl reads an
-optional attribute or method (a scheduler without ``moves_samples`` moves nothing).
+:class:`TrainerCapabilities`. Subclass the base class of your kind: streamrl calls the optional
+methods it documents, so the defaults come from there (a few flags, such as a scheduler's
+``moves_samples``, are also read with their default from an object that lacks them).
 
 ================  =====================  ==============================  ======================
 kind              recipe section         base class                      lives on

@@ -196,3 +196,33 @@ def test_every_import_line_in_the_docs_imports_as_written():
             exec(statement, {})
         except ImportError as exc:
             pytest.fail(f"{doc}: {statement.splitlines()[0]} ... fails: {exc}")
+
+
+def test_the_run_context_keeps_no_finished_run_alive_and_extensions_go_in_their_declared_order():
+    import gc
+    import weakref
+
+    from streamrl.contracts.step_extension import RunContext, StepExtension
+
+    class Late(StepExtension):
+        def __init__(self, context):
+            self.context = context  # an extension keeps the context, as the built-ins do
+
+    class Early(Late):
+        order = 5
+
+    class Resolved:
+        recipe = None
+
+    context = RunContext(None, Resolved(), None, None, repeatable=False, feeds_ahead=False)
+    made = [Late(context), Early(context)]
+    context.extensions = sorted(made, key=lambda e: e.order)
+    assert [type(e).__name__ for e in context.extensions] == ["Early", "Late"]
+    assert context.extension(Early) is made[1]
+    gone = weakref.ref(made[0])
+    gc.disable()  # only reference counts free it: no cycle through the context
+    try:
+        del made
+        assert gone() is None and [type(e).__name__ for e in context.extensions] == []
+    finally:
+        gc.enable()

@@ -28,12 +28,13 @@ the loop. (What only watches the step's record is an observer: ``run/observers.p
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from distributed import Client, Future
+if TYPE_CHECKING:  # (types only: the context is built above these layers; no Dask import for plugins)
+    from distributed import Client, Future
 
-if TYPE_CHECKING:  # (types only: the context is built above these layers)
     from streamrl.contracts.dispatch import Scheduler
     from streamrl.contracts.inputs import Task
 
@@ -41,10 +42,12 @@ if TYPE_CHECKING:  # (types only: the context is built above these layers)
 class RunContext:
     """What a step extension sees of the run: what the run is made of, fixed when it starts, and
     what a step changes, kept current by the controller (it assigns the fields below; nothing
-    else does). It holds no reference to the controller, so an extension that keeps it keeps no
-    finished run alive."""
+    else does). It holds no reference to the controller and only weak ones to the extensions, so
+    an extension that keeps it makes no cycle: a finished run's futures go when the run does (a
+    run that starts over on the same cluster submits the same task keys and must not be answered
+    with them)."""
 
-    def __init__(self, client: Client, resolved: Any, task: "Task", topology: Any, repeatable: bool,
+    def __init__(self, client: "Client", resolved: Any, task: "Task", topology: Any, repeatable: bool,
                  feeds_ahead: bool):
         self.client = client
         """The run's Dask client (submit tasks, run on workers, register worker plugins)."""
@@ -62,18 +65,31 @@ class RunContext:
         """The engine repeats its samples for a seed: the run keeps every step's policy version
         and training order fixed, and so must an extension that submits generation or training."""
         self.feeds_ahead = feeds_ahead
-        """The mode may hand the next step's groups to the trainer before this step's record
-        (``async``): an extension that acts between publication and training sets
-        :attr:`StepExtension.holds_boundary`."""
+        """The mode runs ahead (``async``): the next step's generation is admitted, and its groups
+        may go to the trainer, before this step's record; an extension that must act between
+        publication and training sets :attr:`StepExtension.holds_boundary`."""
+        self.publishes = True
+        """False when the engines keep the policy they started with (an extension's
+        :attr:`StepExtension.publishes`): :attr:`version` then counts trained steps while every
+        engine still holds version 0."""
         self.version = 0
-        """The policy version published last (the engines hold it, or are loading it)."""
+        """The policy version of the last step trained: the one published last, which the engines
+        hold or are loading (unless :attr:`publishes` is False)."""
         self.scheduler: "Scheduler | None" = None
-        """The recipe's scheduler as built for this run (None: none), once placed."""
-        self.last_optimizer_step: list[Future] | None = None
+        """The recipe's scheduler as built for this run (None: none, or not placed yet)."""
+        self.last_optimizer_step: "list[Future] | None" = None
         """Every rank's last optimizer step while a step's training runs (None between steps): a
         task that must see the newest weights depends on it."""
-        self.extensions: list[StepExtension] = []
+        self._extensions: list[weakref.ref] = []
+
+    @property
+    def extensions(self) -> "list[StepExtension]":
         """The run's extensions, in the order they are called."""
+        return [e for e in (ref() for ref in self._extensions) if e is not None]
+
+    @extensions.setter
+    def extensions(self, extensions: "list[StepExtension]") -> None:
+        self._extensions = [weakref.ref(e) for e in extensions]
 
     def extension(self, kind: type) -> "StepExtension | None":
         """The run's extension of class ``kind`` (None: the run has none)."""

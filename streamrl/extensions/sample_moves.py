@@ -80,14 +80,14 @@ class SampleMoves(StepExtension):
     def look(self) -> int:
         """One look: what every engine decodes, the scheduler's moves, each carried out; returns
         how many samples left their instance."""
-        ctl = self.context
-        names = list(ctl.topology.generate)
+        run = self.context
+        names = list(run.topology.generate)
         address = self.address
         if any(n not in address for n in names):  # a new or restarted worker: ask the scheduler again
             address = self.address = {str(info.get("name", addr)): addr
-                                      for addr, info in pool_workers.workers(ctl.client).items()}
+                                      for addr, info in pool_workers.workers(run.client).items()}
         live = [address[n] for n in names if n in address]
-        answers = (ctl.client.run(task_functions.requests_now, workers=live, on_error="return",
+        answers = (run.client.run(task_functions.requests_now, workers=live, on_error="return",
                                   callback_timeout=LOOK_TIMEOUT_S) if live else {})
         seen = [answers.get(address.get(n)) for n in names]
         if any(isinstance(s, BaseException) for s in seen):
@@ -95,10 +95,10 @@ class SampleMoves(StepExtension):
         seen = [s if s is not None and not isinstance(s, BaseException) else None for s in seen]
         self.looks += 1
         moved = 0
-        for uid, source, target in ctl.scheduler.moves(seen):
-            if seen[source] is None or names[target] not in ctl.topology.pins:
+        for uid, source, target in run.scheduler.moves(seen):
+            if seen[source] is None or names[target] not in run.topology.pins:
                 continue
-            taken = ctl.client.run(task_functions.move_sample, uid, ctl.topology.pins[names[target]],
+            taken = run.client.run(task_functions.move_sample, uid, run.topology.pins[names[target]],
                                    workers=[address[names[source]]], on_error="return", callback_timeout=LOOK_TIMEOUT_S)
             moved += taken.get(address[names[source]]) is True
         self.moved += moved

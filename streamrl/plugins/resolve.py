@@ -223,7 +223,9 @@ def _check_engine_can(out: Resolved) -> None:
     that can hand a sample over."""
     r = out.recipe
     can = out.engine.capabilities()
-    wanted = "[serve]" if r.serve is not None else f'task.name = "{r.task.name}"' if out.task.component.factory is AgentTask else ""
+    factory = out.task.component.factory
+    agent = isinstance(factory, type) and issubclass(factory, AgentTask)
+    wanted = "[serve]" if r.serve is not None else f'task.name = "{r.task.name}"' if agent else ""
     if wanted and not can.streams:
         raise UserError(f"engine: {wanted} serves from an endpoint, which needs an engine that streams each response's "
                         f"tokens; engine {r.engine.name!r} with these settings does not (its capabilities lack streams): "

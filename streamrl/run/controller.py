@@ -68,7 +68,7 @@ class Controller:
         """The features that plug into the step, in the order they are called."""
         self.context.extensions = self.extensions
         # False: the engines keep the policy they started with (run.serve = "initial")
-        self.publishes = all(e.publishes for e in self.extensions)
+        self.publishes = self.context.publishes = all(e.publishes for e in self.extensions)
         self._start_over()
 
     def _start_over(self) -> None:
@@ -78,7 +78,7 @@ class Controller:
         self.dispatcher: Dispatcher | None = None
         self.version = self.context.version = 0
         self.last_step: list[Future] | None = None  # every rank's last optimizer step
-        self.context.last_optimizer_step = None
+        self.context.last_optimizer_step = self.context.scheduler = None
         # the next step's training, handed over early (step(start_next_training=True)), and its groups
         self.next_training: Feed | None = None
         self.next_training_groups: list[Future] = []

@@ -58,8 +58,10 @@ def from_plugins(context: RunContext) -> list[StepExtension]:
     out: list[StepExtension] = []
     for impl in pm.hook.add_step_extensions.get_hookimpls():
         name = pm.get_name(impl.plugin) or repr(impl.plugin)
-        try:
-            got = impl.function(context=context)
+        if impl.hookwrapper or impl.wrapper:  # (a wrapper wraps the others' calls: it adds none itself)
+            continue
+        try:  # each plugin's on its own, so a failure names it; pluggy passes the arguments it declares
+            got = impl.function(**{arg: context for arg in impl.argnames})
         except Exception as exc:
             raise UserError(f"plugin {name!r}: add_step_extensions failed: {type(exc).__name__}: {exc}") from None
         got = [] if got is None else list(got) if isinstance(got, (list, tuple)) else [got]
