@@ -94,30 +94,44 @@ class SlotDecoder:
 
     # -- the decode step ------------------------------------------------------------------------
 
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder's layers over hidden states ``x`` (``[n, t, hidden]`` at ``positions``
+        ``[n, t]``), then its final norm: norms, projections, rotary embeddings and MLPs are the
+        model's own modules. ``attend(i, q, k, v)`` stores layer ``i``'s new keys and values in the
+        cache and returns the attention output (``[n, heads, t, head_dim]``): the one place a
+        decode step and a prefill differ."""
+        m = self.model.model
+        n, t = x.shape[:2]
+        cos, sin = m.rotary_emb(x, positions)
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, k, cos, sin)
+            o = attend(i, q, k, v)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, self.heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return m.norm(x)
+
     def _step(self, b: int) -> None:
         """One token for each of the first ``b`` slots: the body a graph captures."""
         m = self.model.model
         tok, pos, act = self.token[:b], self.position[:b], self.active[:b]
-        x = m.embed_tokens(tok)[:, None]  # [b, 1, hidden]
-        cos, sin = m.rotary_emb(x, pos[:, None])
         # a slot sees its cache up to (and with) the position it writes now
         mask = (self._span[None] <= pos[:, None])[:, None, None, :]
         rows = self._rows[:b]
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, 1, self.heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(b, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._rotate(q, k, cos, sin)
+
+        def attend(i, q, k, v):  # one new token per slot, over its slot's cache
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[rows, :, pos] = k[:, :, 0]
             vc[rows, :, pos] = v[:, :, 0]
-            o = F.scaled_dot_product_attention(q, kc[:b], vc[:b], attn_mask=mask, scale=self.scaling,
-                                               enable_gqa=self.kv_heads != self.heads)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, 1, self.heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.model.lm_head(m.norm(x)[:, 0])
+            return F.scaled_dot_product_attention(q, kc[:b], vc[:b], attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=self.kv_heads != self.heads)
+
+        x = self._layers(m.embed_tokens(tok)[:, None], pos[:, None], attend)  # [b, 1, hidden]
+        logits = self.model.lm_head(x[:, 0])
         nxt, lp = self._sample(logits, self.greedy[:b])
         col = self.generated[:b].clamp(max=self.max_new_tokens - 1)
         self.out_tokens[rows, col] = nxt
@@ -198,25 +212,18 @@ class SlotDecoder:
         for r, p in enumerate(prompts):
             ids[r, :len(p)] = torch.tensor(p, device=self.device)
         positions = torch.arange(width, device=self.device)[None].expand(len(prompts), -1)
-        x = m.embed_tokens(ids)
-        cos, sin = m.rotary_emb(x, positions)
         slots = torch.tensor([s for s, _, _, _ in requests], device=self.device)
         rows = torch.tensor(row_of, device=self.device)
         n = len(prompts)
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(n, width, self.heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._rotate(q, k, cos, sin)
+
+        def attend(i, q, k, v):  # each distinct prompt over itself, its cache copied to every slot asking for it
             self.k_cache[i][slots, :, :width] = k[rows]
             self.v_cache[i][slots, :, :width] = v[rows]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                               enable_gqa=self.kv_heads != self.heads)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, width, self.heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = m.norm(x)[torch.arange(n, device=self.device), lengths - 1]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                                  enable_gqa=self.kv_heads != self.heads)
+
+        x = self._layers(m.embed_tokens(ids), positions, attend)
+        last = x[torch.arange(n, device=self.device), lengths - 1]
         logits = self.model.lm_head(last)[rows]
         greedy = torch.tensor([g for _, _, _, g in requests], device=self.device)
         nxt, lp = self._sample(logits, greedy)

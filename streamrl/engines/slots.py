@@ -16,44 +16,33 @@ no request is dropped and the next step decodes with the new weights.
 A served request (:meth:`SlotEngine.stream`) also has its tokens handed to a callback as each
 step decodes them, with the policy version that decoded them, and can be cancelled (a client
 that went away, a stop sequence found) to free its slot at the next turn.
+
+Each request's state is one :class:`~streamrl.engines.slot_requests.Request` (served or not,
+watched by a reward's ``stop_early``, movable to another instance), and which slot holds which
+request is the :class:`~streamrl.engines.slot_requests.SlotTable`'s: the loop reads both.
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
 from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.request_queue import Response, await_response
 from streamrl.engines.slot_decoder import SlotDecoder
+from streamrl.engines.slot_requests import Request, SlotTable
 from streamrl.contracts.generation import RequestsNow
 from streamrl.sample import Group, Prompt, Sample
-
-#: The request ids of greedy (evaluation) requests start with it: their slots take the argmax.
-GREEDY = "greedy:"
 
 #: Ended task samples the engine remembers for :meth:`SlotEngine.requests_now` (a run without a
 #: straggler mover never asks).
 FINISHED_KEPT = 8192
-
-
-@dataclass
-class Stream:
-    """A served request's state in the loop: its callback, what it was sent, its versions."""
-
-    on_tokens: Callable[[list[int], list[float], int], None] | None
-    limit: int
-    greedy: bool
-    sent: int = 0
-    versions: list[int] = field(default_factory=list)
 
 
 class SlotEngine(TransformersEngine):
@@ -66,22 +55,18 @@ class SlotEngine(TransformersEngine):
         self._loop: threading.Thread | None = None
         self._turn = threading.Lock()  # held by the loop for one turn; a weight load takes it between turns
         self._pause = threading.Event()  # a weight load wants the next turn
-        self._incoming: list[tuple[str, list[int]]] = []  # admitted by the queue, not prefilled yet
-        self._slot_of: dict[int, str] = {}  # slot -> request id
-        self._free = list(range(config.slots))  # a heap: the lowest free slot first
         self._wake = threading.Event()
-        self._streams: dict[str, Stream] = {}  # served requests, by id (written before they are queued)
-        self._cancels: set[str] = set()  # served requests to stop, taken by the loop at its next turn
+        self._table = SlotTable(config.slots)
+        # requests set up by the call that queues them (a served one, a watched or movable sample),
+        # by id; written before they are queued, taken by the loop when it admits them
+        self._requests: dict[str, Request] = {}
+        self._incoming: list[tuple[Request, list[int]]] = []  # admitted by the queue, not prefilled yet
+        self._cancels: set[str] = set()  # requests to stop, taken by the loop at its next turn
         self._cancel_lock = threading.Lock()
         self.loop_error: BaseException | None = None
         """What killed the loop, if something did (every request then fails naming it)."""
         self._stop_early = None  # the reward that may end a response early (stop_early_with)
-        self._watched: dict[str, list] = {}  # request id -> [its prompt, tokens when last asked]
-        self._ended_early: set[str] = set()  # released by the watch: their responses say so
-        # task samples a straggler mover may see: rid -> (prompt tokens, tokens brought along, movable)
-        self._task_info: dict[str, tuple[int, int, bool]] = {}
         self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
-        self._moving: set[str] = set()  # taken out at the next turn, to go on elsewhere
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -92,6 +77,17 @@ class SlotEngine(TransformersEngine):
         self._loop = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
                                       name="streamrl-hf-slots", daemon=True)
         self._loop.start()
+
+    def _queued(self, requests: list[Request], ids: list[list[int]], priority: float) -> dict[str, Future]:
+        """Register ``requests`` (before the loop can see them) and queue them; their futures."""
+        for r in requests:
+            self._requests[r.rid] = r
+        futures = self._queue.put([(r.rid, i, priority) for r, i in zip(requests, ids)])
+        self._submitted()
+        return futures
+
+    def _submitted(self) -> None:
+        self._wake.set()  # (the base class's generate_groups calls it too)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -118,21 +114,21 @@ class SlotEngine(TransformersEngine):
         if self._admit_into_free_slots():
             self._emit()
             self._hand_back()  # a first token can end a request (EOS, max_new_tokens = 1)
-        if not self._slot_of:
+        if not self._table.running:
             return False
         self.decoder.step(self._size())
         self._emit()
-        if self._watched:
+        if self._stop_early is not None:
             self._watch()
-        if self._slot_of:  # (the watch may have ended every running request)
+        if self._table.running:  # (the watch may have ended every running request)
             self._hand_back()
         return True
 
     def _size(self) -> int:
-        return self.decoder.size_for(max(self._slot_of))
+        return self.decoder.size_for(self._table.highest())
 
     def _admit_into_free_slots(self) -> bool:
-        if not self._free:
+        if not self._table.has_room():
             return False
         self._incoming.clear()
         # the queue admits while fewer than the limit run; every running request holds a slot
@@ -140,20 +136,18 @@ class SlotEngine(TransformersEngine):
         if not self._incoming:
             return False
         starts = []
-        for rid, ids in self._incoming:
-            slot = heapq.heappop(self._free)  # the lowest free slot: steps stay small when few run
-            self._slot_of[slot] = rid
-            served = self._streams.get(rid)
-            limit = served.limit if served else self.config.max_new_tokens
-            # a slot holds max_prompt_tokens + max_new_tokens positions (generate_groups checked the prompt)
-            starts.append((slot, ids, min(limit, self.decoder.context - len(ids)),
-                           rid.startswith(GREEDY) or bool(served and served.greedy)))
+        for request, ids in self._incoming:
+            slot = self._table.place(request)
+            # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
+            starts.append((slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy))
         self.decoder.prefill(starts)
         return True
 
     def _take(self, rid: str, ids: list[int]) -> bool:
-        # called by the queue, under its lock, for each request it admits (highest priority first)
-        self._incoming.append((rid, ids))
+        # called by the queue, under its lock, for each request it admits (highest priority first);
+        # a plain task sample was queued by the base class without a request of its own
+        request = self._requests.pop(rid, None) or Request(rid, self.config.max_new_tokens)
+        self._incoming.append((request, ids))
         return True
 
     def generate_greedy(self, prompts: list[Prompt]) -> list[Group]:
@@ -162,33 +156,27 @@ class SlotEngine(TransformersEngine):
         ids = [self.prompt_ids(p) for p in prompts]
         self._check_prompts(prompts, ids)
         start, version = time.time(), self.version
-        rids = [f"{GREEDY}{p.uid}-0" for p in prompts]
-        futures = self._queue.put([(rid, i, float("inf")) for rid, i in zip(rids, ids)])
-        self._submitted()
-        return [[self._sample(p, i, rid.removeprefix(GREEDY), out.tokens, out.logprobs, version, start, time.time())]
-                for p, i, rid in zip(prompts, ids, rids)
-                for out in [await_response(rid, futures[rid], self.config.request_timeout)]]
+        requests = [Request(f"greedy:{p.uid}-0", self.config.max_new_tokens, greedy=True) for p in prompts]
+        futures = self._queued(requests, ids, float("inf"))
+        return [[self._sample(p, i, f"{p.uid}-0", out.tokens, out.logprobs, version, start, time.time())]
+                for p, i, r in zip(prompts, ids, requests)
+                for out in [await_response(r.rid, futures[r.rid], self.config.request_timeout)]]
 
     def _hand_back(self) -> None:
         done = [int(s) for s in self.decoder.finished_slots(self._size())]
         if done:
             self._release(done)
 
-    def _release(self, slots: list[int]) -> None:
+    def _release(self, slots: list[int], taken_out: bool = False) -> None:
+        # ``taken_out``: released by a cancel, so a request asked to move leaves as moved (one
+        # that ended by itself first stays here, finished)
         for slot, (tokens, logprobs) in zip(slots, self.decoder.release(slots)):
-            rid = self._slot_of.pop(slot)
-            served = self._streams.pop(rid, None)
-            self._watched.pop(rid, None)
-            early = rid in self._ended_early
-            self._ended_early.discard(rid)
-            moved = rid in self._moving
-            self._moving.discard(rid)
-            info = self._task_info.pop(rid, None)
-            if info is not None and not moved:
-                self._finished_tasks.append((rid, info[1] + len(tokens)))
-            self._queue.finish(rid, Response(tokens, logprobs, token_versions=served.versions if served else None,
-                                             stopped_early=early, moved=moved))
-            heapq.heappush(self._free, slot)
+            r = self._table.free(slot)
+            moved = taken_out and r.moving
+            if r.task and not moved:
+                self._finished_tasks.append((r.rid, r.brought + len(tokens)))
+            self._queue.finish(r.rid, Response(tokens, logprobs, token_versions=r.versions if r.streamed else None,
+                                               stopped_early=r.ended_early, moved=moved))
 
     # -- responses ended early --------------------------------------------------------------------
 
@@ -201,28 +189,31 @@ class SlotEngine(TransformersEngine):
         # (the loop's thread, after a decode step) the watched requests that decoded another
         # stop_early_every tokens: their text so far, and the reward's verdict on it
         every = self.config.stop_early_every
-        live = [(slot, rid) for slot, rid in self._slot_of.items() if rid in self._watched]
+        live = [(slot, r) for slot, r in self._table.running.items() if r.watch is not None]
         if not live:
             return
         idx = torch.tensor([slot for slot, _ in live], device=self.decoder.device)
         counts = self.decoder.generated[idx].tolist()
-        due = [(slot, rid, n) for (slot, rid), n in zip(live, counts) if n - self._watched[rid][1] >= every]
+        due = [(slot, r, n) for (slot, r), n in zip(live, counts) if n - r.watched_at >= every]
         if not due:
             return
         rows = self.decoder.out_tokens[torch.tensor([s for s, _, _ in due], device=self.decoder.device)].tolist()
         stop = []
-        for (slot, rid, n), row in zip(due, rows):
-            prompt = self._watched[rid][0]
-            self._watched[rid][1] = n
+        for (slot, r, n), row in zip(due, rows):
+            r.watched_at = n
             try:
-                hopeless = bool(self._stop_early.stop_early(prompt, self.tokenizer.decode(row[:n], skip_special_tokens=True)))
+                hopeless = bool(self._stop_early.stop_early(r.watch, self.tokenizer.decode(row[:n], skip_special_tokens=True)))
             except Exception:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
                 hopeless = False
             if hopeless:
                 stop.append(slot)
-                self._ended_early.add(rid)
+                r.ended_early = True
         if stop:
             self._release(stop)
+
+    def _watching(self, prompt: Prompt | None) -> Prompt | None:
+        """What a new request's watch asks about: its prompt when a reward stops responses early."""
+        return prompt if self._stop_early is not None else None
 
     # -- served requests ------------------------------------------------------------------------
 
@@ -237,16 +228,13 @@ class SlotEngine(TransformersEngine):
         hopeless responses early (:meth:`stop_early_with`): a served response is watched as a
         task's is, and one it stops ends there (``Response.stopped_early``)."""
         self._check_ids(f"request {rid}", ids)
-        if prompt is not None and self._stop_early is not None:  # (before it is queued: the loop reads it)
-            self._watched[rid] = [prompt, 0]
-        self._streams[rid] = Stream(on_tokens, max(1, min(max_new_tokens, self.config.max_new_tokens)), greedy)
-        future = self._queue.put([(rid, ids, priority)])[rid]
-        self._submitted()
-        return future
+        request = Request(rid, max(1, min(max_new_tokens, self.config.max_new_tokens)), greedy=greedy, streamed=True,
+                          on_tokens=on_tokens, watch=self._watching(prompt))
+        return self._queued([request], [ids], priority)[rid]
 
     def cancel(self, rid: str) -> None:
-        """Stop served request ``rid`` at the loop's next turn (its future gets the tokens so
-        far); nothing if it already ended."""
+        """Stop request ``rid`` at the loop's next turn (its future gets the tokens so far);
+        nothing if it already ended."""
         with self._cancel_lock:
             self._cancels.add(rid)
         self._wake.set()
@@ -254,52 +242,46 @@ class SlotEngine(TransformersEngine):
     def _cancel_requested(self) -> None:
         with self._cancel_lock:
             cancels, self._cancels = self._cancels, set()
-        running = {rid: slot for slot, rid in self._slot_of.items()}
         stop = []
         for rid in cancels:
-            if rid in running:
-                stop.append(running[rid])
-            elif rid in self._moving:  # it ended before it could be taken out: it stays here
-                self._moving.discard(rid)
-            elif self._queue.cancel(rid):
-                self._streams.pop(rid, None)
-                self._watched.pop(rid, None)
+            slot = self._table.slot_of(rid)
+            if slot is not None:
+                stop.append(slot)
+            elif self._queue.cancel(rid):  # still waiting: answered empty, its request forgotten
+                self._requests.pop(rid, None)
         if stop:
             self._emit()
-            self._release(stop)
+            self._release(stop, taken_out=True)
 
     def _emit(self) -> None:
-        # each served request's tokens decoded since its last call, stamped with this version
-        live = [(slot, rid, self._streams[rid]) for slot, rid in self._slot_of.items()
-                if rid in self._streams]
+        # each followed request's tokens decoded since its last call, stamped with this version
+        live = [(slot, r) for slot, r in self._table.running.items() if r.streamed]
         if not live:
             return
-        idx = torch.tensor([slot for slot, _, _ in live], device=self.decoder.device)
+        idx = torch.tensor([slot for slot, _ in live], device=self.decoder.device)
         counts = self.decoder.generated[idx].tolist()
         tokens, logprobs = self.decoder.out_tokens[idx].tolist(), self.decoder.out_logprobs[idx].tolist()
-        for (slot, rid, st), n, toks, lps in zip(live, counts, tokens, logprobs):
-            if n <= st.sent:
+        for (slot, r), n, toks, lps in zip(live, counts, tokens, logprobs):
+            if n <= r.sent:
                 continue
-            new_tokens, new_lps = toks[st.sent:n], lps[st.sent:n]
-            st.versions.extend([self.version] * len(new_tokens))
-            st.sent = n
-            if st.on_tokens is not None:
+            new_tokens, new_lps = toks[r.sent:n], lps[r.sent:n]
+            r.versions.extend([self.version] * len(new_tokens))
+            r.sent = n
+            if r.on_tokens is not None:
                 try:
-                    st.on_tokens(new_tokens, new_lps, self.version)
+                    r.on_tokens(new_tokens, new_lps, self.version)
                 except Exception:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
-                    self.cancel(rid)
-
-    def _submitted(self) -> None:
-        self._wake.set()
+                    self.cancel(r.rid)
 
     def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
         """As :meth:`TransformersEngine.generate_groups`; a prompt longer than
         ``engine.max_prompt_tokens`` fails its requests at once, naming the field."""
         self._check_prompts(prompts, [self.prompt_ids(p) for p in prompts])
-        if self._stop_early is not None:  # (written before the requests are queued: the loop reads it)
+        if self._stop_early is not None:  # (registered before the base class queues them: the loop reads them)
             for p in prompts:
                 for k in range(n):
-                    self._watched[f"{p.uid}-{k}"] = [p, 0]
+                    rid = f"{p.uid}-{k}"
+                    self._requests[rid] = Request(rid, self.config.max_new_tokens, watch=p)
         return super().generate_groups(prompts, n, priorities)
 
     # -- samples moved between instances ----------------------------------------------------------
@@ -310,14 +292,11 @@ class SlotEngine(TransformersEngine):
         version the group was asked under, as an unmoved sample's do), and comes back finished."""
         ids = self.prompt_ids(prompt)
         self._check_prompts([prompt], [ids])
-        rids = [f"{prompt.uid}-{k}" for k in samples]
-        for rid in rids:  # (written before the requests are queued: the loop reads them)
-            self._task_info[rid] = (len(ids), 0, True)
-            if self._stop_early is not None:
-                self._watched[rid] = [prompt, 0]
+        requests = [Request(f"{prompt.uid}-{k}", self.config.max_new_tokens, watch=self._watching(prompt), task=True,
+                            prompt_tokens=len(ids), movable=True) for k in samples]
+        rids = [r.rid for r in requests]
         version, start = self.version, time.time()
-        futures = self._queue.put([(rid, ids, priority) for rid in rids])
-        self._submitted()
+        futures = self._queued(requests, [ids] * len(requests), priority)
         pending = {futures[rid]: rid for rid in rids}
         ended, handed = {}, {}
         while pending:  # whichever ends first, so a moved sample goes on elsewhere at once
@@ -348,13 +327,11 @@ class SlotEngine(TransformersEngine):
 
     def requests_now(self) -> RequestsNow:
         """The task samples in slots now (with the tokens they have) and those that ended since
-        the last call. Safe from any thread: it copies the loop's tables before reading them."""
-        slots = dict(self._slot_of)
-        info = dict(self._task_info)
-        live = [(slot, rid) for slot, rid in slots.items() if rid in info]
+        the last call. Safe from any thread: it copies the loop's table before reading it."""
+        live = [(slot, r) for slot, r in dict(self._table.running).items() if r.task]
         counts = self.decoder.generated[torch.tensor([s for s, _ in live], dtype=torch.long)
                                         .to(self.decoder.device)].tolist() if live else []
-        running = [(rid, info[rid][1] + int(n), info[rid][0], info[rid][2]) for (_, rid), n in zip(live, counts)]
+        running = [(r.rid, r.brought + int(n), r.prompt_tokens, r.movable) for (_, r), n in zip(live, counts)]
         finished = [self._finished_tasks.popleft() for _ in range(len(self._finished_tasks))]
         return RequestsNow(running, finished)
 
@@ -362,10 +339,10 @@ class SlotEngine(TransformersEngine):
         """Take running sample ``uid`` out at the loop's next turn, its tokens so far handed to
         the :meth:`generate_movable` call that asked for it. False when it is not a movable sample
         running here; it may still end by itself before the turn, and then it stays."""
-        info = self._task_info.get(uid)
-        if info is None or not info[2] or uid not in dict(self._slot_of).values():
+        request = next((r for r in dict(self._table.running).values() if r.rid == uid), None)
+        if request is None or not request.movable:
             return False
-        self._moving.add(uid)
+        request.moving = True
         self.cancel(uid)
         return True
 
@@ -381,12 +358,10 @@ class SlotEngine(TransformersEngine):
             raise ValueError(f"hf engine: moved sample {rid} has {len(partial.prompt_ids)} prompt and {done} "
                              f"response tokens; a slot holds {self.config.max_prompt_tokens} + "
                              f"{self.config.max_new_tokens} (engine.max_prompt_tokens, engine.max_new_tokens)")
-        self._task_info[rid] = (len(partial.prompt_ids), done, False)
-        self._streams[rid] = Stream(None, limit, False)  # a stream: the loop records each token's version
+        # streamed: the loop records the version of each token it decodes
+        request = Request(rid, limit, streamed=True, task=True, prompt_tokens=len(partial.prompt_ids), brought=done)
         version = self.version
-        future = self._queue.put([(rid, ids, priority)])[rid]
-        self._submitted()
-        out = await_response(rid, future, self.config.request_timeout)
+        out = await_response(rid, self._queued([request], [ids], priority)[rid], self.config.request_timeout)
         versions += out.token_versions or [version] * len(out.tokens)
         sample = self._sample(partial.prompt, partial.prompt_ids, rid, list(partial.response_ids) + out.tokens,
                               list(partial.logprobs) + list(out.logprobs), min(versions),
