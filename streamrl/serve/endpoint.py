@@ -9,14 +9,13 @@ worker like any other.
 
 from __future__ import annotations
 
-import threading
-import time
 
 from distributed import get_worker
 
 from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.sample import Group
 from streamrl.recipe.serve import ServeConfig
+from streamrl.serve.http_server import start_in_thread
 from streamrl.serve.traffic import Traffic
 
 # the one endpoint of this worker process: (uvicorn server, its thread, the traffic store)
@@ -27,8 +26,6 @@ def start(config: dict, model_name: str, tool_parser=None) -> str:
     """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
     ``tool_parser``: the built ``serve.tool_parser``. Raises naming the setting when the engine
     cannot stream (not the slot decoder) or the port cannot be bound."""
-    import uvicorn
-
     from streamrl.serve.openai_api import Endpoint, make_app
 
     stop()  # a run that starts over on this worker serves anew
@@ -41,18 +38,11 @@ def start(config: dict, model_name: str, tool_parser=None) -> str:
     api = Endpoint(engine, cfg, traffic, model_name, tool_parser)
     api.worker = str(get_worker().name)
     app = make_app(api)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           access_log=False, lifespan="off"))
-    thread = threading.Thread(target=server.run, name="streamrl-serve", daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.02)
-    if not server.started:
-        server.should_exit = True
+    started = start_in_thread(app, cfg.host, cfg.port, "streamrl-serve")
+    if started is None:
         raise ValueError(f"serve: could not listen on {cfg.host}:{cfg.port} (serve.host, serve.port: the port may be "
                          "in use)")
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server, thread, port = started
     _RUNNING["endpoint"] = (server, thread, traffic, api)
     return f"http://{cfg.host}:{port}/v1"
 

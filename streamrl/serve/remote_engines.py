@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from streamrl.on_worker.resident import resident
+from streamrl.serve.http_server import start_in_thread
 
 # the token servers of this worker process: engine resident name -> (uvicorn server, thread)
 _SERVERS: dict[str, tuple] = {}
@@ -72,8 +72,6 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
     current weights the engine takes first, as ``version`` (:func:`refresh`); None for a generate
     worker's engine, which loads each published policy itself. Raises naming the setting when
     the engine cannot stream (not the slot decoder)."""
-    import uvicorn
-
     stop(engine)
     eng = resident(engine)
     if not hasattr(eng, "stream"):
@@ -93,18 +91,11 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
 
     host = get_worker().address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     netloc = f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL is bracketed)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", access_log=False,
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, name=f"streamrl-variant-{engine}", daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.02)
-    if not server.started:
-        server.should_exit = True
+    started = start_in_thread(app, host, 0, f"streamrl-variant-{engine}")
+    if started is None:
         raise RuntimeError(f"the token server of {engine} could not listen on {host}")
+    server, thread, port = started
     _SERVERS[engine] = (server, thread)
-    port = server.servers[0].sockets[0].getsockname()[1]
     return f"http://{netloc}:{port}", key
 
 
