@@ -182,7 +182,7 @@ def make_model(out: Path, hidden: int, layers: int) -> int:
         return json.loads(marker.read_text())["parameters"]
     from transformers import AutoConfig, AutoTokenizer
 
-    from streamrl.models.initialize import init_model
+    from streamrl.run.model_init import init_model
     from streamrl.tasks.tiny import save, tiny_llama
 
     init_model("addition", str(out), warmstart_steps=0, seed=0)  # tokenizer and context length

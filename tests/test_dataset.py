@@ -152,7 +152,7 @@ def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, t
 def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet):
     from transformers import AutoModelForCausalLM
 
-    from streamrl.models.initialize import init_model
+    from streamrl.run.model_init import init_model
     from streamrl.training.warmstart import prompt_ids
 
     out = tmp_path / "model"

@@ -4,6 +4,7 @@ validated, giving a :class:`Resolved` that the controller builds from. Needs no 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from pydantic import BaseModel
 from streamrl.recipe.learners import INITIAL, main_learner, served_name
 from streamrl.api import Algorithm, Component
 from streamrl.errors import UserError
+from streamrl.models.fetch import KNOWN
 from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 from streamrl.tasks.agent import AgentTask
@@ -152,9 +154,11 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
             raise UserError(f'model: missing; {needs_model[0]} needs one: '
                             'add a [model] table with path = "<folder of a transformers model>"')
         if not (path / "config.json").is_file():
-            raise UserError(f"model.path: no transformers model at {path} "
-                            f"(make one with: streamrl model init --task {r.task.name} --out {r.model.path}, "
-                            "or with a known architecture's shapes: --arch qwen2.5-0.5b --random)")
+            shown = os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+            how = (f"get it with: streamrl model fetch {path.name} --out {shown}" if path.name in KNOWN else
+                   f"make one with: streamrl model init --task {r.task.name} --out {shown}, or with a known "
+                   "architecture's shapes: --arch qwen2.5-0.5b --random; a GGUF file: streamrl model import FILE --out DIR")
+            raise UserError(f"model.path: no transformers model at {path} ({how})")
         weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("*.safetensors.index.json")]
         if not weights:
             raise UserError(f"model.path: {path} has a config.json but no weights "

