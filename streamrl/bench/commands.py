@@ -1,0 +1,186 @@
+"""The ``streamrl bench`` commands: their arguments and which benchmark each runs (every
+benchmark measures ratios within one invocation; ``docs/benchmarks.md`` holds the figures)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from streamrl.errors import UserError
+
+
+def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``bench`` and its subcommands to the ``streamrl`` command's subparsers ``sub``;
+    ``recipe_args`` adds a recipe file and its ``--set`` overrides to a parser."""
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured in one invocation)").add_subparsers(
+        dest="cmd", required=True)
+    modes = bench.add_parser("modes", help="the recipe in colocated, batch, stream and async mode")
+    recipe_args(modes)
+    modes.add_argument("--modes", default="colocated,batch,stream,async", help="comma-separated modes to run")
+    modes.add_argument("--steps", type=int, default=5, help="measured steps per mode")
+    modes.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    modes.add_argument("--out", default=None, help="write the JSON result here")
+    early = bench.add_parser("stop-early", help="responses ended early by the reward's stop_early, and not")
+    recipe_args(early)
+    early.add_argument("--every", type=int, default=8, help="engine.stop_early_every of the variant that stops early")
+    early.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    early.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    early.add_argument("--out", default=None, help="write the JSON result here")
+    skew = bench.add_parser("skew", help="fcfs vs the skew scheduler (oracle and learned ranker)")
+    recipe_args(skew)
+    skew.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    skew.add_argument("--warmup", type=int, default=2, help="steps run first (the ranker learns) and left out")
+    skew.add_argument("--out", default=None, help="write the JSON result here")
+    skew.add_argument("--repeats", type=int, default=1,
+                      help="run every variant this many times, interleaved; the table shows medians and ranges")
+    transfer = bench.add_parser("transfer", help="seconds and GB/s per weight publication, per transfer")
+    recipe_args(transfer)
+    transfer.add_argument("--transfers", default="dask", help="comma-separated transfer names")
+    transfer.add_argument("--repeats", type=int, default=5, help="measured publications per transfer")
+    transfer.add_argument("--out", default=None, help="write the JSON result here")
+    engine = bench.add_parser("engine", help="generation per step: the recipe's engine, or variants of it")
+    recipe_args(engine)
+    engine.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                        help='a variant of the recipe, e.g. --variant \'vllm:engine.name="vllm"\' (repeatable; '
+                             "speed-ups are relative to the first)")
+    engine.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    engine.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    engine.add_argument("--out", default=None, help="write the JSON result here")
+    trainer = bench.add_parser("trainer", help="the recipe's trainer on synthetic batches: tokens/s, MFU, peak memory")
+    recipe_args(trainer)
+    trainer.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                         help="a variant of the recipe, e.g. --variant 'bf16:trainer.precision=\"bf16-autocast\"'")
+    trainer.add_argument("--samples", type=int, default=64, help="samples per step")
+    trainer.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per sample")
+    trainer.add_argument("--response-tokens", type=int, default=512, help="response tokens per sample")
+    trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
+    trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
+    trainer.add_argument("--out", default=None, help="write the JSON result here")
+    trainer.add_argument("--profile-dir", default=None,
+                         help="profile one more step of each variant with torch.profiler; its operators by "
+                              "device time go to DIR/trainer-profile-<variant>.txt")
+    pool = bench.add_parser("trainpool", help="the train pool alone: one worker vs ddp vs fsdp over several "
+                                              "(s/step, state and peak memory per rank)")
+    recipe_args(pool)
+    pool.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
+                      help="a variant, e.g. --variant 'fsdp4:pools.train.workers=4;trainer.strategy=\"fsdp\"' "
+                           "(default: one worker, ddp x2, fsdp x2)")
+    pool.add_argument("--samples", type=int, default=64, help="samples per step")
+    pool.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per sample")
+    pool.add_argument("--response-tokens", type=int, default=48, help="response tokens per sample")
+    pool.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
+    pool.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
+    pool.add_argument("--out", default=None, help="write the JSON result here")
+    elastic = bench.add_parser("elastic", help="a fixed generate pool (min, max workers) vs an elastic one")
+    recipe_args(elastic)
+    elastic.add_argument("--min", dest="lo", type=int, default=1, help="workers of the small fixed pool, where the "
+                                                                      "elastic one starts")
+    elastic.add_argument("--max", dest="hi", type=int, default=3, help="workers of the large fixed pool, the "
+                                                                      "elastic one's ceiling")
+    elastic.add_argument("--steps", type=int, default=10, help="measured steps per variant")
+    elastic.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
+    elastic.add_argument("--repeats", type=int, default=1, help="passes of the three variants, interleaved; the "
+                                                                 "median ratio to fixed-min is reported")
+    elastic.add_argument("--out", default=None, help="write the JSON result here")
+    bench_eval = bench.add_parser("eval", help="the recipe without and with [eval] every N steps: what evaluation "
+                                               "costs training's samples/s")
+    recipe_args(bench_eval)
+    bench_eval.add_argument("--every", type=int, default=10, help="eval.every of the variant with evaluation")
+    bench_eval.add_argument("--steps", type=int, default=30, help="measured steps per variant")
+    bench_eval.add_argument("--warmup", type=int, default=3, help="steps run first and left out of the figures")
+    bench_eval.add_argument("--repeats", type=int, default=1, help="passes of both variants, interleaved; the "
+                                                                   "median ratio is reported")
+    bench_eval.add_argument("--out", default=None, help="write the JSON result here")
+    bench_learners = bench.add_parser("learners", help="several learners on one stream ([[learners]]) vs each "
+                                                       "alone, back to back: wall time, generated tokens, rewards")
+    recipe_args(bench_learners)
+    bench_learners.add_argument("--learners", default="ppo,grpo,dpo",
+                                help="comma-separated learners, each named after its algorithm; the first is served")
+    bench_learners.add_argument("--set-learner", dest="set_learner", action="append", default=[],
+                                metavar="NAME.KEY=VALUE", help="one learner's option in both variants, e.g. "
+                                "dpo.trainer.lr=1e-4 or dpo.algorithm.beta=0.2 (repeatable)")
+    bench_learners.add_argument("--steps", type=int, default=None, help="run.steps of every run (default: the "
+                                                                        "recipe's)")
+    bench_learners.add_argument("--out", default=None, help="write the JSON result here (default: "
+                                                            "bench-learners.json beside the run folders)")
+    bench_serve = bench.add_parser("serve", help="the endpoint's latency under a bounded load, learning off vs on "
+                                                 "(streamrl serve, openai clients on loopback)")
+    recipe_args(bench_serve)
+    bench_serve.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
+    bench_serve.add_argument("--seconds", type=float, default=30, help="seconds of each phase")
+    bench_serve.add_argument("--repeats", type=int, default=2, help="off/on pairs (the order alternates)")
+    bench_serve.add_argument("--n", type=int, default=8, help="completions per request")
+    bench_serve.add_argument("--out", help="write the rows and ratios as JSON here")
+
+
+def run(args) -> int:
+    """Run the benchmark ``args`` names; the exit status."""
+    from streamrl.bench import engine, modes, skew, transfer
+
+    if args.cmd == "transfer":
+        if args.repeats < 1:
+            raise UserError("--repeats must be >= 1")
+        transfer.bench(args.file, args.overrides, [t.strip() for t in args.transfers.split(",") if t.strip()],
+                       args.repeats, args.out)
+        return 0
+    if args.cmd == "stop-early":
+        from streamrl.bench import stop_early
+
+        if args.every < 1 or args.steps < 1 or args.warmup < 0:
+            raise UserError("--every and --steps must be >= 1, --warmup >= 0")
+        stop_early.bench(args.file, args.overrides, args.every, args.steps, args.warmup, args.out)
+        return 0
+    if args.cmd == "serve":
+        from streamrl.bench import serve
+
+        serve.bench(args.file, args.overrides, args.clients, args.seconds, args.repeats, args.n, args.out)
+        return 0
+    if args.cmd == "learners":
+        from streamrl.bench import learners
+
+        learners.bench(args.file, args.overrides, [n.strip() for n in args.learners.split(",") if n.strip()],
+                       args.set_learner, args.steps, args.out)
+        return 0
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    if args.cmd == "trainer":
+        from streamrl.bench import trainer
+
+        if min(args.samples, args.prompt_tokens, args.response_tokens, args.steps) < 1 or args.warmup < 0:
+            raise UserError("--samples, --prompt-tokens, --response-tokens and --steps must be >= 1, --warmup >= 0")
+        trainer.bench(args.file, args.overrides, args.variants, args.samples, args.prompt_tokens,
+                      args.response_tokens, args.steps, args.warmup, args.out, args.profile_dir)
+        return 0
+    if args.cmd == "trainpool":
+        from streamrl.bench import trainpool
+
+        if min(args.samples, args.prompt_tokens, args.response_tokens) < 1:
+            raise UserError("--samples, --prompt-tokens and --response-tokens must be >= 1")
+        trainpool.bench(args.file, args.overrides, args.variants, args.samples, args.prompt_tokens,
+                        args.response_tokens, args.steps, args.warmup, args.out)
+        return 0
+    if args.cmd == "engine":
+        engine.bench(args.file, args.overrides, args.variants, args.steps, args.warmup, args.out)
+        return 0
+    if args.cmd == "elastic":
+        from streamrl.bench import elastic
+
+        elastic.bench(args.file, args.overrides, args.lo, args.hi, args.steps, args.warmup, args.out,
+                      repeats=args.repeats)
+        return 0
+    if args.cmd == "eval":
+        from streamrl.bench import evaluation
+
+        evaluation.bench(args.file, args.overrides, args.every, args.steps, args.warmup, args.repeats, args.out)
+        return 0
+    if args.cmd == "skew":
+        skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out, repeats=args.repeats)
+        return 0
+    chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in modes.MODES]
+    if unknown:
+        raise UserError(f"--modes: unknown mode {unknown[0]!r}; expected some of {', '.join(modes.MODES)}")
+    modes.bench(args.file, args.overrides, chosen, args.steps, args.warmup, args.out)
+    return 0
+
+
