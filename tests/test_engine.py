@@ -298,7 +298,12 @@ def test_a_request_id_asked_again_while_waiting_fails_the_old_ask_instead_of_lea
     assert not new.done()
     with pytest.raises(ValueError, match="request c-0 asked twice at once"):
         queue.put([("c-0", [1], 0.0), ("c-0", [1], 0.0)])
-    assert queue.counts() == (0, 3)  # a-0 twice in the heap (the loop answers the newest ask), b-0
+    # b-0 and the newest ask of a-0: the old copy left the queue, so a loop that keeps settings per
+    # id (the slot engine's greedy, streamed or movable requests) never runs it with the new one's
+    assert queue.counts() == (0, 2)
+    taken = []
+    queue.admit(lambda rid, ids: taken.append((rid, ids)) or True, 0)
+    assert sorted(taken) == [("a-0", [3]), ("b-0", [1])]
 
 
 def test_greedy_evaluation_while_continuous_batching_generates_gives_the_idle_answers(tiny_model):

@@ -119,6 +119,17 @@ def test_a_gguf_file_becomes_a_model_folder_with_the_same_outputs_that_trains_an
     optimizer.step()
     model.save_pretrained(tmp_path / "trained")
     assert (tmp_path / "trained" / "model.safetensors").is_file()
+    # another model's tokenizer files lying beside the GGUF file are not taken for its own
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    (beside / "tiny.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes())
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(beside / "tokenizer.json"))
+    code, _, err = run_cli(capsys, "model", "import", beside / "tiny.gguf", "--out", tmp_path / "own")
+    assert code == 0, err
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "own"))) == len(tok) == 262
     # bfloat16 by default: half the bytes, the same shapes
     code, _, err = run_cli(capsys, "model", "import", tmp_path / "tiny.gguf", "--out", tmp_path / "bf16")
     assert code == 0, err
@@ -143,7 +154,9 @@ def test_what_cannot_be_imported_is_one_line_and_leaves_nothing(tmp_path, capsys
         assert code == 2 and expected in one_line_error(err), (name, err)
         assert not (tmp_path / f"out-{name}").exists() and not list(tmp_path.glob(".*.importing"))
     code, _, err = run_cli(capsys, "model", "import", tmp_path / "tiny.gguf", "--out", tmp_path / "full")
-    assert code == 2 and "--out: " in one_line_error(err) and "exists and is not empty" in err
+    assert code == 2 and "--out: " in one_line_error(err) and "exists and is not an empty folder" in err
+    code, _, err = run_cli(capsys, "model", "import", tmp_path / "tiny.gguf", "--out", tmp_path / "text.gguf")
+    assert code == 2 and "exists and is not an empty folder" in one_line_error(err)
     code, _, err = run_cli(capsys, "model", "fetch", "gpt-17")
     assert code == 2 and "unknown model 'gpt-17'; known: smollm2-135m-instruct" in one_line_error(err)
 

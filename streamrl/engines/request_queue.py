@@ -68,9 +68,14 @@ class RequestQueue:
             for rid, ids, priority in requests:
                 # An id still waiting is a request asked again (Dask retrying a generate task whose
                 # wait timed out): the new ask takes the id, and the old one fails at once rather
-                # than wait for a response that now goes to the new one.
+                # than wait for a response that now goes to the new one. An old copy still queued
+                # leaves the queue, so only the new one runs (a loop may hold settings per id).
                 if rid in self._futures:
                     superseded.append((rid, self._futures[rid]))
+                    kept = [e for e in self._heap if e[2] != rid]
+                    if len(kept) != len(self._heap):
+                        self._heap = kept
+                        heapq.heapify(self._heap)
                 futures[rid] = self._futures[rid] = Future()
                 heapq.heappush(self._heap, (-priority, next(self._order), rid, ids))
             self._ready.notify()

@@ -1,8 +1,9 @@
 """The slot engine's requests and its slot table (``engines/slots.py`` runs the loop over them).
 
 A request's whole state lives in one :class:`Request`, from the call that queues it (a group's
-sample, a served request, a moved sample's continuation) to its hand-back; the loop's thread is
-the only one that changes it once it is queued. :class:`SlotTable` decides where admitted
+sample, a served request, a moved sample's continuation) to its hand-back; once it is queued only
+the loop's thread changes it, but for :attr:`Request.moving`, which ``move_out`` sets from the
+thread that asks (a flag the loop reads at its next turn). :class:`SlotTable` decides where admitted
 requests go and owns which slot holds which request: the decode loop asks it, never keeps a
 table of its own.
 """

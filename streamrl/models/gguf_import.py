@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from streamrl.errors import UserError
@@ -63,8 +64,8 @@ def read_header(path: Path) -> dict:
                         f"{' '.join(str(exc).split())[:200]}); the file may be damaged or cut short") from None
     try:
         quantization = gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_") if kind is not None else "unknown"
-    except ValueError:
-        quantization = f"file type {kind}"
+    except (ValueError, TypeError):  # a number no llama.cpp release knows, or not a number at all
+        quantization = f"file type {str(kind)[:40]}"
     return {"architecture": str(arch), "quantization": quantization, "name": str(name)}
 
 
@@ -88,34 +89,40 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "bfloat16", sour
     path, out = Path(file).resolve(), Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out: {out} exists and is not empty; remove it or choose another folder")
+    check_out(out)
     header = read_header(path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    except Exception as exc:  # an architecture transformers cannot read, a tokenizer it cannot build
-        raise UserError(f"{path}: transformers cannot read this {header['architecture']!r} GGUF model "
-                        f"({type(exc).__name__}: {' '.join(str(exc).split())[:240]})") from None
-    # the same model without the quantized flag: trainable, and saved again after training
-    settings = loaded.config.to_dict()
-    settings.pop("quantization_config", None)
-    config = type(loaded.config).from_dict(settings)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
+    # read from a folder holding nothing but the file: transformers would take a tokenizer.json or
+    # config.json lying beside it over the GGUF's own (another model's vocabulary, silently)
+    with tempfile.TemporaryDirectory(prefix="streamrl-gguf-") as alone:
+        (Path(alone) / path.name).symlink_to(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
+            loaded = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32)
+            # the same model without the quantized flag: trainable, and saved again after training
+            settings = loaded.config.to_dict()
+            settings.pop("quantization_config", None)
+            config = type(loaded.config).from_dict(settings)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(loaded.state_dict(), strict=True)
+        except Exception as exc:  # an architecture transformers cannot read, a tokenizer it cannot build
+            raise UserError(f"{path}: transformers cannot read this {header['architecture']!r} GGUF model "
+                            f"({type(exc).__name__}: {' '.join(str(exc).split())[:240]})") from None
     model.generation_config = loaded.generation_config
     model.to(getattr(torch, dtype))
     del loaded
     parameters = sum(p.numel() for p in model.parameters())
     digest = sha256_of(path)
     staging = out.parent / f".{out.name}.importing"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    except OSError as exc:
+        raise UserError(f"--out: cannot write in {out.parent} ({exc.strerror or exc})") from None
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
@@ -130,10 +137,19 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "bfloat16", sour
         if out.exists():
             out.rmdir()  # (empty: checked above)
         staging.rename(out)
+    except OSError as exc:  # a full disk, a folder not ours to write: one line, nothing left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"--out: writing {out} failed ({type(exc).__name__}: {exc.strerror or exc})") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def check_out(out: Path) -> None:
+    """``out`` is where a folder can go: absent, or an empty folder."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out: {out} exists and is not an empty folder; remove it or choose another folder")
 
 
 def model_card(name: str, header: dict, provenance: dict) -> str:

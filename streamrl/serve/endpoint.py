@@ -9,7 +9,6 @@ worker like any other.
 
 from __future__ import annotations
 
-
 from distributed import get_worker
 
 from streamrl.on_worker.resident import ENGINE, resident
