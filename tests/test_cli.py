@@ -59,10 +59,12 @@ def test_a_train_pool_the_trainer_cannot_use_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.toml")))
 def test_shipped_recipe_validates(recipe, tiny_model):
-    # the GPU recipe's 1 GB model is made on the GPU machine (model init --arch); any model folder
-    # validates, with responses that fit its positions (the tiny model has 64)
+    # the GPU recipe's 1 GB model is made on the GPU machine (model init --arch), the real model's
+    # is fetched by `streamrl model fetch` (tests/test_model_import.py runs the recipe on it); any
+    # model folder validates, with responses that fit its positions (the tiny model has 64)
     extra = (["--set", f'model.path="{tiny_model}"', "--set", "engine.max_new_tokens=32"]
-             if recipe == "gpu-0.5b.toml" else [])
+             if recipe == "gpu-0.5b.toml" else
+             ["--set", f'model.path="{tiny_model}"'] if recipe == "smollm2-sums.toml" else [])
     proc = streamrl("recipe", "validate", f"recipes/{recipe}", *extra)
     if recipe == "gpu-qwen-gsm8k.toml":  # its data comes from a hub: validate reads the task's files and says so
         # (test_own_data validates it with local stand-ins)
