@@ -60,15 +60,16 @@ class Controller:
         # a feed admits generation from its thread while this one writes the record: the
         # dispatcher (placement and lessons) and the submission counters are shared
         self.lock = threading.Lock()
+        # (a mode is a small strategy object: made here only to ask, as _start_over makes the run's)
         self.context = RunContext(client, resolved, self.task, self.topology, self.repeatable,
                                   feeds_ahead=modes.make(r.run.mode, r.run.max_staleness, r.run.steps).feeds)
-        # (a mode is a small strategy object: made here only to ask, as _start_over makes the run's)
-        """What the extensions see of the run (kept current here)."""
+        """What the extensions see of the run, and the one record of its version and last
+        optimizer step (kept current here)."""
         self.extensions: list[StepExtension] = extensions.for_run(self.context)
         """The features that plug into the step, in the order they are called."""
         self.context.extensions = self.extensions
         # False: the engines keep the policy they started with (run.serve = "initial")
-        self.publishes = self.context.publishes = all(e.publishes for e in self.extensions)
+        self.context.publishes = all(e.publishes for e in self.extensions)
         self._start_over()
 
     def _start_over(self) -> None:
@@ -76,8 +77,7 @@ class Controller:
         r = self.recipe
         self.mode = modes.make(r.run.mode, r.run.max_staleness, r.run.steps)
         self.dispatcher: Dispatcher | None = None
-        self.version = self.context.version = 0
-        self.last_step: list[Future] | None = None  # every rank's last optimizer step
+        self.context.version = 0
         self.context.last_optimizer_step = self.context.scheduler = None
         # the next step's training, handed over early (step(start_next_training=True)), and its groups
         self.next_training: Feed | None = None
@@ -117,7 +117,7 @@ class Controller:
         submit.check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         with self.lock:
             placed = self.dispatcher.place(step, prompts)
-        version = version if self.publishes else 0  # (the engines keep the starting model)
+        version = version if self.context.publishes else 0  # (the engines keep the starting model)
 
         def submitted(name: str | None, gen: Future) -> None:
             self._call("pinned", name, gen)
@@ -152,7 +152,7 @@ class Controller:
                                          self.mode.streams, self.last_step, ordered=self.repeatable)
         admitted = time.time()
         self._call("trained", step, scored)
-        self.last_step = self.context.last_optimizer_step = last
+        self.context.last_optimizer_step = last
         step_fut = last[0]
         trained_at: list[float] = []
         step_fut.add_done_callback(lambda _: trained_at.append(time.time()))
@@ -162,7 +162,7 @@ class Controller:
         # Published before the step is done: the export depends on the optimizer step and runs
         # right after it on the train worker (its priority is above any train task), without
         # waiting for the controller to hear of the step and come back.
-        loads = self._publish(step_fut, version) if self.publishes else []
+        loads = self._publish(step_fut, version) if self.context.publishes else []
         self._call("published", version, loads)
         self.mode.published(version, loads)
         held = any(e.holds_boundary for e in self.extensions)
@@ -173,7 +173,7 @@ class Controller:
         if feeding:  # meanwhile, here: the next step's admission (it waits for the weights just published)
             self.mode.admit(self.generate, step + 1)
         t_trained = trained_at[0] if trained_at else time.time()
-        self.version = self.context.version = version
+        self.context.version = version
         if self.epochs > 1:
             last_epoch = last_epoch_stats([f.result() for f in passes[-1]], self.epochs)
             step_stats = replace(step_stats, extra={**step_stats.extra, **last_epoch})
@@ -181,7 +181,7 @@ class Controller:
         # train worker died, replay the whole run's lineage to recompute a result nobody needs.
         # (A next step started early holds its own optimizer steps.)
         if self.next_training is None:
-            self.last_step = self.context.last_optimizer_step = None
+            self.context.last_optimizer_step = None
         return self._record(step, passes[0], step_stats, t0, t_trained, admitted, generate_workers)
 
     def _publish(self, after: Future | None, version: int, tag: str = "") -> list[Future]:
@@ -232,9 +232,9 @@ class Controller:
         # every rank starts from the same state
         folders.restore_trainer(self.client, self.topology.train_pins(), checkpoint)
         self.dispatcher.restore(checkpoint)  # what was learned about lengths, ranker included
-        self.version = self.context.version = state["policy_version"]
+        self.context.version = state["policy_version"]
         self._call("resume", checkpoint)
-        if self.publishes:
+        if self.context.publishes:
             wait_loaded(self._publish(None, self.version, tag=f"-resume-{time.time_ns()}"))
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
@@ -255,6 +255,16 @@ class Controller:
     def extension(self, kind: type) -> StepExtension | None:
         """The run's extension of class ``kind`` (None: the run has none)."""
         return self.context.extension(kind)
+
+    @property
+    def version(self) -> int:
+        """The policy version of the last step trained (the one published last)."""
+        return self.context.version
+
+    @property
+    def last_step(self) -> list[Future] | None:
+        """Every rank's last optimizer step while a step's training runs (None between steps)."""
+        return self.context.last_optimizer_step
 
     @property
     def training_ahead(self) -> bool:
