@@ -4,6 +4,8 @@ starts or uses a cluster, so all are marked slow."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
@@ -136,6 +138,11 @@ def test_a_fed_async_run_hands_the_next_step_over_early_trains_every_sample_once
     ctl.step(5, start_next_training=True)
     assert ctl.next_training is not None and ctl.next_training.step == 6
     ctl.next_training.result()  # its train tasks are submitted
+    # (the submission travels on the client's batched stream and this question on its own
+    # connection, so the scheduler may hear the question first: ask until it knows, bounded)
+    deadline = time.monotonic() + 30
+    while not scheduler_keys(client, "train-6-") and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert scheduler_keys(client, "train-6-")
     assert ctl.step(6)["samples"] == 12
 
