@@ -72,8 +72,11 @@ class Algorithm:
 
         ``stats`` are per-sample sums (scalars); each key ``<name>_sum`` is reported in
         ``metrics.jsonl`` as ``<name>`` averaged over samples. Reported by default (missing keys
-        are fine): ``clip_frac_sum``, ``kl_sum``, ``behaviour_weight_sum``. ``adv`` is ``[B, T]``
-        instead when the algorithm has a critic.
+        are fine): ``clip_frac_sum``, ``kl_sum``, ``behaviour_weight_sum``. One key is not a
+        sum: ``"token_flags"`` (``algorithms.off_policy.TOKEN_FLAGS``), bool ``[B, T]`` tensors
+        ``clipped`` / ``truncated`` / ``masked`` that the trainer counts by token staleness in
+        the record's ``offpolicy/...`` fields. ``adv`` is ``[B, T]`` instead when the algorithm
+        has a critic.
         """
         raise NotImplementedError
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from streamrl.telemetry.stats import StepStats, TrainTaskStats
+from streamrl.telemetry.off_policy import record_fields
+from streamrl.telemetry.stats import StepStats, TrainTaskStats, add_bucket_sums
 
 #: algorithm statistics reported even when an algorithm does not return them, with the per-sample
 #: value assumed then (a clip fraction and a KL of 0, a behaviour weight of 1)
@@ -98,6 +99,14 @@ def algorithm_stats(micro: list[TrainTaskStats], samples: int) -> dict[str, floa
     return {**DEFAULT_STATS, **out}
 
 
+def off_policy_fields(micro: list[TrainTaskStats]) -> dict[str, float]:
+    """The ``offpolicy/...`` fields (``telemetry/off_policy.py``) of the train tasks' buckets."""
+    sums: dict[str, dict[str, float]] = {}
+    for m in micro:
+        add_bucket_sums(sums, m.offpolicy)
+    return record_fields(sums)
+
+
 def reward_means(micro: list[TrainTaskStats]) -> dict[str, float]:
     """``reward/<name>/mean`` of every value the train tasks' samples had in ``reward_info``."""
     sums: dict[str, float] = {}
@@ -131,7 +140,7 @@ def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: 
         samples_per_s=samples / step_s, tokens_per_s=tokens / step_s, generate_s=max(0.0, gen_end - t0),
         train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,
         weight_sync_s=t_end - t_trained, step_s=step_s, time=t_end,
-        stats={**algorithm_stats(micro, per), **step_stats.extra},  # and what else the step reports
+        stats={**algorithm_stats(micro, per), **off_policy_fields(micro), **step_stats.extra},
         rewards=reward_means(micro), sample_log=sample_log, flat_groups=flat_share(micro),
         reward_error_first=next((m.reward_error_first for m in micro if m.reward_error_first), None))
 

@@ -10,6 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+def add_bucket_sums(into: dict[str, dict[str, float]], sums: dict[str, dict[str, float]]) -> None:
+    """Add per-bucket sums (``{bucket: {name: value}}``) into ``into``, in place (anything else
+    a plugin's trainer returned under that key is left out)."""
+    if not isinstance(sums, dict):
+        return
+    for bucket, values in sums.items():
+        if not isinstance(values, dict):
+            continue
+        mine = into.setdefault(str(bucket), {})
+        for name, value in values.items():
+            mine[name] = mine.get(name, 0.0) + float(value)
+
+
 #: what ``Trainer.micro_batch`` returns under these names; any other ``<name>_sum`` is a statistic
 _COUNTED = ("samples", "tokens", "reward_sum", "loss_sum", "seconds")
 
@@ -50,6 +63,9 @@ class TrainTaskStats:
     """Per name in the samples' ``Sample.reward_info``: the sum of its values."""
     reward_info_counts: dict[str, int] = field(default_factory=dict)
     """Per name: how many samples had it (a sample whose reward failed has none)."""
+    offpolicy: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per token-staleness bucket, the sums the trainer counted of how off-policy its tokens
+    were (``training/off_policy_stats.py``); empty from a trainer that counts none."""
     groups: int = 0
     """Prompt groups of two samples or more that it trained on."""
     flat_groups: int = 0
@@ -64,6 +80,7 @@ class TrainTaskStats:
         self.reward_sum += float(micro_batch.get("reward_sum", 0.0))
         self.loss_sum += float(micro_batch.get("loss_sum", 0.0))
         self.seconds += float(micro_batch.get("seconds", 0.0))
+        add_bucket_sums(self.offpolicy, micro_batch.get("offpolicy") or {})
         for key, value in micro_batch.items():
             if key.endswith("_sum") and key not in _COUNTED:
                 name = key[:-len("_sum")]

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from streamrl.algorithms.off_policy import TOKEN_FLAGS
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
@@ -31,6 +32,7 @@ from streamrl.training.hf_config import HFTrainerConfig
 from streamrl.training.finite import FiniteGuard, all_finite, weight_norm
 from streamrl.training.kernels import compile_layers, use_liger_kernels
 from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch
+from streamrl.training.off_policy_stats import bucket_sums, token_versions
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
 from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
@@ -172,7 +174,12 @@ class HFTrainer(Trainer):
             stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
         new, ref = self._token_logprobs(ids, attn, resp)
         per_sample, algo_stats = self.algorithm.loss(new, old, ref, adv, resp)
+        flags = algo_stats.pop(TOKEN_FLAGS, None)
         stats.update(algo_stats)
+        # how off-policy these tokens were, by staleness (versions count steps, not optimizer steps)
+        current = self.version // max(1, self.algorithm.epochs)
+        staleness = (current - token_versions(samples, ids.shape[1]).to(self.device)).clamp(min=0)
+        off_policy = bucket_sums(new, old, resp, staleness, flags)
         if self.version < self.algorithm.critic_warmup_steps:
             per_sample = per_sample * 0.0  # critic warm-up: the policy does not move yet
         loss = per_sample.sum()
@@ -184,6 +191,7 @@ class HFTrainer(Trainer):
             "skipped_sum": skipped,  # metrics.jsonl: "skipped", the share left out of the backward
             "loss_sum": loss_sum,
             "seconds": time.perf_counter() - t0,
+            "offpolicy": off_policy,
             **{k: float(v) for k, v in stats.items()},
         }
 
