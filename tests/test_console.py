@@ -9,7 +9,7 @@ import logging
 import pytest
 from rich.console import Console
 
-from streamrl.telemetry.console import RunDisplay, WarningsLog, step_line, summary_table
+from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, step_line, summary_table
 from tests.helpers import read_records, streamrl, write_tiny_recipe
 
 
@@ -67,6 +67,24 @@ def test_the_summary_says_reward_first_to_last_eval_throughput_idle_and_where_th
     assert "0.200 (step 1) -> 0.400 (step 3)" in text
     assert "generate 40%" in text and "train 10%" in text
     assert "/runs/x" in text and "trace.json" in text
+
+    assert "low ESS" not in text
+
+
+def test_a_step_whose_stale_tokens_rest_on_a_few_is_said_once_with_its_step_and_bucket_and_counted():
+    notes = StepNotes()
+    fine = record(0, **{"offpolicy/1/ess": 0.9, "offpolicy/low_ess": 0})
+    low = record(3, **{"offpolicy/1/ess": 0.8, "offpolicy/4+/ess": 0.12, "offpolicy/2-3/ess": 0.3,
+                       "offpolicy/low_ess": 1})
+    flat = record(4, flat_groups=1.0, **{"offpolicy/4+/ess": 0.2, "offpolicy/low_ess": 1})
+    assert notes.of(fine) == []
+    (said,) = notes.of(low)
+    assert said.startswith("step 4:") and "tokens 4+ versions stale" in said and "0.12" in said
+    (again,) = notes.of(flat)  # the low ESS is not said twice; the flat groups are news
+    assert "no learning signal at step 5" in again
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table([fine, low, flat], {}))
+    assert "2 of 3 steps trained tokens whose importance weights" in out.getvalue()
 
 
 WARNING_REWARD = '''

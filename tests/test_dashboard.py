@@ -102,13 +102,16 @@ def test_install_attaches_the_page_to_a_running_scheduler_once(scheduler_only):
     assert page["evals"] is None
     for step in range(4):
         dashboard.publish(client, record(step, reward=0.1 * step, **(
-            {"eval/reward_mean": 0.3, "eval/pass@1": 0.25} if step == 2 else {})))
+            {"eval/reward_mean": 0.3, "eval/pass@1": 0.25} if step == 2 else {}),
+            **{"offpolicy/token_staleness_mean": 0.5 * (step % 2), "offpolicy/ess": 1.0 - 0.1 * step}))
     events(client, 4)
     page = pulled(url)
     assert page["steps"]["step"] == [0, 1, 2, 3]
     assert page["steps"]["reward"] == pytest.approx([0.0, 0.1, 0.2, 0.3])
     assert page["steps"]["busy_generate"] == pytest.approx([0.75] * 4)
     assert page["steps"]["staleness"] == [0, 1, 0, 1]
+    assert page["steps"]["token_staleness"] == pytest.approx([0, 0.5, 0, 0.5])
+    assert page["steps"]["ess"] == pytest.approx([1.0, 0.9, 0.8, 0.7])
     assert page["evals"] == {"step": [2], "eval_reward": [0.3], "eval_pass1": [0.25]}
     for text in ("<b>demo</b>", "mode async", "4/4 steps", "policy v4", "reward 0.300",
                  "eval pass@1 0.250 at step 2", "finished"):

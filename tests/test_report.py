@@ -103,7 +103,8 @@ def made_up_run(folder: Path, steps: int = 12, mode: str = "stream", name: str =
         log = [sample(f"{k}-{g:03d}-{i}", gen=(t + 0.05 * g, t + 0.3 + 0.05 * g), reward_end=t + 0.4 + 0.05 * g,
                       trained=t + 0.6 + 0.1 * g, version=k, step=k, response_len=2 + (i + k) % 5)
                for g in range(2) for i in range(4)]
-        extra = {"ranker_recall": 0.5}
+        extra = {"ranker_recall": 0.5, "offpolicy/0/ess": 1.0, "offpolicy/0/k3": 0.0,
+                 "offpolicy/1/ess": 0.9 - 0.03 * k, "offpolicy/1/k3": 0.01 * k}
         if k % 4 == 3:
             extra.update({"eval/policy_version": k, "eval/pass@1": 0.1 * k, "eval/reward_mean": 0.05 * k})
         lines.append(json.dumps(record(k, log, time=t + 1.0, weight_sync_s=0.1, **extra)))
@@ -134,7 +135,7 @@ def test_a_report_of_a_run_with_eval_and_a_ranker_shows_them(tmp_path):
     images = linked_images(report)
     names = {p.name for p in images}
     assert names == {"reward.png", "response-length.png", "throughput.png", "idle.png", "staleness.png",
-                     "ranker.png", "timeline.png"}
+                     "off-policy.png", "ranker.png", "timeline.png"}
     for png in images:
         check_png(png)
     assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(names)  # nothing unlinked

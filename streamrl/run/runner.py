@@ -29,7 +29,7 @@ from streamrl.run.stopping import StopRequest
 from streamrl.run.watchdog import Watchdog
 from streamrl.recipe.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
-from streamrl.telemetry.console import RunDisplay, WarningsLog, flat_groups_note, summary_table
+from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, summary_table
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
 
@@ -69,7 +69,7 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
     def checkpoint_after(done: int) -> bool:
         return done == r.run.steps or bool(every and done % every == 0)
 
-    flat_seen = False
+    notes = StepNotes()
     for step in range(first, r.run.steps):
         # (the first step loads models and compiles: it gets twice as long)
         with watchdog.watching(f"step {step + 1}", r.run.step_timeout_s * (2 if step == first else 1)):
@@ -78,9 +78,8 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             m = controller.step(step, start_next_training=not (stop.requested or checkpoint_after(step + 1)))
             folder.record(m)
             observers.step(m)
-            if m.get("flat_groups") == 1.0 and not flat_seen:  # once: it is usually so for many steps
-                flat_seen = True
-                warn(flat_groups_note(m))
+            for note in notes.of(m):
+                warn(note)
             done = step + 1
             for line in controller.between_steps(done, folder.path):  # e.g. ``streamrl learners add|remove``
                 console_line(line)

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
 from streamrl.telemetry.report import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
 
 #: Dask event topic the workers' warnings travel on
@@ -81,6 +82,40 @@ def flat_groups_note(m: dict) -> str:
             f"reward (mean {m['reward_mean']:.3f}), and a group baseline gives them advantage 0: the task may be "
             "too hard or too easy for the model, or the reward constant; metrics.jsonl's flat_groups has it "
             "per step (said once)")
+
+
+def low_ess_note(m: dict) -> str | None:
+    """The warning for a step whose trained tokens of some staleness rested on a few of them:
+    the importance weights of a bucket had a normalised effective sample size under
+    ``telemetry.off_policy.LOW_ESS`` (None: none did)."""
+    low = lowest_ess_bucket(m)
+    if low is None:
+        return None
+    bucket, size = low
+    return (f"step {m['step'] + 1}: the importance weights of tokens {bucket} versions stale have an effective "
+            f"sample size of {size:.2f} (under {LOW_ESS:g}): a few tokens carry that part of the update. A lower "
+            "run.max_staleness or an [algorithm.off_policy] correction helps; metrics.jsonl's offpolicy/low_ess "
+            "counts such steps (said once)")
+
+
+class StepNotes:
+    """Warnings a step's record calls for, each said once per run (they usually hold for many
+    steps): no learning signal (:func:`flat_groups_note`), importance weights that rest on a few
+    tokens (:func:`low_ess_note`; the summary counts its steps)."""
+
+    def __init__(self):
+        self.said: set[str] = set()
+
+    def of(self, m: dict) -> list[str]:
+        """The notes of one step's record not said before."""
+        notes = {}
+        if m.get("flat_groups") == 1.0:
+            notes["flat"] = flat_groups_note(m)
+        if m.get("offpolicy/low_ess"):
+            notes["ess"] = low_ess_note(m)
+        new = [text for key, text in notes.items() if text and key not in self.said]
+        self.said.update(notes)
+        return new
 
 
 class RunDisplay:
@@ -198,6 +233,10 @@ def summary_table(records: list[dict], files: dict[str, str], window: int = 10) 
                 idle[p][0] += a["idle_s"]
                 idle[p][1] += a["idle_s"] + a["busy_s"]
         t.add_row("idle", "  ".join(f"{p} {i / max(c, 1e-9):.0%}" for p, (i, c) in idle.items()))
+        low = sum(1 for r in records if r.get("offpolicy/low_ess"))
+        if low:  # (the console said so at the first of them)
+            t.add_row("low ESS", f"{low} of {len(records)} steps trained tokens whose importance weights had an "
+                                 f"effective sample size under {LOW_ESS:g}")
         if any(r.get("learners") for r in records):
             folder = files.get("run folder")
             t.below.append(learners_summary(records, learners_final(folder) if folder else {}))

@@ -133,6 +133,8 @@ def summarize(record: dict, run: _Run | None = None) -> dict:
         "samples_per_s": float(record.get("samples_per_s", math.nan)),
         "tokens_per_s": float(record.get("tokens_per_s", math.nan)),
         "staleness": int(record.get("staleness_max", 0)),
+        "token_staleness": float(record.get("offpolicy/token_staleness_mean", math.nan)),
+        "ess": float(record.get("offpolicy/ess", math.nan)),
         "step_s": float(record.get("step_s", math.nan)),
         "time": float(record.get("time", math.nan)),
         "busy": busy, "eval": evals,

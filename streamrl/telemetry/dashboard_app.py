@@ -198,7 +198,7 @@ def page_doc(scheduler, extra: dict, doc) -> None:
 
 
 #: per-step columns of the figures' source, from a summary (``dashboard.summarize``)
-STEP_COLUMNS = ("step", "reward", "samples_per_s", "tokens_per_s", "staleness", "version")
+STEP_COLUMNS = ("step", "reward", "samples_per_s", "tokens_per_s", "staleness", "version", "token_staleness", "ess")
 #: evaluation columns: the eval reward (the training reward's scale) and pass@1
 EVAL_COLUMNS = ("step", "eval_reward", "eval_pass1")
 
@@ -270,10 +270,16 @@ class StreamrlPage:
         self.staleness = fig("Staleness (max policy versions behind)", "versions")
         self.staleness.step("step", "staleness", source=self.steps, mode="center", line_width=2,
                             color="#ff7f0e", legend_label="oldest sample trained")
+        # how stale the tokens were on average, and (in the hover) how evenly their importance
+        # weights spread: the effective sample size under 0.5 is what the console warns about
+        self.staleness.line("step", "token_staleness", source=self.steps, line_width=2, color="#2ca02c",
+                            legend_label="mean token staleness")
         self.staleness.y_range.start = 0
         self.staleness.yaxis.ticker.min_interval = 1  # whole versions
-        self.staleness.add_tools(HoverTool(tooltips=[("step", "@step"), ("staleness", "@staleness")],
-                                           mode="vline"))
+        self.staleness.add_tools(HoverTool(tooltips=[("step", "@step"), ("staleness", "@staleness"),
+                                                     ("mean token staleness", "@token_staleness{0.00}"),
+                                                     ("importance ESS", "@ess{0.00}")], mode="vline",
+                                           renderers=[self.staleness.renderers[0]]))
 
         self.busy = fig("Pool busy share", "busy")
         self.busy.y_range = Range1d(0, 1.05)

@@ -228,6 +228,32 @@ def staleness(series: Series, path: Path) -> bool:
     return save_figure(fig, path)
 
 
+def off_policy(series: Series, path: Path) -> bool:
+    """How off-policy each step's tokens were, per staleness bucket: the importance weights'
+    effective sample size and the k3 KL to the behaviour policy (``offpolicy/<b>/...``)."""
+    buckets = [b for b in ("0", "1", "2-3", "4+")
+               if any(f"offpolicy/{b}/ess" in r for _, records in series for r in records)]
+    if not buckets:
+        return False
+    fig, axes = _figure(WIDE, cols=2)
+    styles = ["-", "--", ":", "-."]
+    for i, (label, records) in enumerate(series):
+        for j, b in enumerate(buckets):
+            name = f"{label}, {b} stale" if len(series) > 1 else f"{b} versions stale"
+            for ax, key in zip(axes, ("ess", "k3")):
+                ax.plot(_steps(records), _values(records, f"offpolicy/{b}/{key}"), color=f"C{j}",
+                        ls=styles[i % len(styles)], marker="o", ms=2, label=name)
+    axes[0].axhline(0.5, color="grey", ls="--", lw=1, label="flagged below (0.5)")
+    axes[0].set(title="Importance weights' effective sample size", xlabel="step", ylabel="ESS (0-1]")
+    axes[0].set_ylim(0, 1.02)
+    axes[1].set(title="KL(behaviour || trained), k3 per token", xlabel="step", ylabel="nats")
+    for ax in axes:
+        ax.title.set_fontsize(10)
+        ax.grid(alpha=0.3)
+    _legend(axes[0])
+    return save_figure(fig, path)
+
+
 def ranker(series: Series, path: Path) -> bool:
     """The length ranker's recall of each step's longest 20% of responses (``ranker_recall``)."""
     have = [(i, label, records) for i, (label, records) in enumerate(series)

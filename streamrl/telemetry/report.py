@@ -150,6 +150,11 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
                ("staleness", "Staleness", plots.staleness,
                 "How many policy versions behind the trained policy each sample was generated "
                 "(0: on-policy; async runs allow up to `run.max_staleness`)."),
+               ("off-policy", "Off-policy tokens", plots.off_policy,
+                "How far the trained policy was from the one that generated the tokens it trained on, by "
+                "the tokens' staleness: the effective sample size of the importance weights (1: every token "
+                "counts alike; under 0.5 the console warns) and the k3 estimate of the KL between the two. "
+                "Staleness 0 shows the engine's and trainer's disagreement on the same weights."),
                ("ranker", "Length ranker", plots.ranker,
                 "How well the output-length ranker picked out the step's longest responses.")]
     sections = []
