@@ -53,13 +53,37 @@ def generate(engine: Engine, prompts, n: int) -> list[Group]:
         return list(pool.map(lambda p: engine.generate(p, n), prompts))
 
 
+def not_used(resolved: Resolved) -> list[str]:
+    """The recipe's parts this loop leaves out (it generates, scores and trains, one step after
+    another, in one process), each as the recipe names it."""
+    r = resolved.recipe
+    out = []
+    for section in ("scheduler", "ranker"):
+        table = getattr(r, section, None)
+        if table is not None:
+            out.append(f'{section}.name = "{table.name}"')
+    out += [f'[[metrics]] name = "{m.name}"' for m in r.metrics]
+    if r.learners:
+        out.append(f"[[learners]] ({len(r.learners)})")
+    for section in ("serve", "eval"):
+        if getattr(r, section, None) is not None:
+            out.append(f"[{section}]")
+    if r.run.mode != "stream":
+        out.append(f'run.mode = "{r.run.mode}" (this loop is on-policy, one step after another)')
+    return out
+
+
 def run(resolved: Resolved, steps: int, log: Callable[[str], None] = print) -> list[dict]:
-    """``steps`` steps of the recipe's components in this process; returns one record per step."""
+    """``steps`` steps of the recipe's components in this process; returns one record per step.
+    It says first which of the recipe's parts it does not use (:func:`not_used`)."""
     import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     r = resolved.recipe
+    left_out = not_used(resolved)
+    if left_out:
+        log("the reference loop does not use: " + ", ".join(left_out))
     torch.manual_seed(r.run.seed)
     task, reward = resolved.task.build(), resolved.reward.build()
     engine = resolved.engine.build()

@@ -28,6 +28,7 @@ from streamrl.training.logprobs import naive_token_logprobs, pad_batch
 from tests.helpers import ROOT, endpoint_in_process
 
 CALC_MODEL = ROOT / "models" / "tiny-calculator"
+KEY = "the-runs-rollout-key"
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 
 
@@ -37,7 +38,7 @@ def served():
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=8, max_prompt_tokens=128, max_new_tokens=64,
                                        temperature=1.0, profile=False))
     engine.load(str(CALC_MODEL))
-    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", HermesToolParser())
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", HermesToolParser(), rollout_key=KEY)
     try:
         with endpoint_in_process(api) as url:
             yield api, url
@@ -45,14 +46,35 @@ def served():
         engine.close()
 
 
-def rollout_client(url: str, rid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="x", default_headers={"X-Streamrl-Rollout": rid}, max_retries=0)
+def rollout_client(url: str, rid: str, key: str = KEY) -> openai.OpenAI:
+    headers = {"X-Streamrl-Rollout": rid, **({"X-Streamrl-Rollout-Key": key} if key else {})}
+    return openai.OpenAI(base_url=url, api_key="x", default_headers=headers, max_retries=0)
 
 
-def finish(url: str, rid: str) -> dict:
+def finish(url: str, rid: str, key: str = KEY) -> dict:
     import httpx
 
-    return httpx.post(f"{url}/streamrl/rollouts/{rid}/finish", timeout=30).json()
+    return httpx.post(f"{url}/streamrl/rollouts/{rid}/finish", headers={"X-Streamrl-Rollout-Key": key},
+                      timeout=30).json()
+
+
+def test_a_client_without_the_runs_rollout_key_cannot_join_or_finish_a_rollout(served):
+    import httpx
+
+    api, url = served
+    before = len(api.trajectories._rollouts)
+    for key in ("", "wrong"):
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            rollout_client(url, "intruder", key).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
+        assert err.value.status_code == 403 and "run's own agent rollouts" in str(err.value)
+        r = httpx.post(f"{url}/streamrl/rollouts/intruder/finish", headers={"X-Streamrl-Rollout-Key": key}, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "rollout_forbidden"
+    assert len(api.trajectories._rollouts) == before  # nothing of it was kept
+    # the same request without the header is an ordinary one
+    ok = openai.OpenAI(base_url=url, api_key="x", max_retries=0).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
+    assert ok.choices[0].message is not None
 
 
 def test_the_hermes_parser_turns_blocks_into_calls_and_leaves_broken_ones_as_text():

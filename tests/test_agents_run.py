@@ -72,3 +72,39 @@ def test_the_gym_style_environment_trains(tmp_path):
     records = run.records
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["samples"] >= 16 and r["turns_mean"] >= 1.0 for r in records)
+
+
+LOCAL_PARSER = '''
+import streamrl
+from streamrl.chat.tool_calls import HermesConfig, HermesToolParser
+from streamrl.plugins.registry import Component
+
+MARK = {mark!r}
+
+
+class CountingParser(HermesToolParser):
+    """Hermes's blocks, and a line in MARK per reply parsed (on the generate worker)."""
+
+    def parse(self, text):
+        content, calls = super().parse(text)
+        with open(MARK, "a") as f:
+            f.write(f"{{len(calls)}}\\n")
+        return content, calls
+
+
+@streamrl.hookimpl
+def register_tool_parsers():
+    return [Component("tool_parser", "counting_hermes", HermesConfig, CountingParser)]
+'''
+
+
+def test_a_tool_parser_from_a_recipe_local_file_parses_the_agents_calls(tmp_path):
+    mark = tmp_path / "parsed.txt"
+    parser = tmp_path / "counting_parser.py"
+    parser.write_text(LOCAL_PARSER.format(mark=str(mark)))
+    run = run_recipe(AGENT_RECIPE, "run.steps=1", *SMALL, f'plugins.modules=["{parser}"]',
+                     'serve.tool_parser="counting_hermes"', out=tmp_path / "runs", timeout=420)
+    assert [r["step"] for r in run.records] == [0]
+    parsed = mark.read_text().split()  # written on the generate worker by the recipe's own file
+    assert len(parsed) >= 16  # every rollout's replies (4 prompts x 4 rollouts, a call or more each)
+    assert "Traceback" not in run.proc.stdout + run.proc.stderr

@@ -140,6 +140,10 @@ def test_what_the_run_asks_of_its_engine_and_cluster_is_checked_before_any_clust
     assert code == 2 and '[serve] serves from an endpoint, which needs an engine that streams' in one_line_error(err)
     code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"')
     assert code == 0, err
+    code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"',
+                           "--set", 'serve.tool_parser="herms"')
+    assert code == 2 and one_line_error(err) == ("streamrl: error: serve.tool_parser: unknown tool_parser 'herms' (available: "
+                                                 "hermes); did you mean 'hermes'?")
     code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'scheduler.name="longtail"',
                            "--set", "scheduler.migrate=true", "--set", 'engine.batching="static"')
     assert code == 2 and "scheduler: 'longtail' moves running samples between instances" in one_line_error(err)
@@ -157,3 +161,15 @@ def test_an_agent_task_needs_an_engine_that_streams(capsys):
     code, _, err = run_cli(capsys, "recipe", "validate", str(ROOT / "recipes" / "agent.toml"),
                            "--set", 'engine.batching="static"')
     assert code == 2 and 'task.name = "agent" serves from an endpoint' in one_line_error(err)
+
+
+def test_the_reference_loop_names_the_recipe_parts_it_does_not_use(tiny_recipe):
+    from streamrl.plugins.resolve import resolve
+    from streamrl.reference import not_used
+
+    assert not_used(resolve(load_recipe(tiny_recipe))) == []
+    loaded = load_recipe(tiny_recipe, ['scheduler.name="skew"', 'ranker.name="history"', "run.mode=async",
+                                       "eval.every=5", 'metrics=[{name="csv"}]'])
+    assert not_used(resolve(loaded)) == ['scheduler.name = "skew"', 'ranker.name = "history"',
+                                         '[[metrics]] name = "csv"', "[eval]",
+                                         'run.mode = "async" (this loop is on-policy, one step after another)']

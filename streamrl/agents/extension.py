@@ -11,6 +11,7 @@ tokens marked with their versions.
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class AgentRollouts(StepExtension):
         self.topology = context.topology
         self.urls: list[str] = []
         self.pins: list[dict] = []
+        # the run's own rollouts prove themselves with it: the endpoints take no agent call without
+        self.rollout_key = secrets.token_urlsafe(24)
         self.seen: set[str] = set()
         self._events_after = 0.0  # the time of the last event counted
         self._by_step: dict[int, list[dict]] = {}  # groups' counts read, by step, not recorded yet
@@ -58,8 +61,8 @@ class AgentRollouts(StepExtension):
         for name in sorted(self.topology.generate):
             pin = self.topology.pins[name]
             try:
-                url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name, self.tool_parser,
-                                         pure=False, key=f"agent-endpoint-{name}-{time.time_ns()}", **pin).result()
+                url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
+                                         endpoint.ship(self.tool_parser), self.rollout_key, pure=False, key=f"agent-endpoint-{name}-{time.time_ns()}", **pin).result()
             except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix
                 raise UserError(str(e)) from None
             self.urls.append(url)
@@ -77,7 +80,7 @@ class AgentRollouts(StepExtension):
         n, out = t.samples_per_prompt, []
         for i, prompt in enumerate(prompts):
             out.append(self.client.submit(run_group, prompt, n, self.urls, self.spec, self.config.api_key, step,
-                                          first=i * n, key=f"agent-{step}-{prompt.uid}-{time.time_ns()}", pure=False,
+                                          first=i * n, rollout_key=self.rollout_key, key=f"agent-{step}-{prompt.uid}-{time.time_ns()}", pure=False,
                                           resources={self.pool: 1}, retries=1))
         return out
 

@@ -26,7 +26,7 @@ from distributed import get_worker
 from streamrl.recipe.user_files import exec_user_source
 from streamrl.rewards.scoring import reward_value
 from streamrl.sample import Group, Prompt, Sample
-from streamrl.serve.trajectories import ROLLOUT_HEADER
+from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER
 
 #: The Dask event topic of each group's rollout counts (``agents/extension.py`` reads it).
 EVENT_TOPIC = "streamrl-agent"
@@ -124,8 +124,8 @@ def first_error(kept: str, new: str) -> str:
     return new if not kept or rank(new) < rank(kept) else kept
 
 
-def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str, step: int, first: int = 0
-              ) -> list[Group]:
+def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str, step: int, first: int = 0,
+              rollout_key: str = "") -> list[Group]:
     """Agent worker: ``n`` rollouts of ``prompt``'s row (``Prompt.columns``), rollout ``k`` on
     endpoint ``urls[(first + k) % len(urls)]``; returns the group (a bundle of one) of their
     trajectories' samples, each with its rollout's reward. A rollout that raised or timed out
@@ -140,7 +140,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     for k in range(n):
         rid = f"{prompt.uid}-{k}-{tag}"
         url = urls[(first + k) % len(urls)]
-        thread = RolloutThread(_rollout_coroutine(agent, url, api_key, rid, row, spec["timeout_s"]))
+        thread = RolloutThread(_rollout_coroutine(agent, url, api_key, rid, row, spec["timeout_s"], rollout_key))
         runs.append((k, rid, url, thread, time.time()))
         thread.start()
     deadline = time.time() + spec["timeout_s"]
@@ -153,7 +153,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
               "splits": 0, "crossed_updates": 0, "first_error": ""}
     for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
         try:
-            traj = _finish(url, api_key, rid)
+            traj = _finish(url, api_key, rid, rollout_key)
         except httpx.HTTPError as e:  # its endpoint is gone (a restarted generate worker): nothing to train
             traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
             outcome.error = outcome.error or f"EndpointLost: the trajectory could not be read from {url} ({e})"
@@ -174,12 +174,12 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     return [group] if group else []
 
 
-def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float):
+def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float, rollout_key: str):
     async def main():
         import openai  # (imported already by the group's task: a lookup)
 
         client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "streamrl", timeout=timeout_s,
-                                    default_headers={ROLLOUT_HEADER: rid},
+                                    default_headers={ROLLOUT_HEADER: rid, ROLLOUT_KEY_HEADER: rollout_key},
                                     http_client=httpx.AsyncClient(verify=_TLS, timeout=timeout_s))
         try:
             result = agent(client, row)
@@ -206,9 +206,9 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome
     return Outcome(reward, info, seconds=seconds)
 
 
-def _finish(url: str, api_key: str, rid: str) -> dict:
+def _finish(url: str, api_key: str, rid: str, rollout_key: str) -> dict:
     """The rollout's trajectory, taken from the endpoint that served it."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {ROLLOUT_KEY_HEADER: rollout_key, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     r = _HTTP.post(f"{url}/streamrl/rollouts/{rid}/finish", headers=headers)
     r.raise_for_status()
     return r.json()

@@ -103,6 +103,18 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                                                         "recipe's)")
     bench_learners.add_argument("--out", default=None, help="write the JSON result here (default: "
                                                             "bench-learners.json beside the run folders)")
+    stale = bench.add_parser("staleness", help="the recipe at staleness 0 (stream) to 8 (async), with and without "
+                                               "an off-policy correction, over seeds: held-out score and samples/s")
+    recipe_args(stale)
+    stale.add_argument("--staleness", default="0,1,2,4,8", help="comma-separated staleness values (0: stream mode)")
+    stale.add_argument("--corrections", default=None,
+                       help="comma-separated algorithm.off_policy corrections (default: the default, none, and the "
+                            "runner-up, m2po)")
+    stale.add_argument("--seeds", type=int, default=3, help="runs per row, seeds 0..N-1")
+    stale.add_argument("--steps", type=int, default=None, help="run.steps of every run (default: the recipe's)")
+    stale.add_argument("--eval-prompts", type=int, default=256,
+                       help="held-out prompts evaluated at the end when the recipe has no [eval]")
+    stale.add_argument("--out", default=None, help="write the JSON result here")
     bench_serve = bench.add_parser("serve", help="the endpoint's latency under a bounded load, learning off vs on "
                                                  "(streamrl serve, openai clients on loopback)")
     recipe_args(bench_serve)
@@ -134,6 +146,20 @@ def run(args) -> int:
         from streamrl.bench import serve
 
         serve.bench(args.file, args.overrides, args.clients, args.seconds, args.repeats, args.n, args.out)
+        return 0
+    if args.cmd == "staleness":
+        from streamrl.bench import staleness
+
+        try:
+            values = [int(v) for v in args.staleness.split(",") if v.strip()]
+        except ValueError:
+            raise UserError(f"--staleness: expected whole numbers separated by commas, got {args.staleness!r}") from None
+        if not values:
+            raise UserError("--staleness: give at least one value")
+        corrections = ([c.strip() for c in args.corrections.split(",") if c.strip()] if args.corrections
+                       else [staleness.DEFAULT, staleness.RUNNER_UP])
+        staleness.bench(args.file, args.overrides, values, corrections, args.seeds, args.steps, args.eval_prompts,
+                        args.out)
         return 0
     if args.cmd == "learners":
         from streamrl.bench import learners

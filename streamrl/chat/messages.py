@@ -29,7 +29,15 @@ def text_of(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
+        texts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type", "text") != "text":
+                continue  # (images and other parts: not for a text model)
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise MessageError(f"{where}.content.{k}.text must be a string.", f"{where}.content.{k}.text")
+            texts.append(text)
+        return "".join(texts)
     raise MessageError(f"{where}.content must be a string, a list of content parts or null.", f"{where}.content")
 
 

@@ -234,6 +234,9 @@ def _check_engine_can(out: Resolved) -> None:
         raise UserError(f"engine: {wanted} serves from an endpoint, which needs an engine that streams each response's "
                         f"tokens; engine {r.engine.name!r} with these settings does not (its capabilities lack streams): "
                         'use [engine] name = "hf" with batching = "slots" (and reproducible = false)')
+    if wanted:  # the endpoint builds the tool parser on the worker: a name nobody registered is found here
+        parser = (r.serve.tool_parser if r.serve is not None else "hermes")
+        out.registry.get("tool_parser", parser, "serve.tool_parser")
     if getattr(out.build_scheduler(), "moves_samples", False) and not can.moves_samples:
         raise UserError(f"scheduler: {r.scheduler.name!r} moves running samples between instances, but engine "
                         f"{r.engine.name!r} with these settings cannot hand a sample over (its capabilities lack "

@@ -11,9 +11,10 @@ the same scored groups, off-policy: the samples carry the served policy's per-to
     ratio_t = pi_learner(y_t) / pi_behaviour(y_t),  loss_t = -min(ratio_t * A, clip(ratio_t, 1-e, 1+e) * A)
 
 a per-token importance ratio whose gradient is cut off outside ``[1-e, 1+e]`` (PPO's clip as a
-trust region around the behaviour policy). Decoupled PPO (``off_policy_cap > 0``, which clips to
-the learner's own previous weights and weights tokens by the capped ratio) is left to the
-recipe: on the addition workload a GRPO learner beside a served PPO one lost held-out reward
+trust region around the behaviour policy). The other corrections of ``[algorithm.off_policy]``
+(``algorithms/off_policy.py``; ``off_policy_cap > 0`` is token-level truncated IS, which takes the
+ratio to the learner's own previous weights and weights tokens by the capped ratio) are left to
+the recipe: on the addition workload a GRPO learner beside a served PPO one lost held-out reward
 with it, while one with the clip to the behaviour policy gained it (docs/learners.md has the
 figures).
 """

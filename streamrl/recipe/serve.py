@@ -58,6 +58,10 @@ class ServeConfig(Strict):
     ``<model_name>/<learner>`` is answered by that learner's policy, and every learner trains on
     all rewarded traffic, whichever policy answered it (an A/B comparison of algorithms on live
     traffic). False: only the served policy answers; side learners build no engine for it."""
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    """The largest request body the endpoint reads (4 MiB by default); a larger one is answered
+    ``413`` before it is read to the end or parsed, so one client cannot stall the others or
+    fill the serving worker's memory. (A prompt must also fit ``engine.max_prompt_tokens``.)"""
     max_pending: int = Field(256, ge=1)
     """Completions asked for but not finished, across all requests; a request that would go
     past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""

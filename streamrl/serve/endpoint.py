@@ -21,20 +21,37 @@ from streamrl.serve.traffic import Traffic
 _RUNNING: dict[str, tuple] = {}
 
 
-def start(config: dict, model_name: str, tool_parser=None) -> str:
+def ship(tool_parser) -> bytes | None:
+    """The built tool parser, pickled by value for :func:`start`: a parser whose class lives in a
+    recipe-local file (``[plugins] modules``) cannot be imported on the worker by name."""
+    import cloudpickle
+
+    return cloudpickle.dumps(tool_parser) if tool_parser is not None else None
+
+
+def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollout_key: str = "") -> str:
     """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
-    ``tool_parser``: the built ``serve.tool_parser``. Raises naming the setting when the engine
+    ``tool_parser``: the built ``serve.tool_parser`` (:func:`ship`); ``rollout_key``: the secret
+    the run's agent rollouts send (empty: no agent calls are taken). Raises naming the setting when the engine
     cannot stream (not the slot decoder) or the port cannot be bound."""
     from streamrl.serve.openai_api import Endpoint, make_app
 
     stop()  # a run that starts over on this worker serves anew
     cfg = ServeConfig.model_validate(config)
+    if isinstance(tool_parser, bytes):
+        import cloudpickle
+
+        try:
+            tool_parser = cloudpickle.loads(tool_parser)
+        except Exception as e:  # noqa: BLE001 -- its module, or one it imports, is missing here
+            raise ValueError(f"serve.tool_parser: the parser cannot be loaded on worker {get_worker().name} "
+                             f"({type(e).__name__}: {e}); install its package on every generate worker") from None
     engine = resident(ENGINE)
     if not hasattr(engine, "stream"):
         raise ValueError('streamrl serve needs engine.batching = "slots" (the engine that streams each decode '
                          f"step's tokens); this engine is {type(engine).__name__}")
     traffic = Traffic(cfg.feedback_timeout_s)
-    api = Endpoint(engine, cfg, traffic, model_name, tool_parser)
+    api = Endpoint(engine, cfg, traffic, model_name, tool_parser, rollout_key=rollout_key)
     api.worker = str(get_worker().name)
     app = make_app(api)
     started = start_in_thread(app, cfg.host, cfg.port, "streamrl-serve")
@@ -128,10 +145,11 @@ def stop() -> bool:
     running = _RUNNING.pop("endpoint", None)
     if running is None:
         return False
-    server, thread, traffic, _ = running
+    server, thread, traffic, api = running
     traffic.stop()
     server.should_exit = True
     thread.join(timeout=5)
+    api.tokenizing.shutdown(wait=False)  # (its thread ends once a prompt in hand is done)
     return True
 
 

@@ -54,7 +54,7 @@ class ServedTraffic(StepExtension):
         self.pin = self.topology.pins[self.worker]
         try:
             self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
-                                          self.tool_parser, pure=False,
+                                          endpoint.ship(self.tool_parser), pure=False,
                                           key=f"serve-start-{time.time_ns()}", **self.pin).result()
         except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
             raise UserError(str(e)) from None

@@ -19,10 +19,12 @@ calls that carry the ``X-Streamrl-Rollout`` header join one token-faithful traje
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,15 +32,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from streamrl.chat import content_as_text
 from streamrl.chat.messages import MessageError, normalize, render, reply_message
 from streamrl.serve.completion import Completion, Params
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.serve.traffic import Traffic
-from streamrl.serve.trajectories import ROLLOUT_HEADER, Trajectories
+from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Trajectories
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
+
+#: A prompt of more characters than ``engine.max_prompt_tokens`` times this is refused before
+#: it is tokenized: no tokenizer's tokens are that long on average, and tokenizing megabytes
+#: only to count them would cost seconds of a worker's CPU.
+MAX_CHARS_PER_TOKEN = 32
 
 log = logging.getLogger("streamrl.serve")
 
@@ -56,6 +64,26 @@ class APIError(Exception):
         """The error as OpenAI's JSON body."""
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class RefusalLog:
+    """Refused requests in the worker's log: one line, then at most one every ``every_s``
+    seconds, which counts those refused in between (a flood of bad requests is a few lines, not
+    one per request among the run's steps)."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last, self.quiet = every_s, -float("inf"), 0
+
+    def say(self, line: str) -> None:
+        """Log ``line`` unless a line went out less than ``every_s`` ago (then count it)."""
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.quiet += 1
+            return
+        if self.quiet:
+            line += f" (and {self.quiet} more refused since the last line)"
+        log.warning(line)
+        self.last, self.quiet = now, 0
 
 
 class Sampling(BaseModel):
@@ -124,8 +152,12 @@ class Feedback(BaseModel):
 class Endpoint:
     """What the API serves from: the engine, its tokenizer, the traffic store and the settings."""
 
-    def __init__(self, engine, config: ServeConfig, traffic: Traffic, model_name: str, tool_parser=None):
+    def __init__(self, engine, config: ServeConfig, traffic: Traffic, model_name: str, tool_parser=None,
+                 rollout_key: str = ""):
         self.engine, self.config, self.traffic, self.model_name = engine, config, traffic, model_name
+        self.rollout_key = rollout_key
+        """The secret an agent's call must send in ``X-Streamrl-Rollout-Key`` (empty: this
+        endpoint takes no agent calls, as a ``streamrl serve`` endpoint)."""
         self.tokenizer = engine.tokenizer
         self.tool_parser = tool_parser
         self.worker = ""
@@ -140,6 +172,22 @@ class Endpoint:
         self.running: dict[int, int] = {}
         """Choices running per engine (by ``id``): a request goes to the least busy."""
         self._turn = 0
+        # Prompts are tokenized here, one at a time, off the server's event loop: a long prompt
+        # takes that thread, not every other client's requests and streams.
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrl-tokenize")
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` in the tokenizing thread (its exceptions raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+
+    def check_characters(self, chars: int, param: str) -> None:
+        """A 400 for a prompt of more characters than it could fit in tokens (before tokenizing it)."""
+        most = self.engine.config.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        if chars > most:
+            raise APIError(400, f"The prompt has {chars} characters; this endpoint takes prompts of at most "
+                                f"{self.engine.config.max_prompt_tokens} tokens (engine.max_prompt_tokens), and "
+                                f"refuses more than {most} characters without tokenizing them.", param=param,
+                           code="context_length_exceeded")
 
     def engine_for(self, model: str, rollout: bool = False):
         """The engine that answers ``model``, the least busy of those that can (an agent's
@@ -168,14 +216,42 @@ class Endpoint:
             raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
                            code="invalid_api_key")
 
+    def check_rollout(self, request: Request) -> None:
+        """A 403 for a call that names a rollout without the run's rollout key: only the run's
+        own agents add to its trajectories."""
+        given = request.headers.get(ROLLOUT_KEY_HEADER, "")
+        if not self.rollout_key or not secrets.compare_digest(given.encode(), self.rollout_key.encode()):
+            raise APIError(403, f"{ROLLOUT_HEADER} is for the run's own agent rollouts; this request is not one of "
+                                "theirs (omit the header).", code="rollout_forbidden", kind="permission_error")
+
     async def body(self, request: Request, model: type[BaseModel]):
-        """The JSON body as ``model``; a 400 naming the first bad field otherwise."""
+        """The JSON body as ``model``; a 413 past ``serve.max_body_bytes`` (before it is read to
+        the end), a 400 naming the first bad field otherwise."""
+        limit = self.config.max_body_bytes
+        too_large = APIError(413, f"The request body is larger than this endpoint takes: at most {limit} bytes "
+                                  "(serve.max_body_bytes).", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
         try:
-            raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "The request body is not valid JSON.") from None
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:  # (a body sent without its length, or longer than it said)
+                    raise too_large
+                chunks.append(chunk)
         except ClientDisconnect:  # the client went away before its body came: nothing to answer
             raise APIError(400, "The client disconnected before sending its request.") from None
+        try:
+            raw = json.loads(b"".join(chunks))
+            # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can encode
+            json.dumps(raw, ensure_ascii=False).encode("utf-8")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "The request body is not valid JSON.") from None
+        except UnicodeEncodeError:
+            raise APIError(400, "The request body has a string that is not valid Unicode (a lone surrogate).") from None
+        except RecursionError:
+            raise APIError(400, "The request body is nested too deeply.") from None
         if not isinstance(raw, dict):
             raise APIError(400, "The request body must be a JSON object.")
         try:
@@ -222,36 +298,56 @@ class Endpoint:
         except MessageError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def encode_chat(self, text: str) -> list[int]:
-        """Rendered chat text as token ids (the template wrote the special tokens; a tokenizer
-        without a template gets the engine's own encoding, BOS first)."""
+    def encode_chat(self, text: str, contents: dict[str, str] | None = None) -> list[int]:
+        """Rendered chat text as token ids: the template wrote the control tokens, and the
+        guarded ``contents`` (``chat/content_as_text.py``) are text. A tokenizer without a
+        template gets the engine's own encoding, BOS first."""
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        return self.engine.encode(text)
+            return content_as_text.encode(self.tokenizer, text, contents or {})
+        if not contents:
+            return self.engine.encode(text)
+        return [self.tokenizer.bos_token_id] + content_as_text.encode(self.tokenizer, text, contents)
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The messages (and tools) through the model's chat template (a plain ``role: content``
-        layout for a tokenizer without one)."""
-        return self.encode_chat(render(self.tokenizer, messages, tools, generation_prompt=True))
+        layout for a tokenizer without one); their contents are text, whatever they hold."""
+        guarded, contents = content_as_text.guard(self.tokenizer, messages)
+        return self.encode_chat(render(self.tokenizer, guarded, tools, generation_prompt=True), contents)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        """The prompt as the engine encodes a task's (BOS, then the text), or the given token ids."""
+        """The prompt as the engine encodes a task's (BOS, then the text), or the given token ids.
+        Text is text: a control token's string in it is not that token (send ids for those)."""
         if isinstance(req.prompt, list):
             vocab = len(self.tokenizer)
             if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
                 raise APIError(400, f"prompt token ids must be a non-empty list of ids below {vocab}.", param="prompt")
             return list(req.prompt)
-        return self.engine.encode(req.prompt)
+        pattern = content_as_text.added_pattern(self.tokenizer)
+        if pattern is None or not pattern.search(req.prompt):
+            return self.engine.encode(req.prompt)
+        return [self.tokenizer.bos_token_id] + content_as_text.text_ids(self.tokenizer, req.prompt)
 
 
 def make_app(endpoint: Endpoint) -> FastAPI:
     """The FastAPI application of ``endpoint``."""
     app = FastAPI(title="streamrl", docs_url=None, redoc_url=None, openapi_url=None)
+    refusals = RefusalLog()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        log.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        refusals.say(f"{request.method} {request.url.path} -> {exc.status} {exc.message}")
         return exc.response()
+
+    @app.middleware("http")
+    async def contained(request: Request, call_next):
+        # Whatever a request makes fail that no check above foresaw is that request's 500, in
+        # OpenAI's shape, and one line in the worker's log -- not a traceback for every such call.
+        try:
+            return await call_next(request)
+        except Exception as exc:  # noqa: BLE001
+            log.error("%s %s -> 500 %s: %s", request.method, request.url.path, type(exc).__name__, str(exc)[:300])
+            return APIError(500, f"The server failed on this request ({type(exc).__name__}).",
+                            kind="server_error").response()
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
@@ -274,16 +370,20 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         if req.top_logprobs:
             raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).", param="top_logprobs")
         messages = endpoint.messages(req)
+        endpoint.check_characters(sum(len(m["content"]) for m in messages) + (len(json.dumps(req.tools)) if req.tools
+                                                                               else 0), "messages")
         rollout = request.headers.get(ROLLOUT_HEADER)
         if rollout is None:
-            return await respond(endpoint, request, req, endpoint.chat_prompt(messages, req.tools), chat=True)
+            ids = await endpoint.off_loop(endpoint.chat_prompt, messages, req.tools)
+            return await respond(endpoint, request, req, ids, chat=True)
+        endpoint.check_rollout(request)
         if req.n != 1:
             raise APIError(400, "A rollout's call asks for one reply (n = 1); a group is several rollouts.", param="n")
         if req.temperature == 0:  # a greedy reply is not a sample of the policy: it cannot be trained
             raise APIError(400, "A rollout's call samples from the policy: temperature 0 (greedy) is not served to "
                                 "rollouts; omit temperature.", param="temperature")
         try:
-            ids, segment = endpoint.trajectories.prompt(rollout, messages, req.tools)
+            ids, segment = await endpoint.off_loop(endpoint.trajectories.prompt, rollout, messages, req.tools)
         except ValueError as e:
             raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         turn = Turn(rollout, segment, messages, ids)
@@ -303,7 +403,9 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                                 "are in the response's 'streamrl' object.", param="logprobs")
         if req.echo:
             raise APIError(400, "echo is not served.", param="echo")
-        ids = endpoint.completion_prompt(req)
+        if isinstance(req.prompt, str):
+            endpoint.check_characters(len(req.prompt), "prompt")
+        ids = await endpoint.off_loop(endpoint.completion_prompt, req)
         return await respond(endpoint, request, req, ids, chat=False)
 
     @app.post("/v1/feedback")
@@ -325,6 +427,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/streamrl/rollouts/{rollout}/finish")
     async def finish_rollout(rollout: str, request: Request):
         endpoint.authorize(request)
+        endpoint.check_rollout(request)
         return {"object": "streamrl.rollout", "id": rollout, "worker": endpoint.worker,
                 **endpoint.trajectories.finish(rollout)}
 

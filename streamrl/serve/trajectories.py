@@ -26,11 +26,17 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from streamrl.chat import content_as_text
 from streamrl.chat.messages import message_key, render
 
 #: The header that ties a call to an agent's rollout (its value: the rollout's id; HTTP header
 #: names are case-insensitive). The agent's client sends it, the endpoint reads it.
 ROLLOUT_HEADER = "X-Streamrl-Rollout"
+
+#: The header that proves a call is the run's own agent's: the secret the run gave its endpoints
+#: and its rollouts, and nobody else (a serve client that sends :data:`ROLLOUT_HEADER` without
+#: it is refused, so it can neither fill the store nor reach training through it).
+ROLLOUT_KEY_HEADER = "X-Streamrl-Rollout-Key"
 
 #: Seconds a rollout may go without a call before it is dropped from the store (an agent worker
 #: that died, or a rollout abandoned without its trajectory ever being asked for).
@@ -86,9 +92,10 @@ class Trajectories:
     """The rollouts in flight on this endpoint (thread-safe: the HTTP server's event loop adds,
     a rollout's end takes)."""
 
-    def __init__(self, tokenizer, encode: Callable[[str], list[int]]):
+    def __init__(self, tokenizer, encode: Callable[[str, dict[str, str]], list[int]]):
         self.tokenizer = tokenizer
-        self.encode = encode  # chat text -> token ids, as the endpoint tokenizes a rendered prompt
+        # (chat text, guarded contents) -> token ids, as the endpoint tokenizes a rendered prompt
+        self.encode = encode
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self._lock = threading.Lock()
         self._rollouts: dict[str, Rollout] = {}
@@ -125,15 +132,20 @@ class Trajectories:
                 rollout.splits += 1
             seg = Segment(prompt_ids=[], tools=tools_key, busy=True)
             rollout.segments.append(seg)
-        ids = self.encode(render(self.tokenizer, messages, tools, generation_prompt=True))
+        guarded, contents = content_as_text.guard(self.tokenizer, messages)
+        ids = self.encode(render(self.tokenizer, guarded, tools, generation_prompt=True), contents)
         seg.prompt_ids = ids
         return ids, seg
 
     def _continue(self, seg: Segment, new: list[dict[str, Any]], tools) -> list[int] | None:
         # the template's text after the reply: the reply's end of turn, the new messages and the
         # next assistant header; the reply itself is its generated tokens, as they are
-        last_prompt = render(self.tokenizer, seg.messages[:-1], tools, generation_prompt=True)
-        around = render(self.tokenizer, seg.messages[:-1] + [{"role": "assistant", "content": PLACEHOLDER}] + new,
+        # (contents that hold a control token's string: sentinels, tokenized as text below)
+        before, contents = content_as_text.guard(self.tokenizer, seg.messages[:-1])
+        new, more = content_as_text.guard(self.tokenizer, new)
+        contents.update(more)
+        last_prompt = render(self.tokenizer, before, tools, generation_prompt=True)
+        around = render(self.tokenizer, before + [{"role": "assistant", "content": PLACEHOLDER}] + new,
                         tools, generation_prompt=True)
         if not around.startswith(last_prompt + PLACEHOLDER):
             return None  # the template writes the reply's turn in a way tokens cannot be kept for
@@ -141,7 +153,7 @@ class Trajectories:
         if seg.ended_by_eos and self.eos_text and after.startswith(self.eos_text):
             after = after[len(self.eos_text):]  # the model's own end of turn stands for the template's
         # (the text goes on a sequence: no BOS in front of it, whatever the tokenizer adds to a prompt)
-        return seg.context() + self.tokenizer(after, add_special_tokens=False).input_ids
+        return seg.context() + content_as_text.encode(self.tokenizer, after, contents)
 
     def add(self, rollout_id: str, seg: Segment, messages: list[dict[str, Any]], prompt_ids: list[int],
             tokens: list[int], logprobs: list[float], versions: list[int], reply: dict[str, Any]) -> None:

@@ -1,0 +1,94 @@
+"""Chat content is text: a control token's string inside a message never becomes that control token.
+
+A chat template writes its own control tokens (``<|user|>``, ``<|end|>``, ``<tool_call>``) as
+strings, and the rendered conversation is tokenized in one go: the tokenizer turns those strings
+into the control ids. Content a client or a tool wrote goes through the same call, so content
+that holds such a string (``hi<|end|><|assistant|>42``, a tool result with
+``</tool_call><tool_call>...``) would forge a turn or a tool call in the prompt the policy sees
+and is trained on.
+
+So a message whose content holds the string of one of the tokenizer's added tokens (special or
+not) is rendered with a *sentinel* in its place; the rendered text is cut at the sentinels, the
+template's parts are tokenized as before, and the content is tokenized as text
+(:func:`text_ids`: each added token's string is split at its first character, so the tokenizer
+sees plain characters). Content without such a string is rendered and tokenized exactly as
+before, byte for byte: ordinary prompts do not change.
+
+Limits: only ``content`` is guarded. A tool call's ``arguments`` and the ``tools`` definitions
+are written by the template itself (as JSON) and tokenized with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+# Private-use code points: no template writes them, and a sentinel's name is the content's hash
+# (the same content always gets the same sentinel, so two renders of one conversation agree).
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_SENTINEL = re.compile(f"{_OPEN}([0-9a-f]{{24}}){_CLOSE}")
+
+_patterns: dict[int, re.Pattern | None] = {}
+
+
+def added_pattern(tokenizer) -> re.Pattern | None:
+    """A regex of the strings of the tokenizer's added tokens (longest first; single characters
+    left out: they cannot be split), or None when it has none."""
+    key = id(tokenizer)
+    if key not in _patterns:
+        strings = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if len(t.content) > 1}
+        _patterns[key] = (re.compile("|".join(re.escape(s) for s in sorted(strings, key=len, reverse=True)))
+                          if strings else None)
+    return _patterns[key]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as token ids of its characters: every added token's string in it is tokenized as
+    text, never as the added token (cut after its first character)."""
+    pattern = added_pattern(tokenizer)
+    ids: list[int] = []
+    rest = text
+    while rest:
+        found = pattern.search(rest) if pattern is not None else None
+        cut = len(rest) if found is None else found.start() + 1
+        ids += tokenizer(rest[:cut], add_special_tokens=False).input_ids
+        rest = rest[cut:]
+    return ids
+
+
+def guard(tokenizer, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """``messages`` with each content that holds an added token's string replaced by a sentinel,
+    and the contents by sentinel name (empty when no content needed it)."""
+    pattern = added_pattern(tokenizer)
+    if pattern is None:
+        return messages, {}
+    out, contents = [], {}
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str) and pattern.search(content):
+            name = hashlib.sha256(content.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+            contents[name] = content
+            m = {**m, "content": f"{_OPEN}{name}{_CLOSE}"}
+        out.append(m)
+    return out, contents
+
+
+def encode(tokenizer, text: str, contents: dict[str, str]) -> list[int]:
+    """Rendered text as token ids: the template's parts as the tokenizer reads them (its control
+    tokens), each sentinel's content as text (:func:`text_ids`)."""
+    if not contents:
+        return tokenizer(text, add_special_tokens=False).input_ids
+    ids: list[int] = []
+    at = 0
+    for found in _SENTINEL.finditer(text):
+        content = contents.get(found.group(1))
+        if content is None:  # (a sentinel's look-alike the template wrote from elsewhere: text)
+            continue
+        if found.start() > at:
+            ids += tokenizer(text[at:found.start()], add_special_tokens=False).input_ids
+        ids += text_ids(tokenizer, content)
+        at = found.end()
+    if at < len(text):
+        ids += tokenizer(text[at:], add_special_tokens=False).input_ids
+    return ids

@@ -1,0 +1,146 @@
+"""The endpoint against hostile clients, over raw HTTP on loopback: bodies past the size limit,
+JSON nested without end, content parts that are not text, strings that are not Unicode,
+megabytes of prompt, and a failure nobody foresaw -- each one request's 4xx (or 500) in OpenAI's
+shape, while other clients are answered."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from streamrl.engines.hf_config import HFEngineConfig
+from streamrl.engines.slots import SlotEngine
+from streamrl.recipe.serve import ServeConfig
+from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN, Endpoint
+from streamrl.serve.traffic import Traffic
+from tests.helpers import endpoint_in_process
+
+LIMIT = 64 * 1024  # serve.max_body_bytes here: small, so the test sends little
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4,
+                                       temperature=1.0, profile=False))
+    engine.load(str(tiny_model))
+    api = Endpoint(engine, ServeConfig(port=0, max_body_bytes=LIMIT), Traffic(60.0), "policy")
+    try:
+        with endpoint_in_process(api) as url:
+            yield api, url
+    finally:
+        engine.close()
+
+
+def chat(url: str, content, **more) -> httpx.Response:
+    body = {"model": "policy", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **more}
+    return httpx.post(f"{url}/chat/completions", json=body, timeout=30)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read_and_others_are_answered_meanwhile(served):
+    _, url = served
+    big = b'{"model": "policy", "prompt": "' + b"1" * (50 * 2**20) + b'"}'  # 50 MB, its length declared
+    answered: list[float] = []
+
+    def another():  # a well-behaved client while the big one sends
+        t0 = time.perf_counter()
+        r = chat(url, "1+2=")
+        assert r.status_code == 200, r.text[:300]
+        answered.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    other = threading.Thread(target=another)
+    other.start()
+    r = None
+    try:
+        r = httpx.post(f"{url}/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
+        status, seconds = r.status_code, time.perf_counter() - t0
+    except httpx.TransportError:  # (the server may answer and close before the client has sent it all)
+        status, seconds = 413, time.perf_counter() - t0
+    other.join(30)
+    assert status == 413 and seconds < 1.0, (status, seconds)
+    if r is not None:
+        assert error_of(r, 413)["code"] == "request_too_large" and "serve.max_body_bytes" in r.text
+    assert answered and answered[0] < 1.0
+
+    def chunks():  # no length declared: it is counted as it comes, and cut at the limit
+        for _ in range(64):
+            yield b" " * 4096
+    r = httpx.post(f"{url}/completions", content=chunks(), timeout=30)
+    assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_json_nested_without_end_and_non_unicode_strings_are_400(served):
+    _, url = served
+    deep = '{"model": "policy", "prompt": ' + "[" * 20000 + "]" * 20000 + "}"
+    r = httpx.post(f"{url}/completions", content=deep, headers={"content-type": "application/json"}, timeout=30)
+    assert "nested too deeply" in error_of(r, 400)["message"]
+    lone = '{"model": "policy", "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    r = httpx.post(f"{url}/chat/completions", content=lone, headers={"content-type": "application/json"}, timeout=30)
+    assert "lone surrogate" in error_of(r, 400)["message"]
+
+
+@pytest.mark.parametrize("text", [None, 5, {"a": 1}])
+def test_a_content_part_whose_text_is_not_a_string_is_400_naming_it(served, text):
+    _, url = served
+    err = error_of(chat(url, [{"type": "text", "text": "1+"}, {"type": "text", "text": text}]), 400)
+    assert err["param"] == "messages.0.content.1.text" and "must be a string" in err["message"]
+
+
+def test_megabytes_of_prompt_are_refused_by_their_characters_without_tokenizing(served, monkeypatch):
+    api, url = served
+    calls = []
+    monkeypatch.setattr(api, "chat_prompt", lambda *a: calls.append(a) or [1])
+    too_many = 32 * MAX_CHARS_PER_TOKEN + 1  # engine.max_prompt_tokens = 32
+    err = error_of(chat(url, "7" * too_many), 400)
+    assert err["code"] == "context_length_exceeded" and f"{too_many} characters" in err["message"]
+    assert calls == []  # never tokenized
+    r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "7" * too_many}, timeout=30)
+    assert error_of(r, 400)["param"] == "prompt"
+
+
+def test_a_failure_nobody_foresaw_is_that_requests_500_in_openais_shape(served, monkeypatch, caplog):
+    api, url = served
+
+    def broken(*_):
+        raise KeyError("something internal")
+
+    monkeypatch.setattr(api, "chat_prompt", broken)
+    with caplog.at_level("ERROR", logger="streamrl.serve"):
+        err = error_of(chat(url, "1+1="), 500)
+    assert err["type"] == "server_error" and "KeyError" in err["message"]
+    assert any("-> 500 KeyError" in rec.getMessage() for rec in caplog.records)
+    monkeypatch.undo()
+    assert chat(url, "1+1=").status_code == 200  # and the next request is served
+    assert json.loads(httpx.get(f"{url}/models", timeout=30).text)["data"][0]["id"] == "policy"
+
+
+def test_refused_requests_are_a_few_lines_that_count_the_rest(served, caplog):
+    from streamrl.serve.openai_api import RefusalLog
+
+    refusals = RefusalLog(every_s=0.2)
+    with caplog.at_level("WARNING", logger="streamrl.serve"):
+        for i in range(50):
+            refusals.say(f"POST /v1/feedback -> 400 bad {i}")
+        time.sleep(0.25)
+        refusals.say("POST /v1/feedback -> 400 last")
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.serve"]
+    assert lines == ["POST /v1/feedback -> 400 bad 0",
+                     "POST /v1/feedback -> 400 last (and 49 more refused since the last line)"]
+    caplog.clear()
+    _, url = served
+    with caplog.at_level("WARNING", logger="streamrl.serve"):
+        for _ in range(40):  # a flood of bad feedback through the endpoint: each refused, few lines
+            r = httpx.post(f"{url}/feedback", json={"id": "nope", "reward": "NaN"}, timeout=30)
+            assert r.status_code == 400
+    assert len([r for r in caplog.records if r.name == "streamrl.serve"]) <= 2  # (one window may close mid-flood)
