@@ -8,9 +8,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.api import TrainerCapabilities
+
+
+class LoraConfig(BaseModel):
+    """``[trainer] lora = { ... }``: train a low-rank adapter instead of the whole policy."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    rank: int = Field(16, ge=1, le=1024)
+    """r: the rank of each adapter (its two matrices are ``d x r`` and ``r x k``)."""
+    alpha: float = Field(32.0, gt=0)
+    """The adapter's output is scaled by ``alpha / rank``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (0: none; RL's ratios are cleaner without)."""
+    targets: list[str] | Literal["all-linear"] = "all-linear"
+    """The linear layers that get an adapter, by name suffix (``["q_proj", "v_proj"]``), or
+    ``all-linear``: every linear layer but the output head."""
 
 
 class HFTrainerConfig(BaseModel):
@@ -70,8 +85,25 @@ class HFTrainerConfig(BaseModel):
     naming the step and the last checkpoint). Either way a non-finite update is never applied,
     published or checkpointed. A few isolated skips can ride out a rare numerical spike; every
     step non-finite is a learning rate far too high or an algorithm that returns NaN."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (``{ rank = 16, alpha = 32 }``): the base weights frozen, only the
+    adapters and their AdamW state trained (``training/lora.py``). Publications carry the merged
+    weights, so any engine serves the policy; ``policy/`` holds the merged model and
+    ``policy/adapter/``. None: the whole policy is trained."""
+
+    @model_validator(mode="after")
+    def _lora_checks(self):
+        import importlib.util
+
+        if self.lora is not None and importlib.util.find_spec("peft") is None:
+            raise ValueError("lora needs the peft package: pip install 'streamrl[lora]'")
+        if self.lora is not None and self.precision == "bf16-params":
+            raise ValueError('lora keeps the frozen base weights as they load: use precision "bf16-autocast", '
+                             '"fp32" or "auto" (bf16-autocast on a GPU with lora)')
+        return self
 
 
 def capabilities(config: HFTrainerConfig) -> TrainerCapabilities:
-    """Data parallel over the train pool (``ddp``), and shardable (``fsdp``)."""
-    return TrainerCapabilities(data_parallel=True, shardable=True)
+    """Data parallel over the train pool (``ddp``), and shardable (``fsdp``) unless it trains a
+    LoRA adapter."""
+    return TrainerCapabilities(data_parallel=True, shardable=getattr(config, "lora", None) is None)

@@ -57,12 +57,20 @@ class HFTrainer(Trainer):
         self.algorithm = context.algorithm
         self.temperature = context.engine.temperature
         self.device = device or worker_device()
-        self.precision = precision_for(config.precision, self.device)
+        lora_auto = config.lora is not None and config.precision == "auto" and self.device == "cuda"
+        self.precision = precision_for("bf16-autocast" if lora_auto else config.precision, self.device)
         self.strategy: Strategy = fsdp.FSDP(self.device) if context.sharded else Replicated()
         built_on = self.strategy.build_device(self.device)
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
+        self.adapter = None
+        """With ``trainer.lora``: the ``PeftModel`` around :attr:`model`, into which the adapter was
+        injected in place (the trainer goes on computing with :attr:`model`)."""
+        if config.lora is not None:
+            from streamrl.training.lora import add_adapter
+
+            self.adapter = add_adapter(self.model, config.lora)
         self.model.train()
         if config.kernels == "liger":
             use_liger_kernels(self.model, self.device)
@@ -310,7 +318,12 @@ class HFTrainer(Trainer):
     @torch.no_grad()
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The parameters, detached (tied weights once, as ``named_parameters`` gives them).
-        Sharded: the whole weights gathered at the last step, on rank 0."""
+        Sharded: the whole weights gathered at the last step, on rank 0. A LoRA learner: the
+        merged weights under the plain model's names (``training/lora.py``)."""
+        if self.adapter is not None:
+            from streamrl.training.lora import merged_weights
+
+            return merged_weights(self.model)
         return self.strategy.named_weights(self.model)
 
     @torch.no_grad()
@@ -344,6 +357,15 @@ class HFTrainer(Trainer):
         """Write the current policy as a transformers model folder (``from_pretrained`` reloads it;
         bf16-params: the float32 masters). Sharded: every rank calls it (the weights are
         gathered), rank 0 writes."""
+        if self.adapter is not None:  # the merged model, and the adapter beside it
+            from streamrl.training.lora import merged_weights
+
+            self.model.save_pretrained(out, state_dict=merged_weights(self.model))
+            self.adapter.save_pretrained(f"{out}/adapter")
+            self.tokenizer.save_pretrained(out)
+            if self.critic is not None:
+                self.critic.save(f"{out}/critic", state_dict=self.strategy.full_state(self.critic))
+            return out
         policy = self.strategy.full_state(self.stepped)
         critic = self.strategy.full_state(self.critic) if self.critic is not None else None
         if self.strategy.writes:

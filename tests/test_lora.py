@@ -1,0 +1,88 @@
+"""LoRA learners (``[trainer] lora``): only the adapter learns, what the trainer publishes is the
+merged policy under the plain model's names, ``policy/`` loads with transformers (merged) and
+peft (the adapter) and gives the trainer's log-probs, and a run trains with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import EngineCapabilities, TrainerContext
+from streamrl.training.hf_config import HFTrainerConfig
+from streamrl.training.lora import merged_weights
+from streamrl.training.logprobs import naive_token_logprobs, pad_batch
+from streamrl.training.trainer import HFTrainer
+from tests.helpers import make_groups, read_records, sets, streamrl
+
+
+def lora_trainer(model, **lora) -> HFTrainer:
+    config = HFTrainerConfig(lr=5e-2, precision="fp32", lora={"rank": 4, "alpha": 8, **lora})
+    return HFTrainer(config, TrainerContext(str(model), GRPO(GRPOConfig()), EngineCapabilities(temperature=1.0)),
+                     device="cpu")
+
+
+def test_only_the_adapter_learns_and_the_merged_weights_are_the_policy(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    trainer = lora_trainer(tiny_model)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    base_before = {k: v.clone() for k, v in plain.state_dict().items()}
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    groups = make_groups(trainer)
+    for _ in range(3):
+        trainer.micro_batch(groups, 1.0 / sum(len(g) for g in groups))
+        trainer.step()
+    # the frozen base did not move; the adapters did
+    frozen = {n: p for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    for name, p in frozen.items():
+        assert torch.equal(p, base_before[name.replace(".base_layer.", ".")]), name
+    merged = trainer.named_weights()
+    assert set(merged) == {n for n, _ in plain.named_parameters()}  # the plain model's names, tied once
+    assert any(not torch.equal(merged[n], base_before[n]) for n in merged)
+    # loaded into a plain model, the merged weights give the trainer's own log-probs
+    plain.load_state_dict(merged, strict=False)
+    samples = [s for g in groups for s in g]
+    ids, attn, resp, _ = pad_batch(samples, trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours = naive_token_logprobs(trainer.model.eval(), ids, attn)
+        theirs = naive_token_logprobs(plain.eval(), ids, attn)
+    assert torch.allclose(ours[resp > 0], theirs[resp > 0], atol=1e-5)
+    assert merged_weights(trainer.model).keys() == merged.keys()
+
+
+def test_bad_lora_settings_are_refused_by_name(tiny_model):
+    with pytest.raises(ValueError, match="bf16-autocast"):
+        HFTrainerConfig(lora={"rank": 4}, precision="bf16-params")
+    with pytest.raises(ValueError, match="trainer.lora.targets"):
+        lora_trainer(tiny_model, targets=["no_such_layer"])
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_and_leaves_a_merged_policy_and_its_adapter(tiny_model, tmp_path, shared_cluster):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import parity_recipe
+
+    parity_recipe(tmp_path, tiny_model)
+    proc = streamrl("recipe", "run", str(tmp_path / "tiny.toml"), *sets(
+        "run.steps=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}", *shared_cluster.sets), "--plain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = read_records(run_dir)
+    assert [r["policy_version"] for r in records] == [1, 2, 3] and all(r["samples"] == 16 for r in records)
+    policy = run_dir / "policy"
+    merged = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                        policy / "adapter").eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        a = naive_token_logprobs(merged, ids, attn)
+        b = naive_token_logprobs(adapted, ids, attn)
+        base = naive_token_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval(),
+                                    ids, attn)
+    assert torch.allclose(a, b, atol=1e-5)  # the merged model is the adapter over the base
+    assert not torch.allclose(a, base, atol=1e-4)  # and it learned something
