@@ -16,14 +16,20 @@ class ToolParser:
     a parser for another format with ``register_tool_parsers`` and name it in ``[serve]
     tool_parser``."""
 
-    start: str = ""
-    """The text that opens a tool call in the model's output (``"<tool_call>"``): a streamed
-    reply sends its text as content up to it and holds the rest back for :meth:`parse`, as
-    OpenAI's API never streams call markup as content. Empty: the text streams as written."""
+    start: str | tuple[str, ...] = ""
+    """The text that opens a tool call in the model's output (``"<tool_call>"``), or several: a
+    streamed reply sends its text as content up to the first of them and holds the rest back
+    for :meth:`parse`, as OpenAI's API never streams call markup as content. Empty: the text
+    streams as written."""
+
+    keep_tokens: tuple[str, ...] = ()
+    """Special tokens the format writes its calls with (Mistral's ``[TOOL_CALLS]``): a reply's
+    text keeps them for :meth:`parse`, where every other special token is dropped from it."""
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         """``(content, calls)``: the reply's text outside its tool calls (None when nothing is
-        left) and each call as ``{"name": ..., "arguments": <JSON text>}``, in order. Text that
+        left) and each call as ``{"name": ..., "arguments": <JSON text>}``, in order (with an
+        ``"id"`` where the format needs ids of its own; else the endpoint makes one). Text that
         looks like a call but does not parse stays in the content (the agent sees what the model
         wrote)."""
         return text, []

@@ -16,7 +16,8 @@ from streamrl.ranking.rankers import (HistoryRanker, HistoryRankerConfig, Learne
 from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
 from streamrl.rewards.math_reward import MathReward, MathRewardConfig
 from streamrl.rewards.python import PythonReward, PythonRewardConfig
-from streamrl.chat.tool_calls import HermesConfig, HermesToolParser
+from streamrl.chat.tool_calls import (HermesConfig, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                      Qwen3ToolParser)
 from streamrl.scheduling.longtail import LongTail, LongTailConfig
 from streamrl.scheduling.schedulers import FCFS, FCFSConfig, Skew, SkewConfig
 from streamrl.sim.engine import SimEngine, SimEngineConfig
@@ -104,4 +105,7 @@ def register_metric_sinks():
 
 @hookimpl
 def register_tool_parsers():
-    return [Component("tool_parser", "hermes", HermesConfig, HermesToolParser)]
+    return [Component("tool_parser", "hermes", HermesConfig, HermesToolParser),
+            Component("tool_parser", "qwen3", HermesConfig, Qwen3ToolParser),
+            Component("tool_parser", "llama3_json", HermesConfig, Llama3JsonToolParser),
+            Component("tool_parser", "mistral", HermesConfig, MistralToolParser)]

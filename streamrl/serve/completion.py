@@ -63,8 +63,11 @@ class Event:
 class Completion:
     """A request's choices running in the engine; :meth:`events` yields their output in order."""
 
-    def __init__(self, engine, tokenizer, cid: str, prompt_ids: list[int], params: Params):
+    def __init__(self, engine, tokenizer, cid: str, prompt_ids: list[int], params: Params,
+                 keep: frozenset[int] | None = None):
         self.engine, self.tokenizer, self.cid = engine, tokenizer, cid
+        self.keep = keep or frozenset()
+        """Special tokens the choices' text keeps (a tool parser's markers); others are dropped."""
         self.prompt_ids, self.params = prompt_ids, params
         self.choices = [Choice(k, f"{cid}-{k}") for k in range(params.n)]
         self.prompt = Prompt(uid=cid, text=tokenizer.decode(prompt_ids, skip_special_tokens=True),
@@ -149,7 +152,7 @@ class Completion:
                 yield Event(index, "", [], [], None, c.finish_reason)
 
     def _new_text(self, c: Choice) -> str:
-        full = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        full = decode(self.tokenizer, c.tokens, self.keep)
         if full.endswith("\ufffd"):  # a character cut between tokens: wait for its end
             return ""
         for stop in self.params.stop:
@@ -189,3 +192,25 @@ class Completion:
                                 token_versions=versions, times={"gen_start": self.started, "gen_end": end,
                                                                 **({"stopped_early": 1.0} if c.stopped_early else {})}))
         return group
+
+
+def token_ids(tokenizer, tokens) -> frozenset[int]:
+    """The ids of those of ``tokens`` (strings) the tokenizer has as one token."""
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[t] for t in tokens if t in vocab)
+
+
+def decode(tokenizer, tokens: list[int], keep: frozenset[int]) -> str:
+    """``tokens`` as text, special tokens dropped but those in ``keep`` (written as their
+    strings, where a tool parser looks for them)."""
+    if not keep or keep.isdisjoint(tokens):
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    out, run = [], []
+    for t in tokens:
+        if t in keep:
+            out += [tokenizer.decode(run, skip_special_tokens=True), tokenizer.convert_ids_to_tokens(t)]
+            run = []
+        else:
+            run.append(t)
+    out.append(tokenizer.decode(run, skip_special_tokens=True))
+    return "".join(out)

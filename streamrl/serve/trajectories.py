@@ -147,11 +147,15 @@ class Trajectories:
         last_prompt = render(self.tokenizer, before, tools, generation_prompt=True)
         around = render(self.tokenizer, before + [{"role": "assistant", "content": PLACEHOLDER}] + new,
                         tools, generation_prompt=True)
-        if not around.startswith(last_prompt + PLACEHOLDER):
+        gap, found, after = (around[len(last_prompt):] if around.startswith(last_prompt) else "").partition(PLACEHOLDER)
+        # (a template may write a space before a reply -- Mistral's -- which the model's first
+        # token carries: the generated tokens stand for it)
+        if not found or gap.strip():
             return None  # the template writes the reply's turn in a way tokens cannot be kept for
-        after = around[len(last_prompt + PLACEHOLDER):]
-        if seg.ended_by_eos and self.eos_text and after.startswith(self.eos_text):
-            after = after[len(self.eos_text):]  # the model's own end of turn stands for the template's
+        if seg.ended_by_eos and self.eos_text and after.lstrip(" ").startswith(self.eos_text):
+            # the model's own end of turn stands for the template's (and a space the template
+            # writes before it, after a reply it trims)
+            after = after.lstrip(" ")[len(self.eos_text):]
         # (the text goes on a sequence: no BOS in front of it, whatever the tokenizer adds to a prompt)
         return seg.context() + content_as_text.encode(self.tokenizer, after, contents)
 
