@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ KEY = "test-key"
 
 SERVE = """
 [serve]
-port = 0
+port = {port}
 api_key = "{key}"
 samples_per_step = 8
 max_pending = 24
@@ -51,12 +52,24 @@ def served(tmp_path_factory, tiny_model):
         "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 8')
     text = text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16\nmax_prompt_tokens = 48')
     text = text.replace("[pools.generate]\nthreads = 4", "[pools.generate]\nworkers = 2\nthreads = 4")
-    recipe.write_text(text + SERVE.format(key=KEY))
+    port = free_port()
+    recipe.write_text(text + SERVE.format(key=KEY, port=port))
     log = open(tmp / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", str(recipe), "--plain"], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
+        # from the moment the port takes connections, ask every model the recipe serves
         deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline and not accepts(port):
+            time.sleep(0.05)
+        models = ["tiny", "tiny/a", "tiny/b"]
+        while proc.poll() is None and time.time() < deadline:
+            got = [post(f"http://127.0.0.1:{port}/v1", "/completions",
+                        json.dumps({"model": m, "prompt": "1+1=", "max_tokens": 2}).encode())[0] for m in models]
+            EARLY.extend(zip(models, got))
+            if all(s == 200 for s in got):
+                break
+            time.sleep(0.05)
         found = []
         while not found and time.time() < deadline and proc.poll() is None:
             found = list((tmp / "runs").glob("*/serve.json"))
@@ -71,6 +84,33 @@ def served(tmp_path_factory, tiny_model):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+#: (model, HTTP status) of the requests fired at the endpoint from the moment its port took connections.
+EARLY: list[tuple[str, int]] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_from_its_first_connection_the_endpoint_answers_every_served_model_200_or_503_never_404(served):
+    assert EARLY, "no request reached the endpoint before it was up"
+    assert {status for _, status in EARLY} <= {200, 503}, EARLY
+    assert {m for m, status in EARLY if status == 200} == {"tiny", "tiny/a", "tiny/b"}
+    url, _, _ = served
+    health = urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30)
+    assert json.loads(health.read()) == {"status": "ok"}
 
 
 def client(url: str, key: str = KEY) -> openai.OpenAI:
@@ -280,3 +320,35 @@ def test_bench_serve_measures_latency_with_learning_off_and_on(tmp_path, tiny_mo
         assert r["requests"] > 0 and r["failed"] == 0 and r["hung"] == 0 and r["itl_p50_ms"] > 0
     assert result["training_steps"] >= 1  # learning on trained (off sends no feedback: nothing to train)
     assert result["ratios"]["itl_p50_ms"] > 0
+
+
+def test_a_killed_serving_worker_stops_the_run_in_one_line_naming_what_was_lost(tmp_path, tiny_model):
+    from tests.helpers import kill_worker, sets
+
+    recipe = tmp_path / "serve.toml"
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
+        "steps = 2", "steps = 100\nstep_timeout_s = 0")
+    text = text.replace("max_new_tokens = 6", 'max_new_tokens = 6\nbatching = "slots"\nslots = 8\nmax_prompt_tokens = 48')
+    recipe.write_text(text + '\n[serve]\nport = 0\nsamples_per_step = 8\n')
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", str(recipe), "--plain", *sets("run.checkpoint_every=1")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while not list((tmp_path / "runs").glob("*/serve.json")) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        (info,) = list((tmp_path / "runs").glob("*/serve.json"))
+        url = json.loads(info.read_text())["url"]
+        out = client(url, "none").completions.create(model="tiny", prompt="1+2=", n=8, max_tokens=4)
+        for i in range(8):  # one step's traffic: a checkpoint to name
+            assert post(url, "/feedback", json.dumps({"id": out.id, "index": i, "reward": float(i % 2)}).encode(), "none")[0] == 200
+        while not (info.parent / "checkpoints").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        kill_worker(info.parent, "generate-0")
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("streamrl: error: the endpoint's worker generate-0 was restarted"), line
+    assert "resume from step-000001" in line

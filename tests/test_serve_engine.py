@@ -132,3 +132,23 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_choices(engine):
     assert [len(f.result(timeout=10).tokens) for f in futures] == [0, 0]  # cancelled before a token (else 6 each)
     assert traffic.counts["cancelled"] == 1 and endpoint.pending == 0
     assert traffic.feedback("cmpl-x", None, 1.0) is not None  # nothing of it to reward or train
+
+
+def test_each_choice_takes_one_reward_and_early_feedback_names_a_choice_it_has():
+    from streamrl.sample import Prompt, Sample
+    from streamrl.serve.traffic import Traffic
+
+    traffic = Traffic(60)
+    traffic.started("c", n=2)
+    # feedback before the end: an index past the request's n is refused at once, not dropped later
+    assert "index 2 is out of range" in traffic.feedback("c", 2, 1.0)
+    assert traffic.feedback("c", 0, 1.0) is None
+    assert "choice 0 of completion 'c' is already rewarded" in traffic.feedback("c", 0, 0.0)
+    assert "reward the others by index" in traffic.feedback("c", None, 0.0)
+    group = [Sample(uid=f"c-{k}", prompt=Prompt(uid="c", text="1+1="), prompt_ids=[1], response_ids=[2], logprobs=[-1.0])
+             for k in range(2)]
+    traffic.finished("c", group)
+    assert group[0].reward == 1.0 and group[1].reward is None  # the first reward stands
+    assert "choice 0 of completion 'c' is already rewarded" in traffic.feedback("c", 0, 0.0)
+    assert traffic.feedback("c", 1, 0.5) is None
+    assert [s.reward for s in group] == [1.0, 0.5] and traffic.counts["rewarded"] == 2

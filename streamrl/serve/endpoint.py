@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from distributed import get_worker
 
-from streamrl.on_worker.resident import ENGINE, resident
+from streamrl.on_worker.resident import ENGINE, ResidentLost, resident
 from streamrl.sample import Group
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.http_server import start_in_thread
@@ -29,11 +29,13 @@ def ship(tool_parser) -> bytes | None:
     return cloudpickle.dumps(tool_parser) if tool_parser is not None else None
 
 
-def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollout_key: str = "") -> str:
+def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollout_key: str = "",
+          ready: bool = True) -> str:
     """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
     ``tool_parser``: the built ``serve.tool_parser`` (:func:`ship`); ``rollout_key``: the secret
-    the run's agent rollouts send (empty: no agent calls are taken). Raises naming the setting when the engine
-    cannot stream (not the slot decoder) or the port cannot be bound."""
+    the run's agent rollouts send (empty: no agent calls are taken); ``ready`` False: the API
+    answers 503 until :func:`go_live` (the run adds the models it will list first). Raises naming
+    the setting when the engine cannot stream (not the slot decoder) or the port cannot be bound."""
     from streamrl.serve.openai_api import Endpoint, make_app
 
     stop()  # a run that starts over on this worker serves anew
@@ -53,6 +55,7 @@ def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollo
     traffic = Traffic(cfg.feedback_timeout_s)
     api = Endpoint(engine, cfg, traffic, model_name, tool_parser, rollout_key=rollout_key)
     api.worker = str(get_worker().name)
+    api.ready = ready
     app = make_app(api)
     started = start_in_thread(app, cfg.host, cfg.port, "streamrl-serve")
     if started is None:
@@ -75,6 +78,14 @@ def take(step: int, min_samples: int, min_version: int, wait_s: float, after=Non
         s.worker = s.worker or name  # (a learner's policy made it on that learner's worker)
         s.times["submitted"] = s.times.get("gen_start", 0.0)
     return groups
+
+
+def go_live() -> list[str]:
+    """Generate worker: every model the run serves from the start is in place: the API answers
+    (it said 503 until now); returns the models it lists."""
+    api = _api()
+    api.ready = True
+    return list(api.engines)
 
 
 def add_replica(url: str, key: str, worker: str) -> int:
@@ -153,15 +164,20 @@ def stop() -> bool:
     return True
 
 
-def _api():
+def _running() -> tuple:
     running = _RUNNING.get("endpoint")
     if running is None:
-        raise RuntimeError(f"no endpoint runs on worker {get_worker().name} (its worker was restarted?)")
-    return running[3]
+        # the process that served it is gone (its worker died and came back): so are its
+        # connections and the rewarded traffic not yet trained on -- the run stops here, in one
+        # line that names its last checkpoint (run/runner.py), as for a lost trainer
+        raise ResidentLost(f"the endpoint's worker {get_worker().name} was restarted: the endpoint, its clients' "
+                           "connections and the rewarded traffic not yet trained on are gone")
+    return running
+
+
+def _api():
+    return _running()[3]
 
 
 def _traffic() -> Traffic:
-    running = _RUNNING.get("endpoint")
-    if running is None:
-        raise RuntimeError(f"no endpoint runs on worker {get_worker().name} (its worker was restarted?)")
-    return running[2]
+    return _running()[2]

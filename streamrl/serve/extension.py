@@ -38,8 +38,7 @@ class ServedTraffic(StepExtension):
         self.model_name = r.serve.model_name or r.run.name
         self.max_staleness = r.run.max_staleness
         self.topology = context.topology
-        self.tool_parser = context.resolved.registry.get("tool_parser", r.serve.tool_parser, "serve.tool_parser").build(
-            {}, "serve.tool_parser")
+        self.tool_parser = r.serve.build_tool_parser(context.resolved.registry)
         self.pin: dict | None = None
         self._last_take: Future | None = None
         self.replicas: list[dict] = []
@@ -53,8 +52,9 @@ class ServedTraffic(StepExtension):
         self.worker = sorted(self.topology.generate)[0]
         self.pin = self.topology.pins[self.worker]
         try:
+            # it answers 503 until started(): the variants and replicas the run adds are in by then
             self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
-                                          endpoint.ship(self.tool_parser), pure=False,
+                                          endpoint.ship(self.tool_parser), ready=False, pure=False,
                                           key=f"serve-start-{time.time_ns()}", **self.pin).result()
         except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
             raise UserError(str(e)) from None
@@ -68,7 +68,10 @@ class ServedTraffic(StepExtension):
             self.replicas.append(pin)
 
     def started(self, run_dir: Path) -> list[str]:
-        """``serve.json`` in the run folder (where clients find the endpoint), and the line that says it."""
+        """The endpoint opens (every extension has placed what it serves: the models it lists are
+        all there); ``serve.json`` in the run folder (where clients find it), and the line that
+        says it."""
+        self.client.submit(endpoint.go_live, pure=False, key=f"serve-live-{time.time_ns()}", **self.pin).result(timeout=30)
         (run_dir / "serve.json").write_text(json.dumps({"url": self.url, "model": self.model_name,
                                                         "worker": self.worker}) + "\n")
         key = " (Authorization: Bearer <serve.api_key>)" if self.config.api_key else ""

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from streamrl.chat import content_as_text
 from streamrl.chat.messages import MessageError, normalize, render, reply_message
-from streamrl.serve.completion import Completion, Params
+from streamrl.serve.completion import Completion, Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.serve.traffic import Traffic
@@ -49,6 +49,9 @@ UNHEALTHY_S = 10.0
 MAX_CHARS_PER_TOKEN = 32
 
 log = logging.getLogger("streamrl.serve")
+
+#: Seconds a client is told to wait (``Retry-After``) while the endpoint starts.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -160,6 +163,14 @@ class Endpoint:
         endpoint takes no agent calls, as a ``streamrl serve`` endpoint)."""
         self.tokenizer = engine.tokenizer
         self.tool_parser = tool_parser
+        self.refusals = RefusalLog()
+        """Refused requests in the worker's log, rate-limited."""
+        self.ready = True
+        """Whether the API answers: False while the run is still adding the models it will list
+        (a request gets 503 with ``Retry-After``, ``GET /health`` says ``starting``)."""
+        self.kept_tokens = token_ids(self.tokenizer, getattr(tool_parser, "keep_tokens", ()))
+        """The ids of the parser's ``keep_tokens``: a reply to a request with tools keeps them in
+        its text."""
         self.worker = ""
         """The name of the Dask worker serving (set by ``endpoint.start``)."""
         self.trajectories = Trajectories(self.tokenizer, self.encode_chat)
@@ -331,7 +342,7 @@ class Endpoint:
 def make_app(endpoint: Endpoint) -> FastAPI:
     """The FastAPI application of ``endpoint``."""
     app = FastAPI(title="streamrl", docs_url=None, redoc_url=None, openapi_url=None)
-    refusals = RefusalLog()
+    refusals = endpoint.refusals
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -342,6 +353,11 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     async def contained(request: Request, call_next):
         # Whatever a request makes fail that no check above foresaw is that request's 500, in
         # OpenAI's shape, and one line in the worker's log -- not a traceback for every such call.
+        if not endpoint.ready and request.url.path.startswith("/v1/"):
+            # not a 404 for a model it will serve in a moment: the client's usual retry finds it
+            return APIError(503, "The endpoint is starting: it answers once every model it serves is ready "
+                                 "(GET /health says when).", code="starting", kind="server_error",
+                            headers={"Retry-After": str(RETRY_AFTER_S)}).response()
         try:
             return await call_next(request)
         except Exception as exc:  # noqa: BLE001
@@ -356,6 +372,13 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc):
         return APIError(405, f"{request.method} is not allowed on {request.url.path}.").response()
+
+    @app.get("/health")
+    async def health():
+        # (no key asked: a load balancer's probe; it says nothing but whether the API answers)
+        if not endpoint.ready:
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -456,19 +479,19 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
     engine = endpoint.engine_for(req.model, rollout=turn is not None)
     params = endpoint.params(req, ids)
     cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    completion = Completion(engine, endpoint.tokenizer, cid, ids, params)
+    tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
+    completion = Completion(engine, endpoint.tokenizer, cid, ids, params, keep=endpoint.kept_tokens if tools else None)
     completion.turn = turn
     endpoint.pending += params.n
     endpoint.running[id(engine)] = endpoint.running.get(id(engine), 0) + params.n
     model = endpoint.model_name if turn is not None else req.model
-    endpoint.traffic.started(cid, getattr(req, "session", None), model)
+    endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n)
     try:
         completion.start()
     except ValueError as e:  # the engine's own check (a prompt past its slots)
         endpoint.pending -= params.n
         endpoint.running[id(engine)] -= params.n
         raise APIError(400, str(e), param="prompt") from None
-    tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
     fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
     if req.stream:
         return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
@@ -498,6 +521,9 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
         if (req.stream_options or {}).get("include_usage"):
             yield sse(fmt.usage_chunk(completion))
         yield "data: [DONE]\n\n"
+    except APIError as e:  # (the tool parser failed on the finished reply)
+        endpoint.refusals.say(f"POST (stream) -> {e.status} {e.message}")
+        yield sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
     except Exception as e:  # noqa: BLE001 -- mid-stream there is no status to change: an error event
         yield sse({"error": {"message": f"Generation failed: {e}", "type": "server_error", "param": None,
                              "code": None}})
@@ -519,12 +545,18 @@ def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
     turn = completion.turn
     if turn is not None:
         c = completion.choices[0]
-        if completion.cancelled or not c.finish_reason:
+        reply = None
+        if not completion.cancelled and c.finish_reason:
+            try:
+                reply = fmt.reply(c)
+            except APIError:  # (the agent gets the error; the call is not part of the trajectory)
+                pass
+        if reply is None:
             endpoint.trajectories.abandon(turn.rollout, turn.segment)
         else:
             n = c.stopped_at if c.stopped_at is not None else len(c.tokens)
             endpoint.trajectories.add(turn.rollout, turn.segment, turn.messages, turn.prompt_ids, c.tokens[:n],
-                                      c.logprobs[:n], c.versions[:n], fmt.reply(c))
+                                      c.logprobs[:n], c.versions[:n], reply)
         turn.done = True
         return
     endpoint.traffic.timed(completion.cid, completion.first_token_s, completion.token_s)
@@ -578,12 +610,24 @@ class Format:
 
     def reply(self, c) -> dict:
         """Choice ``c``'s assistant message, canonical (``chat/messages.py``): its text, parsed for
-        tool calls when the request offered tools."""
+        tool calls when the request offered tools. A parser that raises (or returns what is not
+        ``(content, calls)``) is this request's 500 (:class:`APIError`), counted as
+        ``tool_parser_errors``."""
         if c.index not in self._replies:
-            content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
-            ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
-            self._replies[c.index] = reply_message(content, calls, ids)
-        return self._replies[c.index]
+            try:
+                content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
+                ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
+                       for call in calls]
+                self._replies[c.index] = reply_message(content, calls, ids)
+            except Exception as e:  # noqa: BLE001 -- a plugin's bug: this request's error, not the server's end
+                self.endpoint.traffic.count("tool_parser_errors")
+                self._replies[c.index] = APIError(
+                    500, f"serve.tool_parser {type(self.tool_parser).__name__} failed on this reply "
+                         f"({type(e).__name__}: {str(e)[:200]}).", kind="server_error", code="tool_parser_failed")
+        reply = self._replies[c.index]
+        if isinstance(reply, APIError):
+            raise reply
+        return reply
 
     def finish_reason(self, c) -> str | None:
         """``tool_calls`` for a finished reply that calls tools, else the choice's own."""
@@ -651,11 +695,13 @@ class Format:
             delta = content[len(sent):] if content.startswith(sent) else ""
         else:
             text, start = choice.text, getattr(self.tool_parser, "start", "")
-            at = text.find(start) if start else -1
-            if at >= 0:
-                text = text[:at]
-            elif start:
-                hold = next((k for k in range(min(len(start) - 1, len(text)), 0, -1) if text.endswith(start[:k])), 0)
+            starts = [start] if isinstance(start, str) else list(start)
+            found = [at for at in (text.find(s) for s in starts if s) if at >= 0]
+            if found:
+                text = text[:min(found)]
+            else:  # hold back a tail that may be an opening's start
+                hold = max((k for s in starts if s for k in range(min(len(s) - 1, len(text)), 0, -1)
+                            if text.endswith(s[:k])), default=0)
                 text = text[:len(text) - hold]
             delta = text[len(sent):] if text.startswith(sent) else ""
         self._sent[choice.index] = sent + delta

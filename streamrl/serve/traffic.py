@@ -71,6 +71,7 @@ class Traffic:
         self._state: dict[str, str] = {}  # completion id -> running | waiting | rewarded | dropped
         self._sessions: dict[str, list[str]] = {}  # session id -> its completions' ids, oldest first
         self._model: dict[str, str] = {}  # completion id -> the model that answered it
+        self._choices: dict[str, int] = {}  # completion id -> its n, while it runs
         self.models: dict[str, ModelTally] = {}
         """Per served model (``model`` of the requests), what it answered and earned."""
         self.counts: dict[str, int] = {"requests": 0, "completions": 0, "rewarded": 0, "unrewarded_dropped": 0,
@@ -79,11 +80,14 @@ class Traffic:
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
         self._stopped = False
 
-    def started(self, completion_id: str, session: str | None = None, model: str = "") -> None:
+    def started(self, completion_id: str, session: str | None = None, model: str = "", n: int | None = None) -> None:
         """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from
-        now on. ``model``: the one that answers it (its figures are kept apart)."""
+        now on. ``model``: the one that answers it (its figures are kept apart); ``n``: its
+        choices (feedback that comes before its end names one of them)."""
         with self._lock:
             self._state[completion_id] = "running"
+            if n is not None:
+                self._choices[completion_id] = n
             self.counts["requests"] += 1
             self._model[completion_id] = model
             self.models.setdefault(model, ModelTally()).requests += 1
@@ -110,11 +114,13 @@ class Traffic:
         with self._lock:
             self._state[completion_id] = "dropped"
             self._early.pop(completion_id, None)
+            self._choices.pop(completion_id, None)
 
     def finished(self, completion_id: str, group: Group, ready: bool = False) -> None:
         """Request ``completion_id`` ended with ``group``; ``ready``: it needs no feedback (the
         recipe's reward scores it when a step takes it), so it is ready for a step at once."""
         with self._lock:
+            self._choices.pop(completion_id, None)
             self.counts["completions"] += len(group)
             tally = self.models.get(self._model.get(completion_id, ""))
             if tally is not None:
@@ -143,7 +149,13 @@ class Traffic:
                 return f"completion {completion_id!r} was dropped (cancelled, or no reward within serve.feedback_timeout_s)"
             self.counts["feedback"] += 1
             if state == "running":  # feedback on a streamed response before its end: kept for then
-                self._early.setdefault(completion_id, {})[index] = reward
+                n = self._choices.get(completion_id)
+                if index is not None and n is not None and not 0 <= index < n:
+                    return f"completion {completion_id!r} has {n} choices; index {index} is out of range"
+                early = self._early.setdefault(completion_id, {})
+                if index in early or None in early or (index is None and early):
+                    return _already(completion_id, index)
+                early[index] = reward
                 return None
             return self._apply(completion_id, index, reward)
 
@@ -173,6 +185,8 @@ class Traffic:
         group = self._waiting[completion_id].group
         if index is not None and not 0 <= index < len(group):
             return f"completion {completion_id!r} has {len(group)} choices; index {index} is out of range"
+        if any(s.reward is not None for s in (group if index is None else [group[index]])):
+            return _already(completion_id, index)  # (one reward per choice: the first stands)
         for s in group if index is None else [group[index]]:
             s.reward = float(reward)
         if all(s.reward is not None for s in group):
@@ -253,3 +267,10 @@ class Traffic:
             return {**self.counts, "waiting_for_reward": sum(len(w.group) for w in self._waiting.values()),
                     "ready": sum(len(g) for g in self._ready),
                     "variants": {m: t.report() for m, t in self.models.items()}}
+
+
+def _already(completion_id: str, index: int | None) -> str:
+    """Why feedback for a choice already rewarded is refused (the first reward stands)."""
+    if index is None:
+        return f"completion {completion_id!r} has choices rewarded already; reward the others by index"
+    return f"choice {index} of completion {completion_id!r} is already rewarded"
