@@ -78,8 +78,26 @@ def write_recipe(tmp_path, text: str):
 
 
 def test_every_kind_validates_from_a_recipe_local_module(tmp_path):
+    from streamrl.api import KINDS
+    from streamrl.plugins.registry import build_registry
+
     proc = streamrl("recipe", "validate", str(write_recipe(tmp_path, EVERY_KIND)))
     assert proc.returncode == 0, proc.stderr
+    # the module has one of every kind (this recipe uses all but the tool parser, which needs an
+    # endpoint: below, and tests/test_agents_run.py runs one from a recipe-local file)
+    local = {c.kind for c in build_registry(["./every_kind.py"], tmp_path).entries if c.plugin.startswith("local:")}
+    assert local == set(KINDS)
+    serving = EVERY_KIND.replace('[engine]\nname = "plain"', '[engine]\nname = "hf"\nbatching = "slots"')
+    for parser, problem in [('"call_line"', ""), ('{ name = "call_line", prefix = ">> " }', ""),
+                            ('{ name = "call_line", prefx = ">> " }', "serve.tool_parser.prefx"),
+                            ('"call_lin"', "did you mean 'call_line'")]:
+        recipe = write_recipe(tmp_path, serving + f"\n[serve]\nport = 0\ntool_parser = {parser}\n")
+        proc = streamrl("recipe", "validate", str(recipe))
+        if not problem:
+            assert proc.returncode == 0, proc.stderr
+        else:
+            assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and problem in proc.stderr, \
+                proc.stderr
 
 
 @pytest.mark.slow

@@ -143,7 +143,17 @@ def test_what_the_run_asks_of_its_engine_and_cluster_is_checked_before_any_clust
     code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"',
                            "--set", 'serve.tool_parser="herms"')
     assert code == 2 and one_line_error(err) == ("streamrl: error: serve.tool_parser: unknown tool_parser 'herms' (available: "
-                                                 "hermes); did you mean 'hermes'?")
+                                                 "hermes, llama3_json, mistral, qwen3); did you mean 'hermes'?")
+    # a parser named with options: its config model checks them
+    code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"',
+                           "--set", 'serve.tool_parser={name="mistral"}')
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"',
+                           "--set", 'serve.tool_parser={name="mistral", strict=true}')
+    assert code == 2 and "serve.tool_parser" in one_line_error(err) and "strict" in one_line_error(err), err
+    code, _, err = run_cli(capsys, "recipe", "validate", str(serving), "--set", 'engine.batching="slots"',
+                           "--set", 'serve.tool_parser={strict=true}')
+    assert code == 2 and "serve.tool_parser: a table needs a 'name'" in one_line_error(err), err
     code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'scheduler.name="longtail"',
                            "--set", "scheduler.migrate=true", "--set", 'engine.batching="static"')
     assert code == 2 and "scheduler: 'longtail' moves running samples between instances" in one_line_error(err)

@@ -144,3 +144,39 @@ def test_refused_requests_are_a_few_lines_that_count_the_rest(served, caplog):
             r = httpx.post(f"{url}/feedback", json={"id": "nope", "reward": "NaN"}, timeout=30)
             assert r.status_code == 400
     assert len([r for r in caplog.records if r.name == "streamrl.serve"]) <= 2  # (one window may close mid-flood)
+
+
+class RaisingParser:
+    """A tool parser with a bug."""
+
+    start = "<tool_call>"
+    keep_tokens = ()
+
+    def parse(self, text):
+        raise KeyError("oops")
+
+
+def test_a_tool_parser_that_raises_is_that_requests_openai_error_counted_and_the_endpoint_goes_on(tiny_model):
+    import openai
+
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=48, max_new_tokens=4,
+                                       temperature=1.0, profile=False))
+    engine.load(str(tiny_model))
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", RaisingParser())
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    ask = dict(model="policy", messages=[{"role": "user", "content": "1+2="}], max_tokens=4, tools=tools)
+    try:
+        with endpoint_in_process(api) as url:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as err:
+                client.chat.completions.create(**ask)
+            assert err.value.status_code == 500 and err.value.code == "tool_parser_failed"
+            assert "RaisingParser failed on this reply (KeyError" in err.value.message
+            with pytest.raises(openai.APIError) as streamed:  # mid-stream: an error event, in OpenAI's shape
+                list(client.chat.completions.create(**ask, stream=True))
+            assert "RaisingParser failed" in str(streamed.value)
+            assert api.traffic.snapshot()["tool_parser_errors"] == 2
+            plain = client.chat.completions.create(**{**ask, "tools": None})  # no tools: no parser, answered
+            assert plain.choices[0].message.content is not None
+    finally:
+        engine.close()

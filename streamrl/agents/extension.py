@@ -40,8 +40,7 @@ class AgentRollouts(StepExtension):
         serve = r.serve or ServeConfig()
         self.config = serve.model_copy(update={"port": 0})  # one endpoint per generate worker
         self.model_name = serve.model_name or r.run.name
-        self.tool_parser = context.resolved.registry.get("tool_parser", serve.tool_parser, "serve.tool_parser").build(
-            {}, "serve.tool_parser")
+        self.tool_parser = serve.build_tool_parser(context.resolved.registry)
         self.spec = context.task.config.spec()
         self.pool = "agent" if r.pools.agent is not None else "reward"
         self.topology = context.topology

@@ -17,6 +17,7 @@ from streamrl.errors import UserError
 from streamrl.models.fetch import KNOWN
 from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
+from streamrl.recipe.serve import ServeConfig
 from streamrl.tasks.agent import AgentTask
 
 
@@ -234,9 +235,8 @@ def _check_engine_can(out: Resolved) -> None:
         raise UserError(f"engine: {wanted} serves from an endpoint, which needs an engine that streams each response's "
                         f"tokens; engine {r.engine.name!r} with these settings does not (its capabilities lack streams): "
                         'use [engine] name = "hf" with batching = "slots" (and reproducible = false)')
-    if wanted:  # the endpoint builds the tool parser on the worker: a name nobody registered is found here
-        parser = (r.serve.tool_parser if r.serve is not None else "hermes")
-        out.registry.get("tool_parser", parser, "serve.tool_parser")
+    if wanted:  # the run builds the tool parser as it starts: a name nobody registered, or bad options, found here
+        (r.serve or ServeConfig()).build_tool_parser(out.registry)
     if getattr(out.build_scheduler(), "moves_samples", False) and not can.moves_samples:
         raise UserError(f"scheduler: {r.scheduler.name!r} moves running samples between instances, but engine "
                         f"{r.engine.name!r} with these settings cannot hand a sample over (its capabilities lack "

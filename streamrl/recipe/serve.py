@@ -4,9 +4,9 @@ traffic becomes training samples."""
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from streamrl.recipe.strict import Strict
 
@@ -48,10 +48,27 @@ class ServeConfig(Strict):
     samples_per_step: int = Field(16, ge=1)
     """A training step starts once this many rewarded samples have come in (whole requests:
     the ``n`` completions of one request are one group and stay together)."""
-    tool_parser: str = "hermes"
-    """How a reply's text becomes OpenAI's ``tool_calls`` when a request offers ``tools``: a
-    registered ``tool_parser`` (``hermes``: ``<tool_call>{json}</tool_call>`` blocks, the format
-    of Qwen, Hermes and the shipped tiny calculator model)."""
+    tool_parser: str | dict[str, Any] = "hermes"
+    """How a reply's text becomes OpenAI's ``tool_calls`` when a request offers ``tools``: the
+    name of a registered ``tool_parser``, or ``{ name = ..., <its options> }`` for one that takes
+    options: ``hermes`` (``<tool_call>{json}</tool_call>`` blocks: Qwen2.5,
+    Hermes and the shipped tiny calculator model), ``qwen3`` (the same, its ``<think>`` block
+    left out of the content), ``llama3_json`` (Llama 3.x's ``{"name", "parameters"}`` replies)
+    or ``mistral`` (``[TOOL_CALLS]``), or one a plugin adds."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _named(cls, value):
+        if isinstance(value, dict) and not isinstance(value.get("name"), str):
+            raise ValueError("a table needs a 'name' (a registered tool_parser)")
+        return value
+
+    def build_tool_parser(self, registry):
+        """The :attr:`tool_parser` built from ``registry`` (its options validated: one-line
+        errors naming ``serve.tool_parser``)."""
+        options = {"name": self.tool_parser} if isinstance(self.tool_parser, str) else dict(self.tool_parser)
+        name = options.pop("name")
+        return registry.get("tool_parser", name, "serve.tool_parser").build(options, "serve.tool_parser")
     variants: bool = True
     """Serve each side learner's current policy too (``[[learners]]``, and those added while
     the run goes on), from an engine on its own worker: a request whose ``model`` is

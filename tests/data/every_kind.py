@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import (Algorithm, Assignment, Component, Engine, MetricSink, Prompt, Ranker, Reward, Sample,
-                          Scheduler, Task, Transfer, hookimpl)
+                          Scheduler, Task, ToolParser, Transfer, hookimpl)
 from streamrl.training.trainer import HFTrainer, HFTrainerConfig
 
 
@@ -189,6 +189,28 @@ class Reverse(Scheduler):
         return {"placed": self.placed}
 
 
+class CallLineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefix: str = "CALL "
+
+
+class CallLine(ToolParser):
+    """A reply line ``<prefix>name {json arguments}`` is a tool call (``prefix``: an option)."""
+
+    def __init__(self, config: CallLineConfig):
+        self.start = config.prefix
+
+    def parse(self, text):
+        calls, kept = [], []
+        for line in text.splitlines():
+            name, _, args = line.removeprefix(self.start).partition(" ")
+            if line.startswith(self.start) and name:
+                calls.append({"name": name, "arguments": args or "{}"})
+            else:
+                kept.append(line)
+        return ("\n".join(kept) or None) if calls else text, calls
+
+
 @hookimpl
 def register_tasks():
     return [Component("task", "sums", SumsConfig, Sums)]
@@ -232,3 +254,8 @@ def register_rankers():
 @hookimpl
 def register_schedulers():
     return [Component("scheduler", "reverse", Empty, Reverse)]
+
+
+@hookimpl
+def register_tool_parsers():
+    return [Component("tool_parser", "call_line", CallLineConfig, CallLine)]
