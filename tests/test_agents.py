@@ -312,3 +312,23 @@ def test_a_steps_quoted_failure_is_a_raised_error_before_a_timeout_before_a_roll
     assert kept == raised  # (the earlier of two raised errors)
     assert first_error(first_error("", NO_CALLS), timeout) == timeout
     assert first_error(timeout, NO_CALLS) == timeout
+
+
+@pytest.mark.parametrize("kind, arg", [(SystemExit, 3), (KeyboardInterrupt, ""), (BaseException, "odd"), (ValueError, "v")])
+def test_an_agent_that_exits_or_raises_anything_is_that_rollouts_error_named_without_a_traceback(kind, arg, caplog):
+    import gc
+
+    from streamrl.agents.rollout import RolloutThread, _outcome
+
+    async def agent():
+        raise kind(arg) if arg != "" else kind()
+
+    thread = RolloutThread(agent)
+    with caplog.at_level("ERROR", logger="asyncio"):
+        thread.start()
+        thread.join(10)
+        error = _outcome(thread, time.time(), 60).error
+        del thread
+        gc.collect()  # (where asyncio would say "Task exception was never retrieved", with a traceback)
+    assert caplog.records == []
+    assert error == f"{kind.__name__}: {arg}"

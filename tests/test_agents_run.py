@@ -108,3 +108,17 @@ def test_a_tool_parser_from_a_recipe_local_file_parses_the_agents_calls(tmp_path
     parsed = mark.read_text().split()  # written on the generate worker by the recipe's own file
     assert len(parsed) >= 16  # every rollout's replies (4 prompts x 4 rollouts, a call or more each)
     assert "Traceback" not in run.proc.stdout + run.proc.stderr
+
+
+def test_an_agent_that_ends_its_process_stops_the_run_in_one_line_naming_task_path(tmp_path):
+    from tests.helpers import sets, streamrl
+
+    agent = tmp_path / "exiting_agent.py"
+    agent.write_text("import os\n\n\nasync def rollout(client, row):\n    os._exit(3)\n")
+    proc = streamrl("recipe", "run", str(AGENT_RECIPE), "--plain", "--no-report",
+                    *sets("run.steps=2", *SMALL, f'task.path="{agent}"', 'task.function="rollout"',
+                          f'run.out_dir="{tmp_path / "runs"}"', "cluster.dashboard_port=0"), timeout=420)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("streamrl: error: task agent-0-") and "took down every worker it ran on" in line, line
+    assert f"task.path ({agent})" in line

@@ -24,7 +24,7 @@ import torch
 
 from streamrl.errors import RunWarning, UserError
 from streamrl.checkpoints import folders
-from tests.helpers import ROOT, newest_usable, read_records, rewrite_manifest, sets, streamrl, write_tiny_recipe
+from tests.helpers import ROOT, newest_usable, only_run, read_records, rewrite_manifest, sets, streamrl, write_tiny_recipe
 
 SHARDED = ["run.mode=batch", "run.steps=4", "run.checkpoint_every=2", "pools.train.workers=2",
            "trainer.strategy=fsdp", "engine.reproducible=true"]
@@ -323,3 +323,27 @@ def test_a_ruinous_update_is_never_checkpointed_and_a_resume_can_pick_an_earlier
     assert missing.returncode == 2 and stderr_lines(missing)[-1] == (
         f"streamrl: error: --from step-99: no such checkpoint in {run / 'checkpoints'} (there are: "
         "step-000012, step-000013)")
+
+
+@pytest.mark.slow
+def test_a_policy_transformers_refuses_to_save_at_the_end_is_one_line_naming_the_last_checkpoint(tiny_model, tmp_path,
+                                                                                               shared_cluster):
+    import json
+    import shutil
+
+    # a model folder whose config still says it was GGUF-quantized: it loads and trains, and
+    # transformers refuses to save it
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gguf"}}))
+    recipe = write_tiny_recipe(tmp_path, model)
+    proc = streamrl("recipe", "run", str(recipe), *sets("run.steps=2", "run.checkpoint_every=2", *shared_cluster.sets),
+                    "--plain", "--no-report")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("streamrl: error: every step ran, but the trained policy could not be saved to ")
+    assert "is quantized with gguf" in line and "the last checkpoint is step-000002" in line
+    run = only_run(tmp_path / "runs")
+    assert len(read_records(run)) == 2
+    assert json.loads((run / "status.json").read_text())["state"] == "failed"

@@ -87,6 +87,15 @@ def test_a_step_whose_stale_tokens_rest_on_a_few_is_said_once_with_its_step_and_
     assert "2 of 3 steps trained tokens whose importance weights" in out.getvalue()
 
 
+def test_every_update_skipped_for_a_non_finite_loss_is_named_with_its_step():
+    notes = StepNotes()
+    assert notes.of(record(0, nonfinite_skipped=0)) == []
+    (first,) = notes.of(record(1, nonfinite_skipped=1))
+    (second,) = notes.of(record(5, nonfinite_skipped=1))  # each one, not once per run
+    assert first.startswith("step 2: update skipped") and second.startswith("step 6: update skipped")
+    assert "trainer.max_nonfinite_steps" in first
+
+
 WARNING_REWARD = '''
 import warnings
 

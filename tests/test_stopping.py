@@ -52,3 +52,19 @@ def test_a_second_ctrl_c_mid_run_stops_at_once_with_nothing_of_dasks_on_the_term
     assert err.strip().splitlines()[-1] == "streamrl: interrupted", err[-3000:]
     # the workers' teardown (a nanny killing a worker slow to exit, a restart) is Dask's to log: not here
     assert not [line for line in err.splitlines() if " - distributed." in line or "Traceback" in line], err[-3000:]
+
+
+def test_status_json_drops_an_earlier_attempts_error_once_the_run_goes_on_and_completes(tmp_path):
+    from streamrl.run.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir()
+    folder.mark("running", step=3, scheduler="tcp://127.0.0.1:1")
+    folder.failed(RuntimeError("the first attempt died"))
+    failed = json.loads((folder.path / "status.json").read_text())
+    assert failed["state"] == "failed" and "the first attempt died" in failed["error"]
+    folder.mark("running", step=3)  # resumed
+    folder.mark("completed", step=8, policy="policy")
+    done = json.loads((folder.path / "status.json").read_text())
+    assert done["state"] == "completed" and "error" not in done and "resume" not in done
+    assert done["scheduler"] == "tcp://127.0.0.1:1" and done["policy"] == "policy"  # the rest is kept

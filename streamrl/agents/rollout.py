@@ -73,12 +73,23 @@ class RolloutThread(threading.Thread):
         """Run the coroutine to its end (or its cancellation)."""
         loop = self._loop = asyncio.new_event_loop()
         try:
-            self._task = loop.create_task(self.make_coroutine())
+            self._task = loop.create_task(self._guarded())
             self.result = loop.run_until_complete(self._task)
         except BaseException as e:  # noqa: BLE001 -- the agent's failure, reported by the group
             self.error = e
         finally:
             loop.close()
+
+    async def _guarded(self):
+        # An agent's SystemExit or KeyboardInterrupt (sys.exit() in user code) ends its rollout
+        # only: caught inside the task, so asyncio neither stops the loop with it nor prints
+        # "Task exception was never retrieved" with a traceback for each one
+        try:
+            return await self.make_coroutine()
+        except asyncio.CancelledError:
+            raise  # (abandoned after its timeout)
+        except BaseException as e:  # noqa: BLE001 -- the agent's failure, reported by the group
+            self.error = e
 
     def abandon(self) -> None:
         """Cancel the coroutine (it gets ``CancelledError`` at its next await; code that never

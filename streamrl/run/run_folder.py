@@ -93,9 +93,13 @@ class RunFolder:
         return json.loads((self.path / STATUS).read_text())
 
     def mark(self, state: str, **fields) -> None:
-        """Record ``state`` with details, keeping the fields written before."""
+        """Record ``state`` with details, keeping the fields written before -- but an earlier
+        attempt's ``error`` and ``resume`` once the run goes on or ends well (a resumed run that
+        completes is not a failed one)."""
         path = self.path / STATUS
         old = self.status() if path.exists() else {}
+        if state in ("starting", "running", "completed"):
+            old = {k: v for k, v in old.items() if k not in ("error", "resume")}
         record = {**old, **fields, "state": state, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
-from distributed import performance_report, span
+from distributed import KilledWorker, performance_report, span
 from rich.console import Console
 from rich.markup import escape
 
@@ -95,6 +95,30 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             folder.mark("interrupted", step=done)
             raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
                               f"Resume with: {folder.resume_command()}")
+
+
+def _killed(exc: KilledWorker, r, folder) -> str:
+    """The line for a task that took down every worker it was tried on: which task, whose code
+    it runs, and how to go on."""
+    key = str(exc.task)
+    whose = (f"the agent code of task.path ({r.task.options().get('path', '?')}) runs in it" if key.startswith("agent-")
+             else "the code it runs (a reward, a plugin, the model) ended its process")
+    ckpt = folder.latest_checkpoint()
+    then = (f"resume from {ckpt.name} with: {folder.resume_command()}" if ckpt
+            else "it had no checkpoint yet (run.checkpoint_every)")
+    return (f"task {key} took down every worker it ran on ({exc.allowed_failures + 1} tries, os._exit, a crash or "
+            f"memory); {whose}; the run stopped, {then}")
+
+
+def _not_saved(exc: Exception, folder) -> str:
+    """The line for a run whose steps all ran and whose trained policy could not be written
+    (a model transformers refuses to save, a full disk): what failed, and what is kept."""
+    ckpt = folder.latest_checkpoint()
+    kept = (f"the last checkpoint is {ckpt.name} (its trainer state holds the policy it trained)" if ckpt is not None
+            else "no checkpoint was written (run.checkpoint_every)")
+    return (f"every step ran, but the trained policy could not be saved to {folder.path / 'policy'} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}); {kept}; "
+            "metrics.jsonl has every step")
 
 
 def _who_was_lost(exc: ResidentLost, controller: Controller | None) -> str:
@@ -241,7 +265,12 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             _steps(r, controller, folder, first, stop, observers, warn, watchdog,
                    lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
         with watchdog.watching("saving the policy"):
-            policy = saving.policy(controller, folder.path / "policy")
+            try:
+                policy = saving.policy(controller, folder.path / "policy")
+            except (Interrupted, ResidentLost):
+                raise
+            except Exception as exc:  # noqa: BLE001 -- the steps ran: what failed is the save, said in one line
+                raise RunFailed(_not_saved(exc, folder)) from None
         folder.mark("completed", step=r.run.steps, policy=str(policy))
     except Interrupted:
         raise
@@ -249,6 +278,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         folder.failed(exc)
         if isinstance(exc, ComponentError):  # a component that cannot be built on a worker: one line
             raise UserError(str(exc)) from None
+        if isinstance(exc, KilledWorker):  # a task whose code ends its process, wherever it runs
+            raise RunFailed(_killed(exc, r, folder)) from None
         if isinstance(exc, ResidentLost):  # the trainer's state died with its worker
             ckpt = folder.latest_checkpoint()
             then = (f"resume from {ckpt.name} with: {folder.resume_command()}" if ckpt

@@ -101,7 +101,8 @@ def low_ess_note(m: dict) -> str | None:
 class StepNotes:
     """Warnings a step's record calls for, each said once per run (they usually hold for many
     steps): no learning signal (:func:`flat_groups_note`), importance weights that rest on a few
-    tokens (:func:`low_ess_note`; the summary counts its steps)."""
+    tokens (:func:`low_ess_note`; the summary counts its steps); and every update skipped
+    for a loss or gradient that was not finite (``trainer.max_nonfinite_steps``)."""
 
     def __init__(self):
         self.said: set[str] = set()
@@ -115,6 +116,9 @@ class StepNotes:
             notes["ess"] = low_ess_note(m)
         new = [text for key, text in notes.items() if text and key not in self.said]
         self.said.update(notes)
+        if m.get("nonfinite_skipped"):  # (rare by design: each one is named)
+            new.append(f"step {m['step'] + 1}: update skipped, its loss or gradient was not finite "
+                       "(trainer.max_nonfinite_steps lets that many in a row be skipped; the policy is unchanged)")
         return new
 
 
