@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-import time
 from types import SimpleNamespace
 
 import httpx
