@@ -243,7 +243,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE ...",
                     help="also run streamrl with these overrides, e.g. 'async:run.mode=\"async\" run.max_staleness=1'")
     ap.add_argument("--only", choices=["streamrl", "trl"], help="run one side only")
-    ap.add_argument("--out", type=Path, help="also write the table to this file")
+    ap.add_argument("--out", type=Path, help="also write the table to this file (and the figures to its .json)")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="print the table of runs measured before (their .json)")
     a = ap.parse_args()
     from streamrl.errors import UserError
     from streamrl.recipe.recipe import load_recipe
@@ -264,17 +265,28 @@ def main() -> None:
         if a.out:
             a.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
 
-    for name, overrides in variants.items():
-        keep(name, run_streamrl(a.recipe, a.steps, overrides))
-    if a.only != "streamrl":
-        keep("TRL GRPOTrainer", run_trl(a.recipe, a.steps, a.overrides))
-    lines = [f"{a.recipe}, {a.steps} steps {' '.join(a.overrides)} -- {platform.machine()}, {os.cpu_count()} cores; "
-             f"{versions()}", ""]
+    if a.render:  # the table of runs measured before
+        results.update(json.loads(a.render.read_text()))
+    else:
+        for name, overrides in variants.items():
+            keep(name, run_streamrl(a.recipe, a.steps, overrides))
+        if a.only != "streamrl":
+            keep("TRL GRPOTrainer", run_trl(a.recipe, a.steps, a.overrides))
+    text = table(results, f"{a.recipe}, {a.steps} steps {' '.join(a.overrides)} -- {platform.machine()}, "
+                          f"{os.cpu_count()} cores; {versions()}", a.steps)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+def table(results: dict, title: str, steps: int) -> str:
+    """The markdown table of ``results`` (name -> a run's figures), with the ratios to TRL."""
+    lines = [title, ""]
     with_evals = all(res.get("evals") for res in results.values())
     shortest = min(res["seconds"] for res in results.values())
     if with_evals:
         lines += [f"| system | samples/s | train s | reward first -> last fifth | held-out pass@1: start -> "
-                  f"step {a.steps} (own evaluator) | step {a.steps}, one evaluator (`model.generate`) | "
+                  f"step {steps} (own evaluator) | step {steps}, one evaluator (`model.generate`) | "
                   f"held-out pass@1 at {shortest:.0f} s (step) |", "|---|---|---|---|---|---|---|"]
     else:
         lines += ["| system | samples/s | train s | reward first -> last fifth |", "|---|---|---|---|"]
@@ -284,7 +296,7 @@ def main() -> None:
                f"{first:.3f} -> {last:.3f} |")
         if with_evals:
             evals = res["evals"]
-            within = [e for e in evals if e["seconds"] <= shortest] or evals[:1]
+            within = [e for e in evals if e["seconds"] <= shortest + 0.05] or evals[:1]  # (rounded to 0.1 s)
             final = res.get("final_hf")
             row += (f" {evals[0]['pass@1']:.3f} -> {evals[-1]['pass@1']:.3f} |"
                     f" {'-' if final is None else f'{final:.3f}'} |"
@@ -296,10 +308,7 @@ def main() -> None:
         for name, res in results.items():
             if name != "TRL GRPOTrainer":
                 lines.append(f"{name} / TRL: {res['samples'] / res['seconds'] / (peer['samples'] / peer['seconds']):.2f}x")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
