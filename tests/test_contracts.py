@@ -88,8 +88,9 @@ def test_every_kind_validates_from_a_recipe_local_module(tmp_path):
     local = {c.kind for c in build_registry(["./every_kind.py"], tmp_path).entries if c.plugin.startswith("local:")}
     assert local == set(KINDS)
     serving = EVERY_KIND.replace('[engine]\nname = "plain"', '[engine]\nname = "hf"\nbatching = "slots"')
-    for parser, problem in [('"call_line"', ""), ('{ name = "call_line", prefix = ">> " }', ""),
-                            ('{ name = "call_line", prefx = ">> " }', "serve.tool_parser.prefx"),
+    # (braces doubled: write_recipe formats the text)
+    for parser, problem in [('"call_line"', ""), ('{{ name = "call_line", prefix = ">> " }}', ""),
+                            ('{{ name = "call_line", prefx = ">> " }}', "serve.tool_parser.prefx"),
                             ('"call_lin"', "did you mean 'call_line'")]:
         recipe = write_recipe(tmp_path, serving + f"\n[serve]\nport = 0\ntool_parser = {parser}\n")
         proc = streamrl("recipe", "validate", str(recipe))
