@@ -40,13 +40,17 @@ class HermesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class HermesToolParser(ToolParser):
-    """``<tool_call>{json}</tool_call>`` blocks (see the module's docstring)."""
-
-    start = "<tool_call>"
+class _BuiltIn(ToolParser):
+    """A built-in parser: built from its (empty) config."""
 
     def __init__(self, config: HermesConfig | None = None):
         self.config = config
+
+
+class HermesToolParser(_BuiltIn):
+    """``<tool_call>{json}</tool_call>`` blocks (see the module's docstring)."""
+
+    start = "<tool_call>"
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         """The reply's content outside its parsed blocks, and the calls in order."""
@@ -80,14 +84,11 @@ class Qwen3ToolParser(HermesToolParser):
         return content if calls else (text.strip() or None), calls
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(_BuiltIn):
     """Llama 3's JSON calls (see the module's docstring)."""
 
     start = "{"
     keep_tokens = ("<|python_tag|>",)
-
-    def __init__(self, config: HermesConfig | None = None):
-        self.config = config
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         """The calls when the reply opens with one (else the reply is content), and any text
@@ -114,14 +115,11 @@ class Llama3JsonToolParser(ToolParser):
         return body[at:].strip() or None, calls
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(_BuiltIn):
     """Mistral's ``[TOOL_CALLS]`` (see the module's docstring)."""
 
     start = "[TOOL_CALLS]"
     keep_tokens = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
-
-    def __init__(self, config: HermesConfig | None = None):
-        self.config = config
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         """The text before ``[TOOL_CALLS]`` as content, and the calls after it."""
