@@ -4,6 +4,7 @@ responses decode, in this process on CPU; the countdown reward's rule; the setti
 from __future__ import annotations
 
 import pytest
+import torch
 
 from streamrl.engines.base import HFEngineConfig
 from streamrl.engines.slots import SlotEngine
@@ -31,6 +32,10 @@ def test_the_slot_engine_ends_a_response_the_reward_calls_hopeless(tiny_model):
     engine.load(str(tiny_model))
     engine.decoder.eos_id.fill_(-1)  # no response ends by itself: only the limit or the watch
     watch = StopAtThree()
+    # (the engine samples from torch's global generator: seeded, the draws do not depend on the
+    # tests this process ran before -- unseeded, a response that kept sampling the end-of-sequence
+    # token, which decodes to no text, at times never reached three characters)
+    torch.manual_seed(0)
     engine.stop_early_with(watch)
     try:
         (group,) = engine.generate_groups([Prompt(uid="p", text="12+34=")], 4, [0.0])
@@ -60,6 +65,10 @@ def test_a_served_response_the_reward_calls_hopeless_ends_there_and_is_counted(t
     engine.load(str(tiny_model))
     engine.decoder.eos_id.fill_(-1)  # no response ends by itself: only the limit or the watch
     watch = StopAtThree()
+    # (the engine samples from torch's global generator: seeded, the draws do not depend on the
+    # tests this process ran before -- unseeded, a response that kept sampling the end-of-sequence
+    # token, which decodes to no text, at times never reached three characters)
+    torch.manual_seed(0)
     engine.stop_early_with(watch)
     api = Endpoint(engine, ServeConfig(port=0, reward="recipe"), Traffic(60.0), "policy")
     try:
