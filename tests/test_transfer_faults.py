@@ -175,19 +175,17 @@ def test_a_receiver_stuck_in_gloo_misses(monkeypatch, sender_timeout, receivers,
 @pytest.mark.slow
 def test_a_killed_generate_worker_leaves_the_broadcast_group_and_rejoins_it(tiny_recipe, tmp_path):
     # the transfer's own timeout is left at its default (120 s): a group that waited it out for a
-    # lost member, instead of failing at once, would stop the run (wait_loaded) or make it crawl
-    # past the bound below. Each kill lands while the worker is in a weight load, a member of
+    # lost member, instead of failing at once, would stop the run (wait_loaded) or hold one step
+    # past the bound below (steps run boundary to boundary, so a wait lands in one step's time). Each kill lands while the worker is in a weight load, a member of
     # that version's group (a kill between publications is the easy case); the second hits a
     # worker that was restarted once, so it must have rejoined the groups in between
     proc = start_run(tiny_recipe, tmp_path, "pools.generate.workers=2", "transfer.name=torch_distributed")
     try:
         run_dir = wait_for_steps(proc, tmp_path, 3)
-        t0 = time.perf_counter()
         assert kill_in_a_load(run_dir, "generate-1")
         wait_for_steps(proc, tmp_path, 7)
         assert kill_in_a_load(run_dir, "generate-1")
         _, err = proc.communicate(timeout=400)
-        after_kill = time.perf_counter() - t0
     finally:  # a run that hangs must not go on beside the tests after this one
         stop(proc)
     assert proc.returncode == 0, err[-3000:]
@@ -199,5 +197,7 @@ def test_a_killed_generate_worker_leaves_the_broadcast_group_and_rejoins_it(tiny
     # the restarted worker came back into the run: it generated in the last steps
     assert any(x["worker"] == "generate-1" for r in recs[-3:] for x in r["sample_log"]), \
         [sorted({x["worker"] for x in r["sample_log"]}) for r in recs]
-    assert after_kill < 120, after_kill  # no member waited out the transfer's timeout
+    # no member waited out the transfer's timeout (the run's whole wall time is not the check:
+    # on a slow hour the steps after the kills alone come near 120 s)
+    assert max(r["step_s"] for r in recs) < 100, [round(r["step_s"], 1) for r in recs]
     assert "Traceback" not in err, err[-3000:]

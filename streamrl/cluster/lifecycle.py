@@ -15,7 +15,9 @@ streamrl leaves that one running and takes the run's state off it when the run e
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import dask
 from distributed import Client, Scheduler, SpecCluster
@@ -168,6 +170,33 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
     if client is not None:
         client.close()
     cluster.close()
+
+
+def stop_meanwhile(cluster: Cluster | None, client: Client | None) -> Callable[[], None]:
+    """Start :func:`stop` in a thread and return what waits for it to be done.
+
+    At a run's end the workers' exits take about as long as the report takes to draw, and
+    neither needs the other, so they overlap; an error of the shutdown is raised by the wait, in
+    the caller's thread, as it would be by :func:`stop` itself."""
+    if cluster is None and client is None:
+        return lambda: None
+    failed: list[BaseException] = []
+
+    def shut_down():
+        try:
+            stop(cluster, client)
+        except BaseException as exc:  # re-raised in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=shut_down, name="streamrl-cluster-stop", daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool = False) -> None:

@@ -276,6 +276,15 @@ class Controller:
         """After placement, before the first step: every extension's lines for the console."""
         return [line for ext in self.extensions for line in ext.started(run_dir)]
 
+    def begin(self, checkpoint: Path | None, run_dir: Path) -> tuple[int, list[str]]:
+        """Everything before the first step, in order: the residents placed, the run's state
+        restored from ``checkpoint`` (None: a new run), the extensions started. Returns the first
+        step to run and the lines for the console."""
+        self.place_residents()
+        first = self.resume(checkpoint) if checkpoint is not None else 0
+        lines = [f"resumed from {checkpoint.name}: step {first + 1}, policy v{self.version}"] if checkpoint else []
+        return first, lines + self.started(run_dir)
+
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
         """After step ``done``'s record: every extension's work between steps (requests from
         outside the run); lines for the console."""

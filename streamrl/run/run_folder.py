@@ -112,6 +112,13 @@ class RunFolder:
         """The command that continues this run."""
         return f"streamrl recipe resume {self.path}"
 
+    def go_on(self) -> str:
+        """How to go on after the run stopped: the newest checkpoint and the command that resumes
+        from it, or that there is none yet."""
+        ckpt = self.latest_checkpoint()
+        return (f"resume from {ckpt.name} with: {self.resume_command()}" if ckpt is not None
+                else "it had no checkpoint yet (run.checkpoint_every)")
+
     def failed(self, exc: BaseException) -> None:
         """Mark the run failed (interrupted for Ctrl-C), with the error and, if there is a
         checkpoint, how to go on. A :class:`~streamrl.errors.RunStopped` (raised where the run

@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
-from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -97,20 +95,17 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
                               f"Resume with: {folder.resume_command()}")
 
 
-def _killed(exc: KilledWorker, r, folder) -> str:
+def _killed(exc: KilledWorker, r, folder: RunFolder) -> str:
     """The line for a task that took down every worker it was tried on: which task, whose code
     it runs, and how to go on."""
     key = str(exc.task)
     whose = (f"the agent code of task.path ({r.task.options().get('path', '?')}) runs in it" if key.startswith("agent-")
              else "the code it runs (a reward, a plugin, the model) ended its process")
-    ckpt = folder.latest_checkpoint()
-    then = (f"resume from {ckpt.name} with: {folder.resume_command()}" if ckpt
-            else "it had no checkpoint yet (run.checkpoint_every)")
     return (f"task {key} took down every worker it ran on ({exc.allowed_failures + 1} tries, os._exit, a crash or "
-            f"memory); {whose}; the run stopped, {then}")
+            f"memory); {whose}; the run stopped, {folder.go_on()}")
 
 
-def _not_saved(exc: Exception, folder) -> str:
+def _not_saved(exc: Exception, folder: RunFolder) -> str:
     """The line for a run whose steps all ran and whose trained policy could not be written
     (a model transformers refuses to save, a full disk): what failed, and what is kept."""
     ckpt = folder.latest_checkpoint()
@@ -119,6 +114,20 @@ def _not_saved(exc: Exception, folder) -> str:
     return (f"every step ran, but the trained policy could not be saved to {folder.path / 'policy'} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}); {kept}; "
             "metrics.jsonl has every step")
+
+
+def _as_said(exc: BaseException, r, folder: RunFolder, controller: Controller | None) -> BaseException:
+    """The run's one failure policy: the folder marks the failure, and what the user is shown
+    is one line for what is not a bug of streamrl (a component that cannot be built, a task
+    that kills its workers, a resident lost with its worker); anything else as it was raised."""
+    folder.failed(exc)
+    if isinstance(exc, ComponentError):  # a component that cannot be built on a worker
+        return UserError(str(exc))
+    if isinstance(exc, KilledWorker):  # a task whose code ends its process, wherever it runs
+        return RunFailed(_killed(exc, r, folder))
+    if isinstance(exc, ResidentLost):  # the trainer's state (or the endpoint) died with its worker
+        return RunFailed(f"{_who_was_lost(exc, controller)}; the run stopped, {folder.go_on()}")
+    return exc
 
 
 def _who_was_lost(exc: ResidentLost, controller: Controller | None) -> str:
@@ -145,30 +154,6 @@ def _close_trace(trace: TraceRecorder | None, warn) -> Path | None:
     except Exception as exc:
         warn(f"writing the run's trace failed: {type(exc).__name__}: {exc}")
         return None
-
-
-def _stop_cluster_meanwhile(cluster, client) -> Callable[[], None]:
-    """Start shutting the cluster down in a thread and return what waits for it to be done.
-
-    The workers' exits take about as long as the report takes to draw, and neither needs the
-    other, so they overlap; an error of the shutdown is raised by the wait, as it would be here."""
-    failed: list[BaseException] = []
-
-    def shut_down():
-        try:
-            lifecycle.stop(cluster, client)
-        except BaseException as exc:  # re-raised in the caller's thread
-            failed.append(exc)
-
-    thread = threading.Thread(target=shut_down, name="streamrl-cluster-stop", daemon=True)
-    thread.start()
-
-    def wait():
-        thread.join()
-        if failed:
-            raise failed[0]
-
-    return wait
 
 
 def _write_views(folder: RunFolder, trace_file: Path | None, report: bool, warn) -> dict[str, Path]:
@@ -242,14 +227,9 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         stop.listen(controller.stopping)
         if not verbose:
             quiet.quiet_lost_train_workers(pools["train"])
-        first = 0
         with watchdog.watching("placing the engines, trainer and rewards", 2 * r.run.step_timeout_s):
-            controller.place_residents()
-            if checkpoint is not None:
-                first = controller.resume(checkpoint)
-        if checkpoint is not None:
-            console.print(f"resumed from {checkpoint.name}: step {first + 1}, policy v{controller.version}")
-        for line in controller.started(folder.path):  # e.g. the endpoint's address
+            first, lines = controller.begin(checkpoint, folder.path)
+        for line in lines:  # e.g. the endpoint's address
             console.print(escape(line), soft_wrap=True, highlight=False)
         hooks.on_run_start(recipe=r, run_dir=folder.path)
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
@@ -275,17 +255,10 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     except Interrupted:
         raise
     except BaseException as exc:
-        folder.failed(exc)
-        if isinstance(exc, ComponentError):  # a component that cannot be built on a worker: one line
-            raise UserError(str(exc)) from None
-        if isinstance(exc, KilledWorker):  # a task whose code ends its process, wherever it runs
-            raise RunFailed(_killed(exc, r, folder)) from None
-        if isinstance(exc, ResidentLost):  # the trainer's state died with its worker
-            ckpt = folder.latest_checkpoint()
-            then = (f"resume from {ckpt.name} with: {folder.resume_command()}" if ckpt
-                    else "it had no checkpoint yet (run.checkpoint_every); start it again")
-            raise RunFailed(f"{_who_was_lost(exc, controller)}; the run stopped, {then}") from None
-        raise
+        said = _as_said(exc, r, folder, controller)
+        if said is exc:
+            raise
+        raise said from None
     finally:
         stop.winding_down()  # (a signal now must not cut the cluster's shutdown short)
         if watchdog is not None:
@@ -293,8 +266,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         warnings_log.detach()
         folder.close()
         trace_file = _close_trace(trace, warn)
-        stopped = (_stop_cluster_meanwhile(dask_cluster, client)
-                   if dask_cluster is not None or client is not None else lambda: None)
+        stopped = lifecycle.stop_meanwhile(dask_cluster, client)
         try:
             files = _write_views(folder, trace_file, r.run.report if report is None else report, warn)
             try:
