@@ -60,7 +60,8 @@ def test_bad_lora_settings_are_refused_by_name(tiny_model):
 
 
 @pytest.mark.slow
-def test_a_lora_run_trains_and_leaves_a_merged_policy_and_its_adapter(tiny_model, tmp_path, shared_cluster):
+@pytest.mark.parametrize("transfer", ["dask", "torch_distributed"])
+def test_a_lora_run_trains_and_leaves_a_merged_policy_and_its_adapter(tiny_model, tmp_path, shared_cluster, transfer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -68,11 +69,19 @@ def test_a_lora_run_trains_and_leaves_a_merged_policy_and_its_adapter(tiny_model
 
     parity_recipe(tmp_path, tiny_model)
     proc = streamrl("recipe", "run", str(tmp_path / "tiny.toml"), *sets(
-        "run.steps=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}", *shared_cluster.sets), "--plain")
+        "run.steps=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}", f"transfer.name={transfer}",
+        *shared_cluster.sets), "--plain")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     records = read_records(run_dir)
     assert [r["policy_version"] for r in records] == [1, 2, 3] and all(r["samples"] == 16 for r in records)
+    # each publication was the adapter alone (the engine holds adapters), a sliver of the model...
+    full = sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert all(0 < r["publish_bytes"] < 0.1 * full for r in records)
+    # ...and the engines sampled the trainer's policy from it: on the weights a step trained from,
+    # engine and trainer agree (an adapter not applied would leave the engine on the base)
+    assert all(r["offpolicy/mismatch_k3"] < 1e-6 for r in records[1:] if "offpolicy/mismatch_k3" in r)
+    assert any("offpolicy/mismatch_k3" in r for r in records[1:])
     policy = run_dir / "policy"
     merged = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),

@@ -50,6 +50,11 @@ class EngineCapabilities:
     runs (:meth:`Engine.requests_now`), takes a sample out with its tokens so far
     (:meth:`Engine.move_out`) and finishes one taken out of another instance
     (:meth:`Engine.continue_sample`). The ``longtail`` scheduler's straggler moves need it."""
+    adapters: int = 0
+    """How many LoRA adapters one engine holds at once over its base weights (0: none). A LoRA
+    learner whose engine holds adapters publishes its adapter alone (``contracts/adapters.py``),
+    which :meth:`Engine.load_weights` receives like weights; otherwise it publishes the merged
+    weights."""
     streams: bool = False
     """True when the engine streams each response's tokens to its caller as they are decoded
     (``stream(rid, ids, max_new_tokens, on_tokens, ...)``, as ``hf`` with ``batching = "slots"``

@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from streamrl.api import Engine, fit_decode_latency
+from streamrl.contracts.adapters import is_adapter
+from streamrl.engines.adapters import POLICY, AdapterBank
 from streamrl.errors import WeightShapeMismatch
 from streamrl.engines.hf_config import HFEngineConfig
 from streamrl.engines.decode import decode_batch
@@ -36,6 +38,9 @@ class TransformersEngine(Engine):
         """The transformers model, set by :meth:`load`."""
         self.tokenizer = None
         """Its tokenizer, set by :meth:`load`."""
+        self.adapters: AdapterBank | None = None
+        """The LoRA adapters it holds over the base weights (``engine.adapters`` of them; None
+        with 0), set by :meth:`load`: a LoRA learner's publication loads into :data:`POLICY`."""
         self.latency_points: list[tuple[float, float]] = []
         """The decode latency profile: ``[(context tokens, seconds per decode step)]``."""
         self._queue = RequestQueue()  # requests waiting for (or in) the batching loop
@@ -56,6 +61,8 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
+        if self.config.adapters:
+            self.adapters = AdapterBank(self.model, self.config.adapters)
         self._start(device)
 
     def _start(self, device: str) -> None:
@@ -167,7 +174,12 @@ class TransformersEngine(Engine):
     @torch.no_grad()
     def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy new parameters in place while the generation loop is paused (between decode
-        steps, batches or groups, :meth:`_weights_paused`)."""
+        steps, batches or groups, :meth:`_weights_paused`). A LoRA learner's adapter
+        (``contracts/adapters.py``) loads as the served policy's adapter instead, the base weights
+        untouched (:meth:`load_adapter`)."""
+        if is_adapter(named_tensors):
+            self.load_adapter(POLICY, named_tensors, version)
+            return
         params = dict(self.model.named_parameters())
         missing = set(params) - set(named_tensors)
         if missing:
@@ -185,6 +197,19 @@ class TransformersEngine(Engine):
             for name, p in params.items():
                 p.copy_(named_tensors[name].to(p.dtype))
             self.version = version
+
+    @torch.no_grad()
+    def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load adapter publication ``named_tensors`` as adapter ``name`` (:data:`POLICY`: the
+        policy this engine samples for training; a learner's name: its served variant), between
+        two decode steps like a weight load. The engine's version follows the policy's adapter."""
+        if self.adapters is None:
+            raise ValueError(f"adapter {name!r} for version {version}: this engine holds no adapters "
+                             "(engine.adapters = 0)")
+        with self._model_lock, self._weights_paused():
+            self.adapters.load(name, named_tensors, version)
+            if name == POLICY:
+                self.version = version
 
     def _weights_paused(self) -> AbstractContextManager:
         """Held, inside the model lock, while weights are copied in. Default: nothing more (the

@@ -66,11 +66,13 @@ class HFEngine(Engine):
         (:func:`~streamrl.engines.hf_config.kv_capacity_tokens`), and whether a seed repeats the
         samples (``reproducible``); every variant decodes greedily for evaluation, and slot
         batching streams each response's tokens (``streams``: an endpoint serves from it) and can
-        hand a running sample to another instance (``moves_samples``)."""
+        hand a running sample to another instance (``moves_samples``); every variant holds
+        ``adapters`` LoRA adapters."""
         return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
                                   max_new_tokens=config.max_new_tokens,
                                   kv_capacity_tokens=kv_capacity_tokens(config),
                                   repeatable=config.reproducible, greedy=True,
                                   stops_early=config.stop_early_every > 0,
                                   streams=config.batching == "slots" and not config.reproducible,
-                                  moves_samples=config.batching == "slots" and not config.reproducible)
+                                  moves_samples=config.batching == "slots" and not config.reproducible,
+                                  adapters=config.adapters)

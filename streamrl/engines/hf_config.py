@@ -67,6 +67,12 @@ class HFEngineConfig(BaseModel):
     request_timeout: float = Field(600.0, gt=0)
     """Seconds a generate task waits for one response before it fails (naming the request)
     instead of hanging the step on a stuck generation loop."""
+    adapters: int = Field(4, ge=0)
+    """LoRA adapters one engine holds at once over its base weights (``engines/adapters.py``).
+    A LoRA learner (``trainer.lora``) then publishes its adapter alone, a few MB instead of the
+    model, and the engine adds it to the base weights it keeps at every forward; with ``slots``
+    batching each request may use its own adapter in the same decode step (served variants of
+    LoRA learners). 0: no adapters, and a LoRA learner publishes its merged weights."""
     stop_early_every: int = Field(0, ge=0)
     """``batching = "slots"``: every this many tokens of a response, ask the reward's
     ``stop_early(prompt, text so far)`` (``Reward.stop_early``) and end the response there when

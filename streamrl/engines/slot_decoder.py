@@ -28,6 +28,8 @@ graph.
 from __future__ import annotations
 
 import importlib
+from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,15 +48,32 @@ def check_supported(model) -> None:
                              "(use batching = \"continuous\")")
 
 
+class Start(NamedTuple):
+    """A request to start in a slot (:meth:`SlotDecoder.prefill`)."""
+
+    slot: int
+    ids: list[int]
+    """Its prompt's token ids."""
+    limit: int
+    """Most new tokens."""
+    greedy: bool
+    adapter: int = 0
+    """Index of its LoRA adapter in the engine's :class:`~streamrl.engines.adapters.AdapterBank`
+    (0: the base weights alone)."""
+
+
 class SlotDecoder:
     """The KV cache, the per-slot state and the decode step of ``slots`` requests at once.
 
     Not thread-safe: one loop thread drives it (``engines/slots.py``)."""
 
     def __init__(self, model, slots: int, context: int, max_new_tokens: int, temperature: float,
-                 eos_id: int, graphs: bool):
+                 eos_id: int, graphs: bool, adapters=None):
         check_supported(model)
         self.model, self.slots, self.context = model, slots, context
+        self.adapters = adapters
+        """The engine's :class:`~streamrl.engines.adapters.AdapterBank` (None: no adapters): each
+        slot's request computes with its own adapter, in the same step as the others."""
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         cfg = model.config
         first = model.model.layers[0].self_attn
@@ -78,6 +97,7 @@ class SlotDecoder:
         self.limit = torch.ones(slots, dtype=torch.long, device=dev)
         self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.greedy = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.adapter = torch.zeros(slots, dtype=torch.long, device=dev)
         self.finished = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.out_tokens = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=dev)
         self.out_logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=dev)
@@ -89,7 +109,9 @@ class SlotDecoder:
         self.sizes = [b for b in (2 ** i for i in range(16)) if b < slots] + [slots]
         """The batch sizes a step runs at (a graph each on a GPU): powers of two, then ``slots``."""
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if graphs and self.device.type == "cuda":
+        self._captured_layout = adapters.layout if adapters is not None else 0
+        self.graphs = graphs and self.device.type == "cuda"
+        if self.graphs:
             self._capture()
 
     # -- the decode step ------------------------------------------------------------------------
@@ -115,8 +137,16 @@ class SlotDecoder:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return m.norm(x)
 
+    def _with_adapters(self, rows: torch.Tensor):
+        """Within: each row of a forward adds its own adapter (``rows``: their indices)."""
+        return self.adapters.rows(rows) if self.adapters is not None else nullcontext()
+
     def _step(self, b: int) -> None:
         """One token for each of the first ``b`` slots: the body a graph captures."""
+        with self._with_adapters(self.adapter[:b]):
+            self._decode(b)
+
+    def _decode(self, b: int) -> None:
         m = self.model.model
         tok, pos, act = self.token[:b], self.position[:b], self.active[:b]
         # a slot sees its cache up to (and with) the position it writes now
@@ -159,6 +189,8 @@ class SlotDecoder:
     def step(self, b: int) -> None:
         """Decode one token for the first ``b`` slots (``b`` one of :attr:`sizes`): a graph's
         replay on a GPU, the eager step elsewhere."""
+        if self.graphs and self.adapters is not None and self.adapters.layout != self._captured_layout:
+            self._capture_again()  # (new adapter layers, or a higher rank: stacks the graphs do not read)
         graph = self._graphs.get(b)
         if graph is not None:
             graph.replay()
@@ -184,6 +216,19 @@ class SlotDecoder:
             self._graphs[b] = graph
         self.reset()
 
+    def _capture_again(self) -> None:
+        """Capture every size anew, the requests in their slots kept: the dry steps write only
+        each slot's state, kept here and put back, and cache positions from the one a slot
+        writes next (written again before they are read)."""
+        kept = [t.clone() for t in (self.token, self.position, self.generated, self.limit, self.active,
+                                    self.greedy, self.adapter, self.finished, self.out_tokens, self.out_logprobs)]
+        self._graphs.clear()
+        self._captured_layout = self.adapters.layout
+        self._capture()
+        for t, k in zip((self.token, self.position, self.generated, self.limit, self.active, self.greedy,
+                         self.adapter, self.finished, self.out_tokens, self.out_logprobs), kept):
+            t.copy_(k)
+
     # -- requests in and out ----------------------------------------------------------------------
 
     def reset(self) -> None:
@@ -194,15 +239,16 @@ class SlotDecoder:
         self.finished.zero_()
 
     @torch.no_grad()
-    def prefill(self, requests: list[tuple[int, list[int], int, bool]]) -> None:
-        """Start requests ``[(slot, prompt ids, max new tokens, greedy)]`` in their slots: each
-        distinct prompt runs through the model once, its cache is copied into every slot that
-        asks for it, and each slot draws its first token. A prompt must leave room in the
-        context for its tokens (the engine checks)."""
+    def prefill(self, requests: list[Start | tuple]) -> None:
+        """Start requests (:class:`Start`, or ``(slot, prompt ids, max new tokens, greedy)``) in
+        their slots: each distinct prompt (and adapter) runs through the model once, its cache
+        is copied into every slot that asks for it, and each slot draws its first token. A prompt
+        must leave room in the context for its tokens (the engine checks)."""
+        requests = [Start(*r) for r in requests]
         m = self.model.model
-        distinct: dict[tuple[int, ...], int] = {}
-        row_of = [distinct.setdefault(tuple(ids), len(distinct)) for _, ids, _, _ in requests]
-        prompts = list(distinct)
+        distinct: dict[tuple, int] = {}
+        row_of = [distinct.setdefault((tuple(r.ids), r.adapter), len(distinct)) for r in requests]
+        prompts = [ids for ids, _ in distinct]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         # right-padded to a multiple of 16 (few shapes for the allocator); causal attention keeps
         # every real token from seeing the padding after it
@@ -212,8 +258,9 @@ class SlotDecoder:
         for r, p in enumerate(prompts):
             ids[r, :len(p)] = torch.tensor(p, device=self.device)
         positions = torch.arange(width, device=self.device)[None].expand(len(prompts), -1)
-        slots = torch.tensor([s for s, _, _, _ in requests], device=self.device)
+        slots = torch.tensor([r.slot for r in requests], device=self.device)
         rows = torch.tensor(row_of, device=self.device)
+        adapters = torch.tensor([a for _, a in distinct], device=self.device)
         n = len(prompts)
 
         def attend(i, q, k, v):  # each distinct prompt over itself, its cache copied to every slot asking for it
@@ -222,17 +269,19 @@ class SlotDecoder:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
                                                   enable_gqa=self.kv_heads != self.heads)
 
-        x = self._layers(m.embed_tokens(ids), positions, attend)
-        last = x[torch.arange(n, device=self.device), lengths - 1]
-        logits = self.model.lm_head(last)[rows]
-        greedy = torch.tensor([g for _, _, _, g in requests], device=self.device)
+        with self._with_adapters(adapters):
+            x = self._layers(m.embed_tokens(ids), positions, attend)
+            last = x[torch.arange(n, device=self.device), lengths - 1]
+            logits = self.model.lm_head(last)[rows]
+        greedy = torch.tensor([r.greedy for r in requests], device=self.device)
         nxt, lp = self._sample(logits, greedy)
-        limits = torch.tensor([lim for _, _, lim, _ in requests], device=self.device)
+        limits = torch.tensor([r.limit for r in requests], device=self.device)
         self.token[slots] = nxt
         self.position[slots] = lengths[rows]
         self.generated[slots] = 1
         self.limit[slots] = limits
         self.greedy[slots] = greedy
+        self.adapter[slots] = adapters[rows]
         self.out_tokens[slots, 0] = nxt
         self.out_logprobs[slots, 0] = lp
         self.active[slots] = True

@@ -14,6 +14,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from streamrl.engines.adapters import POLICY
 from streamrl.sample import Prompt
 
 
@@ -34,6 +35,9 @@ class Request:
     on_tokens: Callable[[list[int], list[float], int], None] | None = None
     """A served request's callback, handed each step's new tokens, their log-probs and the
     version that decoded them, from the loop's thread."""
+    adapter: str = POLICY
+    """The LoRA adapter it decodes with, by name (``engines/adapters.py``): the served policy's,
+    or a learner's variant; the base weights alone while the engine holds no such adapter."""
     watch: Prompt | None = None
     """The prompt the reward's ``stop_early`` is asked about as the response grows (None: the
     response is not watched)."""

@@ -33,9 +33,10 @@ from contextlib import contextmanager
 
 import torch
 
+from streamrl.engines.adapters import POLICY
 from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.request_queue import Response, await_response
-from streamrl.engines.slot_decoder import SlotDecoder
+from streamrl.engines.slot_decoder import SlotDecoder, Start
 from streamrl.engines.slot_requests import Request, SlotTable
 from streamrl.contracts.generation import RequestsNow
 from streamrl.sample import Group, Prompt, Sample
@@ -72,7 +73,7 @@ class SlotEngine(TransformersEngine):
         c = self.config
         self.decoder = SlotDecoder(self.model, c.slots, c.max_prompt_tokens + c.max_new_tokens, c.max_new_tokens,
                                    c.temperature, self.tokenizer.eos_token_id,
-                                   graphs=c.cuda_graph and device == "cuda")
+                                   graphs=c.cuda_graph and device == "cuda", adapters=self.adapters)
         self.latency_points = self._profile() if c.profile else []
         self._loop = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
                                       name="streamrl-hf-slots", daemon=True)
@@ -139,7 +140,8 @@ class SlotEngine(TransformersEngine):
         for request, ids in self._incoming:
             slot = self._table.place(request)
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
-            starts.append((slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy))
+            adapter = self.adapters.slot(request.adapter) if self.adapters is not None else 0
+            starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
         self.decoder.prefill(starts)
         return True
 
@@ -219,17 +221,20 @@ class SlotEngine(TransformersEngine):
 
     def stream(self, rid: str, ids: list[int], max_new_tokens: int,
                on_tokens: Callable[[list[int], list[float], int], None] | None = None,
-               greedy: bool = False, priority: float = 0.0, prompt: Prompt | None = None) -> Future:
+               greedy: bool = False, priority: float = 0.0, prompt: Prompt | None = None,
+               adapter: str = POLICY) -> Future:
         """Serve one request: queue it, call ``on_tokens(tokens, logprobs, version)`` from the
         loop's thread with each step's new tokens (the callback must be quick: the loop waits
         for it), and return the future of its :class:`Response`, whose ``token_versions`` say
         which policy decoded each token. ``greedy``: the argmax (``temperature = 0``).
         ``prompt``: what the reward's ``stop_early`` is asked about, when this engine stops
         hopeless responses early (:meth:`stop_early_with`): a served response is watched as a
-        task's is, and one it stops ends there (``Response.stopped_early``)."""
+        task's is, and one it stops ends there (``Response.stopped_early``). ``adapter``: the
+        LoRA adapter it decodes with (a learner's variant), in the same steps as every other
+        request; its tokens carry that adapter's version."""
         self._check_ids(f"request {rid}", ids)
         request = Request(rid, max(1, min(max_new_tokens, self.config.max_new_tokens)), greedy=greedy, streamed=True,
-                          on_tokens=on_tokens, watch=self._watching(prompt))
+                          on_tokens=on_tokens, watch=self._watching(prompt), adapter=adapter)
         return self._queued([request], [ids], priority)[rid]
 
     def cancel(self, rid: str) -> None:
@@ -265,13 +270,20 @@ class SlotEngine(TransformersEngine):
             if n <= r.sent:
                 continue
             new_tokens, new_lps = toks[r.sent:n], lps[r.sent:n]
-            r.versions.extend([self.version] * len(new_tokens))
+            version = self._version_of(r.adapter)
+            r.versions.extend([version] * len(new_tokens))
             r.sent = n
             if r.on_tokens is not None:
                 try:
-                    r.on_tokens(new_tokens, new_lps, self.version)
+                    r.on_tokens(new_tokens, new_lps, version)
                 except Exception:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
                     self.cancel(r.rid)
+
+    def _version_of(self, adapter: str) -> int:
+        # the served policy's version is the engine's; a learner's variant has its adapter's
+        if adapter == POLICY or self.adapters is None:
+            return self.version
+        return self.adapters.versions.get(adapter, 0)
 
     def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
         """As :meth:`TransformersEngine.generate_groups`; a prompt longer than

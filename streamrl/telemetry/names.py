@@ -45,6 +45,7 @@ NAMES = {
     "accounting_window_s": "timing_s/accounting_window",
     "samples_per_s": "perf/samples_per_s",
     "tokens_per_s": "perf/tokens_per_s",
+    "publish_bytes": "perf/publish_bytes",
     "generate_workers": "perf/generate_workers",
     "samples": "batch/samples",
     "train_tasks": "batch/train_tasks",

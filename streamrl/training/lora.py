@@ -3,12 +3,16 @@ frozen, a low-rank adapter per targeted linear layer trained with its AdamW stat
 
 The adapter is injected into the loaded model in place (peft's ``get_peft_model``), so the
 trainer keeps computing with the same module: its forward runs base + adapter, only the
-adapters' parameters have gradients and AdamW state. What leaves the trainer is always a plain
-model, under the base model's own parameter names: a publication sends the *merged* weights
+adapters' parameters have gradients and AdamW state.
+
+What a publication sends depends on the engine. One that takes adapters
+(``EngineCapabilities.adapters``, the ``hf`` engine) gets the adapter alone
+(:func:`adapter_payload`, ``contracts/adapters.py``): its base weights never change, so a
+publication is a few MB, not the model. Any other engine gets the *merged* weights
 (``W + (alpha / rank) * B @ A`` for each adapted layer, computed beside the base weights, never
-written into them), so every engine and transfer loads a LoRA learner's policy as it loads any
-other. The run's ``policy/`` holds both the merged model and the adapter (``policy/adapter/``,
-which ``peft.PeftModel.from_pretrained`` loads over the base model).
+written into them) under the base model's own parameter names, and loads a LoRA learner's policy
+as it loads any other. The run's ``policy/`` holds both the merged model and the adapter
+(``policy/adapter/``, which ``peft.PeftModel.from_pretrained`` loads over the base model).
 """
 
 from __future__ import annotations
@@ -59,6 +63,25 @@ def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if owner in deltas:
             weight = weight + deltas[owner].to(weight.dtype)
         out[base_name(name)] = weight
+    return out
+
+
+@torch.no_grad()
+def adapter_payload(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter as a publication (``contracts/adapters.py``): per adapted layer, under the
+    plain model's layer name, its ``A``, ``B`` and scale, detached (an engine that takes adapters
+    adds ``scale * B @ A`` to the base weights it already holds)."""
+    from peft.tuners.lora import LoraLayer
+
+    from streamrl.contracts import adapters
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            layer = name.removeprefix("base_model.model.")  # (the PeftModel's own names, if given it)
+            out[layer + adapters.A] = module.lora_A[ADAPTER].weight.detach()
+            out[layer + adapters.B] = module.lora_B[ADAPTER].weight.detach()
+            out[layer + adapters.SCALE] = torch.tensor(float(module.scaling[ADAPTER]))
     return out
 
 

@@ -71,6 +71,9 @@ class HFTrainer(Trainer):
             from streamrl.training.lora import add_adapter
 
             self.adapter = add_adapter(self.model, config.lora)
+        self.publishes_adapter = self.adapter is not None and context.engine.adapters > 0
+        """A publication is the adapter alone (the engine holds adapters over its base weights),
+        not the merged weights."""
         self.model.train()
         if config.kernels == "liger":
             use_liger_kernels(self.model, self.device)
@@ -95,6 +98,7 @@ class HFTrainer(Trainer):
         self.reference_policy = TokenLogprobs(self.reference) if self.reference is not None else None
         self._build_optimizer()
         self.version = 0
+        self._publish_bytes = self.publish_bytes()  # (fixed by the model and the adapter: once)
         self.optimizer.zero_grad(set_to_none=True)
         self.sharded = False  # trainer.strategy = "fsdp" over several ranks, once shard() has run
         self.finite = FiniteGuard(config.max_nonfinite_steps)  # (``training/finite.py``)
@@ -293,6 +297,7 @@ class HFTrainer(Trainer):
         if self.critic is not None:
             self.critic.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        out["publish_bytes"] = self._publish_bytes
         return {**out, "seconds": time.perf_counter() - t0}
 
     def _step_name(self) -> str:
@@ -317,14 +322,24 @@ class HFTrainer(Trainer):
 
     @torch.no_grad()
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The parameters, detached (tied weights once, as ``named_parameters`` gives them).
-        Sharded: the whole weights gathered at the last step, on rank 0. A LoRA learner: the
-        merged weights under the plain model's names (``training/lora.py``)."""
+        """What a publication sends: the parameters, detached (tied weights once, as
+        ``named_parameters`` gives them). Sharded: the whole weights gathered at the last step,
+        on rank 0. A LoRA learner: its adapter alone when the engine holds adapters
+        (:attr:`publishes_adapter`), else the merged weights under the plain model's names
+        (``training/lora.py``)."""
         if self.adapter is not None:
-            from streamrl.training.lora import merged_weights
+            from streamrl.training.lora import adapter_payload, merged_weights
 
-            return merged_weights(self.model)
+            return adapter_payload(self.model) if self.publishes_adapter else merged_weights(self.model)
         return self.strategy.named_weights(self.model)
+
+    def publish_bytes(self) -> int:
+        """Bytes of one publication as trained (:meth:`named_weights`), from the tensors' sizes:
+        the adapter's, or the whole model's (tied weights once)."""
+        if self.adapter is not None:  # the adapter, or the merged weights
+            return sum(t.numel() * t.element_size() for t in self.named_weights().values())
+        seen = {id(p): p for p in self.model.parameters()}
+        return sum(p.numel() * p.element_size() for p in seen.values())
 
     @torch.no_grad()
     def logprobs(self, group: Group) -> list[list[float]]:

@@ -1,0 +1,173 @@
+"""LoRA adapters in an engine: many over one copy of the base weights, each request with its own.
+
+A LoRA learner publishes its adapter, not the model (``contracts/adapters.py``). The engine keeps
+its base weights as loaded and adds each adapted layer's low-rank term at run time, through a
+forward hook on the layer (the model's modules and parameter names stay as they are, so a full
+weight load still copies into them):
+
+    y = base(x) + scale[k] * (x @ A[k].T) @ B[k].T
+
+where ``k`` is the adapter of the row (the request) being computed. Every adapted layer keeps
+its adapters stacked, ``A: [capacity + 1, rank, in]``, ``B: [capacity + 1, out, rank]``, with
+index 0 all zeros (the base model alone), so a batch of rows with different adapters is one
+gather and two batched matrix products per layer, and a step of the slot decoder is one CUDA
+graph whatever adapters its requests use: the stacks and the per-row index have fixed addresses,
+a load copies into them. Adapters of lower rank than the stack are zero-padded (exact: the
+padding adds nothing).
+
+:class:`AdapterBank` owns the stacks and names the adapters (the served policy is
+:data:`POLICY`; a learner's variant goes by the learner's name). What rows use is set by the
+caller around a forward (:meth:`AdapterBank.rows`): one adapter for every row (the static and
+continuous batchings, greedy evaluation) or one per row (the slot decoder).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from streamrl.contracts import adapters as payload
+from streamrl.errors import WeightShapeMismatch
+
+#: The adapter of the run's served policy (what a LoRA learner's publication loads into).
+POLICY = "policy"
+
+
+class AdapterBank:
+    """The adapters one engine holds over ``model``'s base weights: at most ``capacity``, by name."""
+
+    def __init__(self, model: torch.nn.Module, capacity: int):
+        self.model, self.capacity = model, capacity
+        self.slots: dict[str, int] = {}
+        """Adapter name -> its index in every layer's stack (1..capacity; 0 is the base)."""
+        self.versions: dict[str, int] = {}
+        """Adapter name -> the policy version loaded into it."""
+        self.rank = 0
+        self.layers: dict[str, dict[str, torch.Tensor]] = {}
+        """Adapted layer -> its stacks ``A``, ``B``, ``scale``."""
+        self._hooks = []
+        self._rows: torch.Tensor | int | None = None  # None: every row the policy's adapter
+        self.layout = 0
+        """Goes up whenever the stacks are allocated anew (a new layer or a higher rank): a
+        captured graph that reads the old ones must be captured again."""
+
+    # -- what rows use ---------------------------------------------------------------------------
+
+    def slot(self, name: str) -> int:
+        """The index of adapter ``name`` (0, the base model, when it is not loaded: a request
+        for an adapter not yet published runs on the base, like an engine before its first load)."""
+        return self.slots.get(name, 0)
+
+    @contextmanager
+    def rows(self, which: torch.Tensor | int):
+        """Within: every forward adds adapter ``which`` (an index) to every row, or, for a
+        ``[rows]`` tensor of indices, each row's own adapter. Outside any: every row gets
+        :data:`POLICY`'s (the base alone before it is loaded)."""
+        before, self._rows = self._rows, which
+        try:
+            yield
+        finally:
+            self._rows = before
+
+    def _hook(self, layer: str):
+        def add_adapter(module, args, out):
+            rows = self._rows if self._rows is not None else self.slots.get(POLICY, 0)
+            stacks = self.layers[layer]
+            if isinstance(rows, int):
+                if rows == 0:
+                    return out
+                a, b, s = stacks["A"][rows], stacks["B"][rows], stacks["scale"][rows]
+                return out + (args[0] @ a.T) @ b.T * s
+            x = args[0]
+            flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
+            a, b = stacks["A"][rows], stacks["B"][rows]  # [rows, rank, in], [rows, out, rank]
+            delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2))
+            delta = delta * stacks["scale"][rows][:, None, None]
+            return out + delta.reshape(out.shape)
+        return add_adapter
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load(self, name: str, named: dict[str, torch.Tensor], version: int) -> None:
+        """Put adapter publication ``named`` into adapter ``name`` (a free index the first time;
+        refused past ``capacity``). Checked whole before anything is copied, so a bad
+        publication leaves every adapter as it was."""
+        layers = payload.by_layer(named)
+        modules = dict(self.model.named_modules())
+        rank = 0
+        for layer, (a, b, _) in layers.items():
+            module = modules.get(layer)
+            if not isinstance(module, torch.nn.Linear):
+                raise WeightShapeMismatch(f"adapter {name!r} for version {version}: the model has no linear layer "
+                                          f"{layer!r} (was it trained on another model?)")
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != module.in_features or b.shape[0] != module.out_features \
+                    or a.shape[0] != b.shape[1]:
+                raise WeightShapeMismatch(
+                    f"adapter {name!r} for version {version}: layer {layer!r} is {module.out_features}x"
+                    f"{module.in_features} in the engine, but A is {tuple(a.shape)} and B {tuple(b.shape)}")
+            rank = max(rank, a.shape[0])
+        if name not in self.slots and len(self.slots) >= self.capacity:
+            raise ValueError(f"the engine holds {self.capacity} adapters ({', '.join(sorted(self.slots))}); "
+                             f"adapter {name!r} is one more (engine.adapters)")
+        self._make_room(layers, rank, modules)
+        if name not in self.slots:  # the lowest free index
+            self.slots[name] = min(set(range(1, self.capacity + 1)) - set(self.slots.values()))
+        k = self.slots[name]
+        for layer, stacks in self.layers.items():
+            if layer in layers:
+                a, b, s = layers[layer]
+                r = a.shape[0]
+                stacks["A"][k].zero_()
+                stacks["B"][k].zero_()
+                stacks["A"][k, :r].copy_(a)
+                stacks["B"][k, :, :r].copy_(b)
+                stacks["scale"][k] = float(s)
+            else:  # a layer this adapter leaves alone
+                stacks["A"][k].zero_()
+                stacks["B"][k].zero_()
+        self.versions[name] = version
+
+    def _make_room(self, layers: dict, rank: int, modules: dict) -> None:
+        """Stacks for every layer of ``layers`` of at least ``rank``: new layers get stacks and a
+        hook, a higher rank re-allocates every stack (the adapters held are kept)."""
+        grow = rank > self.rank
+        new = [layer for layer in layers if layer not in self.layers]
+        if not grow and not new:
+            return
+        rank = max(rank, self.rank)
+        for layer in [*self.layers, *new]:
+            module = modules[layer]
+            w = module.weight
+            old = self.layers.get(layer)
+            stacks = {"A": torch.zeros(self.capacity + 1, rank, module.in_features, dtype=w.dtype, device=w.device),
+                      "B": torch.zeros(self.capacity + 1, module.out_features, rank, dtype=w.dtype, device=w.device),
+                      "scale": torch.zeros(self.capacity + 1, dtype=w.dtype, device=w.device)}
+            if old is not None:
+                stacks["A"][:, :self.rank].copy_(old["A"])
+                stacks["B"][:, :, :self.rank].copy_(old["B"])
+                stacks["scale"].copy_(old["scale"])
+            self.layers[layer] = stacks
+            if old is None:
+                self._hooks.append(module.register_forward_hook(self._hook(layer)))
+        self.rank = rank
+        self.layout += 1
+
+    def unload(self, name: str) -> None:
+        """Forget adapter ``name``: its index is zeroed (a request still decoding with it goes on
+        on the base) and free for the next adapter loaded."""
+        k = self.slots.pop(name, None)
+        self.versions.pop(name, None)
+        if k is None:
+            return
+        for stacks in self.layers.values():
+            stacks["A"][k].zero_()
+            stacks["B"][k].zero_()
+            stacks["scale"][k] = 0
+
+    def remove(self) -> None:
+        """Take every hook off the model (the engine is the base model again)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.layers, self.slots, self.versions, self.rank = [], {}, {}, {}, 0
