@@ -127,6 +127,11 @@ class TrainerCapabilities:
     shardable: bool = False
     """True: the trainer implements :meth:`Trainer.shard`, so it can run with ``trainer.strategy
     = "fsdp"`` over several train workers (with ``data_parallel``)."""
+    adapter: bool = False
+    """True: the trainer trains a LoRA adapter over frozen base weights, and publishes the adapter
+    alone to an engine that holds adapters (``EngineCapabilities.adapters``;
+    ``contracts/adapters.py``). A served learner's variant is then one more adapter in the
+    generate pool's engines, not an engine of its own."""
 
 
 @dataclass(frozen=True)

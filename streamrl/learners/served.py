@@ -2,11 +2,19 @@
 with ``[[learners]]``; ``serve.variants``), as a step extension after the side learners'.
 
 Once the learners are placed (and whenever one is added or removed between steps) each learner
-still training gets a token server on its worker (``serve/remote_engines.py``) and the endpoint a model
-``<model_name>/<learner>`` answered from it; the served learner's name is an alias of the served
-policy. After each step a learner is handed, its engine takes its new weights right after that
-step's optimizer step, in the learner's worker. The traffic of every variant joins the one stream:
-every learner trains on all of it.
+still training is served under a model ``<model_name>/<learner>``; the served learner's name is an
+alias of the served policy. The traffic of every variant joins the one stream: every learner
+trains on all of it. A variant is answered in one of two ways:
+
+- **a LoRA learner, when the engine holds adapters** (``engine.adapters``, with ``slots``
+  batching): by the served policy's own engines on the generate pool, with the learner's adapter
+  (``serve/adapter_routes.py``). After each step a learner is handed, its adapter -- a few MB --
+  goes from its worker to every generate worker's engine, right after that step's optimizer step;
+  its requests decode in the same steps as everyone's, so every variant has the served policy's
+  latency;
+- **otherwise**: by an engine beside the learner's trainer, behind a token server on its worker
+  (``serve/remote_engines.py``), which takes the trainer's weights in that process after each of
+  its steps.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from streamrl.contracts.step_extension import StepExtension
 from streamrl.flow.placement import build_engine
 from streamrl.learners.evaluate import engine_resident
 from streamrl.learners.extension import SideLearners
-from streamrl.on_worker.resident import Resident
+from streamrl.on_worker import task_functions
+from streamrl.on_worker.resident import ENGINE, Resident, resident
 from streamrl.serve import endpoint, remote_engines
 
 
@@ -29,6 +38,22 @@ def trained_through(lr) -> int:
     """The version a side learner's policy is served as: the stream's steps it has trained
     through (its last step plus one; before its first, the step it joined at)."""
     return lr.joined_at if lr.last_step is None else lr.last_step + 1
+
+
+def load_adapter(learner: str, payload: bytes, version: int) -> int:
+    """Generate worker: the engine holds learner ``learner``'s adapter (``payload``: its
+    publication's safetensors bytes) as of ``version``; returns the version."""
+    from streamrl.training.weights_bytes import weights_from_bytes
+
+    resident(ENGINE).load_adapter(learner, weights_from_bytes(payload), version)
+    return version
+
+
+def unload_adapter(learner: str) -> None:
+    """Generate worker: the engine forgets learner ``learner``'s adapter."""
+    held = resident(ENGINE).adapters
+    if held is not None:
+        held.unload(learner)
 
 
 class ServedVariants(StepExtension):
@@ -45,6 +70,8 @@ class ServedVariants(StepExtension):
         self._registered: set[str] = set()
         self._refreshing: dict[str, list] = {}  # learner name -> its weight loads not seen finished
         self._failed: set[str] = set()  # learners whose engine could not take their weights (said once)
+        self.on_adapters: set[str] = set()
+        """Learners served as an adapter in the generate pool's engines (not by an engine of their own)."""
 
     def _fanout(self):
         learners = self.context.extension(SideLearners)
@@ -74,6 +101,9 @@ class ServedVariants(StepExtension):
             # priority 1: right after the optimizer step, before the learner's next train tasks
             self._check(name)
             # (held: a future no client holds is forgotten, and its task may never run)
+            if name in self.on_adapters:
+                self._refreshing.setdefault(name, []).extend(self._push_adapter(lr, step + 1, lr.inflight[-1].last))
+                continue
             self._refreshing.setdefault(name, []).append(self.context.client.submit(
                 remote_engines.refresh, engine_resident(name), lr.plan.resident, step + 1, after=lr.inflight[-1].last,
                 key=f"variant-refresh-{name}-{step}-{time.time_ns()}", priority=1, pure=False, **lr.view.train_pin))
@@ -89,6 +119,10 @@ class ServedVariants(StepExtension):
         fanout = self._fanout()
         for name in self.served:
             lr = fanout.learners[name]
+            if name in self.on_adapters:
+                for load in self._push_adapter(lr, trained_through(lr)):
+                    load.result()
+                continue
             self.context.client.submit(remote_engines.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
                                    pure=False, key=f"variant-refresh-{name}-resume-{time.time_ns()}",
                                    **lr.view.train_pin).result()
@@ -98,9 +132,9 @@ class ServedVariants(StepExtension):
         fanout = self._fanout()
         for name in list(self.served):
             lr = fanout.learners.get(name) if fanout else None
-            if lr is not None:
+            if lr is not None and name not in self.on_adapters:
                 self._stop_server(lr)
-        self.served, self._refreshing = {}, {}
+        self.served, self._refreshing, self.on_adapters = {}, {}, set()
 
     # -- what it does ---------------------------------------------------------------------------
     def _check(self, name: str) -> None:
@@ -126,7 +160,15 @@ class ServedVariants(StepExtension):
         for name, lr in fanout.learners.items():
             if lr.state == "removed" and name in self.served:
                 self._endpoint(endpoint.remove_variant, self.served.pop(name))
-                self._stop_server(lr)
+                if name in self.on_adapters:
+                    self.on_adapters.discard(name)
+                    for f in self._on_generate(unload_adapter, name, key=f"variant-unload-{name}"):
+                        try:
+                            f.result(timeout=30)
+                        except Exception:  # noqa: BLE001 -- that worker is gone: its engine with it
+                            pass
+                else:
+                    self._stop_server(lr)
                 lines.append(f"variant {name!r}: no longer served (the learner left)")
             elif lr.state == "training" and name not in self.served:
                 model = self._start(lr)
@@ -134,7 +176,49 @@ class ServedVariants(StepExtension):
                     lines.append(f"variant {model!r}: served ({name}'s policy)")
         return lines
 
+    def _adapter_room(self, lr) -> bool:
+        """Whether learner ``lr``'s variant can be an adapter in the generate pool's engines: it
+        trains a LoRA adapter, the engine holds adapters and streams (slot batching), and one of
+        the engine's adapters is free (the served policy's takes one when it is LoRA too)."""
+        r = self.context.resolved
+        engine = r.engine.capabilities()
+        if not (lr.plan.trainer.capabilities().adapter and engine.adapters and engine.streams):
+            return False
+        taken = len(self.on_adapters) + (1 if r.learners[0].trainer.capabilities().adapter else 0)
+        return taken < engine.adapters
+
+    def _on_generate(self, fn, *args, key: str) -> list:
+        """``fn(*args)`` on every live generate worker; the futures."""
+        pins = self.context.topology.live_generate_pins()
+        return [self.context.client.submit(fn, *args, key=f"{key}-{worker}-{time.time_ns()}", pure=False,
+                                           priority=task_functions.LOAD_PRIORITY, **pin)
+                for worker, pin in pins.items()]
+
+    def _push_adapter(self, lr, version: int, after=None) -> list:
+        """Learner ``lr``'s adapter, from its worker (after ``after``: its optimizer step) into
+        every generate worker's engine, as ``version``; the loads' futures."""
+        payload = self.context.client.submit(task_functions.trainer_weights, after=after, trainer=lr.plan.resident,
+                                             key=f"variant-adapter-{lr.name}-v{version}-{time.time_ns()}", priority=1,
+                                             pure=False, **lr.view.train_pin)
+        return self._on_generate(load_adapter, lr.name, payload, version, key=f"variant-load-{lr.name}-v{version}")
+
+    def _start_on_adapters(self, lr) -> str | None:
+        name = lr.name
+        model = remote_engines.variant_model(self.traffic.model_name, name)
+        try:
+            for load in self._push_adapter(lr, trained_through(lr)):
+                load.result(timeout=self.context.recipe.cluster.startup_timeout)
+            self._endpoint(endpoint.add_adapter_variant, model, name)
+        except Exception as exc:  # noqa: BLE001 -- a variant not served is reported; the run and the others go on
+            warnings.warn(RunWarning(f"variant {model!r} is not served: {type(exc).__name__}: {exc}"), stacklevel=2)
+            return None
+        self.on_adapters.add(name)
+        self.served[name] = model
+        return model
+
     def _start(self, lr) -> str | None:
+        if self._adapter_room(lr):
+            return self._start_on_adapters(lr)
         context, name = self.context, lr.name
         engine = engine_resident(name)
         if lr.evaluator is None and engine not in self._registered:

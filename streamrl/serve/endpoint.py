@@ -115,6 +115,22 @@ def add_variant(model: str, url: str, key: str, learner: str, worker: str) -> li
     return list(api.engines)
 
 
+def add_adapter_variant(model: str, learner: str) -> list[str]:
+    """Generate worker: requests naming ``model`` are answered from then on by the served
+    policy's engines (this worker's and the replicas') with learner ``learner``'s LoRA adapter,
+    which the run loads into each of them (``serve/adapter_routes.py``); returns the models served."""
+    from streamrl.serve.adapter_routes import OnAdapter
+    from streamrl.serve.remote_engines import RemoteEngine
+
+    api = _api()
+    old = api.engines.get(model, [])
+    api.engines = {**api.engines, model: [OnAdapter(e, learner) for e in api.engines[api.model_name]]}
+    for engine in old:
+        if isinstance(engine, RemoteEngine):
+            engine.close()
+    return list(api.engines)
+
+
 def alias(model: str) -> list[str]:
     """Generate worker: requests naming ``model`` are answered by the served policy too."""
     api = _api()

@@ -115,8 +115,9 @@ async def _decode(eng, body: dict):
         loop.call_soon_threadsafe(queue.put_nowait, end)
 
     try:
+        adapter = {"adapter": str(body["adapter"])} if body.get("adapter") else {}  # (a learner's LoRA variant)
         eng.stream(rid, list(body["ids"]), int(body["max_new_tokens"]), on_tokens=on_tokens,
-                   greedy=bool(body.get("greedy"))).add_done_callback(done)
+                   greedy=bool(body.get("greedy")), **adapter).add_done_callback(done)
     except ValueError as e:
         yield json.dumps({"error": str(e)}) + "\n"
         return
@@ -176,13 +177,15 @@ class RemoteEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # the endpoint's, where the client lives
 
     def stream(self, rid: str, ids: list[int], max_new_tokens: int, on_tokens=None, greedy: bool = False,
-               prompt=None) -> Future:
+               prompt=None, adapter: str | None = None) -> Future:
         """Decode one request on the engine's worker (called on the endpoint's event loop):
         ``on_tokens`` gets each step's tokens as they come; the future its :class:`Reply`.
-        (``prompt``, for a reward that stops a response early, is not sent: a remote engine's
-        responses decode to their end.)"""
+        ``adapter``: the LoRA adapter it decodes with there (a learner's variant; None: the
+        served policy). (``prompt``, for a reward that stops a response early, is not sent: a
+        remote engine's responses decode to their end.)"""
         future: Future = Future()
-        task = asyncio.get_running_loop().create_task(self._run(rid, ids, max_new_tokens, greedy, on_tokens, future))
+        task = asyncio.get_running_loop().create_task(
+            self._run(rid, ids, max_new_tokens, greedy, on_tokens, future, adapter))
         self._tasks[rid] = task
         task.add_done_callback(lambda _: self._tasks.pop(rid, None))
         return future
@@ -201,7 +204,7 @@ class RemoteEngine:
             self._loop = asyncio.get_running_loop()
         return self._client
 
-    async def _run(self, rid, ids, max_new_tokens, greedy, on_tokens, future: Future) -> None:
+    async def _run(self, rid, ids, max_new_tokens, greedy, on_tokens, future: Future, adapter=None) -> None:
         got: list[int] = []
         try:
             if self.closed:
@@ -209,7 +212,7 @@ class RemoteEngine:
             client = self._http()
             async with client.stream("POST", f"{self.url}/generate", headers={"Authorization": f"Bearer {self.key}"},
                                      json={"rid": rid, "ids": ids, "max_new_tokens": max_new_tokens,
-                                           "greedy": greedy}) as response:
+                                           "greedy": greedy, "adapter": adapter}) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
                     if not line:

@@ -105,5 +105,6 @@ class HFTrainerConfig(BaseModel):
 
 def capabilities(config: HFTrainerConfig) -> TrainerCapabilities:
     """Data parallel over the train pool (``ddp``), and shardable (``fsdp``) unless it trains a
-    LoRA adapter."""
-    return TrainerCapabilities(data_parallel=True, shardable=getattr(config, "lora", None) is None)
+    LoRA adapter (``adapter``)."""
+    lora = getattr(config, "lora", None) is not None  # (a subclass's config may have no lora)
+    return TrainerCapabilities(data_parallel=True, shardable=not lora, adapter=lora)
