@@ -173,6 +173,39 @@ def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_
 
 
 @pytest.mark.slow
+def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapter(tmp_path, tiny_model):
+    # a LoRA learner (publishing its adapter alone to the engines) run 3 steps and resumed to 6
+    # ends exactly where a run of 6 ends: the adapter, its AdamW state and the samples (a reward
+    # with variance: the exact-match reward gives an untrained model no gradient, and a zero
+    # update would resume "exactly" whatever the checkpoint held)
+    from tests.helpers import parity_recipe
+
+    parity_recipe(tmp_path, tiny_model)
+    recipe = tmp_path / "tiny.toml"
+    lora = [*SAME, "run.checkpoint_every=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}"]
+    whole = streamrl("recipe", "run", str(recipe), *sets(*lora, "run.steps=6", f"run.out_dir={tmp_path / 'whole'}"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    part = streamrl("recipe", "run", str(recipe), *sets(*lora, "run.steps=3", f"run.out_dir={tmp_path / 'part'}"))
+    assert part.returncode == 0, part.stderr[-3000:]
+    folder = only_run(tmp_path / "part")
+    dcp = folder / "checkpoints" / "step-000003" / "trainer" / "dcp"
+    held = sum(f.stat().st_size for f in dcp.iterdir())
+    # the adapter and its AdamW state, not the base (a full checkpoint holds the weights and twice them in AdamW)
+    assert held < 0.5 * (Path(tiny_model) / "model.safetensors").stat().st_size
+    proc = streamrl("recipe", "resume", str(folder), "--set", "run.steps=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step-000003" in proc.stderr
+    straight_run = only_run(tmp_path / "whole")
+    assert [r["reward_mean"] for r in read_records(folder)] == [r["reward_mean"] for r in read_records(straight_run)]
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = load_file(straight_run / "policy" / name), load_file(folder / "policy" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), name
+    base = load_file(Path(tiny_model) / "model.safetensors")
+    merged = load_file(folder / "policy" / "model.safetensors")
+    assert any(not torch.equal(merged[n], base[n].to(merged[n].dtype)) for n in base if n in merged)  # it learned
+
+
+@pytest.mark.slow
 def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path, shared_cluster):
     # the learned ranker (and the lengths the skew scheduler has seen) are in every checkpoint:
     # after a resume the ranker is the one the uninterrupted run has, weights and all

@@ -118,6 +118,15 @@ def _dcp():
     return dcp, get_state_dict, set_state_dict
 
 
+def _options(trainer):
+    """What of the modules a checkpoint holds: everything, but for a LoRA learner only what it
+    trains (the adapter and its AdamW state; the frozen base weights are the model folder's)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = trainer.adapter is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)  # (strict: every key, frozen ones too)
+
+
 def _modules(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
     out = {"policy": (trainer.stepped, trainer.optimizer)}  # (bf16-params: the float32 masters)
     if trainer.critic is not None:
@@ -154,7 +163,7 @@ def save(trainer, path: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, (module, optimizer) in _modules(trainer).items():
-        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
         warnings.simplefilter("ignore")
         # no_dist: the ranks of a data-parallel train pool hold identical state; rank 0 writes it
@@ -173,14 +182,14 @@ def load(trainer, path: str) -> None:
     state = {}
     modules = _modules(trainer)
     for name, (module, optimizer) in modules.items():
-        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer)
+        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _unwrapped(lambda: dcp.load(state, storage_reader=SafeReader(str(folder / "dcp")), planner=SafePlanner(),
                                     no_dist=not trainer.sharded))
     for name, (module, optimizer) in modules.items():
         set_state_dict(module, optimizer, model_state_dict=state[f"{name}.model"],
-                       optim_state_dict=state[f"{name}.optim"])
+                       optim_state_dict=state[f"{name}.optim"], options=_options(trainer))
     extra = torch.load(folder / "trainer.pt", weights_only=True)  # (tensors and plain values only)
     trainer.version = extra["version"]
     trainer.lr_schedule.load_state_dict(extra["lr_schedule"])
