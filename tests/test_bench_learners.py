@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from streamrl.bench.learners import learner_overrides, variant_overrides
+from streamrl.bench.learners import learner_overrides, parse_learners, variant_overrides
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig
 from streamrl.recipe.recipe import apply_overrides
@@ -43,6 +43,22 @@ def test_variants_give_the_recipes_algorithm_its_options_and_others_a_bare_table
     assert apply_overrides({}, v["together"])["learners"] == [
         {"name": "ppo", "algorithm": {"name": "ppo", "gamma": 0.99, "lam": 0.9}}]
     assert "eval" not in apply_overrides({}, v["together"])
+
+
+def test_several_learners_of_one_algorithm_and_lora_learners_in_both_variants():
+    names, algorithms = parse_learners(["grpo", "g2=grpo", " d = dpo "])
+    assert names == ["grpo", "g2", "d"] and algorithms == {"grpo": "grpo", "g2": "grpo", "d": "dpo"}
+    lora = {"lora": {"rank": 4, "alpha": 8.0}}
+    per = learner_overrides(["d.trainer.lr=1e-4"], names)
+    v = variant_overrides({"name": "grpo", "beta": 0.1}, names, per, algorithms=algorithms, trainer=lora)
+    together = apply_overrides({}, v["together"])
+    assert together["learners"] == [
+        {"name": "grpo", "trainer": lora}, {"name": "g2", "trainer": lora},  # grpo: the recipe's [algorithm]
+        {"name": "d", "algorithm": {"name": "dpo"}, "trainer": {**lora, "lr": 1e-4}}]
+    for table in together["learners"]:
+        LearnerConfig.model_validate(table)
+    alone = apply_overrides({}, v["apart"]["g2"])
+    assert alone["algorithm"] == {"name": "grpo", "beta": 0.1} and alone["trainer"] == lora
 
 
 def test_learner_overrides_name_learners_of_the_bench_and_table_keys():
@@ -85,3 +101,20 @@ def test_bench_learners_runs_together_and_apart(tiny_recipe, tmp_path):
             assert lr["eval_first_version"] == 0
         assert alone["eval_last_version"] == 2 and mine["steps_trained"] >= 1
     assert together["learners"]["grpo"]["eval_last_version"] == 2
+
+
+@pytest.mark.slow
+def test_bench_learners_with_lora_compares_adapters_with_whole_weights(tiny_recipe, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = streamrl("bench", "learners", str(tiny_recipe), "--learners", "grpo,g2=grpo", "--lora", "4",
+                    "--no-apart", "--steps", "2", "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["variants"]) == {"together", "together-full"} and result["lora_rank"] == 4
+    lora, full = result["variants"]["together"], result["variants"]["together-full"]
+    assert 0 < lora["publish_bytes"] < 0.2 * full["publish_bytes"]  # the adapter, not the model
+    assert result["ratios"]["publish_bytes_ratio"] == pytest.approx(lora["publish_bytes"] / full["publish_bytes"])
+    for v in (lora, full):  # each learner's worker measured: the served one's train worker, the other's own
+        assert set(v["learners"]) == {"grpo", "g2"} and all(lr["rss_mb"] > 50 for lr in v["learners"].values())
+        assert {"train-0", "learner-g2"} <= set(v["worker_rss_mb"])
+    assert "publish bytes LoRA / full" in proc.stdout

@@ -95,7 +95,13 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                                        "alone, back to back: wall time, generated tokens, rewards")
     recipe_args(bench_learners)
     bench_learners.add_argument("--learners", default="ppo,grpo,dpo",
-                                help="comma-separated learners, each named after its algorithm; the first is served")
+                                help="comma-separated learners, each ALGORITHM (named after it) or NAME=ALGORITHM; "
+                                     "the first is served")
+    bench_learners.add_argument("--lora", type=int, default=None, metavar="RANK",
+                                help="every learner a LoRA learner of this rank, and one more variant with the same "
+                                     "learners training their whole weights (memory, publication bytes)")
+    bench_learners.add_argument("--no-apart", dest="apart", action="store_false",
+                                help="skip the runs of each learner alone")
     bench_learners.add_argument("--set-learner", dest="set_learner", action="append", default=[],
                                 metavar="NAME.KEY=VALUE", help="one learner's option in both variants, e.g. "
                                 "dpo.trainer.lr=1e-4 or dpo.algorithm.beta=0.2 (repeatable)")
@@ -165,7 +171,7 @@ def run(args) -> int:
         from streamrl.bench import learners
 
         learners.bench(args.file, args.overrides, [n.strip() for n in args.learners.split(",") if n.strip()],
-                       args.set_learner, args.steps, args.out)
+                       args.set_learner, args.steps, args.out, lora=args.lora, apart=args.apart)
         return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")

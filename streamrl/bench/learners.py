@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from streamrl.api import hookimpl
 from streamrl.errors import UserError
 from streamrl.run import runner
 from streamrl.recipe.recipe import load_recipe, parse_override
@@ -101,33 +102,50 @@ def learner_overrides(items: list[str], learners: list[str]) -> dict[str, dict]:
     return out
 
 
+def parse_learners(items: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``--learners`` items -- ``ALGORITHM`` (a learner named after its algorithm) or
+    ``NAME=ALGORITHM`` (several learners of one algorithm) -- as the names and each name's algorithm."""
+    names, algorithms = [], {}
+    for item in items:
+        name, _, algorithm = item.partition("=")
+        name, algorithm = name.strip(), (algorithm.strip() or name.strip())
+        names.append(name)
+        algorithms[name] = algorithm
+    return names, algorithms
+
+
 def variant_overrides(algorithm: dict, learners: list[str], per_learner: dict[str, dict] | None = None,
-                      add_eval: bool = False, steps: int | None = None) -> dict:
+                      add_eval: bool = False, steps: int | None = None, algorithms: dict[str, str] | None = None,
+                      trainer: dict | None = None) -> dict:
     """The extra ``--set`` overrides of both variants, from the recipe's ``[algorithm]`` table
-    (``{"name": ..., **options}``) and the learners' names (each its algorithm's; the first
-    served): ``{"together": [...], "apart": {name: [...]}}``. ``per_learner``: from
-    :func:`learner_overrides`; ``add_eval``: the recipe has no ``[eval]``; ``steps``: run.steps."""
+    (``{"name": ..., **options}``) and the learners' names (the first served; ``algorithms``:
+    each name's algorithm, default the name itself): ``{"together": [...], "apart": {name:
+    [...]}}``. ``per_learner``: from :func:`learner_overrides`; ``add_eval``: the recipe has no
+    ``[eval]``; ``steps``: run.steps; ``trainer``: trainer options of every learner (``lora``)."""
     if not learners:
         raise UserError("--learners: name at least one learner")
     again = sorted({n for n in learners if learners.count(n) > 1})
     if again:
         raise UserError(f"--learners: {again[0]!r} is named twice")
     per_learner = per_learner or {}
+    algorithms = algorithms or {}
     own = algorithm["name"]
     options = {k: v for k, v in algorithm.items() if k != "name"}
     common = ([f"eval.every={EVAL_EVERY}"] if add_eval else []) + ([f"run.steps={steps}"] if steps else [])
     tables, apart = [], {}
     for name in learners:
+        algo = algorithms.get(name, name)
         o = per_learner.get(name) or {"trainer": {}, "algorithm": {}, "table": {}}
         table = {"name": name}
-        if name != own or o["algorithm"]:  # the recipe's own algorithm with no changes: omitted, its [algorithm]
-            table["algorithm"] = {"name": name, **(options if name == own else {}), **o["algorithm"]}
-        if o["trainer"]:
-            table["trainer"] = dict(o["trainer"])
+        if algo != own or o["algorithm"]:  # the recipe's own algorithm with no changes: omitted, its [algorithm]
+            table["algorithm"] = {"name": algo, **(options if algo == own else {}), **o["algorithm"]}
+        if o["trainer"] or trainer:
+            table["trainer"] = {**(trainer or {}), **o["trainer"]}
         table.update(o["table"])
         tables.append(table)
-        alone = [f"algorithm={toml_value({'name': name, **(options if name == own else {})})}", "learners=[]",
+        alone = [f"algorithm={toml_value({'name': algo, **(options if algo == own else {})})}", "learners=[]",
                  'run.serve=""']
+        alone += [f"trainer.{k}={toml_value(v)}" for k, v in (trainer or {}).items()]
         alone += [f"algorithm.{k}={toml_value(v)}" for k, v in o["algorithm"].items()]
         alone += [f"trainer.{k}={toml_value(v)}" for k, v in o["trainer"].items()]
         apart[name] = common + alone
@@ -184,11 +202,38 @@ def summarize_together(records: list[dict], names: list[str], final: dict | None
     return out
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class WorkerMemory:
+    """A plugin of the bench's own: after every step, each worker process's resident memory
+    (RSS), the largest seen per worker kept -- what a learner costs its machine."""
+
+    def __init__(self):
+        self.peak_mb: dict[str, float] = {}
+
+    @hookimpl
+    def on_step_end(self, step, metrics):
+        from distributed import default_client
+
+        client = default_client()
+        names = {a: str(w.get("name", a)) for a, w in client.scheduler_info()["workers"].items()}
+        for address, rss in client.run(_rss).items():
+            name = names.get(address, address)
+            self.peak_mb[name] = max(self.peak_mb.get(name, 0.0), round(rss / 2**20, 1))
+
+
 def _run(file: str, overrides: list[str], extra: list[str], label: str, console: Console) -> dict:
-    """One run of the recipe with ``extra`` overrides: its folder, wall seconds and records."""
+    """One run of the recipe with ``extra`` overrides: its folder, wall seconds, records, each
+    worker's peak resident memory and what one publication weighs."""
     loaded = load_recipe(file, list(overrides) + list(extra) + ["cluster.dashboard_port=0",
                                                                  f'run.name="bench-learners-{label}"'])
     resolved = runner.resolve(loaded)
+    memory = WorkerMemory()
+    resolved.registry.pm.register(memory, name="bench-learners-memory")
     console.print(f"bench learners: {label} ({loaded.recipe.run.steps} steps)", markup=False)
     t0 = time.time()
     # (plain, no report: `streamrl report` on the run folders overlays them)
@@ -196,24 +241,50 @@ def _run(file: str, overrides: list[str], extra: list[str], label: str, console:
     wall = time.time() - t0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     final = run_dir / "learners.json"
+    steps = sorted(r["step_s"] for r in records[1:]) or [0.0]  # (the first step loads and compiles)
     return {"run_dir": str(run_dir), "wall_s": round(wall, 2), "steps": len(records),
             "generated_tokens": round(generated_tokens(records), 1), "records": records,
+            "step_s_median": round(steps[len(steps) // 2], 3),
+            "publish_bytes": max((r.get("publish_bytes", 0) for r in records), default=0),
+            "weight_sync_s_median": round(sorted(r["weight_sync_s"] for r in records)[len(records) // 2], 4)
+            if records else None,
+            "worker_rss_mb": memory.peak_mb,
             "final": json.loads(final.read_text()) if final.exists() else {}}
 
 
+def learner_memory(run: dict, names: list[str]) -> dict[str, float | None]:
+    """Each learner's peak resident memory in a run: a side learner's worker (``learner-<name>``),
+    the served one's train worker (``train-0``: the stream's first learner)."""
+    rss = run["worker_rss_mb"]
+    return {name: rss.get("train-0" if i == 0 else f"learner-{name}") for i, name in enumerate(names)}
+
+
 def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNERS, set_learner: list[str] = (),
-          steps: int | None = None, out: str | None = None, console: Console | None = None) -> dict:
-    """Run together, then each learner apart; print the table, write the JSON; returns the result."""
+          steps: int | None = None, out: str | None = None, console: Console | None = None,
+          lora: int | None = None, apart: bool = True) -> dict:
+    """Run together, then each learner apart; print the table, write the JSON; returns the result.
+    ``learners``: ``ALGORITHM`` or ``NAME=ALGORITHM`` items. ``lora``: every learner a LoRA
+    learner of that rank (alpha twice it), and one more variant, **together-full**: the same
+    learners training their whole weights, for memory and publication against it. ``apart``
+    False: no runs of each learner alone."""
     console = console or Console(width=120)
-    learners = list(learners)
+    learners, algorithms = parse_learners(list(learners))
     if steps is not None and steps < 1:
         raise UserError("--steps must be >= 1")
+    if lora is not None and lora < 1:
+        raise UserError("--lora must be a rank >= 1")
     base = load_recipe(file, overrides).recipe
     add_eval = base.eval is None
     algorithm = {"name": base.algorithm.name, **base.algorithm.options()}
-    extra = variant_overrides(algorithm, learners, learner_overrides(list(set_learner), learners), add_eval, steps)
+    per = learner_overrides(list(set_learner), learners)
+    adapter = {"lora": {"rank": lora, "alpha": 2.0 * lora}} if lora else None
+    extra = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms, adapter)
+    full = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms)["together"] if lora else None
+    variants = [("together", extra["together"])] + ([("together-full", full)] if full else [])
+    if apart:
+        variants += [(f"{n} alone", ov) for n, ov in extra["apart"].items()]
     # every variant validated before any runs: a learner's bad option is one line, not a failed run later
-    for label, ov in [("together", extra["together"]), *((f"{n} alone", ov) for n, ov in extra["apart"].items())]:
+    for label, ov in variants:
         try:
             runner.resolve(load_recipe(file, list(overrides) + ov))
         except UserError as exc:
@@ -222,31 +293,51 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
         console.print(f"bench learners: {file} has no [eval]; both variants get [eval] every = {EVAL_EVERY}",
                       markup=False)
 
-    together = _run(file, overrides, extra["together"], "together", console)
-    together["learners"] = summarize_together(together.pop("records"), learners, together.pop("final"))
-    apart = {}
-    for name in learners:
+    def together_run(label: str, ov: list[str]) -> dict:
+        run = _run(file, overrides, ov, label, console)
+        run["learners"] = summarize_together(run.pop("records"), learners, run.pop("final"))
+        for name, mb in learner_memory(run, learners).items():
+            run["learners"][name]["rss_mb"] = mb
+        return run
+
+    together = together_run("together", extra["together"])
+    result_variants = {"together": together}
+    if full:
+        result_variants["together-full"] = together_run("together-full", full)
+    runs = {}
+    for name in learners if apart else []:
         run = _run(file, overrides, extra["apart"][name], name, console)
         run["learner"] = summarize_alone(run.pop("records"))
-        apart[name] = run
-    apart_wall = sum(r["wall_s"] for r in apart.values())
-    apart_tokens = sum(r["generated_tokens"] for r in apart.values())
+        run["learner"]["rss_mb"] = learner_memory(run, [name])[name]
+        runs[name] = run
+    apart_wall = sum(r["wall_s"] for r in runs.values())
+    apart_tokens = sum(r["generated_tokens"] for r in runs.values())
+    if apart:
+        result_variants["apart"] = {"wall_s": round(apart_wall, 2), "generated_tokens": round(apart_tokens, 1),
+                                    "runs": runs}
+    ratios = {
+        "wall_together_over_apart": together["wall_s"] / apart_wall if apart_wall else None,
+        "tokens_together_over_apart": together["generated_tokens"] / apart_tokens if apart_tokens else None,
+    }
+    if full:
+        f = result_variants["together-full"]
+        ratios["publish_bytes_ratio"] = together["publish_bytes"] / f["publish_bytes"] if f["publish_bytes"] else None
+        ratios["step_s_lora_over_full"] = together["step_s_median"] / f["step_s_median"] if f["step_s_median"] else None
+        mine = [lr["rss_mb"] for lr in together["learners"].values() if lr["rss_mb"]]
+        theirs = [lr["rss_mb"] for lr in f["learners"].values() if lr["rss_mb"]]
+        ratios["rss_per_learner_lora_over_full"] = (sum(mine) / len(mine)) / (sum(theirs) / len(theirs)) \
+            if mine and theirs else None
     result = {
-        "recipe": str(file), "overrides": list(overrides), "learners": learners, "set_learner": list(set_learner),
+        "recipe": str(file), "overrides": list(overrides), "learners": learners, "algorithms": algorithms,
+        "set_learner": list(set_learner), "lora_rank": lora,
         "steps": steps or base.run.steps, "eval_added": add_eval,
-        "variants": {
-            "together": together,
-            "apart": {"wall_s": round(apart_wall, 2), "generated_tokens": round(apart_tokens, 1), "runs": apart},
-        },
-        "ratios": {
-            "wall_together_over_apart": together["wall_s"] / apart_wall if apart_wall else None,
-            "tokens_together_over_apart": together["generated_tokens"] / apart_tokens if apart_tokens else None,
-        },
+        "variants": result_variants, "ratios": ratios,
     }
     console.print(table(result))
-    ratios = result["ratios"]
-    console.print(f"wall together / apart: {_num(ratios['wall_together_over_apart'], '.3f')}   "
-                  f"tokens together / apart: {_num(ratios['tokens_together_over_apart'], '.3f')}")
+    labels = {"wall_together_over_apart": "wall together / apart", "tokens_together_over_apart": "tokens together / apart",
+              "publish_bytes_ratio": "publish bytes LoRA / full", "step_s_lora_over_full": "step s LoRA / full",
+              "rss_per_learner_lora_over_full": "rss per learner LoRA / full"}
+    console.print("   ".join(f"{labels[k]}: {_num(v, '.3f')}" for k, v in ratios.items()))
     path = Path(out) if out else Path(together["run_dir"]).parent / "bench-learners.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
@@ -259,30 +350,38 @@ def _num(value, fmt: str) -> str:
 
 
 def table(result: dict) -> Table:
-    """Both variants, a row per learner."""
-    t = Table(title=escape(f"streamrl bench learners {result['recipe']} ({result['steps']} steps"
+    """Every variant, a row per learner."""
+    rank = f", LoRA rank {result['lora_rank']}" if result.get("lora_rank") else ""
+    t = Table(title=escape(f"streamrl bench learners {result['recipe']} ({result['steps']} steps{rank}"
                            f"{f', [eval] every = {EVAL_EVERY} added' if result['eval_added'] else ''})"),
               caption=f"train reward: mean of the last {LAST_STEPS} steps (a side learner's is the stream's); "
-                      "eval: held-out reward at the first and the newest evaluation recorded, v = policy version")
-    for col in ("variant", "learner", "wall s", "gen tokens", "trained", "skipped", "train reward", "eval first",
-                "eval last", "eval v"):
+                      "eval: held-out reward at the first and the newest evaluation recorded, v = policy version; "
+                      "rss: the learner's worker's peak resident memory; publish: bytes of one publication "
+                      "of the served learner")
+    for col in ("variant", "learner", "wall s", "step s", "gen tokens", "publish", "rss MB", "trained", "skipped",
+                "train reward", "eval first", "eval last", "eval v"):
         t.add_column(col, justify="left" if col in ("variant", "learner") else "right", no_wrap=col == "learner")
     v = result["variants"]
 
     def row(variant: str, name: str, run: dict | None, lr: dict, together: bool = False) -> None:
         versions = f"{lr['eval_first_version']}->{lr['eval_last_version']}" if lr["eval_first"] is not None else "-"
         t.add_row(variant, name + (" (served)" if together and lr.get("served") else ""),
-                  f"{run['wall_s']:.1f}" if run else "", f"{run['generated_tokens']:,.0f}" if run else "",
+                  f"{run['wall_s']:.1f}" if run else "", f"{run['step_s_median']:.2f}" if run else "",
+                  f"{run['generated_tokens']:,.0f}" if run else "",
+                  f"{run['publish_bytes']:,}" if run else "", _num(lr.get("rss_mb"), ".0f"),
                   str(lr.get("steps_trained", "-")), str(lr.get("skipped_steps", 0)),
                   _num(lr["train_reward"], ".3f"), _num(lr["eval_first"], ".3f"), _num(lr["eval_last"], ".3f"),
                   versions)
 
-    for i, name in enumerate(result["learners"]):
-        row("together" if i == 0 else "", name, v["together"] if i == 0 else None, v["together"]["learners"][name],
-            together=True)
-    for i, name in enumerate(result["learners"]):
-        run = v["apart"]["runs"][name]
-        row("apart" if i == 0 else "", name, run, run["learner"])
-    t.add_row("apart, sum", "", f"{v['apart']['wall_s']:.1f}", f"{v['apart']['generated_tokens']:,.0f}",
-              *[""] * 6)
+    for label in ("together", "together-full"):
+        if label in v:
+            for i, name in enumerate(result["learners"]):
+                row(label if i == 0 else "", name, v[label] if i == 0 else None, v[label]["learners"][name],
+                    together=True)
+    if "apart" in v:
+        for i, name in enumerate(result["learners"]):
+            run = v["apart"]["runs"][name]
+            row("apart" if i == 0 else "", name, run, run["learner"])
+        t.add_row("apart, sum", "", f"{v['apart']['wall_s']:.1f}", "", f"{v['apart']['generated_tokens']:,.0f}",
+                  *[""] * 8)
     return t
