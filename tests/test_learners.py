@@ -149,6 +149,50 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
         assert (run_dir / "policy" / name / "config.json").exists(), name
 
 
+SHARED = ('\n[[learners]]\nname = "x"\nworker = "lora"\ntrainer = { lr = 0.05, lora = { rank = 4, alpha = 8 } }\n'
+          '\n[[learners]]\nname = "y"\nworker = "lora"\nalgorithm = { name = "rloo" }\n'
+          'trainer = { lr = 0.05, lora = { rank = 8, alpha = 16 } }\n')
+
+
+def test_learners_naming_one_worker_get_one_worker(tiny_recipe):
+    loaded = load_recipe(with_learners(tiny_recipe, SHARED))
+    spec = worker_spec(loaded.recipe)
+    assert "learner-lora" in spec and "learner-x" not in spec and "learner-y" not in spec
+    assert {p.name: p.worker for p in resolve(loaded).learners if not p.served} == {
+        "rloo": "learner-rloo", "x": "learner-lora", "y": "learner-lora"}
+
+
+@pytest.mark.slow
+def test_lora_learners_on_one_worker_train_the_stream_over_one_base(tiny_model, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import parity_recipe
+
+    parity_recipe(tmp_path, tiny_model)  # (a reward with variance: the adapters get a gradient)
+    path = with_learners(tmp_path / "tiny.toml", SHARED)
+    res = streamrl("recipe", "run", str(path), "--plain", "--no-report", "--set", "run.steps=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = Path(res.stdout.strip().splitlines()[-1])
+    records = read_records(run_dir)
+    final = json.loads((run_dir / "learners.json").read_text())
+    main = uid_crcs(records)
+    for name in ("x", "y"):
+        assert final[name]["worker"] == "learner-lora" and final[name]["state"] == "training"
+        trained = [t for r in records for t in r["learners"][name]["trained"]] + final[name]["trained"]
+        assert trained and all(crc == main[step] for step, _, crc in trained)  # the stream's samples
+    # each left its own adapter over the one base: two different policies
+    logits = {}
+    for name in ("x", "y"):
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                            run_dir / "policy" / name / "adapter").eval()
+        with torch.no_grad():
+            logits[name] = adapted(torch.tensor([[1, 5, 6, 7, 8, 9]])).logits
+    assert not torch.allclose(logits["x"], logits["y"])
+    assert "Traceback" not in res.stderr
+
+
 # -- add and remove while the run goes on -------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_others(tiny_recipe, tmp_path):

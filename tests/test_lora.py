@@ -95,3 +95,50 @@ def test_a_lora_run_trains_and_leaves_a_merged_policy_and_its_adapter(tiny_model
                                     ids, attn)
     assert torch.allclose(a, b, atol=1e-5)  # the merged model is the adapter over the base
     assert not torch.allclose(a, base, atol=1e-4)  # and it learned something
+
+
+def test_side_learners_on_one_worker_share_the_base_and_learn_as_they_would_alone(tiny_model, tmp_path):
+    # two LoRA learners of one process train over one copy of the base weights, taking turns; each
+    # ends exactly where a learner with a base of its own ends from the same start and data
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.training.lora import own_parameters
+
+    def trainer(learner: str, rank: int) -> HFTrainer:
+        config = HFTrainerConfig(lr=5e-2, precision="fp32", lora={"rank": rank, "alpha": 2.0 * rank})
+        return HFTrainer(config, TrainerContext(str(tiny_model), GRPO(GRPOConfig()),
+                                                EngineCapabilities(temperature=1.0), learner=learner), device="cpu")
+
+    a, b = trainer("a", 4), trainer("b", 8)
+    assert a.model is b.model and a.adapter is b.adapter  # one base in memory
+    alone = {"a": trainer("", 4), "b": trainer("", 8)}
+    assert alone["a"].model is not a.model
+    for shared, own in ((a, alone["a"]), (b, alone["b"])):  # the same starting adapter
+        with torch.no_grad():
+            for p, q in zip(own_parameters(shared.model, shared.adapter_name), own_parameters(own.model, "default")):
+                q.copy_(p)
+    ga, gb = make_groups(alone["a"], seed=1), make_groups(alone["b"], seed=2)
+    for _ in range(3):  # interleaved: a's gradients wait while b computes
+        a.micro_batch(ga, 1.0 / 24)
+        b.micro_batch(gb, 1.0 / 24)
+        a.step()
+        b.step()
+        alone["a"].micro_batch(ga, 1.0 / 24)
+        alone["a"].step()
+        alone["b"].micro_batch(gb, 1.0 / 24)
+        alone["b"].step()
+    for shared, own in ((a, alone["a"]), (b, alone["b"])):
+        mine, theirs = shared.named_weights(), own.named_weights()
+        assert mine.keys() == theirs.keys() and all(torch.allclose(mine[n], theirs[n], atol=1e-6) for n in mine)
+    assert any(not torch.equal(a.named_weights()[n], b.named_weights()[n]) for n in a.named_weights())
+    # each one's policy/ is its own: the merged model, and its adapter over the base
+    a.save(str(tmp_path / "a"))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                        tmp_path / "a" / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want = naive_token_logprobs(alone["a"].model.eval(), ids, torch.ones_like(ids))
+        assert torch.allclose(naive_token_logprobs(adapted, ids, torch.ones_like(ids)), want, atol=1e-5)
+        assert torch.allclose(naive_token_logprobs(merged, ids, torch.ones_like(ids)), want, atol=1e-5)

@@ -102,6 +102,9 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                      "learners training their whole weights (memory, publication bytes)")
     bench_learners.add_argument("--no-apart", dest="apart", action="store_false",
                                 help="skip the runs of each learner alone")
+    bench_learners.add_argument("--shared-worker", dest="shared_worker", default=None, metavar="NAME",
+                                help="every side learner on the one worker learner-NAME (LoRA learners there share "
+                                     "one copy of the base weights)")
     bench_learners.add_argument("--set-learner", dest="set_learner", action="append", default=[],
                                 metavar="NAME.KEY=VALUE", help="one learner's option in both variants, e.g. "
                                 "dpo.trainer.lr=1e-4 or dpo.algorithm.beta=0.2 (repeatable)")
@@ -171,7 +174,8 @@ def run(args) -> int:
         from streamrl.bench import learners
 
         learners.bench(args.file, args.overrides, [n.strip() for n in args.learners.split(",") if n.strip()],
-                       args.set_learner, args.steps, args.out, lora=args.lora, apart=args.apart)
+                       args.set_learner, args.steps, args.out, lora=args.lora, apart=args.apart,
+                       shared_worker=args.shared_worker)
         return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")

@@ -50,7 +50,7 @@ LAST_STEPS = 10
 #: ``[eval] every`` added to both variants when the recipe has no ``[eval]``.
 EVAL_EVERY = 10
 #: Keys of a ``[[learners]]`` table that ``--set-learner`` may set besides ``trainer.*`` and ``algorithm.*``.
-TABLE_KEYS = ("queue", "when_full", "nice")
+TABLE_KEYS = ("queue", "when_full", "nice", "worker")
 
 
 def toml_value(value) -> str:
@@ -94,7 +94,7 @@ def learner_overrides(items: list[str], learners: list[str]) -> dict[str, dict]:
             raise UserError(f"--set-learner {item!r}: the learner's name is its algorithm; pick it in --learners")
         else:
             raise UserError(f"--set-learner {item!r}: expected NAME.trainer.KEY=V, NAME.algorithm.KEY=V, "
-                            f"NAME.queue=N or NAME.when_full=skip|pace")
+                            f"NAME.queue=N, NAME.when_full=skip|pace, NAME.nice=N or NAME.worker=W")
     for name, o in out.items():
         if "name" in o["algorithm"]:
             raise UserError(f"--set-learner {name}.algorithm.name: the learner's name is its algorithm; "
@@ -252,21 +252,33 @@ def _run(file: str, overrides: list[str], extra: list[str], label: str, console:
             "final": json.loads(final.read_text()) if final.exists() else {}}
 
 
-def learner_memory(run: dict, names: list[str]) -> dict[str, float | None]:
-    """Each learner's peak resident memory in a run: a side learner's worker (``learner-<name>``),
-    the served one's train worker (``train-0``: the stream's first learner)."""
+def learner_memory(run: dict, names: list[str], shared_worker: str | None = None) -> dict[str, float | None]:
+    """Each learner's peak resident memory in a run: the served one's train worker (``train-0``:
+    the stream's first learner), a side learner's own worker (``learner-<name>``), or its share
+    of the worker it shares with the other side learners (``learner-<shared_worker>``)."""
     rss = run["worker_rss_mb"]
-    return {name: rss.get("train-0" if i == 0 else f"learner-{name}") for i, name in enumerate(names)}
+    side = len(names) - 1
+    out = {}
+    for i, name in enumerate(names):
+        if i == 0:
+            out[name] = rss.get("train-0")
+        elif shared_worker:
+            total = rss.get(f"learner-{shared_worker}")
+            out[name] = round(total / side, 1) if total is not None else None
+        else:
+            out[name] = rss.get(f"learner-{name}")
+    return out
 
 
 def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNERS, set_learner: list[str] = (),
           steps: int | None = None, out: str | None = None, console: Console | None = None,
-          lora: int | None = None, apart: bool = True) -> dict:
+          lora: int | None = None, apart: bool = True, shared_worker: str | None = None) -> dict:
     """Run together, then each learner apart; print the table, write the JSON; returns the result.
     ``learners``: ``ALGORITHM`` or ``NAME=ALGORITHM`` items. ``lora``: every learner a LoRA
     learner of that rank (alpha twice it), and one more variant, **together-full**: the same
     learners training their whole weights, for memory and publication against it. ``apart``
-    False: no runs of each learner alone."""
+    False: no runs of each learner alone. ``shared_worker``: every side learner trains on that one
+    worker (LoRA learners there share one copy of the base weights)."""
     console = console or Console(width=120)
     learners, algorithms = parse_learners(list(learners))
     if steps is not None and steps < 1:
@@ -277,6 +289,8 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
     add_eval = base.eval is None
     algorithm = {"name": base.algorithm.name, **base.algorithm.options()}
     per = learner_overrides(list(set_learner), learners)
+    for name in learners[1:] if shared_worker else []:
+        per[name]["table"].setdefault("worker", shared_worker)
     adapter = {"lora": {"rank": lora, "alpha": 2.0 * lora}} if lora else None
     extra = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms, adapter)
     full = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms)["together"] if lora else None
@@ -296,7 +310,7 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
     def together_run(label: str, ov: list[str]) -> dict:
         run = _run(file, overrides, ov, label, console)
         run["learners"] = summarize_together(run.pop("records"), learners, run.pop("final"))
-        for name, mb in learner_memory(run, learners).items():
+        for name, mb in learner_memory(run, learners, shared_worker).items():
             run["learners"][name]["rss_mb"] = mb
         return run
 
@@ -329,7 +343,7 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
             if mine and theirs else None
     result = {
         "recipe": str(file), "overrides": list(overrides), "learners": learners, "algorithms": algorithms,
-        "set_learner": list(set_learner), "lora_rank": lora,
+        "set_learner": list(set_learner), "lora_rank": lora, "shared_worker": shared_worker,
         "steps": steps or base.run.steps, "eval_added": add_eval,
         "variants": result_variants, "ratios": ratios,
     }

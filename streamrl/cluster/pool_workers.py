@@ -119,12 +119,13 @@ def pool_worker_names(recipe: Recipe) -> list[tuple[str, int]]:
 
 
 def side_learner_names(recipe: Recipe) -> list[str]:
-    """The learners that train on a worker of their own (``learner-<name>``): every
-    ``[[learners]]`` table but the main learner's, which trains on the train pool."""
+    """The workers the side learners train on, by the name after ``learner-``: every
+    ``[[learners]]`` table but the main learner's (which trains on the train pool) has one of its
+    own, ``learner-<name>``, or shares ``learner-<worker>`` with the others naming that ``worker``."""
     if not recipe.learners or recipe.pools.train is None:
         return []
     main = main_learner(recipe.learners, recipe.run.serve)
-    return [lr.name for lr in recipe.learners if lr.name != main]
+    return list(dict.fromkeys(lr.worker or lr.name for lr in recipe.learners if lr.name != main))
 
 
 def planned_workers(recipe: Recipe) -> list[tuple[str, dict]]:
@@ -147,12 +148,13 @@ LEARN = "learn"
 
 
 def learner_worker(recipe: Recipe, learner: str) -> dict:
-    """Learner ``learner``'s worker, as :func:`pool_worker` describes one: a train pool worker (its
-    threads, device and environment) named ``learner-<learner>`` offering ``learn`` instead of
-    ``train``, its CPU priority lowered by the learner's ``nice``."""
+    """The worker ``learner-<learner>`` (a learner's own, or the one learners naming ``worker =
+    <learner>`` share), as :func:`pool_worker` describes one: a train pool worker (its threads,
+    device and environment) offering ``learn`` instead of ``train``, its CPU priority lowered by
+    its (first) learner's ``nice``."""
     w = pool_worker(recipe, "train", 0)
     name = f"learner-{learner}"
-    table = next((lr for lr in recipe.learners if lr.name == learner), None)  # (none: added while running)
+    table = next((lr for lr in recipe.learners if (lr.worker or lr.name) == learner), None)  # (none: added while running)
     nice = table.nice if table else LearnerConfig.model_fields["nice"].default
     w["env"] = {**w["env"], NICE_ENV: str(nice)}
     w.update(name=name, nthreads=recipe.pools.train.threads,

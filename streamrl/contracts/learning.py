@@ -110,6 +110,10 @@ class TrainerContext:
     """The trainer will be sharded over the train pool (:meth:`Trainer.shard`): keep the model
     off the device until then (``fully_shard`` moves each rank's shard there), so a model
     that does not fit one device can still be built."""
+    learner: str = ""
+    """A side learner's name (``[[learners]]``), empty for the run's main learner. Side learners
+    may share a worker (``worker`` in their tables): a LoRA trainer there shares the process's
+    copy of the base weights with the others, its adapter named after its learner."""
 
 
 @dataclass(frozen=True)

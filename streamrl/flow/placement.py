@@ -31,12 +31,14 @@ def build_engine(engine: Chosen, model_path: str | None, reward: Chosen | None =
 
 
 def trainer_context(resolved: Resolved, sharded: bool = False, algorithm: Chosen | None = None,
-                    model_path: str | None = None) -> TrainerContext:
+                    model_path: str | None = None, learner: str = "") -> TrainerContext:
     """What the trainer's factory gets besides its config (``sharded``: it will be, over the
     train pool; ``algorithm``: a learner's, default the main learner's; ``model_path``: a model
-    folder other than the recipe's, e.g. a policy saved during the run)."""
+    folder other than the recipe's, e.g. a policy saved during the run; ``learner``: a side
+    learner's name)."""
     return TrainerContext(model_path=model_path or resolved.model_path, algorithm=(algorithm or resolved.algorithm).build(),
-                          engine=resolved.engine.capabilities(), seed=resolved.recipe.run.seed, sharded=sharded)
+                          engine=resolved.engine.capabilities(), seed=resolved.recipe.run.seed, sharded=sharded,
+                          learner=learner)
 
 
 def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], train_worker: str,

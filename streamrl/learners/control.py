@@ -159,7 +159,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     plan = learner_plan(resolved, name, table, served=False)
     plan.added = True
     worker = plan.worker
-    runtime.ensure_worker(run.client, topo, resolved.recipe, name)
+    runtime.ensure_worker(run.client, topo, resolved.recipe, worker)
     start = request.get("start", "served")
     start_model = None
     if start == "served" and resume_from is None:
@@ -209,7 +209,9 @@ def remove(side, run_dir: Path, name: str) -> str:
             run.client.unregister_worker_plugin(resident_name)
         except Exception:
             pass  # (not registered: no [eval])
-    if run.topology.can_grow and lr.plan.worker in (run.topology.spec_cluster.worker_spec or {}):
-        run.topology.stop_worker(lr.plan.worker)
+    shared = any(other.plan.worker == lr.plan.worker and other.state != "removed"
+                 for other in fanout.learners.values() if other is not lr)
+    if run.topology.can_grow and not shared and lr.plan.worker in (run.topology.spec_cluster.worker_spec or {}):
+        run.topology.stop_worker(lr.plan.worker)  # (a worker other learners still train on stays)
     where = saved.get(name)
     return f"learner {name!r} removed after {lr.steps_trained} steps" + (f"; its policy is in {where}" if where else "")

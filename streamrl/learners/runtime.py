@@ -109,7 +109,7 @@ def begin_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict]
     def make_evaluator(plan: LearnerPlan, pin: dict):
         return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy)
 
-    context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path)
+    context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path, learner=plan.name)
     return begin_place(client, resolved.recipe, plan, context, pins, joined_at,
                        make_evaluator if task is not None and resolved.recipe.eval is not None else None)
 
@@ -120,16 +120,16 @@ def place_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict]
     return finish_place(begin_one(client, resolved, plan, pins, joined_at, task, model_path))
 
 
-def ensure_worker(client: Client, topo, recipe, name: str) -> None:
-    """Learner ``name``'s worker is up: the embedded cluster starts it when it is not (a learner
-    added during the run, on a resume); ``topo.pins`` is brought up to date either way."""
+def ensure_worker(client: Client, topo, recipe, worker: str) -> None:
+    """A learner's worker (``learner-<...>``, :attr:`LearnerPlan.worker`) is up: the embedded
+    cluster starts it when it is not (a learner added during the run, on a resume; a worker
+    learners share is started once); ``topo.pins`` is brought up to date either way."""
     from streamrl.cluster import lifecycle
     from streamrl.cluster.pool_workers import learner_worker_spec
 
-    worker = f"learner-{name}"
     up = lifecycle.worker_pins(client)  # (the topology's pins keep workers that have left)
     if worker not in up and topo.can_grow:
-        topo.start_worker(worker, learner_worker_spec(recipe, name))
+        topo.start_worker(worker, learner_worker_spec(recipe, worker.removeprefix("learner-")))
         deadline = time.time() + recipe.cluster.startup_timeout
         while worker not in up and time.time() < deadline:
             time.sleep(0.2)
@@ -193,7 +193,7 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
                 continue  # (left the run before this checkpoint: nothing to place)
             plan = learner_plan(resolved, name, entry["table"], served=False)
             plan.added = True
-            ensure_worker(client, topo, resolved.recipe, name)
+            ensure_worker(client, topo, resolved.recipe, plan.worker)
             learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
                                 task=fanout.task if fanout is not None else None)
             fanout = fanout or Fanout(client, resolved.recipe, [], False)

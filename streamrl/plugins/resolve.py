@@ -73,8 +73,9 @@ class LearnerPlan:
 
     @property
     def worker(self) -> str:
-        """The name of the worker it trains on."""
-        return f"learner-{self.name}"
+        """The name of the worker it trains on: ``learner-<name>``, or ``learner-<worker>`` when
+        its table shares one (``worker``)."""
+        return f"learner-{(self.table or {}).get('worker') or self.name}"
 
 
 @dataclass

@@ -52,6 +52,11 @@ class LearnerConfig(BaseModel):
     """What a full queue does: ``skip`` -- this learner does not train on the step (counted in
     its ``skipped_steps``; generation goes on); ``pace`` -- the run waits for the learner before
     the step's groups are handed over (every learner sees every step; generation slows to it)."""
+    worker: str = Field("", pattern=r"^([a-z0-9][a-z0-9_]{0,31})?$")
+    """The worker it trains on, shared with the other learners naming the same one
+    (``learner-<worker>``); empty: a worker of its own (``learner-<name>``). LoRA learners on one
+    worker share one copy of the base weights there, each with its own adapter and AdamW state;
+    their tasks take turns on it."""
     nice: int = Field(10, ge=0, le=19)
     """How much lower the CPU priority (Unix ``nice``) of this learner's worker is, on the
     embedded cluster (a worker you start yourself keeps its own). On one machine the learners

@@ -17,6 +17,9 @@ as it loads any other. The run's ``policy/`` holds both the merged model and the
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 
 from streamrl.training.hf_config import LoraConfig
@@ -25,19 +28,76 @@ from streamrl.training.hf_config import LoraConfig
 ADAPTER = "default"
 
 
-def add_adapter(model: torch.nn.Module, config: LoraConfig):
-    """Inject a LoRA adapter into ``model`` in place and freeze everything else; returns the
-    ``PeftModel`` around it (``model`` itself now runs base + adapter)."""
+def _peft_config(config: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
 
     targets = config.targets if isinstance(config.targets, str) else list(config.targets)
-    peft_config = PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                                 target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                          target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def add_adapter(model: torch.nn.Module, config: LoraConfig, name: str = ADAPTER):
+    """Inject a LoRA adapter named ``name`` into ``model`` in place and freeze everything else;
+    returns the ``PeftModel`` around it (``model`` itself now runs base + adapter)."""
+    from peft import get_peft_model
+
     try:
-        return get_peft_model(model, peft_config)
+        return get_peft_model(model, _peft_config(config), adapter_name=name)
     except ValueError as e:  # no module of that name: the user's targets
         raise ValueError(f"trainer.lora.targets: {e}") from None
+
+
+class SharedBase:
+    """One copy of a model's base weights in this process, and the adapters of the LoRA
+    learners training over it (side learners sharing a worker: ``[[learners]] worker``).
+
+    Each learner's adapter is a peft adapter of its own name in the one ``PeftModel``; only one
+    is active at a time, so a learner computes while it holds :attr:`lock` and has made its
+    adapter the active one (:meth:`turn`): Dask may run two learners' tasks on the worker's
+    threads at once, and they take turns here."""
+
+    def __init__(self, model: torch.nn.Module, peft):
+        self.model, self.peft = model, peft
+        self.lock = threading.RLock()
+
+    @contextmanager
+    def turn(self, name: str):
+        """Within: the lock held and adapter ``name`` the active (and only trainable) one."""
+        with self.lock:
+            if self.peft.active_adapter != name:
+                self.peft.set_adapter(name)  # (peft: the others' parameters frozen meanwhile)
+            yield
+
+
+_SHARED: dict[tuple[str, str], SharedBase] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def join_shared_base(model_path: str, device: str, config: LoraConfig, name: str) -> SharedBase:
+    """The process's copy of ``model_path``'s base weights on ``device`` (loaded by the first
+    learner to ask), with a fresh adapter ``name`` for this learner (one of that name left by a
+    learner removed earlier is replaced)."""
+    from transformers import AutoModelForCausalLM
+
+    with _SHARED_LOCK:
+        shared = _SHARED.get((model_path, device))
+        if shared is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+            shared = _SHARED[(model_path, device)] = SharedBase(model, add_adapter(model, config, name))
+            return shared
+    with shared.lock:
+        if name in shared.peft.peft_config:
+            shared.peft.delete_adapter(name)
+        try:
+            shared.peft.add_adapter(name, _peft_config(config))
+        except ValueError as e:
+            raise ValueError(f"trainer.lora.targets: {e}") from None
+    return shared
+
+
+def own_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+    """Adapter ``name``'s parameters in ``model`` (what its learner's AdamW steps)."""
+    return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n]
 
 
 def base_name(name: str) -> str:
@@ -46,14 +106,14 @@ def base_name(name: str) -> str:
 
 
 @torch.no_grad()
-def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_weights(model: torch.nn.Module, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
     """The policy as a plain model's parameters (names and tied weights as ``named_parameters``
-    of the model without adapters gives them): each adapted layer's weight plus its adapter's
-    delta, the adapters' own parameters left out. The base weights are not changed."""
+    of the model without adapters gives them): each adapted layer's weight plus adapter
+    ``adapter``'s delta, the adapters' own parameters left out. The base weights are not changed."""
     from peft.tuners.lora import LoraLayer
 
-    deltas = {name: module.get_delta_weight(ADAPTER) for name, module in model.named_modules()
-              if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
+    deltas = {name: module.get_delta_weight(adapter) for name, module in model.named_modules()
+              if isinstance(module, LoraLayer) and adapter in module.lora_A}
     out = {}
     for name, p in model.named_parameters():
         if ".lora_" in name:
@@ -67,21 +127,21 @@ def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def adapter_payload(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter as a publication (``contracts/adapters.py``): per adapted layer, under the
-    plain model's layer name, its ``A``, ``B`` and scale, detached (an engine that takes adapters
-    adds ``scale * B @ A`` to the base weights it already holds)."""
+def adapter_payload(model: torch.nn.Module, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+    """Adapter ``adapter`` as a publication (``contracts/adapters.py``): per adapted layer, under
+    the plain model's layer name, its ``A``, ``B`` and scale, detached (an engine that takes
+    adapters adds ``scale * B @ A`` to the base weights it already holds)."""
     from peft.tuners.lora import LoraLayer
 
     from streamrl.contracts import adapters
 
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
             layer = name.removeprefix("base_model.model.")  # (the PeftModel's own names, if given it)
-            out[layer + adapters.A] = module.lora_A[ADAPTER].weight.detach()
-            out[layer + adapters.B] = module.lora_B[ADAPTER].weight.detach()
-            out[layer + adapters.SCALE] = torch.tensor(float(module.scaling[ADAPTER]))
+            out[layer + adapters.A] = module.lora_A[adapter].weight.detach()
+            out[layer + adapters.B] = module.lora_B[adapter].weight.detach()
+            out[layer + adapters.SCALE] = torch.tensor(float(module.scaling[adapter]))
     return out
 
 

@@ -13,6 +13,7 @@ trainer is composed with, chosen once when it is built: the steps here do not br
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -40,6 +41,18 @@ from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
 token_logprobs = naive_token_logprobs  # the plain computation, for checks against an engine
 
 
+def _taking_turns(method):
+    """A method of a trainer over a base it shares with other learners runs on its turn: the
+    base held and its adapter the active one (``training/lora.py``'s ``SharedBase.turn``)."""
+    @functools.wraps(method)
+    def on_its_turn(self, *args, **kwargs):
+        if self.shared is None:
+            return method(self, *args, **kwargs)
+        with self.shared.turn(self.adapter_name):
+            return method(self, *args, **kwargs)
+    return on_its_turn
+
+
 class HFTrainer(Trainer):
     """A causal LM + AdamW (+ a frozen reference model and a critic when the algorithm asks),
     composed with a :class:`~streamrl.training.precision.Precision` (``trainer.precision``) and a
@@ -63,14 +76,26 @@ class HFTrainer(Trainer):
         built_on = self.strategy.build_device(self.device)
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
         self.adapter = None
         """With ``trainer.lora``: the ``PeftModel`` around :attr:`model`, into which the adapter was
         injected in place (the trainer goes on computing with :attr:`model`)."""
-        if config.lora is not None:
-            from streamrl.training.lora import add_adapter
+        self.adapter_name = "default"
+        """The adapter's name in :attr:`adapter` (a side learner sharing the base: its own)."""
+        self.shared = None
+        """A side LoRA learner: the process's one copy of the base weights it trains over with
+        the other learners of its worker (``training/lora.py``'s ``SharedBase``); its methods take
+        turns on it."""
+        if config.lora is not None and context.learner:
+            from streamrl.training.lora import join_shared_base
 
-            self.adapter = add_adapter(self.model, config.lora)
+            self.shared = join_shared_base(str(context.model_path), str(built_on), config.lora, context.learner)
+            self.model, self.adapter, self.adapter_name = self.shared.model, self.shared.peft, context.learner
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
+            if config.lora is not None:
+                from streamrl.training.lora import add_adapter
+
+                self.adapter = add_adapter(self.model, config.lora)
         self.publishes_adapter = self.adapter is not None and context.engine.adapters > 0
         """A publication is the adapter alone (the engine holds adapters over its base weights),
         not the merged weights."""
@@ -109,8 +134,12 @@ class HFTrainer(Trainer):
     def _build_optimizer(self) -> None:
         # AdamW over the policy's parameters as they are now (sharded: over the shards; bf16-params:
         # over the float32 masters), and its linear warm-up
-        self.optimizer = torch.optim.AdamW(self.stepped.parameters(), lr=self.config.lr,
-                                           weight_decay=self.config.weight_decay)
+        params = self.stepped.parameters()
+        if self.shared is not None:  # its own adapter's: the others' are stepped by their learners
+            from streamrl.training.lora import own_parameters
+
+            params = own_parameters(self.model, self.adapter_name)
+        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         warmup = self.config.warmup_steps
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
 
@@ -131,6 +160,7 @@ class HFTrainer(Trainer):
             self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
         self.sharded = True
 
+    @_taking_turns
     def micro_batch(self, groups: list[Group], scale: float) -> dict:
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`. Sharded,
         ``groups = []`` runs an empty pass (every rank must run as many passes as the others)."""
@@ -242,6 +272,7 @@ class HFTrainer(Trainer):
         return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
                 "seconds": time.perf_counter() - t0}
 
+    @_taking_turns
     def step(self) -> dict:
         """Clip, step the optimizer, clear gradients; the policy version goes up by one. Over a
         train pool of several workers the gradients are first summed over the ranks
@@ -255,7 +286,9 @@ class HFTrainer(Trainer):
         can be exported or checkpointed (both wait for this step)."""
         t0 = time.perf_counter()
         self.strategy.reduce_gradients([m for m in (self.stepped, self.critic) if m is not None])
-        norm = self.strategy.clip_grad_norm(self.stepped.parameters(), self.config.max_grad_norm)
+        # (AdamW's parameters: with a shared base, another learner's gradients may be waiting there)
+        trained = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm = self.strategy.clip_grad_norm(trained, self.config.max_grad_norm)
         out = {"version": self.version + 1, "grad_norm": norm, "nonfinite_skipped": 0}
         if self.critic is not None:
             out["critic_grad_norm"] = self.critic.clip(self.strategy.clip_grad_norm, self.config.max_grad_norm)
@@ -321,6 +354,7 @@ class HFTrainer(Trainer):
         return bool(torch.isfinite(new[resp > 0]).all())
 
     @torch.no_grad()
+    @_taking_turns
     def named_weights(self) -> dict[str, torch.Tensor]:
         """What a publication sends: the parameters, detached (tied weights once, as
         ``named_parameters`` gives them). Sharded: the whole weights gathered at the last step,
@@ -330,7 +364,9 @@ class HFTrainer(Trainer):
         if self.adapter is not None:
             from streamrl.training.lora import adapter_payload, merged_weights
 
-            return adapter_payload(self.model) if self.publishes_adapter else merged_weights(self.model)
+            if self.publishes_adapter:
+                return adapter_payload(self.model, self.adapter_name)
+            return merged_weights(self.model, self.adapter_name)
         return self.strategy.named_weights(self.model)
 
     def publish_bytes(self) -> int:
@@ -342,6 +378,7 @@ class HFTrainer(Trainer):
         return sum(p.numel() * p.element_size() for p in seen.values())
 
     @torch.no_grad()
+    @_taking_turns
     def logprobs(self, group: Group) -> list[list[float]]:
         """Recomputed logprobs of each response's tokens under the current weights (for checks)."""
         self.strategy.alone("logprobs are not recomputed")
@@ -349,12 +386,14 @@ class HFTrainer(Trainer):
         lp = token_logprobs(self.model, ids.to(self.device), attn.to(self.device), self.temperature).cpu()
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
 
+    @_taking_turns
     def save_checkpoint(self, path: str) -> None:
         """Policy, AdamW, LR schedule, critic, algorithm state and RNGs (``training/trainer_state.py``)."""
         from streamrl.training import trainer_state
 
         trainer_state.save(self, path)
 
+    @_taking_turns
     def load_checkpoint(self, path: str) -> None:
         """Restore a :meth:`save_checkpoint` folder in place."""
         from streamrl.training import trainer_state
@@ -368,6 +407,7 @@ class HFTrainer(Trainer):
         self.masters.copy_back()  # (bf16-params: the checkpoint holds the float32 masters)
         self.strategy.weights_changed(self.model)  # (sharded: the export after a resume sends these)
 
+    @_taking_turns
     def save(self, out: str) -> str:
         """Write the current policy as a transformers model folder (``from_pretrained`` reloads it;
         bf16-params: the float32 masters). Sharded: every rank calls it (the weights are
@@ -375,8 +415,12 @@ class HFTrainer(Trainer):
         if self.adapter is not None:  # the merged model, and the adapter beside it
             from streamrl.training.lora import merged_weights
 
-            self.model.save_pretrained(out, state_dict=merged_weights(self.model))
-            self.adapter.save_pretrained(f"{out}/adapter")
+            self.model.save_pretrained(out, state_dict=merged_weights(self.model, self.adapter_name))
+            self.adapter.save_pretrained(f"{out}/adapter", selected_adapters=[self.adapter_name])
+            if self.adapter_name != "default":  # (peft puts an adapter of another name in a folder of it)
+                for f in Path(f"{out}/adapter/{self.adapter_name}").iterdir():
+                    f.replace(Path(f"{out}/adapter") / f.name)
+                Path(f"{out}/adapter/{self.adapter_name}").rmdir()
             self.tokenizer.save_pretrained(out)
             if self.critic is not None:
                 self.critic.save(f"{out}/critic", state_dict=self.strategy.full_state(self.critic))
@@ -390,6 +434,7 @@ class HFTrainer(Trainer):
                 self.critic.save(f"{out}/critic", state_dict=critic)
         return out
 
+    @_taking_turns
     def footprint(self) -> TrainerFootprint:
         """Device, precision, the policy's size and the training state this rank holds: the
         policy's and critic's parameters and their AdamW state, a shard's local part only."""
