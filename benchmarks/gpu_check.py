@@ -16,9 +16,12 @@ outside still leaves what it measured), by default:
    weight publication's share of a step (``weight_sync_s / step_s``);
 4. ``transfer``: ``streamrl bench transfer`` with ``cuda_ipc`` and ``dask`` (seconds and GB/s of
    one publication GPU -> engine);
-5. ``head``: the output head + log-softmax alone (``benchmarks/head_logprobs.py``), each way the
+5. ``lora``: ``benchmarks/adapter_decode.py``: the slot decoder with 8 LoRA adapters mixed in
+   one batch (and with one) against the base alone at 256 requests, and one adapter's hand-over
+   (bytes against the model's, seconds to load it into the engine);
+6. ``head``: the output head + log-softmax alone (``benchmarks/head_logprobs.py``), each way the
    trainer can run it, with their differences;
-6. ``trainer``: ``streamrl bench trainer`` at 64 samples x 576 tokens (tokens/s, MFU, peak
+7. ``trainer``: ``streamrl bench trainer`` at 64 samples x 576 tokens (tokens/s, MFU, peak
    memory): the recipe, without Liger's kernels, and without them with the head of before, and a
    torch.profiler table of one step of each.
 
@@ -308,6 +311,20 @@ class Check:
                            for name, r in found.items()}
             self.save()
 
+    def lora(self, model: str) -> None:
+        """``benchmarks/adapter_decode.py``: the slot engine decoding with 8 LoRA adapters mixed in
+        one batch (and with one) against the base model alone, and one adapter's hand-over."""
+        small = self.args.small
+        out = self.work / "lora.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "adapter_decode.py"), model, "--device", self.args.device,
+               "--requests", "8" if small else "256", "--tokens", "16" if small else "128",
+               "--repeats", "1" if small else "3", "--out", str(out)]
+        row = self.run("lora", cmd, self.args.engine_timeout * 2)
+        if out.exists():
+            found = json.loads(out.read_text())
+            row["result"] = {k: v for k, v in found.items() if k != "all"}
+            self.save()
+
     def transfer(self, model: str) -> None:
         """``bench transfer``: one weight publication, train worker's GPU -> the engine."""
         s = sizes(self.args.small)
@@ -352,6 +369,15 @@ def table(result: dict) -> str:
             lines.append(f"| longtail | {variant}: gen makespan s, x fcfs (gen), x fcfs (e2e), moved/step | "
                          f"{r['generate_makespan_s']:.3f}, {r['speedup_generate']:.2f}, {r['speedup_end_to_end']:.2f}, "
                          f"{r.get('moves/moved') or 0:.1f} |")
+        if name == "lora" and row.get("result"):
+            r = row["result"]
+            t = r["tokens_per_s"]
+            lines.append(f"| lora | decode tokens/s base, one adapter, {r['adapters']} mixed ({r['requests']} requests) | "
+                         f"{t['base']:,.0f}, {t['one']:,.0f} ({r['one_over_base']:.2f}x), {t['mixed']:,.0f} "
+                         f"({r['mixed_over_base']:.2f}x) |")
+            lines.append(f"| lora | adapter publication: MB (share of the model), s to load | "
+                         f"{r['adapter_bytes'] / 1e6:.1f} ({100 * r['adapter_over_model']:.1f}%), "
+                         f"{r['adapter_load_s']['later_median']:.4f} |")
         if name == "transfer" and row.get("result"):
             for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
                 lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "
@@ -367,7 +393,7 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny model and sizes (the CPU dry run)")
     ap.add_argument("--work", default="gpu-check-work", help="folder for the model, runs and logs")
-    ap.add_argument("--phases", default="engine,recipe,transfer,head,trainer",
+    ap.add_argument("--phases", default="engine,lora,recipe,transfer,head,trainer",
                     help="comma-separated phases to run (also: recipe_baseline, the recipe with the engine and "
                          "transfer of before; factory, the recipe on a dask-cuda cluster; longtail, W2's "
                          "scheduling variants on the GPU engine)")

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from pathlib import Path
 
 import openai
 import pytest
@@ -352,3 +353,84 @@ def test_a_killed_serving_worker_stops_the_run_in_one_line_naming_what_was_lost(
     line = err.strip().splitlines()[-1]
     assert line.startswith("streamrl: error: the endpoint's worker generate-0 was restarted"), line
     assert "resume from step-000001" in line
+
+
+def test_a_stop_keeps_the_rewarded_traffic_no_step_trained_and_the_resumed_run_trains_it_first(tmp_path, tiny_model):
+    recipe = tmp_path / "serve.toml"
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
+        # (a bound past the 12 steps of traffic: no kept sample is too stale to train after the resume)
+        "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 16')
+    text = text.replace("max_new_tokens = 6", 'max_new_tokens = 6\nbatching = "slots"\nslots = 16\nmax_prompt_tokens = 48')
+    recipe.write_text(text + "\n[serve]\nport = 0\nsamples_per_step = 8\n")
+
+    def serve(*argv: str, log: Path) -> tuple[subprocess.Popen, str]:
+        with log.open("w") as out:  # (the process has its own copy of the file)
+            proc = subprocess.Popen([sys.executable, "-m", "streamrl", *argv, "--plain"], stdout=out,
+                                    stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while "serving: " not in log.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        if "serving: " not in log.read_text():
+            proc.kill()
+            pytest.fail(log.read_text()[-3000:])
+        (info,) = list((tmp_path / "runs").glob("*/serve.json"))
+        return proc, json.loads(info.read_text())["url"]
+
+    def stopped(proc: subprocess.Popen, log: Path) -> str:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        out = log.read_text()
+        assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+        return out
+
+    first, resumed = tmp_path / "first.log", tmp_path / "resumed.log"
+    proc, url = serve("serve", str(recipe), log=first)
+    try:
+        c = client(url, "none")
+        ids = [c.completions.create(model="tiny", prompt=f"{k}+{k}=", n=8, max_tokens=4, extra_body={"session": "s"}).id
+               for k in range(12)]
+        partly = c.completions.create(model="tiny", prompt="9+9=", n=2, max_tokens=4).id
+        assert post(url, "/feedback", json.dumps({"id": partly, "index": 0, "reward": 1}).encode(), "none")[0] == 200
+        # the session's 12 requests (96 samples) become ready at once: more than the steps before the stop train
+        status, body = post(url, "/feedback", json.dumps({"session": "s", "reward": 1}).encode(), "none")
+        assert status == 200 and body["completions"] == 12
+    finally:
+        err = stopped(proc, first)
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    records = read_records(run_dir)
+    trained = [x["uid"] for r in records for x in r["sample_log"]]
+    checkpoint = max((run_dir / "checkpoints").glob("step-*"))  # (the stop's)
+    saved = json.loads((checkpoint / "serve_traffic.json").read_text())
+    kept = [s["uid"] for g in saved["groups"] for s in g]
+    # every rewarded sample is trained before the stop or kept for the resume; none both, none lost
+    assert sorted(trained + kept) == sorted(f"{cid}-{k}" for cid in ids for k in range(8))
+    assert kept and saved["next_step"] == len(records)
+    assert saved["not_kept"] == {"waiting": 2, "accepted": 1}  # the request rewarded in part
+    assert (f"serve: {len(kept)} rewarded samples no step trained are kept in the checkpoint" in err
+            and "not kept: 2 samples waiting for a reward, and 1 accepted rewards" in err), err[-2000:]
+    assert all(r["samples"] > 0 for r in records)  # no step fed ahead of the stop trained on nothing
+    assert records[-1]["policy_version"] == len(records)
+
+    proc, url = serve("recipe", "resume", str(run_dir), log=resumed)
+    try:
+        assert f"{len(kept)} rewarded samples from the checkpoint are trained first" in resumed.read_text()
+        deadline, after = time.time() + 180, []
+        while time.time() < deadline:
+            after = read_records(run_dir, partial=True)[len(records):]
+            if sum(r["samples"] for r in after) >= len(kept):
+                break
+            time.sleep(0.3)
+        time.sleep(2)  # (a step of nothing would have had time to appear: there is no traffic)
+    finally:
+        stopped(proc, resumed)
+    after = read_records(run_dir)[len(records):]
+    assert sorted(x["uid"] for r in after for x in r["sample_log"]) == sorted(kept)  # each trained once, first
+    assert after[0]["serve/restored"] == len(kept) and after[-1]["serve/stale_dropped"] == 0
+    # stopped while its step waited for traffic: that one step trains nothing (the version counts
+    # steps, the weights stay), and no step after it is fed ahead to train nothing again
+    assert [r["samples"] for r in after][-1] == 0 and all(r["samples"] > 0 for r in after[:-1])
+    assert after[-1]["policy_version"] == after[-2]["policy_version"] + 1 == len(records) + len(after)

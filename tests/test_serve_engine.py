@@ -1,5 +1,6 @@
 """The slot engine's served requests, in this process on CPU: each decode step's tokens handed
-over as they are decoded, a weight load in the middle of a response, cancellation."""
+over as they are decoded, a weight load in the middle of a response, cancellation; and the
+traffic store: one reward per choice, what a checkpoint keeps of it, feedback once the run stops."""
 
 from __future__ import annotations
 
@@ -152,3 +153,68 @@ def test_each_choice_takes_one_reward_and_early_feedback_names_a_choice_it_has()
     assert "choice 0 of completion 'c' is already rewarded" in traffic.feedback("c", 0, 0.0)
     assert traffic.feedback("c", 1, 0.5) is None
     assert [s.reward for s in group] == [1.0, 0.5] and traffic.counts["rewarded"] == 2
+
+
+def _rewarded(traffic, cid: str, n: int = 2, rewards: dict | None = None):
+    """A finished request ``cid`` of ``n`` choices in ``traffic``, rewarded as ``rewards`` says
+    (index: reward; None: every choice 1.0); returns its group."""
+    from streamrl.sample import Prompt, Sample
+
+    traffic.started(cid, n=n)
+    prompt = Prompt(uid=cid, text="1+1=", answer="2")
+    group = [Sample(uid=f"{cid}-{k}", prompt=prompt, prompt_ids=[1, 5], response_ids=[2, 3], logprobs=[-0.5, -1.5],
+                    policy_version=3, token_versions=[3, 4], times={"gen_start": 1.0, "gen_end": 2.0})
+             for k in range(n)]
+    traffic.finished(cid, group)
+    for index, reward in (rewards or {None: 1.0}).items():
+        assert traffic.feedback(cid, index, reward) is None
+    return group
+
+
+def test_a_checkpoint_keeps_the_rewarded_groups_no_step_trained_and_a_resume_takes_them_first():
+    from streamrl.serve.traffic import STOPPING, Traffic, as_json, from_json
+
+    traffic = Traffic(60)
+    a, b, c, d = (_rewarded(traffic, cid) for cid in "abcd")
+    assert [traffic.take(s, 2, 0, 0.0) for s in range(3)] == [[a], [b], [c]]  # steps 1 and 2 taken ahead
+    traffic.settled(0)  # step 0 trained: its group need not be kept
+    _rewarded(traffic, "e", rewards={0: 1.0})  # one choice of two rewarded: not a whole group
+    traffic.started("f", n=3)  # still generating, with its reward already accepted
+    assert traffic.feedback("f", None, 0.5) is None
+    kept, lost = traffic.untrained(1)
+    # the groups handed to steps the run did not train, then the ready one, oldest first
+    assert kept == [b, c, d] and lost == {"waiting": 2, "accepted": 1 + 3}
+    assert traffic.feedback("e", 1, 0.0) is None  # (not the last checkpoint: feedback goes on)
+    kept, lost = traffic.untrained(1, final=True)
+    assert [g[0].prompt.uid for g in kept] == ["b", "c", "d", "e"] and lost == {"waiting": 0, "accepted": 3}
+    assert traffic.feedback("f", 0, 1.0) == STOPPING  # the run's last checkpoint is written
+    assert traffic.session_feedback("s", 1.0) == (0, STOPPING)
+
+    saved = from_json(as_json(kept[:3]))  # what a checkpoint holds, and a resumed endpoint takes back
+    assert saved == [b, c, d] and all(s.prompt is g[0].prompt for g in saved for s in g)
+    resumed = Traffic(60)
+    new = _rewarded(resumed, "g")  # traffic of the resumed run, newer than the kept groups
+    resumed.restore(saved)
+    assert resumed.counts["restored"] == 6
+    assert resumed.take(1, 6, 0, 0.0) == saved and resumed.take(2, 2, 0, 0.0) == [new]
+    assert "already rewarded" in resumed.feedback("b", None, 1.0)
+
+
+def test_feedback_after_the_runs_last_checkpoint_is_a_503_not_accepted(engine):
+    import httpx
+
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.traffic import Traffic
+    from tests.helpers import endpoint_in_process
+
+    traffic = Traffic(60)
+    _rewarded(traffic, "a", rewards={0: 1.0})
+    api = Endpoint(engine, ServeConfig(port=0), traffic, "tiny")
+    with endpoint_in_process(api) as url:
+        assert httpx.post(f"{url}/feedback", json={"id": "a", "index": 1, "reward": 0}, timeout=30).status_code == 200
+        traffic.untrained(0, final=True)
+        for body in ({"id": "a", "index": 1, "reward": 1}, {"session": "s", "reward": 1}):
+            r = httpx.post(f"{url}/feedback", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "stopping", r.text
+            assert "never be trained" in r.json()["error"]["message"]

@@ -137,3 +137,23 @@ def test_a_run_serves_its_lora_learners_variants_from_the_generate_pools_engine(
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.mark.slow
+def test_bench_serve_reports_each_variants_time_to_first_token(tmp_path, tiny_model):
+    recipe = tmp_path / "serve.toml"
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace("steps = 2", 'mode = "async"')
+    text = text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16')
+    recipe.write_text(text + SERVE.format(port=0).replace("samples_per_step = 8", "samples_per_step = 16"))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "streamrl", "bench", "serve", str(recipe), "--clients", "3",
+                           "--seconds", "4", "--repeats", "1", "--n", "2", "--all-models", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["models"]) == {"tiny", "tiny/a", "tiny/b"}
+    for row in result["rows"]:
+        assert row["failed"] == 0 and all(m["requests"] > 0 for m in row["models"].values())
+    assert result["models"]["tiny"]["ttft_over_served"] == 1.0
+    assert all(m["ttft_p50_ms"] > 0 for m in result["models"].values())
+    assert "time to first token p50 by model" in proc.stdout

@@ -170,3 +170,20 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tiny_model):
     a = train(True, lambda trainer: some_flat(trainer)[:2])
     b = train(False, lambda trainer: some_flat(trainer)[:2])
     assert all(torch.equal(a[0][n], b[0][n]) and torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def test_a_step_that_trained_no_sample_moves_nothing_and_counts_as_a_version(tiny_model):
+    # (a serving run stopped before any rewarded traffic came): weights, AdamW and the schedule stay
+    trainer = HFTrainer(HFTrainerConfig(lr=1e-2, warmup_steps=4),
+                        TrainerContext(str(tiny_model), GRPO(GRPOConfig()), EngineCapabilities(temperature=1.0)))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    lr_before = trainer.lr_schedule.get_last_lr()
+    out = trainer.step()
+    assert out["version"] == 1 and trainer.version == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert trainer.lr_schedule.get_last_lr() == lr_before and not trainer.optimizer.state
+    groups = make_groups(trainer)  # and a step that trains moves them as ever
+    trainer.micro_batch(groups, 1.0 / sum(len(g) for g in groups))
+    trainer.step()
+    assert trainer.lr_schedule.get_last_lr() != lr_before
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -102,6 +102,12 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                      "learners training their whole weights (memory, publication bytes)")
     bench_learners.add_argument("--no-apart", dest="apart", action="store_false",
                                 help="skip the runs of each learner alone")
+    bench_learners.add_argument("--lora-lr", dest="lora_lr", type=float, default=None,
+                                help="with --lora: the LoRA learners' trainer.lr (default: the recipe's)")
+    bench_learners.add_argument("--no-eval", dest="add_eval", action="store_false",
+                                help="a recipe without [eval] runs without it (no evaluation engine per learner)")
+    bench_learners.add_argument("--no-full", dest="full", action="store_false",
+                                help="with --lora: skip the variant of the same learners training their whole weights")
     bench_learners.add_argument("--shared-worker", dest="shared_worker", default=None, metavar="NAME",
                                 help="every side learner on the one worker learner-NAME (LoRA learners there share "
                                      "one copy of the base weights)")
@@ -132,6 +138,9 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     bench_serve.add_argument("--repeats", type=int, default=2, help="off/on pairs (the order alternates)")
     bench_serve.add_argument("--n", type=int, default=8, help="completions per request")
     bench_serve.add_argument("--out", help="write the rows and ratios as JSON here")
+    bench_serve.add_argument("--all-models", dest="all_models", action="store_true",
+                             help="ask every model /v1/models lists in turn (each learner's variant too) and report "
+                                  "each one's time to first token against the served policy's")
 
 
 def run(args) -> int:
@@ -154,7 +163,8 @@ def run(args) -> int:
     if args.cmd == "serve":
         from streamrl.bench import serve
 
-        serve.bench(args.file, args.overrides, args.clients, args.seconds, args.repeats, args.n, args.out)
+        serve.bench(args.file, args.overrides, args.clients, args.seconds, args.repeats, args.n, args.out,
+                    all_models=args.all_models)
         return 0
     if args.cmd == "staleness":
         from streamrl.bench import staleness
@@ -175,7 +185,8 @@ def run(args) -> int:
 
         learners.bench(args.file, args.overrides, [n.strip() for n in args.learners.split(",") if n.strip()],
                        args.set_learner, args.steps, args.out, lora=args.lora, apart=args.apart,
-                       shared_worker=args.shared_worker)
+                       shared_worker=args.shared_worker, full=args.full, add_eval=args.add_eval,
+                       lora_lr=args.lora_lr)
         return 0
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")

@@ -188,6 +188,8 @@ def summarize_together(records: list[dict], names: list[str], final: dict | None
     """Each learner of the together run, from ``learners.<name>`` of the records and, for the side
     learners, ``final`` (the run folder's ``learners.json``: their state at the end, with the
     final evaluation, which lands after the last record)."""
+    if len(names) == 1 and not any(r.get("learners") for r in records):  # (one learner: a plain run's records)
+        return {names[0]: summarize_alone(records)}
     out = {}
     for name in names:
         mine = [r["learners"][name] for r in records if name in r.get("learners", {})]
@@ -272,13 +274,17 @@ def learner_memory(run: dict, names: list[str], shared_worker: str | None = None
 
 def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNERS, set_learner: list[str] = (),
           steps: int | None = None, out: str | None = None, console: Console | None = None,
-          lora: int | None = None, apart: bool = True, shared_worker: str | None = None) -> dict:
+          lora: int | None = None, apart: bool = True, shared_worker: str | None = None,
+          full: bool = True, add_eval: bool = True, lora_lr: float | None = None) -> dict:
     """Run together, then each learner apart; print the table, write the JSON; returns the result.
     ``learners``: ``ALGORITHM`` or ``NAME=ALGORITHM`` items. ``lora``: every learner a LoRA
     learner of that rank (alpha twice it), and one more variant, **together-full**: the same
     learners training their whole weights, for memory and publication against it. ``apart``
-    False: no runs of each learner alone. ``shared_worker``: every side learner trains on that one
-    worker (LoRA learners there share one copy of the base weights)."""
+    False: no runs of each learner alone; ``full`` False: no together-full variant. ``shared_worker``: every side learner trains on that one
+    worker (LoRA learners there share one copy of the base weights). ``add_eval`` False: a
+    recipe without ``[eval]`` is run without (each learner's evaluation engine is memory too).
+    ``lora_lr``: the LoRA learners' ``trainer.lr`` (an adapter wants a larger one than the whole
+    weights do; default the recipe's)."""
     console = console or Console(width=120)
     learners, algorithms = parse_learners(list(learners))
     if steps is not None and steps < 1:
@@ -286,15 +292,16 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
     if lora is not None and lora < 1:
         raise UserError("--lora must be a rank >= 1")
     base = load_recipe(file, overrides).recipe
-    add_eval = base.eval is None
+    add_eval = add_eval and base.eval is None
     algorithm = {"name": base.algorithm.name, **base.algorithm.options()}
     per = learner_overrides(list(set_learner), learners)
     for name in learners[1:] if shared_worker else []:
         per[name]["table"].setdefault("worker", shared_worker)
-    adapter = {"lora": {"rank": lora, "alpha": 2.0 * lora}} if lora else None
+    adapter = {"lora": {"rank": lora, "alpha": 2.0 * lora}, **({"lr": lora_lr} if lora_lr else {})} if lora else None
     extra = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms, adapter)
-    full = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms)["together"] if lora else None
-    variants = [("together", extra["together"])] + ([("together-full", full)] if full else [])
+    whole = variant_overrides(algorithm, learners, per, add_eval, steps, algorithms)["together"] if lora and full \
+        else None
+    variants = [("together", extra["together"])] + ([("together-full", whole)] if whole else [])
     if apart:
         variants += [(f"{n} alone", ov) for n, ov in extra["apart"].items()]
     # every variant validated before any runs: a learner's bad option is one line, not a failed run later
@@ -316,8 +323,8 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
 
     together = together_run("together", extra["together"])
     result_variants = {"together": together}
-    if full:
-        result_variants["together-full"] = together_run("together-full", full)
+    if whole:
+        result_variants["together-full"] = together_run("together-full", whole)
     runs = {}
     for name in learners if apart else []:
         run = _run(file, overrides, extra["apart"][name], name, console)
@@ -333,7 +340,7 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
         "wall_together_over_apart": together["wall_s"] / apart_wall if apart_wall else None,
         "tokens_together_over_apart": together["generated_tokens"] / apart_tokens if apart_tokens else None,
     }
-    if full:
+    if whole:
         f = result_variants["together-full"]
         ratios["publish_bytes_ratio"] = together["publish_bytes"] / f["publish_bytes"] if f["publish_bytes"] else None
         ratios["step_s_lora_over_full"] = together["step_s_median"] / f["step_s_median"] if f["step_s_median"] else None
@@ -343,7 +350,7 @@ def bench(file: str, overrides: list[str], learners: list[str] = DEFAULT_LEARNER
             if mine and theirs else None
     result = {
         "recipe": str(file), "overrides": list(overrides), "learners": learners, "algorithms": algorithms,
-        "set_learner": list(set_learner), "lora_rank": lora, "shared_worker": shared_worker,
+        "set_learner": list(set_learner), "lora_rank": lora, "lora_lr": lora_lr, "shared_worker": shared_worker,
         "steps": steps or base.run.steps, "eval_added": add_eval,
         "variants": result_variants, "ratios": ratios,
     }

@@ -45,8 +45,12 @@ def percentile(xs: list[float], q: float) -> float | None:
 class Load:
     """``clients`` threads streaming requests at the endpoint until ``seconds`` pass."""
 
-    def __init__(self, url: str, model: str, key: str, clients: int, seconds: float, n: int, feedback: bool):
-        self.url, self.model, self.key = url, model, key
+    def __init__(self, url: str, model: str | list[str], key: str, clients: int, seconds: float, n: int,
+                 feedback: bool):
+        self.url, self.key = url, key
+        self.models = [model] if isinstance(model, str) else list(model)
+        """The models asked, in turn (the served policy and, with ``--all-models``, every variant)."""
+        self.by_model: dict[str, list[float]] = {m: [] for m in self.models}  # time to first token
         self.clients, self.seconds, self.n, self.feedback = clients, seconds, n, feedback
         self.ttft: list[float] = []
         self.itl: list[float] = []
@@ -69,22 +73,29 @@ class Load:
             t.join(self.seconds + 120)  # a request past its phase is allowed to finish, bounded
         wall = time.time() - t0
         ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
-        return {"requests": self.answered, "refused": self.refused, "failed": self.failed,
-                "hung": sum(t.is_alive() for t in threads), "tokens_per_s": round(self.tokens / wall, 1),
-                "ttft_p50_ms": ms(percentile(self.ttft, 0.5)), "ttft_p99_ms": ms(percentile(self.ttft, 0.99)),
-                "itl_p50_ms": ms(percentile(self.itl, 0.5)), "itl_p99_ms": ms(percentile(self.itl, 0.99))}
+        row = {"requests": self.answered, "refused": self.refused, "failed": self.failed,
+               "hung": sum(t.is_alive() for t in threads), "tokens_per_s": round(self.tokens / wall, 1),
+               "ttft_p50_ms": ms(percentile(self.ttft, 0.5)), "ttft_p99_ms": ms(percentile(self.ttft, 0.99)),
+               "itl_p50_ms": ms(percentile(self.itl, 0.5)), "itl_p99_ms": ms(percentile(self.itl, 0.99))}
+        if len(self.models) > 1:
+            row["models"] = {m: {"requests": len(xs), "ttft_p50_ms": ms(percentile(xs, 0.5)),
+                                 "ttft_p99_ms": ms(percentile(xs, 0.99))} for m, xs in self.by_model.items()}
+        return row
 
     def _client(self, client, stop: float, seed: int) -> None:
         import openai
 
         rng = random.Random(seed)
+        turn = seed
         while time.time() < stop:
             a, b = rng.randint(10, 99), rng.randint(10, 99)
+            model = self.models[turn % len(self.models)]
+            turn += 1
             sent = time.perf_counter()
             last: dict[int, float] = {}  # each choice's last token: inter-token times are per choice
             first, cid = None, None
             try:
-                for chunk in client.completions.create(model=self.model, prompt=f"{a}+{b}=", n=self.n, stream=True):
+                for chunk in client.completions.create(model=model, prompt=f"{a}+{b}=", n=self.n, stream=True):
                     cid = chunk.id
                     extra = (chunk.model_extra or {}).get("streamrl", {})
                     got = len(extra.get("token_ids") or [])
@@ -95,6 +106,7 @@ class Load:
                         if first is None:
                             first = now - sent
                             self.ttft.append(first)
+                            self.by_model[model].append(first)
                         if k in last:
                             self.itl.append(now - last[k])
                         self.tokens += got
@@ -126,9 +138,11 @@ class Load:
 
 
 def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats: int, n: int,
-          out: str | None) -> dict:
+          out: str | None, all_models: bool = False) -> dict:
     """Start the endpoint, run the phases (off, on, alternating), print the table; the rows
-    and the median on/off ratios."""
+    and the median on/off ratios. ``all_models``: the clients ask every model ``GET /v1/models``
+    lists in turn (the served policy and each learner's variant), and each model's time to first
+    token is reported with its ratio to the served policy's."""
     if clients < 1 or seconds <= 0 or repeats < 1 or n < 1:
         raise UserError("--clients, --seconds, --repeats and --n must be positive")
     recipe = load_recipe(file, overrides).recipe
@@ -144,11 +158,12 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
         try:
             info = _wait_for_endpoint(runs, proc, Path(tmp) / "serve.log")
             console.print(f"endpoint {info['url']} ({clients} clients x {seconds:.0f} s a phase, n = {n})")
+            models = _models(info["url"], key) if all_models else info["model"]
             rows = []
             for i in range(repeats):
                 for learning in ((False, True) if i % 2 == 0 else (True, False)):
                     row = {"pass": i + 1, "learning": "on" if learning else "off",
-                           **Load(info["url"], info["model"], key, clients, seconds, n, learning).run()}
+                           **Load(info["url"], models, key, clients, seconds, n, learning).run()}
                     rows.append(row)
                     console.print(row)
             steps = len((Path(info["run_dir"]) / "metrics.jsonl").read_text().splitlines()) \
@@ -177,6 +192,18 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
                   f"time to first token p50 {ratios['ttft_p50_ms']}, inter-token p99 {ratios['itl_p99_ms']}; "
                   f"{steps} training steps ran")
     result = {"rows": rows, "ratios": ratios, "training_steps": steps}
+    if all_models:  # each variant's time to first token over the served policy's, median over phases
+        served = info["model"]
+        per = {}
+        for m in models:
+            pairs = [r["models"][m]["ttft_p50_ms"] / r["models"][served]["ttft_p50_ms"] for r in rows
+                     if r["models"][m]["ttft_p50_ms"] and r["models"][served]["ttft_p50_ms"]]
+            per[m] = {"ttft_p50_ms": statistics.median([r["models"][m]["ttft_p50_ms"] for r in rows
+                                                        if r["models"][m]["ttft_p50_ms"]] or [0]),
+                      "ttft_over_served": round(statistics.median(pairs), 3) if pairs else None}
+        result["models"] = per
+        console.print("time to first token p50 by model (median over phases; x the served policy's): "
+                      + ", ".join(f"{m} {v['ttft_p50_ms']} ms ({v['ttft_over_served']}x)" for m, v in per.items()))
     if out:
         Path(out).write_text(json.dumps(result, indent=1))
     return result
@@ -187,6 +214,13 @@ def _pairs(rows: list[dict]):
     for r in rows:
         by_pass.setdefault(r["pass"], {})[r["learning"]] = r
     return [(p["on"], p["off"]) for p in by_pass.values() if "on" in p and "off" in p]
+
+
+def _models(url: str, key: str) -> list[str]:
+    """What ``GET /v1/models`` lists."""
+    req = urllib.request.Request(f"{url}/models", headers={"Authorization": f"Bearer {key or 'none'}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [m["id"] for m in json.loads(r.read())["data"]]
 
 
 def _wait_for_endpoint(runs: Path, proc: subprocess.Popen, log: Path) -> dict:

@@ -15,7 +15,7 @@ from streamrl.on_worker.resident import ENGINE, ResidentLost, resident
 from streamrl.sample import Group
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.http_server import start_in_thread
-from streamrl.serve.traffic import Traffic
+from streamrl.serve.traffic import Traffic, as_json, from_json
 
 # the one endpoint of this worker process: (uvicorn server, its thread, the traffic store)
 _RUNNING: dict[str, tuple] = {}
@@ -153,9 +153,29 @@ def remove_variant(model: str) -> list[str]:
     return list(api.engines)
 
 
-def stats() -> dict[str, int]:
-    """Generate worker: the endpoint's counters (``Traffic.snapshot``)."""
-    return _traffic().snapshot()
+def stats(trained: int | None = None) -> dict[str, int]:
+    """Generate worker: the endpoint's counters (``Traffic.snapshot``). ``trained``: the step
+    just trained (its record asks), whose taken groups a checkpoint need not keep any more."""
+    traffic = _traffic()
+    if trained is not None:
+        traffic.settled(trained)
+    return traffic.snapshot()
+
+
+def untrained(next_step: int, final: bool = False) -> tuple[list[list[dict]], dict[str, int]]:
+    """Generate worker: for a checkpoint before step ``next_step``, the rewarded groups no step
+    trained yet (as JSON-ready dicts) and the counts of what it cannot keep
+    (``Traffic.untrained``; ``final``: the run ends after it, feedback is refused from now on)."""
+    groups, lost = _traffic().untrained(next_step, final)
+    return as_json(groups), lost
+
+
+def restore(groups: list[list[dict]]) -> int:
+    """Generate worker: the groups a checkpoint kept (:func:`untrained`) are ready for the
+    resumed run's first steps; returns how many samples."""
+    kept = from_json(groups)
+    _traffic().restore(kept)
+    return sum(len(g) for g in kept)
 
 
 def release() -> bool:

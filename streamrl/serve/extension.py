@@ -7,17 +7,22 @@ endpoint's rewarded traffic (scored by the
 recipe's reward on the reward pool when ``serve.reward = "recipe"``) instead of generation of
 the task's prompts. Weight publication goes on as in any run: the engine loads each new policy
 between two decode steps while the endpoint keeps answering.
+
+A checkpoint keeps the rewarded traffic no step trained yet (``serve_traffic.json``), which a
+resumed run trains first; at a stop the step in progress is the last one (no step is fed ahead
+to train on nothing).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 from distributed import Future
 
-from streamrl.errors import UserError
+from streamrl.errors import RunWarning, UserError
 from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker import task_functions
 from streamrl.on_worker.resident import ENGINE
@@ -25,6 +30,9 @@ from streamrl.serve import endpoint, remote_engines
 
 #: How long one take waits for traffic before it is asked again (the run's stop ends it sooner).
 TAKE_WAIT_S = 24 * 3600.0
+
+#: The file of a checkpoint that holds the rewarded traffic no step trained yet.
+TRAFFIC_FILE = "serve_traffic.json"
 
 
 class ServedTraffic(StepExtension):
@@ -37,6 +45,7 @@ class ServedTraffic(StepExtension):
         self.client, self.config = context.client, r.serve
         self.model_name = r.serve.model_name or r.run.name
         self.max_staleness = r.run.max_staleness
+        self.steps = r.run.steps
         self.topology = context.topology
         self.tool_parser = r.serve.build_tool_parser(context.resolved.registry)
         self.pin: dict | None = None
@@ -45,6 +54,9 @@ class ServedTraffic(StepExtension):
         """The pins of the other generate workers whose engines the endpoint also serves from."""
         self.worker = ""
         self.url = ""
+        self.stop_requested = False
+        self.restored = 0
+        """Samples a resumed run took back from its checkpoint (trained before new traffic)."""
 
     def placed(self, context) -> None:
         """Start the endpoint on the first generate worker."""
@@ -76,8 +88,9 @@ class ServedTraffic(StepExtension):
                                                         "worker": self.worker}) + "\n")
         key = " (Authorization: Bearer <serve.api_key>)" if self.config.api_key else ""
         workers = f" on {1 + len(self.replicas)} generate workers" if self.replicas else ""
+        kept = f"; {self.restored} rewarded samples from the checkpoint are trained first" if self.restored else ""
         return [f"serving: {self.url} model={self.model_name}{key}{workers}; rewards from "
-                + ("POST /v1/feedback" if self.config.reward == "feedback" else "the recipe's [reward]")]
+                + ("POST /v1/feedback" if self.config.reward == "feedback" else "the recipe's [reward]") + kept]
 
     def samples(self, step: int, min_version: int) -> list[Future]:
         """The step's samples: ``serve.samples_per_step`` rewarded served samples, none generated
@@ -95,13 +108,54 @@ class ServedTraffic(StepExtension):
     def record(self, step: int, record) -> None:
         """The endpoint's counters as ``serve/<name>`` (totals since it started)."""
         try:
-            stats = self.client.submit(endpoint.stats, pure=False, **self.pin).result(timeout=30)
+            stats = self.client.submit(endpoint.stats, step, pure=False, **self.pin).result(timeout=30)
         except Exception:  # noqa: BLE001 -- the counters are a report; the step goes on without them
             return
         record.extra.update({f"serve/{k}": v for k, v in stats.items()})
 
+    def checkpoint(self, next_step: int, previous: Path | None):
+        """The rewarded traffic no step before ``next_step`` trained into the checkpoint
+        (:data:`TRAFFIC_FILE`): clients were told their rewards were accepted, and a resumed run
+        trains them. At the run's last checkpoint (a stop, or its last step) one line counts what
+        is kept and what cannot be (requests not wholly rewarded), and feedback is refused from
+        then on."""
+        if self.pin is None:
+            return None
+        final = self.stop_requested or next_step >= self.steps
+
+        def write(folder: Path) -> None:
+            try:
+                groups, lost = self.client.submit(endpoint.untrained, next_step, final, pure=False,
+                                                  key=f"serve-untrained-{time.time_ns()}", **self.pin).result(timeout=30)
+            except Exception as e:  # noqa: BLE001 -- the endpoint's worker is gone, and its traffic with it
+                warnings.warn(f"serve: the endpoint's traffic could not be read for the checkpoint ({type(e).__name__}: "
+                              f"{e}); it holds none", RunWarning, stacklevel=1)
+                return
+            (folder / TRAFFIC_FILE).write_text(json.dumps({"next_step": next_step, "groups": groups, "not_kept": lost}))
+            kept = sum(len(g) for g in groups)
+            if final and (kept or lost["waiting"] or lost["accepted"]):
+                warnings.warn(f"serve: {kept} rewarded samples no step trained are kept in the checkpoint (a resume "
+                              f"trains them first); not kept: {lost['waiting']} samples waiting for a reward, and "
+                              f"{lost['accepted']} accepted rewards of requests not wholly rewarded; feedback is "
+                              "refused from now on", RunWarning, stacklevel=1)
+        return write
+
+    def resume(self, checkpoint: Path) -> None:
+        """Take back the rewarded traffic ``checkpoint`` kept: the first steps train it."""
+        saved = checkpoint / TRAFFIC_FILE
+        if self.pin is None or not saved.exists():
+            return
+        groups = json.loads(saved.read_text())["groups"]
+        if groups:
+            self.restored = self.client.submit(endpoint.restore, groups, pure=False,
+                                               key=f"serve-restore-{time.time_ns()}", **self.pin).result(timeout=30)
+
     def stopping(self) -> None:
-        """The run is stopping: the take waiting for traffic returns what is ready."""
+        """The run is stopping: the take waiting for traffic returns what is ready, and the step
+        in progress is the last -- none is fed ahead of the checkpoint, where it would train on
+        nothing (the rewarded traffic left is kept in the checkpoint instead)."""
+        self.stop_requested = True
+        self.holds_boundary = True  # (read by the controller after each publication)
         if self.pin is not None:
             try:
                 self.client.submit(endpoint.release, pure=False, key=f"serve-release-{time.time_ns()}",

@@ -7,7 +7,8 @@ server-sent events with ``stream: true``, one event per decode step's tokens) an
 log-probs and the policy version that decoded each token.
 
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) and a 4xx
-status; each is one line in the worker's log. Sampling follows the policy: ``temperature`` may be
+status; each is one line in the worker's log. Request fields take their own JSON types, as
+OpenAI's do (strict models: ``"max_tokens": "3"`` is a 400 naming ``max_tokens``). Sampling follows the policy: ``temperature`` may be
 omitted, equal ``engine.temperature`` (the samples the learners train on) or be 0 (greedy; served,
 not trained); ``top_p`` 1; ``seed`` is accepted and not honoured (one draw serves all slots).
 
@@ -37,7 +38,7 @@ from streamrl.chat.messages import MessageError, normalize, render, reply_messag
 from streamrl.serve.completion import Completion, Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
-from streamrl.serve.traffic import Traffic
+from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Trajectories
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
@@ -89,11 +90,22 @@ class RefusalLog:
         self.last, self.quiet = now, 0
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: whether a stream ends with the usage chunk."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
 class Sampling(BaseModel):
     """The fields both completion endpoints share (others are accepted and ignored, as
-    OpenAI's clients send some this endpoint has no use for)."""
+    OpenAI's clients send some this endpoint has no use for).
 
-    model_config = ConfigDict(extra="allow")
+    Strict, as OpenAI's API is: a field takes its own JSON type, not one that could be read as
+    it (``"max_tokens": "3"``, ``"stream": "yes"``, ``"n": true`` are 400s naming the field);
+    a float field still takes a JSON integer (``"temperature": 1``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -103,7 +115,7 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     answer: Any = None
     """streamrl's own: the reference answer the recipe's reward checks (``serve.reward = "recipe"``)."""
     session: str | None = Field(None, min_length=1, max_length=256)
@@ -133,9 +145,10 @@ class CompletionRequest(Sampling):
 
 class Feedback(BaseModel):
     """``POST /v1/feedback``: a reward for one choice (``index``) or every choice of a completion
-    (``id``), or for every waiting completion of a session (``session``)."""
+    (``id``), or for every waiting completion of a session (``session``). Strict, as the
+    completion requests are (``"index": "1"`` is a 400)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     id: str | None = None
     session: str | None = None
     index: int | None = Field(None, ge=0)
@@ -150,6 +163,22 @@ class Feedback(BaseModel):
         if self.session is not None and self.index is not None:
             raise ValueError("'index' names a choice of a completion; a session's feedback rewards every choice")
         return self
+
+
+def _param(body: dict, error: dict) -> str:
+    """The field of ``body`` a validation ``error`` names, as ``a.0.b``. Pydantic puts a union's
+    member type in the error's place (``("prompt", "str")``), which names nothing the client
+    sent: only the steps that lead into the body are kept, and a missing field's own name."""
+    parts, node = [], body
+    for x in error["loc"]:
+        if not ((isinstance(node, dict) and isinstance(x, str) and x in node)
+                or (isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node))):
+            continue  # (a union member's type: nothing the client sent)
+        node = node[x]
+        parts.append(str(x))
+    if error["type"] == "missing" and error["loc"]:
+        parts.append(str(error["loc"][-1]))
+    return ".".join(parts)
 
 
 class Endpoint:
@@ -268,8 +297,12 @@ class Endpoint:
         try:
             return model.model_validate(raw)
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"])
+            errors = e.errors()
+            # the first bad field; of a union's errors on it, the one that goes deepest into
+            # what was sent ("prompt": [1, "2"] -> prompt.1, not "prompt is not a string")
+            err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]),
+                      key=lambda x: len(_param(raw, x)))
+            field = _param(raw, err)
             if not field:  # a rule over several fields (``model_validator``): its own words
                 raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None
             raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
@@ -438,13 +471,11 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         if fb.session is not None:
             reached, problem = endpoint.traffic.session_feedback(fb.session, fb.reward)
             if problem is not None:
-                raise APIError(404 if problem.startswith("no completion") else 400, problem[0].upper() + problem[1:] + ".",
-                               param="session")
+                raise refused_feedback(problem, "session")
             return {"object": "feedback", "session": fb.session, "accepted": True, "completions": reached}
         problem = endpoint.traffic.feedback(fb.id, fb.index, fb.reward)
         if problem is not None:
-            raise APIError(404 if problem.startswith("no completion") else 400, problem[0].upper() + problem[1:] + ".",
-                           param="id" if problem.startswith("no completion") else "index")
+            raise refused_feedback(problem, "id" if problem.startswith("no completion") else "index")
         return {"object": "feedback", "id": fb.id, "accepted": True}
 
     @app.post("/v1/streamrl/rollouts/{rollout}/finish")
@@ -462,6 +493,16 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                 "rollouts_dropped_stale": endpoint.trajectories.dropped_stale, **endpoint.traffic.snapshot()}
 
     return app
+
+
+def refused_feedback(problem: str, param: str) -> APIError:
+    """The error for feedback the traffic store refused (``problem``: its words): 404 for an
+    unknown completion or session, 503 once the run is stopping (nothing sent now is trained),
+    400 otherwise."""
+    text = problem[0].upper() + problem[1:] + "."
+    if problem == STOPPING:
+        return APIError(503, text, code="stopping", kind="server_error")
+    return APIError(404 if problem.startswith("no completion") else 400, text, param=param)
 
 
 class Turn:
@@ -518,7 +559,7 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
             if completion.turn is not None and all(c.finish_reason for c in completion.choices):
                 finished(endpoint, completion, fmt)  # the trajectory has the reply before the client sees its end
             yield sse(fmt.chunk(ev, choice=completion.choices[ev.index]))
-        if (req.stream_options or {}).get("include_usage"):
+        if req.stream_options is not None and req.stream_options.include_usage:
             yield sse(fmt.usage_chunk(completion))
         yield "data: [DONE]\n\n"
     except APIError as e:  # (the tool parser failed on the finished reply)

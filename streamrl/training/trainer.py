@@ -293,11 +293,14 @@ class HFTrainer(Trainer):
         if self.critic is not None:
             out["critic_grad_norm"] = self.critic.clip(self.strategy.clip_grad_norm, self.config.max_grad_norm)
         problem = self.finite.problem(self.strategy, self.device, norm, out.get("critic_grad_norm", 0.0))
+        # a step that trained no sample (a serving run stopped before any rewarded traffic came):
+        # no gradient anywhere, so nothing moves -- the learning-rate schedule neither
+        learned = self.strategy.any_rank(any(p.grad is not None for p in trained), self.device)
         if problem is not None:
             # raises, unless max_nonfinite_steps lets this step be skipped
             self.finite.refuse(problem, self._step_name(), self.config.lr, type(self.algorithm).__name__)
             out["nonfinite_skipped"] = 1
-        else:
+        elif learned:
             self.finite.applied()
             before = weight_norm(self.stepped.parameters())
             self.optimizer.step()
