@@ -184,6 +184,8 @@ class ServedVariants(StepExtension):
         engine = r.engine.capabilities()
         if not (lr.plan.trainer.capabilities().adapter and engine.adapters and engine.streams):
             return False
+        if lr.plan.added:  # (added while running: its base may be a policy saved then, not the engines')
+            return False
         taken = len(self.on_adapters) + (1 if r.learners[0].trainer.capabilities().adapter else 0)
         return taken < engine.adapters
 
@@ -203,11 +205,14 @@ class ServedVariants(StepExtension):
         return self._on_generate(load_adapter, lr.name, payload, version, key=f"variant-load-{lr.name}-v{version}")
 
     def _start_on_adapters(self, lr) -> str | None:
+        # Not waited for: the learner's worker may be busy for a while (its evaluation of the
+        # starting policy), and until the adapter lands a request decodes on the base weights,
+        # which is what an adapter not trained yet computes (its B is zero: version 0). A resume,
+        # whose adapters have trained, waits for them (:meth:`resume`).
         name = lr.name
         model = remote_engines.variant_model(self.traffic.model_name, name)
         try:
-            for load in self._push_adapter(lr, trained_through(lr)):
-                load.result(timeout=self.context.recipe.cluster.startup_timeout)
+            self._refreshing.setdefault(name, []).extend(self._push_adapter(lr, trained_through(lr)))
             self._endpoint(endpoint.add_adapter_variant, model, name)
         except Exception as exc:  # noqa: BLE001 -- a variant not served is reported; the run and the others go on
             warnings.warn(RunWarning(f"variant {model!r} is not served: {type(exc).__name__}: {exc}"), stacklevel=2)
