@@ -198,8 +198,8 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
         for m in models:
             pairs = [r["models"][m]["ttft_p50_ms"] / r["models"][served]["ttft_p50_ms"] for r in rows
                      if r["models"][m]["ttft_p50_ms"] and r["models"][served]["ttft_p50_ms"]]
-            per[m] = {"ttft_p50_ms": statistics.median([r["models"][m]["ttft_p50_ms"] for r in rows
-                                                        if r["models"][m]["ttft_p50_ms"]] or [0]),
+            per[m] = {"ttft_p50_ms": round(statistics.median([r["models"][m]["ttft_p50_ms"] for r in rows
+                                                              if r["models"][m]["ttft_p50_ms"]] or [0]), 1),
                       "ttft_over_served": round(statistics.median(pairs), 3) if pairs else None}
         result["models"] = per
         console.print("time to first token p50 by model (median over phases; x the served policy's): "

@@ -48,6 +48,7 @@ class AdapterBank:
         """Adapted layer -> its stacks ``A``, ``B``, ``scale``."""
         self._hooks = []
         self._rows: torch.Tensor | int | None = None  # None: every row the policy's adapter
+        self._groups: list[tuple[int, torch.Tensor | None]] | None = None  # (CPU: rows grouped by adapter)
         self.layout = 0
         """Goes up whenever the stacks are allocated anew (a new layer or a higher rank): a
         captured graph that reads the old ones must be captured again."""
@@ -64,16 +65,40 @@ class AdapterBank:
         """Within: every forward adds adapter ``which`` (an index) to every row, or, for a
         ``[rows]`` tensor of indices, each row's own adapter. Outside any: every row gets
         :data:`POLICY`'s (the base alone before it is loaded)."""
-        before, self._rows = self._rows, which
+        before = self._rows, self._groups
+        self._rows, self._groups = which, None
+        if isinstance(which, torch.Tensor) and which.device.type == "cpu":
+            # On a CPU, a batch whose rows use one adapter (or none) computes that adapter's
+            # low-rank product on its rows alone: gathering every row's A and B copies more than
+            # the products compute (it halved decode throughput). Rows of several adapters keep
+            # the gather: one small product per adapter and layer, each with its own copy of the
+            # rows, was slower still (docs/benchmarks.md has the three). A GPU always gathers,
+            # which a CUDA graph can capture (grouping reads the indices back).
+            groups: dict[int, list[int]] = {}
+            for i, k in enumerate(which.tolist()):
+                if k:
+                    groups.setdefault(k, []).append(i)
+            if len(groups) <= 1:
+                self._groups = [(k, None if len(idx) == len(which) else torch.tensor(idx))
+                                for k, idx in groups.items()]
         try:
             yield
         finally:
-            self._rows = before
+            self._rows, self._groups = before
 
     def _hook(self, layer: str):
         def add_adapter(module, args, out):
-            rows = self._rows if self._rows is not None else self.slots.get(POLICY, 0)
             stacks = self.layers[layer]
+            if self._groups is not None:  # (a CPU batch of one adapter: its rows on their own)
+                x = args[0]
+                for k, idx in self._groups:
+                    a, b, s = stacks["A"][k], stacks["B"][k], stacks["scale"][k]
+                    if idx is None:  # every row this one adapter's
+                        out = out + (x @ a.T) @ b.T * s
+                    else:
+                        out = out.index_add(0, idx, (x[idx] @ a.T) @ b.T * s)
+                return out
+            rows = self._rows if self._rows is not None else self.slots.get(POLICY, 0)
             if isinstance(rows, int):
                 if rows == 0:
                     return out
