@@ -232,7 +232,7 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # for measuring; a phase that fails shows as FAILED in the table and a non-zero exit
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--small",
-                           "--out", str(out), "--work", str(tmp_path / "work"), "--phases", "trainer,engine",
+                           "--out", str(out), "--work", str(tmp_path / "work"), "--phases", "trainer,engine,lora",
                            "--engine-requests", "4", "--trainer-samples", "8", "--trainer-variant", "recipe",
                            "--trainer-variant", 'bf16:trainer.precision="bf16-params"',
                            # bf16 matmuls are slow on a CPU (17 s a step on a loaded 2-core machine):
@@ -250,8 +250,13 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # the slot decoder and continuous batching, measured side by side in one process
     assert [r["variant"] for r in result["phases"]["engine-4"]["variants"]] == ["slots", "continuous-graphs"]
     assert all(r["response_tokens_per_s"] > 0 for r in result["phases"]["engine-4"]["variants"])
+    # the slot decoder with 8 adapters mixed against the base, and one adapter's hand-over
+    lora = result["phases"]["lora"]["result"]
+    assert result["phases"]["lora"]["ok"] and lora["adapters"] == 8
+    assert all(v > 0 for v in lora["tokens_per_s"].values()) and 0 < lora["adapter_over_model"] < 0.1
     table = out.with_suffix(".md").read_text()
     assert "| trainer-8 | status, seconds | ok," in table and "8 x 32 bf16: tokens/s, MFU, peak GiB" in table
+    assert "| lora | decode tokens/s base, one adapter, 8 mixed" in table
 
 
 def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_path):
