@@ -76,7 +76,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=args.requests, max_prompt_tokens=16,
-                                       max_new_tokens=args.tokens, profile=False, adapters=args.adapters,
+                                       # (+1: the served policy's index, reserved)
+                                       max_new_tokens=args.tokens, profile=False, adapters=args.adapters + 1,
                                        cuda_graph=True))
     engine.load(args.model, device=args.device)
     engine.decoder.eos_id.fill_(-1)  # every request decodes all its tokens

@@ -130,6 +130,11 @@ def test_an_adapter_for_another_model_or_one_too_many_is_refused_and_the_engine_
         assert engine.version == 1 and engine.adapters.versions == {POLICY: 1}
         layers = engine.adapters.layers
         assert torch.equal(layers[layer]["A"][1, :4], good[f"{layer}.lora_A"])
+        # a late load of an older version leaves the newer one
+        engine.load_weights(good, 3)
+        engine.load_weights({n: t * 2 for n, t in good.items()}, 2)
+        assert engine.adapters.versions == {POLICY: 3} and engine.version == 3
+        assert torch.equal(layers[layer]["A"][1, :4], good[f"{layer}.lora_A"])
     finally:
         engine.close()
     none = HFEngine(HFEngineConfig(batching="static", profile=False, adapters=0))

@@ -56,7 +56,7 @@ def test_each_variant_answers_with_its_own_adapter_through_the_openai_client(tin
                     lp = naive_token_logprobs(policy.eval(), ids, torch.ones_like(ids), 1.0)
                 lp = lp[0, len(extra["prompt_token_ids"]) - 1:]
                 assert torch.allclose(lp, torch.tensor(x["logprobs"]), atol=1e-4), model
-        assert engine.adapters.slots.keys() == {POLICY, "b"}
+        assert engine.adapters.versions.keys() == {POLICY, "b"}
     finally:
         server.should_exit = True
         thread.join(5)

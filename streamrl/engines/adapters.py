@@ -33,14 +33,19 @@ from streamrl.errors import WeightShapeMismatch
 #: The adapter of the run's served policy (what a LoRA learner's publication loads into).
 POLICY = "policy"
 
+#: How an unloaded adapter's index is held (``AdapterBank.unload``): not a name a learner can have.
+_RETIRED = "(unloaded) "
+
 
 class AdapterBank:
     """The adapters one engine holds over ``model``'s base weights: at most ``capacity``, by name."""
 
     def __init__(self, model: torch.nn.Module, capacity: int):
         self.model, self.capacity = model, capacity
-        self.slots: dict[str, int] = {}
-        """Adapter name -> its index in every layer's stack (1..capacity; 0 is the base)."""
+        self.slots: dict[str, int] = {POLICY: 1} if capacity else {}
+        """Adapter name -> its index in every layer's stack (1..capacity; 0 is the base). The
+        served policy's is 1 from the start, so a request admitted before its first load follows
+        it (its zero stacks are the base, as a weight load mid-response is seen by the next step)."""
         self.versions: dict[str, int] = {}
         """Adapter name -> the policy version loaded into it."""
         self.rank = 0
@@ -56,9 +61,18 @@ class AdapterBank:
     # -- what rows use ---------------------------------------------------------------------------
 
     def slot(self, name: str) -> int:
-        """The index of adapter ``name`` (0, the base model, when it is not loaded: a request
-        for an adapter not yet published runs on the base, like an engine before its first load)."""
-        return self.slots.get(name, 0)
+        """The index of adapter ``name``, kept for it from now on: a request for an adapter not
+        yet published runs on the base (the index's zero stacks) and follows its first load, as
+        a request follows a weight load; 0 (the base for good) when every index is taken."""
+        if name not in self.slots:
+            free = sorted(set(range(1, self.capacity + 1)) - set(self.slots.values()))
+            if not free:  # an unloaded adapter's index, the longest unloaded (its requests ended since)
+                retired = [n for n in self.slots if n.startswith(_RETIRED)]
+                if not retired:
+                    return 0
+                free = [self.slots.pop(retired[0])]
+            self.slots[name] = free[0]
+        return self.slots[name]
 
     @contextmanager
     def rows(self, which: torch.Tensor | int):
@@ -94,21 +108,21 @@ class AdapterBank:
                 for k, idx in self._groups:
                     a, b, s = stacks["A"][k], stacks["B"][k], stacks["scale"][k]
                     if idx is None:  # every row this one adapter's
-                        out = out + (x @ a.T) @ b.T * s
+                        out = out + ((x @ a.T) @ b.T * s).to(out.dtype)
                     else:
-                        out = out.index_add(0, idx, (x[idx] @ a.T) @ b.T * s)
+                        out = out.index_add(0, idx, ((x[idx] @ a.T) @ b.T * s).to(out.dtype))
                 return out
             rows = self._rows if self._rows is not None else self.slots.get(POLICY, 0)
             if isinstance(rows, int):
                 if rows == 0:
                     return out
                 a, b, s = stacks["A"][rows], stacks["B"][rows], stacks["scale"][rows]
-                return out + (args[0] @ a.T) @ b.T * s
+                return out + ((args[0] @ a.T) @ b.T * s).to(out.dtype)
             x = args[0]
             flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
             a, b = stacks["A"][rows], stacks["B"][rows]  # [rows, rank, in], [rows, out, rank]
             delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2))
-            delta = delta * stacks["scale"][rows][:, None, None]
+            delta = delta * stacks["scale"][rows][:, None, None].to(delta.dtype)
             return out + delta.reshape(out.shape)
         return add_adapter
 
@@ -119,6 +133,8 @@ class AdapterBank:
         """Put adapter publication ``named`` into adapter ``name`` (a free index the first time;
         refused past ``capacity``). Checked whole before anything is copied, so a bad
         publication leaves every adapter as it was."""
+        if version < self.versions.get(name, -1):
+            return  # (a late load of an older version: the newer one stays)
         layers = payload.by_layer(named)
         modules = dict(self.model.named_modules())
         rank = 0
@@ -137,9 +153,7 @@ class AdapterBank:
             raise ValueError(f"the engine holds {self.capacity} adapters ({', '.join(sorted(self.slots))}); "
                              f"adapter {name!r} is one more (engine.adapters)")
         self._make_room(layers, rank, modules)
-        if name not in self.slots:  # the lowest free index
-            self.slots[name] = min(set(range(1, self.capacity + 1)) - set(self.slots.values()))
-        k = self.slots[name]
+        k = self.slot(name)
         for layer, stacks in self.layers.items():
             if layer in layers:
                 a, b, s = layers[layer]
@@ -168,7 +182,8 @@ class AdapterBank:
             old = self.layers.get(layer)
             stacks = {"A": torch.zeros(self.capacity + 1, rank, module.in_features, dtype=w.dtype, device=w.device),
                       "B": torch.zeros(self.capacity + 1, module.out_features, rank, dtype=w.dtype, device=w.device),
-                      "scale": torch.zeros(self.capacity + 1, dtype=w.dtype, device=w.device)}
+                      # (float32: alpha / rank as the trainer computes it, not rounded to bf16)
+                      "scale": torch.zeros(self.capacity + 1, dtype=torch.float32, device=w.device)}
             if old is not None:
                 stacks["A"][:, :self.rank].copy_(old["A"])
                 stacks["B"][:, :, :self.rank].copy_(old["B"])
@@ -181,11 +196,12 @@ class AdapterBank:
 
     def unload(self, name: str) -> None:
         """Forget adapter ``name``: its index is zeroed (a request still decoding with it goes on
-        on the base) and free for the next adapter loaded."""
+        on the base) and given to another adapter only when no index was never used."""
         k = self.slots.pop(name, None)
         self.versions.pop(name, None)
         if k is None:
             return
+        self.slots[f"{_RETIRED}{name}-{k}"] = k
         for stacks in self.layers.values():
             stacks["A"][k].zero_()
             stacks["B"][k].zero_()
@@ -195,4 +211,5 @@ class AdapterBank:
         """Take every hook off the model (the engine is the base model again)."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self.layers, self.slots, self.versions, self.rank = [], {}, {}, {}, 0
+        self._hooks, self.layers, self.versions, self.rank = [], {}, {}, 0
+        self.slots = {POLICY: 1} if self.capacity else {}

@@ -208,8 +208,8 @@ class TransformersEngine(Engine):
                              "(engine.adapters = 0)")
         with self._model_lock, self._weights_paused():
             self.adapters.load(name, named_tensors, version)
-            if name == POLICY:
-                self.version = version
+            if name == POLICY:  # (the bank keeps the newer of two loads)
+                self.version = self.adapters.versions[POLICY]
 
     def _weights_paused(self) -> AbstractContextManager:
         """Held, inside the model lock, while weights are copied in. Default: nothing more (the

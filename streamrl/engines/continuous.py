@@ -46,7 +46,10 @@ class ContinuousEngine(TransformersEngine):
         cb = ContinuousBatchingConfig(
             return_logprobs=True, page_size=self.config.page_size, max_batch_tokens=self.config.max_batch_tokens,
             num_blocks=None if fraction else self.config.num_blocks, max_memory_percent=fraction,
-            allow_block_sharing=False, use_cuda_graph=self.config.cuda_graph and device == "cuda",
+            allow_block_sharing=False,
+            # transformers captures whole forwards, which would leave the LoRA adapters' hooks
+            # (engines/adapters.py) out of every replay: with adapters, no graphs here
+            use_cuda_graph=self.config.cuda_graph and device == "cuda" and not self.config.adapters,
         )
         # transformers logs a dying loop's traceback, then one warning per request it drops;
         # streamrl reports the loop's error itself (a failed load, failed requests), once

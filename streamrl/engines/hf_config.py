@@ -54,7 +54,9 @@ class HFEngineConfig(BaseModel):
     (where float32 keeps engine and trainer logprobs within 1e-5)."""
     cuda_graph: bool = True
     """On a GPU, let continuous batching replay CUDA graphs of its decode steps: each step's
-    many small kernel launches become one (docs/benchmarks.md has the gain). Ignored on CPU."""
+    many small kernel launches become one (docs/benchmarks.md has the gain). Ignored on CPU, and
+    with ``adapters`` (transformers' graphs would replay the forward without them: set
+    ``adapters = 0``, or use ``slots``, whose graphs hold the adapters)."""
     kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
     """Size the KV cache as this share of the device's free memory instead of ``num_blocks``
     (continuous batching; leave room for a train worker sharing the GPU)."""

@@ -14,7 +14,7 @@ import json
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distributed import Client, Future
@@ -109,7 +109,12 @@ def begin_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict]
     def make_evaluator(plan: LearnerPlan, pin: dict):
         return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy)
 
-    context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path, learner=plan.name)
+    context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path,
+                              # (added while running: it may start from a policy saved then, so it
+                              # shares no base and publishes merged weights, which every engine loads)
+                              learner="" if plan.added else plan.name)
+    if plan.added:
+        context = replace(context, engine=replace(context.engine, adapters=0))
     return begin_place(client, resolved.recipe, plan, context, pins, joined_at,
                        make_evaluator if task is not None and resolved.recipe.eval is not None else None)
 

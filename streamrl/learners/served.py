@@ -186,6 +186,8 @@ class ServedVariants(StepExtension):
             return False
         if lr.plan.added:  # (added while running: its base may be a policy saved then, not the engines')
             return False
+        if not r.learners[0].trainer.capabilities().adapter:  # (a full policy reloads the engines' base each step)
+            return False
         taken = len(self.on_adapters) + (1 if r.learners[0].trainer.capabilities().adapter else 0)
         return taken < engine.adapters
 

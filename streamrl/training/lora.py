@@ -95,6 +95,15 @@ def join_shared_base(model_path: str, device: str, config: LoraConfig, name: str
     return shared
 
 
+def linear_only(model: torch.nn.Module, adapter: str = ADAPTER) -> bool:
+    """Whether every layer adapter ``adapter`` adapts is a ``torch.nn.Linear`` (what an engine's
+    adapters take: an adapted embedding or a GPT-2 ``Conv1D`` is published merged instead)."""
+    from peft.tuners.lora import LoraLayer
+
+    return all(isinstance(m.get_base_layer(), torch.nn.Linear) for m in model.modules()
+               if isinstance(m, LoraLayer) and (adapter in m.lora_A or adapter in m.lora_embedding_A))
+
+
 def own_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
     """Adapter ``name``'s parameters in ``model`` (what its learner's AdamW steps)."""
     return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n]

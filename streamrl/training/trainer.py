@@ -97,6 +97,10 @@ class HFTrainer(Trainer):
 
                 self.adapter = add_adapter(self.model, config.lora)
         self.publishes_adapter = self.adapter is not None and context.engine.adapters > 0
+        if self.publishes_adapter:  # (only linear layers' adapters load into an engine's)
+            from streamrl.training.lora import linear_only
+
+            self.publishes_adapter = linear_only(self.model, self.adapter_name)
         """A publication is the adapter alone (the engine holds adapters over its base weights),
         not the merged weights."""
         self.model.train()

@@ -119,11 +119,12 @@ def _dcp():
 
 
 def _options(trainer):
-    """What of the modules a checkpoint holds: everything, but for a LoRA learner only what it
-    trains (the adapter and its AdamW state; the frozen base weights are the model folder's)."""
+    """What of the modules a checkpoint holds: everything, but for a LoRA learner whose base is
+    the engines' (it publishes its adapter alone) only what it trains: the adapter and its AdamW
+    state, the frozen base weights being the model folder's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    lora = trainer.adapter is not None
+    lora = trainer.adapter is not None and trainer.publishes_adapter
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)  # (strict: every key, frozen ones too)
 
 
