@@ -89,7 +89,7 @@ def main() -> int:
     rates: dict[str, list[float]] = {"base": [], "one": [], "mixed": []}
     for _ in range(args.repeats):
         rates["base"].append(decode(engine, args.requests, args.tokens, []))
-        if not engine.adapters.slots:  # the adapters loaded once, timed (the first load allocates the stacks)
+        if not engine.adapters.versions:  # the adapters loaded once, timed (the first load allocates the stacks)
             loads = []
             for name, pub in zip(names, publications):
                 t0 = time.perf_counter()
