@@ -6,14 +6,12 @@ split, the loss mask in the trainer's batch, and the agent task's one-line error
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
 import torch
-import uvicorn
 
 from streamrl.engines.base import HFEngineConfig
 from streamrl.engines.slots import SlotEngine
@@ -332,3 +330,37 @@ def test_an_agent_that_exits_or_raises_anything_is_that_rollouts_error_named_wit
         gc.collect()  # (where asyncio would say "Task exception was never retrieved", with a traceback)
     assert caplog.records == []
     assert error == f"{kind.__name__}: {arg}"
+
+
+def test_an_agent_failure_is_transient_only_when_its_endpoint_timed_out_was_unreachable_or_overloaded():
+    """A step whose every failure is transient trains on (``optimizer_step``); a raised bug does not."""
+    import httpx
+
+    from streamrl.agents.rollout import RolloutThread, _outcome, transient_failure
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions")
+
+    def status(code: int) -> openai.APIStatusError:
+        return openai.APIStatusError("x", response=httpx.Response(code, request=request), body=None)
+
+    assert transient_failure(openai.APITimeoutError(request=request))
+    assert transient_failure(openai.APIConnectionError(request=request))
+    assert transient_failure(httpx.ConnectError("refused", request=request))
+    assert transient_failure(status(503)) and transient_failure(status(429))
+    assert not transient_failure(status(400)) and not transient_failure(status(401))
+    assert not transient_failure(ValueError("the tool exploded")) and not transient_failure(SystemExit(3))
+
+    async def overloaded():
+        raise openai.APITimeoutError(request=request)
+
+    async def hangs():
+        import asyncio
+
+        await asyncio.sleep(30)
+
+    done, hung = RolloutThread(overloaded), RolloutThread(hangs)
+    done.start(), hung.start()
+    done.join(10)
+    assert _outcome(done, time.time(), 60).transient
+    timed_out = _outcome(hung, time.time(), 0.1)
+    assert timed_out.transient and timed_out.error.startswith("RolloutTimeout")

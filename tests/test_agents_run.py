@@ -122,3 +122,42 @@ def test_an_agent_that_ends_its_process_stops_the_run_in_one_line_naming_task_pa
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("streamrl: error: task agent-0-") and "took down every worker it ran on" in line, line
     assert f"task.path ({agent})" in line
+
+
+# the shipped agent, whose every rollout from the run's second step on answers once and then
+# hangs: as when one abusive rollout (megabytes of tool result, a CPU spin) starves the others
+STARVED = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
+
+import asyncio as _asyncio
+
+
+async def starved(client, row):
+    if client.default_headers["X-Streamrl-Rollout"].startswith("0-"):  # (its prompt's id: the step first)
+        return await rollout(client, row)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=4)
+    await _asyncio.sleep(3600)
+'''
+
+
+def test_steps_whose_every_rollout_timed_out_train_on_and_only_three_in_a_row_stop_the_run(tmp_path):
+    from tests.helpers import only_run, read_records, sets, streamrl
+
+    agent = tmp_path / "starved_agent.py"
+    agent.write_text(STARVED)
+    proc = streamrl("recipe", "run", str(AGENT_RECIPE), "--plain", "--no-report",
+                    *sets("run.steps=6", "run.mode=batch", *SMALL, f'task.path="{agent}"', 'task.function="starved"',
+                          "task.rollout_timeout_s=5", f'run.out_dir="{tmp_path / "runs"}"',
+                          "cluster.dashboard_port=0"), timeout=420)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+    records = read_records(only_run(tmp_path / "runs"))
+    # steps 2 and 3 timed out in every rollout, and trained on (their samples scored 0)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[0]["reward_errors_transient"] == 0
+    for r in records[1:]:
+        assert r["samples"] >= 16 and r["reward_errors"] == r["reward_errors_transient"] == r["samples"], r
+        assert r["reward_mean"] == 0.0 and "RolloutTimeout" in r["reward_error_first"]
+    assert "step 2: every rollout timed out or lost its endpoint" in out
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "step 4: every rollout failed for 3 steps in a row" in line and "task.rollout_timeout_s" in line, line

@@ -11,7 +11,6 @@ import signal
 import sys
 
 import pytest
-from distributed import Client
 
 from streamrl.cluster import lifecycle, warm_start
 from streamrl.recipe.recipe import load_recipe

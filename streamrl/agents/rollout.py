@@ -56,6 +56,10 @@ class Outcome:
     error: str = ""
     """``"TypeError: ..."`` when the agent raised, ``"RolloutTimeout: ..."`` when it was abandoned."""
     seconds: float = 0.0
+    transient: bool = False
+    """The failure was its surroundings', not the agent's: it ran past its timeout, or its
+    endpoint could not be reached or answered with a server error (an overloaded worker, a lost
+    one). A step whose every rollout failed so goes on (:func:`transient_failure`)."""
 
 
 class RolloutThread(threading.Thread):
@@ -167,7 +171,9 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
             traj = _finish(url, api_key, rid, rollout_key)
         except httpx.HTTPError as e:  # its endpoint is gone (a restarted generate worker): nothing to train
             traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
-            outcome.error = outcome.error or f"EndpointLost: the trajectory could not be read from {url} ({e})"
+            if not outcome.error:
+                outcome.error = f"EndpointLost: the trajectory could not be read from {url} ({e})"
+                outcome.transient = True
         counts["calls"] += traj["calls"]
         counts["tool_calls"] += traj["tool_calls"]
         counts["splits"] += traj["splits"]
@@ -205,16 +211,28 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome
     if thread.is_alive():
         thread.abandon()
         return Outcome(error=f"RolloutTimeout: still running after {timeout_s:g} s (task.rollout_timeout_s)",
-                       seconds=seconds)
+                       seconds=seconds, transient=True)
     if thread.error is not None:
         e = thread.error
-        return Outcome(error=f"{type(e).__name__}: {e}"[:500], seconds=seconds)
+        return Outcome(error=f"{type(e).__name__}: {e}"[:500], seconds=seconds, transient=transient_failure(e))
     try:
         reward, info = reward_value(thread.result)
     except (TypeError, ValueError) as e:
         return Outcome(error=f"{type(e).__name__}: the rollout returned {thread.result!r:.80}: {e}"[:500],
                        seconds=seconds)
     return Outcome(reward, info, seconds=seconds)
+
+
+def transient_failure(e: BaseException) -> bool:
+    """Whether an agent's exception is its endpoint's failure rather than its own: the model's
+    client timed out or could not connect, or the endpoint answered 429 or a 5xx. Under a
+    neighbour that hogs the worker (a tool result of megabytes, a CPU spin, a loop of hundreds of
+    calls) every other rollout of a step can fail so; that is overload, not a broken agent."""
+    import openai
+
+    if isinstance(e, (openai.APIConnectionError, httpx.TransportError)):  # (APITimeoutError is one)
+        return True
+    return isinstance(e, openai.APIStatusError) and (e.status_code == 429 or e.status_code >= 500)
 
 
 def _finish(url: str, api_key: str, rid: str, rollout_key: str) -> dict:
@@ -241,6 +259,8 @@ def samples_of(prompt: Prompt, k: int, traj: dict, outcome: Outcome, started: fl
         if outcome.error:
             s.reward_error = outcome.error
             s.times["reward_error"] = 1.0
+            if outcome.transient:
+                s.times["reward_transient"] = 1.0
             s.response_text += f"\n[rollout error: {outcome.error}]"
         out.append(s)
     return out

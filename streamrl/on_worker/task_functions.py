@@ -296,6 +296,7 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     stats.gen_end_max = max(s.times["gen_end"] for s in samples)
     stats.policy_version_min = min(s.policy_version for s in samples)
     stats.reward_errors = sum(1 for s in samples if "reward_error" in s.times)
+    stats.reward_errors_transient = sum(1 for s in samples if "reward_transient" in s.times)
     early = sum(1 for s in samples if "stopped_early" in s.times)
     if early:  # (``stopped_early`` in the record: the share of the step's samples its engine ended early)
         stats.sums["stopped_early"] = stats.sums.get("stopped_early", 0.0) + early
@@ -313,16 +314,32 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
 
     A batch in which the reward failed for every sample (raised, or gave no number) is not
     trained on: :class:`~streamrl.errors.RewardFailed` stops the run before the update, naming
-    the first error. A reward that fails for every sample of a step is a bug, not a signal;
-    training on its zeros would go on in silence. A batch in which only some failed trains (those
-    score 0, counted in ``reward_errors``)."""
+    the first error. A reward that fails for every sample of a step is a bug, not a learning
+    signal; training on its zeros would go on in silence. A batch in which only some failed
+    trains (those score 0, counted in ``reward_errors``).
+
+    Except when every failure was the surroundings' (agents' rollouts that timed out or lost
+    their endpoint: ``reward_errors_transient``): one abusive rollout can starve a step's others,
+    and that is overload, not a bug, so the step trains as usual (its samples scored 0). Only
+    :data:`TRANSIENT_STEPS_MAX` such steps in a row stop the run, as a reward that always fails
+    does."""
     name = trainer
     expect(name, trainer_id)
     samples = sum(t.samples for t in train_tasks)
     errors = sum(t.reward_errors for t in train_tasks)
-    if samples and errors >= samples:
+    transient = sum(t.reward_errors_transient for t in train_tasks)
+    failed = bool(samples) and errors >= samples
+    # (counted once per run step: with ``algorithm.epochs`` > 1 a step makes several updates)
+    last, count = _transient_steps.get(name, (None, 0))
+    count = (count if step == last and step is not None else count + 1) if failed and transient >= errors else 0
+    _transient_steps[name] = (step, count)
+    if failed and not 0 < count < TRANSIENT_STEPS_MAX:
         first = next((t.reward_error_first for t in train_tasks if t.reward_error_first), "no error text")
         where = f"step {step + 1}" if step is not None else "a step"  # (``step``: the run's, from 0)
+        if count:
+            raise RewardFailed(f"{where}: every rollout failed for {TRANSIENT_STEPS_MAX} steps in a row, each "
+                               f"timed out or lost its endpoint (the first: {first}); raise task.rollout_timeout_s "
+                               "or find what holds the agent workers")
         raise RewardFailed(f"{where}: the reward failed for all {samples} samples (the first: {first}), so the step "
                            "was not trained on; a reward that fails for every sample is a bug, not a learning "
                            "signal: fix the reward")
@@ -332,6 +349,13 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
         raise
     except Exception as exc:
         raise _peer_lost(exc) from None
+
+
+#: Steps in a row whose every sample failed for its surroundings (``reward_errors_transient``)
+#: after which the run stops: a few are overload, this many are an agent that never finishes.
+TRANSIENT_STEPS_MAX = 3
+
+_transient_steps: dict[str, tuple] = {}  # by trainer resident: (the last step, such steps in a row), on this worker
 
 
 def export_weights(version: int, after=None, trainer_id: str | dict | None = None, receivers: int = 1):

@@ -119,6 +119,9 @@ class StepNotes:
         if m.get("nonfinite_skipped"):  # (rare by design: each one is named)
             new.append(f"step {m['step'] + 1}: update skipped, its loss or gradient was not finite "
                        "(trainer.max_nonfinite_steps lets that many in a row be skipped; the policy is unchanged)")
+        if m.get("samples") and m.get("reward_errors_transient", 0) >= m["samples"]:  # (each one: rare, and counted)
+            new.append(f"step {m['step'] + 1}: every rollout timed out or lost its endpoint (overload?), so all "
+                       f"{m['samples']} samples scored 0; 3 such steps in a row stop the run")
         return new
 
 

@@ -18,6 +18,7 @@ import re
 NAMES = {
     "reward_mean": "reward/mean",
     "reward_errors": "reward/errors",
+    "reward_errors_transient": "reward/errors_transient",
     "flat_groups": "reward/flat_groups_frac",
     "stopped_early": "generation/stopped_early_frac",
     "response_len_mean": "response_length/mean",

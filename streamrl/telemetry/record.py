@@ -35,7 +35,8 @@ class StepRecord:
     reward_errors: int
     """Samples whose reward raised or was not a finite number (scored 0). A step in which every
     sample's did is not recorded: the run stops before its update (``remote.optimizer_step``),
-    since a reward that always fails is a bug, not a learning signal."""
+    since a reward that always fails is a bug, not a learning signal -- unless every failure was
+    the surroundings' (``reward_errors_transient``), for a few steps in a row."""
     generated_policy_version_min: int
     staleness_max: int
     """Versions between the policy being trained (``step``) and its oldest sample."""
@@ -74,6 +75,9 @@ class StepRecord:
     flat_groups: float | None = None
     """Share of the step's prompt groups (of two samples or more) whose samples all got the same
     reward, where a group baseline has nothing to learn from; None without such groups."""
+    reward_errors_transient: int = 0
+    """Of ``reward_errors``, the agents' rollouts that timed out or lost their endpoint (overload
+    or a lost worker, not a broken reward or agent)."""
     reward_error_first: str | None = None
     """What the reward raised for the step's first sample whose reward failed
     (``"ValueError: ..."``), so that the error is seen somewhere; None when none failed."""
@@ -136,6 +140,7 @@ def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: 
         reward_mean=sum(m.reward_sum for m in micro) / per,
         loss=sum(m.loss_sum for m in micro) / per,
         response_len_mean=tokens / per, reward_errors=sum(m.reward_errors for m in micro),
+        reward_errors_transient=sum(m.reward_errors_transient for m in micro),
         generated_policy_version_min=oldest, staleness_max=step - oldest, grad_norm=step_stats.grad_norm,
         samples_per_s=samples / step_s, tokens_per_s=tokens / step_s, generate_s=max(0.0, gen_end - t0),
         train_s=sum(m.seconds for m in micro) + step_stats.seconds, train_tail_s=t_trained - gen_end,

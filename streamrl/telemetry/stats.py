@@ -50,6 +50,9 @@ class TrainTaskStats:
     """Micro-batches the task was cut into."""
     reward_errors: int = 0
     """Samples whose reward raised or was not a finite number (scored 0)."""
+    reward_errors_transient: int = 0
+    """Of those, the ones whose failure was their surroundings' (an agent's rollout that timed
+    out or lost its endpoint), not the reward's or the agent's own."""
     reward_error_first: str | None = None
     """What the reward raised for the first of them (``Sample.reward_error``); None without any."""
     gen_end_max: float | None = None
