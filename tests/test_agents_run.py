@@ -161,3 +161,44 @@ def test_steps_whose_every_rollout_timed_out_train_on_and_only_three_in_a_row_st
     assert "step 2: every rollout timed out or lost its endpoint" in out
     line = proc.stderr.strip().splitlines()[-1]
     assert "step 4: every rollout failed for 3 steps in a row" in line and "task.rollout_timeout_s" in line, line
+
+
+# the shipped agent, and in every step one rollout that abuses everything at once: a tool result
+# of 5 MB, a CPU spin that never awaits, then a loop of 500 calls
+ABUSIVE = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
+
+import time as _time
+
+
+async def abusive(client, row):
+    if client.default_headers["X-Streamrl-Rollout"].split("-")[1:3] != ["000", "0"]:  # (step-prompt-k-tag)
+        return await rollout(client, row)  # (all but the first prompt's first rollout of each step)
+    messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": "calc"},
+                {"role": "tool", "tool_call_id": "x", "content": "9" * 5_000_000}]
+    try:
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    except Exception:
+        pass
+    end = _time.time() + 15
+    while _time.time() < end:
+        pass
+    for _ in range(500):
+        await client.chat.completions.create(model="policy", messages=messages[:1], max_tokens=1)
+    return 1.0
+'''
+
+
+def test_one_abusive_rollout_a_step_leaves_the_others_and_the_run_going(tmp_path):
+    agent = tmp_path / "abusive_agent.py"
+    agent.write_text(ABUSIVE)
+    run = run_recipe(AGENT_RECIPE, "run.steps=2", *SMALL, f'task.path="{agent}"', 'task.function="abusive"',
+                     "task.rollout_timeout_s=20", out=tmp_path / "runs", timeout=420)
+    records = run.records
+    assert [r["step"] for r in records] == [0, 1]
+    # the others finished and were scored by the agent (the shipped one gets some products right)
+    for r in records:
+        assert r["samples"] - r["reward_errors"] >= 12, r
+        # the abusive rollout ran: it timed out in its spin or its calls, or made its 500 calls
+        # (each a trajectory segment of its own: the history was rewritten), ending after the spin
+        assert r["agent/timeouts"] == 1 or r["samples"] > 500, {k: r.get(k) for k in ("samples", "agent/timeouts")}
+    assert "Traceback" not in run.proc.stdout + run.proc.stderr
