@@ -37,6 +37,10 @@ def test_the_docs_client_examples_answer_on_the_shipped_serve_recipe():
             r1 = httpx.post(f"{url}/completions", json=json.loads(curl_body), timeout=60)
             assert r1.status_code == 200, r1.text[:300]
             assert len(r1.json()["choices"]) == json.loads(curl_body)["n"]
+            # the feedback line's body, with that completion's id for its placeholder
+            feedback = re.search(r"v1/feedback .*?-d '(\{.*?\})'", clients, re.S).group(1)
+            r2 = httpx.post(f"{url}/feedback", json={**json.loads(feedback), "id": r1.json()["id"]}, timeout=60)
+            assert r2.status_code == 200 and r2.json()["accepted"] is True, r2.text[:300]
             # the Python example, with the endpoint's address
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
