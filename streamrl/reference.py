@@ -98,7 +98,7 @@ def run(resolved: Resolved, steps: int, log: Callable[[str], None] = print) -> l
             t0 = time.time()
             groups = generate(engine, task.prompts(step, t.prompts_per_step), t.samples_per_prompt)
             for g in groups:
-                score_group(reward, g, r.reward.score_timeout_s)
+                score_group(reward, g, r.reward.score_timeout_s, r.reward.limit)
             stats, _ = train_step(trainer, groups, t.groups_per_micro_batch, context.algorithm.epochs)
             version = step + 1  # one published policy per step, as in the controller
             engine.load_weights(transfer.receive(transfer.send(trainer.named_weights(), version), version), version)

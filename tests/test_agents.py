@@ -255,6 +255,15 @@ def test_a_reward_that_is_not_a_finite_bounded_number_is_refused_and_never_train
         assert r.json()["error"]["param"] == "reward", (bad, r.json())
     assert api.traffic.snapshot()["rewarded"] == before  # nothing of them reached training
     assert httpx.post(f"{url}/feedback", json={"id": cid, "reward": -1e6}).status_code == 200  # the bound itself
+    # the run's reward.limit is the endpoint's bound
+    api.reward_limit = 10.0
+    try:
+        cid = client.completions.create(model="policy", prompt="12*12=", max_tokens=4).id
+        r = httpx.post(f"{url}/feedback", json={"id": cid, "reward": 10.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reward" and "reward.limit" in r.text, r.text
+        assert httpx.post(f"{url}/feedback", json={"id": cid, "reward": -10.0}).status_code == 200
+    finally:
+        api.reward_limit = 1e6
 
 
 def test_a_reward_past_the_limit_is_a_counted_error_wherever_it_comes_from():
@@ -264,6 +273,37 @@ def test_a_reward_past_the_limit_is_a_counted_error_wherever_it_comes_from():
     for bad in (1e308, -1e7, {"score": 2e6}, float("nan")):
         with pytest.raises(ValueError, match="reward is"):
             reward_value(bad)
+    # reward.limit: the run's own bound, for a reward function's scores as for an agent's
+    from streamrl.agents.rollout import RolloutThread, _outcome
+    from streamrl.recipe.recipe import RewardSection
+    from streamrl.rewards.scoring import score_group
+
+    def sample() -> Sample:
+        return Sample(uid="0-0", prompt=Prompt(uid="0", text="1+1="), prompt_ids=[1], response_ids=[2],
+                      logprobs=[0.0], response_text="2")
+
+    assert reward_value(5e6, limit=1e7) == (5e6, {})
+    with pytest.raises(ValueError, match=r"reward.limit"):
+        reward_value(5.0, limit=4.0)
+
+    class Fives:
+        def score(self, prompt, response):
+            return 5.0
+
+    group = score_group(Fives(), [sample(), sample()], limit=4.0)
+    assert [(s.reward, "reward.limit" in s.reward_error) for s in group] == [(0.0, True), (0.0, True)]
+    assert [s.reward for s in score_group(Fives(), [sample()], limit=5.0)] == [5.0]
+
+    async def five():
+        return 5.0
+
+    thread = RolloutThread(five)
+    thread.start(), thread.join(10)
+    assert "reward.limit" in _outcome(thread, time.time(), 60, limit=4.0).error
+    assert _outcome(thread, time.time(), 60, limit=5.0).reward == 5.0
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            RewardSection(name="exact_match", limit=bad)
 
 
 def test_a_streamed_tool_call_comes_as_openai_streams_it_and_the_trajectory_continues(served):

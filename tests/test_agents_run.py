@@ -5,6 +5,7 @@ are contained and counted; the gym-style environment trains the same way."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -164,14 +165,18 @@ def test_steps_whose_every_rollout_timed_out_train_on_and_only_three_in_a_row_st
 
 
 # the shipped agent, and in every step one rollout that abuses everything at once: a tool result
-# of 5 MB, a CPU spin that never awaits, then a loop of 500 calls
+# of 5 MB, a CPU spin that never awaits, then a loop of 500 calls; and one that returns 1e308
 ABUSIVE = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
 
 import time as _time
 
 
 async def abusive(client, row):
-    if client.default_headers["X-Streamrl-Rollout"].split("-")[1:3] != ["000", "0"]:  # (step-prompt-k-tag)
+    which = client.default_headers["X-Streamrl-Rollout"].split("-")[1:3]  # (step-prompt-k-tag)
+    if which == ["001", "0"]:  # a reward that once overflowed a whole step's loss
+        await rollout(client, row)
+        return 1e308
+    if which != ["000", "0"]:
         return await rollout(client, row)  # (all but the first prompt's first rollout of each step)
     messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": "calc"},
                 {"role": "tool", "tool_call_id": "x", "content": "9" * 5_000_000}]
@@ -201,4 +206,8 @@ def test_one_abusive_rollout_a_step_leaves_the_others_and_the_run_going(tmp_path
         # the abusive rollout ran: it timed out in its spin or its calls, or made its 500 calls
         # (each a trajectory segment of its own: the history was rewritten), ending after the spin
         assert r["agent/timeouts"] == 1 or r["samples"] > 500, {k: r.get(k) for k in ("samples", "agent/timeouts")}
+        # 1e308 was an error of its rollout (scored 0), and the step trained with finite numbers
+        assert r["agent/errors"] >= 1 and math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+        assert 0.0 <= r["reward_mean"] <= 1.0
+    assert any("1e+308" in (r.get("agent/first_error") or "") for r in records), [r.get("agent/first_error") for r in records]
     assert "Traceback" not in run.proc.stdout + run.proc.stderr

@@ -4,6 +4,7 @@ real ``openai`` client on loopback; feedback becomes training steps."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -215,6 +216,10 @@ def test_every_rewarded_completion_is_trained_exactly_once(served):
     for k in range(6):  # 6 requests x 4 choices = 24 samples = 3 steps of serve.samples_per_step = 8
         out = c.completions.create(model=model, prompt=f"{10 + k}+{20 + k}=", n=4, max_tokens=6)
         ids.append(out.id)
+    # rewards that once overflowed a whole step's loss: refused, and the choice still takes a good one
+    for hostile in ("1e308", "-1e308", "NaN", "Infinity", '"NaN"', "true"):
+        body = f'{{"id": "{ids[0]}", "index": 0, "reward": {hostile}}}'.encode()
+        assert post(url, "/feedback", body)[0] == 400, hostile
     for cid in ids:
         for i in range(4):
             assert post(url, "/feedback", json.dumps({"id": cid, "index": i, "reward": float(i % 2)}).encode())[0] == 200
@@ -234,6 +239,8 @@ def test_every_rewarded_completion_is_trained_exactly_once(served):
     assert after["ready"] == 0 and after["stale_dropped"] == before["stale_dropped"]
     versions = [r["policy_version"] for r in records]
     assert versions == list(range(versions[0], versions[0] + 3))  # each step published a new policy
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert sum(r["reward_mean"] * r["samples"] for r in records) == 12.0  # (none of the refused values got in)
     # both generate workers answered (the endpoint's own engine, and the other's through its token server)
     assert {x["worker"] for r in records for x in r["sample_log"]} == {"generate-0", "generate-1"}
 

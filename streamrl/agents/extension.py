@@ -41,7 +41,7 @@ class AgentRollouts(StepExtension):
         self.config = serve.model_copy(update={"port": 0})  # one endpoint per generate worker
         self.model_name = serve.model_name or r.run.name
         self.tool_parser = serve.build_tool_parser(context.resolved.registry)
-        self.spec = context.task.config.spec()
+        self.spec = {**context.task.config.spec(), "reward_limit": r.reward.limit}
         self.pool = "agent" if r.pools.agent is not None else "reward"
         self.topology = context.topology
         self.urls: list[str] = []
@@ -61,7 +61,9 @@ class AgentRollouts(StepExtension):
             pin = self.topology.pins[name]
             try:
                 url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
-                                         endpoint.ship(self.tool_parser), self.rollout_key, pure=False, key=f"agent-endpoint-{name}-{time.time_ns()}", **pin).result()
+                                         endpoint.ship(self.tool_parser), self.rollout_key,
+                                         reward_limit=self.recipe.reward.limit, pure=False,
+                                         key=f"agent-endpoint-{name}-{time.time_ns()}", **pin).result()
             except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix
                 raise UserError(str(e)) from None
             self.urls.append(url)

@@ -24,7 +24,7 @@ import httpx
 from distributed import get_worker
 
 from streamrl.recipe.user_files import exec_user_source
-from streamrl.rewards.scoring import reward_value
+from streamrl.rewards.scoring import REWARD_LIMIT, reward_value
 from streamrl.sample import Group, Prompt, Sample
 from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER
 
@@ -162,7 +162,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     outcomes = []
     for k, rid, url, thread, started in runs:
         thread.join(max(0.0, deadline - time.time()))
-        outcomes.append(_outcome(thread, started, spec["timeout_s"]))
+        outcomes.append(_outcome(thread, started, spec["timeout_s"], spec.get("reward_limit", REWARD_LIMIT)))
     group: Group = []
     counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
               "splits": 0, "crossed_updates": 0, "first_error": ""}
@@ -206,7 +206,7 @@ def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeo
     return main
 
 
-def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome:
+def _outcome(thread: RolloutThread, started: float, timeout_s: float, limit: float = REWARD_LIMIT) -> Outcome:
     seconds = time.time() - started
     if thread.is_alive():
         thread.abandon()
@@ -216,7 +216,7 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome
         e = thread.error
         return Outcome(error=f"{type(e).__name__}: {e}"[:500], seconds=seconds, transient=transient_failure(e))
     try:
-        reward, info = reward_value(thread.result)
+        reward, info = reward_value(thread.result, limit)
     except (TypeError, ValueError) as e:
         return Outcome(error=f"{type(e).__name__}: the rollout returned {thread.result!r:.80}: {e}"[:500],
                        seconds=seconds)

@@ -56,7 +56,8 @@ def place(client: Client, resolved: Resolved, generate_workers: dict[str, str], 
     client.register_plugin(Resident(TRAINER, build_trainer, torch_threads=train_threads, seed=seed,
                                     what=f"trainer {r.trainer.name!r}"))
     client.register_plugin(Resident(REWARD, resolved.reward.build, seed=seed, what=f"reward {r.reward.name!r}",
-                                    settings={"score_timeout_s": r.reward.score_timeout_s}))
+                                    settings={"score_timeout_s": r.reward.score_timeout_s,
+                                              "limit": r.reward.limit}))
     client.register_plugin(Resident(TRANSFER, resolved.transfer.build, seed=seed,
                                     what=f"transfer {r.transfer.name!r}"))
     if resolved.ranker is not None:

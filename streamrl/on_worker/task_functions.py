@@ -206,8 +206,9 @@ def score_groups(groups: list[Group]) -> list[Group]:
     """Reward pool: score every sample; a failing or late reward is contained
     (``rewards/scoring.py``, within the run's ``reward.score_timeout_s``)."""
     reward = resident(REWARD)
-    timeout_s = resident_settings(REWARD).get("score_timeout_s")
-    return [scoring.score_group(reward, g, timeout_s) for g in groups]
+    settings = resident_settings(REWARD)
+    timeout_s, limit = settings.get("score_timeout_s"), settings.get("limit", scoring.REWARD_LIMIT)
+    return [scoring.score_group(reward, g, timeout_s, limit) for g in groups]
 
 
 def _peer_lost(exc: Exception) -> Exception:

@@ -108,6 +108,12 @@ class RewardSection(Section):
     """``[reward]``: ``name`` picks the reward component; ``score_timeout_s`` belongs to
     streamrl; every other key to the reward component's own config."""
 
+    limit: float = Field(1e6, gt=0, allow_inf_nan=False)
+    """The largest reward magnitude the run trains on, wherever a reward comes from: the reward
+    function, an agent's rollout, a client's feedback. One huge value among a batch's (1e308)
+    makes its advantages and loss overflow, so a reward past it either way is refused where it
+    enters -- counted as that sample's reward error (scored 0), or a 400 naming ``reward`` to a
+    client -- and never trained. Rewards that mean something stay far inside the default."""
     score_timeout_s: float = Field(60.0, ge=0)
     """Seconds one response's score may take; 0: no limit. A score that has not come back
     in time (a grader waiting on a dead service, a solution that loops) scores 0 and is counted

@@ -19,6 +19,7 @@ per reward worker: the file only has to exist where ``streamrl`` runs.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -235,7 +236,8 @@ def _value(raw: Any, conv: str) -> tuple[float | None, dict[str, float]]:
         raise TypeError("returned None; expected a number or a dict with 'score'")
     if isinstance(raw, (str, bytes)) or (not isinstance(raw, dict) and not hasattr(type(raw), "__float__")):
         raise TypeError(f"returned {type(raw).__name__}; expected a number or a dict with 'score'")
-    return reward_value(raw)
+    # finite here; the weighted total is held to the run's ``reward.limit`` where it is scored
+    return reward_value(raw, limit=math.inf)
 
 
 class PythonReward(Reward):

@@ -13,18 +13,18 @@ from typing import Any, Callable
 from streamrl.api import Reward
 from streamrl.sample import Group
 
-#: The largest reward magnitude streamrl trains on. A reward is a number a user's function, an
-#: agent or a client sends; one huge value among a batch's (1e308) makes its advantages and loss
-#: overflow, so anything past this is refused where it enters (an error counted for that sample,
-#: or a 400 to the client), never trained. Rewards that mean something stay far inside it.
+#: The default of ``reward.limit``: the largest reward magnitude a run trains on. A reward is a
+#: number a user's function, an agent or a client sends; one huge value among a batch's (1e308)
+#: makes its advantages and loss overflow, so anything past the limit is refused where it enters
+#: (an error counted for that sample, or a 400 to the client), never trained.
 REWARD_LIMIT = 1e6
 
 
-def reward_value(value: Any) -> tuple[float, dict[str, float]]:
+def reward_value(value: Any, limit: float = REWARD_LIMIT) -> tuple[float, dict[str, float]]:
     """The score and the named values of what a reward gave for one response: a number, or a
     dict with ``"score"`` and other named values (those that are not numbers are left out, as
     verl's dicts carry strings such as the extracted answer). Raises on anything else, on a
-    score that is not a finite number, or on one past :data:`REWARD_LIMIT` either way."""
+    score that is not a finite number, or on one past ``limit`` (``reward.limit``) either way."""
     info: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
@@ -44,8 +44,8 @@ def reward_value(value: Any) -> tuple[float, dict[str, float]]:
     score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"reward is {score}")
-    if abs(score) > REWARD_LIMIT:
-        raise ValueError(f"reward is {score:g}; rewards must lie within [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]")
+    if abs(score) > limit:
+        raise ValueError(f"reward is {score:g}; rewards must lie within [-{limit:g}, {limit:g}] (reward.limit)")
     return score, info
 
 
@@ -124,11 +124,11 @@ def _failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def score_group(reward: Reward, group: Group, timeout_s: float | None = None) -> Group:
+def score_group(reward: Reward, group: Group, timeout_s: float | None = None, limit: float = REWARD_LIMIT) -> Group:
     """Score every sample in place, with one :meth:`Reward.score_group` call. A reward that
     raises (``SystemExit`` too), gives no finite number, or has not returned within
     ``timeout_s`` seconds per response (``reward.score_timeout_s``; None or 0: no limit;
-    :func:`call_with_deadline`) for a sample is contained: reward 0, the sample flagged
+    :func:`call_with_deadline`), or past ``limit`` (``reward.limit``), for a sample is contained: reward 0, the sample flagged
     (``times["reward_error"]``, counted in ``reward_errors``), the error kept in
     ``Sample.reward_error`` and appended to its text. Returns the group."""
     prompts, responses = [s.prompt for s in group], [s.response_text for s in group]
@@ -157,7 +157,7 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None) ->
         try:
             if isinstance(value, BaseException):
                 raise _failure(value)
-            s.reward, s.reward_info = reward_value(value)
+            s.reward, s.reward_info = reward_value(value, limit)
         except Exception as exc:  # one bad sample must not fail the step
             s.reward, s.reward_info = 0.0, {}
             s.times["reward_error"] = 1.0

@@ -13,6 +13,7 @@ from distributed import get_worker
 
 from streamrl.on_worker.resident import ENGINE, ResidentLost, resident
 from streamrl.sample import Group
+from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.http_server import start_in_thread
 from streamrl.serve.traffic import Traffic, as_json, from_json
@@ -30,11 +31,12 @@ def ship(tool_parser) -> bytes | None:
 
 
 def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollout_key: str = "",
-          ready: bool = True) -> str:
+          ready: bool = True, reward_limit: float = REWARD_LIMIT) -> str:
     """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
     ``tool_parser``: the built ``serve.tool_parser`` (:func:`ship`); ``rollout_key``: the secret
     the run's agent rollouts send (empty: no agent calls are taken); ``ready`` False: the API
-    answers 503 until :func:`go_live` (the run adds the models it will list first). Raises naming
+    answers 503 until :func:`go_live` (the run adds the models it will list first);
+    ``reward_limit``: the run's ``reward.limit``, past which feedback is refused. Raises naming
     the setting when the engine cannot stream (not the slot decoder) or the port cannot be bound."""
     from streamrl.serve.openai_api import Endpoint, make_app
 
@@ -53,7 +55,7 @@ def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollo
         raise ValueError('streamrl serve needs engine.batching = "slots" (the engine that streams each decode '
                          f"step's tokens); this engine is {type(engine).__name__}")
     traffic = Traffic(cfg.feedback_timeout_s)
-    api = Endpoint(engine, cfg, traffic, model_name, tool_parser, rollout_key=rollout_key)
+    api = Endpoint(engine, cfg, traffic, model_name, tool_parser, rollout_key=rollout_key, reward_limit=reward_limit)
     api.worker = str(get_worker().name)
     api.ready = ready
     app = make_app(api)

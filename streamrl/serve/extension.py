@@ -45,6 +45,7 @@ class ServedTraffic(StepExtension):
         self.client, self.config = context.client, r.serve
         self.model_name = r.serve.model_name or r.run.name
         self.max_staleness = r.run.max_staleness
+        self.reward_limit = r.reward.limit
         self.steps = r.run.steps
         self.topology = context.topology
         self.tool_parser = r.serve.build_tool_parser(context.resolved.registry)
@@ -66,7 +67,8 @@ class ServedTraffic(StepExtension):
         try:
             # it answers 503 until started(): the variants and replicas the run adds are in by then
             self.url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
-                                          endpoint.ship(self.tool_parser), ready=False, pure=False,
+                                          endpoint.ship(self.tool_parser), ready=False,
+                                          reward_limit=self.reward_limit, pure=False,
                                           key=f"serve-start-{time.time_ns()}", **self.pin).result()
         except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
             raise UserError(str(e)) from None

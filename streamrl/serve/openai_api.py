@@ -152,9 +152,9 @@ class Feedback(BaseModel):
     id: str | None = None
     session: str | None = None
     index: int | None = Field(None, ge=0)
-    reward: float = Field(strict=True, allow_inf_nan=False, ge=-REWARD_LIMIT, le=REWARD_LIMIT)
-    """A JSON number (not a string or a boolean), finite and within ``REWARD_LIMIT`` either way:
-    one value past it would overflow a training step's loss."""
+    reward: float = Field(strict=True, allow_inf_nan=False)
+    """A JSON number (not a string or a boolean), finite, and within the run's ``reward.limit``
+    either way (the route checks that): one value past it would overflow a training step's loss."""
 
     @model_validator(mode="after")
     def _one_target(self) -> "Feedback":
@@ -185,8 +185,10 @@ class Endpoint:
     """What the API serves from: the engine, its tokenizer, the traffic store and the settings."""
 
     def __init__(self, engine, config: ServeConfig, traffic: Traffic, model_name: str, tool_parser=None,
-                 rollout_key: str = ""):
+                 rollout_key: str = "", reward_limit: float = REWARD_LIMIT):
         self.engine, self.config, self.traffic, self.model_name = engine, config, traffic, model_name
+        self.reward_limit = reward_limit
+        """The run's ``reward.limit``: feedback past it either way is a 400 naming ``reward``."""
         self.rollout_key = rollout_key
         """The secret an agent's call must send in ``X-Streamrl-Rollout-Key`` (empty: this
         endpoint takes no agent calls, as a ``streamrl serve`` endpoint)."""
@@ -468,6 +470,9 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     async def feedback(request: Request):
         endpoint.authorize(request)
         fb = await endpoint.body(request, Feedback)
+        if abs(fb.reward) > endpoint.reward_limit:
+            raise APIError(400, f"Invalid value for 'reward': {fb.reward:g} is past this run's reward.limit; rewards "
+                                f"must lie within [-{endpoint.reward_limit:g}, {endpoint.reward_limit:g}].", param="reward")
         if fb.session is not None:
             reached, problem = endpoint.traffic.session_feedback(fb.session, fb.reward)
             if problem is not None:
