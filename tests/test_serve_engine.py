@@ -100,7 +100,9 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_choices(engine):
     import asyncio
 
     from streamrl.recipe.serve import ServeConfig
-    from streamrl.serve.openai_api import CompletionRequest, Endpoint, Format, stream
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.request_bodies import CompletionRequest
+    from streamrl.serve.responses import Format, stream
     from streamrl.serve.completion import Completion
     from streamrl.serve.traffic import Traffic
 

@@ -126,7 +126,7 @@ def test_a_failure_nobody_foresaw_is_that_requests_500_in_openais_shape(served, 
 
 
 def test_refused_requests_are_a_few_lines_that_count_the_rest(served, caplog):
-    from streamrl.serve.openai_api import RefusalLog
+    from streamrl.serve.request_bodies import RefusalLog
 
     refusals = RefusalLog(every_s=0.2)
     with caplog.at_level("WARNING", logger="streamrl.serve"):

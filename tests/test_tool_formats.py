@@ -149,7 +149,7 @@ def test_the_parsers_leave_what_does_not_parse_as_content():
 def test_a_streamed_reply_sends_no_reasoning_or_call_markup_as_content(parser, pieces, content):
     from types import SimpleNamespace
 
-    from streamrl.serve.openai_api import Format
+    from streamrl.serve.responses import Format
 
     fmt = Format(None, None, "c", True, [], parser, model="m")
     choice, streamed = SimpleNamespace(index=0, text=""), []

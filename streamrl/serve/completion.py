@@ -80,9 +80,9 @@ class Completion:
         self.cancelled = False
         """Whether :meth:`cancel` stopped the request (its choices are not trained)."""
         self.turn = None
-        """The agent rollout's call this request is (``openai_api.Turn``), or None."""
+        """The agent rollout's call this request is (``responses.Turn``), or None."""
         self.ended = False
-        """Whether the endpoint has handed the request's end on (``openai_api.finished``)."""
+        """Whether the endpoint has handed the request's end on (``responses.finished``)."""
         self.first_token_at: float | None = None
         """When the first token of any choice came (time to first token, per variant)."""
         self.last_token_at: float | None = None

@@ -1,0 +1,141 @@
+"""What the OpenAI-compatible API takes, and how it refuses: the request bodies (strict
+pydantic models: a field takes its own JSON type, as OpenAI's API does) and the errors in
+OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``), with the log of refusals
+that counts a flood instead of printing it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("streamrl.serve")
+
+
+class APIError(Exception):
+    """A request the API refuses: an OpenAI-shaped error with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        """The error as OpenAI's JSON body."""
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class RefusalLog:
+    """Refused requests in the worker's log: one line, then at most one every ``every_s``
+    seconds, which counts those refused in between (a flood of bad requests is a few lines, not
+    one per request among the run's steps)."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last, self.quiet = every_s, -float("inf"), 0
+
+    def say(self, line: str) -> None:
+        """Log ``line`` unless a line went out less than ``every_s`` ago (then count it)."""
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.quiet += 1
+            return
+        if self.quiet:
+            line += f" (and {self.quiet} more refused since the last line)"
+        log.warning(line)
+        self.last, self.quiet = now, 0
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: whether a stream ends with the usage chunk."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields both completion endpoints share (others are accepted and ignored, as
+    OpenAI's clients send some this endpoint has no use for).
+
+    Strict, as OpenAI's API is: a field takes its own JSON type, not one that could be read as
+    it (``"max_tokens": "3"``, ``"stream": "yes"``, ``"n": true`` are 400s naming the field);
+    a float field still takes a JSON integer (``"temperature": 1``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    answer: Any = None
+    """streamrl's own: the reference answer the recipe's reward checks (``serve.reward = "recipe"``)."""
+    session: str | None = Field(None, min_length=1, max_length=256)
+    """streamrl's own: a conversation or user session this request belongs to; one ``POST
+    /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
+
+
+class ChatRequest(Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    """Functions the model may call, in OpenAI's format; shown to the model by its chat template."""
+    tool_choice: str | dict[str, Any] | None = None
+    """``"none"``: the reply is not parsed for tool calls; anything else parses it."""
+
+
+class CompletionRequest(Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class Feedback(BaseModel):
+    """``POST /v1/feedback``: a reward for one choice (``index``) or every choice of a completion
+    (``id``), or for every waiting completion of a session (``session``). Strict, as the
+    completion requests are (``"index": "1"`` is a 400)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str | None = None
+    session: str | None = None
+    index: int | None = Field(None, ge=0)
+    reward: float = Field(strict=True, allow_inf_nan=False)
+    """A JSON number (not a string or a boolean), finite, and within the run's ``reward.limit``
+    either way (the route checks that): one value past it would overflow a training step's loss."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "Feedback":
+        if (self.id is None) == (self.session is None):
+            raise ValueError("give exactly one of 'id' (a completion) and 'session'")
+        if self.session is not None and self.index is not None:
+            raise ValueError("'index' names a choice of a completion; a session's feedback rewards every choice")
+        return self
+
+
+def _param(body: dict, error: dict) -> str:
+    """The field of ``body`` a validation ``error`` names, as ``a.0.b``. Pydantic puts a union's
+    member type in the error's place (``("prompt", "str")``), which names nothing the client
+    sent: only the steps that lead into the body are kept, and a missing field's own name."""
+    parts, node = [], body
+    for x in error["loc"]:
+        if not ((isinstance(node, dict) and isinstance(x, str) and x in node)
+                or (isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node))):
+            continue  # (a union member's type: nothing the client sent)
+        node = node[x]
+        parts.append(str(x))
+    if error["type"] == "missing" and error["loc"]:
+        parts.append(str(error["loc"][-1]))
+    return ".".join(parts)

@@ -1,0 +1,270 @@
+"""Answering a request of the OpenAI-compatible API: run it in the engine, then the whole
+response or its server-sent events (one per decode step's tokens) in OpenAI's shapes, with the
+``streamrl`` object beside them (token ids, log-probs, policy versions); and when it ends, its
+choices to the learners or its reply to an agent's trajectory."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from streamrl.chat.messages import reply_message
+from streamrl.serve.completion import Completion
+from streamrl.serve.request_bodies import APIError, Sampling
+
+if TYPE_CHECKING:
+    from streamrl.serve.openai_api import Endpoint
+
+
+class Turn:
+    """A call of an agent's rollout: where its reply goes when it ends (the rollout's
+    trajectory, not the traffic the learners take one request at a time)."""
+
+    def __init__(self, rollout: str, segment, messages: list[dict[str, Any]], prompt_ids: list[int]):
+        self.rollout, self.segment, self.messages, self.prompt_ids = rollout, segment, messages, prompt_ids
+        self.done = False
+
+
+async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list[int], chat: bool,
+                  turn: Turn | None = None):
+    """Run the request in the engine; the whole response, or its server-sent events."""
+    engine = endpoint.engine_for(req.model, rollout=turn is not None)
+    params = endpoint.params(req, ids)
+    cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
+    completion = Completion(engine, endpoint.tokenizer, cid, ids, params, keep=endpoint.kept_tokens if tools else None)
+    completion.turn = turn
+    endpoint.pending += params.n
+    endpoint.running[id(engine)] = endpoint.running.get(id(engine), 0) + params.n
+    model = endpoint.model_name if turn is not None else req.model
+    endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n)
+    try:
+        completion.start()
+    except ValueError as e:  # the engine's own check (a prompt past its slots)
+        endpoint.pending -= params.n
+        endpoint.running[id(engine)] -= params.n
+        raise APIError(400, str(e), param="prompt") from None
+    fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
+    if req.stream:
+        return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        async for _ in completion.events():
+            if await request.is_disconnected():
+                completion.cancel()
+    except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
+        completion.cancel()  # (its other choices stop decoding too)
+        raise APIError(500, f"Generation failed: {e}", kind="server_error") from None
+    finally:
+        finished(endpoint, completion, fmt)
+    return fmt.whole(completion)
+
+
+async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req: Sampling):
+    """Server-sent events: one chunk per decode step's new tokens of a choice, then each choice's
+    end, the usage (``stream_options.include_usage``) and ``[DONE]``. A client that goes away
+    cancels the request (the generator is closed)."""
+    try:
+        yield sse(fmt.chunk(None, first=True))
+        async for ev in completion.events():
+            if completion.turn is not None and all(c.finish_reason for c in completion.choices):
+                finished(endpoint, completion, fmt)  # the trajectory has the reply before the client sees its end
+            yield sse(fmt.chunk(ev, choice=completion.choices[ev.index]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield sse(fmt.usage_chunk(completion))
+        yield "data: [DONE]\n\n"
+    except APIError as e:  # (the tool parser failed on the finished reply)
+        endpoint.refusals.say(f"POST (stream) -> {e.status} {e.message}")
+        yield sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+    except Exception as e:  # noqa: BLE001 -- mid-stream there is no status to change: an error event
+        yield sse({"error": {"message": f"Generation failed: {e}", "type": "server_error", "param": None,
+                             "code": None}})
+    finally:
+        if not all(c.finish_reason for c in completion.choices):
+            completion.cancel()
+        finished(endpoint, completion, fmt)
+
+
+def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
+    """The request ended: free its place and hand its choices to the learners (not a cancelled
+    one, nor a greedy one, which is not a sample of the policy); a rollout's call joins its
+    trajectory instead. Once per request, however it ends."""
+    if completion.ended:
+        return
+    completion.ended = True
+    endpoint.pending -= completion.params.n
+    endpoint.running[id(completion.engine)] = endpoint.running.get(id(completion.engine), 0) - completion.params.n
+    turn = completion.turn
+    if turn is not None:
+        c = completion.choices[0]
+        reply = None
+        if not completion.cancelled and c.finish_reason:
+            try:
+                reply = fmt.reply(c)
+            except APIError:  # (the agent gets the error; the call is not part of the trajectory)
+                pass
+        if reply is None:
+            endpoint.trajectories.abandon(turn.rollout, turn.segment)
+        else:
+            n = c.stopped_at if c.stopped_at is not None else len(c.tokens)
+            endpoint.trajectories.add(turn.rollout, turn.segment, turn.messages, turn.prompt_ids, c.tokens[:n],
+                                      c.logprobs[:n], c.versions[:n], reply)
+        turn.done = True
+        return
+    endpoint.traffic.timed(completion.cid, completion.first_token_s, completion.token_s)
+    if completion.cancelled or not all(c.finish_reason for c in completion.choices):
+        endpoint.traffic.count("cancelled")
+        endpoint.traffic.dropped(completion.cid)
+        return
+    if completion.params.greedy:
+        endpoint.traffic.dropped(completion.cid)
+        return
+    early = sum(c.stopped_early for c in completion.choices)
+    if early:
+        endpoint.traffic.count("stopped_early", early)
+    endpoint.traffic.finished(completion.cid, completion.samples(), ready=endpoint.config.reward == "recipe")
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Format:
+    """OpenAI's response and chunk bodies for one request."""
+
+    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int], tool_parser=None,
+                 model: str = ""):
+        self.endpoint, self.req, self.cid, self.chat, self.prompt_ids = endpoint, req, cid, chat, prompt_ids
+        self.model = model or endpoint.model_name
+        self.tool_parser = tool_parser
+        self._replies: dict[int, dict] = {}
+        self._sent: dict[int, str] = {}  # per choice, the content streamed so far (tool parsing on)
+        self.created = int(time.time())
+        self.want_logprobs = bool(getattr(req, "logprobs", False))
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.cid, "object": obj, "created": self.created, "model": self.model}
+
+    def _token_logprobs(self, tokens: list[int], logprobs: list[float]):
+        tok = self.endpoint.tokenizer
+        pieces = [tok.decode([t]) for t in tokens]
+        if self.chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                                for p, lp in zip(pieces, logprobs)]}
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+
+    def usage(self, completion: Completion) -> dict:
+        """Token counts of the prompt and of every choice."""
+        out = sum(len(c.tokens) for c in completion.choices)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": out,
+                "total_tokens": len(self.prompt_ids) + out}
+
+    def reply(self, c) -> dict:
+        """Choice ``c``'s assistant message, canonical (``chat/messages.py``): its text, parsed for
+        tool calls when the request offered tools. A parser that raises (or returns what is not
+        ``(content, calls)``) is this request's 500 (:class:`APIError`), counted as
+        ``tool_parser_errors``."""
+        if c.index not in self._replies:
+            try:
+                content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
+                ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
+                       for call in calls]
+                self._replies[c.index] = reply_message(content, calls, ids)
+            except Exception as e:  # noqa: BLE001 -- a plugin's bug: this request's error, not the server's end
+                self.endpoint.traffic.count("tool_parser_errors")
+                self._replies[c.index] = APIError(
+                    500, f"serve.tool_parser {type(self.tool_parser).__name__} failed on this reply "
+                         f"({type(e).__name__}: {str(e)[:200]}).", kind="server_error", code="tool_parser_failed")
+        reply = self._replies[c.index]
+        if isinstance(reply, APIError):
+            raise reply
+        return reply
+
+    def finish_reason(self, c) -> str | None:
+        """``tool_calls`` for a finished reply that calls tools, else the choice's own."""
+        if c.finish_reason == "stop" and self.chat and self.reply(c).get("tool_calls"):
+            return "tool_calls"
+        return c.finish_reason
+
+    def message(self, c) -> dict:
+        """OpenAI's ``message`` of choice ``c`` (``content`` null when it only calls tools)."""
+        reply = self.reply(c)
+        msg = {"role": "assistant", "content": reply["content"] or (None if reply.get("tool_calls") else "")}
+        if reply.get("tool_calls"):
+            msg["tool_calls"] = reply["tool_calls"]
+        return msg
+
+    def whole(self, completion: Completion) -> dict:
+        """The non-streamed response."""
+        choices = []
+        for c in completion.choices:
+            body = {"message": self.message(c)} if self.chat else {"text": c.text}
+            lp = self._token_logprobs(c.tokens, c.logprobs) if self.want_logprobs else None
+            choices.append({"index": c.index, **body, "logprobs": lp, "finish_reason": self.finish_reason(c)})
+        return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": self.usage(completion),
+                "streamrl": {"prompt_token_ids": self.prompt_ids,
+                             "choices": [{"index": c.index, "token_ids": c.tokens, "logprobs": c.logprobs,
+                                          "policy_versions": c.versions,
+                                          **({"stopped_early": True} if c.stopped_early else {})}
+                                         for c in completion.choices]}}
+
+    def chunk(self, ev, first: bool = False, choice=None) -> dict:
+        """One streamed chunk: a choice's new text and tokens (``ev``; ``choice``: the choice it
+        belongs to), or the opening one."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        if first:
+            extra = {"streamrl": {"prompt_token_ids": self.prompt_ids}}
+            if not self.chat:
+                return {**self._base(obj), "choices": [], **extra}
+            return {**self._base(obj), **extra, "choices": [
+                {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for k in range(self.req.n)]}
+        lp = self._token_logprobs(ev.tokens, ev.logprobs) if self.want_logprobs and ev.tokens else None
+        body = {"delta": {"content": ev.text}} if self.chat else {"text": ev.text}
+        finish = ev.finish_reason
+        if self.tool_parser is not None and choice is not None:
+            body["delta"]["content"] = self._content_delta(choice, bool(finish))
+        if finish and self.tool_parser is not None and choice is not None:
+            # the reply's tool calls, parsed once it is whole, ride on its last chunk
+            calls = self.reply(choice).get("tool_calls", [])
+            if calls and choice.finish_reason == "stop":
+                body["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                finish = "tool_calls"
+        return {**self._base(obj), "choices": [{"index": ev.index, **body, "logprobs": lp,
+                                                "finish_reason": finish}],
+                "streamrl": {"index": ev.index, "token_ids": ev.tokens, "logprobs": ev.logprobs,
+                             "policy_version": ev.version}}
+
+    def _content_delta(self, choice, whole: bool) -> str:
+        """What to stream of a choice's text as content now, tool parsing on: its text up to the
+        first tool call's opening (less a tail that may be the opening's start), and once the
+        reply is whole the rest of its parsed content."""
+        sent = self._sent.get(choice.index, "")
+        if whole:
+            content = self.reply(choice)["content"] or ""
+            delta = content[len(sent):] if content.startswith(sent) else ""
+        else:
+            text, start = choice.text, getattr(self.tool_parser, "start", "")
+            starts = [start] if isinstance(start, str) else list(start)
+            found = [at for at in (text.find(s) for s in starts if s) if at >= 0]
+            if found:
+                text = text[:min(found)]
+            else:  # hold back a tail that may be an opening's start
+                hold = max((k for s in starts if s for k in range(min(len(s) - 1, len(text)), 0, -1)
+                            if text.endswith(s[:k])), default=0)
+                text = text[:len(text) - hold]
+            delta = text[len(sent):] if text.startswith(sent) else ""
+        self._sent[choice.index] = sent + delta
+        return delta
+
+    def usage_chunk(self, completion: Completion) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": self.usage(completion)}
