@@ -111,12 +111,12 @@ def test_side_learners_on_one_worker_share_the_base_and_learn_as_they_would_alon
                                                 EngineCapabilities(temperature=1.0), learner=learner), device="cpu")
 
     a, b = trainer("a", 4), trainer("b", 8)
-    assert a.model is b.model and a.adapter is b.adapter  # one base in memory
+    assert a.model is b.model and a.lora.peft is b.lora.peft and a.lora.shared is b.lora.shared  # one base in memory
     alone = {"a": trainer("", 4), "b": trainer("", 8)}
     assert alone["a"].model is not a.model
     for shared, own in ((a, alone["a"]), (b, alone["b"])):  # the same starting adapter
         with torch.no_grad():
-            for p, q in zip(own_parameters(shared.model, shared.adapter_name), own_parameters(own.model, "default")):
+            for p, q in zip(own_parameters(shared.model, shared.lora.name), own_parameters(own.model, "default")):
                 q.copy_(p)
     ga, gb = make_groups(alone["a"], seed=1), make_groups(alone["b"], seed=2)
     for _ in range(3):  # interleaved: a's gradients wait while b computes

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -73,17 +76,21 @@ _SHARED: dict[tuple[str, str], SharedBase] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def join_shared_base(model_path: str, device: str, config: LoraConfig, name: str) -> SharedBase:
+def join_shared_base(model_path: str, device: str, config: LoraConfig, name: str,
+                     prepare: Callable[[torch.nn.Module], None] = lambda model: None) -> SharedBase:
     """The process's copy of ``model_path``'s base weights on ``device`` (loaded by the first
-    learner to ask), with a fresh adapter ``name`` for this learner (one of that name left by a
-    learner removed earlier is replaced)."""
+    learner to ask, and made ready by its ``prepare``: kernels, activation checkpointing,
+    compilation, once for every learner over it), with a fresh adapter ``name`` for this learner
+    (one of that name left by a learner removed earlier is replaced)."""
     from transformers import AutoModelForCausalLM
 
     with _SHARED_LOCK:
         shared = _SHARED.get((model_path, device))
         if shared is None:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
-            shared = _SHARED[(model_path, device)] = SharedBase(model, add_adapter(model, config, name))
+            shared = SharedBase(model, add_adapter(model, config, name))
+            prepare(model)
+            _SHARED[(model_path, device)] = shared
             return shared
     with shared.lock:
         if name in shared.peft.peft_config:
@@ -93,6 +100,54 @@ def join_shared_base(model_path: str, device: str, config: LoraConfig, name: str
         except ValueError as e:
             raise ValueError(f"trainer.lora.targets: {e}") from None
     return shared
+
+
+@dataclass
+class LoraPolicy:
+    """A LoRA learner's policy: the model computing base + adapter, and how it is held."""
+
+    model: torch.nn.Module
+    """The model the trainer computes with (its layers carry the adapter)."""
+    peft: Any
+    """The ``PeftModel`` around :attr:`model`, into which the adapter was injected in place."""
+    name: str
+    """The adapter's name in :attr:`peft` (a side learner sharing the base: its own)."""
+    shared: SharedBase | None
+    """A side learner's: the process's one copy of the base weights, on which it takes turns."""
+    publishes_adapter: bool
+    """A publication is the adapter alone (the engine holds adapters over its base weights),
+    not the merged weights: the engine takes adapters and every adapted layer is linear."""
+    prepared: bool
+    """The model was made ready already (another learner's, over the shared base)."""
+
+
+def build(config: LoraConfig, model_path: str, device: str, learner: str, engine_adapters: int,
+          prepare: Callable[[torch.nn.Module], None]) -> LoraPolicy:
+    """A LoRA learner's policy on ``device``: a side learner (``learner`` named) joins the
+    process's shared base with an adapter of its own; the main learner loads the model and
+    injects its adapter. ``prepare`` makes a freshly loaded shared base ready, under its lock."""
+    if learner:
+        shared = join_shared_base(model_path, device, config, learner, prepare)
+        model, peft, name, prepared = shared.model, shared.peft, learner, True
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        shared, peft, name, prepared = None, add_adapter(model, config), ADAPTER, False
+    # (only linear layers' adapters load into an engine's)
+    publishes = engine_adapters > 0 and linear_only(model, name)
+    return LoraPolicy(model, peft, name, shared, publishes, prepared)
+
+
+def save_policy(policy: LoraPolicy, out: str) -> None:
+    """The merged model as a transformers folder at ``out``, and the adapter beside it in
+    ``out/adapter`` (which ``peft.PeftModel.from_pretrained`` loads over the base model)."""
+    policy.model.save_pretrained(out, state_dict=merged_weights(policy.model, policy.name))
+    policy.peft.save_pretrained(f"{out}/adapter", selected_adapters=[policy.name])
+    if policy.name != ADAPTER:  # (peft puts an adapter of another name in a folder of it)
+        for f in Path(f"{out}/adapter/{policy.name}").iterdir():
+            f.replace(Path(f"{out}/adapter") / f.name)
+        Path(f"{out}/adapter/{policy.name}").rmdir()
 
 
 def linear_only(model: torch.nn.Module, adapter: str = ADAPTER) -> bool:

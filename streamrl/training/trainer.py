@@ -46,9 +46,9 @@ def _taking_turns(method):
     base held and its adapter the active one (``training/lora.py``'s ``SharedBase.turn``)."""
     @functools.wraps(method)
     def on_its_turn(self, *args, **kwargs):
-        if self.shared is None:
+        if self.lora is None or self.lora.shared is None:
             return method(self, *args, **kwargs)
-        with self.shared.turn(self.adapter_name):
+        with self.lora.shared.turn(self.lora.name):
             return method(self, *args, **kwargs)
     return on_its_turn
 
@@ -76,41 +76,25 @@ class HFTrainer(Trainer):
         built_on = self.strategy.build_device(self.device)
         torch.manual_seed(context.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        self.adapter = None
-        """With ``trainer.lora``: the ``PeftModel`` around :attr:`model`, into which the adapter was
-        injected in place (the trainer goes on computing with :attr:`model`)."""
-        self.adapter_name = "default"
-        """The adapter's name in :attr:`adapter` (a side learner sharing the base: its own)."""
-        self.shared = None
-        """A side LoRA learner: the process's one copy of the base weights it trains over with
-        the other learners of its worker (``training/lora.py``'s ``SharedBase``); its methods take
-        turns on it."""
-        if config.lora is not None and context.learner:
-            from streamrl.training.lora import join_shared_base
+        self.lora = None
+        """With ``trainer.lora``: the LoRA policy (``training/lora.py``'s ``LoraPolicy``): its
+        adapter's name, the base it may share with the worker's other learners, and whether a
+        publication is the adapter alone."""
+        if config.lora is not None:
+            from streamrl.training import lora
 
-            self.shared = join_shared_base(str(context.model_path), str(built_on), config.lora, context.learner)
-            self.model, self.adapter, self.adapter_name = self.shared.model, self.shared.peft, context.learner
+            self.lora = lora.build(config.lora, str(context.model_path), str(built_on), context.learner or "",
+                                   context.engine.adapters, self._prepare)
+            self.model = self.lora.model
         else:
             self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
-            if config.lora is not None:
-                from streamrl.training.lora import add_adapter
-
-                self.adapter = add_adapter(self.model, config.lora)
-        self.publishes_adapter = self.adapter is not None and context.engine.adapters > 0
-        if self.publishes_adapter:  # (only linear layers' adapters load into an engine's)
-            from streamrl.training.lora import linear_only
-
-            self.publishes_adapter = linear_only(self.model, self.adapter_name)
-        """A publication is the adapter alone (the engine holds adapters over its base weights),
-        not the merged weights."""
         self.model.train()
-        if config.kernels == "liger":
+        prepared = self.lora is not None and self.lora.prepared  # (a shared base: by its first learner)
+        if config.kernels == "liger" and not prepared:
             use_liger_kernels(self.model, self.device)
         self.masters = self.strategy.masters(self.precision, self.model)
-        if config.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if config.compile:
-            compile_layers(self.model)
+        if not prepared:
+            self._prepare(self.model, kernels=False)
         self.reference = None
         if self.algorithm.needs_reference:
             # only ever run, never stepped: kept in the dtype the policy is kept in (bf16-params: bf16)
@@ -135,14 +119,24 @@ class HFTrainer(Trainer):
         """A sample this rank trained in this step: after the update, the new policy's
         log-probabilities of it must be finite before the weights go anywhere."""
 
+    def _prepare(self, model: torch.nn.Module, kernels: bool = True) -> None:
+        # the model settings: Liger's kernels, activation checkpointing, compiled layers (once
+        # per model: a base shared by several learners is made ready by the first, under its lock)
+        if kernels and self.config.kernels == "liger":
+            use_liger_kernels(model, self.device)
+        if self.config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.config.compile:
+            compile_layers(model)
+
     def _build_optimizer(self) -> None:
         # AdamW over the policy's parameters as they are now (sharded: over the shards; bf16-params:
         # over the float32 masters), and its linear warm-up
         params = self.stepped.parameters()
-        if self.shared is not None:  # its own adapter's: the others' are stepped by their learners
+        if self.lora is not None and self.lora.shared is not None:  # its own adapter's: the others' are stepped by their learners
             from streamrl.training.lora import own_parameters
 
-            params = own_parameters(self.model, self.adapter_name)
+            params = own_parameters(self.model, self.lora.name)
         self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         warmup = self.config.warmup_steps
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
@@ -366,20 +360,20 @@ class HFTrainer(Trainer):
         """What a publication sends: the parameters, detached (tied weights once, as
         ``named_parameters`` gives them). Sharded: the whole weights gathered at the last step,
         on rank 0. A LoRA learner: its adapter alone when the engine holds adapters
-        (:attr:`publishes_adapter`), else the merged weights under the plain model's names
+        (``LoraPolicy.publishes_adapter``), else the merged weights under the plain model's names
         (``training/lora.py``)."""
-        if self.adapter is not None:
+        if self.lora is not None:
             from streamrl.training.lora import adapter_payload, merged_weights
 
-            if self.publishes_adapter:
-                return adapter_payload(self.model, self.adapter_name)
-            return merged_weights(self.model, self.adapter_name)
+            if self.lora.publishes_adapter:
+                return adapter_payload(self.model, self.lora.name)
+            return merged_weights(self.model, self.lora.name)
         return self.strategy.named_weights(self.model)
 
     def publish_bytes(self) -> int:
         """Bytes of one publication as trained (:meth:`named_weights`), from the tensors' sizes:
         the adapter's, or the whole model's (tied weights once)."""
-        if self.adapter is not None:  # the adapter, or the merged weights
+        if self.lora is not None:  # the adapter, or the merged weights
             return sum(t.numel() * t.element_size() for t in self.named_weights().values())
         seen = {id(p): p for p in self.model.parameters()}
         return sum(p.numel() * p.element_size() for p in seen.values())
@@ -419,15 +413,10 @@ class HFTrainer(Trainer):
         """Write the current policy as a transformers model folder (``from_pretrained`` reloads it;
         bf16-params: the float32 masters). Sharded: every rank calls it (the weights are
         gathered), rank 0 writes."""
-        if self.adapter is not None:  # the merged model, and the adapter beside it
-            from streamrl.training.lora import merged_weights
+        if self.lora is not None:  # the merged model, and the adapter beside it
+            from streamrl.training.lora import save_policy
 
-            self.model.save_pretrained(out, state_dict=merged_weights(self.model, self.adapter_name))
-            self.adapter.save_pretrained(f"{out}/adapter", selected_adapters=[self.adapter_name])
-            if self.adapter_name != "default":  # (peft puts an adapter of another name in a folder of it)
-                for f in Path(f"{out}/adapter/{self.adapter_name}").iterdir():
-                    f.replace(Path(f"{out}/adapter") / f.name)
-                Path(f"{out}/adapter/{self.adapter_name}").rmdir()
+            save_policy(self.lora, out)
             self.tokenizer.save_pretrained(out)
             if self.critic is not None:
                 self.critic.save(f"{out}/critic", state_dict=self.strategy.full_state(self.critic))

@@ -124,7 +124,7 @@ def _options(trainer):
     state, the frozen base weights being the model folder's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    lora = trainer.adapter is not None and trainer.publishes_adapter
+    lora = trainer.lora is not None and trainer.lora.publishes_adapter
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)  # (strict: every key, frozen ones too)
 
 
