@@ -164,6 +164,43 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             pass
 
 
+# -- `streamrl serve` in the background ----------------------------------------------------------------
+def start_serving(*args: str, log: Path) -> subprocess.Popen:
+    """``python -m streamrl *args --plain`` (``serve R.toml`` or ``recipe resume``) in the
+    background, its output in ``log`` (unbuffered: the test reads it as it comes)."""
+    with log.open("w") as out:  # (the process has its own copy of the file)
+        return subprocess.Popen([sys.executable, "-m", "streamrl", *map(str, args), "--plain"], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def served_at(proc: subprocess.Popen, runs: Path, log: Path, timeout: float = 240) -> tuple[dict, Path]:
+    """The endpoint of the serve run in ``runs`` once it serves: its ``serve.json`` (``url``,
+    ``model``) and its run folder. Fails the test with the log's tail if the process ends first
+    or ``timeout`` passes."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        if "serving: " in log.read_text() and list(runs.glob("*/serve.json")):
+            break
+        time.sleep(0.2)
+    found = list(runs.glob("*/serve.json"))
+    if proc.poll() is not None or not found:
+        stop_serving(proc)
+        raise AssertionError(f"the endpoint never served:\n{log.read_text()[-3000:]}")
+    return json.loads(found[0].read_text()), found[0].parent
+
+
+def stop_serving(proc: subprocess.Popen, timeout: float = 90) -> int | None:
+    """SIGINT, as a user's Ctrl-C, waited for ``timeout`` seconds, then a kill; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 240) -> Path:
     """Wait until the run in ``out`` has recorded ``steps`` steps (while ``proc`` runs); its folder."""
     deadline = time.time() + timeout

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from tests.helpers import TINY_RECIPE, read_records
+from tests.helpers import TINY_RECIPE, read_records, served_at, start_serving, stop_serving
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +54,8 @@ def served(tmp_path_factory, tiny_model):
     text = text.replace("[pools.generate]\nthreads = 4", "[pools.generate]\nworkers = 2\nthreads = 4")
     port = free_port()
     recipe.write_text(text + SERVE.format(key=KEY, port=port))
-    log = open(tmp / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", str(recipe), "--plain"], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log = tmp / "serve.log"
+    proc = start_serving("serve", recipe, log=log)
     try:
         # from the moment the port takes connections, ask every model the recipe serves
         deadline = time.time() + 180
@@ -72,20 +69,10 @@ def served(tmp_path_factory, tiny_model):
             if all(s == 200 for s in got):
                 break
             time.sleep(0.05)
-        found = []
-        while not found and time.time() < deadline and proc.poll() is None:
-            found = list((tmp / "runs").glob("*/serve.json"))
-            time.sleep(0.5)
-        assert found, (tmp / "serve.log").read_text()[-3000:]
-        info = json.loads(found[0].read_text())
-        yield info["url"], info["model"], found[0].parent
+        info, run_dir = served_at(proc, tmp / "runs", log)
+        yield info["url"], info["model"], run_dir
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_serving(proc)
 
 
 #: (model, HTTP status) of the requests fired at the endpoint from the moment its port took connections.
@@ -371,25 +358,11 @@ def test_a_stop_keeps_the_rewarded_traffic_no_step_trained_and_the_resumed_run_t
     recipe.write_text(text + "\n[serve]\nport = 0\nsamples_per_step = 8\n")
 
     def serve(*argv: str, log: Path) -> tuple[subprocess.Popen, str]:
-        with log.open("w") as out:  # (the process has its own copy of the file)
-            proc = subprocess.Popen([sys.executable, "-m", "streamrl", *argv, "--plain"], stdout=out,
-                                    stderr=subprocess.STDOUT)
-        deadline = time.time() + 240
-        while "serving: " not in log.read_text() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        if "serving: " not in log.read_text():
-            proc.kill()
-            pytest.fail(log.read_text()[-3000:])
-        (info,) = list((tmp_path / "runs").glob("*/serve.json"))
-        return proc, json.loads(info.read_text())["url"]
+        proc = start_serving(*argv, log=log)
+        return proc, served_at(proc, tmp_path / "runs", log)[0]["url"]
 
     def stopped(proc: subprocess.Popen, log: Path) -> str:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop_serving(proc, timeout=240)
         out = log.read_text()
         assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
         return out

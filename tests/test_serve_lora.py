@@ -5,8 +5,6 @@ trainer's log-probs), and in a run every variant is answered on the generate poo
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +22,7 @@ from streamrl.serve.http_server import start_in_thread
 from streamrl.serve.openai_api import Endpoint, make_app
 from streamrl.serve.traffic import Traffic
 from streamrl.training.logprobs import naive_token_logprobs
-from tests.helpers import TINY_RECIPE, read_records
+from tests.helpers import TINY_RECIPE, read_records, served_at, start_serving, stop_serving
 from tests.test_lora_engine import lora_trainer
 
 
@@ -90,18 +88,11 @@ def test_a_run_serves_its_lora_learners_variants_from_the_generate_pools_engine(
     text = text.replace('max_new_tokens = 6', 'max_new_tokens = 6\nbatching = "slots"\nslots = 16\nmax_prompt_tokens = 48')
     port = free_port()
     recipe.write_text(text + SERVE.format(port=port))
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", str(recipe), "--plain"], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log = tmp_path / "serve.log"
+    proc = start_serving("serve", recipe, log=log)
     try:
-        deadline = time.time() + 180
-        found = []
-        while not found and time.time() < deadline and proc.poll() is None:
-            found = list((tmp_path / "runs").glob("*/serve.json"))
-            time.sleep(0.5)
-        assert found, (tmp_path / "serve.log").read_text()[-3000:]
-        info = json.loads(found[0].read_text())
-        url, model, run_dir = info["url"], info["model"], found[0].parent
+        info, run_dir = served_at(proc, tmp_path / "runs", log)
+        url, model = info["url"], info["model"]
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=2)
         assert [m.id for m in c.models.list().data] == [model, f"{model}/a", f"{model}/b"]
         # the served policy's answers are rewarded for short sums, the variant's for long ones: they drift apart
@@ -128,15 +119,10 @@ def test_a_run_serves_its_lora_learners_variants_from_the_generate_pools_engine(
                 break
             time.sleep(1)
         assert min(min(x["policy_versions"]) for x in out.model_extra["streamrl"]["choices"]) >= 1
-        log_text = (tmp_path / "serve.log").read_text()
+        log_text = log.read_text()
         assert "Traceback" not in log_text, log_text[-3000:]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_serving(proc)
 
 
 @pytest.mark.slow
