@@ -191,7 +191,9 @@ def test_the_real_model_is_fetched_imported_and_trains_two_steps(real_model):
     runs = folder.parent / "runs"
     proc = streamrl("recipe", "run", ROOT / "recipes" / "smollm2-sums.toml", "--plain", "--no-report",
                     *sets(f'model.path="{folder}"', f'run.out_dir="{runs}"', "run.steps=2", "eval.every=0",
-                          "trainer.prompts_per_step=2", "trainer.samples_per_prompt=4"), timeout=1200)
+                          # (the evaluations at the start and the end: 4 prompts, not the recipe's 64)
+                          "eval.max_prompts=4", "trainer.prompts_per_step=2", "trainer.samples_per_prompt=4"),
+                    timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = read_records(only_run(runs))
     assert [r["step"] for r in recs] == [0, 1] and all(r["samples"] == 8 for r in recs)
