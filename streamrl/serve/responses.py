@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -17,8 +17,8 @@ from streamrl.chat.messages import reply_message
 from streamrl.serve.completion import Completion
 from streamrl.serve.request_bodies import APIError, Sampling
 
-if TYPE_CHECKING:
-    from streamrl.serve.openai_api import Endpoint
+# ``endpoint`` below is the ``openai_api.Endpoint`` the request came to (not imported here: that
+# module imports this one)
 
 
 class Turn:
@@ -30,7 +30,7 @@ class Turn:
         self.done = False
 
 
-async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list[int], chat: bool,
+async def respond(endpoint, request: Request, req: Sampling, ids: list[int], chat: bool,
                   turn: Turn | None = None):
     """Run the request in the engine; the whole response, or its server-sent events."""
     engine = endpoint.engine_for(req.model, rollout=turn is not None)
@@ -65,7 +65,7 @@ async def respond(endpoint: Endpoint, request: Request, req: Sampling, ids: list
     return fmt.whole(completion)
 
 
-async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req: Sampling):
+async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling):
     """Server-sent events: one chunk per decode step's new tokens of a choice, then each choice's
     end, the usage (``stream_options.include_usage``) and ``[DONE]``. A client that goes away
     cancels the request (the generator is closed)."""
@@ -90,7 +90,7 @@ async def stream(endpoint: Endpoint, completion: Completion, fmt: "Format", req:
         finished(endpoint, completion, fmt)
 
 
-def finished(endpoint: Endpoint, completion: Completion, fmt: "Format") -> None:
+def finished(endpoint, completion: Completion, fmt: "Format") -> None:
     """The request ended: free its place and hand its choices to the learners (not a cancelled
     one, nor a greedy one, which is not a sample of the policy); a rollout's call joins its
     trajectory instead. Once per request, however it ends."""
@@ -138,7 +138,7 @@ def sse(obj: dict) -> str:
 class Format:
     """OpenAI's response and chunk bodies for one request."""
 
-    def __init__(self, endpoint: Endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int], tool_parser=None,
+    def __init__(self, endpoint, req: Sampling, cid: str, chat: bool, prompt_ids: list[int], tool_parser=None,
                  model: str = ""):
         self.endpoint, self.req, self.cid, self.chat, self.prompt_ids = endpoint, req, cid, chat, prompt_ids
         self.model = model or endpoint.model_name
