@@ -63,9 +63,11 @@ def test_a_handle_from_another_host_is_missed_and_sent_again_as_bytes_of_the_new
 
 
 @pytest.mark.slow
-def test_a_run_with_slot_batching_and_the_cuda_ipc_transfer_trains_every_sample_once(tiny_recipe, tmp_path):
+def test_a_run_with_slot_batching_and_the_cuda_ipc_transfer_trains_every_sample_once(tiny_recipe, tmp_path,
+                                                                                    shared_cluster):
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", 'transfer.name="cuda_ipc"',
-                    "--set", 'engine.batching="slots"', "--set", "engine.slots=8", "--set", "run.steps=3")
+                    "--set", 'engine.batching="slots"', "--set", "engine.slots=8", "--set", "run.steps=3",
+                    "--set", *shared_cluster.sets)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     recs = read_records(run_dir)

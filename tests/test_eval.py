@@ -10,7 +10,7 @@ import pytest
 
 from streamrl.errors import UserError
 from streamrl.extensions.evaluate import metrics
-from tests.helpers import run_recipe, streamrl, write_tiny_recipe
+from tests.helpers import run_recipe, sets, streamrl, write_tiny_recipe
 
 
 def test_pass_at_1_is_the_mean_share_and_pass_at_k_any():
@@ -63,11 +63,11 @@ def greedy_run(tiny_model, tmp_path_factory, shared_cluster):
 
 @pytest.mark.slow
 def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(greedy_run, tiny_recipe, tiny_model,
-                                                                                tmp_path):
+                                                                                tmp_path, shared_cluster):
     run_dir = greedy_run.dir  # (a finished run of the tiny model: its policy is what is scored)
     out = tmp_path / "eval.json"
     proc = streamrl("eval", str(tiny_model), str(run_dir), "--recipe", str(tiny_recipe), "--set", "task.eval_size=5",
-                    "--set", "eval.samples=3", "--out", str(out), timeout=600)
+                    "--set", "eval.samples=3", *sets(*shared_cluster.sets), "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["model"] for r in rows] == [str(tiny_model), str(run_dir)]
@@ -84,10 +84,10 @@ def test_what_the_reward_reports_beside_the_score_is_averaged_by_name():
 
 
 @pytest.mark.slow
-def test_bench_eval_runs_the_recipe_without_and_with_eval_and_reports_the_ratio(tiny_recipe, tmp_path):
+def test_bench_eval_runs_the_recipe_without_and_with_eval_and_reports_the_ratio(tiny_recipe, tmp_path, shared_cluster):
     out = tmp_path / "bench.json"
     proc = streamrl("bench", "eval", str(tiny_recipe), "--every", "1", "--steps", "2", "--warmup", "0", "--repeats", "2",
-                    "--set", "task.eval_size=4", "--out", str(out), timeout=600)
+                    "--set", "task.eval_size=4", *sets(*shared_cluster.sets), "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert len(result["passes"]) == len(result["ratios"]) == 2 and result["median_ratio"] > 0

@@ -127,11 +127,12 @@ def register_rewards():
 
 
 @pytest.mark.slow
-def test_a_reward_that_raises_or_returns_non_numbers_is_counted_and_scored_zero(tiny_recipe, tmp_path):
+def test_a_reward_that_raises_or_returns_non_numbers_is_counted_and_scored_zero(tiny_recipe, tmp_path, shared_cluster):
     (tiny_recipe.parent / "flaky.py").write_text(FLAKY_REWARD)
     text = tiny_recipe.read_text().replace('name = "exact_match"', 'name = "flaky"')
     (tiny_recipe.parent / "flaky.toml").write_text(text + '\n[plugins]\nmodules = ["flaky.py"]\n')
-    proc = streamrl("recipe", "run", str(tiny_recipe.parent / "flaky.toml"), "--set", "run.steps=3")
+    proc = streamrl("recipe", "run", str(tiny_recipe.parent / "flaky.toml"), "--set", "run.steps=3",
+                    "--set", *shared_cluster.sets)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "reward errors: 36 of 48 samples scored 0" in proc.stderr  # summarised on the console

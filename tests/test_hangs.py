@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.helpers import (kill_worker, last_error_line, read_records, start, stop, streamrl, wait_for_steps,
+from tests.helpers import (kill_worker, last_error_line, read_records, sets, start, stop, streamrl, wait_for_steps,
                            with_plugin, worker_addresses, worker_processes)
 
 
@@ -348,14 +348,15 @@ def register_rewards():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["task", "scheduler", "reward"])
-def test_a_component_raising_in_its_constructor_or_a_reward_calling_sys_exit_is_one_line(case, tiny_recipe):
+def test_a_component_raising_in_its_constructor_or_a_reward_calling_sys_exit_is_one_line(case, tiny_recipe,
+                                                                                          shared_cluster):
     if case == "task":
         recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, replace=('name = "addition"', 'name = "badtask"'))
     elif case == "scheduler":
         recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, extra='\n[scheduler]\nname = "badsched"\n')
     else:
         recipe = with_plugin(tiny_recipe, "broken", BROKEN_COMPONENTS, replace=('name = "exact_match"', 'name = "exits"'))
-    proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report")
+    proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report", *sets(*shared_cluster.sets))
     if case == "reward":  # a failed score like any other: every sample of the step, so the run stops
         last = last_error_line(proc, 1)
         assert last.startswith("streamrl: error: step 1: the reward failed for all 16 samples (the first: "

@@ -173,7 +173,7 @@ def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_
 
 
 @pytest.mark.slow
-def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapter(tmp_path, tiny_model):
+def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapter(tmp_path, tiny_model, shared_cluster):
     # a LoRA learner (publishing its adapter alone to the engines) run 3 steps and resumed to 6
     # ends exactly where a run of 6 ends: the adapter, its AdamW state and the samples (a reward
     # with variance: the exact-match reward gives an untrained model no gradient, and a zero
@@ -182,7 +182,7 @@ def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapte
 
     parity_recipe(tmp_path, tiny_model)
     recipe = tmp_path / "tiny.toml"
-    lora = [*SAME, "run.checkpoint_every=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}"]
+    lora = [*SAME, "run.checkpoint_every=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}", *shared_cluster.sets]
     whole = streamrl("recipe", "run", str(recipe), *sets(*lora, "run.steps=6", f"run.out_dir={tmp_path / 'whole'}"))
     assert whole.returncode == 0, whole.stderr[-3000:]
     part = streamrl("recipe", "run", str(recipe), *sets(*lora, "run.steps=3", f"run.out_dir={tmp_path / 'part'}"))
@@ -192,7 +192,7 @@ def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapte
     held = sum(f.stat().st_size for f in dcp.iterdir())
     # the adapter and its AdamW state, not the base (a full checkpoint holds the weights and twice them in AdamW)
     assert held < 0.5 * (Path(tiny_model) / "model.safetensors").stat().st_size
-    proc = streamrl("recipe", "resume", str(folder), "--set", "run.steps=6")
+    proc = streamrl("recipe", "resume", str(folder), *sets("run.steps=6", *shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step-000003" in proc.stderr
     straight_run = only_run(tmp_path / "whole")

@@ -137,12 +137,13 @@ def register_rewards():
 
 
 @pytest.mark.slow
-def test_a_run_ends_responses_early_counts_them_and_trains_each_once(tiny_recipe):
+def test_a_run_ends_responses_early_counts_them_and_trains_each_once(tiny_recipe, shared_cluster):
     from tests.helpers import read_records, streamrl, with_plugin
 
     recipe = with_plugin(tiny_recipe, "short_only", STOPPING_REWARD, replace=('name = "exact_match"', 'name = "short_only"'))
     proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report", "--set", 'engine.batching="slots"',
-                    "--set", "engine.stop_early_every=1", "--set", "engine.max_new_tokens=12")
+                    "--set", "engine.stop_early_every=1", "--set", "engine.max_new_tokens=12",
+                    "--set", *shared_cluster.sets)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
     records = read_records(run_dir)
