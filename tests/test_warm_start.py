@@ -71,9 +71,36 @@ def about_the_worker() -> dict:
             "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
 
 
+_HELD: list[bytearray] = []
+
+
+def hold_memory(share: float) -> dict:
+    """On a worker: hold memory until the process is at ``share`` of its Dask memory limit, let
+    Dask's memory monitor look, and say whether the worker still takes tasks."""
+    import time
+
+    import psutil
+    from distributed import get_worker
+
+    worker = get_worker()
+    limit = worker.memory_manager.memory_limit
+    need = int(share * limit) - psutil.Process().memory_info().rss
+    if need > 0:
+        block = bytearray(need)
+        block[::4096] = b"x" * len(block[::4096])  # (touched: resident, not just reserved)
+        _HELD.append(block)
+    time.sleep(1.0)  # (the monitor looks every 100 ms)
+    return {"limit": limit, "rss": psutil.Process().memory_info().rss, "status": worker.status.name}
+
+
+def let_go() -> None:
+    _HELD.clear()
+
+
 @pytest.mark.slow
 def test_warm_workers_are_forked_from_the_server_with_the_pools_environment_and_restart_through_it(tiny_recipe):
-    recipe = recipe_with(tiny_recipe, "cluster.worker_start=warm", "pools.reward.device=cpu")
+    recipe = recipe_with(tiny_recipe, "cluster.worker_start=warm", "pools.reward.device=cpu",
+                         'pools.reward.memory_limit="1.5GiB"')
     cluster, client = lifecycle.start(recipe)
     try:
         server = multiprocessing.forkserver._forkserver._forkserver_pid
@@ -89,6 +116,14 @@ def test_warm_workers_are_forked_from_the_server_with_the_pools_environment_and_
             # a Ctrl-C to the process group is the streamrl process's to handle
             assert got["sigint"] and got["sigterm"] and got["blocked"] == [], (name, got)
         assert seen["reward-0"]["device"] == "cpu" and seen["train-0"]["device"] == "auto"
+
+        # a worker past 80% of its memory limit (a model's, which waiting never frees) goes on
+        # taking tasks: Dask would pause it, and the run could neither step nor stop
+        reward = next(a for a, n in names.items() if n == "reward-0")
+        held = client.submit(hold_memory, 0.85, workers=[reward], pure=False).result(timeout=60)
+        assert held["rss"] > 0.8 * held["limit"] and held["status"] == "running", held
+        assert client.submit(lambda: 1 + 1, workers=[reward], pure=False).result(timeout=10) == 2
+        client.run(let_go, workers=[reward])
 
         # a worker that dies is restarted by its nanny, forked from the same server
         os.kill(seen["reward-0"]["pid"], signal.SIGKILL)

@@ -38,6 +38,15 @@ PIN_SLOTS = 1_000_000
 #: freed activations went back to the OS and came back as page faults (docs/benchmarks.md).
 PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TOP_PAD_": str(64 * 1024 * 1024)}
 
+#: Dask's memory management, off for the workers streamrl starts (only termination near the
+#: limit stays, a restart the run handles as any lost worker). It spills and pauses for the data a
+#: worker holds for Dask; a streamrl worker's memory is its model, optimizer and activations,
+#: which neither spilling nor waiting frees (glibc keeps much of it as "unmanaged"). A paused
+#: worker runs no task until its memory falls: two LoRA learners of a 135M model on one 2-core
+#: machine's worker reached 80% of Dask's share and the run could neither step nor stop.
+WORKER_MEMORY = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+                 "distributed.worker.memory.pause": False}
+
 #: Environment every worker gets: quiet libraries, no hub access, no tokenizer thread pools.
 WORKER_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
