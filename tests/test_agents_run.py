@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 AGENT_RECIPE = ROOT / "recipes" / "agent.toml"
 SMALL = ("trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "pools.agent.threads=4")
 
-# the shipped calculator agent, and rows whose rollout hangs in a synchronous tool or raises
+# the shipped calculator agent, and rows whose rollout hangs in a synchronous tool, raises or exits
 FLAKY = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
 
 import itertools as _itertools
@@ -26,12 +26,14 @@ _calls = _itertools.count()
 
 
 async def flaky(client, row):
-    k = next(_calls)  # (per worker: every 8th rollout hangs, every 8th + 1 raises)
+    k = next(_calls)  # (per worker: every 8th rollout hangs, every 8th + 1 raises, every 8th + 2 exits)
     if k % 8 == 0:
         await rollout(client, row)
         _time.sleep(60)  # a tool that hangs without ever awaiting: only its own thread is held
     if k % 8 == 1:
         raise ValueError("the tool exploded")
+    if k % 8 == 2:  # sys.exit() in agent code: that rollout's error, no traceback on the console
+        raise SystemExit(3)
     return await rollout(client, row)
 '''
 

@@ -210,6 +210,8 @@ def test_every_rewarded_completion_is_trained_exactly_once(served):
     for cid in ids:
         for i in range(4):
             assert post(url, "/feedback", json.dumps({"id": cid, "index": i, "reward": float(i % 2)}).encode())[0] == 200
+            if cid == ids[0] and i == 0:  # a choice takes one reward: the first stands, a second is refused
+                assert post(url, "/feedback", json.dumps({"id": cid, "index": 0, "reward": 1.0}).encode())[0] == 400
     assert post(url, "/feedback", json.dumps({"id": ids[0], "index": 7, "reward": 1}).encode())[0] == 400
     deadline = time.time() + 120
     while time.time() < deadline:
