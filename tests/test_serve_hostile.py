@@ -116,10 +116,12 @@ def test_a_failure_nobody_foresaw_is_that_requests_500_in_openais_shape(served, 
         raise KeyError("something internal")
 
     monkeypatch.setattr(api, "chat_prompt", broken)
+    errors = api.traffic.counts["server_errors"]
     with caplog.at_level("ERROR", logger="streamrl.serve"):
         err = error_of(chat(url, "1+1="), 500)
     assert err["type"] == "server_error" and "KeyError" in err["message"]
     assert any("-> 500 KeyError" in rec.getMessage() for rec in caplog.records)
+    assert api.traffic.counts["server_errors"] == errors + 1  # (serve/server_errors in the record)
     monkeypatch.undo()
     assert chat(url, "1+1=").status_code == 200  # and the next request is served
     assert json.loads(httpx.get(f"{url}/models", timeout=30).text)["data"][0]["id"] == "policy"
@@ -138,12 +140,16 @@ def test_refused_requests_are_a_few_lines_that_count_the_rest(served, caplog):
     assert lines == ["POST /v1/feedback -> 400 bad 0",
                      "POST /v1/feedback -> 400 last (and 49 more refused since the last line)"]
     caplog.clear()
-    _, url = served
+    api, url = served
+    before = dict(api.traffic.counts)
     with caplog.at_level("WARNING", logger="streamrl.serve"):
         for _ in range(40):  # a flood of bad feedback through the endpoint: each refused, few lines
             r = httpx.post(f"{url}/feedback", json={"id": "nope", "reward": "NaN"}, timeout=30)
             assert r.status_code == 400
     assert len([r for r in caplog.records if r.name == "streamrl.serve"]) <= 2  # (one window may close mid-flood)
+    # but every one is counted (serve/invalid in the step's record), apart from the server's own errors
+    assert api.traffic.counts["invalid"] - before["invalid"] == 40
+    assert api.traffic.counts["server_errors"] == before["server_errors"]
 
 
 class RaisingParser:

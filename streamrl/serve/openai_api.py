@@ -259,6 +259,12 @@ def make_app(endpoint: Endpoint) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
+        # counted, each kind apart (a 429 is counted where it is decided: ``refused``); logged a
+        # few lines at a time
+        if exc.status >= 500:
+            endpoint.traffic.count("server_errors")
+        elif exc.status != 429:
+            endpoint.traffic.count("invalid")
         refusals.say(f"{request.method} {request.url.path} -> {exc.status} {exc.message}")
         return exc.response()
 
@@ -274,6 +280,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         try:
             return await call_next(request)
         except Exception as exc:  # noqa: BLE001
+            endpoint.traffic.count("server_errors")
             log.error("%s %s -> 500 %s: %s", request.method, request.url.path, type(exc).__name__, str(exc)[:300])
             return APIError(500, f"The server failed on this request ({type(exc).__name__}).",
                             kind="server_error").response()

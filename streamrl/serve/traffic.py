@@ -89,7 +89,7 @@ class Traffic:
         """Per served model (``model`` of the requests), what it answered and earned."""
         self.counts: dict[str, int] = {"requests": 0, "completions": 0, "rewarded": 0, "unrewarded_dropped": 0,
                                        "stale_dropped": 0, "refused": 0, "cancelled": 0, "feedback": 0,
-                                       "stopped_early": 0, "restored": 0}
+                                       "stopped_early": 0, "restored": 0, "invalid": 0, "server_errors": 0}
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
         self._stopped = False
 
