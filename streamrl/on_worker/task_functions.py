@@ -330,8 +330,11 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
     errors = sum(t.reward_errors for t in train_tasks)
     transient = sum(t.reward_errors_transient for t in train_tasks)
     failed = bool(samples) and errors >= samples
-    # (counted once per run step: with ``algorithm.epochs`` > 1 a step makes several updates)
+    # (counted once per run step: with ``algorithm.epochs`` > 1 a step makes several updates; a
+    # step before the last seen is another run's on this worker, which starts the count again)
     last, count = _transient_steps.get(name, (None, 0))
+    if step is not None and last is not None and step < last:
+        count = 0
     count = (count if step == last and step is not None else count + 1) if failed and transient >= errors else 0
     _transient_steps[name] = (step, count)
     if failed and not 0 < count < TRANSIENT_STEPS_MAX:
