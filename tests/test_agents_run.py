@@ -26,23 +26,28 @@ _calls = _itertools.count()
 
 
 async def flaky(client, row):
-    k = next(_calls)  # (per worker: every 8th rollout hangs, every 8th + 1 raises, every 8th + 2 exits)
+    k = next(_calls)  # (per worker: every 8th rollout hangs, every 8th + 1 raises, every 16th + 2 exits)
     if k % 8 == 0:
         await rollout(client, row)
         _time.sleep(60)  # a tool that hangs without ever awaiting: only its own thread is held
     if k % 8 == 1:
         raise ValueError("the tool exploded")
-    if k % 8 == 2:  # sys.exit() in agent code: that rollout's error, no traceback on the console
+    if k % 16 == 2:  # sys.exit() in agent code: that rollout's error, no traceback on the console
         raise SystemExit(3)
     return await rollout(client, row)
 '''
 
 
+def run_agent(tmp_path, source: str, function: str, *settings: str):
+    """The agent recipe, small, with ``function`` of ``source`` (written to a file) as its agent."""
+    agent = tmp_path / f"{function}_agent.py"
+    agent.write_text(source)
+    return run_recipe(AGENT_RECIPE, *SMALL, f'task.path="{agent}"', f'task.function="{function}"', *settings,
+                      out=tmp_path / "runs", timeout=420)
+
+
 def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_rollouts_are_contained(tmp_path):
-    agent = tmp_path / "flaky_agent.py"
-    agent.write_text(FLAKY)
-    run = run_recipe(AGENT_RECIPE, "run.steps=3", *SMALL, f'task.path="{agent}"', 'task.function="flaky"',
-                     "task.rollout_timeout_s=12", out=tmp_path / "runs", timeout=420)
+    run = run_agent(tmp_path, FLAKY, "flaky", "run.steps=3", "task.rollout_timeout_s=12")
     records = run.records
     assert [r["step"] for r in records] == [0, 1, 2]
     seen = set()
@@ -196,10 +201,7 @@ async def abusive(client, row):
 
 
 def test_one_abusive_rollout_a_step_leaves_the_others_and_the_run_going(tmp_path):
-    agent = tmp_path / "abusive_agent.py"
-    agent.write_text(ABUSIVE)
-    run = run_recipe(AGENT_RECIPE, "run.steps=2", *SMALL, f'task.path="{agent}"', 'task.function="abusive"',
-                     "task.rollout_timeout_s=20", out=tmp_path / "runs", timeout=420)
+    run = run_agent(tmp_path, ABUSIVE, "abusive", "run.steps=2", "task.rollout_timeout_s=20")
     records = run.records
     assert [r["step"] for r in records] == [0, 1]
     # the others finished and were scored by the agent (the shipped one gets some products right)
