@@ -28,7 +28,7 @@ def main() -> None:
     new_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     for n_prompts, slots in [(32, 256), (8, 64)]:
         engine = HFEngine(HFEngineConfig(max_new_tokens=new_tokens, batching="slots", slots=slots,
-                                         max_prompt_tokens=64))
+                                         max_prompt_tokens=64, profile=True))
         t0 = time.time()
         engine.load(path)
         load_s = time.time() - t0

@@ -183,3 +183,14 @@ def test_the_reference_loop_names_the_recipe_parts_it_does_not_use(tiny_recipe):
     assert not_used(resolve(loaded)) == ['scheduler.name = "skew"', 'ranker.name = "history"',
                                          '[[metrics]] name = "csv"', "[eval]",
                                          'run.mode = "async" (this loop is on-policy, one step after another)']
+
+
+def test_the_engine_measures_its_decode_profile_only_when_a_scheduler_reads_it(tiny_recipe):
+    from streamrl.plugins.resolve import resolve
+
+    def profile(*overrides):
+        return resolve(load_recipe(str(tiny_recipe), list(overrides))).engine.config.profile
+
+    assert profile() is False  # nothing in this run reads it: no start-up seconds spent on it
+    assert profile('scheduler={name="skew"}') is True
+    assert profile("engine.profile=true") is True and profile('scheduler={name="skew"}', "engine.profile=false") is False

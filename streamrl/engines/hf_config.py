@@ -45,10 +45,12 @@ class HFEngineConfig(BaseModel):
     max_running: int = Field(0, ge=0)
     """Most requests in the running batch at once; the rest wait in the engine's queue, highest
     priority first. 0: no cap (every request goes straight into the batch)."""
-    profile: bool = True
-    """Measure the decode step latency at a few batch sizes when the engine starts (about a
-    second on CPU); a scheduler (``skew``) uses it to decide how many instances the long tail
-    gets. False: no profile, schedulers only balance predicted work."""
+    profile: bool | None = None
+    """Measure the decode step latency at a few batch sizes when the engine starts; a
+    scheduler (``skew``) uses it to decide how many instances the long tail gets. Unset: measured
+    when the recipe has a ``[scheduler]`` (the run fills it in; ``streamrl plan`` always
+    measures), since nothing else reads it and it costs start-up time that grows with the model
+    (docs/benchmarks.md). False: no profile, schedulers only balance predicted work."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Torch dtype the engine loads the model in. ``auto``: bfloat16 on a GPU, float32 on CPU
     (where float32 keeps engine and trainer logprobs within 1e-5)."""

@@ -169,9 +169,13 @@ def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> St
 
     from streamrl.errors import UserError
     from streamrl.flow.placement import build_engine
+    from streamrl.plugins.resolve import Chosen
     from streamrl.bench.variants import run_variants
 
-    engine = build_engine(resolved.engine, resolved.model_path)
+    chosen = resolved.engine
+    if isinstance(getattr(chosen.config, "profile", None), bool):  # a run without a scheduler leaves it off
+        chosen = Chosen(chosen.component, chosen.config.model_copy(update={"profile": True}))
+    engine = build_engine(chosen, resolved.model_path)
     try:
         latency = engine.decode_latency()
     finally:

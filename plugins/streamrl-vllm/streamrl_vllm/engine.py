@@ -60,9 +60,10 @@ class VLLMEngineConfig(BaseModel):
     prefix_caching: bool = True
     """Share a prompt's KV blocks between the samples of a group and between groups. The cache
     is dropped at every weight load, so no sample reuses keys computed by an older policy."""
-    profile: bool = True
+    profile: bool | None = None
     """Measure the decode-step latency at a few batch sizes when the engine starts; the ``skew``
-    scheduler uses it to decide how many instances the long tail gets."""
+    scheduler uses it to decide how many instances the long tail gets. Unset: measured when the
+    recipe has a ``[scheduler]`` (streamrl fills it in), the profile's only reader in a run."""
     batching: Literal["continuous", "static"] = "continuous"
     """Ignored: vLLM always batches continuously. Accepted so that a recipe written for the ``hf``
     engine (which has this knob) switches engines with ``--set engine.name=vllm`` alone."""
