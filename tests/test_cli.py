@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import (ROOT, check_every_sample_trained_once, check_pool_accounting, read_records, sets,
-                           streamrl)
+from streamrl.cli import main
+from tests.helpers import (ROOT, check_every_sample_trained_once, check_pool_accounting, one_line_error, read_records,
+                           sets, streamrl)
 
 
 @pytest.mark.slow
@@ -58,20 +59,22 @@ def test_a_train_pool_the_trainer_cannot_use_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.toml")))
-def test_shipped_recipe_validates(recipe, tiny_model):
+def test_shipped_recipe_validates(recipe, tiny_model, capsys):
     # the GPU recipe's 1 GB model is made on the GPU machine (model init --arch), the real model's
     # is fetched by `streamrl model fetch` (tests/test_model_import.py runs the recipe on it); any
-    # model folder validates, with responses that fit its positions (the tiny model has 64)
+    # model folder validates, with responses that fit its positions (the tiny model has 64).
+    # In this process, as `streamrl recipe validate` runs it (the CLI's own process is smoke-tested
+    # above): a new interpreter per recipe spent seconds importing the same libraries again.
     extra = (["--set", f'model.path="{tiny_model}"', "--set", "engine.max_new_tokens=32"]
              if recipe == "gpu-0.5b.toml" else
              ["--set", f'model.path="{tiny_model}"'] if recipe.startswith("smollm2-") else [])
-    proc = streamrl("recipe", "validate", f"recipes/{recipe}", *extra)
+    code = main(["recipe", "validate", str(ROOT / "recipes" / recipe), *extra])
+    err = capsys.readouterr().err
     if recipe == "gpu-qwen-gsm8k.toml":  # its data comes from a hub: validate reads the task's files and says so
         # (test_own_data validates it with local stand-ins)
-        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert "task.path: cannot read ../data/gsm8k/train.parquet" in proc.stderr
+        assert code == 2 and "task.path: cannot read ../data/gsm8k/train.parquet" in one_line_error(err)
         return
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import TINY_RECIPE, run_recipe, streamrl
+from tests.helpers import ROOT, TINY_RECIPE, run_recipe
 
 VERL_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -81,14 +81,16 @@ def test_a_trl_jsonl_with_trl_reward_functions_runs(tmp_path, tiny_model):
     assert records[-1]["eval/policy_version"] == 3 and records[-1]["eval/prompts"] == 6
 
 
-def test_the_gpu_recipe_validates_with_local_stand_ins(tmp_path, tiny_model):
+def test_the_gpu_recipe_validates_with_local_stand_ins(tmp_path, tiny_model, capsys):
+    from streamrl.cli import main
+
     write_verl(tmp_path, 8)
-    proc = streamrl("recipe", "validate", "recipes/gpu-qwen-gsm8k.toml",
-                    "--set", f'model.path="{tiny_model}"', "--set", f'task.path="{tmp_path / "train.parquet"}"',
-                    "--set", f'task.eval_path="{tmp_path / "train.parquet"}"',
-                    "--set", "engine.max_new_tokens=32",  # (the stand-in model has 64 positions)
-                    timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith(": ok"), proc.stderr
+    code = main(["recipe", "validate", str(ROOT / "recipes" / "gpu-qwen-gsm8k.toml"),
+                 "--set", f'model.path="{tiny_model}"', "--set", f'task.path="{tmp_path / "train.parquet"}"',
+                 "--set", f'task.eval_path="{tmp_path / "train.parquet"}"',
+                 "--set", "engine.max_new_tokens=32"])  # (the stand-in model has 64 positions)
+    out = capsys.readouterr()
+    assert code == 0 and out.out.strip().endswith(": ok"), out.err
 
 
 def test_a_missing_local_model_is_one_line_and_a_hub_id_is_left_to_the_hub(tmp_path, tiny_model):
