@@ -389,9 +389,10 @@ def register_transfers():
 
 
 @pytest.mark.slow
-def test_weights_that_do_not_fit_the_engine_name_the_parameter_both_shapes_and_the_transfer(tiny_recipe, tiny_model):
+def test_weights_that_do_not_fit_the_engine_name_the_parameter_both_shapes_and_the_transfer(tiny_recipe, tiny_model,
+                                                                                             shared_cluster):
     recipe = with_plugin(tiny_recipe, "lossy", LOSSY_TRANSFER, extra='\n[transfer]\nname = "lossy"\n')
-    last = last_error_line(streamrl("recipe", "run", str(recipe), "--plain", "--no-report"), 1)
+    last = last_error_line(streamrl("recipe", "run", str(recipe), "--plain", "--no-report", *sets(*shared_cluster.sets)), 1)
     found = re.search(r"weights for version 1: parameter '([\w.]+)' is \((\d+), (\d+)\) in the engine but "
                       r"\((\d+), (\d+)\) was received", last)
     assert found, last
@@ -405,11 +406,11 @@ def test_weights_that_do_not_fit_the_engine_name_the_parameter_both_shapes_and_t
 
 
 @pytest.mark.slow
-def test_an_engine_whose_kv_cache_cannot_be_built_stops_the_run_in_one_line(tiny_recipe):
+def test_an_engine_whose_kv_cache_cannot_be_built_stops_the_run_in_one_line(tiny_recipe, shared_cluster):
     # before: transformers' loop died at start, every request was refused and retried, and the
     # run hung until its timeouts, under a traceback and a warning per dropped request
     proc = streamrl("recipe", "run", str(tiny_recipe), "--plain", "--no-report",
-                    "--set", "engine.kv_memory_fraction=1e-9", timeout=120)
+                    "--set", "engine.kv_memory_fraction=1e-9", *sets(*shared_cluster.sets), timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "will be dropped" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
