@@ -88,8 +88,9 @@ def test_exactly_once_catches_a_lost_or_repeated_sample():
 def test_a_worker_added_mid_run_generates_with_the_current_policy(tiny_recipe, tmp_path, mode):
     """Thresholds that always grow: the pool goes 1 -> 2 on the real hf engine; the new worker's
     samples carry the policy they should, and every sample is trained exactly once."""
-    # enough steps for a worker process to start and load the model on 2 busy cores (~8 s)
-    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=40", "--set", f"run.mode={mode}",
+    # enough steps for a worker process to start and load the model on 2 busy cores: it joins
+    # by step 3-4 alone (forked warm, ~1 s), so 24 leave room for a machine three times as loaded
+    proc = streamrl("recipe", "run", str(tiny_recipe), "--set", "run.steps=24", "--set", f"run.mode={mode}",
                     "--set", "trainer.prompts_per_step=12",
                     "--set", "pools.generate.elastic={min=1,max=2,grow_when_train_idle=0.0,"
                              "grow_when_generate_idle_below=1.0,shrink_when_busy_below=0.01,cooldown_steps=0,min_gain=-1.0}")
