@@ -5,6 +5,7 @@ checkout's (``--against``), to measure a change of the code.
     python benchmarks/worker_start.py recipes/addition.toml --steps 2 --repeats 3
     python benchmarks/worker_start.py recipes/addition.toml --against ../before --report
     python benchmarks/worker_start.py recipes/addition.toml --against ../before --command validate
+    python benchmarks/worker_start.py recipes/addition.toml --against ../before --this-set cluster.dashboard=false
 
 ``--against DIR`` names a checkout with its own virtualenv (``DIR/.venv``; e.g. ``git worktree
 add ../before COMMIT`` and ``pip install -e`` there): both sides then run with the recipe's own
@@ -65,6 +66,8 @@ def main() -> None:
     p.add_argument("--model", help="the model folder (default: a new tiny model for the recipe's task)")
     p.add_argument("--task", default="addition", help="the task of the tiny model made when --model is not given")
     p.add_argument("--set", dest="sets", action="append", default=[])
+    p.add_argument("--this-set", dest="this_sets", action="append", default=[],
+                   help="a --set for this checkout's runs only (a setting the other checkout does not have)")
     p.add_argument("--against", type=Path, help="another checkout with its own .venv: compare its runs with this one's")
     p.add_argument("--report", action="store_true", help="write each run's report (default: --no-report)")
     p.add_argument("--command", choices=["run", "validate"], default="run")
@@ -77,10 +80,10 @@ def main() -> None:
         other = a.against.resolve() / ".venv" / "bin" / "python"
         if not other.is_file():
             sys.exit(f"worker_start: --against {a.against}: no virtualenv at {other.parent.parent}")
-        # (label, python, checkout, worker_start)
-        sides = [("this", sys.executable, here, None), ("against", str(other), a.against.resolve(), None)]
+        # (label, python, checkout, worker_start, settings of its own)
+        sides = [("this", sys.executable, here, None, a.this_sets), ("against", str(other), a.against.resolve(), None, [])]
     else:
-        sides = [("spawn", sys.executable, here, "spawn"), ("warm", sys.executable, here, "warm")]
+        sides = [("spawn", sys.executable, here, "spawn", a.this_sets), ("warm", sys.executable, here, "warm", a.this_sets)]
     with tempfile.TemporaryDirectory(prefix="streamrl-worker-start-") as tmp:
         model = Path(a.model) if a.model else Path(tmp) / "model"
         if not a.model:
@@ -88,9 +91,9 @@ def main() -> None:
                             "--warmstart-steps", "0"], check=True, capture_output=True)
         seen: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in sides}
         for i in range(a.repeats):
-            for label, python, cwd, mode in sides if i % 2 == 0 else sides[::-1]:
+            for label, python, cwd, mode, own in sides if i % 2 == 0 else sides[::-1]:
                 seen[label].append(one_run(python, cwd, recipe, mode, a.steps, model, Path(tmp) / f"{label}-{i}",
-                                           a.sets, a.report, a.command))
+                                           [*a.sets, *own], a.report, a.command))
                 print(f"  {label:7s} pass {i + 1}: {seen[label][-1][0]:6.2f} s wall, {seen[label][-1][1]:6.2f} s CPU",
                       flush=True)
     med = {m: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for m, v in seen.items()}
@@ -99,7 +102,7 @@ def main() -> None:
     print(f"  {'':7s} {'wall s':>8s} {'CPU s':>8s}")
     for m, (w, c) in med.items():
         print(f"  {m:7s} {w:8.2f} {c:8.2f}")
-    (base, _, _, _), (new, _, _, _) = sides if a.against is None else sides[::-1]
+    (base, *_), (new, *_) = sides if a.against is None else sides[::-1]
     print(f"  {new}: {med[base][0] / med[new][0]:.2f}x faster, {med[new][1] / med[base][1]:.2f}x the CPU of {base}")
 
 

@@ -29,6 +29,7 @@ out_dir = "{out}"
 
 [cluster]
 dashboard_port = 0
+dashboard = false  # (nobody watches a test's run; tests/test_dashboard.py turns it on)
 
 [pools.generate]
 threads = 4

@@ -16,6 +16,8 @@ def test_recipe_run_trains_and_saves_a_loadable_policy(mode, tiny_recipe, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "still alive" not in proc.stderr  # workers exit promptly (quiet.QuickExit)
+    # the tests' recipe runs without Dask's dashboard (cluster.dashboard = false): no link to one
+    assert "dashboard:" not in proc.stderr and "streamrl page:" not in proc.stderr, proc.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     recs = read_records(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2]

@@ -242,7 +242,8 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     monkeypatch.setattr(dashboard, "install", install)
     monkeypatch.setattr(dashboard, "publish", publish)
     dashboard.warned_once.clear()
-    folder = runner.run(load_recipe(tiny_recipe, [f"run.steps={steps}", "run.report=false"]), plain=True)
+    folder = runner.run(load_recipe(tiny_recipe, [f"run.steps={steps}", "run.report=false", "cluster.dashboard=true"]),
+                        plain=True)
 
     metrics = read_records(Path(folder))
     assert [m["step"] for m in seen["events"]] == [r["step"] for r in metrics] == list(range(steps))

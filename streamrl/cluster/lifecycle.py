@@ -80,8 +80,10 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
             warm_start.begin(recipe)  # (started already by the command, as early as it could)
             cluster = SpecCluster(
                 workers=worker_spec(recipe, level),
+                # (without the dashboard the scheduler still serves its health routes: on a free port)
                 scheduler={"cls": Scheduler, "options": {
-                    "host": host, "dashboard_address": f"{host}:{c.dashboard_port}"}},
+                    "host": host, "dashboard": c.dashboard,
+                    "dashboard_address": f"{host}:{c.dashboard_port if c.dashboard else 0}"}},
                 silence_logs=level, name="streamrl",
             )
             client = Client(cluster)

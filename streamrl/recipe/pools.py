@@ -37,6 +37,11 @@ class ClusterConfig(Strict):
     everything on this machine. A ``factory`` cluster listens where its options say."""
     dashboard_port: int = Field(8787, ge=0, le=65535)
     """Port of the Dask dashboard of the embedded cluster (0 picks a free one)."""
+    dashboard: bool = True
+    """Serve Dask's dashboard (and the streamrl page on it) from the embedded cluster. False for
+    runs nobody watches (CI, scripted sweeps): the dashboard's start is a second or two of CPU
+    per run, about a tenth of a small run's (docs/benchmarks.md). A cluster streamrl connects to
+    keeps its own."""
     startup_timeout: float = Field(120.0, gt=0)
     """Seconds to wait for the workers of every pool to come up (for a factory on a batch
     system, include the time its jobs wait in the queue)."""

@@ -214,7 +214,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             warnings_log.take_dask_warnings()
         console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {folder.path}",
                       soft_wrap=True)
-        console.print(f"dashboard: {client.dashboard_link}")
+        if r.cluster.dashboard or r.cluster.address or r.cluster.factory:  # (a cluster of someone else's: its own)
+            console.print(f"dashboard: {client.dashboard_link}")
         page = dashboard.install(client, name=r.run.name, mode=r.run.mode, steps=r.run.steps)
         if page:
             console.print(f"streamrl page: {page}")
