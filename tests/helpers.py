@@ -135,8 +135,10 @@ class Run:
 def run_recipe(recipe, *settings: str, out: Path | None = None, args: tuple[str, ...] = (), env: dict | None = None,
                timeout: int = 600, command: str = "run") -> Run:
     """``streamrl recipe run RECIPE --set ...`` (``run.out_dir`` = ``out`` when given), checked to
-    succeed; the run folder is the one in ``out``, else the one the command prints."""
+    succeed; the run folder is the one in ``out``, else the one the command prints. Without Dask's
+    dashboard (``cluster.dashboard = false``): nobody watches a test's run."""
     more = [f'run.out_dir="{out}"'] if out is not None else []
+    more.append("cluster.dashboard=false")
     proc = streamrl("recipe", command, str(recipe), *sets(*settings, *more), *args, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Run(proc, only_run(out) if out is not None else Path(proc.stdout.strip().splitlines()[-1]))
@@ -151,9 +153,10 @@ def start(*args: str, group: bool = True, env: dict | None = None) -> subprocess
 
 
 def start_run(recipe: Path, out: Path, *settings: str, steps: int | None = 14) -> subprocess.Popen:
-    """``streamrl recipe run`` into ``out`` (of ``steps`` steps unless None), in its own process group."""
-    return start("recipe", "run", str(recipe),
-                 *sets(f"run.out_dir={out}", *([f"run.steps={steps}"] if steps else []), *settings))
+    """``streamrl recipe run`` into ``out`` (of ``steps`` steps unless None), in its own process
+    group, without Dask's dashboard."""
+    return start("recipe", "run", str(recipe), *sets(f"run.out_dir={out}", *([f"run.steps={steps}"] if steps else []),
+                                                     "cluster.dashboard=false", *settings))
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

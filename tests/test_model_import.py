@@ -191,6 +191,7 @@ def test_the_real_model_is_fetched_imported_and_trains_two_steps(real_model):
     runs = folder.parent / "runs"
     proc = streamrl("recipe", "run", ROOT / "recipes" / "smollm2-sums.toml", "--plain", "--no-report",
                     *sets(f'model.path="{folder}"', f'run.out_dir="{runs}"', "run.steps=2", "eval.every=0",
+                          "cluster.dashboard=false",
                           # (the evaluations at the start and the end: 4 prompts, not the recipe's 64)
                           "eval.max_prompts=4", "trainer.prompts_per_step=2", "trainer.samples_per_prompt=4"),
                     timeout=1200)
@@ -209,7 +210,7 @@ def test_the_real_model_serves_chat_in_its_own_template_and_trains_on_feedback(r
         [sys.executable, "-m", "streamrl", "serve", str(ROOT / "recipes" / "smollm2-serve.toml"), "--plain",
          *sets(f'model.path="{real_model}"', f'run.out_dir="{runs}"', "serve.port=0", "serve.samples_per_step=8",
                "trainer.prompts_per_step=2", "trainer.samples_per_prompt=4", "eval.max_prompts=2",
-               "cluster.dashboard_port=0")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+               "cluster.dashboard=false")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def running(found):
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
