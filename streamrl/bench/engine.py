@@ -39,7 +39,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
     """Generate ``warmup + steps`` steps with the recipe's engine; per measured step its seconds,
     samples and response tokens."""
-    loaded = load_recipe(file, [*overrides, "cluster.dashboard_port=0"])
+    loaded = load_recipe(file, [*overrides, "cluster.dashboard=false"])
     resolved = runner.resolve(loaded)
     t = loaded.recipe.trainer
     dask_cluster, client = lifecycle.start(loaded.recipe)

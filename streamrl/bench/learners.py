@@ -231,7 +231,7 @@ class WorkerMemory:
 def _run(file: str, overrides: list[str], extra: list[str], label: str, console: Console) -> dict:
     """One run of the recipe with ``extra`` overrides: its folder, wall seconds, records, each
     worker's peak resident memory and what one publication weighs."""
-    loaded = load_recipe(file, list(overrides) + list(extra) + ["cluster.dashboard_port=0",
+    loaded = load_recipe(file, list(overrides) + list(extra) + ["cluster.dashboard=false",
                                                                  f'run.name="bench-learners-{label}"'])
     resolved = runner.resolve(loaded)
     memory = WorkerMemory()

@@ -46,7 +46,7 @@ def held_state() -> dict:
 def measure(file: str, overrides: list[str], samples: int, prompt: int, response: int, steps: int,
             warmup: int) -> dict:
     """One variant on a fresh cluster: seconds per step, and each rank's state and peak memory."""
-    loaded = load_recipe(file, [*overrides, "cluster.dashboard_port=0", "run.mode=batch"])
+    loaded = load_recipe(file, [*overrides, "cluster.dashboard=false", "run.mode=batch"])
     resolved = runner.resolve(loaded)
     t = loaded.recipe.trainer
     dask_cluster, client = lifecycle.start(loaded.recipe)

@@ -41,7 +41,7 @@ def memcpy_rate(repeats: int = 5) -> tuple[float, float]:
 
 def measure(file: str, overrides: list[str], transfer: str, repeats: int) -> dict:
     """One transfer: model bytes, every publication's seconds, the memcpy rate."""
-    loaded = load_recipe(file, [*overrides, f'transfer={{name="{transfer}"}}', "cluster.dashboard_port=0"])
+    loaded = load_recipe(file, [*overrides, f'transfer={{name="{transfer}"}}', "cluster.dashboard=false"])
     resolved = runner.resolve(loaded)
     dask_cluster, client = lifecycle.start(loaded.recipe)
     try:

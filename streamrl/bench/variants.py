@@ -97,7 +97,7 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
         # extra steps and leave them out: every mode is measured over `steps` steady-state steps.
         r = loaded.recipe.run
         drain = r.max_staleness if r.mode == "async" else 0
-        extra = list(extra) + [f"run.steps={steps + warmup + drain}", "cluster.dashboard_port=0",
+        extra = list(extra) + [f"run.steps={steps + warmup + drain}", "cluster.dashboard=false",
                                f'run.out_dir="{tmp}"', f'run.name="bench-{name}"']
         loaded = load_recipe(file, list(overrides) + extra)
         resolved = runner.resolve(loaded)  # a variant's own mistakes are one line too
