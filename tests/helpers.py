@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# (no Dask dashboard: nobody watches a test's run; tests/test_dashboard.py turns it on)
 TINY_RECIPE = """
 [run]
 name = "tiny"
@@ -29,7 +30,7 @@ out_dir = "{out}"
 
 [cluster]
 dashboard_port = 0
-dashboard = false  # (nobody watches a test's run; tests/test_dashboard.py turns it on)
+dashboard = false
 
 [pools.generate]
 threads = 4

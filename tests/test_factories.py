@@ -39,7 +39,7 @@ job_extra_directives = ["--gres=gpu:1"]
 
 def with_cluster_table(recipe: Path, table: str) -> Path:
     """The tiny recipe with its ``[cluster]`` table replaced by ``table``."""
-    text = recipe.read_text().replace("[cluster]\ndashboard_port = 0\n", table)
+    text = recipe.read_text().replace("[cluster]\ndashboard_port = 0\ndashboard = false\n", table)
     assert text != recipe.read_text()
     recipe.write_text(text)
     return recipe
