@@ -136,7 +136,8 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     found = [registry.get(kind, sec.name, f"{path}.name") for path, kind, sec in named]
     model = loaded.model_path()
     chosen = {path: Chosen(comp, validate_section(comp.config, with_run_defaults(comp.config, sec.options(), r.run.seed,
-                                                                                 model, r.scheduler is not None),
+                                                                                 model, (r.scheduler is not None)
+                                                                                 if path == "engine" else None),
                                                   path, loaded.base))
               for comp, (path, _, sec) in zip(found, named)}
     check_pools(r)
