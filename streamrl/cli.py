@@ -24,7 +24,9 @@ User mistakes print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -380,7 +382,30 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except KeyboardInterrupt:
         print("streamrl: interrupted", file=sys.stderr)
+        _end_within(EXIT_GRACE_S, 130)
         return 130
+
+
+#: Seconds the interpreter's own exit may take after a stop at once. What the run started is
+#: closed by then or past saving; the exit hooks of the libraries (Dask's, closing a cluster
+#: whose start a second Ctrl-C cut short; multiprocessing's, joining children) must not keep
+#: the user waiting.
+EXIT_GRACE_S = 20.0
+
+
+def _end_within(seconds: float, status: int) -> None:
+    """End the process with ``status`` after ``seconds`` if it has not ended by itself."""
+    def end() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True  # (the interpreter's exit does not wait for it)
+    timer.start()
 
 
 if __name__ == "__main__":

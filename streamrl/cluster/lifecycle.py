@@ -78,7 +78,8 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
         else:
             host = c.host
             warm_start.begin(recipe)  # (started already by the command, as early as it could)
-            cluster = SpecCluster(
+            RunCluster.starting = None
+            cluster = RunCluster(
                 workers=worker_spec(recipe, level),
                 # (without the dashboard the scheduler still serves its health routes: on a free port)
                 scheduler={"cls": Scheduler, "options": {
@@ -86,6 +87,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                     "dashboard_address": f"{host}:{c.dashboard_port if c.dashboard else 0}"}},
                 silence_logs=level, name="streamrl",
             )
+            RunCluster.starting = None  # (returned: ``cluster`` has it now)
             client = Client(cluster)
             try:
                 client.wait_for_workers(len(cluster.worker_spec), timeout=c.startup_timeout)
@@ -105,7 +107,9 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
             if not verbose:
                 client.register_plugin(QuietTaskErrors())
     except BaseException:
-        # a cluster streamrl started must not outlive the failure (SLURM jobs would keep running)
+        # a cluster streamrl started must not outlive the failure (SLURM jobs would keep running);
+        # one interrupted while it started (a second Ctrl-C) was never returned to us
+        cluster = cluster if cluster is not None else RunCluster.starting
         if client is not None or cluster is not None:
             try:
                 stop(cluster, client)
@@ -113,6 +117,20 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
                 pass
         raise
     return cluster, client
+
+
+class RunCluster(SpecCluster):
+    """The embedded cluster: Dask's ``SpecCluster``, remembered before it starts its processes.
+    A ``KeyboardInterrupt`` raised while its constructor waits for them (the second Ctrl-C)
+    would leave the caller without the object to close, and its scheduler and workers to Dask's
+    exit hook, which closes them late or not at all."""
+
+    #: the cluster whose constructor is running in this process (None once it returned)
+    starting: RunCluster | None = None
+
+    def __init__(self, *args, **kwargs):
+        RunCluster.starting = self
+        super().__init__(*args, **kwargs)
 
 
 #: Clients (by id) that stopped the Active Memory Manager of a cluster they did not start, which

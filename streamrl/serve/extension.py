@@ -16,6 +16,7 @@ to train on nothing).
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -86,8 +87,10 @@ class ServedTraffic(StepExtension):
         all there); ``serve.json`` in the run folder (where clients find it), and the line that
         says it."""
         self.client.submit(endpoint.go_live, pure=False, key=f"serve-live-{time.time_ns()}", **self.pin).result(timeout=30)
-        (run_dir / "serve.json").write_text(json.dumps({"url": self.url, "model": self.model_name,
-                                                        "worker": self.worker}) + "\n")
+        # written whole, then renamed: a client polling for the file never reads half of it
+        tmp = run_dir / "serve.json.tmp"
+        tmp.write_text(json.dumps({"url": self.url, "model": self.model_name, "worker": self.worker}) + "\n")
+        os.replace(tmp, run_dir / "serve.json")
         key = " (Authorization: Bearer <serve.api_key>)" if self.config.api_key else ""
         workers = f" on {1 + len(self.replicas)} generate workers" if self.replicas else ""
         kept = f"; {self.restored} rewarded samples from the checkpoint are trained first" if self.restored else ""
