@@ -312,11 +312,13 @@ class HandCluster:
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
     """A ``dask`` command in its own process group (the worker's nanny and the worker process
-    it spawns are both in it: teardown kills the group). The malloc setting is the one README
-    asks for on a hand-started worker."""
+    it spawns are both in it: teardown kills the group). The malloc setting and Dask's watchers'
+    rates are the ones docs/deploy.md asks for on a hand-started cluster."""
     from streamrl.cluster import lifecycle
+    from streamrl.cluster.pool_workers import WATCHERS, dask_environment
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": lifecycle.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"]}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": lifecycle.PRE_SPAWN_ENV["MALLOC_MMAP_THRESHOLD_"],
+           **dask_environment(WATCHERS)}
     with open(log, "w") as out:
         return subprocess.Popen([DASK, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=ROOT)

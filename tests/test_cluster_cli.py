@@ -42,6 +42,16 @@ def worker_pids(address: str) -> dict[str, int]:
         return {w["name"]: pids[a] for a, w in lifecycle.workers(client).items()}
 
 
+def watcher_rates(address: str) -> set[tuple[float, float]]:
+    """(tick, system monitor) periods in ms of the cluster's scheduler and workers."""
+    def rates(dask_worker=None, dask_scheduler=None):
+        server = dask_worker or dask_scheduler
+        return server.periodic_callbacks["tick"].callback_time, server.periodic_callbacks["monitor"].callback_time
+
+    with Client(address, timeout=10) as client:
+        return {*client.run(rates).values(), client.run_on_scheduler(rates)}
+
+
 def left_on(address: str) -> dict:
     """What of streamrl runs a cluster holds now: plugins and variables named ``streamrl-*``,
     tasks someone still wants, the workers' ``streamrl-*`` plugins (engines, trainers), and
@@ -64,6 +74,8 @@ def left_on(address: str) -> dict:
 def test_a_recipe_runs_on_a_hand_started_cluster_which_stays_up_with_nothing_of_the_run_left(
         hand_cluster, tiny_recipe, tmp_path):
     before = worker_pids(hand_cluster.address)
+    # Dask's watchers at the rates docs/deploy.md gives for one's own cluster (DASK_* variables)
+    assert watcher_rates(hand_cluster.address) == {(1000, 2000)}
     proc = streamrl("recipe", "run", str(tiny_recipe), "--plain", "--set", f"cluster.address={hand_cluster.address}",
                     "--set", "run.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]

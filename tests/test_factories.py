@@ -326,3 +326,19 @@ def test_pools_that_list_their_gpus_share_one_gpu_on_a_cluster_of_one_worker_per
     recipe = load_recipe(tiny_recipe, shared[1:2]).recipe
     with pytest.raises(UserError, match=r"OneWorkerPerGpu has no worker spec for worker 3 of 3, reward-0"):
         factories.pool_specs(OneWorkerPerGpu([0]), recipe)
+
+
+def test_the_watchers_rates_as_environment_variables_are_what_dask_reads_back():
+    # docs/deploy.md gives these variables for a cluster started by hand; Dask must read them as
+    # the very settings the embedded cluster uses
+    import dask
+
+    from streamrl.cluster.pool_workers import WATCHERS, dask_environment
+
+    env = dask_environment(WATCHERS)
+    assert all(name.startswith("DASK_DISTRIBUTED__") for name in env) and len(env) == 3
+    read = {}
+    dask.config.update(read, dask.config.collect_env(env))
+    for key in ("distributed.admin.tick.interval", "distributed.admin.system-monitor.interval",
+                "distributed.worker.memory.monitor-interval"):
+        assert dask.config.get(key, config=read) == dask.config.get(key, config=WATCHERS), key

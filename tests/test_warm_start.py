@@ -61,14 +61,21 @@ def test_the_server_loads_the_libraries_and_the_model_architecture_only_for_a_re
     assert sim.model is None and not {"torch", "transformers"} & set(warm_start.preload(sim))
 
 
-def about_the_worker() -> dict:
-    """What a test asks each worker (run there by ``client.run``)."""
+def about_the_worker(dask_worker) -> dict:
+    """What a test asks each worker (run there by ``client.run``, which passes the worker)."""
     return {"ppid": os.getppid(), "pid": os.getpid(), "torch": "torch" in sys.modules,
             "omp": os.environ.get("OMP_NUM_THREADS"), "malloc": os.environ.get("MALLOC_TOP_PAD_"),
             "offline": os.environ.get("HF_HUB_OFFLINE"), "device": os.environ.get("STREAMRL_DEVICE"),
             "sigint": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
             "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
-            "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+            "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+            "watchers_ms": watchers_ms(dask_worker)}
+
+
+def watchers_ms(server) -> dict:
+    """How often a Dask server (scheduler, nanny, worker) runs its watchers, in ms."""
+    return {name: pc.callback_time for name, pc in server.periodic_callbacks.items()
+            if name in ("tick", "monitor", "memory_monitor")}
 
 
 _HELD: list[bytearray] = []
@@ -115,7 +122,12 @@ def test_warm_workers_are_forked_from_the_server_with_the_pools_environment_and_
             assert got["malloc"] == lifecycle.PRE_SPAWN_ENV["MALLOC_TOP_PAD_"], (name, got)
             # a Ctrl-C to the process group is the streamrl process's to handle
             assert got["sigint"] and got["sigterm"] and got["blocked"] == [], (name, got)
+            # Dask's watchers at streamrl's pace (lifecycle.WATCHERS), not every 20 / 500 / 100 ms
+            assert got["watchers_ms"] == {"tick": 1000, "monitor": 2000}, (name, got)  # (its nanny watches its memory)
         assert seen["reward-0"]["device"] == "cpu" and seen["train-0"]["device"] == "auto"
+        assert watchers_ms(cluster.scheduler) == {"tick": 1000, "monitor": 2000}
+        assert all(watchers_ms(nanny) == {"tick": 1000, "monitor": 2000, "memory_monitor": 1000}
+                   for nanny in cluster.workers.values())
 
         # a worker past 80% of its memory limit (a model's, which waiting never frees) goes on
         # taking tasks: Dask would pause it, and the run could neither step nor stop

@@ -26,8 +26,8 @@ from distributed.deploy import Cluster
 from streamrl.cluster.attach import (EXPECTED_SCHEDULER, check_scheduler_address, check_worker_imports, claim,
                                      name_pins, release)
 from streamrl.errors import UserError
-from streamrl.cluster.pool_workers import (LEARN, PIN, PRE_SPAWN_ENV, WORKER_MEMORY, side_learner_names, worker_spec,
-                                           workers)
+from streamrl.cluster.pool_workers import (LEARN, PIN, PRE_SPAWN_ENV, WATCHERS, WORKER_MEMORY, side_learner_names,
+                                           worker_spec, workers)
 from streamrl.cluster.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
 from streamrl.cluster import warm_start
 from streamrl.recipe.pools import REQUIRED_POOLS
@@ -44,6 +44,7 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
     # and no spilling or pausing for memory (WORKER_MEMORY): a Nanny hands its config to its worker
     dask.config.set({f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in PRE_SPAWN_ENV.items()})
     dask.config.set(WORKER_MEMORY)
+    dask.config.update_defaults(WATCHERS)  # (Dask's watchers at a long task's pace; a user's setting wins)
     cluster: Cluster | None = None
     client: Client | None = None
     try:

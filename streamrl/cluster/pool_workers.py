@@ -47,6 +47,29 @@ PRE_SPAWN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TOP_PA
 WORKER_MEMORY = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
                  "distributed.worker.memory.pause": False}
 
+#: Dask's watchers in the clusters streamrl starts, at rates for a few long tasks: every process
+#: times its event loop (Dask: every 20 ms) and reads its CPU, memory, disk and network figures
+#: (every 500 ms), and every nanny its worker's memory (every 100 ms), rates made for many short
+#: tasks and a dashboard watched live. Idle, a scheduler, a nanny and a worker spent about a
+#: third less CPU at these (docs/benchmarks.md), and a run's processes idle much of the time:
+#: waiting on a step, on traffic to serve, on a learner. A loop blocked for
+#: ``distributed.admin.tick.limit`` (3 s) is still reported. Defaults only: what a user set in
+#: Dask's config (a YAML file, ``DASK_*`` variables) stays.
+WATCHERS = {"distributed": {"admin": {"tick": {"interval": "1s"}, "system-monitor": {"interval": "2s"}},
+                            "worker": {"memory": {"monitor-interval": "1s"}}}}
+
+
+
+def dask_environment(config: dict, prefix: str = "DASK_") -> dict[str, str]:
+    """Dask config (nested, as :data:`WATCHERS`) as the ``DASK_A__B__C`` variables Dask reads
+    at import: what a cluster started by hand needs in its environment for the same setting."""
+    out = {}
+    for key, value in config.items():
+        name = prefix + key.upper().replace("-", "_")
+        out.update(dask_environment(value, name + "__") if isinstance(value, dict) else {name: str(value)})
+    return out
+
+
 #: Environment every worker gets: quiet libraries, no hub access, no tokenizer thread pools.
 WORKER_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
