@@ -1,3 +1,3 @@
-from streamrl.cli import main
+from streamrl.cli import console
 
-raise SystemExit(main())
+console()

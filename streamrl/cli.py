@@ -382,15 +382,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except KeyboardInterrupt:
         print("streamrl: interrupted", file=sys.stderr)
-        _end_within(EXIT_GRACE_S, 130)
         return 130
 
 
-#: Seconds the interpreter's own exit may take after a stop at once. What the run started is
-#: closed by then or past saving; the exit hooks of the libraries (Dask's, closing a cluster
-#: whose start a second Ctrl-C cut short; multiprocessing's, joining children) must not keep
-#: the user waiting.
+#: Seconds the interpreter's own exit may take after a stop (exit status 130). What the run
+#: started is closed by then or past saving; the exit hooks of the libraries (Dask's, closing a
+#: cluster whose start a second Ctrl-C cut short; multiprocessing's, joining children) must not
+#: keep the user waiting.
 EXIT_GRACE_S = 20.0
+
+
+def console() -> None:
+    """The ``streamrl`` command: :func:`main`, and the process's end, within
+    :data:`EXIT_GRACE_S` once a signal stopped it (only here: a caller of :func:`main` in its
+    own process keeps it)."""
+    status = main()
+    if status == 130:
+        _end_within(EXIT_GRACE_S, status)
+    sys.exit(status)
 
 
 def _end_within(seconds: float, status: int) -> None:
@@ -409,4 +418,4 @@ def _end_within(seconds: float, status: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

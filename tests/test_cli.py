@@ -130,3 +130,41 @@ def test_reference_loop_runs_a_recipe_in_one_process():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"] and lines[-1].endswith("v2")
+
+
+def test_the_command_ends_within_its_grace_after_a_stop_and_main_alone_never_ends_its_caller(monkeypatch):
+    # after a stop (status 130) a library's exit hook must not keep the user waiting: the
+    # console script arms a hard end; main() called in a caller's own process never does
+    from streamrl import cli
+
+    armed = []
+    monkeypatch.setattr(cli, "_end_within", lambda seconds, status: armed.append((seconds, status)))
+    for status, want in ((130, [(cli.EXIT_GRACE_S, 130)]), (0, []), (2, [])):
+        armed.clear()
+        monkeypatch.setattr(cli, "main", lambda argv=None, status=status: status)
+        with pytest.raises(SystemExit) as ended:
+            cli.console()
+        assert ended.value.code == status and armed == want, (status, armed)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "_end_within", lambda seconds, status: armed.append((seconds, status)))
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_recipe", interrupted)
+    armed.clear()
+    assert cli.main(["recipe", "validate", "x.toml"]) == 130 and armed == []
+
+
+def test_the_hard_end_comes_while_an_exit_hook_hangs():
+    import subprocess
+    import sys
+    import time
+
+    code = ("import atexit, sys, time\nfrom streamrl import cli\n"
+            "atexit.register(time.sleep, 60)\n"  # a library's exit hook that never returns
+            "cli._end_within(0.5, 130)\nsys.exit(130)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 30, proc.stderr
