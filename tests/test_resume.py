@@ -82,7 +82,7 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
 
     proc = streamrl("recipe", "resume", str(folder))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from step-{resumed_at:06d}" in proc.stderr
+    assert f"resumed from step-{resumed_at:06d}" in proc.stderr, (state, err[-2000:], proc.stderr[-2000:])
     assert json.loads((folder / "status.json").read_text())["state"] == "completed"
     recs = read_records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
