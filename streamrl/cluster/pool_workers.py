@@ -59,7 +59,6 @@ WATCHERS = {"distributed": {"admin": {"tick": {"interval": "1s"}, "system-monito
                             "worker": {"memory": {"monitor-interval": "1s"}}}}
 
 
-
 def dask_environment(config: dict, prefix: str = "DASK_") -> dict[str, str]:
     """Dask config (nested, as :data:`WATCHERS`) as the ``DASK_A__B__C`` variables Dask reads
     at import: what a cluster started by hand needs in its environment for the same setting."""
