@@ -149,3 +149,20 @@ def test_dasks_warnings_and_failed_broadcasts_go_to_the_run_folder_and_other_err
     kept = (tmp_path / "warnings.log").read_text()
     assert "ERROR: broadcast to tcp://127.0.0.1:1 failed: CommClosedError: reset (dask)" in kept
     assert "WARNING: Removing worker 'tcp://127.0.0.1:1'" in kept and log.count == 2
+
+
+def test_a_warning_keeps_its_brackets_as_text():
+    # the low-ESS note names [algorithm.off_policy]; an error's message may hold anything
+    import io
+
+    from rich.console import Console
+
+    from streamrl.telemetry.console import warning
+
+    out = io.StringIO()
+    console = Console(file=out, width=400, color_system=None)
+    warning(console, "step 72: ... A lower run.max_staleness or an [algorithm.off_policy] correction helps")
+    warning(console, "on_run_end failed: ValueError: [bold]not markup[/] [/nope]")
+    said = out.getvalue()
+    assert "[algorithm.off_policy] correction" in said, said
+    assert "[bold]not markup[/] [/nope]" in said, said

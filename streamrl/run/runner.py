@@ -27,7 +27,7 @@ from streamrl.run.stopping import StopRequest
 from streamrl.run.watchdog import Watchdog
 from streamrl.recipe.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
-from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, summary_table
+from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, summary_table, warning
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
 
@@ -196,7 +196,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         raise UserError(f"run.steps: the run already has {resumed['next_step']} steps; "
                         "pass --set run.steps=N with a larger N to go on")
     t_start = time.time()
-    warn = lambda text: console.print(f"[yellow]{text}[/]", soft_wrap=True)  # noqa: E731
+    warn = lambda text: warning(console, text)  # noqa: E731
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
     dask_cluster = client = trace = watchdog = controller = None

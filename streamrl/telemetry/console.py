@@ -98,6 +98,13 @@ def low_ess_note(m: dict) -> str | None:
             "counts such steps (said once)")
 
 
+def warning(console: Console, text: str) -> None:
+    """One warning line, in yellow, its text as text: a note names recipe tables in brackets
+    (``[algorithm.off_policy]``) and an error's message may hold anything, which rich would
+    otherwise read as its markup and drop."""
+    console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True)
+
+
 class StepNotes:
     """Warnings a step's record calls for, each said once per run (they usually hold for many
     steps): no learning signal (:func:`flat_groups_note`), importance weights that rest on a few
