@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -141,24 +143,34 @@ def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_
     check_every_sample_trained_once(recs)
 
 
+def resumed_copy(run: Path, into: Path, checkpoint: str, *settings: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """A copy of the finished ``run`` without its policy, resumed from its ``checkpoint`` (``--from``):
+    the copy then holds the run as it was at that checkpoint, gone on to the end again. It is what
+    a run that stopped at that checkpoint and was resumed holds (the steps after it are set aside,
+    their records dropped), without a second run to reach it."""
+    copy = into / run.name
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "policy")  # (the resumed run must write it)
+    return copy, streamrl("recipe", "resume", str(copy), "--from", checkpoint, *settings)
+
+
 @pytest.mark.slow
 def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_run_ends(straight, tmp_path):
-    # fsdp over 2 train workers, with a critic and a reference model sharded too: a run of 3
-    # steps resumed to 6 ends exactly where a run of 6 ends
+    # fsdp over 2 train workers, with a critic and a reference model sharded too: a run of 6
+    # steps resumed from its step-3 checkpoint ends exactly where it ended
     recipe, _ = straight
     fsdp = [*SAME, "run.checkpoint_every=3", "pools.train.workers=2", "trainer.strategy=fsdp",
             "algorithm.name=ppo", "algorithm.kl_coef=0.01"]
     whole = streamrl("recipe", "run", str(recipe), *sets(*fsdp, "run.steps=6", f"run.out_dir={tmp_path / 'whole'}"))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    part = streamrl("recipe", "run", str(recipe), *sets(*fsdp, "run.steps=3", f"run.out_dir={tmp_path / 'part'}"))
-    assert part.returncode == 0, part.stderr[-3000:]
-    folder = only_run(tmp_path / "part")
+    straight_run = only_run(tmp_path / "whole")
     # each rank wrote its own shards
-    assert len(list((folder / "checkpoints" / "step-000003" / "trainer" / "dcp").glob("*.distcp"))) == 2
-    proc = streamrl("recipe", "resume", str(folder), "--set", "run.steps=6")
+    assert len(list((straight_run / "checkpoints" / "step-000003" / "trainer" / "dcp").glob("*.distcp"))) == 2
+    (tmp_path / "resumed").mkdir()
+    folder, proc = resumed_copy(straight_run, tmp_path / "resumed", "step-000003")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step-000003" in proc.stderr
-    straight_run = only_run(tmp_path / "whole")
+    assert [r["step"] for r in read_records(folder)] == list(range(6))
     assert [r["reward_mean"] for r in read_records(folder)] == [r["reward_mean"] for r in read_records(straight_run)]
     for part_file in ("model.safetensors", "critic/model.safetensors"):
         a = load_file(straight_run / "policy" / part_file)
@@ -174,10 +186,10 @@ def test_a_sharded_train_pool_writes_its_shards_and_resumes_to_where_a_straight_
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapter(tmp_path, tiny_model, shared_cluster):
-    # a LoRA learner (publishing its adapter alone to the engines) run 3 steps and resumed to 6
-    # ends exactly where a run of 6 ends: the adapter, its AdamW state and the samples (a reward
-    # with variance: the exact-match reward gives an untrained model no gradient, and a zero
-    # update would resume "exactly" whatever the checkpoint held)
+    # a LoRA learner (publishing its adapter alone to the engines) run 6 steps and resumed from
+    # its step-3 checkpoint ends exactly where it ended: the adapter, its AdamW state and the
+    # samples (a reward with variance: the exact-match reward gives an untrained model no
+    # gradient, and a zero update would resume "exactly" whatever the checkpoint held)
     from tests.helpers import parity_recipe
 
     parity_recipe(tmp_path, tiny_model)
@@ -185,17 +197,16 @@ def test_a_lora_run_resumes_exactly_from_a_checkpoint_that_holds_only_its_adapte
     lora = [*SAME, "run.checkpoint_every=3", "trainer.lr=5e-2", "trainer.lora={rank=4, alpha=8}", *shared_cluster.sets]
     whole = streamrl("recipe", "run", str(recipe), *sets(*lora, "run.steps=6", f"run.out_dir={tmp_path / 'whole'}"))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    part = streamrl("recipe", "run", str(recipe), *sets(*lora, "run.steps=3", f"run.out_dir={tmp_path / 'part'}"))
-    assert part.returncode == 0, part.stderr[-3000:]
-    folder = only_run(tmp_path / "part")
-    dcp = folder / "checkpoints" / "step-000003" / "trainer" / "dcp"
+    straight_run = only_run(tmp_path / "whole")
+    dcp = straight_run / "checkpoints" / "step-000003" / "trainer" / "dcp"
     held = sum(f.stat().st_size for f in dcp.iterdir())
     # the adapter and its AdamW state, not the base (a full checkpoint holds the weights and twice them in AdamW)
     assert held < 0.5 * (Path(tiny_model) / "model.safetensors").stat().st_size
-    proc = streamrl("recipe", "resume", str(folder), *sets("run.steps=6", *shared_cluster.sets))
+    (tmp_path / "resumed").mkdir()
+    folder, proc = resumed_copy(straight_run, tmp_path / "resumed", "step-000003", *sets(*shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step-000003" in proc.stderr
-    straight_run = only_run(tmp_path / "whole")
+    assert [r["step"] for r in read_records(folder)] == list(range(6))
     assert [r["reward_mean"] for r in read_records(folder)] == [r["reward_mean"] for r in read_records(straight_run)]
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(straight_run / "policy" / name), load_file(folder / "policy" / name)
@@ -210,24 +221,24 @@ def test_a_resumed_run_keeps_what_its_length_ranker_learned(straight, tmp_path, 
     # the learned ranker (and the lengths the skew scheduler has seen) are in every checkpoint:
     # after a resume the ranker is the one the uninterrupted run has, weights and all
     recipe, _ = straight
-    ranked = [*SAME, "run.steps=8", "run.checkpoint_every=2", 'ranker.name="learned"', 'scheduler.name="skew"']
+    ranked = [*SAME, "run.steps=8", "run.checkpoint_every=2", "run.keep_checkpoints=4", 'ranker.name="learned"',
+              'scheduler.name="skew"']
     proc = streamrl("recipe", "run", str(recipe), *sets(*ranked, f"run.out_dir={tmp_path / 'straight'}",
                                                         *shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     oracle = only_run(tmp_path / "straight")
-    run = start_and_wait(recipe, ranked, tmp_path / "stopped", steps_done=3)
-    os.killpg(run.pid, signal.SIGINT)
-    run.communicate(timeout=60)
-    folder = only_run(tmp_path / "stopped")
-    assert "ranker.pt" in {p.name for p in sorted((folder / "checkpoints").glob("step-*"))[-1].iterdir()}
-    proc = streamrl("recipe", "resume", str(folder))
+    assert "ranker.pt" in {p.name for p in (oracle / "checkpoints" / "step-000004").iterdir()}
+    (tmp_path / "resumed").mkdir()
+    folder, proc = resumed_copy(oracle, tmp_path / "resumed", "step-000004", *sets(*shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step-000004" in proc.stderr
     a, b = (torch.load(r / "checkpoints" / "step-000008" / "ranker.pt", weights_only=True) for r in (oracle, folder))
     for part in ("embed", "head"):
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     assert a["data"] == b["data"] and a["mean"] == b["mean"]
     seen = [json.loads((r / "checkpoints" / "step-000008" / "dispatch.json").read_text()) for r in (oracle, folder)]
     assert seen[0] == seen[1] and len(seen[0]["observed_lengths"]) == 8 * 16
+    assert [r["step"] for r in read_records(folder)] == list(range(8))
     assert [r["ranker_recall"] for r in read_records(folder)] == [r["ranker_recall"] for r in read_records(oracle)]
 
 
