@@ -12,12 +12,12 @@ from distributed import wait
 
 from streamrl.cluster import lifecycle
 from streamrl.flow import submit
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import task_functions, weight_tasks
 from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.run.controller import Controller
 from streamrl.run.runner import resolve
 from streamrl.training.trainer import weights_from_bytes
-from tests.helpers import parity_recipe
+from tests.helpers import close_cluster, parity_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,7 @@ def controller(tiny_model, tmp_path_factory):
     ctl = Controller(resolve(loaded), client, lifecycle.check_pools(client))
     ctl.place_residents()
     yield ctl
-    client.close()
-    dask_cluster.close()
+    close_cluster(client, dask_cluster)
 
 
 @pytest.fixture
@@ -93,7 +92,7 @@ def test_step_publishes_weights_to_the_engine_and_the_train_worker_keeps_them(fr
         ballast.result()
         m = controller.step(0)
         assert m["policy_version"] == 1 and m["samples"] == 16
-        payload = Variable(task_functions.LATEST, client=client).get(timeout=5)
+        payload = Variable(weight_tasks.LATEST, client=client).get(timeout=5)
         amm_interval = dask.config.get("distributed.scheduler.active-memory-manager.interval")
         time.sleep(2.5 * dask.utils.parse_timedelta(amm_interval))  # (cycles it would have run)
         holders = {lifecycle.workers(client)[a]["name"] for a in client.who_has([payload])[payload.key]}

@@ -32,7 +32,7 @@ from streamrl.cluster.pool_workers import NICE_ENV, PRE_SPAWN_ENV, STOP_SIGNALS,
 from streamrl.recipe.recipe import Recipe
 
 #: What every worker imports, loaded once in the server: Dask's own list, then streamrl's worker side.
-WORKER_MODULES = ["streamrl.on_worker.task_functions"]
+WORKER_MODULES = ["streamrl.on_worker.task_functions", "streamrl.on_worker.ranker_tasks"]
 
 #: What a worker of a recipe with a real model imports besides: the libraries (most of a worker's
 #: start), then the built-in engine's variants and trainer (a plugin's own are imported after the

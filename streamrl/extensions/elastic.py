@@ -19,7 +19,7 @@ import time
 from distributed import Future, wait
 
 from streamrl.cluster import pool_workers
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import task_functions, weight_tasks
 from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker.resident import ENGINE, TRANSFER
 from streamrl.flow.weights import LOAD_PRIORITY
@@ -260,11 +260,11 @@ class ElasticPool:
             fut = client.submit(task_functions.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
                                 pure=False, **pin)
         else:
-            payload = client.submit(task_functions.export_weights, version, trainer_id=topo.incarnations, receivers=1,
+            payload = client.submit(weight_tasks.export_weights, version, trainer_id=topo.incarnations, receivers=1,
                                     key=f"export-weights-{version}-{tag}", priority=LOAD_PRIORITY,
                                     **topo.train_pin)
             wait([payload])  # exported before the next optimizer step can change the weights
-            fut = client.submit(task_functions.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
+            fut = client.submit(weight_tasks.load_weights, payload, version, key=f"load-weights-{version}-{tag}",
                                 resend_at=topo.train_pin, priority=LOAD_PRIORITY, **pin)
         self.joining = (name, version, fut)
 

@@ -28,7 +28,7 @@ from distributed import Client, Future, wait
 from streamrl.api import Task
 from streamrl.errors import UserError
 from streamrl.flow import submit
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import task_functions, weight_tasks
 from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.recipe.recipe import EvalConfig, Recipe
@@ -45,7 +45,7 @@ def eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 
     ``min_version`` (its worker was restarted) catches up first."""
     engine = resident(ENGINE)
     if engine.version < min_version:
-        task_functions.catch_up(engine, min_version)
+        weight_tasks.catch_up(engine, min_version)
     if greedy:
         return engine.generate_greedy(prompts)
     return engine.generate_groups(prompts, n, [float(EVAL_PRIORITY)] * len(prompts))

@@ -19,7 +19,7 @@ from distributed import Client, Future
 
 from streamrl.api import Assignment, DispatchContext, Prompt, Scheduler
 from streamrl.errors import RunWarning, UserError
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import ranker_tasks, task_functions
 from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
 
@@ -60,7 +60,7 @@ class Dispatcher:
         workers = list(self.topology.generate)
         if self.rank_worker is not None and (self.scheduler is None or self.scheduler.needs_scores(workers, ctx)):
             scores = self.client.submit(
-                task_functions.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
+                ranker_tasks.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
                 workers=[self.rank_worker], allow_other_workers=False).result()
             self.predicted[step] = scores
         if self.scheduler is None:
@@ -104,7 +104,7 @@ class Dispatcher:
         if step in self.predicted:  # a step placed without the ranker's scores teaches it nothing
             out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
             self.last_observe = self.client.submit(
-                task_functions.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
+                ranker_tasks.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
                 workers=[self.rank_worker], allow_other_workers=False)
         return out
 
@@ -122,7 +122,7 @@ class Dispatcher:
         if self.rank_worker is not None:
             try:
                 files["ranker.pt"] = self.client.submit(
-                    task_functions.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
+                    ranker_tasks.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
                     workers=[self.rank_worker], allow_other_workers=False).result()
             except Exception as exc:  # the checkpoint is still written: a resume's ranker learns again
                 warnings.warn(f"ranker: its state could not be saved ({type(exc).__name__}: {exc}); "
@@ -139,7 +139,7 @@ class Dispatcher:
         blob = checkpoint / "ranker.pt"
         if self.rank_worker is not None and blob.exists():
             self.last_observe = self.client.submit(
-                task_functions.load_ranker_state, blob.read_bytes(), key=f"ranker-restore-{time.time_ns()}", pure=False,
+                ranker_tasks.load_ranker_state, blob.read_bytes(), key=f"ranker-restore-{time.time_ns()}", pure=False,
                 workers=[self.rank_worker], allow_other_workers=False)
             try:
                 self.last_observe.result()

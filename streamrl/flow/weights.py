@@ -18,17 +18,17 @@ from __future__ import annotations
 from distributed import Client, Future, Variable, wait
 
 from streamrl.errors import RunFailed, RunStopped
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import weight_tasks
 from streamrl.on_worker.resident import ResidentLost
 from streamrl.telemetry import spans
 
 #: Dask priority of weight export/load tasks: above any generate task (schedulers use the
 #: predicted-length rank, at most the prompts per step, as generate priorities).
-LOAD_PRIORITY = task_functions.LOAD_PRIORITY
+LOAD_PRIORITY = weight_tasks.LOAD_PRIORITY
 
 #: Dask ``Variable`` holding the newest export: a generate worker restarted mid-run (a fresh
 #: engine at the base weights) loads it before it generates (``remote.catch_up``).
-LATEST = task_functions.LATEST
+LATEST = weight_tasks.LATEST
 
 
 def relay(payload):
@@ -62,12 +62,12 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
     worker. ``sender``: the train worker's name and address, so that a generate worker catching
     up (``remote.catch_up``) can tell its loss from a slow export."""
     with spans.phase(version - 1, "publish"):  # the step that made this version
-        payload = client.submit(task_functions.export_weights, version, after=after, trainer_id=trainer_id,
+        payload = client.submit(weight_tasks.export_weights, version, after=after, trainer_id=trainer_id,
                                 receivers=len(generate_pins), key=spans.step_key("export-weights", version, f"v{version}{tag}"),
                                 priority=LOAD_PRIORITY, **train_pin)
         Variable(LATEST, client=client).set(payload)
         # (a missed payload is sent again from there)
-        Variable(task_functions.LATEST_SENDER, client=client).set(
+        Variable(weight_tasks.LATEST_SENDER, client=client).set(
             {"pin": train_pin, "name": sender[0], "address": sender[1]})
         source = {name: payload for name in generate_pins}
         for site in sites or []:
@@ -77,7 +77,7 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
             relayed = client.submit(relay, payload, key=spans.step_key("relay-weights", version, f"{here[0]}{tag}"),
                                     priority=LOAD_PRIORITY, **generate_pins[here[0]])
             source.update(dict.fromkeys(here, relayed))
-        return [client.submit(task_functions.load_weights, source[name], version, after=loads_after,
+        return [client.submit(weight_tasks.load_weights, source[name], version, after=loads_after,
                               resend_at=train_pin,
                               key=spans.step_key("load-weights", version, f"{name}{tag}"), priority=LOAD_PRIORITY,
                               **pin)

@@ -29,7 +29,7 @@ from streamrl.contracts.step_extension import StepExtension
 from streamrl.flow.placement import build_engine
 from streamrl.learners.evaluate import engine_resident
 from streamrl.learners.extension import SideLearners
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import task_functions, weight_tasks
 from streamrl.on_worker.resident import ENGINE, Resident, resident
 from streamrl.serve import endpoint, remote_engines
 
@@ -195,7 +195,7 @@ class ServedVariants(StepExtension):
         """``fn(*args)`` on every live generate worker; the futures."""
         pins = self.context.topology.live_generate_pins()
         return [self.context.client.submit(fn, *args, key=f"{key}-{worker}-{time.time_ns()}", pure=False,
-                                           priority=task_functions.LOAD_PRIORITY, **pin)
+                                           priority=weight_tasks.LOAD_PRIORITY, **pin)
                 for worker, pin in pins.items()]
 
     def _push_adapter(self, lr, version: int, after=None) -> list:

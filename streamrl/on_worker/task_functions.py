@@ -1,6 +1,7 @@
-"""The functions Dask runs on workers. Each is small: it finds the resident engine, trainer,
-reward, ranker or transfer and calls one method, so the dashboard shows one bar per meaningful
-piece of work.
+"""The functions Dask runs on workers to generate, score and train. Each is small: it finds the
+resident engine, reward or trainer and calls one method, so the dashboard shows one bar per
+meaningful piece of work. The weights' tasks are in ``weight_tasks.py``, the ranker's in
+``ranker_tasks.py``.
 
 Arguments named ``after`` carry a future only to order a task after another one. ``trainer_id``
 is the trainer incarnation the controller built (``{worker name: id}`` over a train pool): a
@@ -10,26 +11,19 @@ instead of training the wrong policy.
 
 from __future__ import annotations
 
-import re
-import threading
 import time
 
 from distributed import get_client, get_worker
 
-from streamrl.contracts.generation import Engine, ReceiveMissed
-from streamrl.errors import RewardFailed, RunStopped, WeightShapeMismatch
+from streamrl.contracts.generation import Engine
+from streamrl.errors import RewardFailed, RunStopped
 from streamrl.on_worker.microbatch import group_tokens, pack
-from streamrl.cluster.pool_workers import workers
+from streamrl.on_worker.weight_tasks import LOAD_PRIORITY, catch_up
 from streamrl.rewards import scoring
-from streamrl.on_worker.resident import (ENGINE, RANKER, REWARD, TRAINER, TRANSFER, ResidentLost, expect, incarnation,
+from streamrl.on_worker.resident import (ENGINE, REWARD, TRAINER, ResidentLost, expect, incarnation,
                                     resident, resident_settings)
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
-
-LATEST = "streamrl-latest-weights"  # see flow/weights.py (which imports this module)
-LATEST_SENDER = "streamrl-latest-weights-sender"  # who exported LATEST: {"pin", "name", "address"}
-#: Dask priority of weight export/load tasks (``weights.LOAD_PRIORITY``)
-LOAD_PRIORITY = 1_000_000
 
 
 def dask_clock_shift() -> float:
@@ -166,40 +160,6 @@ def score_chunks(*chunks: Group) -> list[Group]:
     """Reward pool: join a group's chunks (:func:`join_chunks`) and score it, as
     :func:`score_groups` scores a whole one."""
     return score_groups([join_chunks(*chunks)])
-
-
-def rank_prompts(prompts: list[Prompt], after=None) -> list[float]:
-    """Rank pool: the length ranker's scores (higher = longer)."""
-    return [float(x) for x in resident(RANKER).predict(prompts)]
-
-
-def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None) -> int:
-    """Rank pool: teach the ranker the observed output lengths; returns how many prompts."""
-    resident(RANKER).observe(prompts, lengths)
-    return len(prompts)
-
-
-def ranker_state(after=None) -> bytes:
-    """Rank pool: what the ranker has learned (after the lessons ``after`` names), as bytes for
-    a checkpoint."""
-    import io
-
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(resident(RANKER).state_dict(), buf)
-    return buf.getvalue()
-
-
-def load_ranker_state(blob: bytes, after=None) -> bool:
-    """Rank pool: restore a checkpoint's :func:`ranker_state` into the ranker."""
-    import io
-
-    import torch
-
-    # plain values, tensors and the ranker's RNG state: never a full unpickling of a run-folder file
-    resident(RANKER).load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
-    return True
 
 
 def score_groups(groups: list[Group]) -> list[Group]:
@@ -360,107 +320,6 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
 TRANSIENT_STEPS_MAX = 3
 
 _transient_steps: dict[str, tuple] = {}  # by trainer resident: (the last step, such steps in a row), on this worker
-
-
-def export_weights(version: int, after=None, trainer_id: str | dict | None = None, receivers: int = 1):
-    """Train pool: the transfer's payload of the trainer's current weights, for ``receivers``
-    generate workers."""
-    expect(TRAINER, trainer_id)
-    resident(TRANSFER).receivers = receivers
-    return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
-
-
-def resend_weights(version: int) -> tuple:
-    """Train pool: the transfer's payload of the newest weights it sent (``version`` or later)
-    for one generate worker that missed them; returns ``(payload, version)``."""
-    return resident(TRANSFER).resend(version)
-
-
-def receive_again(transfer, version: int, resend_at: dict | None, missed: ReceiveMissed) -> tuple[dict, int]:
-    """Generate pool: the weights of ``version`` (or newer) once more, served to this worker
-    alone by the train worker (``resend_at``: its pin); returns ``(weights, version)``. Without
-    a pin, or when that fails too, the load fails with both reasons."""
-    from distributed import worker_client
-
-    if resend_at is None:
-        raise missed
-    try:
-        with worker_client() as client:  # leaves the worker's thread pool while it waits
-            payload, sent = client.submit(resend_weights, version, key=f"resend-weights-{version}-"
-                                          f"{get_worker().name}-{time.time_ns()}", priority=LOAD_PRIORITY,
-                                          pure=False, **resend_at).result(timeout=CATCH_UP_TIMEOUT)
-        return transfer.receive(payload, sent), sent
-    except Exception as exc:
-        raise RuntimeError(f"{missed}; sent again: {exc}") from None
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-CATCH_UP_TIMEOUT = 120.0
-
-
-def catch_up(engine, min_version: int) -> None:
-    """A generate worker restarted by its nanny holds a fresh engine at the base weights: load the
-    newest published weights (``weights.LATEST``) before generating with it."""
-    from distributed import Variable, worker_client
-
-    with worker_client() as client:  # leaves the worker's thread pool while it waits
-        payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
-        version = int(re.search(r"export-weights-(\d+)", str(payload_future.key)).group(1))
-        sender = Variable(LATEST_SENDER, client=client).get(timeout=CATCH_UP_TIMEOUT)
-        payload = _published(client, payload_future, version, sender)
-    # the same receive, lock and version check as a publication (a collective's group is likely
-    # over or full by now: then the train worker sends to this worker alone)
-    load_weights(payload, version, resend_at=sender["pin"])
-    if engine.version < min_version:
-        raise RuntimeError(f"engine on worker {get_worker().name} holds v{engine.version}, "
-                           f"needs v{min_version}: the published weights are older")
-
-
-def _published(client, payload_future, version: int, sender: dict):
-    """The payload of a publication, once its export is done. The train worker that exported it
-    must still be up: when it was killed, its payload went with it, and Dask would recompute the
-    export from the step's lineage, whose generation may be this very task, waiting here (the
-    run would stop only when this wait times out). So a lost sender fails at once, as the
-    trainer's loss does everywhere."""
-    deadline = time.monotonic() + CATCH_UP_TIMEOUT
-    while True:
-        try:
-            return payload_future.result(timeout=1.0)
-        except TimeoutError:
-            if sender["address"] and sender["address"] not in workers(client):
-                raise ResidentLost(f"worker {sender['name']} was restarted and its trainer lost its state "
-                                   f"(with the weights v{version} it published)") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the weights v{version} were not exported by worker {sender['name']} "
-                                   f"within {CATCH_UP_TIMEOUT:.0f} s") from None
-
-
-def load_weights(payload, version: int, after=None, resend_at: dict | None = None) -> float:
-    """Generate pool: load published weights into the engine; returns the seconds it took.
-    ``resend_at``: the train worker's pin, asked for the weights again when the payload was
-    missed (:class:`ReceiveMissed`).
-
-    Loads of two versions may run on two threads of one worker (async mode, staleness >= 2);
-    the lock and the version check keep the engine from going back to an older policy.
-    """
-    t0 = time.perf_counter()
-    engine = resident(ENGINE)
-    transfer = resident(TRANSFER)
-    try:
-        weights = transfer.receive(payload, version)  # always: a collective counts on every member
-    except ReceiveMissed as missed:  # its group lost a member, or was over before this worker came
-        weights, version = receive_again(transfer, version, resend_at, missed)
-    with _LOAD_LOCK:
-        if version > engine.version:
-            try:
-                engine.load_weights(weights, version)
-            except WeightShapeMismatch as exc:  # which transfer brought them: one line says it all
-                raise WeightShapeMismatch(f"{exc}, through {get_worker().plugins[TRANSFER].what}; the trainer "
-                                          "and the engine must hold the same model, and the transfer must "
-                                          "carry each tensor whole") from None
-    return time.perf_counter() - t0
 
 
 def trainer_logprobs(group: Group) -> list[list[float]]:
