@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import hand_started_cluster, sets, watch_listeners, write_tiny_recipe
+from tests.helpers import close_cluster, hand_started_cluster, sets, watch_listeners, write_tiny_recipe
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -40,8 +40,7 @@ def scheduler_only():
         "host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}, name="streamrl-test")
     client = Client(cluster)
     yield client
-    client.close()
-    cluster.close()
+    close_cluster(client, cluster)
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,17 @@ def sets(*values: str) -> list[str]:
     return [a for v in values for a in ("--set", v)]
 
 
+def close_cluster(client, cluster, timeout: float = 60) -> None:
+    """Close a cluster a test started in its own process, and its client, each within
+    ``timeout`` seconds. A close that hangs then fails the test's teardown instead of stalling
+    the whole session: a module fixture's teardown runs when the test's own timeout may have
+    fired already, and nothing else would end it."""
+    try:
+        client.close(timeout=timeout)
+    finally:
+        cluster.close(timeout=timeout)
+
+
 def one_line_error(err: str) -> str:
     """The only non-blank line of ``err`` (checked: one line, no traceback)."""
     lines = [line for line in err.splitlines() if line.strip()]
@@ -213,8 +224,24 @@ def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float
         runs = list(out.glob("*/metrics.jsonl"))
         if runs and len(runs[0].read_text().splitlines()) >= steps:
             return runs[0].parent
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        assert proc.poll() is None and time.time() < deadline, output_at_end(proc)[-3000:]
         time.sleep(0.05)
+
+
+def output_at_end(proc: subprocess.Popen, timeout: float = 30) -> str:
+    """The stderr of ``proc`` (started with its output piped), once it and its process group are
+    killed; what came within ``timeout`` seconds. A run's worker processes may hold its pipes
+    open after it ended: a plain ``communicate()`` would wait for them."""
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+        try:
+            kill()
+            break
+        except (ProcessLookupError, PermissionError):
+            continue
+    try:
+        return proc.communicate(timeout=timeout)[1] or ""
+    except subprocess.TimeoutExpired as exc:
+        return (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
 
 
 def finish_order(engine) -> list[str]:

@@ -13,7 +13,7 @@ from streamrl.checkpoints import saving
 from streamrl.run.controller import Controller
 from streamrl.plugins.resolve import resolve
 from streamrl.recipe.recipe import load_recipe
-from tests.helpers import ROOT
+from tests.helpers import ROOT, close_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +36,13 @@ def client():
                                                               "resources": {pool: slots}, "host": "127.0.0.1"}}
     cluster = SpecCluster(workers=spec, scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1",
                                                                                  "dashboard_address": ":0"}})
-    with Client(cluster) as c:
-        c.wait_for_workers(4)
+    c = Client(cluster)
+    try:
+        c.wait_for_workers(4, timeout=120)
         yield c
-    cluster.close()
-    torch.set_num_threads(threads)
+    finally:
+        close_cluster(c, cluster)
+        torch.set_num_threads(threads)
 
 
 def run_steps(client, overrides, steps=3, controller=None, feed=False):

@@ -14,7 +14,7 @@ from streamrl.on_worker import task_functions
 from streamrl.run.controller import Controller
 from streamrl.run.runner import resolve
 from streamrl.training.trainer import weights_from_bytes
-from tests.helpers import parity_recipe
+from tests.helpers import close_cluster, parity_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,7 @@ def setup(tiny_model, tmp_path_factory):
     pools = lifecycle.check_pools(client)
     assert sorted(pools["train"]) == ["train-0", "train-1"]
     yield resolve(loaded), client, pools
-    client.close()
-    dask_cluster.close()
+    close_cluster(client, dask_cluster)
 
 
 def held(ctl, name) -> tuple[int, int]:
