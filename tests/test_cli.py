@@ -50,14 +50,29 @@ def test_user_mistake_is_one_line_without_traceback(tiny_recipe):
 
 
 @pytest.mark.slow
-def test_a_train_pool_the_trainer_cannot_use_is_one_line(tmp_path):
-    # the simulated trainer trains on one worker: two train workers are a mistake, said once
+def test_a_train_pool_the_trainer_cannot_use_is_one_line_before_anything_starts(tmp_path):
+    # the simulated trainer trains on one worker: two train workers are a mistake, said once,
+    # by the real command, before it starts a cluster of 11 workers or writes a run folder
     proc = streamrl("recipe", "run", "recipes/paper-7b-20k.toml", "--set", "pools.train.workers=2",
                     "--set", f'run.out_dir="{tmp_path}"',
-                    "--set", "cluster.dashboard_port=0")
+                    "--set", "cluster.dashboard_port=0", timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "streamrl: error: pools.train.workers: trainer 'sim' trains on one worker; set pools.train.workers = 1 (got 2)")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("recipe, settings, line", [
+    ("paper-7b-20k.toml", ["pools.train.workers=2"],
+     "pools.train.workers: trainer 'sim' trains on one worker; set pools.train.workers = 1 (got 2)"),
+    ("ppo.toml", ["pools.train.workers=2", "trainer.strategy=fsdp", "trainer.lora={rank=4, alpha=8}"],
+     'trainer.strategy: trainer \'hf\' cannot shard its state; set trainer.strategy = "ddp"'),
+])
+def test_recipe_validate_finds_a_train_pool_the_trainer_cannot_use(recipe, settings, line, capsys):
+    # what the trainer declares (data parallel, shardable) against the pool the recipe starts
+    code = main(["recipe", "validate", str(ROOT / "recipes" / recipe), *[a for s in settings for a in ("--set", s)]])
+    assert code == 2
+    assert one_line_error(capsys.readouterr().err) == f"streamrl: error: {line}"
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.toml")))

@@ -137,6 +137,18 @@ class TrainerCapabilities:
     ``contracts/adapters.py``). A served learner's variant is then one more adapter in the
     generate pool's engines, not an engine of its own."""
 
+    def refuses(self, name: str, workers: int, strategy: str) -> str:
+        """Why trainer ``name`` cannot train on a train pool of ``workers`` with
+        ``trainer.strategy = strategy`` (one line naming the field), or "" when it can. Checked
+        before the cluster starts where the recipe sets the pool's size, and against the workers
+        there are on a cluster someone else started."""
+        if workers > 1 and not self.data_parallel:
+            return (f"pools.train.workers: trainer {name!r} trains on one worker; "
+                    f"set pools.train.workers = 1 (got {workers})")
+        if workers > 1 and strategy == "fsdp" and not self.shardable:
+            return f'trainer.strategy: trainer {name!r} cannot shard its state; set trainer.strategy = "ddp"'
+        return ""
+
 
 @dataclass(frozen=True)
 class TrainerFootprint:

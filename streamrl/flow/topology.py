@@ -15,6 +15,7 @@ import time
 from distributed import Client, SpecCluster
 
 from streamrl.cluster import lifecycle
+from streamrl.contracts.learning import TrainerCapabilities
 from streamrl.errors import UserError
 from streamrl.on_worker import task_functions
 from streamrl.on_worker.resident import TRAINER
@@ -66,13 +67,10 @@ class Topology:
         """The topology of a recipe's cluster, checked against what its trainer (``trainer``,
         ``trainer.strategy``) can do: one line naming the field when it cannot."""
         world = len(pools["train"])
-        if world > 1 and not data_parallel:
-            raise UserError(f"pools.train.workers: trainer {trainer!r} trains on one worker; "
-                            f"set pools.train.workers = 1 (got {world})")
+        refused = TrainerCapabilities(data_parallel=data_parallel, shardable=shardable).refuses(trainer, world, strategy)
+        if refused:
+            raise UserError(refused)
         sharded = world > 1 and strategy == "fsdp"
-        if sharded and not shardable:
-            raise UserError(f"trainer.strategy: trainer {trainer!r} cannot shard its state; "
-                            "set trainer.strategy = \"ddp\"")
         return cls(client, pools, sharded=sharded, ranker=ranker, spec_cluster=spec_cluster)
 
     # -- reading ----------------------------------------------------------------------------

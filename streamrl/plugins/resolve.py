@@ -148,6 +148,7 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     for plan in out.learners:
         _check_group_size(out, plan)
     _check_engine_can(out)
+    _check_trainer_can(out)
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
                    if c.capabilities().needs_model]
     if needs_model:
@@ -245,6 +246,19 @@ def _check_engine_can(out: Resolved) -> None:
                         f"{r.engine.name!r} with these settings cannot hand a sample over (its capabilities lack "
                         'moves_samples; the sim engine and hf with batching = "slots" can): set scheduler.migrate = '
                         "false or change the engine")
+
+
+def _check_trainer_can(out: Resolved) -> None:
+    """The train pool the recipe asks for, checked against what its trainer declares
+    (:class:`~streamrl.api.TrainerCapabilities`) before any cluster starts: several train
+    workers need a data-parallel trainer, and ``fsdp`` over them one that can shard. (The pool
+    of a cluster someone else started is known once its workers are: ``flow/topology.py``.)"""
+    r = out.recipe
+    if r.cluster.address or r.pools.train is None:
+        return
+    refused = out.trainer.capabilities().refuses(r.trainer.name, r.pools.train.workers, r.trainer.strategy)
+    if refused:
+        raise UserError(refused)
 
 
 def _check_positions(out: Resolved, model: Path) -> None:
