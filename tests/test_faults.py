@@ -13,7 +13,7 @@ import time
 import pytest
 
 from streamrl.cluster import quiet
-from tests.helpers import (check_every_sample_trained_once, kill_worker, read_records, start_run, stop, streamrl,
+from tests.helpers import (check_every_sample_trained_once, kill_worker, read_records, sets, start_run, stop, streamrl,
                            wait_for_steps)
 
 
@@ -44,7 +44,8 @@ def test_a_killed_generate_worker_loses_and_repeats_nothing(tiny_recipe, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["one", "ddp", "fsdp", "with generate and reward"])
-def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(tiny_recipe, tmp_path, pool):
+def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(tiny_recipe, tmp_path, pool,
+                                                                                 shared_cluster):
     # fsdp: each rank holds a shard of the state, so losing one loses the run's training state;
     # ddp: the ranks' optimizer steps are one collective. The other rank finds out inside a
     # collective (gloo: connection reset), or the restarted rank when its next task comes --
@@ -88,7 +89,8 @@ def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(
     state = json.loads((run_dir / "status.json").read_text())
     assert state["state"] == "failed" and "ResidentLost" in state["error"]
 
-    done = streamrl("recipe", "resume", str(run_dir))
+    # (a one-worker train pool's resume on the shared cluster: the run goes on wherever it is resumed)
+    done = streamrl("recipe", "resume", str(run_dir), *([] if sharded else sets(*shared_cluster.sets)))
     assert done.returncode == 0, done.stderr[-3000:]
     recs = read_records(run_dir)
     assert [r["step"] for r in recs] == list(range(14))

@@ -116,7 +116,8 @@ def test_resume_refuses_a_run_that_is_still_going(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_the_right_version(straight, tmp_path):
+def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_the_right_version(straight, tmp_path,
+                                                                                                  shared_cluster):
     # async mode hands the next step to the trainer before a step's record is written; a stop
     # then ends after that next step, and every checkpoint holds exactly the version it names
     recipe, _ = straight
@@ -136,7 +137,7 @@ def test_ctrl_c_on_an_async_run_whose_next_step_is_already_training_checkpoints_
         trainer = torch.load(ckpt / "trainer" / "trainer.pt", weights_only=False)
         assert trainer["version"] == meta["policy_version"] == meta["next_step"] == int(ckpt.name[5:]), ckpt
 
-    proc = streamrl("recipe", "resume", str(folder))
+    proc = streamrl("recipe", "resume", str(folder), *sets(*shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = read_records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))

@@ -67,7 +67,8 @@ class Topology:
         """The topology of a recipe's cluster, checked against what its trainer (``trainer``,
         ``trainer.strategy``) can do: one line naming the field when it cannot."""
         world = len(pools["train"])
-        refused = TrainerCapabilities(data_parallel=data_parallel, shardable=shardable).refuses(trainer, world, strategy)
+        can = TrainerCapabilities(data_parallel=data_parallel, shardable=shardable)
+        refused = can.refuses(trainer, world, strategy)
         if refused:
             raise UserError(refused)
         sharded = world > 1 and strategy == "fsdp"
