@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.bench.variants import summarize_run
 
-from tests.helpers import ROOT, read_records, streamrl
+from tests.helpers import ROOT, read_records, sets, streamrl
 
 
 def record(step, window, samples, gen_busy, train_busy, reward=0.5):
@@ -117,10 +117,10 @@ def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_transfer_times_publications_next_to_memcpy(tiny_recipe, tmp_path):
+def test_bench_transfer_times_publications_next_to_memcpy(tiny_recipe, tmp_path, shared_cluster):
     out = tmp_path / "transfer.json"
     proc = streamrl("bench", "transfer", str(tiny_recipe), "--repeats", "2",
-                    "--out", str(out), timeout=300)
+                    "--out", str(out), *sets(*shared_cluster.sets), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["transfer"] == "dask" and row["generate_workers"] == 1 and len(row["publish_s"]) == 2
