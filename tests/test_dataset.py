@@ -174,18 +174,22 @@ def test_a_split_of_one_file_and_a_fraction_that_leaves_nothing_are_one_line(ver
         DatasetTask(DatasetConfig(path=str(one), eval_fraction=0.5))
 
 
-def test_recipe_validate_builds_the_task_and_reads_its_first_rows(tmp_path, tiny_model, trl_jsonl):
+def test_recipe_validate_builds_the_task_and_reads_its_first_rows(tmp_path, tiny_model, trl_jsonl, capsys):
     # what the run does first on the client, validate does too: a recipe that says ok does not
-    # stop at its first step
-    import subprocess
+    # stop at its first step. (In this process, as the command runs it: the CLI's own process
+    # is smoke-tested in tests/test_cli.py.)
+    from types import SimpleNamespace
 
-    from tests.helpers import TINY_RECIPE, streamrl
+    from streamrl.cli import main
+    from tests.helpers import TINY_RECIPE
 
-    def validate(task_table: str, *extra: str) -> subprocess.CompletedProcess:
+    def validate(task_table: str) -> SimpleNamespace:
         text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace('[task]\nname = "addition"',
                                                                                   task_table)
         (tmp_path / "r.toml").write_text(text)
-        return streamrl("recipe", "validate", str(tmp_path / "r.toml"), *extra, timeout=120)
+        code = main(["recipe", "validate", str(tmp_path / "r.toml")])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
     ok = validate(f'[task]\nname = "dataset"\npath = "{trl_jsonl}"\nanswer_key = "solution"')
     assert ok.returncode == 0 and ok.stdout.strip().endswith("r.toml: ok"), ok.stderr

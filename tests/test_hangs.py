@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from tests.helpers import (kill_worker, last_error_line, read_records, sets, start, stop, streamrl, wait_for_steps,
-                           with_plugin, worker_addresses, worker_processes)
+from tests.helpers import (kill_worker, last_error_line, one_line_error, read_records, sets, start, stop, streamrl,
+                           wait_for_steps, with_plugin, worker_addresses, worker_processes)
 
 
 # -- SIGTERM to the process group ----------------------------------------------------------
@@ -294,12 +294,16 @@ def test_a_cluster_address_that_is_not_a_dask_scheduler_is_one_line(server, says
 
 # -- one line, no traceback ----------------------------------------------------------------
 
-def test_a_recipe_local_plugin_with_a_syntax_error_is_one_line(tiny_recipe):
+def test_a_recipe_local_plugin_with_a_syntax_error_is_one_line(tiny_recipe, capsys):
+    from streamrl.cli import main
+
     recipe = with_plugin(tiny_recipe, "broken", "def broken(:\n    pass\n")
-    for command in ("validate", "run"):
-        last = last_error_line(streamrl("recipe", command, str(recipe)), 2)
-        assert last == (f"streamrl: error: plugins.modules: 'broken.py' cannot be loaded ({recipe.parent / 'broken.py'}, "
-                        "line 1): SyntaxError: invalid syntax"), last
+    said = (f"streamrl: error: plugins.modules: 'broken.py' cannot be loaded ({recipe.parent / 'broken.py'}, "
+            "line 1): SyntaxError: invalid syntax")
+    # validate in this process, as the command runs it; run as a user runs it
+    assert main(["recipe", "validate", str(recipe)]) == 2
+    assert one_line_error(capsys.readouterr().err) == said
+    assert last_error_line(streamrl("recipe", "run", str(recipe)), 2) == said
 
 
 BROKEN_COMPONENTS = '''
