@@ -97,7 +97,7 @@ class Topology:
     def live_generate_pins(self) -> dict[str, dict]:
         """:meth:`generate_pins` without the workers not up now (killed, their nanny not done
         restarting them): a publication's collective must not count on a member that is not
-        coming. A worker left out catches up when it is back (``remote.catch_up``)."""
+        coming. A worker left out catches up when it is back (``weight_tasks.catch_up``)."""
         up = {str(info.get("name")) for info in lifecycle.workers(self.client).values()}
         return {name: pin for name, pin in self.generate_pins().items() if name in up}
 

@@ -27,7 +27,7 @@ from streamrl.telemetry import spans
 LOAD_PRIORITY = weight_tasks.LOAD_PRIORITY
 
 #: Dask ``Variable`` holding the newest export: a generate worker restarted mid-run (a fresh
-#: engine at the base weights) loads it before it generates (``remote.catch_up``).
+#: engine at the base weights) loads it before it generates (``weight_tasks.catch_up``).
 LATEST = weight_tasks.LATEST
 
 
@@ -60,7 +60,7 @@ def publish(client: Client, after: Future | None, version: int, train_pin: dict,
     workers grouped by site (:func:`relay_sites`); in a site of two or more workers now in
     ``generate_pins``, the first relays to the others; None: every load fetches from the train
     worker. ``sender``: the train worker's name and address, so that a generate worker catching
-    up (``remote.catch_up``) can tell its loss from a slow export."""
+    up (``weight_tasks.catch_up``) can tell its loss from a slow export."""
     with spans.phase(version - 1, "publish"):  # the step that made this version
         payload = client.submit(weight_tasks.export_weights, version, after=after, trainer_id=trainer_id,
                                 receivers=len(generate_pins), key=spans.step_key("export-weights", version, f"v{version}{tag}"),
