@@ -4,7 +4,7 @@ generate worker, through the recipe's transfer (``[transfer]``).
 streamrl orders and prioritises the work so a transfer only moves tensors: the export runs after
 the step (it depends on it), every load after the export, both at a Dask priority above any
 generate task (on a busy generate worker a load must not queue behind generation submitted
-earlier), and a load never takes an engine back to an older version (``remote.load_weights``).
+earlier), and a load never takes an engine back to an older version (``weight_tasks.load_weights``).
 
 With a relay (the ``dask`` transfer's ``relay``) the generate workers of a site take the payload
 from one of them, not from the train worker: a ``relay-weights-<v>`` task pinned to the site's
