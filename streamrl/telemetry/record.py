@@ -34,7 +34,7 @@ class StepRecord:
     response_len_mean: float
     reward_errors: int
     """Samples whose reward raised or was not a finite number (scored 0). A step in which every
-    sample's did is not recorded: the run stops before its update (``remote.optimizer_step``),
+    sample's did is not recorded: the run stops before its update (``task_functions.optimizer_step``),
     since a reward that always fails is a bug, not a learning signal -- unless every failure was
     the surroundings' (``reward_errors_transient``), for a few steps in a row."""
     generated_policy_version_min: int
