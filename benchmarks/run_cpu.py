@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from display_cost import samples_per_s  # (the sibling script's: benchmarks/ is on the path of a script run from it)
+
 PR_SET_CHILD_SUBREAPER = 36
 
 VARIANTS = {
@@ -52,12 +54,6 @@ def reap_all(timeout: float) -> None:
         if pid == 0:
             time.sleep(0.1)
     raise RuntimeError(f"processes of the run still alive {timeout:g} s after it ended")
-
-
-def samples_per_s(run_dir: Path, warmup: int) -> float:
-    """Steady samples/s of a run: its samples over its steps' wall time, warm-up left out."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
-    return sum(r["samples"] for r in records) / sum(r["accounting_window_s"] for r in records)
 
 
 def one(recipe: str, steps: int, warmup: int, env: dict[str, str], out: Path) -> dict:
