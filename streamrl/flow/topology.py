@@ -62,12 +62,10 @@ class Topology:
 
     @classmethod
     def of(cls, client: Client, pools: dict[str, dict[str, str]], trainer: str, strategy: str,
-           data_parallel: bool, shardable: bool, ranker: bool,
-           spec_cluster: SpecCluster | None = None) -> "Topology":
+           can: TrainerCapabilities, ranker: bool, spec_cluster: SpecCluster | None = None) -> "Topology":
         """The topology of a recipe's cluster, checked against what its trainer (``trainer``,
-        ``trainer.strategy``) can do: one line naming the field when it cannot."""
+        ``trainer.strategy``) declares it can do (``can``): one line naming the field when it cannot."""
         world = len(pools["train"])
-        can = TrainerCapabilities(data_parallel=data_parallel, shardable=shardable)
         refused = can.refuses(trainer, world, strategy)
         if refused:
             raise UserError(refused)

@@ -50,8 +50,8 @@ class Controller:
         r = self.recipe = resolved.recipe
         self.resolved, self.client = resolved, client
         can = resolved.trainer.capabilities()
-        self.topology = Topology.of(client, pools, r.trainer.name, r.trainer.strategy, can.data_parallel,
-                                    can.shardable, ranker=resolved.ranker is not None, spec_cluster=spec_cluster)
+        self.topology = Topology.of(client, pools, r.trainer.name, r.trainer.strategy, can,
+                                    ranker=resolved.ranker is not None, spec_cluster=spec_cluster)
         # an engine whose samples depend only on weights, seed and prompt: make the run repeat
         # (each step's generation sees a fixed version, training takes a fixed order)
         self.repeatable = resolved.engine.capabilities().repeatable
