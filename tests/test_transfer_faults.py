@@ -134,6 +134,22 @@ def test_a_member_killed_while_its_group_forms_is_seen_silent_and_the_others_mis
     assert time.perf_counter() - t0 < 20
 
 
+def test_a_member_that_never_comes_is_given_up_on_after_join_within_s():
+    # a group of two receivers where the second never takes its place (its worker was killed
+    # before, or its store connection failed and it took the resend way): the first gives up
+    # after join_within_s, not after the transfer's timeout (120 s) nor for good
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120))
+    sender.receivers = 2
+    token = sender.send(weights(), version=1)
+    receiver = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=120, join_within_s=3))
+    t0 = time.perf_counter()
+    with pytest.raises(ReceiveMissed, match=r"\(transfer.timeout_s = 120\): member 2 of its group of 3 did not "
+                                            r"come within 3 s \(transfer.join_within_s\); is every generate "
+                                            r"worker alive\?"):
+        receiver.receive(token, 1)
+    assert 3 < time.perf_counter() - t0 < 20
+
+
 def _stuck_in_gloo(monkeypatch, transfer):
     """``transfer``'s group set-up blocks, as gloo's connect was seen to when a member died while
     the group's sockets connected (it cannot be made to on demand: a stand-in at that edge).

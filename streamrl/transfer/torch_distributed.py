@@ -22,8 +22,9 @@ A member lost while the group's sockets connect is another matter: gloo keeps tr
 it until its timeout, and was seen to stay in that connect for good. So each receiver runs gloo
 in a thread and watches its group from outside it, on a store connection of its own: it beats
 (a counter in the store) every second, and gives up, with :class:`ReceiveMissed`, when another
-member's beat stands still while the group forms, when the sender's store has closed (the
-sender failed), or when nothing moved for ``timeout_s``.
+member's beat stands still while the group forms, when a member has not come ``join_within_s``
+after this one (its worker died before it took its place, or could not reach the store), when
+the sender's store has closed (the sender failed), or when nothing moved for ``timeout_s``.
 
 The store and gloo's sockets listen on the interface of the worker's Dask address only (127.0.0.1
 on the embedded cluster), as the train pool's group does (``training/data_parallel.py``).
@@ -90,6 +91,12 @@ class TorchDistributedConfig(BaseModel):
     """Megabytes per broadcast: fewer collectives against a bounded extra buffer."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds every member waits for the others (group set-up and each broadcast)."""
+    join_within_s: float = Field(30.0, gt=0)
+    """Seconds a receiver in a forming group waits for a member that has not come at all (a
+    generate worker killed before it took its place, or one whose store connection failed):
+    past it, the members that came get the weights from the train worker one by one
+    (``resend``) instead of waiting ``timeout_s`` for it. A member only late (its worker busy
+    with long generations) costs those resends, nothing else."""
 
 
 def _store_open(host: str, port: int) -> bool:
@@ -139,15 +146,18 @@ class _Watch:
     """A receiver's view of its group from outside gloo, on a store connection of its own: it
     beats for its rank and looks at the others' beats and at the sender's store."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int):
+    def __init__(self, host: str, port: int, rank: int, world: int, join_within_s: float):
         self.host, self.port, self.rank, self.world = host, port, rank, world
+        self.join_within_s = join_within_s
+        self.since = time.monotonic()  # (this member came: the others have join_within_s from here)
         self.store = None
         self.heard: dict[int, tuple[bytes, float]] = {}  # rank -> (its last beat, when it changed)
         self.closed_since: float | None = None
 
     def look(self, forming: bool) -> str:
         """Beat once; why the group is lost ("" while it is not): the sender's store closed for
-        :data:`SENDER_GONE_S`, or, while the group forms, a member silent for :data:`MEMBER_SILENT_S`."""
+        :data:`SENDER_GONE_S`, or, while the group forms, a member silent for :data:`MEMBER_SILENT_S`
+        or not come ``join_within_s`` after this one."""
         now = time.monotonic()
         # the sender lets the store go when its broadcasts end, done or failed: done, the last
         # bytes are arriving here; failed, this group is over whatever gloo waits for
@@ -164,7 +174,12 @@ class _Watch:
             if not forming:  # (formed: gloo sees a member's sockets close, at once)
                 return ""
             for r in range(1, self.world):
-                if r == self.rank or not self.store.check([f"{BEAT}{r}"]):  # (not come yet: gloo's timeout)
+                if r == self.rank:
+                    continue
+                if not self.store.check([f"{BEAT}{r}"]):  # (a member takes its place and beats at once)
+                    if now - self.since > self.join_within_s:
+                        return (f"member {r} of its group of {self.world} did not come within "
+                                f"{self.join_within_s:g} s (transfer.join_within_s)")
                     continue
                 beat = self.store.get(f"{BEAT}{r}")
                 last = self.heard.get(r)
@@ -326,7 +341,7 @@ class TorchDistributedTransfer(Transfer):
 
         thread = threading.Thread(target=join_and_receive, name=f"streamrl-receive-v{version}", daemon=True)
         thread.start()
-        watch = _Watch(host, int(port), rank, payload["world"])
+        watch = _Watch(host, int(port), rank, payload["world"], self.config.join_within_s)
         try:
             while True:
                 thread.join(WATCH_EVERY_S)
