@@ -68,3 +68,27 @@ def test_status_json_drops_an_earlier_attempts_error_once_the_run_goes_on_and_co
     done = json.loads((folder.path / "status.json").read_text())
     assert done["state"] == "completed" and "error" not in done and "resume" not in done
     assert done["scheduler"] == "tcp://127.0.0.1:1" and done["policy"] == "policy"  # the rest is kept
+
+
+def test_a_cluster_that_does_not_close_is_given_up_on_within_the_bound(monkeypatch, caplog):
+    # the end of a run must not wait for ever on a scheduler that does not answer its close
+    import asyncio
+
+    from distributed import Scheduler, SpecCluster
+
+    from streamrl.cluster import lifecycle
+
+    class Stuck(SpecCluster):
+        async def _close(self):  # (a close that never ends: the edge a real hang sits at)
+            await asyncio.sleep(3600)
+
+    cluster = Stuck(workers={}, scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
+                    name="streamrl-stuck")
+    monkeypatch.setattr(lifecycle, "CLOSE_TIMEOUT", 1.0)
+    t0 = time.perf_counter()
+    try:
+        lifecycle.stop(cluster, None)
+        assert time.perf_counter() - t0 < 15
+        assert "the cluster did not close within 1 s" in caplog.text
+    finally:
+        asyncio.run_coroutine_threadsafe(SpecCluster._close(cluster), cluster.loop.asyncio_loop).result(60)

@@ -33,6 +33,8 @@ from streamrl.cluster import warm_start
 from streamrl.recipe.pools import REQUIRED_POOLS
 from streamrl.recipe.recipe import Recipe
 
+log = logging.getLogger(__name__)
+
 
 def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client]:
     """Start the run's cluster (the embedded one, or ``cluster.factory``'s) or connect to
@@ -155,6 +157,11 @@ def keep_replicas(client: Client) -> None:
         pass
 
 
+#: Seconds a run waits for the cluster it started to close, after its workers were retired: a
+#: close with no bound was one place a run could hang at its very end.
+CLOSE_TIMEOUT = 60.0
+
+
 def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) -> None:
     """End the run's use of the cluster: shut down a cluster streamrl started, workers first;
     take the run's state off one it did not (:func:`release`) and leave that one running.
@@ -193,7 +200,10 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
             pass
     if client is not None:
         client.close()
-    cluster.close()
+    try:
+        cluster.close(timeout=CLOSE_TIMEOUT)
+    except TimeoutError:  # (a process that does not answer ends with this one: its nanny's child)
+        log.warning("the cluster did not close within %.0f s; its processes end with this one", CLOSE_TIMEOUT)
 
 
 def stop_meanwhile(cluster: Cluster | None, client: Client | None) -> Callable[[], None]:
