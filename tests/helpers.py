@@ -172,12 +172,14 @@ def start_run(recipe: Path, out: Path, *settings: str, steps: int | None = 14) -
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to ``proc``'s process group if it still runs (a test's clean-up)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+    """Send ``sig`` to ``proc``'s process group (a test's clean-up), also when ``proc`` itself
+    has ended: a run that died leaves its workers in its group, and they would go on eating the
+    CPU the next tests are timed on. Nothing happens once the whole group is gone."""
+    proc.poll()  # (reaped first: a leader that ended is no longer counted in its group)
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # -- `streamrl serve` in the background ----------------------------------------------------------------
