@@ -20,7 +20,7 @@ MARGIN = 0.04
 @pytest.mark.slow
 @pytest.mark.smoke
 def test_ppo_raises_the_reward_on_the_shipped_recipe(tmp_path):
-    run = run_recipe(ROOT / "recipes" / "ppo.toml", "run.steps=50", "run.seed=0", "cluster.dashboard_port=0",
+    run = run_recipe(ROOT / "recipes" / "ppo.toml", "run.steps=25", "run.seed=0", "cluster.dashboard_port=0",
                      out=tmp_path, timeout=400)
     rewards = [r["reward_mean"] for r in run.records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
