@@ -174,6 +174,9 @@ def _stuck_in_gloo(monkeypatch, transfer):
                r"the timeout", (2, 15)),
 ], ids=["after its sender failed", "past its timeout"])
 def test_a_receiver_stuck_in_gloo_misses(monkeypatch, sender_timeout, receivers, receiver_timeout, why, within):
+    from streamrl.transfer import torch_distributed
+
+    monkeypatch.setattr(torch_distributed, "SENDER_GONE_S", 1.0)  # (5 s by default: the same path, sooner)
     sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=sender_timeout))
     sender.receivers = receivers
     token = sender.send(weights(), version=1)

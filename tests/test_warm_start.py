@@ -49,6 +49,33 @@ def test_a_bad_worker_start_is_one_line(tiny_recipe):
     assert "\n" not in str(err.value)
 
 
+def test_a_run_that_fails_after_the_server_started_ends_it_too(tiny_recipe):
+    # the server starts as soon as the recipe is read; a mistake found after that (a component's
+    # config) ends the command at once, and the server with it: not seconds later, once torch's
+    # import is done, with the command's output pipes held open until then
+    import psutil
+
+    from tests.helpers import start, stop
+
+    proc = start("recipe", "run", str(tiny_recipe), "--set", "trainer.lr=-1")  # (its own process group)
+    try:
+        proc.wait(timeout=120)
+        left = [p for p in psutil.process_iter(["status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+                and _group_of(p.pid) == proc.pid]
+        assert not left, [p.cmdline() for p in left]
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("streamrl: error: trainer.lr"), err
+    finally:
+        stop(proc)  # (the whole group: what the check found, if it failed)
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 def test_the_server_loads_the_libraries_and_the_model_architecture_only_for_a_recipe_with_a_model(tiny_recipe,
                                                                                                  tmp_path):
     modules = warm_start.preload(recipe_with(tiny_recipe))

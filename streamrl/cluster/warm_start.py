@@ -18,6 +18,7 @@ must not be initialised before a fork, and torch's import may probe for it), ``a
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing.forkserver
 import os
@@ -109,7 +110,20 @@ def begin(recipe: Recipe) -> bool:
             else:
                 os.environ[k] = v
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    atexit.register(end_server, server._forkserver_pid)
     return True
+
+
+def end_server(pid: int) -> None:
+    """At this process's exit, end the server at once. A run that fails before its cluster
+    starts (a recipe mistake found while the server imports) would otherwise leave it importing
+    torch and transformers for seconds more, on CPU the machine may need, and holding this
+    process's output pipes open, so that a script reading them waits that long for the one-line
+    error. After a run its workers are gone already: the server only forks them."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # (gone already)
+        pass
 
 
 def worker_environment() -> dict[str, str]:
