@@ -9,6 +9,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -60,9 +61,16 @@ def test_a_run_that_fails_after_the_server_started_ends_it_too(tiny_recipe):
     proc = start("recipe", "run", str(tiny_recipe), "--set", "trainer.lr=-1")  # (its own process group)
     try:
         proc.wait(timeout=120)
-        left = [p for p in psutil.process_iter(["status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
-                and _group_of(p.pid) == proc.pid]
-        assert not left, [p.cmdline() for p in left]
+        # (the server, not Python's resource tracker: that one ends by itself once it reads that
+        # every process that shares it is gone, which may be a moment after the command)
+        def servers():
+            return [p for p in psutil.process_iter(["status", "cmdline"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+                    and _group_of(p.pid) == proc.pid and "multiprocessing.forkserver" in " ".join(p.info["cmdline"] or [])]
+
+        deadline = time.monotonic() + 1.0  # (a kill takes effect within moments; the imports took seconds more)
+        while (left := servers()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, [p.info["cmdline"] for p in left]
         _, err = proc.communicate(timeout=10)
         assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("streamrl: error: trainer.lr"), err
     finally:
