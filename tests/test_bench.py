@@ -30,6 +30,27 @@ def test_summarize_leaves_out_the_warm_up_and_pools_busy_time():
     assert row["idle"]["train"] == pytest.approx(1 - 3.0 / 4.0)
 
 
+def test_variants_that_would_start_the_same_cluster_share_one_and_the_others_start_their_own():
+    from streamrl.bench.variants import shared_layout
+    from streamrl.recipe.recipe import load_recipe
+
+    def recipe(*settings):
+        return load_recipe(str(ROOT / "recipes" / "paper-7b-20k.toml"), list(settings)).recipe
+
+    # a mode or a scheduler changes nothing of the cluster; fewer generate workers, other
+    # worker settings, an elastic pool or a cluster of the user's own do
+    variants = {"batch": recipe("run.mode=batch"), "wider": recipe("pools.generate.workers=4"),
+                "async": recipe("run.mode=async"), "stream": recipe("run.mode=stream"),
+                "elastic": recipe("pools.generate.elastic={min=1, max=8}"),
+                "nicer": recipe("run.mode=batch", "pools.generate.nice=5"),
+                "theirs": recipe('cluster.address="tcp://127.0.0.1:8786"'),
+                "wider-async": recipe("pools.generate.workers=4", "run.mode=async")}
+    assert shared_layout(variants) == {"batch", "async", "stream"}
+    # the largest set wins; a set of one shares nothing
+    assert shared_layout({k: variants[k] for k in ("batch", "wider", "wider-async")}) == {"wider", "wider-async"}
+    assert shared_layout({k: variants[k] for k in ("batch", "wider", "elastic", "theirs")}) == set()
+
+
 @pytest.mark.slow
 def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path):
     out = tmp_path / "modes.json"
@@ -114,6 +135,9 @@ def test_bench_skew_runs_every_variant_on_the_sim_engine(tmp_path):
     for name in ["skew-oracle", "lpt-oracle", "skew-learned", "longtail-learned", "longtail-learned +moves"]:
         assert 0.0 <= rows[name]["ranker_recall"] <= 1.0 and rows[name]["generate_makespan_s"] > 0
     assert rows["longtail-learned +moves"]["moves/moved"] >= 0 and "moves/moved" not in rows["longtail-learned"]
+    # the variants differ in their scheduler and ranker only: they ran on one cluster
+    assert all(row["shared_cluster"] for row in rows.values())
+    assert "fcfs (2 steps + 1 warm-up) [simulated] [shared cluster]" in proc.stderr
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import statistics
 import tempfile
 import time
@@ -41,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.algorithms.off_policy import CORRECTIONS
+from streamrl.bench.variants import one_cluster
 from streamrl.errors import UserError
 from streamrl.recipe.recipe import load_recipe
 from streamrl.run import runner
@@ -115,8 +115,6 @@ def bench(file: str, overrides: list[str], staleness=STALENESS, corrections=(DEF
           steps: int | None = None, eval_prompts: int = 256, out: str | None = None,
           console: Console | None = None) -> dict:
     """Run every (staleness, correction, seed), print the table, write the JSON; returns it."""
-    from streamrl.cluster import lifecycle
-
     console = console or Console(stderr=True, width=140)
     unknown = [c for c in corrections if c not in CORRECTIONS]
     if unknown:
@@ -145,13 +143,6 @@ def bench(file: str, overrides: list[str], staleness=STALENESS, corrections=(DEF
         for c in corrections:
             runner.resolve(load_recipe(file, common + variant_overrides(k, c, 0, steps)))
     tmp = tempfile.mkdtemp(prefix="streamrl-bench-staleness-")
-    cluster, client = lifecycle.start(recipe)
-    address = cluster.scheduler_address
-    # The scheduler lives in this process: each run's check that no other run holds the cluster
-    # (a variable read that times out when none does) would log an error here, not in a log of
-    # the scheduler's own as on a cluster users start themselves. (A filter: each run sets the
-    # logger's level again.)
-    logging.getLogger("distributed.core").addFilter(_NoUnclaimedClusterNoise())
     # On-policy every correction's weight is 1 (up to the engine's and trainer's disagreement on
     # the same weights: bucket 0's mismatch), so staleness 0 runs once, uncorrected, as the
     # reference -- unless ``none`` is not asked for.
@@ -159,7 +150,7 @@ def bench(file: str, overrides: list[str], staleness=STALENESS, corrections=(DEF
                 if not (k == 0 and "none" in corrections and c != "none")]
     runs: dict[tuple[int, str], list[dict]] = {key: [] for key in rows_run}
     t_all = time.time()
-    try:
+    with one_cluster(recipe) as address:
         for seed in range(seeds):
             for k, c in rows_run:
                 name = f"s{k}-{c}-seed{seed}"
@@ -173,8 +164,6 @@ def bench(file: str, overrides: list[str], staleness=STALENESS, corrections=(DEF
                 row = run_row(records)
                 row.update({"seed": seed, "run_dir": str(run_dir), "total_s": round(time.time() - t0, 1)})
                 runs[(k, c)].append(row)
-    finally:
-        lifecycle.stop(cluster, client)
     rows = [{"staleness": k, "correction": c, **summarize(runs[(k, c)])} for k, c in rows_run]
     result = {"recipe": str(file), "overrides": list(overrides), "default": DEFAULT, "steps": steps,
               "seeds_per_row": seeds, "forced_staleness": forced, "wall_s": round(time.time() - t_all, 1),
@@ -185,14 +174,6 @@ def bench(file: str, overrides: list[str], staleness=STALENESS, corrections=(DEF
     path.write_text(json.dumps(result, indent=2))
     console.print(f"result: {path}")
     return result
-
-
-class _NoUnclaimedClusterNoise(logging.Filter):
-    """Drops the scheduler's log of a variable read that timed out (how a run sees that no
-    other run holds the cluster)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "variable_get" not in record.getMessage()
 
 
 def _f(x, fmt: str) -> str:

@@ -1,23 +1,35 @@
 """Variants of one recipe, run one after another and compared: what ``streamrl bench`` (modes,
 skew, elastic) and ``streamrl plan`` (its ``--check``, warm-up and calibration runs) share.
 
-A variant is the recipe with extra ``--set`` overrides; each runs as a full run (its own
-embedded cluster) in this process, and :func:`summarize_run` makes its ``metrics.jsonl`` one row
-of a comparison. A recipe's devices and costs are counted here once, as the planner counts them:
-the ``sim`` trainer's virtual GPUs are its train devices.
+A variant is the recipe with extra ``--set`` overrides; each runs as a full run in this process,
+and :func:`summarize_run` makes its ``metrics.jsonl`` one row of a comparison. A recipe's devices
+and costs are counted here once, as the planner counts them: the ``sim`` trainer's virtual GPUs
+are its train devices.
+
+Variants that would start the same embedded cluster (the same workers, the same ``[cluster]``
+settings: variants of a scheduler, a ranker, a mode) run on one, started once
+(:func:`one_cluster`) and attached to with ``cluster.address`` as a run on a cluster users
+already have is: a run leaves nothing of itself on such a cluster, so each variant starts from
+what the next one does, and the comparison no longer waits on a cluster's start and stop per
+variant. A variant that needs a cluster of its own (an elastic pool grows the cluster it
+started; other pools or worker settings) still starts one.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 
+from streamrl.recipe.recipe import Recipe, load_recipe
 from streamrl.run import runner
-from streamrl.recipe.recipe import load_recipe
 from streamrl.sim.capabilities import SimEngineCapabilities, SimTrainerCapabilities
 
 
@@ -85,11 +97,12 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
 
 def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]], steps: int, warmup: int,
                  console: Console, label: str, time_scale: float | None) -> dict:
-    """Run the recipe once per variant (its extra ``--set`` overrides); returns ``{variant: row}``.
-    ``time_scale`` (from :func:`describe`) is None for a real engine."""
+    """Run the recipe once per variant (its extra ``--set`` overrides), in the order given;
+    returns ``{variant: row}``. ``time_scale`` (from :func:`describe`) is None for a real engine.
+    The largest set of variants that would start the same embedded cluster runs on one."""
     simulated = time_scale is not None
     tmp = tempfile.mkdtemp(prefix="streamrl-bench-")
-    rows = {}
+    planned = {}
     for name, extra in variants.items():
         loaded = load_recipe(file, list(overrides) + list(extra))
         # Async keeps generating up to max_staleness steps ahead; in the run's last steps there is
@@ -99,16 +112,77 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
         drain = r.max_staleness if r.mode == "async" else 0
         extra = list(extra) + [f"run.steps={steps + warmup + drain}", "cluster.dashboard=false",
                                f'run.out_dir="{tmp}"', f'run.name="bench-{name}"']
-        loaded = load_recipe(file, list(overrides) + extra)
-        resolved = runner.resolve(loaded)  # a variant's own mistakes are one line too
-        console.print(f"bench {label}: {name} ({steps} steps + {warmup} warm-up){' [simulated]' if simulated else ''}")
-        t0 = time.time()
-        # (no report per variant: `streamrl report` on the run folders overlays them)
-        run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved, report=False)
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale,
-                                    (*costs(resolved), recipe_split(resolved)[1]))
-        rows[name]["drain_steps"] = drain
-        rows[name]["run_dir"] = str(run_dir)
-        rows[name]["total_s"] = round(time.time() - t0, 1)
+        planned[name] = (load_recipe(file, list(overrides) + extra), extra, drain)
+    sharing = shared_layout({name: loaded.recipe for name, (loaded, _, _) in planned.items()})
+    last_shared = max(sharing, key=list(planned).index, default=None)
+    rows = {}
+    with ExitStack() as held:
+        address = None
+        for name, (loaded, extra, drain) in planned.items():
+            if name in sharing:
+                if address is None:  # (started for the first variant on it, stopped after the last)
+                    address = held.enter_context(one_cluster(loaded.recipe))
+                loaded = load_recipe(file, list(overrides) + extra + [f'cluster.address="{address}"'])
+            resolved = runner.resolve(loaded)  # a variant's own mistakes are one line too
+            # (escaped: rich would take "[simulated]" for markup and print nothing of it)
+            console.print(escape(f"bench {label}: {name} ({steps} steps + {warmup} warm-up)"
+                                 f"{' [simulated]' if simulated else ''}{' [shared cluster]' if name in sharing else ''}"))
+            t0 = time.time()
+            # (no report per variant: `streamrl report` on the run folders overlays them)
+            run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved, report=False)
+            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale,
+                                        (*costs(resolved), recipe_split(resolved)[1]))
+            rows[name]["drain_steps"] = drain
+            rows[name]["run_dir"] = str(run_dir)
+            rows[name]["shared_cluster"] = name in sharing
+            rows[name]["total_s"] = round(time.time() - t0, 1)
+            if name == last_shared:
+                held.close()  # the shared cluster's last variant: stop it before the others run
     return rows
+
+
+def shared_layout(recipes: dict[str, Recipe]) -> set[str]:
+    """The variants that run on one cluster: the largest set (at least two; the first such set
+    on a tie) that would start the same embedded cluster -- the same workers with the same
+    settings, the same ``[cluster]`` table. A recipe on a cluster of its own choosing
+    (``cluster.address``, ``cluster.factory``) or with an elastic generate pool is in none."""
+    from streamrl.cluster.pool_workers import planned_workers  # (Dask's worker: only where a bench runs)
+
+    groups: dict[str, list[str]] = {}
+    for name, recipe in recipes.items():
+        c = recipe.cluster
+        gen = recipe.pools.generate
+        if c.address or c.factory or (gen is not None and gen.elastic is not None):
+            continue
+        key = json.dumps([c.model_dump(mode="json"), planned_workers(recipe)], sort_keys=True, default=str)
+        groups.setdefault(key, []).append(name)
+    best = max(groups.values(), key=len, default=[])  # (max keeps the first of equal lengths)
+    return set(best) if len(best) >= 2 else set()
+
+
+@contextmanager
+def one_cluster(recipe: Recipe) -> Iterator[str]:
+    """The recipe's embedded cluster, started once for several runs that attach to it with
+    ``cluster.address``; yields the scheduler's address and stops the cluster at the end."""
+    from streamrl.cluster import lifecycle  # (Dask's cluster classes: only where one starts)
+
+    cluster, client = lifecycle.start(recipe)
+    # The scheduler lives in this process: each run's check that no other run holds the cluster
+    # (a variable read that times out when none does) would log an error here, not in a log of
+    # the scheduler's own as on a cluster users start themselves.
+    noise = _NoUnclaimedClusterNoise()
+    logging.getLogger("distributed.core").addFilter(noise)
+    try:
+        yield cluster.scheduler_address
+    finally:
+        logging.getLogger("distributed.core").removeFilter(noise)
+        lifecycle.stop(cluster, client)
+
+
+class _NoUnclaimedClusterNoise(logging.Filter):
+    """Drops the scheduler's log of a variable read that timed out (how a run sees that no
+    other run holds the cluster)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "variable_get" not in record.getMessage()
