@@ -51,6 +51,23 @@ def test_variants_that_would_start_the_same_cluster_share_one_and_the_others_sta
     assert shared_layout({k: variants[k] for k in ("batch", "wider", "elastic", "theirs")}) == set()
 
 
+def test_variants_of_a_model_on_a_gpu_keep_fresh_workers_each(tiny_recipe, monkeypatch):
+    from streamrl.bench import variants as bench_variants
+    from streamrl.cluster import warm_start
+    from streamrl.recipe.recipe import load_recipe
+
+    def recipe(*settings):
+        return load_recipe(str(tiny_recipe), list(settings)).recipe
+
+    pair = {"batch": recipe("run.mode=batch"), "stream": recipe("run.mode=stream")}
+    assert bench_variants.shared_layout(pair) == {"batch", "stream"}  # (this machine: no GPU)
+    monkeypatch.setattr(warm_start, "has_nvidia_gpu", lambda: True)  # a machine with one
+    assert bench_variants.shared_layout(pair) == set()
+    on_cpu = {k: recipe(f"run.mode={k}", *(f"pools.{p}.device=\"cpu\"" for p in ("generate", "train", "reward")))
+              for k in ("batch", "stream")}
+    assert bench_variants.shared_layout(on_cpu) == {"batch", "stream"}
+
+
 @pytest.mark.slow
 def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path):
     out = tmp_path / "modes.json"

@@ -146,19 +146,34 @@ def shared_layout(recipes: dict[str, Recipe]) -> set[str]:
     """The variants that run on one cluster: the largest set (at least two; the first such set
     on a tie) that would start the same embedded cluster -- the same workers with the same
     settings, the same ``[cluster]`` table. A recipe on a cluster of its own choosing
-    (``cluster.address``, ``cluster.factory``) or with an elastic generate pool is in none."""
+    (``cluster.address``, ``cluster.factory``), with an elastic generate pool, or with a model
+    on a GPU is in none: a GPU engine's memory is not certain to come back within the worker
+    process that held it (vLLM's, for one), so each such variant keeps fresh workers."""
     from streamrl.cluster.pool_workers import planned_workers  # (Dask's worker: only where a bench runs)
 
     groups: dict[str, list[str]] = {}
     for name, recipe in recipes.items():
         c = recipe.cluster
         gen = recipe.pools.generate
-        if c.address or c.factory or (gen is not None and gen.elastic is not None):
+        if c.address or c.factory or (gen is not None and gen.elastic is not None) or on_a_gpu(recipe):
             continue
         key = json.dumps([c.model_dump(mode="json"), planned_workers(recipe)], sort_keys=True, default=str)
         groups.setdefault(key, []).append(name)
     best = max(groups.values(), key=len, default=[])  # (max keeps the first of equal lengths)
     return set(best) if len(best) >= 2 else set()
+
+
+def on_a_gpu(recipe: Recipe) -> bool:
+    """Whether a worker of the recipe may hold a model on a GPU: the recipe has a model (the
+    simulated engine has none), this machine has an NVIDIA GPU and some pool's device is not
+    ``cpu``."""
+    from streamrl.cluster.pool_workers import planned_workers
+    from streamrl.cluster.warm_start import has_nvidia_gpu
+    from streamrl.devices import ENV as DEVICE_ENV
+
+    if recipe.model is None or not recipe.model.path or not has_nvidia_gpu():
+        return False
+    return any(w["env"].get(DEVICE_ENV) != "cpu" for _, w in planned_workers(recipe))
 
 
 @contextmanager
