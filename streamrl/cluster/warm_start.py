@@ -84,15 +84,21 @@ def begin(recipe: Recipe) -> bool:
         # (a warm run before this one, in this process, set Dask's start method for the process)
         dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
         return False
-    from distributed.utils import get_mp_context
+    from distributed import utils as dask_utils
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    ctx = get_mp_context()  # (sets Dask's own preload list, once)
+    # Dask's own first call for the forkserver context (the Nanny's, at each worker's start)
+    # imports here every package Dask can use, to preload them in the server: pandas among
+    # them, ~0.4 s of CPU in this process and again in the server, for workers that never use
+    # it. The server preloads Dask through WORKER_MODULES instead; this flag tells Dask its
+    # list is set already.
+    dask_utils._forkserver_preload_set = True
+    ctx = multiprocessing.get_context("forkserver")
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:
         return True
     env = worker_environment()
-    ctx.set_forkserver_preload([*(server._preload_modules or []), *preload(recipe), LAST_MODULE])
+    ctx.set_forkserver_preload([*preload(recipe), LAST_MODULE])
     # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
     # spawned worker does (run/stopping.py): a worker ends the block once it ignores both
     # (pool_workers.ignore_stop_signals), and the server, whose parent stops it, keeps it. The

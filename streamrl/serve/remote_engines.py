@@ -30,8 +30,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from distributed import get_worker
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from streamrl.on_worker.resident import resident
 from streamrl.serve.http_server import start_in_thread
@@ -79,15 +77,21 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
                          f"decode step's tokens); this engine is {type(eng).__name__}")
     if trainer is not None:
         refresh(engine, trainer, version)
-    key = secrets.token_hex(16)
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    # (Starlette, imported here: one route needs no more, and the run's driver imports this
+    # module for the functions it submits, without serving anything)
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
 
-    @app.post("/generate")
-    async def generate(request: Request):
+    key = secrets.token_hex(16)
+
+    async def generate(request):
         if not secrets.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
             return JSONResponse({"error": "wrong key"}, status_code=401)
         body = await request.json()
         return StreamingResponse(_decode(eng, body), media_type="application/x-ndjson")
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
 
     host = get_worker().address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     netloc = f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL is bracketed)
