@@ -1,38 +1,118 @@
-"""The ``hf`` engine's slot decoder driven in-process (no Dask): generated tokens/s at 256 and 64
-requests of N new tokens, and its log-probs against a forward of the same model.
+"""The ``hf`` engine's slot decoder driven in-process (no Dask), and where a decode step's time
+goes: the engine's generated tokens/s at each request count, the decoder's own step alone, the
+step with the finished-flags read the engine's loop does after each one, a torch.profiler table
+and trace of those steps, and the engine's log-probs against a forward of the same model.
 
-    python benchmarks/engine_inprocess.py MODEL_DIR [NEW_TOKENS]     # e.g. 256 on a GPU, 8 on CPU
+    python benchmarks/engine_inprocess.py MODEL --device cuda --requests 64,256,512,1024 \\
+        --new-tokens 256 --profile-dir prof --out inprocess.json
+    python benchmarks/engine_inprocess.py MODEL --device cpu --requests 16 --new-tokens 8   # this CPU
 
 What ``streamrl bench engine`` measures through a cluster, less the generate tasks and Dask
-around it: the difference between the two is what the dataflow costs. Each size decodes one warm
-group of requests first (graph capture, allocator), then the timed one; EOS is turned off so every
-response is NEW_TOKENS long. Prints one JSON line per size.
+around it: the difference between the two is what the dataflow costs. Per request count N
+(N / 8 prompts x 8 samples, ``engine.slots = N``, end-of-sequence off so every response is
+``--new-tokens`` long), one JSON row:
+
+- ``tokens_per_s`` and ``ms_per_step``: the engine (its loop thread, admission, prefill, hand
+  back), a warm group of requests first (graph capture, the allocator), then the timed one;
+- ``decoder_step_ms``: the decoder's step alone, ``--steps`` of them back to back with one wait
+  for the device at the end (a CUDA graph's replay each on a GPU): the pace the hardware gives
+  this decoder;
+- ``decoder_step_sync_ms``: the same steps, each followed by the read of the finished flags
+  (one small device-to-host copy, which waits for the step) as the engine's loop does: the
+  difference to the above is what that wait costs; the rest, up to ``ms_per_step``, is the
+  engine's own work between steps (Python, prefill, hand-back);
+- ``kv_cache_bytes``: the memory the decoder's KV cache takes at this slot count;
+- ``logprob_absdiff_mean`` / ``_max``: the engine's log-probs against a forward of the model.
+
+With ``--profile-dir``, the synced steps at ``--profile-at`` requests (default: the count
+nearest 256) also run under torch.profiler: ``decode-profile-N.txt`` (operators by their own
+device time, or CPU time on a CPU) and ``decode-trace-N.json.gz`` (the Chrome / Perfetto trace).
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from streamrl.engines.hf import HFEngine, HFEngineConfig
-from streamrl.sample import Prompt
-from streamrl.training.logprobs import pad_batch, token_logprobs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from streamrl.engines.hf import HFEngine, HFEngineConfig  # noqa: E402
+from streamrl.engines.slot_decoder import SlotDecoder  # noqa: E402
+from streamrl.sample import Prompt  # noqa: E402
+from streamrl.training.logprobs import pad_batch, token_logprobs  # noqa: E402
+
+#: Prompt tokens a slot holds room for (the prompts are short sums).
+PROMPT_TOKENS = 64
 
 
-def main() -> None:
-    """Measure both sizes and print their JSON lines."""
-    path = sys.argv[1]
-    new_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-    for n_prompts, slots in [(32, 256), (8, 64)]:
-        engine = HFEngine(HFEngineConfig(max_new_tokens=new_tokens, batching="slots", slots=slots,
-                                         max_prompt_tokens=64, profile=True))
-        t0 = time.time()
-        engine.load(path)
-        load_s = time.time() - t0
-        engine.decoder.eos_id.fill_(-1)
+def sync(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decoder_pace(engine, requests: int, new_tokens: int, steps: int, device: str, profile: Path | None) -> dict:
+    """The decoder's step alone and with the finished-flags read, on a decoder of its own over
+    the engine's model (the engine's loop keeps its decoder); ``steps`` steps each way."""
+    decoder = SlotDecoder(engine.model, requests, PROMPT_TOKENS + new_tokens, new_tokens,
+                          engine.config.temperature, -1, graphs=engine.config.cuda_graph and device == "cuda")
+    ids = engine.tokenizer("12+34=")["input_ids"]
+    steps = min(steps, new_tokens - 1)  # (a slot stops at new_tokens)
+    b = decoder.size_for(requests - 1)
+    out = {"kv_cache_bytes": sum(t.numel() * t.element_size() for t in decoder.k_cache + decoder.v_cache)}
+
+    def run(read_flags: bool) -> float:
+        decoder.reset()
+        decoder.prefill([(s, ids, new_tokens, False) for s in range(requests)])
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            decoder.step(b)
+            if read_flags:
+                decoder.finished_slots(b)
+        sync(device)
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    run(False)  # warm (the allocator, cuBLAS)
+    out["decoder_step_ms"] = round(run(False), 3)
+    out["decoder_step_sync_ms"] = round(run(True), 3)
+    if profile is not None:
+        from torch.profiler import ProfilerActivity, profile as profiler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profiler(activities=activities) as prof:
+            run(True)
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        profile.mkdir(parents=True, exist_ok=True)
+        (profile / f"decode-profile-{requests}.txt").write_text(
+            f"{steps} decode steps at {requests} requests, each followed by the finished-flags read\n"
+            + prof.key_averages().table(sort_by=key, row_limit=40))
+        raw = profile / f"decode-trace-{requests}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        out["profile"] = str(profile / f"decode-profile-{requests}.txt")
+    return out
+
+
+def measure(model: str, requests: int, new_tokens: int, steps: int, device: str, profile: Path | None) -> dict:
+    """One request count's row (see the module docstring)."""
+    n_prompts = max(1, requests // 8)
+    engine = HFEngine(HFEngineConfig(max_new_tokens=new_tokens, batching="slots", slots=n_prompts * 8,
+                                     max_prompt_tokens=PROMPT_TOKENS, profile=False))
+    t0 = time.time()
+    engine.load(model, device=device)
+    load_s = time.time() - t0
+    try:
+        engine.decoder.eos_id.fill_(-1)  # every response decodes new_tokens tokens
         prompts = [Prompt(uid=f"p{i}", text=f"{i}+{i * 3}=", answer="") for i in range(n_prompts)]
         engine.generate_groups(prompts, 8, [0.0] * n_prompts)  # warm
         t0 = time.time()
@@ -44,12 +124,40 @@ def main() -> None:
         with torch.no_grad():
             new = token_logprobs(engine.model, ids.to(engine.model.device), attn.to(engine.model.device)).float().cpu()
         diff = (new[resp.bool()] - old[resp.bool()]).abs()
-        print(json.dumps({"requests": n_prompts * 8, "slots": slots, "load_s": round(load_s, 2), "tokens": tokens,
-                          "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds),
-                          "logprob_absdiff_mean": float(diff.mean()), "logprob_absdiff_max": float(diff.max()),
-                          "latency_profile": engine.latency_points}), flush=True)
+        row = {"requests": n_prompts * 8, "device": device, "new_tokens": new_tokens, "load_s": round(load_s, 2),
+               "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds),
+               "ms_per_step": round(seconds / new_tokens * 1e3, 3),
+               "logprob_absdiff_mean": float(diff.mean()), "logprob_absdiff_max": float(diff.max())}
+        row.update(decoder_pace(engine, n_prompts * 8, new_tokens, steps, device, profile))
+        return row
+    finally:
         engine.close()
 
 
+def main() -> int:
+    """Measure each request count, print a JSON line for each, write them all to ``--out``."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a model folder (from_pretrained)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--requests", default="256,64", help="comma-separated request counts (each a multiple of 8)")
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens each response decodes")
+    ap.add_argument("--steps", type=int, default=100, help="decoder steps timed each way")
+    ap.add_argument("--profile-dir", help="write the profiler table and trace here")
+    ap.add_argument("--profile-at", type=int, help="the request count profiled (default: the one nearest 256)")
+    ap.add_argument("--out", help="write the rows as a JSON list here")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.requests.split(",") if x.strip()]
+    at = args.profile_at or min(counts, key=lambda n: abs(n - 256))
+    rows = []
+    for n in counts:
+        profile = Path(args.profile_dir) if args.profile_dir and n == at else None
+        row = measure(args.model, n, args.new_tokens, args.steps, args.device, profile)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,7 +29,14 @@ Named in ``--phases`` only: ``recipe_baseline`` (the recipe with the engine and 
 before: continuous batching, the ``dask`` transfer), ``factory`` (the recipe for two steps on a
 ``dask_cuda.LocalCUDACluster``, every pool on GPU 0) and ``longtail`` (W2, ``recipes/longtail-cpu.toml``,
 on two slot-decoder instances sharing the GPU: ``streamrl bench skew``'s variants, ``fcfs``
-against the ``longtail`` scheduler with and without moving stragglers).
+against the ``longtail`` scheduler with and without moving stragglers), ``inprocess``
+(``benchmarks/engine_inprocess.py`` at 64, 256, 512 and 1,024 requests: the slot engine without
+Dask, its decoder's step alone and with the finished-flags read, the KV cache's size, a
+torch.profiler table and trace of the decode steps at 256) and ``anchor`` (a decode-bound probe
+script given with ``--anchor``, at the same request counts, so that the engine's figures and
+the bound are measured in one call)::
+
+    python benchmarks/gpu_check.py --out x.json --phases inprocess,anchor,engine --anchor PROBE.py
 
 On an H100 the phases took: model 32-48 s, engine 43 + 92 s, recipe 56 s, transfer about 90 s,
 head 32 s, trainer about 20 s a variant: about 7 minutes for the default phases.
@@ -240,7 +247,6 @@ class Check:
             variants = []
             extra = []
             if n == max(self.args.trainer_samples or s["trainer_samples"]):
-                biggest = n * (s["trainer_prompt"] + s["trainer_response"])
                 # Liger's kernels patch transformers' modules for the whole process: the variants
                 # without them run first
                 variants = self.args.trainer_variant or [
@@ -325,6 +331,51 @@ class Check:
             row["result"] = {k: v for k, v in found.items() if k != "all"}
             self.save()
 
+    def inprocess(self, model: str) -> None:
+        """``benchmarks/engine_inprocess.py``: the slot engine driven in this machine's process (no
+        Dask) at each ``--inprocess-requests`` count, its decoder's step alone and with the
+        finished-flags read after each, the KV cache's size, and a torch.profiler table and trace
+        of the steps at 256 requests (kept in the work folder)."""
+        small = self.args.small
+        out = self.work / "inprocess.json"
+        counts = self.args.inprocess_requests or ([8, 16] if small else [64, 256, 512, 1024])
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_inprocess.py"), model, "--device", self.args.device,
+               "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
+               "--steps", "4" if small else "100", "--profile-dir", str(self.work / "decode-profile"),
+               "--out", str(out)]
+        row = self.run("inprocess", cmd, self.args.engine_timeout * 3)
+        if out.exists():
+            row["rows"] = json.loads(out.read_text())
+            profiles = sorted((self.work / "decode-profile").glob("decode-profile-*.txt"))
+            if profiles:
+                self.result["decode_profile"] = {p.stem: p.read_text()[:8000] for p in profiles}
+            self.save()
+
+    def anchor(self, model: str) -> None:
+        """The decode anchor, ``--anchor SCRIPT``: a probe of how fast this device decodes the
+        model's shapes at all (a plain-torch decoder, its whole step one CUDA graph), run in the
+        same call as the engine's figures at the same request counts. It prints JSON lines with
+        ``what = "decode_step"``, ``batch``, ``graph`` and ``tokens_per_s``; ``model`` is unused
+        (the probe makes random weights of the same shapes)."""
+        if not self.args.anchor:
+            self.result["phases"]["anchor"] = {"ok": False, "skipped": "no --anchor script given"}
+            self.save()
+            return
+        counts = self.args.inprocess_requests or ([8, 16] if self.args.small else [64, 256, 512, 1024])
+        cmd = [sys.executable, self.args.anchor, self.args.device, *(["--small"] if self.args.small else []),
+               "--batches", ",".join(map(str, counts))]
+        row = self.run("anchor", cmd, self.args.engine_timeout * 3)
+        lines = [json.loads(line) for line in (self.work / "anchor.log").read_text().splitlines()
+                 if line.startswith("{")]
+        steps = [r for r in lines if r.get("what") == "decode_step"]
+        # the fastest way the probe measured at each count (its graph on a GPU, eager on a CPU)
+        best: dict[int, dict] = {}
+        for r in steps:
+            if r["batch"] not in best or r["tokens_per_s"] > best[r["batch"]]["tokens_per_s"]:
+                best[r["batch"]] = r
+        row["rows"] = [best[b] for b in sorted(best)]
+        self.save()
+
     def transfer(self, model: str) -> None:
         """``bench transfer``: one weight publication, train worker's GPU -> the engine."""
         s = sizes(self.args.small)
@@ -378,6 +429,15 @@ def table(result: dict) -> str:
             lines.append(f"| lora | adapter publication: MB (share of the model), s to load | "
                          f"{r['adapter_bytes'] / 1e6:.1f} ({100 * r['adapter_over_model']:.1f}%), "
                          f"{r['adapter_load_s']['later_median']:.4f} |")
+        if name == "inprocess":
+            for r in row.get("rows", []):
+                lines.append(f"| inprocess | {r['requests']} requests: tokens/s, ms/step; decoder step ms alone, "
+                             f"with the flags read; KV GiB | {r['tokens_per_s']:,}, {r['ms_per_step']:.2f}; "
+                             f"{r['decoder_step_ms']:.2f}, {r['decoder_step_sync_ms']:.2f}; {r['kv_cache_bytes'] / 2**30:.3f} |")
+        if name == "anchor":
+            for r in row.get("rows", []):
+                lines.append(f"| anchor | {r['batch']} requests: tokens/s, ms/step ({'graph' if r.get('graph') else 'eager'}) "
+                             f"| {r['tokens_per_s']:,}, {r['ms_per_step']:.2f} |")
         if name == "transfer" and row.get("result"):
             for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
                 lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "
@@ -396,9 +456,14 @@ def main() -> int:
     ap.add_argument("--phases", default="engine,lora,recipe,transfer,head,trainer",
                     help="comma-separated phases to run (also: recipe_baseline, the recipe with the engine and "
                          "transfer of before; factory, the recipe on a dask-cuda cluster; longtail, W2's "
-                         "scheduling variants on the GPU engine)")
+                         "scheduling variants on the GPU engine; inprocess, the engine without Dask and where a "
+                         "decode step's time goes; anchor, the --anchor probe at the same request counts)")
     ap.add_argument("--engine-requests", type=int, action="append", default=[],
                     help="concurrent requests of an engine measurement (repeatable; default 256 and 64)")
+    ap.add_argument("--inprocess-requests", type=int, action="append", default=[],
+                    help="a request count of the in-process engine and the anchor (repeatable; default 64, 256, "
+                         "512 and 1024)")
+    ap.add_argument("--anchor", help="the decode anchor probe script (the anchor phase; see Check.anchor)")
     ap.add_argument("--trainer-samples", type=int, action="append", default=[],
                     help="a trainer batch size in samples (repeatable; default 64)")
     ap.add_argument("--trainer-variant", action="append", default=[], metavar="LABEL:KEY=VALUE;...",

@@ -267,13 +267,34 @@ def test_bench_elastic_repeats_interleaved_passes_and_reports_the_median_ratio(t
     assert "median x fixed-min" in proc.stderr
 
 
+# A stand-in for the decode anchor probe (a GPU-side measurement script that is not part of the
+# project): its output lines, from a small eager matmul loop, so the anchor phase's plumbing runs.
+ANCHOR_STAND_IN = """
+import json, sys, time
+import torch
+batches = [int(b) for b in sys.argv[sys.argv.index("--batches") + 1].split(",")]
+print(json.dumps({"device": sys.argv[1], "stand_in": True}))
+for b in batches:
+    w, x = torch.randn(64, 64), torch.randn(b, 64)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x = torch.tanh(x @ w)
+    dt = (time.perf_counter() - t0) / 10
+    print(json.dumps({"what": "decode_step", "batch": b, "graph": False, "ms_per_step": dt * 1e3,
+                      "tokens_per_s": round(b / dt)}))
+"""
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # the CPU dry run of benchmarks/gpu_check.py, one phase: what keeps the GPU machine's time
     # for measuring; a phase that fails shows as FAILED in the table and a non-zero exit
     out = tmp_path / "check.json"
+    (tmp_path / "anchor.py").write_text(ANCHOR_STAND_IN)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--small",
-                           "--out", str(out), "--work", str(tmp_path / "work"), "--phases", "trainer,engine,lora",
+                           "--out", str(out), "--work", str(tmp_path / "work"),
+                           "--phases", "trainer,engine,lora,inprocess,anchor", "--anchor", str(tmp_path / "anchor.py"),
+                           "--inprocess-requests", "8",
                            "--engine-requests", "4", "--trainer-samples", "8", "--trainer-variant", "recipe",
                            "--trainer-variant", 'bf16:trainer.precision="bf16-params"',
                            # bf16 matmuls are slow on a CPU (17 s a step on a loaded 2-core machine):
@@ -295,9 +316,20 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     lora = result["phases"]["lora"]["result"]
     assert result["phases"]["lora"]["ok"] and lora["adapters"] == 8
     assert all(v > 0 for v in lora["tokens_per_s"].values()) and 0 < lora["adapter_over_model"] < 0.1
+    # the engine without Dask: where a decode step's time goes, and a profile of the steps
+    (row,) = result["phases"]["inprocess"]["rows"]
+    assert result["phases"]["inprocess"]["ok"] and row["requests"] == 8 and row["tokens"] == 8 * 8
+    assert row["ms_per_step"] > 0 and row["decoder_step_ms"] > 0 and row["decoder_step_sync_ms"] > 0
+    assert 0 < row["kv_cache_bytes"] < 2**30 and row["logprob_absdiff_max"] < 1e-3
+    assert "aten::" in result["decode_profile"]["decode-profile-8"]
+    assert (tmp_path / "work" / "decode-profile" / "decode-trace-8.json.gz").stat().st_size > 0
+    # the anchor at the same request count, in the same call
+    assert result["phases"]["anchor"]["ok"] and [r["batch"] for r in result["phases"]["anchor"]["rows"]] == [8]
     table = out.with_suffix(".md").read_text()
     assert "| trainer-8 | status, seconds | ok," in table and "8 x 32 bf16: tokens/s, MFU, peak GiB" in table
     assert "| lora | decode tokens/s base, one adapter, 8 mixed" in table
+    assert "| inprocess | 8 requests: tokens/s, ms/step; decoder step ms alone" in table
+    assert "| anchor | 8 requests: tokens/s, ms/step (eager)" in table
 
 
 def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_path):
