@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, step_line, summary_table
-from tests.helpers import read_records, streamrl, write_tiny_recipe
+from tests.helpers import read_records, sets, streamrl, write_tiny_recipe
 
 
 def record(step: int, generate_s: float = 0.4, **more) -> dict:
@@ -107,12 +107,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.mark.slow
-def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_report(tmp_path, tiny_model):
+def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_report(tmp_path, tiny_model,
+                                                                                    shared_cluster):
     (tmp_path / "warns.py").write_text(WARNING_REWARD)
     recipe = write_tiny_recipe(tmp_path, tiny_model)
     recipe.write_text(recipe.read_text().replace('[reward]\nname = "exact_match"',
                                                  '[reward]\nname = "python"\npath = "warns.py"'))
-    proc = streamrl("recipe", "run", str(recipe), "--profile", "--no-report")
+    proc = streamrl("recipe", "run", str(recipe), "--profile", "--no-report", *sets(*shared_cluster.sets))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next((tmp_path / "runs").iterdir())
     # the reward worker's warning went to the run folder, once, not to the terminal

@@ -16,7 +16,7 @@ from streamrl.planning.profile import StageProfile, from_cost_model
 from streamrl.recipe.recipe import load_recipe
 from streamrl.sim.batching import ContinuousBatch
 from streamrl.sim.engine import SimEngine
-from tests.helpers import ROOT, streamrl
+from tests.helpers import ROOT, sets, streamrl
 
 W3 = ROOT / "recipes" / "paper-7b-20k.toml"
 
@@ -170,11 +170,12 @@ def test_plan_of_a_real_engine_needs_a_warm_up_or_a_saved_profile(tiny_recipe):
 
 
 @pytest.mark.slow
-def test_plan_profiles_a_real_engine_from_its_start_up_profile_and_a_warm_up_run(tiny_recipe, tmp_path):
+def test_plan_profiles_a_real_engine_from_its_start_up_profile_and_a_warm_up_run(tiny_recipe, tmp_path, shared_cluster):
+    # (the warm-up runs on the shared cluster: it has the recipe's pools)
     prof, out = tmp_path / "profile.json", tmp_path / "plan.json"
     proc = streamrl("plan", str(tiny_recipe), "--devices", "3", "--calibrate-steps", "2", "--steps", "3",
                     "--modes", "stream,async", "--max-staleness", "1", "--save-profile", str(prof), "--out", str(out),
-                    "--set", f'run.out_dir="{tmp_path}"', timeout=400)
+                    "--set", f'run.out_dir="{tmp_path}"', *sets(*shared_cluster.sets), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads(prof.read_text())
     assert p["source"].startswith("measured") and not p["simulated"]
