@@ -123,6 +123,22 @@ def test_skew_variants_switch_components_without_carrying_foreign_options():
             assert r.ranker.name == "oracle" and "ngram" not in r.ranker.options()
 
 
+def test_bench_skew_runs_the_variants_named_and_fcfs_and_an_unknown_name_is_one_line():
+    from streamrl.bench.skew import chosen
+
+    variants = {"fcfs": ["a"], "skew-learned": ["b"], "longtail-learned": ["c"], "longtail-learned +moves": ["d"]}
+    assert chosen(variants, None) == variants
+    # fcfs (every ratio's reference) runs whether named or not, first; the others in the bench's order
+    assert list(chosen(variants, "longtail-learned +moves, longtail-learned")) == [
+        "fcfs", "longtail-learned", "longtail-learned +moves"]
+    assert chosen(variants, "fcfs,skew-learned") == {"fcfs": ["a"], "skew-learned": ["b"]}
+    proc = streamrl("bench", "skew", str(ROOT / "recipes" / "longtail-cpu.toml"), "--variants", "fcfs,lpt,skew-learned")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "streamrl: error: --variants: 'lpt' not among this recipe's variants: fcfs, skew-oracle, lpt-oracle, "
+        "skew-learned, longtail-learned"]
+
+
 def test_bench_skew_passes_fold_into_medians_and_a_bad_repeat_count_is_one_line():
     from streamrl.bench.skew import bench, medians
     from streamrl.errors import UserError

@@ -31,6 +31,9 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     skew.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     skew.add_argument("--warmup", type=int, default=2, help="steps run first (the ranker learns) and left out")
     skew.add_argument("--out", default=None, help="write the JSON result here")
+    skew.add_argument("--variants", default=None, metavar="NAME,NAME,...",
+                      help="run only these variants (fcfs, the reference of every ratio, always runs); "
+                           "default: every variant the recipe's task and engine allow")
     skew.add_argument("--repeats", type=int, default=1,
                       help="run every variant this many times, interleaved; the table shows medians and ranges")
     transfer = bench.add_parser("transfer", help="seconds and GB/s per weight publication, per transfer")
@@ -221,7 +224,8 @@ def run(args) -> int:
         evaluation.bench(args.file, args.overrides, args.every, args.steps, args.warmup, args.repeats, args.out)
         return 0
     if args.cmd == "skew":
-        skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out, repeats=args.repeats)
+        skew.bench(args.file, args.overrides, args.steps, args.warmup, args.out, repeats=args.repeats,
+                   only=args.variants)
         return 0
     chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in modes.MODES]

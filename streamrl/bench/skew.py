@@ -69,6 +69,19 @@ def variants_for(resolved) -> dict[str, list[str]]:
     return out
 
 
+def chosen(variants: dict[str, list[str]], only: str | None) -> dict[str, list[str]]:
+    """The variants ``--variants`` names (comma-separated), ``fcfs`` first whether named or not
+    (every ratio is to it); all of them when ``only`` is None. One line naming the unknown ones."""
+    if only is None:
+        return variants
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        raise UserError(f"--variants: {', '.join(map(repr, unknown))} not among this recipe's variants: "
+                        f"{', '.join(variants)}")
+    return {name: variants[name] for name in variants if name == "fcfs" or name in names}
+
+
 def rollout_variants() -> list:
     """The rollout model's variants (fresh rankers and policies each)."""
     from streamrl.ranking.rankers import LearnedRanker, LearnedRankerConfig, OracleRanker, OracleRankerConfig
@@ -126,16 +139,17 @@ def rollout_table(resolved, steps: int, warmup: int, console: Console) -> dict |
 
 
 def bench(file: str, overrides: list[str], steps: int = 5, warmup: int = 2, out: str | None = None,
-          console: Console | None = None, repeats: int = 1) -> dict:
-    """Run the variants ``repeats`` times (interleaved, every other pass in reverse order), print
-    the table, write the JSON result; returns the result. Its ``variants`` are each variant's
-    medians over the passes (ratios to each pass's own ``fcfs``), ``passes`` every pass."""
+          console: Console | None = None, repeats: int = 1, only: str | None = None) -> dict:
+    """Run the variants (those ``only`` names, comma-separated, and ``fcfs``; default all)
+    ``repeats`` times (interleaved, every other pass in reverse order), print the table, write
+    the JSON result; returns the result. Its ``variants`` are each variant's medians over the
+    passes (ratios to each pass's own ``fcfs``), ``passes`` every pass."""
     if repeats < 1:
         raise UserError(f"--repeats: expected >= 1 (got {repeats})")
     console = console or Console(stderr=True, width=160)
     resolved, time_scale = describe(file, overrides)
     simulated = time_scale is not None
-    variants = variants_for(resolved)
+    variants = chosen(variants_for(resolved), only)
     if repeats > 1:  # an A/A pair: how far two runs of one variant land apart on this machine
         variants["fcfs-again"] = variants["fcfs"]
     passes = []
