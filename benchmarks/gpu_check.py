@@ -34,7 +34,9 @@ against the ``longtail`` scheduler with and without moving stragglers), ``inproc
 Dask, its decoder's step alone and with the finished-flags read, the KV cache's size, a
 torch.profiler table and trace of the decode steps at 256) and ``anchor`` (a decode-bound probe
 script given with ``--anchor``, at the same request counts, so that the engine's figures and
-the bound are measured in one call)::
+the bound are measured in one call) and ``serve`` (``streamrl bench serve recipes/serve.toml`` on the
+model's shapes, engine and trainer on the one GPU: inter-token latency with learning on against
+off, goal <= 1.05x)::
 
     python benchmarks/gpu_check.py --out x.json --phases inprocess,anchor,engine --anchor PROBE.py
 
@@ -381,6 +383,34 @@ class Check:
         row["rows"] = [best[b] for b in sorted(best)]
         self.save()
 
+    def serve(self, model: str) -> None:
+        """Serving while learning: ``streamrl bench serve recipes/serve.toml`` on the model's
+        shapes, the engine and the trainer on the one GPU, streaming clients answered with
+        learning off and on (alternating passes); the figure is the inter-token p50 with learning
+        on against off (goal <= 1.05x)."""
+        small = self.args.small
+        out = self.work / "serve.json"
+        gpu = ([f'pools.{p}.device="cuda"' for p in ("generate", "train")]
+               + [f'pools.{p}.cuda_visible_devices=["0"]' for p in ("generate", "train")]
+               + ["pools.train.nice=0",  # (the GPU is not shared through the CPU's scheduler)
+                  'transfer.name="cuda_ipc"']
+               if self.args.device == "cuda" else [])
+        sizes = (["engine.slots=16", "engine.max_new_tokens=8", "trainer.prompts_per_step=2",
+                  "trainer.samples_per_prompt=8", "serve.samples_per_step=16", "eval.every=0"] if small else
+                 ["engine.slots=256", "engine.max_new_tokens=128", "engine.max_prompt_tokens=64",
+                  "trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "serve.samples_per_step=256",
+                  "eval.every=0"])
+        over = [f"model.path=\"{model}\"", "cluster.dashboard_port=0", "engine.cuda_graph=true", *gpu, *sizes]
+        clients, seconds, repeats = ("2", "4", "1") if small else ("64", "20", "2")
+        row = self.run("serve", streamrl("bench", "serve", str(ROOT / "recipes" / "serve.toml"), *sets(over),
+                                         "--clients", clients, "--seconds", seconds, "--repeats", repeats,
+                                         "--n", "4", "--out", str(out)), self.args.serve_timeout)
+        if out.exists():
+            found = json.loads(out.read_text())
+            row["ratios"], row["training_steps"] = found["ratios"], found["training_steps"]
+            row["rows"] = found["rows"]
+            self.save()
+
     def transfer(self, model: str) -> None:
         """``bench transfer``: one weight publication, train worker's GPU -> the engine."""
         s = sizes(self.args.small)
@@ -443,6 +473,14 @@ def table(result: dict) -> str:
             for r in row.get("rows", []):
                 lines.append(f"| anchor | {r['batch']} requests: tokens/s, ms/step ({'graph' if r.get('graph') else 'eager'}) "
                              f"| {r['tokens_per_s']:,}, {r['ms_per_step']:.2f} |")
+        if name == "serve" and row.get("ratios"):
+            r = row["ratios"]
+            off = [x for x in row["rows"] if x["learning"] == "off"]
+            lines.append(f"| serve | learning on / off: inter-token p50, time to first token p50, inter-token p99 "
+                         f"(goal <= 1.05x) | {r['itl_p50_ms']}x, {r['ttft_p50_ms']}x, {r['itl_p99_ms']}x |")
+            if off:
+                lines.append(f"| serve | learning off: tokens/s, inter-token p50 ms; steps trained | "
+                             f"{off[0]['tokens_per_s']:,.0f}, {off[0]['itl_p50_ms']}; {row['training_steps']} |")
         if name == "transfer" and row.get("result"):
             for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
                 lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "
@@ -462,7 +500,8 @@ def main() -> int:
                     help="comma-separated phases to run (also: recipe_baseline, the recipe with the engine and "
                          "transfer of before; factory, the recipe on a dask-cuda cluster; longtail, W2's "
                          "scheduling variants on the GPU engine; inprocess, the engine without Dask and where a "
-                         "decode step's time goes; anchor, the --anchor probe at the same request counts)")
+                         "decode step's time goes; anchor, the --anchor probe at the same request counts; serve, "
+                         "serving latency with learning on against off)")
     ap.add_argument("--engine-requests", type=int, action="append", default=[],
                     help="concurrent requests of an engine measurement (repeatable; default 256 and 64)")
     ap.add_argument("--inprocess-requests", type=int, action="append", default=[],
@@ -480,6 +519,7 @@ def main() -> int:
     ap.add_argument("--trainer-timeout", type=float, default=120, help="seconds for each trainer batch size")
     ap.add_argument("--transfer-timeout", type=float, default=90, help="seconds for the transfer bench")
     ap.add_argument("--longtail-timeout", type=float, default=240, help="seconds for the long-tail bench")
+    ap.add_argument("--serve-timeout", type=float, default=240, help="seconds for the serving bench")
     args = ap.parse_args()
     check = Check(args)
     check.env()

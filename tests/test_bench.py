@@ -309,7 +309,7 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     (tmp_path / "anchor.py").write_text(ANCHOR_STAND_IN)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--small",
                            "--out", str(out), "--work", str(tmp_path / "work"),
-                           "--phases", "trainer,engine,lora,inprocess,anchor", "--anchor", str(tmp_path / "anchor.py"),
+                           "--phases", "trainer,engine,lora,inprocess,anchor,serve", "--anchor", str(tmp_path / "anchor.py"),
                            "--inprocess-requests", "8",
                            "--engine-requests", "4", "--trainer-samples", "8", "--trainer-variant", "recipe",
                            "--trainer-variant", 'bf16:trainer.precision="bf16-params"',
@@ -346,6 +346,11 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert "| lora | decode tokens/s base, one adapter, 8 mixed" in table
     assert "| inprocess | 8 requests: tokens/s, ms/step; decoder step ms alone" in table
     assert "| anchor | 8 requests: tokens/s, ms/step (eager)" in table
+    # serving while learning: the endpoint answered with learning off and on, and the ratio of the two
+    serve = result["phases"]["serve"]
+    assert serve["ok"] and {r["learning"] for r in serve["rows"]} == {"off", "on"}
+    assert all(r["requests"] > 0 and r["failed"] == 0 for r in serve["rows"]) and serve["ratios"]["itl_p50_ms"] > 0
+    assert "| serve | learning on / off: inter-token p50" in table
 
 
 def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_path):
