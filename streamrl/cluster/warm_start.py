@@ -19,6 +19,7 @@ must not be initialised before a fork, and torch's import may probe for it), ``a
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import multiprocessing.forkserver
 import os
@@ -88,17 +89,18 @@ def begin(recipe: Recipe) -> bool:
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
     # Dask's own first call for the forkserver context (the Nanny's, at each worker's start)
-    # imports here every package Dask can use, to preload them in the server: pandas among
-    # them, ~0.4 s of CPU in this process and again in the server, for workers that never use
-    # it. The server preloads Dask through WORKER_MODULES instead; this flag tells Dask its
-    # list is set already.
+    # imports every package Dask can use here, in this process, to check it is installed before
+    # the server preloads it: pandas among them, ~0.4 s of CPU that this process never uses.
+    # The server gets the same list (dask_preload: installed, not imported), and this flag
+    # tells Dask it is set. (Without pandas and the others in the server, a run started ~10%
+    # less CPU but made 4-5% fewer samples a second: docs/benchmarks.md.)
     dask_utils._forkserver_preload_set = True
     ctx = multiprocessing.get_context("forkserver")
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:
         return True
     env = worker_environment()
-    ctx.set_forkserver_preload([*preload(recipe), LAST_MODULE])
+    ctx.set_forkserver_preload([*dask_preload(), *preload(recipe), LAST_MODULE])
     # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
     # spawned worker does (run/stopping.py): a worker ends the block once it ignores both
     # (pool_workers.ignore_stop_signals), and the server, whose parent stops it, keeps it. The
@@ -130,6 +132,14 @@ def end_server(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except OSError:  # (gone already)
         pass
+
+
+def dask_preload() -> list[str]:
+    """What Dask itself preloads in a fork server: ``distributed`` and every package it can use
+    that is installed (found, not imported: see :func:`begin`)."""
+    from distributed.versions import optional_packages, required_packages
+
+    return ["distributed", *(p for p in required_packages + optional_packages if importlib.util.find_spec(p))]
 
 
 def worker_environment() -> dict[str, str]:
