@@ -25,20 +25,23 @@ outside still leaves what it measured), by default:
    memory): the recipe, without Liger's kernels, and without them with the head of before, and a
    torch.profiler table of one step of each.
 
-Named in ``--phases`` only: ``recipe_baseline`` (the recipe with the engine and transfer it had
-before: continuous batching, the ``dask`` transfer), ``factory`` (the recipe for two steps on a
-``dask_cuda.LocalCUDACluster``, every pool on GPU 0) and ``longtail`` (W2, ``recipes/longtail-cpu.toml``,
-on two slot-decoder instances sharing the GPU: ``streamrl bench skew``'s variants, ``fcfs``
-against the ``longtail`` scheduler with and without moving stragglers), ``inprocess``
-(``benchmarks/engine_inprocess.py`` at 64, 256, 512 and 1,024 requests: the slot engine without
-Dask, its decoder's step alone and with the finished-flags read, the KV cache's size, a
-torch.profiler table and trace of the decode steps at 256) and ``anchor`` (a decode-bound probe
-script given with ``--anchor``, at the same request counts, so that the engine's figures and
-the bound are measured in one call) and ``serve`` (``streamrl bench serve recipes/serve.toml`` on the
-model's shapes, engine and trainer on the one GPU: inter-token latency with learning on against
-off, goal <= 1.05x)::
+Named in ``--phases`` only:
 
-    python benchmarks/gpu_check.py --out x.json --phases inprocess,anchor,engine --anchor PROBE.py
+- ``recipe_baseline``: the recipe with the engine and transfer it had before (continuous
+  batching, the ``dask`` transfer);
+- ``factory``: the recipe for two steps on a ``dask_cuda.LocalCUDACluster``, every pool on GPU 0;
+- ``longtail``: W2 (``recipes/longtail-cpu.toml``) on two slot-decoder instances sharing the GPU,
+  ``streamrl bench skew``'s ``fcfs`` against the ``longtail`` scheduler with and without moving
+  stragglers;
+- ``inprocess``: ``benchmarks/engine_inprocess.py`` at 64, 256, 512 and 1,024 requests, the slot
+  engine without Dask, its decoder's step alone and with the finished-flags read, the KV cache's
+  size, a torch.profiler table and trace of the decode steps at 256;
+- ``anchor``: a decode-bound probe script given with ``--anchor``, at the same request counts, so
+  that the engine's figures and the bound are measured in one call;
+- ``serve``: ``streamrl bench serve recipes/serve.toml`` on the model's shapes, engine and trainer
+  on the one GPU, inter-token latency with learning on against off (goal <= 1.05x)::
+
+    python benchmarks/gpu_check.py --out x.json --phases inprocess,anchor,engine,serve --anchor PROBE.py
 
 On an H100 the phases took: model 32-48 s, engine 43 + 92 s, recipe 56 s, transfer about 90 s,
 head 32 s, trainer about 20 s a variant: about 7 minutes for the default phases.
