@@ -88,11 +88,11 @@ def sizes(small: bool) -> dict:
                                             "engine.max_new_tokens=8"],
                     engine=["trainer.prompts_per_step=2", "trainer.samples_per_prompt=4", "engine.max_new_tokens=8"],
                     engine_steps=1, trainer_samples=[4, 8], trainer_prompt=8, trainer_response=24, trainer_steps=2,
-                    transfer_repeats=1, engine_requests=[8, 4])
+                    transfer_repeats=1, engine_requests=[8, 4], inprocess_requests=[8, 16])
     return dict(recipe_steps=4, recipe=[],
                 engine=["trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "engine.max_new_tokens=256"],
                 engine_steps=1, trainer_samples=[64], trainer_prompt=64, trainer_response=512, trainer_steps=3,
-                transfer_repeats=3, engine_requests=[256, 64])
+                transfer_repeats=3, engine_requests=[256, 64], inprocess_requests=[64, 256, 512, 1024])
 
 
 #: The recipe's engine and transfer before the slot decoder and the CUDA IPC hand-over: the
@@ -348,7 +348,7 @@ class Check:
         of the steps at 256 requests (kept in the work folder)."""
         small = self.args.small
         out = self.work / "inprocess.json"
-        counts = self.args.inprocess_requests or ([8, 16] if small else [64, 256, 512, 1024])
+        counts = self.args.inprocess_requests or sizes(small)["inprocess_requests"]
         cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_inprocess.py"), model, "--device", self.args.device,
                "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
                "--steps", "4" if small else "100", "--profile-dir", str(self.work / "decode-profile"),
@@ -371,7 +371,7 @@ class Check:
             self.result["phases"]["anchor"] = {"ok": False, "skipped": "no --anchor script given"}
             self.save()
             return
-        counts = self.args.inprocess_requests or ([8, 16] if self.args.small else [64, 256, 512, 1024])
+        counts = self.args.inprocess_requests or sizes(self.args.small)["inprocess_requests"]
         cmd = [sys.executable, self.args.anchor, self.args.device, *(["--small"] if self.args.small else []),
                "--batches", ",".join(map(str, counts))]
         row = self.run("anchor", cmd, self.args.engine_timeout * 3)
