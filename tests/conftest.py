@@ -9,9 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from tests import in_process
 from tests.helpers import close_cluster, hand_started_cluster, sets, watch_listeners, write_tiny_recipe
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(autouse=True)
+def smoke_tests_start_the_real_command(request):
+    """A smoke test starts ``streamrl`` as a user does, in a process of its own; the other tests
+    run it in the test's process where they can (tests/in_process.py)."""
+    in_process.fresh_only = request.node.get_closest_marker("smoke") is not None
 
 
 @pytest.fixture(scope="session")

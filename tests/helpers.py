@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import in_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # (no Dask dashboard: nobody watches a test's run; tests/test_dashboard.py turns it on)
@@ -69,8 +71,13 @@ def write_tiny_recipe(folder: Path, model: Path, name: str = "tiny.toml", more: 
 
 
 # -- the command ------------------------------------------------------------------------------------
-def streamrl(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m streamrl *args``, waited for, its output captured."""
+def streamrl(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int = 300,
+             fresh: bool = False) -> subprocess.CompletedProcess:
+    """``streamrl *args``, waited for, its output captured: in this process (tests/in_process.py:
+    the same output, a fraction of the CPU), or as ``python -m streamrl`` in a process of its own
+    (within ``timeout`` seconds) when ``fresh``, when ``env`` is given, or in a smoke test."""
+    if env is None and not (fresh or in_process.fresh_only or in_process.ALWAYS_FRESH):
+        return in_process.run(list(map(str, args)), cwd)
     return subprocess.run([sys.executable, "-m", "streamrl", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
 

@@ -59,13 +59,17 @@ def latest(run_dir: Path) -> Path | None:
     for problem in problems:
         then = f"using {best.name}, the newest one that is" if best else "no older one is usable either"
         text = f"checkpoint {problem}; {then}"
-        if text not in _WARNED:  # (a resume asks more than once; the warnings module's memory is
-            _WARNED.add(text)    # wiped whenever an import changes its filters)
+        # once per run folder: a resume asks more than once, and the warnings module's memory
+        # is wiped whenever an import changes its filters (keyed by the folder too: another
+        # run's resume in the same process has its own checkpoints to warn about)
+        key = (str(Path(run_dir).resolve()), text)
+        if key not in _WARNED:
+            _WARNED.add(key)
             warnings.warn(text, RunWarning, stacklevel=2)
     return best
 
 
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()
 
 
 def usable(run_dir: Path) -> tuple[Path | None, list[str]]:
