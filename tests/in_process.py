@@ -46,6 +46,7 @@ FRESH_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", Depreca
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)
 
 _files: dict[int, int] = {}
+_servers: set[int] = set()  # fork servers started during a run here: their workers write to _files
 
 
 def _file(fd: int) -> int:
@@ -73,8 +74,16 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """``streamrl ARGS`` through ``streamrl.cli.main`` in this process, in ``cwd``: its exit
     status and its captured output, as :func:`subprocess.run` would give them."""
-    from streamrl.cli import main
+    import multiprocessing.forkserver
 
+    from streamrl.cli import main
+    from streamrl.cluster import warm_start
+
+    # a fork server started outside this harness (a test calling the cluster's start itself)
+    # writes its workers' output to that moment's descriptors, not to the files read below
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    if server is not None and server not in _servers:
+        warm_start.stop_server()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     out_file, err_file = _file(1), _file(2)
@@ -107,8 +116,10 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
             warnings.showwarning = _show_warning
             try:
                 status = main(list(args))
-            except SystemExit as exc:  # (argparse's usage errors)
+            except SystemExit as exc:  # (argparse's usage errors), as the interpreter ends on it
                 status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, int | None):
+                    print(exc.code, file=sys.stderr)
             except Exception:  # as the interpreter would print it, ending the process with 1
                 traceback.print_exc()
                 status = 1
@@ -132,6 +143,8 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
         for sig, handler in saved_signals.items():
             if handler is not None:
                 signal.signal(sig, handler)
+    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
+        _servers.add(multiprocessing.forkserver._forkserver._forkserver_pid)
     # (pread: the file's offset, shared with every descriptor on it, stays at its end)
     captured = {fd: os.pread(f, os.fstat(f).st_size - start[fd], start[fd]).decode("utf-8", errors="replace")
                 for fd, f in ((1, out_file), (2, err_file))}

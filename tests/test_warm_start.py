@@ -196,3 +196,23 @@ def test_spawned_workers_are_children_of_their_nanny(tiny_recipe):
             assert got["ppid"] == os.getpid() and got["sigint"] and got["blocked"] == [], got
     finally:
         lifecycle.stop(cluster, client)
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_process_gets_a_server_with_what_its_workers_import(tiny_recipe):
+    # a simulated engine's run preloads no torch; a later run with a real model in the same
+    # process (a notebook, a script running both) must not fork its workers from that server
+    simulated = load_recipe(ROOT / "recipes" / "paper-7b-20k.toml", []).recipe
+    server = multiprocessing.forkserver._forkserver
+    warm_start.stop_server()  # (one an earlier test in this process started)
+    assert server._forkserver_pid is None
+    assert warm_start.begin(simulated)
+    first = server._forkserver_pid
+    assert "torch" not in warm_start._started["modules"]
+    model = recipe_with(tiny_recipe, "cluster.worker_start=warm")
+    assert warm_start.begin(model)
+    second = server._forkserver_pid
+    assert second != first and "torch" in warm_start._started["modules"]
+    assert not os.path.exists(f"/proc/{first}")  # stopped and reaped
+    assert warm_start.begin(model) and warm_start.begin(simulated)  # what it has: reused
+    assert server._forkserver_pid == second

@@ -74,10 +74,11 @@ def has_nvidia_gpu() -> bool:
 
 def begin(recipe: Recipe) -> bool:
     """Start the fork server for ``recipe``'s workers now, if they start warm (:func:`wanted`),
-    and make Dask's Nanny start workers through it; returns whether they do. Idempotent: a
-    second run in this process reuses the server, and its workers get the environment this
-    process had when the server started. Call it from the main thread, as early as the recipe is
-    known: the server's imports then overlap this process's."""
+    and make Dask's Nanny start workers through it; returns whether they do. A second run
+    in this process reuses the server when it preloaded what this run's workers import, with
+    the same environment; otherwise that server is stopped and another started. Call it from
+    the main thread, as early as the recipe is known: the server's imports then overlap this
+    process's."""
     c = recipe.cluster
     if c.address or c.factory:
         return False  # (workers started by someone else)
@@ -97,10 +98,16 @@ def begin(recipe: Recipe) -> bool:
     dask_utils._forkserver_preload_set = True
     ctx = multiprocessing.get_context("forkserver")
     server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
-        return True
     env = worker_environment()
-    ctx.set_forkserver_preload([*dask_preload(), *preload(recipe), LAST_MODULE])
+    modules = [*dask_preload(), *preload(recipe), LAST_MODULE]
+    if server._forkserver_pid is not None:
+        if set(modules) <= set(_started["modules"]) and env == _started["env"]:
+            return True
+        # a server started for another run in this process, without what this run's workers
+        # import (a simulated engine's run has no torch) or with another environment: each
+        # worker would import torch itself, seconds late
+        stop_server()
+    ctx.set_forkserver_preload(modules)
     # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
     # spawned worker does (run/stopping.py): a worker ends the block once it ignores both
     # (pool_workers.ignore_stop_signals), and the server, whose parent stops it, keeps it. The
@@ -118,18 +125,39 @@ def begin(recipe: Recipe) -> bool:
             else:
                 os.environ[k] = v
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    atexit.register(end_server, server._forkserver_pid)
+    if _started["pid"] is None:
+        atexit.register(end_server)
+    _started.update(pid=server._forkserver_pid, modules=modules, env=env)
     return True
 
 
-def end_server(pid: int) -> None:
+def stop_server() -> None:
+    """Stop this process's fork server, if one runs (the next :func:`begin` starts another).
+    The workers forked from it go on; a cluster still up would restart one through a new server."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is None:
+        return
+    try:
+        server._stop()
+    except ChildProcessError:  # (it died, and was reaped, before: nothing to stop)
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+
+
+#: The server this process started last: its pid, what it preloaded, the environment it got.
+_started: dict = {"pid": None, "modules": [], "env": {}}
+
+
+def end_server() -> None:
     """At this process's exit, end the server at once. A run that fails before its cluster
     starts (a recipe mistake found while the server imports) would otherwise leave it importing
     torch and transformers for seconds more, on CPU the machine may need, and holding this
     process's output pipes open, so that a script reading them waits that long for the one-line
     error. After a run its workers are gone already: the server only forks them."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is None or server._forkserver_pid != _started["pid"]:
+        return  # (stopped already, or not ours)
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(server._forkserver_pid, signal.SIGKILL)
     except OSError:  # (gone already)
         pass
 
