@@ -404,7 +404,7 @@ class Check:
                   "trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "serve.samples_per_step=256",
                   "eval.every=0"])
         over = [f"model.path=\"{model}\"", "cluster.dashboard_port=0", "engine.cuda_graph=true", *gpu, *sizes]
-        clients, seconds, repeats = ("2", "4", "1") if small else ("64", "20", "2")
+        clients, seconds, repeats = ("2", "2", "1") if small else ("64", "20", "2")
         row = self.run("serve", streamrl("bench", "serve", str(ROOT / "recipes" / "serve.toml"), *sets(over),
                                          "--clients", clients, "--seconds", seconds, "--repeats", repeats,
                                          "--n", "4", "--out", str(out)), self.args.serve_timeout)
