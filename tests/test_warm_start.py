@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -217,24 +216,3 @@ def test_a_second_run_in_a_process_gets_a_server_with_what_its_workers_import(ti
     assert not os.path.exists(f"/proc/{first}")  # stopped and reaped
     assert warm_start.begin(model) and warm_start.begin(simulated)  # what it has: reused
     assert server._forkserver_pid == second
-
-
-@pytest.mark.slow
-def test_a_server_that_died_is_started_again_with_the_workers_environment(tiny_recipe):
-    # killed between two runs in one process (by hand, or by the kernel's OOM killer): the next
-    # run starts one itself, with the workers' environment, not multiprocessing with this one's
-    model = recipe_with(tiny_recipe, "cluster.worker_start=warm")
-    server = multiprocessing.forkserver._forkserver
-    assert warm_start.begin(model)
-    first = server._forkserver_pid
-    os.kill(first, signal.SIGKILL)
-    until(lambda: Path(f"/proc/{first}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", within=30)
-    assert warm_start.begin(model)
-    second = server._forkserver_pid
-    assert second != first and warm_start.running(second) and warm_start._started["pid"] == second
-    assert not os.path.exists(f"/proc/{first}")  # reaped
-    environ = dict(line.split("=", 1) for line in Path(f"/proc/{second}/environ").read_text().split("\0") if "=" in line)
-    wanted = warm_start.worker_environment()
-    assert wanted and all(environ.get(k) == v for k, v in wanted.items())
-    assert warm_start.begin(model) and server._forkserver_pid == second  # (alive: reused)
-

@@ -101,14 +101,11 @@ def begin(recipe: Recipe) -> bool:
     env = worker_environment()
     modules = [*dask_preload(), *preload(recipe), LAST_MODULE]
     if server._forkserver_pid is not None:
-        if (server._forkserver_pid == _started["pid"] and running(server._forkserver_pid)
-                and set(modules) <= set(_started["modules"]) and env == _started["env"]):
+        if set(modules) <= set(_started["modules"]) and env == _started["env"]:
             return True
         # a server started for another run in this process, without what this run's workers
         # import (a simulated engine's run has no torch) or with another environment: each
-        # worker would import torch itself, seconds late. Or one that died (killed, or out of
-        # memory), or the one multiprocessing started itself after that, for a worker a Nanny
-        # restarted: it has this process's environment rather than the workers'.
+        # worker would import torch itself, seconds late
         stop_server()
     ctx.set_forkserver_preload(modules)
     # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
@@ -132,15 +129,6 @@ def begin(recipe: Recipe) -> bool:
         atexit.register(end_server)
     _started.update(pid=server._forkserver_pid, modules=modules, env=env)
     return True
-
-
-def running(pid: int) -> bool:
-    """Whether the fork server ``pid`` (a child of this process) still runs; one that ended is
-    reaped here."""
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == 0
-    except ChildProcessError:  # (reaped already)
-        return False
 
 
 def stop_server() -> None:
