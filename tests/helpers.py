@@ -73,11 +73,11 @@ def write_tiny_recipe(folder: Path, model: Path, name: str = "tiny.toml", more: 
 # -- the command ------------------------------------------------------------------------------------
 def streamrl(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int = 300,
              fresh: bool = False) -> subprocess.CompletedProcess:
-    """``streamrl *args``, waited for, its output captured: in this process (tests/in_process.py:
-    the same output, a fraction of the CPU), or as ``python -m streamrl`` in a process of its own
-    (within ``timeout`` seconds) when ``fresh``, when ``env`` is given, or in a smoke test."""
+    """``streamrl *args``, waited for within ``timeout`` seconds, its output captured: in this
+    process (tests/in_process.py: the same output, a fraction of the CPU), or as ``python -m
+    streamrl`` in a process of its own when ``fresh``, when ``env`` is given, or in a smoke test."""
     if env is None and not (fresh or in_process.fresh_only or in_process.ALWAYS_FRESH):
-        return in_process.run(list(map(str, args)), cwd)
+        return in_process.run(list(map(str, args)), cwd, timeout=timeout)
     return subprocess.run([sys.executable, "-m", "streamrl", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
 

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -71,9 +72,40 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+class _Deadline:
+    """After ``timeout`` seconds, what a user does to a run that hangs: Ctrl-C (the run stops
+    after its step), then, ``grace`` seconds on, Ctrl-C again (it stops now). Why: in this
+    process nothing else would end a hung run before pytest's own timeout, which ends the whole
+    test process and every test still to run in it."""
+
+    def __init__(self, timeout: float | None, grace: float = 20.0):
+        self.fired = False
+        self._lock = threading.Lock()
+        self._done = False
+        self._timers = [] if timeout is None else [threading.Timer(timeout + t, self._interrupt) for t in (0, grace)]
+        for timer in self._timers:
+            timer.daemon = True
+            timer.start()
+
+    def _interrupt(self) -> None:
+        with self._lock:
+            if not self._done:
+                self.fired = True
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def cancel(self) -> None:
+        """No more interrupts (before the run's signal handlers are put back)."""
+        with self._lock:
+            self._done = True
+        for timer in self._timers:
+            timer.cancel()
+
+
+def run(args: list[str], cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
     """``streamrl ARGS`` through ``streamrl.cli.main`` in this process, in ``cwd``: its exit
-    status and its captured output, as :func:`subprocess.run` would give them."""
+    status and its captured output, as :func:`subprocess.run` would give them; past ``timeout``
+    seconds the run is interrupted as by Ctrl-C and :class:`subprocess.TimeoutExpired` raised
+    with what it printed."""
     import multiprocessing.forkserver
 
     from streamrl.cli import main
@@ -107,6 +139,7 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     for h in handlers:  # (not setStream: it flushes the old stream, which may be closed)
         h.stream = sys.stderr
     status = 1
+    deadline = _Deadline(timeout)
     try:
         os.chdir(cwd)
         with warnings.catch_warnings():
@@ -123,7 +156,11 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
             except Exception:  # as the interpreter would print it, ending the process with 1
                 traceback.print_exc()
                 status = 1
+            except KeyboardInterrupt:  # (the deadline's second Ctrl-C, raised outside the run's handling)
+                traceback.print_exc()
+                status = 130
     finally:
+        deadline.cancel()
         for h, stream in zip(handlers, saved_handler_streams):
             h.stream = stream
         for h in _plain_stream_handlers():  # (one the run added, on the streams closed next)
@@ -148,4 +185,6 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     # (pread: the file's offset, shared with every descriptor on it, stays at its end)
     captured = {fd: os.pread(f, os.fstat(f).st_size - start[fd], start[fd]).decode("utf-8", errors="replace")
                 for fd, f in ((1, out_file), (2, err_file))}
+    if deadline.fired:
+        raise subprocess.TimeoutExpired(["streamrl", *args], timeout, captured[1], captured[2])
     return subprocess.CompletedProcess(["streamrl", *args], status, captured[1], captured[2])

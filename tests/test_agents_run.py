@@ -16,23 +16,24 @@ pytestmark = pytest.mark.slow
 AGENT_RECIPE = ROOT / "recipes" / "agent.toml"
 SMALL = ("trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "pools.agent.threads=4")
 
-# the shipped calculator agent, and rows whose rollout hangs in a synchronous tool, raises or exits
+# the shipped calculator agent, and in every step one rollout that hangs in a synchronous tool and
+# one that raises after talking to the model; in step 1 one more exits. Chosen by the rollout's id
+# (step-prompt-k-tag), not by a count, so that every step has each failure whatever order the
+# rollouts start in, and a raised error is the only one of its rank in steps 0, 2 and 3
 FLAKY = (ROOT / "examples" / "agent" / "calculator_agent.py").read_text() + '''
 
-import itertools as _itertools
 import time as _time
-
-_calls = _itertools.count()
 
 
 async def flaky(client, row):
-    k = next(_calls)  # (per worker: every 8th rollout hangs, every 8th + 1 raises, every 16th + 2 exits)
-    if k % 8 == 0:
+    step, prompt, k = client.default_headers["X-Streamrl-Rollout"].split("-")[:3]
+    if (prompt, k) == ("000", "0"):
         await rollout(client, row)
         _time.sleep(60)  # a tool that hangs without ever awaiting: only its own thread is held
-    if k % 8 == 1:
+    if (prompt, k) == ("000", "1"):
+        await rollout(client, row)
         raise ValueError("the tool exploded")
-    if k % 16 == 2:  # sys.exit() in agent code: that rollout's error, no traceback on the console
+    if (step, prompt, k) == ("1", "001", "2"):  # sys.exit() in agent code: that rollout's error, no traceback
         raise SystemExit(3)
     return await rollout(client, row)
 '''
@@ -47,7 +48,7 @@ def run_agent(tmp_path, source: str, function: str, *settings: str):
 
 
 def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_rollouts_are_contained(tmp_path):
-    # 4 steps: a step has one or two multi-turn samples of its 13 or so, and none at times (3 steps
+    # 4 steps: a step has one or two multi-turn samples of its 15 or so, and none at times (3 steps
     # without one were seen once on a loaded machine)
     run = run_agent(tmp_path, FLAKY, "flaky", "run.steps=4", "task.rollout_timeout_s=12")
     records = run.records
@@ -58,11 +59,11 @@ def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_r
         assert len(uids) == len(set(uids)) and not seen & set(uids)  # nothing trained twice
         seen |= set(uids)
         assert all(u.startswith(f"{r['step']}-") for u in uids)
-        assert r["turns_mean"] > 0.5 and "tool_calls_mean" in r  # (a raising rollout calls nothing)
-    assert sum(r["agent/timeouts"] for r in records) >= 1
-    assert sum(r["agent/errors"] for r in records) >= 1
-    assert any("the tool exploded" in (r.get("agent/first_error") or "") or "exploded" in (r.get("reward_error_first") or "")
-               for r in records)
+        assert r["turns_mean"] > 0.5 and "tool_calls_mean" in r  # (the exiting rollout calls nothing)
+        assert r["agent/timeouts"] >= 1 and r["agent/errors"] >= 1  # the hung and the raising rollouts
+        if r["step"] != 1:  # (in step 1 the exiting rollout's error may be quoted instead)
+            assert "the tool exploded" in r["agent/first_error"], r
+    assert sum(r["agent/errors"] for r in records) >= 5
     # several turns with tool calls were trained (the warm-started model calls the tool at times)
     assert sum(r["tool_calls_mean"] for r in records) > 0
     assert max(r["turns_mean"] for r in records) > 1.0

@@ -4,6 +4,9 @@ the driver's output and warnings, and what its workers print."""
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 
 from tests.helpers import only_run, read_records, streamrl, with_plugin
@@ -59,3 +62,15 @@ def test_a_run_in_the_test_process_gives_what_its_own_process_gives(tiny_recipe,
         seen[how] = [line for line in proc.stderr.splitlines() if line.startswith("step ")]
     # the same step lines, each run's own: nothing of one run's output in another's
     assert len(seen["here"]) == len(seen["here again"]) == len(seen["own process"]) == 2, seen
+
+
+def test_a_command_that_hangs_in_the_test_process_is_interrupted_at_its_timeout(tiny_recipe):
+    # a plugin module that never finishes importing: nothing in the run would end it, so the
+    # harness interrupts it as Ctrl-C would and raises what subprocess.run raises past a timeout
+    recipe = with_plugin(tiny_recipe, "stuck", "import time\n\nprint('stuck: importing', flush=True)\ntime.sleep(600)\n")
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        streamrl("recipe", "validate", str(recipe), timeout=2)
+    assert time.monotonic() - started < 60
+    assert "stuck: importing" in caught.value.stdout
+    assert "streamrl: interrupted" in caught.value.stderr
