@@ -72,5 +72,8 @@ def test_a_command_that_hangs_in_the_test_process_is_interrupted_at_its_timeout(
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         streamrl("recipe", "validate", str(recipe), timeout=2)
     assert time.monotonic() - started < 60
-    assert "stuck: importing" in caught.value.stdout
-    assert "streamrl: interrupted" in caught.value.stderr
+    assert "stuck: importing" in caught.value.stdout  # what it printed, as subprocess.run gives it
+    # (what the interrupted command says depends on where the interrupt lands: not checked) and
+    # the process is left as it was: the next command runs here and says what it always says
+    again = streamrl("recipe", "validate", str(tiny_recipe))
+    assert again.returncode == 0 and "stuck" not in again.stdout + again.stderr, again.stderr
