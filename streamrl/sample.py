@@ -70,7 +70,8 @@ class Sample:
     times: dict[str, float] = field(default_factory=dict)
     """Wall-clock timestamps: ``gen_start``, ``gen_end``, ``reward_end``; and ``clock_shift``, the
     seconds Dask added to the generate worker's clock in its task stream when the sample was made
-    (the trace puts ``gen_start`` and ``gen_end`` in that frame)."""
+    (the trace puts ``gen_start`` and ``gen_end`` in that frame); ``reward_clock_shift``, the same
+    for the reward worker that scored it (``reward_end`` in its frame)."""
 
 
 Group = list[Sample]

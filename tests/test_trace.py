@@ -75,7 +75,9 @@ def check_samples(trace: Trace, records: list[dict]) -> None:
             "uid": x["uid"], "step": r["step"], "version": x["version"], "staleness": x["staleness"],
             "prompt_len": x["prompt_len"], "response_len": x["response_len"]}
         (score,) = by_phase["score"][x["uid"]]
-        assert abs(score["ts"] + score["dur"] - us(x["reward_end"])) <= 1 and trace.worker(score).startswith("reward-")
+        shift = x.get("reward_clock_shift", 0.0)  # (the reward worker's, likewise)
+        assert abs(score["ts"] + score["dur"] - us(x["reward_end"] + shift)) <= 1
+        assert trace.worker(score).startswith("reward-")
         for queued in by_phase["queued"][x["uid"]]:  # (none when it started the moment it was asked)
             assert abs(queued["ts"] - us(x["submitted"])) <= 1 and trace.worker(queued) == x["worker"]
 
@@ -97,10 +99,11 @@ def hand_made(folder: Path) -> list[dict]:
     """A run folder with one step of two samples from two generate workers, trained in one
     train task, and the task stream that goes with it (two back-to-back tasks on train-0 whose
     times overlap by a millisecond, as Dask's clock correction makes them; generate-1's tasks
-    shifted 80 ms by it, which its sample's ``clock_shift`` says)."""
+    shifted 80 ms by it, which its sample's ``clock_shift`` says, and reward-0's 300 ms back,
+    beyond the slack that finds a sample's task, which ``reward_clock_shift`` says)."""
     t = 1_800_000_000.0
     log = [{"uid": f"0-000-{k}", "version": 0, "worker": f"generate-{k}", "submitted": t, "gen_start": t + 0.1 + k,
-            "gen_end": t + 1.2 + k, "clock_shift": 0.08 * k, "reward_end": t + 2.5 + k, "trained": t + 4.5,
+            "gen_end": t + 1.2 + k, "clock_shift": 0.08 * k, "reward_end": t + 2.5 + k, "reward_clock_shift": -0.3, "trained": t + 4.5,
             "trained_on": "train-0", "response_len": 4 + k, "prompt_len": 7, "staleness": 0} for k in range(2)]
     record = {"step": 0, "policy_version": 1, "samples": 2, "time": t + 5.0, "step_s": 5.0, "weight_sync_s": 0.4,
               "controller_s": 0.05, "accounting_window_s": 5.0, "pools": {"generate": {"idle_ratio": 0.5}},
@@ -109,8 +112,8 @@ def hand_made(folder: Path) -> list[dict]:
              *[{"key": ["generate-0", f"0-000+{k}"], "worker": f"generate-{k}", "status": "OK",
                 "startstops": [["compute", t + 0.1 + 1.08 * k, t + 1.2 + 1.08 * k, None]]} for k in range(2)],
              *[{"key": ["reward-0", f"0-000+{k}"], "worker": "reward-0", "status": "OK",
-                "startstops": [["transfer", t + 1.3 + k, t + 1.4 + k, f"generate-{k}"],
-                               ["compute", t + 2.0 + k, t + 2.5 + k, None]]} for k in range(2)],
+                "startstops": [["transfer", t + 1.0 + k, t + 1.1 + k, f"generate-{k}"],
+                               ["compute", t + 1.7 + k, t + 2.2 + k, None]]} for k in range(2)],
              {"key": ["train-0", "000"], "worker": "train-0", "status": "OK",
               "startstops": [["compute", t + 4.0, t + 4.5, None]]},
              {"key": ["optimizer-step-0", "rank0"], "worker": "train-0", "status": "OK",
@@ -136,7 +139,7 @@ def test_the_builder_places_samples_and_tasks_on_their_workers(tmp_path):
     assert wait["0-000-1"]["ts"] == us(t + 3.5) and wait["0-000-1"]["dur"] == us(t + 4.0) - us(t + 3.5)
     # the score slice starts with the reward task that held the sample
     score = {e["args"]["uid"]: e for e in trace.slices("sample", "score")}
-    assert score["0-000-1"]["ts"] == us(t + 3.0)
+    assert score["0-000-1"]["ts"] == us(t + 2.7) and {trace.worker(e) for e in score.values()} == {"reward-0"}
     # the optimizer step shares train-0's lane, trimmed by the millisecond it overlapped
     (opt,) = trace.slices("task", "optimizer-step")
     (task,) = trace.slices("task", "train")

@@ -165,10 +165,14 @@ def score_chunks(*chunks: Group) -> list[Group]:
 def score_groups(groups: list[Group]) -> list[Group]:
     """Reward pool: score every sample; a failing or late reward is contained
     (``rewards/scoring.py``, within the run's ``reward.score_timeout_s``)."""
+    shift = dask_clock_shift()  # (first: Dask took it as the task started)
     reward = resident(REWARD)
     settings = resident_settings(REWARD)
     timeout_s, limit = settings.get("score_timeout_s"), settings.get("limit", scoring.REWARD_LIMIT)
-    return [scoring.score_group(reward, g, timeout_s, limit) for g in groups]
+    scored = [scoring.score_group(reward, g, timeout_s, limit) for g in groups]
+    for s in (s for g in scored for s in g):
+        s.times["reward_clock_shift"] = shift  # (the trace finds the reward task by reward_end)
+    return scored
 
 
 def _peer_lost(exc: Exception) -> Exception:

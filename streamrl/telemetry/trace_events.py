@@ -237,12 +237,15 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
             out.append(slice_event("generate", "sample", pid, tid, gen_start, gen_end, args))
         reward_end = x.get("reward_end")
         if reward_end is not None and gen_end is not None:
-            task = index.find("reward", step, reward_end)
+            # (into the frame of Dask's task slices, where the reward task is found by this time:
+            # on a loaded machine the reward worker's estimate drifts past CLOCK_SLACK)
+            scored = reward_end + x.get("reward_clock_shift", 0.0)
+            task = index.find("reward", step, scored)
             rworker = task[2] if task else "reward"
-            start = min(max(task[0], gen_end), reward_end) if task else gen_end
+            start = min(max(task[0], gen_end), scored) if task else min(gen_end, scored)
             pid = tracks.samples(rworker)
-            tid = tracks.place(pid, f"{rworker} samples", start, reward_end)
-            out.append(slice_event("score", "sample", pid, tid, start, reward_end, args))
+            tid = tracks.place(pid, f"{rworker} samples", start, scored)
+            out.append(slice_event("score", "sample", pid, tid, start, scored, args))
         trained, tworker = x.get("trained"), x.get("trained_on")
         if trained is not None and tworker:
             task = index.find("train", step, trained, tworker)
