@@ -22,6 +22,8 @@ around it: the difference between the two is what the dataflow costs. Per reques
   difference to the above is what that wait costs; the rest, up to ``ms_per_step``, is the
   engine's own work between steps (Python, prefill, hand-back);
 - ``kv_cache_bytes``: the memory the decoder's KV cache takes at this slot count;
+- ``finished_every``: the engine's ``engine.finished_every`` (``--finished-every``): how many
+  steps its loop queues between two looks for ended requests;
 - ``logprob_absdiff_mean`` / ``_max``: the engine's log-probs against a forward of the model.
 
 With ``--profile-dir``, the synced steps at ``--profile-at`` requests (default: the count
@@ -103,11 +105,12 @@ def decoder_pace(engine, requests: int, new_tokens: int, steps: int, device: str
     return out
 
 
-def measure(model: str, requests: int, new_tokens: int, steps: int, device: str, profile: Path | None) -> dict:
+def measure(model: str, requests: int, new_tokens: int, steps: int, device: str, profile: Path | None,
+            finished_every: int = 1) -> dict:
     """One request count's row (see the module docstring)."""
     n_prompts = max(1, requests // 8)
     engine = HFEngine(HFEngineConfig(max_new_tokens=new_tokens, batching="slots", slots=n_prompts * 8,
-                                     max_prompt_tokens=PROMPT_TOKENS, profile=False))
+                                     max_prompt_tokens=PROMPT_TOKENS, profile=False, finished_every=finished_every))
     t0 = time.time()
     engine.load(model, device=device)
     load_s = time.time() - t0
@@ -125,6 +128,7 @@ def measure(model: str, requests: int, new_tokens: int, steps: int, device: str,
             new = token_logprobs(engine.model, ids.to(engine.model.device), attn.to(engine.model.device)).float().cpu()
         diff = (new[resp.bool()] - old[resp.bool()]).abs()
         row = {"requests": n_prompts * 8, "device": device, "new_tokens": new_tokens, "load_s": round(load_s, 2),
+               "finished_every": finished_every,
                "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds),
                "ms_per_step": round(seconds / new_tokens * 1e3, 3),
                "logprob_absdiff_mean": float(diff.mean()), "logprob_absdiff_max": float(diff.max())}
@@ -144,6 +148,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100, help="decoder steps timed each way")
     ap.add_argument("--profile-dir", help="write the profiler table and trace here")
     ap.add_argument("--profile-at", type=int, help="the request count profiled (default: the one nearest 256)")
+    ap.add_argument("--finished-every", type=int, default=1,
+                    help="the engine's engine.finished_every: look for ended requests every this many steps")
     ap.add_argument("--out", help="write the rows as a JSON list here")
     args = ap.parse_args()
     counts = [int(x) for x in args.requests.split(",") if x.strip()]
@@ -151,7 +157,7 @@ def main() -> int:
     rows = []
     for n in counts:
         profile = Path(args.profile_dir) if args.profile_dir and n == at else None
-        row = measure(args.model, n, args.new_tokens, args.steps, args.device, profile)
+        row = measure(args.model, n, args.new_tokens, args.steps, args.device, profile, args.finished_every)
         print(json.dumps(row), flush=True)
         rows.append(row)
         if args.out:

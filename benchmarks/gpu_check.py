@@ -35,7 +35,9 @@ Named in ``--phases`` only:
   stragglers;
 - ``inprocess``: ``benchmarks/engine_inprocess.py`` at 64, 256, 512 and 1,024 requests, the slot
   engine without Dask, its decoder's step alone and with the finished-flags read, the KV cache's
-  size, a torch.profiler table and trace of the decode steps at 256;
+  size, a torch.profiler table and trace of the decode steps at 256; once more for each further
+  ``--finished-every`` value (``inprocess-finished-every-K``: the engine's loop looking for ended
+  requests every K steps);
 - ``anchor``: a decode-bound probe script given with ``--anchor``, at the same request counts, so
   that the engine's figures and the bound are measured in one call;
 - ``serve``: ``streamrl bench serve recipes/serve.toml`` on the model's shapes, engine and trainer
@@ -349,19 +351,22 @@ class Check:
         finished-flags read after each, the KV cache's size, and a torch.profiler table and trace
         of the steps at 256 requests (kept in the work folder)."""
         small = self.args.small
-        out = self.work / "inprocess.json"
         counts = self.args.inprocess_requests or sizes(small)["inprocess_requests"]
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_inprocess.py"), model, "--device", self.args.device,
-               "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
-               "--steps", "4" if small else "100", "--profile-dir", str(self.work / "decode-profile"),
-               "--out", str(out)]
-        row = self.run("inprocess", cmd, self.args.engine_timeout * 3)
-        if out.exists():
-            row["rows"] = json.loads(out.read_text())
-            profiles = sorted((self.work / "decode-profile").glob("decode-profile-*.txt"))
-            if profiles:
-                self.result["decode_profile"] = {p.stem: p.read_text()[:8000] for p in profiles}
-            self.save()
+        for k in self.args.finished_every or [1]:
+            # (each --finished-every value its own run and rows; the first one's name is the phase's)
+            name = "inprocess" if k == (self.args.finished_every or [1])[0] else f"inprocess-finished-every-{k}"
+            out = self.work / f"{name}.json"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_inprocess.py"), model, "--device",
+                   self.args.device, "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
+                   "--steps", "4" if small else "100", "--finished-every", str(k), "--out", str(out),
+                   *(["--profile-dir", str(self.work / "decode-profile")] if name == "inprocess" else [])]
+            row = self.run(name, cmd, self.args.engine_timeout * 3)
+            if out.exists():
+                row["rows"] = json.loads(out.read_text())
+                profiles = sorted((self.work / "decode-profile").glob("decode-profile-*.txt"))
+                if profiles:
+                    self.result["decode_profile"] = {p.stem: p.read_text()[:8000] for p in profiles}
+                self.save()
 
     def anchor(self, model: str) -> None:
         """The decode anchor, ``--anchor SCRIPT``: a probe of how fast this device decodes the
@@ -469,9 +474,9 @@ def table(result: dict) -> str:
             lines.append(f"| lora | adapter publication: MB (share of the model), s to load | "
                          f"{r['adapter_bytes'] / 1e6:.1f} ({100 * r['adapter_over_model']:.1f}%), "
                          f"{r['adapter_load_s']['later_median']:.4f} |")
-        if name == "inprocess":
+        if name.startswith("inprocess"):
             for r in row.get("rows", []):
-                lines.append(f"| inprocess | {r['requests']} requests: tokens/s, ms/step; decoder step ms alone, "
+                lines.append(f"| {name} | {r['requests']} requests: tokens/s, ms/step; decoder step ms alone, "
                              f"with the flags read; KV GiB | {r['tokens_per_s']:,}, {r['ms_per_step']:.2f}; "
                              f"{r['decoder_step_ms']:.2f}, {r['decoder_step_sync_ms']:.2f}; {r['kv_cache_bytes'] / 2**30:.3f} |")
         if name == "anchor":
@@ -512,6 +517,10 @@ def main() -> int:
     ap.add_argument("--inprocess-requests", type=int, action="append", default=[],
                     help="a request count of the in-process engine and the anchor (repeatable; default 64, 256, "
                          "512 and 1024)")
+    ap.add_argument("--finished-every", type=int, action="append", default=[],
+                    help="the inprocess phase's engine.finished_every (repeatable: a run each, the first one "
+                         "profiled; default 1): how many decode steps the engine's loop queues between two looks "
+                         "for ended requests")
     ap.add_argument("--anchor", help="the decode anchor probe script (the anchor phase; see Check.anchor)")
     ap.add_argument("--trainer-samples", type=int, action="append", default=[],
                     help="a trainer batch size in samples (repeatable; default 64)")

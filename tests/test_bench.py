@@ -313,7 +313,7 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--small",
                            "--out", str(out), "--work", str(tmp_path / "work"),
                            "--phases", "trainer,engine,lora,inprocess,anchor,serve", "--anchor", str(tmp_path / "anchor.py"),
-                           "--inprocess-requests", "8",
+                           "--inprocess-requests", "8", "--finished-every", "4",
                            "--engine-requests", "4", "--trainer-samples", "8", "--trainer-variant", "recipe",
                            "--trainer-variant", 'bf16:trainer.precision="bf16-params"',
                            # bf16 matmuls are slow on a CPU (17 s a step on a loaded 2-core machine):
@@ -338,6 +338,7 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # the engine without Dask: where a decode step's time goes, and a profile of the steps
     (row,) = result["phases"]["inprocess"]["rows"]
     assert result["phases"]["inprocess"]["ok"] and row["requests"] == 8 and row["tokens"] == 8 * 8
+    assert row["finished_every"] == 4  # (the engine's loop looked for ended requests every 4th step)
     assert row["ms_per_step"] > 0 and row["decoder_step_ms"] > 0 and row["decoder_step_sync_ms"] > 0
     assert 0 < row["kv_cache_bytes"] < 2**30 and row["logprob_absdiff_max"] < 1e-3
     assert "aten::" in result["decode_profile"]["decode-profile-8"]

@@ -155,6 +155,49 @@ def test_a_weight_load_mid_generation_drops_nothing_and_the_next_steps_use_the_n
         engine.close()
 
 
+def test_an_ended_request_stops_decoding_and_stays_finished_until_it_is_released(qwen_model):
+    # the loop may look for ended requests only every few steps (engine.finished_every): a request
+    # that ended keeps its tokens, its log-probs and its flag through the steps before the look
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
+    dec = SlotDecoder(model, slots=2, context=32, max_new_tokens=6, temperature=1.0, eos_id=-1, graphs=False)
+    a, b = [1, 5, 9, 13, 2], [1, 7, 3]
+    dec.prefill([(0, a, 6, True), (1, b, 3, True)])
+    for _ in range(3):  # b ends at its third token, two steps in; a step goes by unread
+        dec.step(2)
+    assert [int(s) for s in dec.finished_slots(2)] == [1] and not bool(dec.active[1])
+    for _ in range(5):  # a ends at max_new_tokens, three steps on; two more go by unread
+        dec.step(2)
+    assert [int(s) for s in dec.finished_slots(2)] == [0, 1] and not dec.active[:2].any()
+    for (tokens, logprobs), prompt, n in zip(dec.release([0, 1]), [a, b], [6, 3]):
+        ((want, want_lp),) = decode_batch(model, [prompt], n, 1.0, eos_id=-1, greedy=True)
+        assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
+
+
+def test_looking_for_ended_requests_every_few_steps_keeps_every_token_and_log_prob(tiny_model):
+    engine = slot_engine(tiny_model, max_new_tokens=6, slots=4, temperature=0.7, finished_every=4)
+    steps, looks = [], []
+    real_step, real_look = engine.decoder.step, engine.decoder.finished_slots
+    engine.decoder.step = lambda b: (steps.append(b), real_step(b))[1]
+    engine.decoder.finished_slots = lambda b: (looks.append(b), real_look(b))[1]
+    prompts = [Prompt(uid=f"p{i}", text=t, answer="") for i, t in enumerate(["1+2=", "12+3=", "12+34=", "5+5="])]
+    try:
+        samples = [s for g in ask_all(engine, prompts, 3) for s in g]  # 12 requests through 4 slots
+        assert len(samples) == 12 and engine.requests_in_flight() == (0, 0)
+        assert all(1 <= len(s.response_ids) <= 6 and engine.tokenizer.eos_token_id not in s.response_ids[:-1]
+                   for s in samples)
+        ids, attn, resp, old = pad_batch(samples, engine.tokenizer.pad_token_id)
+        new = token_logprobs(engine.model, ids, attn, 0.7)
+        assert resp.sum() > 12 and torch.allclose(new[resp.bool()], old[resp.bool()], atol=1e-4)
+        # a look after every 4th step (and after each admission), not after every step
+        assert 0 < len(looks) < len(steps)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="finished_every needs batching"):
+        HFEngineConfig(batching="static", finished_every=4)
+
+
 def test_greedy_evaluation_is_the_models_argmax_while_sampled_requests_run():
     from transformers import AutoModelForCausalLM
 

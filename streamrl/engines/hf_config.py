@@ -83,10 +83,19 @@ class HFEngineConfig(BaseModel):
     it says the rest cannot change its score -- the tokens it would have spent go to other
     requests. The reward is built on each generate worker for it. 0: never."""
 
+    finished_every: int = Field(1, ge=1)
+    """``batching = "slots"``: look for ended requests every this many decode steps. Each look
+    copies the finished flags from the device, which waits for the steps before it; on a GPU,
+    looking less often lets the loop queue that many steps back to back. An ended request stops
+    decoding at once and waits at most ``finished_every - 1`` steps to be handed back (its slot
+    free again then). Streamed and watched requests are still read every step."""
+
     @model_validator(mode="after")
     def _stop_early_in_slots(self) -> "HFEngineConfig":
         if self.stop_early_every and self.batching != "slots":
             raise ValueError('stop_early_every needs batching = "slots" (the loop that sees each decode step)')
+        if self.finished_every > 1 and self.batching != "slots":
+            raise ValueError('finished_every needs batching = "slots" (the loop that reads the finished flags)')
         return self
 
 

@@ -164,13 +164,18 @@ class SlotDecoder:
         logits = self.model.lm_head(x[:, 0])
         nxt, lp = self._sample(logits, self.greedy[:b])
         col = self.generated[:b].clamp(max=self.max_new_tokens - 1)
-        self.out_tokens[rows, col] = nxt
-        self.out_logprobs[rows, col] = lp
+        # (an ended request, not released yet, keeps its last token where the clamp points)
+        self.out_tokens[rows, col] = torch.where(act, nxt, self.out_tokens[rows, col])
+        self.out_logprobs[rows, col] = torch.where(act, lp, self.out_logprobs[rows, col])
         step = act.long()
         self.token[:b] = torch.where(act, nxt, tok)
         self.generated[:b] += step
         self.position[:b] = (pos + step).clamp(max=self.context - 1)
-        self.finished[:b] = act & ((nxt == self.eos_id) | (self.generated[:b] >= self.limit[:b]))
+        # an ended request stops decoding here and stays finished until it is released: the
+        # loop may read the flags only every few steps (engine.finished_every)
+        done = act & ((nxt == self.eos_id) | (self.generated[:b] >= self.limit[:b]))
+        self.finished[:b] |= done
+        self.active[:b] = act & ~done
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next tokens and their log-probs under the tempered distribution (as the trainer
@@ -284,12 +289,13 @@ class SlotDecoder:
         self.adapter[slots] = adapters[rows]
         self.out_tokens[slots, 0] = nxt
         self.out_logprobs[slots, 0] = lp
-        self.active[slots] = True
-        self.finished[slots] = (nxt == self.eos_id) | (limits <= 1)
+        done = (nxt == self.eos_id) | (limits <= 1)
+        self.finished[slots] = done
+        self.active[slots] = ~done
 
     def finished_slots(self, b: int) -> np.ndarray:
-        """Slots among the first ``b`` whose request ended at the last step or prefill (one
-        small copy from the device: the loop's only wait on it per step)."""
+        """Slots among the first ``b`` whose request ended since they were last released (one
+        small copy from the device, which waits for the steps queued before it)."""
         return np.flatnonzero(self.finished[:b].cpu().numpy())
 
     def release(self, slots) -> list[tuple[list[int], list[float]]]:

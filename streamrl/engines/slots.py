@@ -68,6 +68,7 @@ class SlotEngine(TransformersEngine):
         """What killed the loop, if something did (every request then fails naming it)."""
         self._stop_early = None  # the reward that may end a response early (stop_early_with)
         self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
+        self._steps = 0  # decode steps so far: ended requests are looked for every finished_every
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -118,10 +119,12 @@ class SlotEngine(TransformersEngine):
         if not self._table.running:
             return False
         self.decoder.step(self._size())
+        self._steps += 1
         self._emit()
         if self._stop_early is not None:
             self._watch()
-        if self._table.running:  # (the watch may have ended every running request)
+        # (the watch may have ended every running request)
+        if self._table.running and self._steps % self.config.finished_every == 0:
             self._hand_back()
         return True
 
