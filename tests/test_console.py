@@ -134,22 +134,28 @@ def test_a_run_keeps_library_warnings_in_its_folder_and_writes_a_performance_rep
 
 def test_dasks_warnings_and_failed_broadcasts_go_to_the_run_folder_and_other_errors_to_the_terminal(tmp_path, caplog):
     # a worker killed mid-run: the scheduler's "broadcast to <it> failed" (streamrl's own
-    # questions to every worker, errors ignored) and its "Removing worker" go to warnings.log;
-    # an error of another kind still reaches the terminal
+    # questions to every worker, errors ignored) and its "Removing worker" go to warnings.log,
+    # and so do the scheduler's and the client's lines when a result's holder died as it was
+    # gathered (the client computes it again); an error of another kind still reaches the terminal
     log = WarningsLog(tmp_path / "warnings.log")
     log.take_dask_warnings()
-    scheduler = logging.getLogger("distributed.scheduler")
+    scheduler, client = logging.getLogger("distributed.scheduler"), logging.getLogger("distributed.client")
     try:
-        with caplog.at_level(logging.INFO, logger="distributed.scheduler"):
+        with caplog.at_level(logging.INFO, logger="distributed"):
             scheduler.error("broadcast to %s failed: %s: %s", "tcp://127.0.0.1:1", "CommClosedError", "reset")
             scheduler.warning("Removing worker %r", "tcp://127.0.0.1:1")
+            scheduler.error("Couldn't gather keys: %s", {("load-weights-4", "generate-1"): "memory"})
+            client.warning("Couldn't gather %s keys, rescheduling %s", 1, (("load-weights-4", "generate-1"),))
             scheduler.error("something else broke")
+            client.error("the client broke")
     finally:
         log.release_dask_warnings()
-    assert [r.getMessage() for r in caplog.records] == ["something else broke"]
+    assert [r.getMessage() for r in caplog.records] == ["something else broke", "the client broke"]
     kept = (tmp_path / "warnings.log").read_text()
     assert "ERROR: broadcast to tcp://127.0.0.1:1 failed: CommClosedError: reset (dask)" in kept
-    assert "WARNING: Removing worker 'tcp://127.0.0.1:1'" in kept and log.count == 2
+    assert "WARNING: Removing worker 'tcp://127.0.0.1:1'" in kept
+    assert "ERROR: Couldn't gather keys: {('load-weights-4', 'generate-1'): 'memory'}" in kept
+    assert "WARNING: Couldn't gather 1 keys, rescheduling" in kept and log.count == 4
 
 
 def test_a_warning_keeps_its_brackets_as_text():

@@ -360,8 +360,12 @@ class WarningsLog:
 
     #: The Dask loggers of this process whose warnings :meth:`take_dask_warnings` keeps: the
     #: embedded cluster's nannies and its scheduler, which retell a worker's loss and restart
-    #: (and a slow exit at the end) that streamrl reports in its own line.
-    DASK_LOGGERS = ("distributed.nanny", "distributed.scheduler")
+    #: (and a slow exit at the end) that streamrl reports in its own line, and the client, which
+    #: says when it asks for a result again because the worker holding it died.
+    DASK_LOGGERS = ("distributed.nanny", "distributed.scheduler", "distributed.client")
+
+    #: Errors of those loggers that are Dask's recovery, not a failure: see :meth:`take_dask_warnings`.
+    RECOVERED = ("broadcast to", "Couldn't gather keys")
 
     def take_dask_warnings(self) -> None:
         """Until :meth:`release_dask_warnings`, write the warnings of :data:`DASK_LOGGERS` here
@@ -372,7 +376,9 @@ class WarningsLog:
             # between its loss and the scheduler noticing it, and streamrl asks every worker
             # something then (busy clocks, an elastic pool's probe) with errors ignored: the
             # loss is told by the lines that follow, the error itself is noise on the terminal.
-            if record.levelno >= logging.ERROR and not str(record.msg).startswith("broadcast to"):
+            # Likewise "Couldn't gather keys" when a result's holder died as this process asked
+            # for it: the client computes it again (its "rescheduling" warning) and the run goes on.
+            if record.levelno >= logging.ERROR and not str(record.msg).startswith(self.RECOVERED):
                 return True
             self.write(record.name, record.levelname, record.getMessage(), "dask")
             return False
