@@ -352,9 +352,9 @@ class Check:
         of the steps at 256 requests (kept in the work folder)."""
         small = self.args.small
         counts = self.args.inprocess_requests or sizes(small)["inprocess_requests"]
-        for k in self.args.finished_every or [1]:
+        for i, k in enumerate(self.args.finished_every or [1]):
             # (each --finished-every value its own run and rows; the first one's name is the phase's)
-            name = "inprocess" if k == (self.args.finished_every or [1])[0] else f"inprocess-finished-every-{k}"
+            name = "inprocess" if i == 0 else f"inprocess-finished-every-{k}"
             out = self.work / f"{name}.json"
             cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_inprocess.py"), model, "--device",
                    self.args.device, "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
