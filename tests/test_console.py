@@ -141,7 +141,9 @@ def test_dasks_warnings_and_failed_broadcasts_go_to_the_run_folder_and_other_err
     log.take_dask_warnings()
     scheduler, client = logging.getLogger("distributed.scheduler"), logging.getLogger("distributed.client")
     try:
-        with caplog.at_level(logging.INFO, logger="distributed"):
+        # (each logger's own level: an earlier run in this process may have set one)
+        with caplog.at_level(logging.INFO, logger="distributed.scheduler"), \
+                caplog.at_level(logging.INFO, logger="distributed.client"):
             scheduler.error("broadcast to %s failed: %s: %s", "tcp://127.0.0.1:1", "CommClosedError", "reset")
             scheduler.warning("Removing worker %r", "tcp://127.0.0.1:1")
             scheduler.error("Couldn't gather keys: %s", {("load-weights-4", "generate-1"): "memory"})
