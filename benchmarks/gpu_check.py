@@ -37,7 +37,8 @@ Named in ``--phases`` only:
   engine without Dask, its decoder's step alone and with the finished-flags read, the KV cache's
   size, a torch.profiler table and trace of the decode steps at 256; once more for each further
   ``--finished-every`` value (``inprocess-finished-every-K``: the engine's loop looking for ended
-  requests every K steps);
+  requests every K steps), or each ``--inprocess-run`` (the script's flags for one run, e.g.
+  ``--kernels liger --finished-every 8``);
 - ``anchor``: a decode-bound probe script given with ``--anchor``, at the same request counts, so
   that the engine's figures and the bound are measured in one call;
 - ``serve``: ``streamrl bench serve recipes/serve.toml`` on the model's shapes, engine and trainer
@@ -81,6 +82,7 @@ def device_overrides(device: str) -> list[str]:
     if device == "cuda":
         return []
     return ["pools.generate.device=\"cpu\"", "pools.train.device=\"cpu\"", "trainer.kernels=\"torch\"",
+            "engine.kernels=\"torch\"",
             "pools.generate.cuda_visible_devices=[]", "pools.train.cuda_visible_devices=[]",
             "engine.max_batch_tokens=256", "pools.generate.threads=8"]
 
@@ -181,7 +183,7 @@ class Check:
             return str(path)
         extra = sets(SMALL_MODEL) if self.args.small else []
         self.run("model", streamrl("model", "init", "--arch", "qwen2.5-0.5b", "--random", "--dtype", "bfloat16",
-                                   "--out", str(path), *extra), 300)
+                                   "--init-device", self.args.device, "--out", str(path), *extra), 300)
         return str(path)
 
     def recipe(self, model: str, name: str = "recipe", extra: tuple[str, ...] = ()) -> None:
@@ -235,6 +237,8 @@ class Check:
             prompts = max(1, n // 8)
             variants = [f'slots:engine.batching="slots";engine.slots={prompts * 8};engine.max_prompt_tokens=64',
                         f"continuous-graphs:{continuous}"]
+            variants = [v for v in variants if v.split(":")[0] in (self.args.engine_batching or ["slots",
+                                                                                                 "continuous-graphs"])]
             out = self.work / f"engine-{n}.json"
             row = self.run(f"engine-{n}", streamrl("bench", "engine", RECIPE, *sets(over),
                                                    *sets([f"trainer.prompts_per_step={prompts}",
@@ -352,13 +356,15 @@ class Check:
         of the steps at 256 requests (kept in the work folder)."""
         small = self.args.small
         counts = self.args.inprocess_requests or sizes(small)["inprocess_requests"]
-        for i, k in enumerate(self.args.finished_every or [1]):
-            # (each --finished-every value its own run and rows; the first one's name is the phase's)
-            name = "inprocess" if i == 0 else f"inprocess-finished-every-{k}"
+        runs = ([r.split() for r in self.args.inprocess_run]
+                or [["--finished-every", str(k)] for k in self.args.finished_every or [1]])
+        for i, extra in enumerate(runs):
+            # (each run its own rows; the first one's name is the phase's, the others' say their flags)
+            name = "inprocess" if i == 0 else "inprocess-" + "-".join(x.lstrip("-") for x in extra)
             out = self.work / f"{name}.json"
             cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_inprocess.py"), model, "--device",
                    self.args.device, "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
-                   "--steps", "4" if small else "100", "--finished-every", str(k), "--out", str(out),
+                   "--steps", "4" if small else "100", *extra, "--out", str(out),
                    *(["--profile-dir", str(self.work / "decode-profile")] if name == "inprocess" else [])]
             row = self.run(name, cmd, self.args.engine_timeout * 3)
             if out.exists():
@@ -479,6 +485,14 @@ def table(result: dict) -> str:
                 lines.append(f"| {name} | {r['requests']} requests: tokens/s, ms/step; decoder step ms alone, "
                              f"with the flags read; KV GiB | {r['tokens_per_s']:,}, {r['ms_per_step']:.2f}; "
                              f"{r['decoder_step_ms']:.2f}, {r['decoder_step_sync_ms']:.2f}; {r['kv_cache_bytes'] / 2**30:.3f} |")
+                if "decoder_step_torch_sampling_ms" in r:
+                    lines.append(f"| {name} | {r['requests']} requests: decoder step ms, fused sampling against "
+                                 f"torch ops | {r['decoder_step_ms']:.2f} vs {r['decoder_step_torch_sampling_ms']:.2f} |")
+                if "sampling_check" in r:
+                    c = r["sampling_check"]
+                    lines.append(f"| {name} | fused draws: chi-square over the top 10 (10 dof, < 29.6), top share "
+                                 f"vs p, log-prob max diff | {c['chi2_top10']}, {c['top_share']} vs {c['top_p']}, "
+                                 f"{c['logprob_absdiff_max']:.1e} |")
         if name == "anchor":
             for r in row.get("rows", []):
                 lines.append(f"| anchor | {r['batch']} requests: tokens/s, ms/step ({'graph' if r.get('graph') else 'eager'}) "
@@ -521,6 +535,12 @@ def main() -> int:
                     help="the inprocess phase's engine.finished_every (repeatable: a run each, the first one "
                          "profiled; default 1): how many decode steps the engine's loop queues between two looks "
                          "for ended requests")
+    ap.add_argument("--inprocess-run", action="append", default=[], metavar="ARGS",
+                    help="the inprocess phase's engine_inprocess.py flags for one run (repeatable: a run each, the "
+                         "first one profiled; e.g. \"--kernels liger --finished-every 8\"); given, --finished-every "
+                         "is not used")
+    ap.add_argument("--engine-batching", action="append", default=[], choices=["slots", "continuous-graphs"],
+                    help="an engine phase variant (repeatable; default both, side by side in one process)")
     ap.add_argument("--anchor", help="the decode anchor probe script (the anchor phase; see Check.anchor)")
     ap.add_argument("--trainer-samples", type=int, action="append", default=[],
                     help="a trainer batch size in samples (repeatable; default 64)")

@@ -126,6 +126,14 @@ def test_liger_kernels_where_they_cannot_run_are_one_line(tiny_model):
         use_liger_kernels(torch.nn.Linear(2, 2), "cpu")
 
 
+def test_liger_kernels_in_an_engine_where_they_cannot_run_are_one_line(tiny_model):
+    from streamrl.engines.hf import HFEngine, HFEngineConfig
+
+    engine = HFEngine(HFEngineConfig(batching="slots", kernels="liger", profile=False))
+    with pytest.raises(UserError, match=r'engine.kernels = "liger" needs a CUDA GPU; the generate worker has cpu'):
+        engine.load(str(tiny_model), device="cpu")
+
+
 def test_trainer_gradient_is_the_same_with_and_without_chunks(tiny_model):
     groups = sampled(tiny_model)
     a, b = trainer(tiny_model, logprob_chunk_tokens=0), trainer(tiny_model, logprob_chunk_tokens=7)

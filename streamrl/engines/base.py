@@ -61,6 +61,10 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
+        if self.config.kernels == "liger":  # (before the loop's decoder takes the modules' functions)
+            from streamrl.training.kernels import use_liger_kernels
+
+            use_liger_kernels(self.model, device, field="engine.kernels", workers="generate workers")
         if self.config.adapters:
             self.adapters = AdapterBank(self.model, self.config.adapters)
         self._start(device)

@@ -89,6 +89,18 @@ class HFEngineConfig(BaseModel):
     looking less often lets the loop queue that many steps back to back. An ended request stops
     decoding at once and waits at most ``finished_every - 1`` steps to be handed back (its slot
     free again then). Streamed and watched requests are still read every step."""
+    fused_sampling: bool = True
+    """``batching = "slots"`` on a GPU with Triton: draw each step's tokens and their log-probs
+    in two kernels that read the logits once (``engines/fused_sampling.py``) instead of torch
+    ops that write float32 copies of ``[slots, vocabulary]`` about ten times. The same draw (a
+    Gumbel-max sample of the tempered softmax) and the same float32 log-probs; false: the torch
+    ops (the reference; what a CPU runs)."""
+    kernels: Literal["torch", "liger"] = "torch"
+    """How the model's elementwise layers run in the engine: ``torch``, transformers' modules
+    (several kernels each: RMSNorm in float32, SwiGLU, rotary); ``liger``, the liger-kernel
+    package's fused Triton kernels, one each (a CUDA GPU, ``pip install liger-kernel`` on the
+    generate workers). In the slot decoder's step of a 0.5B model they are hundreds of tiny
+    kernels; with ``trainer.kernels = "liger"`` the engine computes as the trainer does."""
 
     @model_validator(mode="after")
     def _stop_early_in_slots(self) -> "HFEngineConfig":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as RequestTimeout
@@ -59,8 +60,8 @@ class RequestQueue:
         taking a batch sees all or none of them, and wake a waiting loop. Returns each
         request's future, resolved with its :class:`Response`."""
         futures = {}
-        ids_asked = [rid for rid, _, _ in requests]
-        twice = sorted({rid for rid in ids_asked if ids_asked.count(rid) > 1})
+        asked = Counter(rid for rid, _, _ in requests)
+        twice = sorted(rid for rid, n in asked.items() if n > 1)
         if twice:  # one future per id: two requests under one id in one call is a caller's mistake
             raise ValueError(f"hf engine: request {twice[0]} asked twice at once; every request needs its own id")
         superseded = []

@@ -28,6 +28,7 @@ graph.
 from __future__ import annotations
 
 import importlib
+import logging
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -68,7 +69,7 @@ class SlotDecoder:
     Not thread-safe: one loop thread drives it (``engines/slots.py``)."""
 
     def __init__(self, model, slots: int, context: int, max_new_tokens: int, temperature: float,
-                 eos_id: int, graphs: bool, adapters=None):
+                 eos_id: int, graphs: bool, adapters=None, fused: bool = True):
         check_supported(model)
         self.model, self.slots, self.context = model, slots, context
         self.adapters = adapters
@@ -104,6 +105,19 @@ class SlotDecoder:
         self.eos_id = torch.tensor(eos_id, device=dev)
         """The end-of-sequence token, a tensor so a latency profile can turn it off (-1) under a
         captured graph."""
+        self.fused_error: str | None = None
+        """Why the fused kernels were asked for and not used (they failed at their first call)."""
+        self.fused = False
+        """Whether the step samples with :mod:`~streamrl.engines.fused_sampling`'s kernels (asked
+        for, on a GPU, Triton here) rather than torch ops."""
+        if fused and dev.type == "cuda":  # (a CPU process never imports Triton)
+            from streamrl.engines import fused_sampling
+
+            self.fused = fused_sampling.available()
+            self._fused_sample = fused_sampling.sample
+            self._seed = fused_sampling.new_seed(dev) if self.fused else None
+            if self.fused:
+                self._try_fused(model.lm_head.out_features)
         self._span = torch.arange(context, device=dev)
         self._rows = torch.arange(slots, device=dev)
         self.sizes = [b for b in (2 ** i for i in range(16)) if b < slots] + [slots]
@@ -113,6 +127,18 @@ class SlotDecoder:
         self.graphs = graphs and self.device.type == "cuda"
         if self.graphs:
             self._capture()
+
+    def _try_fused(self, vocab: int) -> None:
+        # the kernels compile at their first call: one that fails here (a Triton too old for
+        # them, a head they cannot read) leaves the torch ops in place, said once in the log
+        try:
+            self._fused_sample(torch.zeros(2, vocab, dtype=self.dtype, device=self.device),
+                               torch.zeros(2, dtype=torch.bool, device=self.device), self.temperature, self._seed)
+        except Exception as e:  # noqa: BLE001 -- the torch ops sample the same way, only slower
+            self.fused = False
+            self.fused_error = f"{type(e).__name__}: {e}"
+            logging.getLogger(__name__).warning("engine.fused_sampling: the kernels failed (%s); the slot decoder "
+                                                "samples with torch ops", self.fused_error)
 
     # -- the decode step ------------------------------------------------------------------------
 
@@ -179,7 +205,10 @@ class SlotDecoder:
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next tokens and their log-probs under the tempered distribution (as the trainer
-        computes them): a draw by the Gumbel-max trick, or the argmax where ``greedy``."""
+        computes them): a draw by the Gumbel-max trick, or the argmax where ``greedy``; in two
+        Triton kernels when :attr:`fused`, else in torch ops."""
+        if self.fused:
+            return self._fused_sample(logits, greedy, self.temperature, self._seed)
         lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         # argmax(lp + Gumbel noise) is a draw from softmax(lp); exponential_ is graph-safe
         noise = -torch.empty_like(lp).exponential_().log()
