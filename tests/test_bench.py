@@ -331,6 +331,8 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # the slot decoder and continuous batching, measured side by side in one process
     assert [r["variant"] for r in result["phases"]["engine-4"]["variants"]] == ["slots", "continuous-graphs"]
     assert all(r["response_tokens_per_s"] > 0 for r in result["phases"]["engine-4"]["variants"])
+    # (the slot engine's loop counts its admissions: each one a prefill between two decode steps)
+    assert result["phases"]["engine-4"]["variants"][0]["admissions_per_step"] >= 1
     # the slot decoder with 8 adapters mixed against the base, and one adapter's hand-over
     lora = result["phases"]["lora"]["result"]
     assert result["phases"]["lora"]["ok"] and lora["adapters"] == 8
@@ -341,6 +343,9 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert row["finished_every"] == 4  # (the engine's loop looked for ended requests every 4th step)
     assert row["ms_per_step"] > 0 and row["decoder_step_ms"] > 0 and row["decoder_step_sync_ms"] > 0
     assert 0 < row["kv_cache_bytes"] < 2**30 and row["logprob_absdiff_max"] < 1e-3
+    assert row["fused_sampling"] is False  # (the kernels are a GPU's)
+    spans = row["engine_spans_ms"]  # where the engine's loop spent the timed call
+    assert spans["prefill_calls"] >= 1 and spans["step_calls"] >= 7 and spans["step_ms"] > 0
     assert "aten::" in result["decode_profile"]["decode-profile-8"]
     assert (tmp_path / "work" / "decode-profile" / "decode-trace-8.json.gz").stat().st_size > 0
     # the anchor at the same request count, in the same call

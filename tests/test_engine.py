@@ -338,3 +338,16 @@ def test_greedy_evaluation_while_continuous_batching_generates_gives_the_idle_an
         assert [g[0].response_ids for g in engine.generate_greedy(prompts)] == idle  # the model is unharmed
     finally:
         engine.close()
+
+
+def test_a_responses_text_is_the_tokenizers_decode_special_tokens_left_out(tiny_model):
+    from transformers import AutoTokenizer
+
+    engine = HFEngine(HFEngineConfig(profile=False))
+    engine.tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = engine.tokenizer("12 + 34 = 46 .", add_special_tokens=False).input_ids + [engine.tokenizer.eos_token_id]
+    for clean in (False, True):  # (the fast path without the clean-up of spaces, transformers' with it)
+        engine.tokenizer.clean_up_tokenization_spaces = clean
+        text = engine.response_text(ids)
+        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        assert engine.tokenizer.eos_token not in text and "46" in text

@@ -317,6 +317,9 @@ def test_bench_serve_measures_latency_with_learning_off_and_on(tmp_path, tiny_mo
         assert r["requests"] > 0 and r["failed"] == 0 and r["hung"] == 0 and r["itl_p50_ms"] > 0
     assert result["training_steps"] >= 1  # learning on trained (off sends no feedback: nothing to train)
     assert result["ratios"]["itl_p50_ms"] > 0
+    bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "serve", str(recipe), "--client-processes", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--client-processes" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_a_killed_serving_worker_stops_the_run_in_one_line_naming_what_was_lost(tmp_path, tiny_model):

@@ -198,6 +198,44 @@ def test_looking_for_ended_requests_every_few_steps_keeps_every_token_and_log_pr
         HFEngineConfig(batching="static", finished_every=4)
 
 
+def test_requests_that_arrive_while_others_decode_are_admitted_at_the_next_look(tiny_model):
+    # with engine.finished_every = 4, waiting requests join at the turns that look for ended ones
+    # (or at once when nothing runs): groups that trickle in share a prefill between two steps
+    engine = slot_engine(tiny_model, max_new_tokens=12, slots=8, finished_every=4)
+    engine.decoder.eos_id.fill_(-1)  # every response decodes its 12 tokens
+    admits, held, go, out = [], threading.Event(), threading.Event(), {}
+    real_prefill, real_step = engine.decoder.prefill, engine.decoder.step
+
+    def prefill(starts):
+        admits.append((engine._steps, len(starts)))
+        return real_prefill(starts)
+
+    def step(b):
+        real_step(b)
+        if engine._steps == 0:  # (the loop counts a step after it): hold the loop in its first
+            held.set()
+            go.wait(30)
+    engine.decoder.prefill, engine.decoder.step = prefill, step
+
+    def ask(uid):
+        out[uid] = engine.generate(Prompt(uid=uid, text="1+2="), 2)
+    threads = [threading.Thread(target=ask, args=(uid,)) for uid in ("a", "b")]
+    try:
+        threads[0].start()
+        assert held.wait(30)
+        threads[1].start()  # b arrives while a decodes, one step in
+        until(lambda: engine.requests_in_flight() == (2, 2))
+        go.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert admits == [(0, 2), (4, 2)]  # b waited for the look after step 4, not the next turn
+        assert [len(s.response_ids) for uid in "ab" for s in out[uid]] == [12] * 4
+        assert engine.loop_counts["admissions"] == 2 and engine.loop_counts["admitted"] == 4
+    finally:
+        go.set()
+        engine.close()
+
+
 def test_greedy_evaluation_is_the_models_argmax_while_sampled_requests_run():
     from transformers import AutoModelForCausalLM
 

@@ -140,6 +140,9 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     bench_serve.add_argument("--seconds", type=float, default=30, help="seconds of each phase")
     bench_serve.add_argument("--repeats", type=int, default=2, help="off/on pairs (the order alternates)")
     bench_serve.add_argument("--n", type=int, default=8, help="completions per request")
+    bench_serve.add_argument("--client-processes", type=int, default=1,
+                             help="processes the clients are spread over (one process's threads share its "
+                                  "interpreter lock: on a GPU, 64 clients in one process measure themselves)")
     bench_serve.add_argument("--out", help="write the rows and ratios as JSON here")
     bench_serve.add_argument("--all-models", dest="all_models", action="store_true",
                              help="ask every model /v1/models lists in turn (each learner's variant too) and report "
@@ -167,7 +170,7 @@ def run(args) -> int:
         from streamrl.bench import serve
 
         serve.bench(args.file, args.overrides, args.clients, args.seconds, args.repeats, args.n, args.out,
-                    all_models=args.all_models)
+                    all_models=args.all_models, client_processes=args.client_processes)
         return 0
     if args.cmd == "staleness":
         from streamrl.bench import staleness

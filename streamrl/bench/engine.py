@@ -52,6 +52,7 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
         for step in range(warmup + steps):
             prompts = ctl.task.prompts(step, t.prompts_per_step)
             bundles = [prompts[i:i + per_task] for i in range(0, len(prompts), per_task)]
+            before = loop_counts(client)
             t0 = time.perf_counter()
             futures = [client.submit(task_functions.generate_groups, b, t.samples_per_prompt,
                                      key=f"bench-gen-{step}-{k}", **pins[k % len(pins)])
@@ -61,10 +62,26 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
             if step >= warmup:
                 samples = [s for g in groups for s in g]
                 rows.append({"seconds": seconds, "samples": len(samples),
-                             "response_tokens": sum(len(s.response_ids) for s in samples)})
+                             "response_tokens": sum(len(s.response_ids) for s in samples),
+                             **counted(before, loop_counts(client))})
         return {"engine": loaded.recipe.engine.name, "generate_workers": len(pins), "steps": rows}
     finally:
         lifecycle.stop(dask_cluster, client)
+
+
+def loop_counts(client) -> dict:
+    """Every generate worker's engine loop counters (``SlotEngine.loop_counts``), by worker; a
+    worker whose engine keeps none is left out."""
+    found = client.run(task_functions.engine_loop_counts)
+    return {w: c for w, c in found.items() if c is not None}
+
+
+def counted(before: dict, after: dict) -> dict:
+    """A step's decode steps and admissions (each one prefill), summed over the workers."""
+    if not after:
+        return {}
+    return {f"engine_{k}": sum(c[k] - before.get(w, {}).get(k, 0) for w, c in after.items())
+            for k in ("steps", "admissions", "admitted")}
 
 
 def summarise(label: str, result: dict) -> dict:
@@ -76,6 +93,8 @@ def summarise(label: str, result: dict) -> dict:
             "samples_per_s": sum(r["samples"] for r in rows) / total,
             "response_tokens_per_s": sum(r["response_tokens"] for r in rows) / total,
             "mean_response_tokens": sum(r["response_tokens"] for r in rows) / sum(r["samples"] for r in rows),
+            **({"admissions_per_step": statistics.mean(r["engine_admissions"] for r in rows)}
+               if rows and "engine_admissions" in rows[0] else {}),
             "steps": rows}
 
 

@@ -43,10 +43,16 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 class Load:
-    """``clients`` threads streaming requests at the endpoint until ``seconds`` pass."""
+    """``clients`` threads streaming requests at the endpoint until ``seconds`` pass, in this
+    process or spread over ``processes`` of their own."""
 
     def __init__(self, url: str, model: str | list[str], key: str, clients: int, seconds: float, n: int,
-                 feedback: bool):
+                 feedback: bool, processes: int = 1, first_seed: int = 0):
+        self.processes = max(1, min(processes, clients))
+        """Processes the clients run in. One process's threads share its interpreter lock: on a
+        GPU the engine answers faster than 64 threads of one process read their streams, and the
+        latencies measured are then the clients' own (``--client-processes``)."""
+        self.first_seed = first_seed
         self.url, self.key = url, key
         self.models = [model] if isinstance(model, str) else list(model)
         """The models asked, in turn (the served policy and, with ``--all-models``, every variant)."""
@@ -60,27 +66,60 @@ class Load:
 
     def run(self) -> dict:
         """Run the clients; the phase's figures."""
-        from openai import OpenAI
-
-        stop = time.time() + self.seconds
-        client = OpenAI(base_url=self.url, api_key=self.key or "none", max_retries=0, timeout=60)
-        threads = [threading.Thread(target=self._client, args=(client, stop, i), daemon=True)
-                   for i in range(self.clients)]
-        t0 = time.time()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.seconds + 120)  # a request past its phase is allowed to finish, bounded
-        wall = time.time() - t0
+        if self.processes > 1:
+            hung, wall = self._in_processes()
+        else:
+            found = self.measure()
+            hung, wall = found["hung"], found["wall"]
         ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
         row = {"requests": self.answered, "refused": self.refused, "failed": self.failed,
-               "hung": sum(t.is_alive() for t in threads), "tokens_per_s": round(self.tokens / wall, 1),
+               "hung": hung, "tokens_per_s": round(self.tokens / wall, 1),
                "ttft_p50_ms": ms(percentile(self.ttft, 0.5)), "ttft_p99_ms": ms(percentile(self.ttft, 0.99)),
                "itl_p50_ms": ms(percentile(self.itl, 0.5)), "itl_p99_ms": ms(percentile(self.itl, 0.99))}
         if len(self.models) > 1:
             row["models"] = {m: {"requests": len(xs), "ttft_p50_ms": ms(percentile(xs, 0.5)),
                                  "ttft_p99_ms": ms(percentile(xs, 0.99))} for m, xs in self.by_model.items()}
         return row
+
+    def measure(self) -> dict:
+        """Run this process's clients; what they measured, raw (merged by :meth:`run`)."""
+        from openai import OpenAI
+
+        stop = time.time() + self.seconds
+        client = OpenAI(base_url=self.url, api_key=self.key or "none", max_retries=0, timeout=60)
+        threads = [threading.Thread(target=self._client, args=(client, stop, self.first_seed + i), daemon=True)
+                   for i in range(self.clients)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.seconds + 120)  # a request past its phase is allowed to finish, bounded
+        with self._lock:
+            return {"wall": time.time() - t0, "hung": sum(t.is_alive() for t in threads), "ttft": list(self.ttft),
+                    "itl": list(self.itl), "tokens": self.tokens, "answered": self.answered,
+                    "refused": self.refused, "failed": self.failed, "by_model": dict(self.by_model)}
+
+    def _in_processes(self) -> tuple[int, float]:
+        # the clients split over processes started afresh (spawned: no threads or sockets
+        # inherited), each measuring its share; their lists merged here
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        shares = [self.clients // self.processes + (k < self.clients % self.processes) for k in range(self.processes)]
+        seeds = [self.first_seed + sum(shares[:k]) for k in range(self.processes)]
+        with ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_measure_part, [(self.url, self.models, self.key, c, self.seconds, self.n,
+                                                   self.feedback, seed) for c, seed in zip(shares, seeds)]))
+        for part in parts:
+            self.ttft += part["ttft"]
+            self.itl += part["itl"]
+            self.tokens += part["tokens"]
+            self.answered += part["answered"]
+            self.refused += part["refused"]
+            self.failed += part["failed"]
+            for m, xs in part["by_model"].items():
+                self.by_model[m] += xs
+        return sum(p["hung"] for p in parts), max(p["wall"] for p in parts)
 
     def _client(self, client, stop: float, seed: int) -> None:
         import openai
@@ -137,14 +176,20 @@ class Load:
                 self.failed += 1
 
 
+def _measure_part(args: tuple) -> dict:
+    """One client process's share of a phase (:meth:`Load.measure`)."""
+    url, models, key, clients, seconds, n, feedback, first_seed = args
+    return Load(url, models, key, clients, seconds, n, feedback, first_seed=first_seed).measure()
+
+
 def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats: int, n: int,
-          out: str | None, all_models: bool = False) -> dict:
+          out: str | None, all_models: bool = False, client_processes: int = 1) -> dict:
     """Start the endpoint, run the phases (off, on, alternating), print the table; the rows
     and the median on/off ratios. ``all_models``: the clients ask every model ``GET /v1/models``
     lists in turn (the served policy and each learner's variant), and each model's time to first
     token is reported with its ratio to the served policy's."""
-    if clients < 1 or seconds <= 0 or repeats < 1 or n < 1:
-        raise UserError("--clients, --seconds, --repeats and --n must be positive")
+    if clients < 1 or seconds <= 0 or repeats < 1 or n < 1 or client_processes < 1:
+        raise UserError("--clients, --seconds, --repeats, --n and --client-processes must be positive")
     recipe = load_recipe(file, overrides).recipe
     key = recipe.serve.api_key if recipe.serve else ""
     console = Console()
@@ -157,13 +202,15 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             info = _wait_for_endpoint(runs, proc, Path(tmp) / "serve.log")
-            console.print(f"endpoint {info['url']} ({clients} clients x {seconds:.0f} s a phase, n = {n})")
+            console.print(f"endpoint {info['url']} ({clients} clients in {client_processes} process(es) x "
+                          f"{seconds:.0f} s a phase, n = {n})")
             models = _models(info["url"], key) if all_models else info["model"]
             rows = []
             for i in range(repeats):
                 for learning in ((False, True) if i % 2 == 0 else (True, False)):
                     row = {"pass": i + 1, "learning": "on" if learning else "off",
-                           **Load(info["url"], models, key, clients, seconds, n, learning).run()}
+                           **Load(info["url"], models, key, clients, seconds, n, learning,
+                                  processes=client_processes).run()}
                     rows.append(row)
                     console.print(row)
             steps = len((Path(info["run_dir"]) / "metrics.jsonl").read_text().splitlines()) \

@@ -88,7 +88,10 @@ class HFEngineConfig(BaseModel):
     copies the finished flags from the device, which waits for the steps before it; on a GPU,
     looking less often lets the loop queue that many steps back to back. An ended request stops
     decoding at once and waits at most ``finished_every - 1`` steps to be handed back (its slot
-    free again then). Streamed and watched requests are still read every step."""
+    free again then). Waiting requests are admitted on the same turns (or at once when nothing
+    runs), so requests that arrive a few at a time -- one generate task's group after another --
+    share one prefill instead of one each between two decode steps. Streamed and watched requests
+    are still read every step."""
     fused_sampling: bool = True
     """``batching = "slots"`` on a GPU with Triton: draw each step's tokens and their log-probs
     in two kernels that read the logits once (``engines/fused_sampling.py``) instead of torch

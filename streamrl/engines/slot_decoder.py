@@ -288,9 +288,10 @@ class SlotDecoder:
         # every real token from seeing the padding after it
         width = -(-max(len(p) for p in prompts) // 16) * 16
         width = min(width, self.context)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)  # (built here, then one copy to the device)
         for r, p in enumerate(prompts):
-            ids[r, :len(p)] = torch.tensor(p, device=self.device)
+            ids[r, :len(p)] = torch.tensor(p)
+        ids = ids.to(self.device)
         positions = torch.arange(width, device=self.device)[None].expand(len(prompts), -1)
         slots = torch.tensor([r.slot for r in requests], device=self.device)
         rows = torch.tensor(row_of, device=self.device)

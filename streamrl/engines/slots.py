@@ -69,6 +69,9 @@ class SlotEngine(TransformersEngine):
         self._stop_early = None  # the reward that may end a response early (stop_early_with)
         self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
         self._steps = 0  # decode steps so far: ended requests are looked for every finished_every
+        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0}
+        """What the loop did so far: decode steps, admissions (each one prefill between two steps)
+        and the requests they took; read by ``streamrl bench engine`` (monotone counters)."""
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -114,13 +117,16 @@ class SlotEngine(TransformersEngine):
         """Cancel, admit and prefill, hand back what ended, decode one step; False when nothing runs."""
         if self._cancels:
             self._cancel_requested()
-        if self._admit_into_free_slots():
+        # waiting requests are admitted on the turns that look for ended ones (or when nothing
+        # runs): requests that arrive a few at a time share one prefill between two steps
+        if (not self._table.running or self._steps % self.config.finished_every == 0) and self._admit_into_free_slots():
             self._emit()
             self._hand_back()  # a first token can end a request (EOS, max_new_tokens = 1)
         if not self._table.running:
             return False
         self.decoder.step(self._size())
         self._steps += 1
+        self.loop_counts["steps"] += 1
         self._emit()
         if self._stop_early is not None:
             self._watch()
@@ -147,6 +153,8 @@ class SlotEngine(TransformersEngine):
             adapter = self.adapters.slot(request.adapter) if self.adapters is not None else 0
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
         self.decoder.prefill(starts)
+        self.loop_counts["admissions"] += 1
+        self.loop_counts["admitted"] += len(starts)
         return True
 
     def _take(self, rid: str, ids: list[int]) -> bool:
@@ -208,7 +216,7 @@ class SlotEngine(TransformersEngine):
         for (slot, r, n), row in zip(due, rows):
             r.watched_at = n
             try:
-                hopeless = bool(self._stop_early.stop_early(r.watch, self.tokenizer.decode(row[:n], skip_special_tokens=True)))
+                hopeless = bool(self._stop_early.stop_early(r.watch, self.response_text(row[:n])))
             except Exception:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
                 hopeless = False
             if hopeless:

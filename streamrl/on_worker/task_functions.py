@@ -114,6 +114,15 @@ def requests_now(dask_worker=None):
     return engine.requests_now()
 
 
+def engine_loop_counts(dask_worker=None) -> dict | None:
+    """Run on a generate worker by ``Client.run``: its engine loop's counters (decode steps,
+    admissions, requests admitted; ``SlotEngine.loop_counts``), or None where the engine is not
+    built or keeps none."""
+    plugin = dask_worker.plugins.get(ENGINE) if dask_worker is not None else None
+    counts = getattr(getattr(plugin, "obj", None), "loop_counts", None)
+    return dict(counts) if counts is not None else None
+
+
 def move_sample(uid: str, pin: dict, dask_worker=None) -> bool:
     """Run on a generate worker by ``Client.run``: take running sample ``uid`` out of its engine,
     to be finished where ``pin`` (``submit()`` keywords) places a task. False when it is not
