@@ -256,6 +256,13 @@ def test_model_init_arch_and_bench_trainer_measure_a_random_qwen_shaped_model(tm
     bad = streamrl("model", "init", "--arch", "gpt-9", "--random", "--out",
                    str(tmp_path / "x"), timeout=120)
     assert bad.returncode == 2 and "--arch: unknown 'gpt-9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    import torch
+
+    if not torch.cuda.is_available():  # (weights drawn on a GPU where there is none: one line)
+        bad = streamrl("model", "init", "--arch", "qwen2.5-0.5b", "--random", "--init-device", "cuda", "--out",
+                       str(tmp_path / "y"), timeout=120)
+        assert bad.returncode == 2 and "--init-device cuda: this machine has no CUDA GPU" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "y").exists()
 
 
 @pytest.mark.slow
