@@ -465,6 +465,10 @@ def table(result: dict) -> str:
             if "response_tokens_per_s" in v:
                 lines.append(f"| {name} | {v['variant']}: tokens/s, s/step | {v['response_tokens_per_s']:,.0f}, "
                              f"{v['step_s_median']:.2f} |")
+                if "admissions_per_step" in v:  # (the slot engine's loop, a step's mean)
+                    lines.append(f"| {name} | {v['variant']}: admissions, prefill s, loop idle s a step | "
+                                 f"{v['admissions_per_step']:.1f}, {v['prefill_s_per_step']:.3f}, "
+                                 f"{v['idle_s_per_step']:.3f} |")
             elif "mfu" in v:
                 mfu = "n/a" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
                 lines.append(f"| trainer | {v['samples']} x {v['tokens_per_step'] // v['samples']} {v['variant']}: "

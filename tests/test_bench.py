@@ -339,7 +339,9 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert [r["variant"] for r in result["phases"]["engine-4"]["variants"]] == ["slots", "continuous-graphs"]
     assert all(r["response_tokens_per_s"] > 0 for r in result["phases"]["engine-4"]["variants"])
     # (the slot engine's loop counts its admissions: each one a prefill between two decode steps)
-    assert result["phases"]["engine-4"]["variants"][0]["admissions_per_step"] >= 1
+    slots = result["phases"]["engine-4"]["variants"][0]
+    assert slots["admissions_per_step"] >= 1 and slots["prefill_s_per_step"] > 0 and slots["idle_s_per_step"] >= 0
+    assert "| engine-4 | slots: admissions, prefill s, loop idle s a step |" in out.with_suffix(".md").read_text()
     # the slot decoder with 8 adapters mixed against the base, and one adapter's hand-over
     lora = result["phases"]["lora"]["result"]
     assert result["phases"]["lora"]["ok"] and lora["adapters"] == 8

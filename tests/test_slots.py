@@ -231,6 +231,7 @@ def test_requests_that_arrive_while_others_decode_are_admitted_at_the_next_look(
         assert admits == [(0, 2), (4, 2)]  # b waited for the look after step 4, not the next turn
         assert [len(s.response_ids) for uid in "ab" for s in out[uid]] == [12] * 4
         assert engine.loop_counts["admissions"] == 2 and engine.loop_counts["admitted"] == 4
+        assert engine.loop_counts["prefill_s"] > 0 and engine.loop_counts["steps"] >= 12
     finally:
         go.set()
         engine.close()

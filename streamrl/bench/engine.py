@@ -77,11 +77,12 @@ def loop_counts(client) -> dict:
 
 
 def counted(before: dict, after: dict) -> dict:
-    """A step's decode steps and admissions (each one prefill), summed over the workers."""
+    """A step's decode steps, admissions (each one prefill), the prefills' host seconds and the
+    loops' idle seconds, summed over the workers."""
     if not after:
         return {}
-    return {f"engine_{k}": sum(c[k] - before.get(w, {}).get(k, 0) for w, c in after.items())
-            for k in ("steps", "admissions", "admitted")}
+    return {f"engine_{k}": round(sum(c[k] - before.get(w, {}).get(k, 0) for w, c in after.items()), 4)
+            for k in ("steps", "admissions", "admitted", "prefill_s", "idle_s")}
 
 
 def summarise(label: str, result: dict) -> dict:
@@ -93,7 +94,9 @@ def summarise(label: str, result: dict) -> dict:
             "samples_per_s": sum(r["samples"] for r in rows) / total,
             "response_tokens_per_s": sum(r["response_tokens"] for r in rows) / total,
             "mean_response_tokens": sum(r["response_tokens"] for r in rows) / sum(r["samples"] for r in rows),
-            **({"admissions_per_step": statistics.mean(r["engine_admissions"] for r in rows)}
+            **({"admissions_per_step": statistics.mean(r["engine_admissions"] for r in rows),
+                "prefill_s_per_step": statistics.mean(r["engine_prefill_s"] for r in rows),
+                "idle_s_per_step": statistics.mean(r["engine_idle_s"] for r in rows)}
                if rows and "engine_admissions" in rows[0] else {}),
             "steps": rows}
 

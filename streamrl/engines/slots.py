@@ -69,9 +69,11 @@ class SlotEngine(TransformersEngine):
         self._stop_early = None  # the reward that may end a response early (stop_early_with)
         self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
         self._steps = 0  # decode steps so far: ended requests are looked for every finished_every
-        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0}
-        """What the loop did so far: decode steps, admissions (each one prefill between two steps)
-        and the requests they took; read by ``streamrl bench engine`` (monotone counters)."""
+        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "idle_s": 0.0}
+        """What the loop did so far: decode steps, admissions (each one prefill between two steps),
+        the requests they took, the seconds its prefill calls took on the host (on a GPU, mostly
+        launching the prefill's kernels) and the seconds it waited with nothing to decode; read by
+        ``streamrl bench engine`` (monotone counters)."""
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -107,8 +109,10 @@ class SlotEngine(TransformersEngine):
                 with self._turn:
                     busy = self._one_turn()
                 if not busy:
+                    t = time.perf_counter()
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    self.loop_counts["idle_s"] += time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001 -- every waiting request learns why, then the loop ends
             self.loop_error = e
             self._queue.fail_all(f"its generation loop died: {type(e).__name__}: {e}")
@@ -152,7 +156,9 @@ class SlotEngine(TransformersEngine):
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
             adapter = self.adapters.slot(request.adapter) if self.adapters is not None else 0
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
+        t = time.perf_counter()
         self.decoder.prefill(starts)
+        self.loop_counts["prefill_s"] += time.perf_counter() - t
         self.loop_counts["admissions"] += 1
         self.loop_counts["admitted"] += len(starts)
         return True
