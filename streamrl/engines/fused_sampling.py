@@ -57,6 +57,21 @@ if triton is not None:
         return x, tl.where(ok, x + g, float("-inf"))
 
     @triton.jit
+    def _first_max(v0, v1, v2, v3, Q: tl.constexpr):
+        # the largest value of four consecutive blocks of Q and its first index among the 4 x Q
+        # (blocks in order, ties to the left, as torch's argmax)
+        best, at = tl.max(v0, 0, return_indices=True)
+        m, i = tl.max(v1, 0, return_indices=True)
+        at = tl.where(m > best, Q + i, at)
+        best = tl.maximum(best, m)
+        m, i = tl.max(v2, 0, return_indices=True)
+        at = tl.where(m > best, 2 * Q + i, at)
+        best = tl.maximum(best, m)
+        m, i = tl.max(v3, 0, return_indices=True)
+        at = tl.where(m > best, 3 * Q + i, at)
+        return tl.maximum(best, m), at
+
+    @triton.jit
     def _chunk_kernel(logits_ptr, stride, vocab, temperature, seed_ptr, top_ptr, top_idx_ptr, sum_ptr,
                       draw_ptr, draw_idx_ptr, n_chunks, Q: tl.constexpr):
         row = tl.program_id(0)
@@ -70,31 +85,10 @@ if triton is not None:
         x1, s1 = _block(base, start + Q + lane, vocab, temperature, u1)
         x2, s2 = _block(base, start + 2 * Q + lane, vocab, temperature, u2)
         x3, s3 = _block(base, start + 3 * Q + lane, vocab, temperature, u3)
-        # the chunk's largest logit and its first index (blocks in order, ties to the left: torch's argmax)
-        t0, i0 = tl.max(x0, 0, return_indices=True)
-        t1, i1 = tl.max(x1, 0, return_indices=True)
-        t2, i2 = tl.max(x2, 0, return_indices=True)
-        t3, i3 = tl.max(x3, 0, return_indices=True)
-        top, top_i = t0, i0
-        top_i = tl.where(t1 > top, Q + i1, top_i)
-        top = tl.maximum(top, t1)
-        top_i = tl.where(t2 > top, 2 * Q + i2, top_i)
-        top = tl.maximum(top, t2)
-        top_i = tl.where(t3 > top, 3 * Q + i3, top_i)
-        top = tl.maximum(top, t3)
+        top, top_i = _first_max(x0, x1, x2, x3, Q)  # the chunk's largest logit (torch's argmax)
         total = (tl.sum(tl.exp(x0 - top), 0) + tl.sum(tl.exp(x1 - top), 0)
                  + tl.sum(tl.exp(x2 - top), 0) + tl.sum(tl.exp(x3 - top), 0))
-        d0, j0 = tl.max(s0, 0, return_indices=True)
-        d1, j1 = tl.max(s1, 0, return_indices=True)
-        d2, j2 = tl.max(s2, 0, return_indices=True)
-        d3, j3 = tl.max(s3, 0, return_indices=True)
-        draw, draw_i = d0, j0
-        draw_i = tl.where(d1 > draw, Q + j1, draw_i)
-        draw = tl.maximum(draw, d1)
-        draw_i = tl.where(d2 > draw, 2 * Q + j2, draw_i)
-        draw = tl.maximum(draw, d2)
-        draw_i = tl.where(d3 > draw, 3 * Q + j3, draw_i)
-        draw = tl.maximum(draw, d3)
+        draw, draw_i = _first_max(s0, s1, s2, s3, Q)  # the chunk's Gumbel-max draw
         at = row * n_chunks + chunk
         tl.store(top_ptr + at, top)
         tl.store(top_idx_ptr + at, start + top_i)
