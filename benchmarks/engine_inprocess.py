@@ -4,7 +4,7 @@ step with the finished-flags read the engine's loop does after each one, a torch
 and trace of those steps, and the engine's log-probs against a forward of the same model.
 
     python benchmarks/engine_inprocess.py MODEL --device cuda --requests 64,256,512,1024 \\
-        --new-tokens 256 --profile-dir prof --out inprocess.json
+        --new-tokens 256 --kernels liger --finished-every 8 --profile-dir prof --out inprocess.json
     python benchmarks/engine_inprocess.py MODEL --device cpu --requests 16 --new-tokens 8   # this CPU
 
 What ``streamrl bench engine`` measures through a cluster, less the generate tasks and Dask
