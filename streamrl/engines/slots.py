@@ -68,7 +68,6 @@ class SlotEngine(TransformersEngine):
         """What killed the loop, if something did (every request then fails naming it)."""
         self._stop_early = None  # the reward that may end a response early (stop_early_with)
         self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
-        self._steps = 0  # decode steps so far: ended requests are looked for every finished_every
         self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "idle_s": 0.0}
         """What the loop did so far: decode steps, admissions (each one prefill between two steps),
         the requests they took, the seconds its prefill calls took on the host (on a GPU, mostly
@@ -129,7 +128,6 @@ class SlotEngine(TransformersEngine):
         if not self._table.running:
             return False
         self.decoder.step(self._size())
-        self._steps += 1
         self.loop_counts["steps"] += 1
         self._emit()
         if self._stop_early is not None:
@@ -138,6 +136,11 @@ class SlotEngine(TransformersEngine):
         if self._table.running and self._steps % self.config.finished_every == 0:
             self._hand_back()
         return True
+
+    @property
+    def _steps(self) -> int:
+        # decode steps so far (the loop's counter): ended requests are looked for every finished_every
+        return self.loop_counts["steps"]
 
     def _size(self) -> int:
         return self.decoder.size_for(self._table.highest())
