@@ -83,8 +83,8 @@ def test_a_sample_that_ends_before_it_is_taken_out_stays_where_it_is(tiny_model)
         assert not engine.move_out("s-0")  # ended: not running any more
         assert len(group) == 1 and not group[0].token_versions and "moved" not in group[0].times
         engine.cancel("s-0")  # asked to stop after it ended: the next turn forgets the ask
-        until(lambda: not engine._cancels, every=0.01)
-        assert not engine._requests and not engine._table.running  # nothing of it is left
+        until(lambda: not engine.streams.pending(), every=0.01)
+        assert not engine._requests and not engine.table.running  # nothing of it is left
     finally:
         engine.close()
 

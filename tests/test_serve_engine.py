@@ -82,7 +82,7 @@ def test_a_cancelled_request_frees_its_slot_with_the_tokens_so_far(engine):
     response = engine.stream("r-1", ids, 6, on_tokens=on_tokens).result(timeout=10)
     assert 1 <= len(response.tokens) < 6
     assert engine.requests_in_flight() == (0, 0)
-    assert not engine._table.running  # the slot is free again
+    assert not engine.table.running  # the slot is free again
     # a waiting request cancelled before it starts is answered empty
     engine.cancel("never-started")
     again = engine.stream("r-2", ids, 6).result(timeout=10)
@@ -131,7 +131,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_choices(engine):
     deadline = time.time() + 10
     while engine.requests_in_flight() != (0, 0) and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.requests_in_flight() == (0, 0) and not engine._table.running
+    assert engine.requests_in_flight() == (0, 0) and not engine.table.running
     assert [len(f.result(timeout=10).tokens) for f in futures] == [0, 0]  # cancelled before a token (else 6 each)
     assert traffic.counts["cancelled"] == 1 and endpoint.pending == 0
     assert traffic.feedback("cmpl-x", None, 1.0) is not None  # nothing of it to reward or train

@@ -19,16 +19,18 @@ that went away, a stop sequence found) to free its slot at the next turn.
 
 Each request's state is one :class:`~streamrl.engines.slot_requests.Request` (served or not,
 watched by a reward's ``stop_early``, movable to another instance), and which slot holds which
-request is the :class:`~streamrl.engines.slot_requests.SlotTable`'s: the loop reads both.
+request is the :class:`~streamrl.engines.slot_requests.SlotTable`'s: the loop reads both. What
+only some requests need is a collaborator the loop calls, not a branch in it: followed requests'
+tokens and cancels (``slot_streams.py``), the reward's early stop (``slot_watch.py``) and samples
+moved between instances (``slot_moves.py``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -37,14 +39,12 @@ from streamrl.engines.adapters import POLICY
 from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.request_queue import Response, await_response
 from streamrl.engines.slot_decoder import SlotDecoder, Start
+from streamrl.engines.slot_moves import SampleMoves
 from streamrl.engines.slot_requests import Request, SlotTable
+from streamrl.engines.slot_streams import TokenStreams
+from streamrl.engines.slot_watch import EarlyStopWatch
 from streamrl.contracts.generation import RequestsNow
 from streamrl.sample import Group, Prompt, Sample
-
-#: Ended task samples the engine remembers for :meth:`SlotEngine.requests_now` (a run without a
-#: straggler mover never asks).
-FINISHED_KEPT = 8192
-
 
 class SlotEngine(TransformersEngine):
     """The ``hf`` engine on streamrl's slot decoder."""
@@ -57,17 +57,20 @@ class SlotEngine(TransformersEngine):
         self._turn = threading.Lock()  # held by the loop for one turn; a weight load takes it between turns
         self._pause = threading.Event()  # a weight load wants the next turn
         self._wake = threading.Event()
-        self._table = SlotTable(config.slots)
+        self.table = SlotTable(config.slots)
+        """Which slot holds which request (the loop's; read from other threads by copying it)."""
         # requests set up by the call that queues them (a served one, a watched or movable sample),
         # by id; written before they are queued, taken by the loop when it admits them
         self._requests: dict[str, Request] = {}
         self._incoming: list[tuple[Request, list[int]]] = []  # admitted by the queue, not prefilled yet
-        self._cancels: set[str] = set()  # requests to stop, taken by the loop at its next turn
-        self._cancel_lock = threading.Lock()
         self.loop_error: BaseException | None = None
         """What killed the loop, if something did (every request then fails naming it)."""
-        self._stop_early = None  # the reward that may end a response early (stop_early_with)
-        self._finished_tasks: deque[tuple[str, int]] = deque(maxlen=FINISHED_KEPT)  # since requests_now
+        self.streams = TokenStreams(self._version_of, self._wake)
+        """Followed requests' tokens handed on as they are decoded, and the cancels asked for."""
+        self.watch = EarlyStopWatch(config.stop_early_every, self.response_text)
+        """The reward that may end responses early (:meth:`stop_early_with`)."""
+        self.moves = SampleMoves(self)
+        """Samples taken out to go on elsewhere, and those continued here."""
         self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "idle_s": 0.0}
         """What the loop did so far: decode steps, admissions (each one prefill between two steps),
         the requests they took, the seconds its prefill calls took on the host (on a GPU, mostly
@@ -85,7 +88,7 @@ class SlotEngine(TransformersEngine):
                                       name="streamrl-hf-slots", daemon=True)
         self._loop.start()
 
-    def _queued(self, requests: list[Request], ids: list[list[int]], priority: float) -> dict[str, Future]:
+    def queued(self, requests: list[Request], ids: list[list[int]], priority: float) -> dict[str, Future]:
         """Register ``requests`` (before the loop can see them) and queue them; their futures."""
         for r in requests:
             self._requests[r.rid] = r
@@ -118,22 +121,23 @@ class SlotEngine(TransformersEngine):
 
     def _one_turn(self) -> bool:
         """Cancel, admit and prefill, hand back what ended, decode one step; False when nothing runs."""
-        if self._cancels:
+        if self.streams.pending():
             self._cancel_requested()
         # waiting requests are admitted on the turns that look for ended ones (or when nothing
         # runs): requests that arrive a few at a time share one prefill between two steps
-        if (not self._table.running or self._steps % self.config.finished_every == 0) and self._admit_into_free_slots():
-            self._emit()
+        if (not self.table.running or self._steps % self.config.finished_every == 0) and self._admit_into_free_slots():
+            self.streams.emit(self.table.running, self.decoder)
             self._hand_back()  # a first token can end a request (EOS, max_new_tokens = 1)
-        if not self._table.running:
+        if not self.table.running:
             return False
         self.decoder.step(self._size())
         self.loop_counts["steps"] += 1
-        self._emit()
-        if self._stop_early is not None:
-            self._watch()
+        self.streams.emit(self.table.running, self.decoder)
+        stop = self.watch.stops(self.table.running, self.decoder)
+        if stop:
+            self._release(stop)
         # (the watch may have ended every running request)
-        if self._table.running and self._steps % self.config.finished_every == 0:
+        if self.table.running and self._steps % self.config.finished_every == 0:
             self._hand_back()
         return True
 
@@ -143,10 +147,10 @@ class SlotEngine(TransformersEngine):
         return self.loop_counts["steps"]
 
     def _size(self) -> int:
-        return self.decoder.size_for(self._table.highest())
+        return self.decoder.size_for(self.table.highest())
 
     def _admit_into_free_slots(self) -> bool:
-        if not self._table.has_room():
+        if not self.table.has_room():
             return False
         self._incoming.clear()
         # the queue admits while fewer than the limit run; every running request holds a slot
@@ -155,7 +159,7 @@ class SlotEngine(TransformersEngine):
             return False
         starts = []
         for request, ids in self._incoming:
-            slot = self._table.place(request)
+            slot = self.table.place(request)
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
             adapter = self.adapters.slot(request.adapter) if self.adapters is not None else 0
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
@@ -177,10 +181,10 @@ class SlotEngine(TransformersEngine):
         """One greedy response per prompt (held-out evaluation), decoded in slots beside the
         sampled requests, ahead of them in the queue: generation does not pause for it."""
         ids = [self.prompt_ids(p) for p in prompts]
-        self._check_prompts(prompts, ids)
+        self.check_prompts(prompts, ids)
         start, version = time.time(), self.version
         requests = [Request(f"greedy:{p.uid}-0", self.config.max_new_tokens, greedy=True) for p in prompts]
-        futures = self._queued(requests, ids, float("inf"))
+        futures = self.queued(requests, ids, float("inf"))
         return [[self._sample(p, i, f"{p.uid}-0", out.tokens, out.logprobs, version, start, time.time())]
                 for p, i, r in zip(prompts, ids, requests)
                 for out in [await_response(r.rid, futures[r.rid], self.config.request_timeout)]]
@@ -194,51 +198,19 @@ class SlotEngine(TransformersEngine):
         # ``taken_out``: released by a cancel, so a request asked to move leaves as moved (one
         # that ended by itself first stays here, finished)
         for slot, (tokens, logprobs) in zip(slots, self.decoder.release(slots)):
-            r = self._table.free(slot)
+            r = self.table.free(slot)
             moved = taken_out and r.moving
-            if r.task and not moved:
-                self._finished_tasks.append((r.rid, r.brought + len(tokens)))
+            if not moved:
+                self.moves.ended(r, len(tokens))
             self._queue.finish(r.rid, Response(tokens, logprobs, token_versions=r.versions if r.streamed else None,
                                                stopped_early=r.ended_early, moved=moved))
 
-    # -- responses ended early --------------------------------------------------------------------
+    # -- responses ended early, served requests, moved samples: the collaborators -----------------
 
     def stop_early_with(self, reward) -> None:
         """Ask ``reward.stop_early(prompt, text)`` every ``engine.stop_early_every`` tokens of a
         task's response; a response it stops is released at once, its tokens so far its sample."""
-        self._stop_early = reward
-
-    def _watch(self) -> None:
-        # (the loop's thread, after a decode step) the watched requests that decoded another
-        # stop_early_every tokens: their text so far, and the reward's verdict on it
-        every = self.config.stop_early_every
-        live = [(slot, r) for slot, r in self._table.running.items() if r.watch is not None]
-        if not live:
-            return
-        idx = torch.tensor([slot for slot, _ in live], device=self.decoder.device)
-        counts = self.decoder.generated[idx].tolist()
-        due = [(slot, r, n) for (slot, r), n in zip(live, counts) if n - r.watched_at >= every]
-        if not due:
-            return
-        rows = self.decoder.out_tokens[torch.tensor([s for s, _, _ in due], device=self.decoder.device)].tolist()
-        stop = []
-        for (slot, r, n), row in zip(due, rows):
-            r.watched_at = n
-            try:
-                hopeless = bool(self._stop_early.stop_early(r.watch, self.response_text(row[:n])))
-            except Exception:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
-                hopeless = False
-            if hopeless:
-                stop.append(slot)
-                r.ended_early = True
-        if stop:
-            self._release(stop)
-
-    def _watching(self, prompt: Prompt | None) -> Prompt | None:
-        """What a new request's watch asks about: its prompt when a reward stops responses early."""
-        return prompt if self._stop_early is not None else None
-
-    # -- served requests ------------------------------------------------------------------------
+        self.watch.reward = reward
 
     def stream(self, rid: str, ids: list[int], max_new_tokens: int,
                on_tokens: Callable[[list[int], list[float], int], None] | None = None,
@@ -255,50 +227,25 @@ class SlotEngine(TransformersEngine):
         request; its tokens carry that adapter's version."""
         self._check_ids(f"request {rid}", ids)
         request = Request(rid, max(1, min(max_new_tokens, self.config.max_new_tokens)), greedy=greedy, streamed=True,
-                          on_tokens=on_tokens, watch=self._watching(prompt), adapter=adapter)
-        return self._queued([request], [ids], priority)[rid]
+                          on_tokens=on_tokens, watch=self.watch.watching(prompt), adapter=adapter)
+        return self.queued([request], [ids], priority)[rid]
 
     def cancel(self, rid: str) -> None:
         """Stop request ``rid`` at the loop's next turn (its future gets the tokens so far);
         nothing if it already ended."""
-        with self._cancel_lock:
-            self._cancels.add(rid)
-        self._wake.set()
+        self.streams.cancel(rid)
 
     def _cancel_requested(self) -> None:
-        with self._cancel_lock:
-            cancels, self._cancels = self._cancels, set()
         stop = []
-        for rid in cancels:
-            slot = self._table.slot_of(rid)
+        for rid in self.streams.take_cancels():
+            slot = self.table.slot_of(rid)
             if slot is not None:
                 stop.append(slot)
             elif self._queue.cancel(rid):  # still waiting: answered empty, its request forgotten
                 self._requests.pop(rid, None)
         if stop:
-            self._emit()
+            self.streams.emit(self.table.running, self.decoder)
             self._release(stop, taken_out=True)
-
-    def _emit(self) -> None:
-        # each followed request's tokens decoded since its last call, stamped with this version
-        live = [(slot, r) for slot, r in self._table.running.items() if r.streamed]
-        if not live:
-            return
-        idx = torch.tensor([slot for slot, _ in live], device=self.decoder.device)
-        counts = self.decoder.generated[idx].tolist()
-        tokens, logprobs = self.decoder.out_tokens[idx].tolist(), self.decoder.out_logprobs[idx].tolist()
-        for (slot, r), n, toks, lps in zip(live, counts, tokens, logprobs):
-            if n <= r.sent:
-                continue
-            new_tokens, new_lps = toks[r.sent:n], lps[r.sent:n]
-            version = self._version_of(r.adapter)
-            r.versions.extend([version] * len(new_tokens))
-            r.sent = n
-            if r.on_tokens is not None:
-                try:
-                    r.on_tokens(new_tokens, new_lps, version)
-                except Exception:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
-                    self.cancel(r.rid)
 
     def _version_of(self, adapter: str) -> int:
         # the served policy's version is the engine's; a learner's variant has its adapter's
@@ -309,101 +256,31 @@ class SlotEngine(TransformersEngine):
     def generate_groups(self, prompts: list[Prompt], n: int, priorities: list[float]) -> list[Group]:
         """As :meth:`TransformersEngine.generate_groups`; a prompt longer than
         ``engine.max_prompt_tokens`` fails its requests at once, naming the field."""
-        self._check_prompts(prompts, [self.prompt_ids(p) for p in prompts])
-        if self._stop_early is not None:  # (registered before the base class queues them: the loop reads them)
+        self.check_prompts(prompts, [self.prompt_ids(p) for p in prompts])
+        if self.watch.reward is not None:  # (registered before the base class queues them: the loop reads them)
             for p in prompts:
                 for k in range(n):
                     rid = f"{p.uid}-{k}"
                     self._requests[rid] = Request(rid, self.config.max_new_tokens, watch=p)
         return super().generate_groups(prompts, n, priorities)
 
-    # -- samples moved between instances ----------------------------------------------------------
-
     def generate_movable(self, prompt: Prompt, samples: list[int], priority: float, on_moved) -> Group:
-        """The samples numbered ``samples`` of ``prompt``'s group; one taken out by
-        :meth:`move_out` goes to ``on_moved`` the moment it is out (its tokens so far carry the
-        version the group was asked under, as an unmoved sample's do), and comes back finished."""
-        ids = self.prompt_ids(prompt)
-        self._check_prompts([prompt], [ids])
-        requests = [Request(f"{prompt.uid}-{k}", self.config.max_new_tokens, watch=self._watching(prompt), task=True,
-                            prompt_tokens=len(ids), movable=True) for k in samples]
-        rids = [r.rid for r in requests]
-        version, start = self.version, time.time()
-        futures = self._queued(requests, [ids] * len(requests), priority)
-        pending = {futures[rid]: rid for rid in rids}
-        ended, handed = {}, {}
-        while pending:  # whichever ends first, so a moved sample goes on elsewhere at once
-            done, _ = wait(list(pending), timeout=self.config.request_timeout, return_when=FIRST_COMPLETED)
-            if not done:
-                rid = next(iter(pending.values()))
-                await_response(rid, futures[rid], 0)  # raises, naming it and the timeout
-            for f in done:
-                rid = pending.pop(f)
-                out = await_response(rid, f, 0)
-                if out.moved:
-                    partial = self._sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, time.time())
-                    partial.token_versions = [version] * len(out.tokens)
-                    partial.times["moved"] = partial.times["gen_end"]
-                    handed[rid] = on_moved(partial)
-                else:
-                    ended[rid] = (out, time.time())
-        group = []
-        for rid in rids:
-            if rid in handed:
-                group.append(handed[rid].result())
-                continue
-            out, end = ended[rid]
-            group.append(self._sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, end))
-            if out.stopped_early:
-                group[-1].times["stopped_early"] = 1.0
-        return group
+        """:meth:`SampleMoves.generate_movable <streamrl.engines.slot_moves.SampleMoves.generate_movable>`."""
+        return self.moves.generate_movable(prompt, samples, priority, on_moved)
 
     def requests_now(self) -> RequestsNow:
-        """The task samples in slots now (with the tokens they have) and those that ended since
-        the last call. Safe from any thread: it copies the loop's table before reading it."""
-        live = [(slot, r) for slot, r in dict(self._table.running).items() if r.task]
-        counts = self.decoder.generated[torch.tensor([s for s, _ in live], dtype=torch.long)
-                                        .to(self.decoder.device)].tolist() if live else []
-        running = [(r.rid, r.brought + int(n), r.prompt_tokens, r.movable) for (_, r), n in zip(live, counts)]
-        finished = [self._finished_tasks.popleft() for _ in range(len(self._finished_tasks))]
-        return RequestsNow(running, finished)
+        """:meth:`SampleMoves.requests_now <streamrl.engines.slot_moves.SampleMoves.requests_now>`."""
+        return self.moves.requests_now()
 
     def move_out(self, uid: str) -> bool:
-        """Take running sample ``uid`` out at the loop's next turn, its tokens so far handed to
-        the :meth:`generate_movable` call that asked for it. False when it is not a movable sample
-        running here; it may still end by itself before the turn, and then it stays."""
-        request = next((r for r in dict(self._table.running).values() if r.rid == uid), None)
-        if request is None or not request.movable:
-            return False
-        request.moving = True
-        self.cancel(uid)
-        return True
+        """:meth:`SampleMoves.move_out <streamrl.engines.slot_moves.SampleMoves.move_out>`."""
+        return self.moves.move_out(uid)
 
     def continue_sample(self, partial: Sample, priority: float = 0.0) -> Sample:
-        """Finish a sample another instance took out: its prompt and response so far are
-        prefilled into a slot and decoded on, up to ``max_new_tokens`` in all. Its new tokens
-        carry the versions this engine decoded them with; it is not moved again."""
-        rid, done = partial.uid, len(partial.response_ids)
-        ids = list(partial.prompt_ids) + list(partial.response_ids)
-        versions = list(partial.token_versions or [partial.policy_version] * done)
-        limit = self.config.max_new_tokens - done
-        if limit < 1 or len(partial.prompt_ids) > self.config.max_prompt_tokens:
-            raise ValueError(f"hf engine: moved sample {rid} has {len(partial.prompt_ids)} prompt and {done} "
-                             f"response tokens; a slot holds {self.config.max_prompt_tokens} + "
-                             f"{self.config.max_new_tokens} (engine.max_prompt_tokens, engine.max_new_tokens)")
-        # streamed: the loop records the version of each token it decodes
-        request = Request(rid, limit, streamed=True, task=True, prompt_tokens=len(partial.prompt_ids), brought=done)
-        version = self.version
-        out = await_response(rid, self._queued([request], [ids], priority)[rid], self.config.request_timeout)
-        versions += out.token_versions or [version] * len(out.tokens)
-        sample = self._sample(partial.prompt, partial.prompt_ids, rid, list(partial.response_ids) + out.tokens,
-                              list(partial.logprobs) + list(out.logprobs), min(versions),
-                              partial.times.get("gen_start", time.time()), time.time())
-        sample.token_versions = versions
-        sample.times["moved"] = partial.times.get("moved", sample.times["gen_end"])
-        return sample
+        """:meth:`SampleMoves.continue_sample <streamrl.engines.slot_moves.SampleMoves.continue_sample>`."""
+        return self.moves.continue_sample(partial, priority)
 
-    def _check_prompts(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
+    def check_prompts(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
         for p, i in zip(prompts, ids):
             self._check_ids(f"prompt {p.uid}", i)
 

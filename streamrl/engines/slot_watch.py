@@ -1,0 +1,57 @@
+"""Responses ended early in the slot engine: a reward's ``stop_early(prompt, text)`` asked about
+each watched response every ``engine.stop_early_every`` tokens, so that a response it calls
+hopeless frees its slot at once (its tokens so far are its sample, marked ``stopped_early``).
+
+Only responses queued while a reward watches carry a prompt to ask about (``Request.watch``);
+the decode loop (``engines/slots.py``) asks :meth:`EarlyStopWatch.stops` after each decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from streamrl.engines.slot_requests import Request
+from streamrl.sample import Prompt
+
+
+class EarlyStopWatch:
+    """The reward that may end responses early, and when it is next asked about each."""
+
+    def __init__(self, every: int, response_text: Callable[[list[int]], str]):
+        self.every = every
+        self.response_text = response_text
+        self.reward = None
+        """The reward whose ``stop_early`` is asked (None: nothing is watched)."""
+
+    def watching(self, prompt: Prompt | None) -> Prompt | None:
+        """What a new request's watch asks about: its prompt while a reward watches."""
+        return prompt if self.reward is not None else None
+
+    def stops(self, running: dict[int, Request], decoder) -> list[int]:
+        """The slots (of ``running``, slot -> request) whose responses the reward ends now: the
+        watched ones that decoded another ``every`` tokens and that it calls hopeless. Each is
+        marked ``ended_early``; a reward that raises stops nothing (it scores the response later)."""
+        if self.reward is None:
+            return []
+        live = [(slot, r) for slot, r in running.items() if r.watch is not None]
+        if not live:
+            return []
+        idx = torch.tensor([slot for slot, _ in live], device=decoder.device)
+        counts = decoder.generated[idx].tolist()
+        due = [(slot, r, n) for (slot, r), n in zip(live, counts) if n - r.watched_at >= self.every]
+        if not due:
+            return []
+        rows = decoder.out_tokens[torch.tensor([s for s, _, _ in due], device=decoder.device)].tolist()
+        stop = []
+        for (slot, r, n), row in zip(due, rows):
+            r.watched_at = n
+            try:
+                hopeless = bool(self.reward.stop_early(r.watch, self.response_text(row[:n])))
+            except Exception:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
+                hopeless = False
+            if hopeless:
+                stop.append(slot)
+                r.ended_early = True
+        return stop
