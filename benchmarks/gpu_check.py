@@ -465,6 +465,11 @@ def table(result: dict) -> str:
             if "response_tokens_per_s" in v:
                 lines.append(f"| {name} | {v['variant']}: tokens/s, s/step | {v['response_tokens_per_s']:,.0f}, "
                              f"{v['step_s_median']:.2f} |")
+                if "dispatch_s_per_step" in v:  # (a step's mean: where the seconds went through Dask)
+                    lines.append(f"| {name} | {v['variant']}: s a step to the first task, tasks' spread, "
+                                 f"generating, collecting | {v['dispatch_s_per_step']:.3f}, "
+                                 f"{v['spread_s_per_step']:.3f}, {v['generate_s_per_step']:.3f}, "
+                                 f"{v['collect_s_per_step']:.3f} |")
                 if "admissions_per_step" in v:  # (the slot engine's loop, a step's mean)
                     lines.append(f"| {name} | {v['variant']}: admissions, prefill s, loop idle s a step | "
                                  f"{v['admissions_per_step']:.1f}, {v['prefill_s_per_step']:.3f}, "

@@ -223,6 +223,11 @@ def test_bench_engine_generates_each_variant_from_the_same_prompts(tiny_recipe, 
         assert [s["samples"] for s in r["steps"]] == [16, 16] and r["engine"] == "hf"
         assert r["samples_per_s"] > 0 and 1 <= r["mean_response_tokens"] <= 8
         assert r["speedup_vs_first"] == pytest.approx(rows[0]["step_s_median"] / r["step_s_median"])
+        for step in r["steps"]:  # where its seconds went through Dask: the phases add up to the step
+            assert min(step[k] for k in ("dispatch_s", "spread_s", "generate_s", "collect_s")) >= 0
+            assert step["spread_s"] <= step["generate_s"]
+            assert abs(step["dispatch_s"] + step["generate_s"] + step["collect_s"] - step["seconds"]) < 0.05, step
+        assert r["generate_s_per_step"] > 0
     bad = streamrl("bench", "engine", str(tiny_recipe), "--variant", ":x=1", timeout=120)
     assert bad.returncode == 2 and "--variant" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
@@ -342,6 +347,12 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     slots = result["phases"]["engine-4"]["variants"][0]
     assert slots["admissions_per_step"] >= 1 and slots["prefill_s_per_step"] > 0 and slots["idle_s_per_step"] >= 0
     assert "| engine-4 | slots: admissions, prefill s, loop idle s a step |" in out.with_suffix(".md").read_text()
+    # where a step's seconds went through Dask: the phases add up to the step, each one there
+    for r in slots["steps"]:
+        parts = r["dispatch_s"] + r["generate_s"] + r["collect_s"]
+        assert min(r["dispatch_s"], r["spread_s"], r["generate_s"], r["collect_s"]) >= 0
+        assert abs(parts - r["seconds"]) < 0.05 + 0.05 * r["seconds"], r
+    assert "slots: s a step to the first task, tasks' spread, generating, collecting" in out.with_suffix(".md").read_text()
     # the slot decoder with 8 adapters mixed against the base, and one adapter's hand-over
     lora = result["phases"]["lora"]["result"]
     assert result["phases"]["lora"]["ok"] and lora["adapters"] == 8

@@ -330,7 +330,8 @@ def test_math_cuts_off_a_check_that_would_hang_and_scores_it_0():
         assert [s.reward for s in g] == [0.0, 1.0] and not any("reward_error" in s.times for s in g)
         assert g[0].reward_info == {"answered": 0.0, "timeout": 1.0}
         assert g[1].reward_info == {"answered": 1.0, "timeout": 0.0}  # a fresh process took over
-        assert 1.0 <= elapsed < 8.0, elapsed
+        # cut at its 1 s timeout: the check itself would run for far longer than the join waited
+        assert 1.0 <= elapsed and not worker.is_alive(), elapsed
     finally:
         reward.close()
 

@@ -53,17 +53,18 @@ def measure(file: str, overrides: list[str], steps: int, warmup: int) -> dict:
             prompts = ctl.task.prompts(step, t.prompts_per_step)
             bundles = [prompts[i:i + per_task] for i in range(0, len(prompts), per_task)]
             before = loop_counts(client)
-            t0 = time.perf_counter()
+            wall0 = time.time()  # (the clock the samples' stamps use, so the phases add up to the step)
             futures = [client.submit(task_functions.generate_groups, b, t.samples_per_prompt,
                                      key=f"bench-gen-{step}-{k}", **pins[k % len(pins)])
                        for k, b in enumerate(bundles)]
             groups = [g for f in futures for g in f.result()]
-            seconds = time.perf_counter() - t0
+            wall1 = time.time()
+            seconds = wall1 - wall0
             if step >= warmup:
                 samples = [s for g in groups for s in g]
                 rows.append({"seconds": seconds, "samples": len(samples),
                              "response_tokens": sum(len(s.response_ids) for s in samples),
-                             **counted(before, loop_counts(client))})
+                             **phases(samples, wall0, wall1), **counted(before, loop_counts(client))})
         return {"engine": loaded.recipe.engine.name, "generate_workers": len(pins), "steps": rows}
     finally:
         lifecycle.stop(dask_cluster, client)
@@ -85,6 +86,19 @@ def counted(before: dict, after: dict) -> dict:
             for k in ("steps", "admissions", "admitted", "prefill_s", "idle_s")}
 
 
+def phases(samples: list, submitted: float, collected: float) -> dict:
+    """Where a step's seconds went on the way through Dask, from the samples' own stamps (the
+    engine's ``gen_start``, as its task called it, and ``gen_end``, as a response was handed
+    back): ``dispatch_s`` from the submit to the first task's call into its engine, ``spread_s``
+    from there to the last task's call (the tasks reach the engine one after another),
+    ``generate_s`` from the first call to the last response, ``collect_s`` from the last response
+    to every result in the caller's hands. One machine's clock: the bench's cluster is local."""
+    starts = [s.times["gen_start"] for s in samples]
+    first, last, end = min(starts), max(starts), max(s.times["gen_end"] for s in samples)
+    return {"dispatch_s": round(first - submitted, 4), "spread_s": round(last - first, 4),
+            "generate_s": round(end - first, 4), "collect_s": round(collected - end, 4)}
+
+
 def summarise(label: str, result: dict) -> dict:
     """Median seconds per step and the rates over all measured steps."""
     rows = result["steps"]
@@ -94,6 +108,8 @@ def summarise(label: str, result: dict) -> dict:
             "samples_per_s": sum(r["samples"] for r in rows) / total,
             "response_tokens_per_s": sum(r["response_tokens"] for r in rows) / total,
             "mean_response_tokens": sum(r["response_tokens"] for r in rows) / sum(r["samples"] for r in rows),
+            **{f"{k}_per_step": statistics.mean(r[k] for r in rows)
+               for k in ("dispatch_s", "spread_s", "generate_s", "collect_s") if rows and k in rows[0]},
             **({"admissions_per_step": statistics.mean(r["engine_admissions"] for r in rows),
                 "prefill_s_per_step": statistics.mean(r["engine_prefill_s"] for r in rows),
                 "idle_s_per_step": statistics.mean(r["engine_idle_s"] for r in rows)}
