@@ -348,10 +348,10 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert slots["admissions_per_step"] >= 1 and slots["prefill_s_per_step"] > 0 and slots["idle_s_per_step"] >= 0
     assert "| engine-4 | slots: admissions, prefill s, loop idle s a step |" in out.with_suffix(".md").read_text()
     # where a step's seconds went through Dask: the phases add up to the step, each one there
-    for r in slots["steps"]:
-        parts = r["dispatch_s"] + r["generate_s"] + r["collect_s"]
-        assert min(r["dispatch_s"], r["spread_s"], r["generate_s"], r["collect_s"]) >= 0
-        assert abs(parts - r["seconds"]) < 0.05 + 0.05 * r["seconds"], r
+    # (one measured step: its means are its own figures)
+    parts = [slots[f"{k}_per_step"] for k in ("dispatch_s", "generate_s", "collect_s")]
+    assert min(parts) >= 0 and 0 <= slots["spread_s_per_step"] <= slots["generate_s_per_step"]
+    assert abs(sum(parts) - slots["step_s_median"]) < 0.05 + 0.05 * slots["step_s_median"], slots
     assert "slots: s a step to the first task, tasks' spread, generating, collecting" in out.with_suffix(".md").read_text()
     # the slot decoder with 8 adapters mixed against the base, and one adapter's hand-over
     lora = result["phases"]["lora"]["result"]

@@ -336,9 +336,9 @@ def test_the_watchers_rates_as_environment_variables_are_what_dask_reads_back():
     from streamrl.cluster.pool_workers import WATCHERS, dask_environment
 
     env = dask_environment(WATCHERS)
-    assert all(name.startswith("DASK_DISTRIBUTED__") for name in env) and len(env) == 3
+    assert all(name.startswith("DASK_DISTRIBUTED__") for name in env) and len(env) == 4
     read = {}
     dask.config.update(read, dask.config.collect_env(env))
     for key in ("distributed.admin.tick.interval", "distributed.admin.system-monitor.interval",
-                "distributed.worker.memory.monitor-interval"):
+                "distributed.worker.memory.monitor-interval", "distributed.worker.profile.interval"):
         assert dask.config.get(key, config=read) == dask.config.get(key, config=WATCHERS), key

@@ -110,7 +110,7 @@ def about_the_worker(dask_worker) -> dict:
 def watchers_ms(server) -> dict:
     """How often a Dask server (scheduler, nanny, worker) runs its watchers, in ms."""
     return {name: pc.callback_time for name, pc in server.periodic_callbacks.items()
-            if name in ("tick", "monitor", "memory_monitor")}
+            if name in ("tick", "monitor", "memory_monitor", "profile")}
 
 
 _HELD: list[bytearray] = []
@@ -157,8 +157,9 @@ def test_warm_workers_are_forked_from_the_server_with_the_pools_environment_and_
             assert got["malloc"] == lifecycle.PRE_SPAWN_ENV["MALLOC_TOP_PAD_"], (name, got)
             # a Ctrl-C to the process group is the streamrl process's to handle
             assert got["sigint"] and got["sigterm"] and got["blocked"] == [], (name, got)
-            # Dask's watchers at streamrl's pace (lifecycle.WATCHERS), not every 20 / 500 / 100 ms
-            assert got["watchers_ms"] == {"tick": 1000, "monitor": 2000}, (name, got)  # (its nanny watches its memory)
+            # Dask's watchers at streamrl's pace (lifecycle.WATCHERS), not every 20 / 500 / 100 ms,
+            # and its profiler every 100 ms, not 10
+            assert got["watchers_ms"] == {"tick": 1000, "monitor": 2000, "profile": 100}, (name, got)  # (its nanny watches its memory)
         assert seen["reward-0"]["device"] == "cpu" and seen["train-0"]["device"] == "auto"
         assert watchers_ms(cluster.scheduler) == {"tick": 1000, "monitor": 2000}
         assert all(watchers_ms(nanny) == {"tick": 1000, "monitor": 2000, "memory_monitor": 1000}

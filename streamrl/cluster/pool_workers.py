@@ -53,10 +53,14 @@ WORKER_MEMORY = {"distributed.worker.memory.target": False, "distributed.worker.
 #: tasks and a dashboard watched live. Idle, a scheduler, a nanny and a worker spent about a
 #: third less CPU at these (docs/benchmarks.md), and a run's processes idle much of the time:
 #: waiting on a step, on traffic to serve, on a learner. A loop blocked for
-#: ``distributed.admin.tick.limit`` (3 s) is still reported. Defaults only: what a user set in
-#: Dask's config (a YAML file, ``DASK_*`` variables) stays.
+#: ``distributed.admin.tick.limit`` (3 s) is still reported. Dask's worker profiler samples the
+#: stack of every thread running a task every 100 ms, not every 10 ms: a generate worker's tasks
+#: all wait on its engine, whose decode loop needs the GIL between its kernels, and at 10 ms the
+#: sampling of 32 waiting tasks took a quarter of the engine's tokens/s (docs/benchmarks.md); the
+#: dashboard's Profile page still fills. Defaults only: what a user set in Dask's config (a YAML
+#: file, ``DASK_*`` variables) stays.
 WATCHERS = {"distributed": {"admin": {"tick": {"interval": "1s"}, "system-monitor": {"interval": "2s"}},
-                            "worker": {"memory": {"monitor-interval": "1s"}}}}
+                            "worker": {"memory": {"monitor-interval": "1s"}, "profile": {"interval": "100ms"}}}}
 
 
 def dask_environment(config: dict, prefix: str = "DASK_") -> dict[str, str]:

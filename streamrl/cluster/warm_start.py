@@ -82,6 +82,7 @@ def begin(recipe: Recipe) -> bool:
     c = recipe.cluster
     if c.address or c.factory:
         return False  # (workers started by someone else)
+    imports = preload(recipe)  # (what the run's workers import: a moment to list, from the recipe alone)
     if not wanted(recipe):
         # (a warm run before this one, in this process, set Dask's start method for the process)
         dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
@@ -99,7 +100,7 @@ def begin(recipe: Recipe) -> bool:
     ctx = multiprocessing.get_context("forkserver")
     server = multiprocessing.forkserver._forkserver
     env = worker_environment()
-    modules = [*dask_preload(), *preload(recipe), LAST_MODULE]
+    modules = [*dask_preload(), *imports, LAST_MODULE]
     if server._forkserver_pid is not None:
         if set(modules) <= set(_started["modules"]) and env == _started["env"]:
             return True

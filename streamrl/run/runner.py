@@ -84,13 +84,15 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             stop.stop_now_if_asked_twice()
             if stop.requested and controller.training_ahead:
                 continue  # the next step is already training: stop after it
-            if stop.requested or checkpoint_after(done):
+            # read once: a signal that comes after this is seen at the next step, so a run never
+            # stops on a checkpoint it did not write
+            stopping = stop.requested and done < r.run.steps
+            if stopping or checkpoint_after(done):
                 with span("checkpoint"):
                     saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
-                folder.mark("running", step=done, checkpoint=str(saved))
+                folder.mark("interrupted" if stopping else "running", step=done, checkpoint=str(saved))
         stop.stop_now_if_asked_twice()  # (a second signal lost while the checkpoint was written)
-        if stop.requested and done < r.run.steps:
-            folder.mark("interrupted", step=done)
+        if stopping:
             raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
                               f"Resume with: {folder.resume_command()}")
 
