@@ -4,9 +4,9 @@ stamped with the policy version that decoded them, and cancels taken by the loop
 A request is *followed* (``Request.streamed``) when it is served to a client or continues a
 sample moved from another instance: a weight load mid-response must show in its tokens'
 versions. The decode loop (``engines/slots.py``) calls :meth:`TokenStreams.emit` after each
-prefill and decode step and :meth:`TokenStreams.take_cancels` at the start of each turn; any
-thread may call :meth:`TokenStreams.cancel` (a client that went away, a stop sequence found, a
-sample asked to move).
+prefill and decode step and :meth:`TokenStreams.take_cancels` at the start of a turn when cancels
+are pending (:meth:`TokenStreams.pending`); any thread may call :meth:`TokenStreams.cancel` (a
+client that went away, a stop sequence found, a sample asked to move).
 """
 
 from __future__ import annotations

@@ -84,12 +84,13 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             stop.stop_now_if_asked_twice()
             if stop.requested and controller.training_ahead:
                 continue  # the next step is already training: stop after it
-            # read once: a signal that comes after this is seen at the next step, so a run never
-            # stops on a checkpoint it did not write
+            # a run stops only on a checkpoint it wrote after the stop was asked for: a signal
+            # that comes later is seen at the next step
             stopping = stop.requested and done < r.run.steps
             if stopping or checkpoint_after(done):
                 with span("checkpoint"):
                     saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
+                stopping = stop.requested and done < r.run.steps  # (asked while it was written: stop on it)
                 folder.mark("interrupted" if stopping else "running", step=done, checkpoint=str(saved))
         stop.stop_now_if_asked_twice()  # (a second signal lost while the checkpoint was written)
         if stopping:
