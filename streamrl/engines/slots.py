@@ -46,6 +46,7 @@ from streamrl.engines.slot_watch import EarlyStopWatch
 from streamrl.contracts.generation import RequestsNow
 from streamrl.sample import Group, Prompt, Sample
 
+
 class SlotEngine(TransformersEngine):
     """The ``hf`` engine on streamrl's slot decoder."""
 
@@ -281,6 +282,7 @@ class SlotEngine(TransformersEngine):
         return self.moves.continue_sample(partial, priority)
 
     def check_prompts(self, prompts: list[Prompt], ids: list[list[int]]) -> None:
+        """Refuse, naming the prompt and the field, a prompt whose ``ids`` do not fit a slot."""
         for p, i in zip(prompts, ids):
             self._check_ids(f"prompt {p.uid}", i)
 
