@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,14 @@ from tests import in_process
 from tests.helpers import close_cluster, hand_started_cluster, sets, watch_listeners, write_tiny_recipe
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Tests stop runs with Ctrl-C (SIGINT), in this process and in the commands they start. A shell
+# without job control starts a background command (`pytest ... &`, a CI script run that way) with
+# SIGINT ignored, which Python then leaves ignored and every process started from here inherits:
+# each such stop would be lost and its test wait until its timeout. Ctrl-C is what a user's
+# terminal has, so that is what the tests get.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
