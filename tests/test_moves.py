@@ -121,6 +121,42 @@ MOVING = ('scheduler={name="longtail", migrate=true, straggler_ratio=0.3, gain=0
           'max_moves=4}')
 
 
+def test_readers_in_several_threads_share_the_ended_samples_without_an_error_or_a_sample_seen_twice(tiny_model):
+    # the mover asks from its thread while the loop hands samples back and another caller (a
+    # second mover, a test) may ask too: every ended sample goes to exactly one of them
+    import sys
+
+    from streamrl.engines.slot_requests import Request
+
+    engine = slot_engine(tiny_model, slots=4, max_new_tokens=8)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads take turns every few bytecodes: the race, if any, shows)
+    try:
+        for round_ in range(3):
+            n, done = 8000, threading.Event()  # (fewer than FINISHED_KEPT: none is dropped unread)
+
+            def hand_back():
+                for i in range(n):
+                    engine.moves.ended(Request(rid=f"{round_}-{i}", limit=8, task=True), 3)
+                done.set()
+
+            def read():
+                got = []
+                while not done.is_set():
+                    got += engine.requests_now().finished
+                return got + engine.requests_now().finished
+
+            with ThreadPoolExecutor(5) as pool:
+                readers = [pool.submit(read) for _ in range(4)]
+                pool.submit(hand_back).result(timeout=120)
+                parts = [f.result(timeout=60) for f in readers]
+            seen = [uid for part in parts for uid, _ in part]
+            assert len(seen) == n and set(seen) == {f"{round_}-{i}" for i in range(n)}
+    finally:
+        sys.setswitchinterval(interval)
+        engine.close()
+
+
 @pytest.mark.slow
 def test_a_simulated_run_moves_stragglers_and_trains_every_sample_once_at_its_whole_length(tmp_path):
     from streamrl.sim.workload import sample_length

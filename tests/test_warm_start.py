@@ -101,6 +101,9 @@ def about_the_worker(dask_worker) -> dict:
     return {"ppid": os.getppid(), "pid": os.getpid(), "torch": "torch" in sys.modules,
             "omp": os.environ.get("OMP_NUM_THREADS"), "malloc": os.environ.get("MALLOC_TOP_PAD_"),
             "offline": os.environ.get("HF_HUB_OFFLINE"), "device": os.environ.get("STREAMRL_DEVICE"),
+            # (read when huggingface_hub is imported: in a warm worker, by its server)
+            "hub_offline": sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE
+            if "huggingface_hub.constants" in sys.modules else None,
             "sigint": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
             "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
             "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
@@ -183,6 +186,25 @@ def test_warm_workers_are_forked_from_the_server_with_the_pools_environment_and_
         address = until(restarted, within=60, every=0.1)
         again = client.run(about_the_worker, workers=[address])[address]
         assert again["ppid"] == server and again["pid"] != seen["reward-0"]["pid"] and again["sigint"]
+
+        # a server that dies (killed, out of memory) is started again for the next worker, as
+        # the first was: with the workers' environment, not this process's (where the hub is
+        # not offline: what the server's imports read then is what every worker has)
+        assert seen["reward-0"]["hub_offline"] is True and "HF_HUB_OFFLINE" not in os.environ
+        os.kill(server, signal.SIGKILL)
+        os.kill(again["pid"], signal.SIGKILL)
+
+        def restarted_again():
+            now = {w["name"]: a for a, w in lifecycle.workers(client).items()}
+            return now.get("reward-0") if now.get("reward-0") not in (None, address) else None
+
+        address = until(restarted_again, within=60, every=0.1)
+        third = client.run(about_the_worker, workers=[address])[address]
+        new_server = multiprocessing.forkserver._forkserver._forkserver_pid
+        assert new_server not in (None, server) and third["ppid"] == new_server, (third, server, new_server)
+        assert third["omp"] == "1" and third["offline"] == "1" and third["hub_offline"] is True, third
+        assert third["malloc"] == lifecycle.PRE_SPAWN_ENV["MALLOC_TOP_PAD_"], third
+        assert third["sigint"] and third["sigterm"] and third["blocked"] == [], third
     finally:
         lifecycle.stop(cluster, client)
 

@@ -24,6 +24,7 @@ import json
 import multiprocessing.forkserver
 import os
 import signal
+import threading
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -109,6 +110,19 @@ def begin(recipe: Recipe) -> bool:
         # worker would import torch itself, seconds late
         stop_server()
     ctx.set_forkserver_preload(modules)
+    _started["env"] = env
+    _start_server(server, env)
+    # the forkserver context calls this before each worker's fork: a server that died meanwhile
+    # is started again there, and must start as this one did
+    server.ensure_running = lambda: _ensure_running(server)
+    if _started["pid"] is None:
+        atexit.register(end_server)
+    _started.update(pid=server._forkserver_pid, modules=modules)
+    return True
+
+
+def _start_server(server: multiprocessing.forkserver.ForkServer, env: dict[str, str]) -> None:
+    """Start ``server`` (not running) with the workers' environment ``env``."""
     # The server and every worker forked from it start with SIGINT and SIGTERM blocked, as a
     # spawned worker does (run/stopping.py): a worker ends the block once it ignores both
     # (pool_workers.ignore_stop_signals), and the server, whose parent stops it, keeps it. The
@@ -118,7 +132,7 @@ def begin(recipe: Recipe) -> bool:
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     os.environ.update(env)
     try:
-        server.ensure_running()
+        type(server).ensure_running(server)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -126,10 +140,31 @@ def begin(recipe: Recipe) -> bool:
             else:
                 os.environ[k] = v
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    if _started["pid"] is None:
-        atexit.register(end_server)
-    _started.update(pid=server._forkserver_pid, modules=modules, env=env)
-    return True
+
+
+#: One worker start at a time looks at the server (the Nanny's threads start workers).
+_server_lock = threading.Lock()
+
+
+def _ensure_running(server: multiprocessing.forkserver.ForkServer) -> None:
+    """Before a worker's fork: the server as :func:`begin` started it. Python's own check starts
+    a server that died (killed, or out of memory) again, but with this process's environment
+    (the workers' threads, malloc settings and quiet libraries lost for every worker started
+    after) and the calling thread's signals: started here with the workers' environment."""
+    with _server_lock:
+        with server._lock:
+            pid = server._forkserver_pid
+            try:
+                dead = pid is not None and os.waitpid(pid, os.WNOHANG)[0] != 0
+            except ChildProcessError:  # (reaped already)
+                dead = True
+            if dead:  # (what Python's check does with a dead one)
+                os.close(server._forkserver_alive_fd)
+                server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        if server._forkserver_pid is None:
+            _start_server(server, _started["env"])
+            if dead and _started["pid"] == pid:
+                _started["pid"] = server._forkserver_pid
 
 
 def stop_server() -> None:

@@ -89,7 +89,12 @@ class SampleMoves:
         counts = decoder.generated[torch.tensor([s for s, _ in live], dtype=torch.long)
                                    .to(decoder.device)].tolist() if live else []
         running = [(r.rid, r.brought + int(n), r.prompt_tokens, r.movable) for (_, r), n in zip(live, counts)]
-        finished = [self._finished.popleft() for _ in range(len(self._finished))]
+        finished = []
+        while True:  # (one popleft at a time: a second caller draining it meanwhile ends the loop, no IndexError)
+            try:
+                finished.append(self._finished.popleft())
+            except IndexError:
+                break
         return RequestsNow(running, finished)
 
     def move_out(self, uid: str) -> bool:
