@@ -31,6 +31,19 @@ def smoke_tests_start_the_real_command(request):
     in_process.fresh_only = request.node.get_closest_marker("smoke") is not None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_in_pytests_folder(tmp_path_factory):
+    """What this process puts in the system's temporary folder (a bench's run folders, which it
+    keeps for the user to read) goes under pytest's own folder, which pytest prunes, so the
+    tests do not leave their runs in /tmp."""
+    import tempfile
+
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    yield
+    tempfile.tempdir = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """An untrained tiny addition model + tokenizer saved with save_pretrained."""
