@@ -19,20 +19,18 @@ from pathlib import Path
 
 import torch
 
-from streamrl.algorithms.off_policy import TOKEN_FLAGS
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
 from streamrl.errors import NonFiniteStep, RunFailed
 from streamrl.sample import Group, Sample
-from streamrl.training import fsdp
-from streamrl.training.critic import Critic, critic_stats
+from streamrl.training import backward_pass, fsdp
+from streamrl.training.critic import Critic
 from streamrl.training import hf_config
 from streamrl.training.hf_config import HFTrainerConfig
 from streamrl.training.finite import FiniteGuard, all_finite, weight_norm
 from streamrl.training.kernels import compile_layers, use_liger_kernels
 from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch
-from streamrl.training.off_policy_stats import bucket_sums, token_versions
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
 from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
@@ -163,7 +161,7 @@ class HFTrainer(Trainer):
         """Forward/backward on whole groups; gradients accumulate until :meth:`step`. Sharded,
         ``groups = []`` runs an empty pass (every rank must run as many passes as the others)."""
         try:
-            out = self._empty_pass() if not groups else self._forward_backward(groups, scale)
+            out = backward_pass.empty(self) if not groups else backward_pass.of_groups(self, groups, scale)
             self.masters.accumulate()
             return out
         except torch.OutOfMemoryError:
@@ -177,98 +175,6 @@ class HFTrainer(Trainer):
                 f"trainer: a micro-batch of {len(samples)} samples x {longest} tokens (padded) ran out of "
                 f"{self.device} memory{free}; lower trainer.micro_batch_tokens or groups_per_micro_batch, or set "
                 "trainer.activation_checkpointing = true (one group alone must fit)") from None
-
-    def _forward_backward(self, groups: list[Group], scale: float) -> dict:
-        t0 = time.perf_counter()
-        samples = [s for g in groups for s in g]
-        counted = {"samples": len(samples), "tokens": sum(len(s.response_ids) for s in samples),
-                   "reward_sum": float(sum(s.reward for s in samples))}
-        adv_list = None
-        if self.critic is None:
-            adv_list = [a for g in groups for a in self.algorithm.advantages([s.reward for s in g])]
-            if self.algorithm.zero_advantage_no_gradient and self.version >= self.algorithm.critic_warmup_steps:
-                # a sample with advantage 0 adds nothing to the gradient: leave it out of the
-                # forward/backward (GRPO groups whose samples all got the same reward)
-                keep = [i for i, a in enumerate(adv_list) if a != 0.0]
-                if not keep:  # (sharded, every rank must still take part: a zero-loss pass)
-                    self.strategy.without_gradient(lambda: self._empty_pass(samples[0]), self.model.parameters())
-                    return {**counted, "skipped_sum": counted["samples"], "loss_sum": 0.0,
-                            "seconds": time.perf_counter() - t0}
-                samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
-        skipped = counted["samples"] - len(samples)
-        self.probe = samples[0]
-        ids, attn, resp, old = pad_batch(samples, self.tokenizer.pad_token_id)
-        ids, attn, resp, old = (t.to(self.device) for t in (ids, attn, resp, old))
-        stats: dict = {}
-        critic_loss = 0.0
-        if self.critic is None:
-            adv = torch.tensor(adv_list, dtype=torch.float32, device=self.device)
-        else:  # token-level advantages from the critic; the critic learns in the same micro-batch
-            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device)
-            with self.precision.autocast():
-                values = self.critic.values(ids, attn).float()
-            adv, returns = self.algorithm.token_advantages(rewards, values.detach(), resp)
-            value_loss = self.algorithm.value_loss(values, values.detach(), returns, resp)
-            critic_loss = value_loss.sum() * scale
-            stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
-        new, ref = self._token_logprobs(ids, attn, resp)
-        per_sample, algo_stats = self.algorithm.loss(new, old, ref, adv, resp)
-        flags = algo_stats.pop(TOKEN_FLAGS, None)
-        stats.update(algo_stats)
-        # how off-policy these tokens were, by staleness (versions count steps, not optimizer steps)
-        current = self.version // max(1, self.algorithm.epochs)
-        staleness = (current - token_versions(samples, ids.shape[1]).to(self.device)).clamp(min=0)
-        off_policy = bucket_sums(new, old, resp, staleness, flags)
-        if self.version < self.algorithm.critic_warmup_steps:
-            per_sample = per_sample * 0.0  # critic warm-up: the policy does not move yet
-        loss = per_sample.sum()
-        (loss * scale + critic_loss).backward()
-        loss_sum = float(loss.item())
-        self.finite.saw_losses(loss_sum, float(stats.get("value_loss_sum", 0.0)))  # (the step refuses them)
-        return {
-            **counted,
-            "skipped_sum": skipped,  # metrics.jsonl: "skipped", the share left out of the backward
-            "loss_sum": loss_sum,
-            "seconds": time.perf_counter() - t0,
-            "offpolicy": off_policy,
-            **{k: float(v) for k, v in stats.items()},
-        }
-
-    def _token_logprobs(self, ids, attn, resp):
-        # policy (with grad) and reference log-probs of the response tokens, in this order:
-        # sharded, the real and the empty passes must make the same collectives
-        chunk = self.config.logprob_chunk_tokens
-        with self.precision.autocast():
-            new = self.policy(ids, attn, self.temperature, chunk, resp, self.config.logprob_kernels)
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref = self.reference_policy(ids, attn, self.temperature, chunk, resp, self.config.logprob_kernels)
-        return new, ref
-
-    def _empty_pass(self, like=None) -> dict:
-        # A forward/backward through every sharded module with a zero loss: it takes part in
-        # the ranks' collectives and adds exactly zero to every gradient. ``like``: a sample to
-        # copy the shape of (else one pad token of prompt and response).
-        t0 = time.perf_counter()
-        pad = self.tokenizer.pad_token_id
-        prompt, response = (like.prompt_ids, like.response_ids) if like is not None else ([pad], [pad])
-        dummy = Sample(uid="pad", prompt=None, prompt_ids=prompt, response_ids=response,
-                       logprobs=[0.0] * len(response), reward=0.0)
-        ids, attn, resp, old = (t.to(self.device) for t in pad_batch([dummy], pad))
-        critic_loss = 0.0
-        if self.critic is None:
-            adv = torch.zeros(1, device=self.device)
-        else:
-            with self.precision.autocast():
-                values = self.critic.values(ids, attn).float()
-            adv = torch.zeros_like(values)
-            critic_loss = values.sum() * 0.0
-        new, ref = self._token_logprobs(ids, attn, resp)
-        per_sample, _ = self.algorithm.loss(new, old, ref, adv, resp)
-        (per_sample.sum() * 0.0 + critic_loss).backward()
-        return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
-                "seconds": time.perf_counter() - t0}
 
     @_taking_turns
     def step(self) -> dict:

@@ -1,0 +1,117 @@
+"""The ``hf`` trainer's backward pass over a micro-batch: the loss of whole groups, and its gradient.
+
+Each sample's loss is scaled by ``scale = 1 / samples in the batch``, so gradients accumulated
+over a batch's micro-batches add up to the same update however the batch was cut. A sharded
+trainer's ranks must make the same collectives in every pass, so a rank with nothing to train
+runs :func:`empty` instead: through every sharded module, adding exactly zero.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from streamrl.algorithms.off_policy import TOKEN_FLAGS
+from streamrl.sample import Group, Sample
+from streamrl.training.critic import critic_stats
+from streamrl.training.logprobs import pad_batch
+from streamrl.training.off_policy_stats import bucket_sums, token_versions
+
+
+def of_groups(trainer, groups: list[Group], scale: float) -> dict:
+    """One micro-batch of whole groups: advantages (the algorithm's, or the critic's, which
+    learns in the same pass), the loss and its backward, gradients accumulating until the
+    trainer's step; returns what was trained and the statistics for the step's record."""
+    t0 = time.perf_counter()
+    samples = [s for g in groups for s in g]
+    counted = {"samples": len(samples), "tokens": sum(len(s.response_ids) for s in samples),
+               "reward_sum": float(sum(s.reward for s in samples))}
+    adv_list = None
+    if trainer.critic is None:
+        adv_list = [a for g in groups for a in trainer.algorithm.advantages([s.reward for s in g])]
+        if trainer.algorithm.zero_advantage_no_gradient and trainer.version >= trainer.algorithm.critic_warmup_steps:
+            # a sample with advantage 0 adds nothing to the gradient: leave it out of the
+            # forward/backward (GRPO groups whose samples all got the same reward)
+            keep = [i for i, a in enumerate(adv_list) if a != 0.0]
+            if not keep:  # (sharded, every rank must still take part: a zero-loss pass)
+                trainer.strategy.without_gradient(lambda: empty(trainer, samples[0]), trainer.model.parameters())
+                return {**counted, "skipped_sum": counted["samples"], "loss_sum": 0.0,
+                        "seconds": time.perf_counter() - t0}
+            samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
+    skipped = counted["samples"] - len(samples)
+    trainer.probe = samples[0]
+    ids, attn, resp, old = pad_batch(samples, trainer.tokenizer.pad_token_id)
+    ids, attn, resp, old = (t.to(trainer.device) for t in (ids, attn, resp, old))
+    stats: dict = {}
+    critic_loss = 0.0
+    if trainer.critic is None:
+        adv = torch.tensor(adv_list, dtype=torch.float32, device=trainer.device)
+    else:  # token-level advantages from the critic; the critic learns in the same micro-batch
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=trainer.device)
+        with trainer.precision.autocast():
+            values = trainer.critic.values(ids, attn).float()
+        adv, returns = trainer.algorithm.token_advantages(rewards, values.detach(), resp)
+        value_loss = trainer.algorithm.value_loss(values, values.detach(), returns, resp)
+        critic_loss = value_loss.sum() * scale
+        stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
+    new, ref = policy_logprobs(trainer, ids, attn, resp)
+    per_sample, algo_stats = trainer.algorithm.loss(new, old, ref, adv, resp)
+    flags = algo_stats.pop(TOKEN_FLAGS, None)
+    stats.update(algo_stats)
+    # how off-policy these tokens were, by staleness (versions count steps, not optimizer steps)
+    current = trainer.version // max(1, trainer.algorithm.epochs)
+    staleness = (current - token_versions(samples, ids.shape[1]).to(trainer.device)).clamp(min=0)
+    off_policy = bucket_sums(new, old, resp, staleness, flags)
+    if trainer.version < trainer.algorithm.critic_warmup_steps:
+        per_sample = per_sample * 0.0  # critic warm-up: the policy does not move yet
+    loss = per_sample.sum()
+    (loss * scale + critic_loss).backward()
+    loss_sum = float(loss.item())
+    trainer.finite.saw_losses(loss_sum, float(stats.get("value_loss_sum", 0.0)))  # (the step refuses them)
+    return {
+        **counted,
+        "skipped_sum": skipped,  # metrics.jsonl: "skipped", the share left out of the backward
+        "loss_sum": loss_sum,
+        "seconds": time.perf_counter() - t0,
+        "offpolicy": off_policy,
+        **{k: float(v) for k, v in stats.items()},
+    }
+
+def policy_logprobs(trainer, ids, attn, resp):
+    """The policy's (with grad) and the reference's log-probs of the response tokens."""
+    # policy (with grad) and reference log-probs of the response tokens, in this order:
+    # sharded, the real and the empty passes must make the same collectives
+    chunk = trainer.config.logprob_chunk_tokens
+    with trainer.precision.autocast():
+        new = trainer.policy(ids, attn, trainer.temperature, chunk, resp, trainer.config.logprob_kernels)
+        ref = None
+        if trainer.reference is not None:
+            with torch.no_grad():
+                ref = trainer.reference_policy(ids, attn, trainer.temperature, chunk, resp, trainer.config.logprob_kernels)
+    return new, ref
+
+def empty(trainer, like=None) -> dict:
+    """A pass that trains nothing but takes part in the ranks' collectives (below)."""
+    # A forward/backward through every sharded module with a zero loss: it takes part in
+    # the ranks' collectives and adds exactly zero to every gradient. ``like``: a sample to
+    # copy the shape of (else one pad token of prompt and response).
+    t0 = time.perf_counter()
+    pad = trainer.tokenizer.pad_token_id
+    prompt, response = (like.prompt_ids, like.response_ids) if like is not None else ([pad], [pad])
+    dummy = Sample(uid="pad", prompt=None, prompt_ids=prompt, response_ids=response,
+                   logprobs=[0.0] * len(response), reward=0.0)
+    ids, attn, resp, old = (t.to(trainer.device) for t in pad_batch([dummy], pad))
+    critic_loss = 0.0
+    if trainer.critic is None:
+        adv = torch.zeros(1, device=trainer.device)
+    else:
+        with trainer.precision.autocast():
+            values = trainer.critic.values(ids, attn).float()
+        adv = torch.zeros_like(values)
+        critic_loss = values.sum() * 0.0
+    new, ref = policy_logprobs(trainer, ids, attn, resp)
+    per_sample, _ = trainer.algorithm.loss(new, old, ref, adv, resp)
+    (per_sample.sum() * 0.0 + critic_loss).backward()
+    return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
+            "seconds": time.perf_counter() - t0}
