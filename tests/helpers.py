@@ -560,11 +560,11 @@ def rewrite_manifest(ckpt: Path) -> None:
     they are now."""
     import hashlib
 
-    from streamrl.checkpoints import folders
+    from streamrl.checkpoints import integrity
 
-    (ckpt / folders.MANIFEST).unlink()
-    folders.write_manifest(ckpt)
-    files = json.loads((ckpt / folders.MANIFEST).read_text())["files"]
+    (ckpt / integrity.MANIFEST).unlink()
+    integrity.write_manifest(ckpt)
+    files = json.loads((ckpt / integrity.MANIFEST).read_text())["files"]
     for name, f in files.items():
         assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == f["sha256"]
 

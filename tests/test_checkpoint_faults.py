@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from streamrl.errors import RunWarning, UserError
-from streamrl.checkpoints import folders
+from streamrl.checkpoints import folders, integrity
 from tests.helpers import ROOT, newest_usable, only_run, read_records, rewrite_manifest, sets, streamrl, write_tiny_recipe
 
 SHARDED = ["run.mode=batch", "run.steps=4", "run.checkpoint_every=2", "pools.train.workers=2",
@@ -107,7 +107,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_with_a_warning_naming_what_i
 @pytest.mark.slow
 def test_a_checkpoint_written_before_manifests_is_still_checked_by_reading_it(run_copy):
     for ckpt in (run_copy / "checkpoints").iterdir():
-        (ckpt / folders.MANIFEST).unlink()
+        (ckpt / integrity.MANIFEST).unlink()
     best, warned = newest_usable(run_copy)
     assert best is not None and best.name == "step-000004" and warned == []  # an older run's folder resumes
     cut(run_copy / "checkpoints" / "step-000004" / "trainer" / "dcp" / "__1_0.distcp", 0.5)
@@ -139,7 +139,7 @@ def test_a_resume_goes_on_from_the_checkpoint_before_a_damaged_one_and_finishes_
     names = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
     # the damaged checkpoint is kept aside for a look, and the steps it held were written anew
     assert names == ["damaged-step-000004", "step-000004", "step-000005"]
-    assert folders.verify(run_copy / "checkpoints" / "step-000004") is None
+    assert integrity.verify(run_copy / "checkpoints" / "step-000004") is None
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_older_checkpo
                               f"checkpoint is step-000002 (resume with: streamrl recipe resume {run}, "
                               "--set to change the recipe)")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]  # no .tmp-step-000004 left
-    assert folders.verify(run / "checkpoints" / "step-000002") is None
+    assert integrity.verify(run / "checkpoints" / "step-000002") is None
     state = json.loads((run / "status.json").read_text())
     assert state["state"] == "failed" and state["error"].startswith("CheckpointFailed: checkpoint step-000004")
     # the older checkpoint is whole: a resume (with room on the disk again) finishes the run
@@ -271,7 +271,7 @@ def test_a_real_full_disk_while_checkpointing_is_one_line_and_a_resume_with_room
                                   f"checkpoint is step-000004 (resume with: streamrl recipe resume {run}, "
                                   "--set to change the recipe)")
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
-        assert folders.verify(run / "checkpoints" / "step-000004") is None
+        assert integrity.verify(run / "checkpoints" / "step-000004") is None
         # room again: the resume finishes the run from step-000004
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         proc = streamrl("recipe", "resume", str(run), *sets(*shared_cluster.sets), "--plain", "--no-report")

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from streamrl.checkpoints import folders
+from streamrl.checkpoints import integrity
 from tests.helpers import listeners_of, newest_usable, rewrite_manifest, sets, streamrl, write_tiny_recipe
 
 
@@ -134,7 +134,7 @@ def test_the_checkpoints_a_run_writes_load_without_full_unpickling(ranked_run):
         assert unsafe_torch_file(ckpt / "trainer" / "trainer.pt") is None
         assert unsafe_torch_file(ckpt / "ranker.pt") is None
         read_metadata(ckpt / "trainer" / "dcp")
-        assert folders.refused(ckpt) is None
+        assert integrity.refused(ckpt) is None
     assert newest_usable(ranked_run) == (ranked_run / "checkpoints" / "step-000004", [])
 
 

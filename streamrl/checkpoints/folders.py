@@ -13,25 +13,23 @@ what is not, and why.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 from distributed import Client, Future, wait
 
+from streamrl.checkpoints import integrity
+from streamrl.checkpoints.integrity import verify, write_manifest
 from streamrl.errors import CheckpointFailed, RunFailed, RunWarning, UserError
 from streamrl.on_worker import task_functions
 from streamrl.on_worker.resident import ComponentError, ResidentLost
 
 PREFIX = "step-"
-MANIFEST = "manifest.json"
-"""The checkpoint's table of contents (``{"files": {path: {"bytes": n, "sha256": hex}}}``), written last."""
 DAMAGED = "damaged-"
 """Prefix a damaged checkpoint is set aside under once a run resumes from an older one
 (:func:`set_aside`): kept for a look, no longer counted among the checkpoints."""
@@ -123,184 +121,6 @@ def set_aside(run_dir: Path, resumed_from: Path) -> list[str]:
     return moved
 
 
-# -- verification ------------------------------------------------------------------------------
-_VERIFIED: dict[str, tuple] = {}
-"""Checkpoint folder -> the sizes and times of its files when they last verified: the run
-checks the one it resumes from more than once, and need not hash it again."""
-
-
-def _signature(ckpt: Path, names) -> tuple:
-    stats = [(name, (ckpt / name).stat()) for name in sorted(names)]
-    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _hashes(paths: list[Path]) -> list[str]:
-    # (hashlib lets go of the GIL while it hashes: the files of a sharded trainer in parallel)
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
-        return list(pool.map(_sha256, paths))
-
-
-def verify(ckpt: Path) -> str | None:
-    """What is wrong with checkpoint folder ``ckpt`` (one phrase), or None when it is whole:
-    every file its manifest lists is there with the size and SHA-256 it was written with; a
-    checkpoint without a manifest (written by an older streamrl) is checked by reading it."""
-    manifest = ckpt / MANIFEST
-    if not manifest.exists():
-        return _verify_legacy(ckpt)
-    try:
-        files = json.loads(manifest.read_text())["files"]
-        wanted = {str(name): (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"{MANIFEST} cannot be read ({type(exc).__name__})"
-    for name, (size, _) in sorted(wanted.items()):
-        path = ckpt / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} is {path.stat().st_size} bytes, {size} were written"
-    try:
-        signature = _signature(ckpt, [*wanted, MANIFEST])
-    except OSError as exc:
-        return f"its files cannot be read ({exc.strerror})"
-    if _VERIFIED.get(str(ckpt)) == signature:
-        return None
-    names = sorted(wanted)
-    try:
-        digests = _hashes([ckpt / n for n in names])
-    except OSError as exc:
-        return f"its files cannot be read ({exc.strerror})"
-    for name, digest in zip(names, digests):
-        if digest != wanted[name][1]:
-            return f"{name} does not hold what was written (its SHA-256 differs)"
-    problem = refused(ckpt) or json_problem(ckpt)
-    if problem:
-        return problem
-    _VERIFIED[str(ckpt)] = signature
-    return None
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _controller_problem(d) -> str | None:
-    if not isinstance(d, dict):
-        return f"a {type(d).__name__}, not an object"
-    for key in ("next_step", "policy_version", "records"):
-        if (key in d or key != "records") and not _count(d.get(key)):
-            return f"{key} is {d.get(key)!r}, not a count"
-    return None
-
-
-def _dispatch_problem(d) -> str | None:
-    if not isinstance(d, dict):
-        return f"a {type(d).__name__}, not an object"
-    lengths = d.get("observed_lengths")
-    if not isinstance(lengths, list) or not all(_count(x) for x in lengths):
-        return "observed_lengths is not a list of counts"
-    if not isinstance(d.get("prompt_tokens"), (int, float)):
-        return f"prompt_tokens is {d.get('prompt_tokens')!r}, not a number"
-    return None
-
-
-#: What a resume reads from each JSON file of a checkpoint: what is wrong with the parsed value, or None.
-JSON_FILES = {"controller.json": _controller_problem, "dispatch.json": _dispatch_problem}
-
-
-def json_problem(ckpt: Path) -> str | None:
-    """What is wrong with the JSON files of checkpoint ``ckpt`` that a resume reads (one phrase),
-    or None. A manifest says the bytes are the ones listed; this says they are what streamrl
-    writes there -- a file damaged before its manifest was written, or rewritten together with
-    it, is refused in one line like any damaged checkpoint, not read into a traceback."""
-    for name, fits in JSON_FILES.items():
-        path = ckpt / name
-        if not path.exists():
-            if name == "controller.json":
-                return "controller.json is missing"
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            return f"{name} cannot be read ({type(exc).__name__})"
-        wrong = fits(data)
-        if wrong:
-            return f"{name} does not hold what a checkpoint writes there ({wrong})"
-    return None
-
-
-def refused(ckpt: Path) -> str | None:
-    """The first file of checkpoint ``ckpt`` that cannot be read without running code (one phrase
-    naming it, relative to ``ckpt``), or None: every ``*.pt`` must load with
-    ``weights_only=True`` and every DCP ``.metadata`` with the restricted reader."""
-    from streamrl.training.trainer_state import RefusedGlobal, read_metadata, unsafe_torch_file
-
-    for path in sorted(ckpt.rglob("*.pt")):
-        problem = unsafe_torch_file(path)
-        if problem:
-            return f"{path.parent.relative_to(ckpt).as_posix()}/{problem}".removeprefix("./")
-    for path in sorted(ckpt.rglob(".metadata")):
-        name = path.relative_to(ckpt).as_posix()
-        try:
-            read_metadata(path.parent)
-        except RefusedGlobal as exc:
-            return (f"{name} names something DCP's metadata never holds; it was refused, since loading it "
-                    f"could run code ({str(exc)[:200]})")
-        except Exception as exc:
-            return f"{name} cannot be read ({type(exc).__name__})"
-    return None
-
-
-def _verify_legacy(ckpt: Path) -> str | None:
-    """A checkpoint without a manifest: everything in it that can be read is read (never
-    with Python's full pickle: :func:`refused`)."""
-    problem = json_problem(ckpt)
-    if problem:
-        return problem
-    trainer = ckpt / "trainer"
-    if (trainer / "trainer.pt").exists() or (trainer / "dcp").exists():
-        if not (trainer / "trainer.pt").exists():
-            return "trainer/trainer.pt is missing"
-        problem = refused(ckpt) or _dcp_problem(trainer / "dcp")
-        if problem:
-            return problem
-    return None
-
-
-def _dcp_problem(dcp: Path) -> str | None:
-    """Every byte range the DCP metadata of folder ``dcp`` names lies inside its files."""
-    from streamrl.training.trainer_state import read_metadata
-
-    try:
-        metadata = read_metadata(dcp)
-    except Exception as exc:
-        return f"trainer/dcp/.metadata cannot be read ({type(exc).__name__})"
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        path = dcp / name
-        if not path.is_file():
-            return f"trainer/dcp/{name} is missing"
-        if path.stat().st_size < end:
-            return f"trainer/dcp/{name} is {path.stat().st_size} bytes, its metadata needs {end}"
-    return None
-
-
-def write_manifest(tmp: Path) -> list[str]:
-    """List every file under ``tmp`` with its size and SHA-256 in ``manifest.json``, last;
-    returns the names listed."""
-    paths = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
-    names = [p.relative_to(tmp).as_posix() for p in paths]
-    files = {n: {"bytes": p.stat().st_size, "sha256": h} for n, p, h in zip(names, paths, _hashes(paths))}
-    (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-    return names
-
-
 # -- writing -------------------------------------------------------------------------------------
 def _no_space(exc: BaseException) -> bool:
     """A full disk somewhere in ``exc``'s chain (``ENOSPC``, or its text, which is what arrives
@@ -387,7 +207,7 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         raise
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
     os.replace(tmp, final)
-    _VERIFIED[str(final)] = _signature(final, [*listed, MANIFEST])  # just hashed: no need to again
+    integrity.verified(final, listed)  # just hashed: no need to again
     for old in _all(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
