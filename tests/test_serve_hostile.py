@@ -84,6 +84,41 @@ def test_json_nested_without_end_and_non_unicode_strings_are_400(served):
     assert "lone surrogate" in error_of(r, 400)["message"]
 
 
+def test_json_that_parses_but_nests_past_the_bound_is_400_in_any_field(served):
+    # 500 levels parse, but a chat template's tojson and pickle (which takes a served sample to
+    # the trainer) recurse per level: an ``answer`` that deep once stalled a run's step for ever
+    _, url = served
+    for levels, status in ((63, 200), (64, 400), (600, 400)):  # (inside the body's own object: one level more)
+        nested = "[" * levels + "1" + "]" * levels
+        r = httpx.post(f"{url}/completions", headers={"content-type": "application/json"}, timeout=30,
+                       content='{"model": "policy", "prompt": "1+2=", "max_tokens": 2, "answer": ' + nested + "}")
+        if status == 200:
+            assert r.status_code == 200, r.text[:300]
+        else:
+            assert "more than 64 levels" in error_of(r, 400)["message"]
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": {"a": [[[[[[[[[[[[[[{}]]]]]]]]]]]]]]}}}
+    for _ in range(5):
+        deep_tool = {"type": "function", "function": {"name": "f", "parameters": {"p": [[[[[[[[[[deep_tool]]]]]]]]]]}}}
+    assert "nested too deeply" in error_of(chat(url, "1+2=", tools=[deep_tool]), 400)["message"]
+
+
+def test_an_integer_of_more_digits_than_python_reads_is_400_not_a_server_error(served):
+    _, url = served
+    for field in ("max_tokens", "seed"):
+        body = '{"model": "policy", "prompt": "1+2=", "' + field + '": ' + "1" * 5000 + "}"
+        r = httpx.post(f"{url}/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert error_of(r, 400)["message"] == "The request body is not valid JSON."
+
+
+@pytest.mark.parametrize("tool, param", [({"type": "function"}, "tools.0.function"),
+                                         ({"type": "function", "function": {"name": 5}}, "tools.0.function.name"),
+                                         ({"type": "code", "function": {"name": "f"}}, "tools.0.type"),
+                                         ("calc", "tools.0")])
+def test_a_tool_not_in_openais_shape_is_400_naming_it(served, tool, param):
+    _, url = served
+    assert error_of(chat(url, "1+2=", tools=[tool]), 400)["param"] == param
+
+
 @pytest.mark.parametrize("text", [None, 5, {"a": 1}])
 def test_a_content_part_whose_text_is_not_a_string_is_400_naming_it(served, text):
     _, url = served

@@ -74,6 +74,35 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
+#: Most levels of arrays and objects a value from a client may nest. Deeper JSON is valid, but a
+#: chat template's ``tojson`` and pickle (which carries a sample to the trainer) recurse once per
+#: level and fail a few hundred levels down; no request to a model needs more than a few.
+MAX_NESTING = 64
+
+
+def nested_deeper(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether JSON ``value`` nests arrays and objects more than ``limit`` levels deep (walked
+    without recursion, so any depth is measured)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _json_or_text(text: str) -> Any:
+    # a tool call's arguments as a JSON value, or as the text they are where that is not JSON a
+    # template can show (not JSON; an integer past Python's 4,300 digits; nested too deeply)
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return text if nested_deeper(value) else value
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Canonical messages (:func:`normalize`) as chat templates read them: tool calls'
     ``arguments`` parsed into mappings (left as text where they are not JSON)."""
@@ -82,10 +111,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "tool_calls" in m:
             calls = []
             for c in m["tool_calls"]:
-                try:
-                    args = json.loads(c["function"]["arguments"])
-                except json.JSONDecodeError:
-                    args = c["function"]["arguments"]
+                args = _json_or_text(c["function"]["arguments"])
                 calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
             m = {**m, "tool_calls": calls}
         out.append(m)
@@ -98,8 +124,14 @@ def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None, 
     assistant's header when ``generation_prompt``. A tokenizer without a template gets a plain
     ``role: content`` layout (and no tools)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
-                                             add_generation_prompt=generation_prompt, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+                                                 add_generation_prompt=generation_prompt, tokenize=False)
+        except TemplateError as e:  # (a template's own refusal: roles out of order, a tool it cannot show)
+            raise MessageError(f"The model's chat template cannot write these messages: {str(e)[:300]}",
+                               "messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant:" if generation_prompt else "")
 
@@ -124,7 +156,5 @@ def message_key(m: dict[str, Any]) -> tuple:
 
 
 def _canonical_json(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), sort_keys=True)
-    except json.JSONDecodeError:
-        return text
+    value = _json_or_text(text)
+    return text if value is text else json.dumps(value, sort_keys=True)

@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ValidationError
 
 from streamrl.chat import content_as_text
-from streamrl.chat.messages import MessageError, normalize, render
+from streamrl.chat.messages import MAX_NESTING, MessageError, nested_deeper, normalize, render
 from streamrl.serve.completion import Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
@@ -162,18 +162,24 @@ class Endpoint:
                 chunks.append(chunk)
         except ClientDisconnect:  # the client went away before its body came: nothing to answer
             raise APIError(400, "The client disconnected before sending its request.") from None
+        deep = APIError(400, f"The request body is nested too deeply (more than {MAX_NESTING} levels of arrays "
+                             "and objects).")
         try:
             raw = json.loads(b"".join(chunks))
             # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can encode
             json.dumps(raw, ensure_ascii=False).encode("utf-8")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "The request body is not valid JSON.") from None
         except UnicodeEncodeError:
             raise APIError(400, "The request body has a string that is not valid Unicode (a lone surrogate).") from None
         except RecursionError:
-            raise APIError(400, "The request body is nested too deeply.") from None
+            raise deep from None
+        except ValueError:  # (not JSON, not UTF-8, or an integer of more digits than Python reads: 4,300)
+            raise APIError(400, "The request body is not valid JSON.") from None
         if not isinstance(raw, dict):
             raise APIError(400, "The request body must be a JSON object.")
+        # Valid JSON, but what it holds goes on to a chat template and, pickled, to the trainer:
+        # both recurse once per level (an ``answer`` 500 levels deep made a step wait for ever)
+        if nested_deeper(raw):
+            raise deep
         try:
             return model.model_validate(raw)
         except ValidationError as e:
@@ -313,11 +319,18 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         if req.top_logprobs:
             raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).", param="top_logprobs")
         messages = endpoint.messages(req)
-        endpoint.check_characters(sum(len(m["content"]) for m in messages) + (len(json.dumps(req.tools)) if req.tools
-                                                                               else 0), "messages")
+        tools = req.tool_list()
+        # everything the template writes counts, not the contents alone: a tool call's arguments
+        # or a tool's schema of megabytes is refused as fast as a content of as many characters
+        endpoint.check_characters(sum(len(m["content"]) + sum(len(json.dumps(v)) for k, v in m.items()
+                                                              if k not in ("content", "role")) for m in messages)
+                                  + (len(json.dumps(tools)) if tools else 0), "messages")
         rollout = request.headers.get(ROLLOUT_HEADER)
         if rollout is None:
-            ids = await endpoint.off_loop(endpoint.chat_prompt, messages, req.tools)
+            try:
+                ids = await endpoint.off_loop(endpoint.chat_prompt, messages, tools)
+            except MessageError as e:
+                raise APIError(400, str(e), param=e.param) from None
             return await respond(endpoint, request, req, ids, chat=True)
         endpoint.check_rollout(request)
         if req.n != 1:
@@ -326,7 +339,9 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             raise APIError(400, "A rollout's call samples from the policy: temperature 0 (greedy) is not served to "
                                 "rollouts; omit temperature.", param="temperature")
         try:
-            ids, segment = await endpoint.off_loop(endpoint.trajectories.prompt, rollout, messages, req.tools)
+            ids, segment = await endpoint.off_loop(endpoint.trajectories.prompt, rollout, messages, tools)
+        except MessageError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         turn = Turn(rollout, segment, messages, ids)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -83,16 +83,40 @@ class Sampling(BaseModel):
     /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
 
 
+class ToolFunction(BaseModel):
+    """A tool's ``function``: what a chat template shows the model of it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """Its arguments as a JSON Schema."""
+
+
+class Tool(BaseModel):
+    """One of a chat request's ``tools``, in OpenAI's format: a function the model may call."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class ChatRequest(Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    """Functions the model may call, in OpenAI's format; shown to the model by its chat template."""
+    tools: list[Tool] | None = Field(None, max_length=128)
+    """Functions the model may call, in OpenAI's format; shown to the model by its chat template
+    (checked here: a template reads ``tools[i].function.name`` and fails on a tool without it)."""
     tool_choice: str | dict[str, Any] | None = None
     """``"none"``: the reply is not parsed for tool calls; anything else parses it."""
+
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the trajectories take them: plain JSON objects."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(Sampling):

@@ -1,0 +1,89 @@
+"""Hostile chat histories against a model with a chat template (the calculator model's): tool
+calls whose arguments are no JSON a template can show, megabytes hidden outside the contents,
+and a template that refuses the conversation -- each answered, or one 400 in OpenAI's shape."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from streamrl.engines.hf_config import HFEngineConfig
+from streamrl.engines.slots import SlotEngine
+from streamrl.recipe.serve import ServeConfig
+from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN, Endpoint
+from streamrl.serve.traffic import Traffic
+from tests.helpers import ROOT, endpoint_in_process
+
+CALC = ROOT / "models" / "tiny-calculator"
+PROMPT_TOKENS = 512  # (room for the 10,000 characters below before the characters' bound)
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=PROMPT_TOKENS, max_new_tokens=4,
+                                       temperature=1.0, profile=False))
+    engine.load(str(CALC))
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
+    try:
+        with endpoint_in_process(api) as url:
+            yield api, url
+    finally:
+        engine.close()
+
+
+def with_call(url: str, arguments: str, name: str = "calc") -> httpx.Response:
+    """A chat whose history holds an assistant's tool call with ``arguments`` (its text)."""
+    messages = [{"role": "user", "content": "6*7?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    return httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": messages, "max_tokens": 2},
+                      timeout=60)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize("arguments", ["[" * 5000 + "]" * 5000, "1" * 5000])
+def test_tool_call_arguments_that_are_no_json_a_template_can_show_are_shown_as_their_text(served, arguments):
+    # nested past what json reads, or an integer past Python's 4,300 digits: the arguments are
+    # the text they are, rendered and tokenized (and then too long for a prompt: the tokens'
+    # 400, not a server error)
+    _, url = served
+    err = error_of(with_call(url, arguments), 400)
+    assert err["code"] == "context_length_exceeded" and err["message"].startswith("The prompt has"), err
+    assert "tokens;" in err["message"], err
+    assert with_call(url, '{"x": "6*7"}').status_code == 200
+
+
+@pytest.mark.parametrize("where", ["arguments", "name", "tool_call_id"])
+def test_megabytes_outside_the_contents_are_refused_by_their_characters_without_tokenizing(served, monkeypatch, where):
+    api, url = served
+    calls = []
+    monkeypatch.setattr(api, "chat_prompt", lambda *a: calls.append(a) or [1])
+    big = "7" * (PROMPT_TOKENS * MAX_CHARS_PER_TOKEN + 1)
+    if where == "tool_call_id":
+        messages = [{"role": "user", "content": "6*7?"}, {"role": "tool", "tool_call_id": big, "content": "42"}]
+        r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": messages}, timeout=60)
+    else:
+        r = with_call(url, big) if where == "arguments" else with_call(url, "{}", name=big)
+    err = error_of(r, 400)
+    assert err["code"] == "context_length_exceeded" and "without tokenizing" in err["message"]
+    assert calls == []  # never rendered nor tokenized
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_400_naming_the_messages(served, monkeypatch):
+    api, url = served
+    monkeypatch.setattr(api.tokenizer, "chat_template",
+                        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}"
+                        "{% endif %}{{ messages[0]['content'] }}")
+    r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": [
+        {"role": "user", "content": "1+2="}], "max_tokens": 2}, timeout=60)
+    err = error_of(r, 400)
+    assert err["param"] == "messages" and "a system message comes first" in err["message"], err
+    monkeypatch.undo()
+    assert with_call(url, '{"x": "6*7"}').status_code == 200  # the next request is served
