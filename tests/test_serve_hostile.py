@@ -215,3 +215,31 @@ def test_a_tool_parser_that_raises_is_that_requests_openai_error_counted_and_the
             assert plain.choices[0].message.content is not None
     finally:
         engine.close()
+
+
+def test_an_endpoint_that_serves_for_months_remembers_a_bounded_number_of_ended_completions_and_sessions(monkeypatch):
+    from streamrl.sample import Prompt, Sample
+    from streamrl.serve import traffic as traffic_module
+
+    monkeypatch.setattr(traffic_module, "REMEMBERED", 100)
+    monkeypatch.setattr(traffic_module, "REMEMBERED_SESSIONS", 10)
+    traffic = Traffic(60.0)
+
+    def serve(cid: str, session: str, ready: bool) -> None:
+        traffic.started(cid, session=session, model="policy", n=1)
+        prompt = Prompt(uid=cid, text="1+2=")
+        traffic.finished(cid, [Sample(uid=f"{cid}-0", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0],
+                                      reward=1.0 if ready else None)], ready=ready)
+
+    for i in range(1000):  # one client's session, on and on, and a new session every 10th request
+        serve(f"c{i}", "one" if i % 10 else f"s{i}", ready=i % 2 == 0)
+        if i % 2:
+            assert traffic.feedback(f"c{i}", None, 0.5) is None
+        traffic.take(i, 1, 0, 0.0)
+    assert len(traffic._state) <= 101 and len(traffic._model) <= 101 and len(traffic._sessions) <= 10
+    assert all(len(ids) <= 2 for ids in traffic._sessions.values())
+    assert traffic.feedback("c999", None, 1.0) == "completion 'c999' is already rewarded"  # the latest: remembered
+    assert traffic.feedback("c3", None, 1.0) == "no completion with id 'c3'"  # long ago: forgotten
+    serve("c1000", "one", ready=False)  # the session goes on: feedback for it still reaches its open completion
+    assert traffic.session_feedback("one", 1.0) == (1, None)
+    assert traffic.snapshot()["rewarded"] == 1001

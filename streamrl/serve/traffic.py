@@ -37,6 +37,14 @@ class Waiting:
 #: How many of a model's latest rewards and latencies its recent figures are taken over.
 RECENT = 256
 
+#: Ended completions (rewarded or dropped) whose ids the endpoint remembers, so that feedback
+#: naming one says what became of it; older ones are forgotten (feedback naming one is an unknown
+#: id), so an endpoint that serves for months holds a bounded record of what it served.
+REMEMBERED = 65_536
+
+#: Sessions the endpoint remembers (the least recently used beyond are forgotten).
+REMEMBERED_SESSIONS = 65_536
+
 
 @dataclass
 class ModelTally:
@@ -82,7 +90,8 @@ class Traffic:
         self._closed = False  # the run's last checkpoint is written: feedback is refused
         self._takers: set[int] = set()  # the steps whose takes wait now (served lowest first)
         self._state: dict[str, str] = {}  # completion id -> running | waiting | rewarded | dropped
-        self._sessions: dict[str, list[str]] = {}  # session id -> its completions' ids, oldest first
+        self._ended: deque[str] = deque()  # ids rewarded or dropped, oldest first (at most REMEMBERED)
+        self._sessions: OrderedDict[str, list[str]] = OrderedDict()  # session -> its completions' ids, oldest first
         self._model: dict[str, str] = {}  # completion id -> the model that answered it
         self._choices: dict[str, int] = {}  # completion id -> its n, while it runs
         self.models: dict[str, ModelTally] = {}
@@ -105,7 +114,13 @@ class Traffic:
             self._model[completion_id] = model
             self.models.setdefault(model, ModelTally()).requests += 1
             if session is not None:
-                self._sessions.setdefault(session, []).append(completion_id)
+                ids = self._sessions.setdefault(session, [])
+                self._sessions.move_to_end(session)
+                while ids and self._state.get(ids[0]) not in ("running", "waiting"):
+                    ids.pop(0)  # (ended: no feedback reaches it any more)
+                ids.append(completion_id)
+                if len(self._sessions) > REMEMBERED_SESSIONS:
+                    self._sessions.popitem(last=False)
 
     def count(self, what: str, n: int = 1) -> None:
         """Add ``n`` to counter ``what``."""
@@ -125,7 +140,7 @@ class Traffic:
     def dropped(self, completion_id: str) -> None:
         """Request ``completion_id`` ended without samples to learn from (cancelled, greedy)."""
         with self._lock:
-            self._state[completion_id] = "dropped"
+            self._end(completion_id, "dropped")
             self._early.pop(completion_id, None)
             self._choices.pop(completion_id, None)
 
@@ -139,7 +154,7 @@ class Traffic:
             if tally is not None:
                 tally.completions += len(group)
             if ready:
-                self._state[completion_id] = "rewarded"
+                self._end(completion_id, "rewarded")
                 self._ready.append(group)
                 self.counts["rewarded"] += len(group)
             else:
@@ -208,7 +223,7 @@ class Traffic:
             s.reward = float(reward)
         if all(s.reward is not None for s in group):
             del self._waiting[completion_id]
-            self._state[completion_id] = "rewarded"
+            self._end(completion_id, "rewarded")
             self._ready.append(group)
             self.counts["rewarded"] += len(group)
             tally = self.models.get(self._model.get(completion_id, ""))
@@ -270,8 +285,18 @@ class Traffic:
             if now - w.finished < self.feedback_timeout_s:
                 break
             del self._waiting[cid]
-            self._state[cid] = "dropped"
+            self._end(cid, "dropped")
             self.counts["unrewarded_dropped"] += len(w.group)
+
+    def _end(self, completion_id: str, state: str) -> None:
+        # (under the lock) a completion rewarded or dropped: remembered among the latest REMEMBERED
+        self._state[completion_id] = state
+        self._ended.append(completion_id)
+        while len(self._ended) > REMEMBERED:
+            old = self._ended.popleft()
+            if self._state.get(old) in ("rewarded", "dropped"):
+                del self._state[old]
+                self._model.pop(old, None)
 
     def settled(self, step: int) -> None:
         """Steps up to ``step`` are trained: the groups their takes handed out need keeping no
@@ -303,7 +328,7 @@ class Traffic:
         with self._lock:
             self._ready[:0] = groups
             for g in groups:
-                self._state[g[0].prompt.uid] = "rewarded"
+                self._end(g[0].prompt.uid, "rewarded")
             self.counts["restored"] += sum(len(g) for g in groups)
             self._lock.notify_all()
 
