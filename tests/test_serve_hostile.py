@@ -20,6 +20,7 @@ from streamrl.serve.traffic import Traffic
 from tests.helpers import endpoint_in_process
 
 LIMIT = 64 * 1024  # serve.max_body_bytes here: small, so the test sends little
+BODY_TIMEOUT_S = 3.0  # serve.body_timeout_s here
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def served(tiny_model):
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4,
                                        temperature=1.0, profile=False))
     engine.load(str(tiny_model))
-    api = Endpoint(engine, ServeConfig(port=0, max_body_bytes=LIMIT), Traffic(60.0), "policy")
+    api = Endpoint(engine, ServeConfig(port=0, max_body_bytes=LIMIT, body_timeout_s=BODY_TIMEOUT_S), Traffic(60.0), "policy")
     try:
         with endpoint_in_process(api) as url:
             yield api, url
@@ -72,6 +73,25 @@ def test_a_body_past_the_limit_is_413_before_it_is_read_and_others_are_answered_
             yield b" " * 4096
     r = httpx.post(f"{url}/completions", content=chunks(), timeout=30)
     assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_a_body_that_does_not_come_is_408_after_the_bound_and_others_are_answered_meanwhile(served):
+    _, url = served
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as slow:  # (a hang guard only)
+        slow.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                     "content-length: 1000\r\n\r\n".encode() + b'{"model": ')  # ... and nothing more
+        assert chat(url, "1+2=").status_code == 200  # another client meanwhile
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            got = slow.recv(65536)
+            assert got, answer
+            answer += got
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        while not answer.endswith(b"}"):
+            answer += slow.recv(65536)
+    err = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "request_timeout" and "serve.body_timeout_s" in err["message"], err
 
 
 def test_json_nested_without_end_and_non_unicode_strings_are_400(served):

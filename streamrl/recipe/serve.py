@@ -79,6 +79,10 @@ class ServeConfig(Strict):
     """The largest request body the endpoint reads (4 MiB by default); a larger one is answered
     ``413`` before it is read to the end or parsed, so one client cannot stall the others or
     fill the serving worker's memory. (A prompt must also fit ``engine.max_prompt_tokens``.)"""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a client has to send a request's body once its headers came; past them it is
+    answered ``408``. Why: a client that declares a body and sends it a byte at a time would
+    hold its connection, and a task of the serving worker, for as long as it liked."""
     max_pending: int = Field(256, ge=1)
     """Completions asked for but not finished, across all requests; a request that would go
     past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""

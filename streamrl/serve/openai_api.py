@@ -155,13 +155,17 @@ class Endpoint:
             raise too_large
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:  # (a body sent without its length, or longer than it said)
-                    raise too_large
-                chunks.append(chunk)
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:  # (a body sent without its length, or longer than it said)
+                        raise too_large
+                    chunks.append(chunk)
         except ClientDisconnect:  # the client went away before its body came: nothing to answer
             raise APIError(400, "The client disconnected before sending its request.") from None
+        except TimeoutError:
+            raise APIError(408, f"The request body did not come within {self.config.body_timeout_s:g} s "
+                                "(serve.body_timeout_s).", code="request_timeout") from None
         deep = APIError(400, f"The request body is nested too deeply (more than {MAX_NESTING} levels of arrays "
                              "and objects).")
         try:
