@@ -263,3 +263,16 @@ def test_an_endpoint_that_serves_for_months_remembers_a_bounded_number_of_ended_
     serve("c1000", "one", ready=False)  # the session goes on: feedback for it still reaches its open completion
     assert traffic.session_feedback("one", 1.0) == (1, None)
     assert traffic.snapshot()["rewarded"] == 1001
+
+
+@pytest.mark.parametrize("path, field", [("/chat/completions", "model"), ("/feedback", "id"), ("/feedback", "session")])
+def test_a_name_or_id_of_tens_of_kb_is_refused_without_being_said_back(served, path, field):
+    _, url = served
+    huge = "m" * 50_000  # (under serve.max_body_bytes here)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "1+2="}]} if field == "model" else \
+        {field: huge, "reward": 1.0}
+    if field == "model":
+        body["model"] = huge
+    r = httpx.post(f"{url}{path}", json=body, timeout=30)
+    err = error_of(r, 400)
+    assert err["param"] == field and len(r.text) < 1000, r.text[:300]

@@ -66,7 +66,8 @@ class Sampling(BaseModel):
     a float field still takes a JSON integer (``"temperature": 1``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    model: str
+    model: str = Field(max_length=256)
+    """The served model's name (256 characters at most: an error that names it stays short)."""
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=64)
@@ -133,8 +134,8 @@ class Feedback(BaseModel):
     completion requests are (``"index": "1"`` is a 400)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    id: str | None = None
-    session: str | None = None
+    id: str | None = Field(None, max_length=256)
+    session: str | None = Field(None, min_length=1, max_length=256)
     index: int | None = Field(None, ge=0)
     reward: float = Field(strict=True, allow_inf_nan=False)
     """A JSON number (not a string or a boolean), finite, and within the run's ``reward.limit``
