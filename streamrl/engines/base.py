@@ -130,7 +130,7 @@ class TransformersEngine(Engine):
             out = decode_batch(self.model, ids, self.config.max_new_tokens, 1.0, self.tokenizer.eos_token_id,
                                pad_id=self.tokenizer.pad_token_id or 0, greedy=True)
         end = time.time()
-        return [[self._sample(p, i, f"{p.uid}-0", tokens, logprobs, version, start, end)]
+        return [[self.make_sample(p, i, f"{p.uid}-0", tokens, logprobs, version, start, end)]
                 for p, i, (tokens, logprobs) in zip(prompts, ids, out)]
 
     def generate(self, prompt: Prompt, n: int, priority: float = 0.0) -> Group:
@@ -160,7 +160,7 @@ class TransformersEngine(Engine):
         group = []
         for rid, fut in futures:
             out = await_response(rid, fut, self.config.request_timeout)
-            group.append(self._sample(prompt, ids, rid, out.tokens, out.logprobs,
+            group.append(self.make_sample(prompt, ids, rid, out.tokens, out.logprobs,
                                       version if out.version is None else out.version, start, time.time()))
             if out.stopped_early:
                 group[-1].times["stopped_early"] = 1.0
@@ -175,7 +175,7 @@ class TransformersEngine(Engine):
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
         return backend.decode(tokens, skip_special_tokens=True)
 
-    def _sample(self, prompt: Prompt, ids: list[int], rid: str, tokens: list[int], logprobs: list[float],
+    def make_sample(self, prompt: Prompt, ids: list[int], rid: str, tokens: list[int], logprobs: list[float],
                 version: int, start: float, end: float) -> Sample:
         """One response as a :class:`Sample` (its text decoded, generated between ``start`` and
         ``end`` under policy ``version``)."""

@@ -51,5 +51,5 @@ class SeededEngine(TransformersEngine):
             out = sample_group(self.model, ids, n, self.config.max_new_tokens, self.config.temperature,
                                self.tokenizer.eos_token_id, group_generator(self.config.seed or 0, prompt.uid))
             end = time.time()
-        return [self._sample(prompt, ids, f"{prompt.uid}-{k}", tokens, logprobs, version, start, end)
+        return [self.make_sample(prompt, ids, f"{prompt.uid}-{k}", tokens, logprobs, version, start, end)
                 for k, (tokens, logprobs) in enumerate(out)]

@@ -64,7 +64,7 @@ class SampleMoves:
                 rid = pending.pop(f)
                 out = await_response(rid, f, 0)
                 if out.moved:
-                    partial = e._sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, time.time())
+                    partial = e.make_sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, time.time())
                     partial.token_versions = [version] * len(out.tokens)
                     partial.times["moved"] = partial.times["gen_end"]
                     handed[rid] = on_moved(partial)
@@ -76,7 +76,7 @@ class SampleMoves:
                 group.append(handed[rid].result())
                 continue
             out, end = ended[rid]
-            group.append(e._sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, end))
+            group.append(e.make_sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, end))
             if out.stopped_early:
                 group[-1].times["stopped_early"] = 1.0
         return group
@@ -126,7 +126,7 @@ class SampleMoves:
         version = e.version
         out = await_response(rid, e.queued([request], [ids], priority)[rid], e.config.request_timeout)
         versions += out.token_versions or [version] * len(out.tokens)
-        sample = e._sample(partial.prompt, partial.prompt_ids, rid, list(partial.response_ids) + out.tokens,
+        sample = e.make_sample(partial.prompt, partial.prompt_ids, rid, list(partial.response_ids) + out.tokens,
                            list(partial.logprobs) + list(out.logprobs), min(versions),
                            partial.times.get("gen_start", time.time()), time.time())
         sample.token_versions = versions

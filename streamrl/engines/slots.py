@@ -186,7 +186,7 @@ class SlotEngine(TransformersEngine):
         start, version = time.time(), self.version
         requests = [Request(f"greedy:{p.uid}-0", self.config.max_new_tokens, greedy=True) for p in prompts]
         futures = self.queued(requests, ids, float("inf"))
-        return [[self._sample(p, i, f"{p.uid}-0", out.tokens, out.logprobs, version, start, time.time())]
+        return [[self.make_sample(p, i, f"{p.uid}-0", out.tokens, out.logprobs, version, start, time.time())]
                 for p, i, r in zip(prompts, ids, requests)
                 for out in [await_response(r.rid, futures[r.rid], self.config.request_timeout)]]
 
