@@ -607,6 +607,28 @@ def make_groups(trainer, n_groups=6, size=4, seed=0):
 
 
 @contextmanager
+def slot_endpoint(model, max_prompt_tokens: int = 32, serve=None):
+    """An endpoint of ``model`` served by a 4-slot engine (4 new tokens, temperature 1.0) on a free
+    loopback port, in this process; yields ``(the Endpoint, its base URL)``. ``serve``: its
+    ``ServeConfig`` (default: port 0, the rest as a recipe's)."""
+    from streamrl.engines.hf_config import HFEngineConfig
+    from streamrl.engines.slots import SlotEngine
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.traffic import Traffic
+
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=max_prompt_tokens,
+                                       max_new_tokens=4, temperature=1.0, profile=False))
+    engine.load(str(model))
+    api = Endpoint(engine, serve or ServeConfig(port=0), Traffic(60.0), "policy")
+    try:
+        with endpoint_in_process(api) as url:
+            yield api, url
+    finally:
+        engine.close()
+
+
+@contextmanager
 def endpoint_in_process(api):
     """The OpenAI-compatible app of ``api`` (a ``serve.openai_api.Endpoint``) on a free loopback
     port, in a thread of this process; yields its base URL (``.../v1``)."""

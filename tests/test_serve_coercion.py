@@ -10,12 +10,7 @@ import httpx
 import openai
 import pytest
 
-from streamrl.engines.hf_config import HFEngineConfig
-from streamrl.engines.slots import SlotEngine
-from streamrl.recipe.serve import ServeConfig
-from streamrl.serve.openai_api import Endpoint
-from streamrl.serve.traffic import Traffic
-from tests.helpers import endpoint_in_process
+from tests.helpers import slot_endpoint
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 2}
 COMPLETION = {"model": "policy", "prompt": "1+2=", "max_tokens": 2}
@@ -24,15 +19,8 @@ COMPLETION = {"model": "policy", "prompt": "1+2=", "max_tokens": 2}
 @pytest.fixture(scope="module")
 def served(tiny_model):
     """An endpoint of the tiny model (engine.temperature 1.0) on a free loopback port."""
-    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4,
-                                       temperature=1.0, profile=False))
-    engine.load(str(tiny_model))
-    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
-    try:
-        with endpoint_in_process(api) as url:
-            yield api, url
-    finally:
-        engine.close()
+    with slot_endpoint(tiny_model) as served:
+        yield served
 
 
 def refused(r: httpx.Response) -> dict:

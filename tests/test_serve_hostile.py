@@ -17,7 +17,7 @@ from streamrl.engines.slots import SlotEngine
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN, Endpoint
 from streamrl.serve.traffic import Traffic
-from tests.helpers import endpoint_in_process
+from tests.helpers import endpoint_in_process, slot_endpoint
 
 LIMIT = 64 * 1024  # serve.max_body_bytes here: small, so the test sends little
 BODY_TIMEOUT_S = 3.0  # serve.body_timeout_s here
@@ -25,15 +25,8 @@ BODY_TIMEOUT_S = 3.0  # serve.body_timeout_s here
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4,
-                                       temperature=1.0, profile=False))
-    engine.load(str(tiny_model))
-    api = Endpoint(engine, ServeConfig(port=0, max_body_bytes=LIMIT, body_timeout_s=BODY_TIMEOUT_S), Traffic(60.0), "policy")
-    try:
-        with endpoint_in_process(api) as url:
-            yield api, url
-    finally:
-        engine.close()
+    with slot_endpoint(tiny_model, serve=ServeConfig(port=0, max_body_bytes=LIMIT, body_timeout_s=BODY_TIMEOUT_S)) as served:
+        yield served
 
 
 def chat(url: str, content, **more) -> httpx.Response:

@@ -7,12 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from streamrl.engines.hf_config import HFEngineConfig
-from streamrl.engines.slots import SlotEngine
-from streamrl.recipe.serve import ServeConfig
-from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN, Endpoint
-from streamrl.serve.traffic import Traffic
-from tests.helpers import ROOT, endpoint_in_process
+from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN
+from tests.helpers import ROOT, slot_endpoint
 
 CALC = ROOT / "models" / "tiny-calculator"
 PROMPT_TOKENS = 512  # (room for the 10,000 characters below before the characters' bound)
@@ -20,15 +16,8 @@ PROMPT_TOKENS = 512  # (room for the 10,000 characters below before the characte
 
 @pytest.fixture(scope="module")
 def served():
-    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=PROMPT_TOKENS, max_new_tokens=4,
-                                       temperature=1.0, profile=False))
-    engine.load(str(CALC))
-    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
-    try:
-        with endpoint_in_process(api) as url:
-            yield api, url
-    finally:
-        engine.close()
+    with slot_endpoint(CALC, max_prompt_tokens=PROMPT_TOKENS) as served:
+        yield served
 
 
 def with_call(url: str, arguments: str, name: str = "calc") -> httpx.Response:
