@@ -351,3 +351,27 @@ def test_a_responses_text_is_the_tokenizers_decode_special_tokens_left_out(tiny_
         text = engine.response_text(ids)
         assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
         assert engine.tokenizer.eos_token not in text and "46" in text
+
+
+@pytest.mark.parametrize("batching", ["slots", "continuous"])
+def test_a_tokenizer_without_a_bos_token_generates_from_plain_text(tiny_model, tmp_path, batching):
+    # Qwen2.5's tokenizer has no BOS token (bos_token_id None): a plain-string prompt is then its
+    # text alone, where [None] + ids failed every request
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "no-bos"
+    shutil.copytree(tiny_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.bos_token = None
+    tok.save_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder).bos_token_id is None
+    engine = HFEngine(HFEngineConfig(max_new_tokens=4, batching=batching))
+    engine.load(str(folder))
+    try:
+        assert engine.encode("1+2=") == tok("1+2=", add_special_tokens=False).input_ids
+        group = engine.generate(Prompt(uid="p0", text="1+2=", answer="3"), 2)
+        assert [len(s.response_ids) == len(s.logprobs) > 0 for s in group] == [True, True]
+    finally:
+        engine.close()

@@ -194,3 +194,31 @@ def test_the_engine_measures_its_decode_profile_only_when_a_scheduler_reads_it(t
     assert profile() is False  # nothing in this run reads it: no start-up seconds spent on it
     assert profile('scheduler={name="skew"}') is True
     assert profile("engine.profile=true") is True and profile('scheduler={name="skew"}', "engine.profile=false") is False
+
+
+def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_recipe, tmp_path):
+    # Each of these passed tomllib or a gt=0 check and then failed inside the run: a timer that
+    # cannot be armed, a recipe that cannot be written to the run folder (inf dumps as null),
+    # a run folder outside out_dir, a RecursionError, memory filled by /dev/zero.
+    cases = {
+        "trainer.lr=inf": "trainer.lr: expected a finite number (got inf)",
+        "engine.temperature=nan": "engine.temperature: expected a finite number (got nan)",
+        "reward.score_timeout_s=1e300": "reward.score_timeout_s: expected less than or equal to 1000000",
+        "run.step_timeout_s=inf": "run.step_timeout_s: expected a finite number (got inf)",
+        'run.name="../../elsewhere"': "run.name: expected one folder name",
+        "run.seed=-1": "run.seed: expected greater than or equal to 0",
+        "run.steps=1" + "0" * 5000: "an integer longer than 4,300 digits",
+        "task.x=" + "[" * 3000 + "]" * 3000: "arrays nested too deeply",
+    }
+    for override, said in cases.items():
+        code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", override)
+        assert code == 2 and said in one_line_error(err), (override, err[-500:])
+    for name, text in {"deep.toml": "x = " + "[" * 3000 + "]" * 3000, "long.toml": "x = 1" + "0" * 5000,
+                       "big.toml": "# " + "x" * (1 << 20)}.items():
+        (tmp_path / name).write_text(text)
+        code, _, err = run_cli(capsys, "recipe", "validate", str(tmp_path / name))
+        assert code == 2 and f"{name}: " in one_line_error(err), err[-500:]
+    code, _, err = run_cli(capsys, "recipe", "validate", "/dev/zero")  # read up to the bound, not to the end
+    assert code == 2 and "/dev/zero: larger than 1024 KB" in one_line_error(err)
+    code, out, _ = run_cli(capsys, "recipe", "show", str(tiny_recipe), "--set", "trainer.lr=1e300")
+    assert code == 0 and "lr = 1e+300" in out  # huge but finite: the trainer's own checks stop its steps

@@ -185,6 +185,19 @@ def test_a_damaged_last_line_is_skipped_with_a_warning(tmp_path, capsys):
     assert "skipped 1 unreadable line" in capsys.readouterr().err
 
 
+def test_lines_that_are_not_step_records_are_skipped_and_counted_not_read_into_a_crash(tmp_path, capsys):
+    run = made_up_run(tmp_path / "run", steps=5)
+    hostile = [{"step": 5, "reward_mean": None}, {"step": 6, "reward_mean": "1"}, {"step": 7, "reward_mean": 1e999},
+               {"step": 8, "reward_mean": 0.5, "pools": [1]}, {"step": 9, "reward_mean": 0.5, "learners": [1]},
+               {"step": 10, "reward_mean": 0.5, "pools": {"generate": 3}}]
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in hostile))
+        f.write("[" * 100_000 + "]" * 100_000 + "\n")  # deeper than json's recursion reaches
+        f.write('{"step": 11, "reward_mean": 0.25}\n')  # and a good line after them all
+    assert "| made-up | stream | 6 of 5 | completed | 0.000 → 0.250 |" in write_report([run]).read_text()
+    assert "skipped 7 unreadable line(s)" in capsys.readouterr().err
+
+
 def test_a_long_run_reads_the_sample_log_of_every_kth_step_and_the_last_ones(tmp_path, monkeypatch):
     from streamrl.telemetry import report
 

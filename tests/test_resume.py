@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from streamrl.errors import UserError
 from tests.helpers import (check_every_sample_trained_once, only_run, read_records, sets, start_run,
                            streamrl, wait_for_steps, write_tiny_recipe)
 
@@ -113,6 +114,28 @@ def test_resume_refuses_a_run_that_is_still_going(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"streamrl: error: {tmp_path}: the run is still going (pid {os.getpid()}); "
                                    "stop it first (Ctrl-C)")
+
+
+@pytest.mark.parametrize("status", ["", "[]", "{}", '{"state": "running", "pid": "abc"}',
+                                    '{"state": "running", "pid": 100000000000000000000}', "[" * 100_000])
+def test_a_damaged_run_folder_is_one_line_on_resume(tmp_path, status):
+    # a status record emptied, edited or damaged, and a step- folder streamrl did not write
+    (tmp_path / "recipe.toml").write_text("")
+    for name in ("step-000002", "step-final"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "controller.json").write_text(
+            json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
+    (tmp_path / "status.json").write_text(status)
+    proc = streamrl("recipe", "resume", str(tmp_path))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("streamrl: error: "), proc.stderr[-2000:]
+    if not status.startswith('{"state"'):
+        assert f"{tmp_path / 'status.json'}: " in lines[0]
+    from streamrl.checkpoints import folders
+
+    with pytest.raises(UserError) as refused:  # (what `recipe resume --from 3` says, before any cluster)
+        folders.named(tmp_path, "3")
+    assert str(refused.value) == f"--from 3: no such checkpoint in {tmp_path / 'checkpoints'} (there are: step-000002)"
 
 
 @pytest.mark.slow

@@ -216,6 +216,8 @@ def test_a_valid_python_reward_resolves(tmp_path):
      "reward.path: cannot import it: SyntaxError: "),
     ('path = "rewards.py"', "import no_such_package\n",
      "reward.path: cannot import it: ModuleNotFoundError: No module named 'no_such_package'"),
+    # a script's own exit at its top level (sys.exit, argparse's usage) is not the run's end
+    ('path = "rewards.py"', "import sys\nsys.exit(0)\n", "reward.path: cannot import it: SystemExit: 0"),
     ('path = "rewards.py"\nfunction = "nope"', None, "reward.function: rewards.py defines no function 'nope' (it "),
     ('path = "rewards.py"', "def accuracy(prompts, completions, **kwargs):\n    return [1.0]\n",
      "reward.function: rewards.py defines no function 'compute_score' (it defines: accuracy); "

@@ -92,3 +92,11 @@ def encode(tokenizer, text: str, contents: dict[str, str]) -> list[int]:
     if at < len(text):
         ids += tokenizer(text[at:], add_special_tokens=False).input_ids
     return ids
+
+
+def unguard(text: str, contents: dict[str, str]) -> str:
+    """Rendered text with each sentinel put back as its content: the conversation as a person
+    reads it (what a prompt's ``text`` shows; its token ids come from :func:`encode`)."""
+    if not contents:
+        return text
+    return _SENTINEL.sub(lambda found: contents.get(found.group(1), found.group(0)), text)

@@ -46,8 +46,9 @@ def folder(run_dir: Path) -> Path:
 
 
 def _all(run_dir: Path) -> list[Path]:
-    # (``.tmp-`` folders are writes that never finished; ``damaged-`` ones were set aside)
-    return sorted(p for p in folder(run_dir).glob(f"{PREFIX}*") if p.is_dir())
+    # (``.tmp-`` folders are writes that never finished; ``damaged-`` ones were set aside; a
+    # ``step-`` folder not named by its step is not one streamrl wrote)
+    return sorted(p for p in folder(run_dir).glob(f"{PREFIX}*") if p.is_dir() and p.name.removeprefix(PREFIX).isdigit())
 
 
 def latest(run_dir: Path) -> Path | None:

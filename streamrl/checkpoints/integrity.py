@@ -49,7 +49,7 @@ def verify(ckpt: Path) -> str | None:
     try:
         files = json.loads(manifest.read_text())["files"]
         wanted = {str(name): (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return f"{MANIFEST} cannot be read ({type(exc).__name__})"
     for name, (size, _) in sorted(wanted.items()):
         path = ckpt / name
@@ -119,7 +119,7 @@ def json_problem(ckpt: Path) -> str | None:
             continue
         try:
             data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # (JSON nested past the parser's reach)
             return f"{name} cannot be read ({type(exc).__name__})"
         wrong = fits(data)
         if wrong:

@@ -159,7 +159,7 @@ def quiet_dask(verbose: bool) -> int:
         logging.getLogger(name).setLevel(level)
     # bokeh warns that its dashboard allows any Host header; the dashboard binds to
     # cluster.host (loopback by default), and streamrl refuses foreign Host headers in front of
-    # it (telemetry/dashboard_app.guard_host), so the warning is noise for the user
+    # it (telemetry/dashboard_guard.guard_host), so the warning is noise for the user
     logging.getLogger("bokeh.server.util").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     return level

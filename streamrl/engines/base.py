@@ -81,7 +81,7 @@ class TransformersEngine(Engine):
         takes requests, so it drives the engine itself. The first batch size is a warm-up and
         is not kept.
         """
-        ids = [self.tokenizer.bos_token_id] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
+        ids = self.encode("")[:1] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
         points = []
         for i, b in enumerate(batches):
             t0 = time.perf_counter()
@@ -111,8 +111,10 @@ class TransformersEngine(Engine):
         return self._closed.is_set()
 
     def encode(self, text: str) -> list[int]:
-        """Prompt token ids as the engine feeds them: BOS, then the text."""
-        return [self.tokenizer.bos_token_id] + self.tokenizer(text, add_special_tokens=False).input_ids
+        """Prompt token ids as the engine feeds them: BOS, then the text (the text alone for a
+        tokenizer without a BOS token, as Qwen2.5's is)."""
+        bos = self.tokenizer.bos_token_id
+        return ([] if bos is None else [bos]) + self.tokenizer(text, add_special_tokens=False).input_ids
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """What the engine feeds for ``prompt``: its ``token_ids`` when the task tokenized it (a

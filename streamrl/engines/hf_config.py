@@ -68,7 +68,7 @@ class HFEngineConfig(BaseModel):
     uninterrupted one); no continuous batching across groups, so slower under load."""
     seed: int | None = None
     """Seed of ``reproducible`` sampling (default: ``run.seed``)."""
-    request_timeout: float = Field(600.0, gt=0)
+    request_timeout: float = Field(600.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds a generate task waits for one response before it fails (naming the request)
     instead of hanging the step on a stuck generation loop."""
     adapters: int = Field(4, ge=0)

@@ -42,10 +42,10 @@ class ClusterConfig(Strict):
     runs nobody watches (CI, scripted sweeps): the dashboard's start is a second or two of CPU
     per run, about a tenth of a small run's (docs/benchmarks.md). A cluster streamrl connects to
     keeps its own."""
-    startup_timeout: float = Field(120.0, gt=0)
+    startup_timeout: float = Field(120.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds to wait for the workers of every pool to come up (for a factory on a batch
     system, include the time its jobs wait in the queue)."""
-    connect_timeout: float = Field(10.0, gt=0)
+    connect_timeout: float = Field(10.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds to wait for the scheduler at ``address`` to answer."""
     worker_start: Literal["auto", "warm", "spawn"] = "auto"
     """How the embedded cluster starts its workers. ``warm``: forked from one server process that

@@ -14,24 +14,26 @@ folder ``run.out_dir`` is relative to the current directory.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig, check as check_learners
 from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
+from streamrl.recipe.toml_input import check_finite, read_toml, read_value
 
 
 class RunConfig(Strict):
     name: str = "run"
-    """Name of the run; the run folder is ``<out_dir>/<name>-<timestamp>``."""
+    """Name of the run; the run folder is ``<out_dir>/<name>-<timestamp>``: one folder name (1 to
+    100 characters, no ``/``, ``\\`` or NUL), so the run stays inside ``out_dir``."""
     mode: Literal["stream", "batch", "async", "colocated"] = "stream"
     """``stream``: samples flow into micro-batches as they finish (StreamRL). ``batch``: the trainer
     waits for the whole batch first (the disaggregated baseline). Both give the same update.
@@ -43,8 +45,8 @@ class RunConfig(Strict):
     Enforced by admission control (generation waits for weights), never by dropping samples."""
     steps: int = Field(20, ge=1)
     """Number of optimizer steps (one per batch of ``trainer.prompts_per_step`` prompts)."""
-    seed: int = 0
-    """Seeds the run: every component config field named ``seed`` that the recipe leaves unset
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds the run (0 to 2**32 - 1, a range every generator it seeds takes): every component config field named ``seed`` that the recipe leaves unset
     (the task's prompt stream, a ranker, ...), torch's generators on every worker (engine
     sampling, trainer) and in this process."""
     out_dir: str = "runs"
@@ -55,7 +57,7 @@ class RunConfig(Strict):
     continues from the newest one."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints a run folder keeps."""
-    step_timeout_s: float = Field(1800.0, ge=0)
+    step_timeout_s: float = Field(1800.0, ge=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """The most seconds one step (with the checkpoint after it) may take before the run stops in
     one line naming the tasks still running and their workers (a plugin's hung call, a stalled
     disk): the backstop behind each part's own deadline (``reward.score_timeout_s``,
@@ -71,6 +73,13 @@ class RunConfig(Strict):
     """With ``[[learners]]``: the learner whose weights the generate pool serves (default: the
     first), or ``"initial"`` -- the starting model serves the whole run and every learner learns
     off-policy from it."""
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, name: str) -> str:
+        if not 1 <= len(name) <= 100 or any(c in name for c in "/\\\0"):
+            raise ValueError("expected one folder name: 1 to 100 characters, no '/', '\\' or NUL")
+        return name
 
 
 class ModelConfig(Strict):
@@ -114,7 +123,7 @@ class RewardSection(Section):
     makes its advantages and loss overflow, so a reward past it either way is refused where it
     enters -- counted as that sample's reward error (scored 0), or a 400 naming ``reward`` to a
     client -- and never trained. Rewards that mean something stay far inside the default."""
-    score_timeout_s: float = Field(60.0, ge=0)
+    score_timeout_s: float = Field(60.0, ge=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds one response's score may take; 0: no limit. A score that has not come back
     in time (a grader waiting on a dead service, a solution that loops) scores 0 and is counted
     like a reward that raised (``reward_errors``; ``reward_error_first`` says ``RewardTimeout:
@@ -294,11 +303,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-5")
     key, raw = item.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip().split("."), value
+    value = read_value(raw)
+    return key.strip().split("."), raw if value is None else value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -342,18 +348,9 @@ class LoadedRecipe:
 def load_recipe(file: str | Path, overrides: list[str] = ()) -> LoadedRecipe:
     """Read, override and validate the core tables of a recipe file (phase one)."""
     file = Path(file)
+    data = apply_overrides(read_toml(file), list(overrides))
     try:
-        data = tomllib.loads(file.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{file}: recipe file not found") from None
-    except IsADirectoryError:
-        raise UserError(f"{file}: is a folder; expected a recipe .toml file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{file}: cannot read the recipe ({exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{file}: not valid TOML: {exc}") from None
-    data = apply_overrides(data, list(overrides))
-    try:
+        check_finite(data)
         recipe = validate_section(Recipe, data)
     except UserError as exc:
         raise UserError(f"{file}: {exc}") from None

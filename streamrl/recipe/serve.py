@@ -42,7 +42,7 @@ class ServeConfig(Strict):
     (completions without one within :attr:`feedback_timeout_s` are dropped and counted);
     ``recipe``, the recipe's ``[reward]`` applied as each completion finishes, with the request's
     extra ``answer`` field (if any) as the reference answer."""
-    feedback_timeout_s: float = Field(600.0, gt=0)
+    feedback_timeout_s: float = Field(600.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds a finished completion waits for its feedback before it is dropped (counted as
     ``serve/unrewarded_dropped``)."""
     samples_per_step: int = Field(16, ge=1)
@@ -79,7 +79,7 @@ class ServeConfig(Strict):
     """The largest request body the endpoint reads (4 MiB by default); a larger one is answered
     ``413`` before it is read to the end or parsed, so one client cannot stall the others or
     fill the serving worker's memory. (A prompt must also fit ``engine.max_prompt_tokens``.)"""
-    body_timeout_s: float = Field(30.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds a client has to send a request's body once its headers came; past them it is
     answered ``408``. Why: a client that declares a body and sends it a byte at a time would
     hold its connection, and a task of the serving worker, for as long as it liked."""

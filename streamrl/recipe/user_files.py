@@ -62,7 +62,7 @@ def load_user_file(path: str) -> _Loaded:
             module = exec_user_source(str(file), source)
         except SyntaxError as exc:
             raise ValueError(f"cannot import it: SyntaxError: {exc.msg} (line {exc.lineno})") from None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # (a script's own sys.exit() or argparse at its top level)
             raise ValueError(f"cannot import it: {type(exc).__name__}: {exc}") from None
         _LOADED[key] = _Loaded(source, module)
     return _LOADED[key]

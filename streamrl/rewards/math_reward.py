@@ -52,7 +52,7 @@ class MathRewardConfig(BaseModel):
     """``[reward] name = "math"``."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    timeout_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Wall-clock seconds one response's check may take (reading both answers and comparing
     them); past it the check is killed and the response scores 0 (logged as
     ``reward/timeout/mean``, the fraction of responses cut off)."""

@@ -89,8 +89,16 @@ class RunFolder:
 
     # -- status.json --------------------------------------------------------------------------
     def status(self) -> dict:
-        """The status record (``state``: starting, running, completed, interrupted, failed)."""
-        return json.loads((self.path / STATUS).read_text())
+        """The status record (``state``: starting, running, completed, interrupted, failed); a
+        file that is not one (emptied, edited, damaged) is a one-line :class:`UserError`."""
+        try:
+            data = json.loads((self.path / STATUS).read_text())
+        except (OSError, ValueError, RecursionError) as exc:
+            raise UserError(f"{self.path / STATUS}: cannot be read ({type(exc).__name__}); expected the run's "
+                            "status record") from None
+        if not isinstance(data, dict) or not isinstance(data.get("state"), str):
+            raise UserError(f"{self.path / STATUS}: expected a JSON object with a 'state' (the run's status record)")
+        return data
 
     def mark(self, state: str, **fields) -> None:
         """Record ``state`` with details, keeping the fields written before -- but an earlier
@@ -195,7 +203,7 @@ def _owner_only(path: Path) -> None:
 
 def _alive(pid: int | None) -> bool:
     """Is process ``pid`` running on this machine (a run killed with -9 leaves ``running``)?"""
-    if not pid:
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:  # (an edited status.json)
         return False
     try:
         os.kill(pid, 0)

@@ -57,7 +57,7 @@ class LongTailConfig(BaseModel):
     ``moves_samples``: ``sim``, and ``hf`` with ``batching = "slots"``); the rollout model of
     ``streamrl bench skew`` does the same in virtual time. Off by default: on the long-tail
     workload measured it does not pay (docs/benchmarks.md)."""
-    move_every_s: float = Field(0.25, gt=0)
+    move_every_s: float = Field(0.25, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Real seconds between two looks at the engines when ``migrate`` (each look is one small
     call to every generate worker)."""
     straggler_ratio: float = Field(1.0, gt=0)

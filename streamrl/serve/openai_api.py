@@ -240,7 +240,7 @@ class Endpoint:
             return content_as_text.encode(self.tokenizer, text, contents or {})
         if not contents:
             return self.engine.encode(text)
-        return [self.tokenizer.bos_token_id] + content_as_text.encode(self.tokenizer, text, contents)
+        return self.engine.encode("") + content_as_text.encode(self.tokenizer, text, contents)  # (BOS, if any)
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The messages (and tools) through the model's chat template (a plain ``role: content``
@@ -259,7 +259,7 @@ class Endpoint:
         pattern = content_as_text.added_pattern(self.tokenizer)
         if pattern is None or not pattern.search(req.prompt):
             return self.engine.encode(req.prompt)
-        return [self.tokenizer.bos_token_id] + content_as_text.text_ids(self.tokenizer, req.prompt)
+        return self.engine.encode("") + content_as_text.text_ids(self.tokenizer, req.prompt)  # (BOS, if any)
 
 
 def make_app(endpoint: Endpoint) -> FastAPI:

@@ -38,7 +38,7 @@ class AgentConfig(BaseModel):
     data: DatasetConfig
     """``[task.data]``: the rows, as the ``dataset`` task reads them (``path``, ``prompt_key``,
     ``answer_key``...). The prompt field only has to exist; the agent reads what it needs."""
-    rollout_timeout_s: float = Field(120.0, gt=0)
+    rollout_timeout_s: float = Field(120.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """A rollout still running after this many seconds is abandoned (a hung tool or agent loop):
     scored 0, counted with its error; its worker goes on with the others."""
     max_turns: int = Field(8, ge=1)

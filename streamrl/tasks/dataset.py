@@ -14,6 +14,13 @@ reaches the reward (``Prompt.columns``; the prompt too, as the row has it). Chat
 (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and reach the engine as
 token ids; plain strings are used as they are.
 
+A row that cannot be a prompt (no prompt field, a prompt that is neither text nor chat
+messages, messages of an unknown role, a missing answer) is left out when the task is built, and
+the count is printed with the first such row's index. A row the model's chat template refuses
+when it is handed out (roles out of order) is passed over for the next row of that epoch's
+sequence, with a warning; no single row ends a run. Chat content is text: a control token's
+string inside a message stays text (``chat/content_as_text.py``).
+
 Order: the rows are shuffled once per epoch from ``seed`` (``run.seed`` unless set), and step
 ``s`` takes the rows ``s * n .. s * n + n - 1`` of that sequence. The position in the dataset is
 therefore a function of the step, which the checkpoint holds: a resumed run hands out exactly
@@ -24,16 +31,17 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.api import PathOrHubId, Prompt, Task
-from streamrl.errors import UserError
-
-#: File suffixes and the ``datasets`` builder that reads them.
-BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+from streamrl.chat import content_as_text
+from streamrl.chat.messages import MessageError, normalize, template_messages
+from streamrl.errors import RunWarning, UserError
+from streamrl.tasks.dataset_files import dig, is_chat, load_rows
 
 #: Columns taken as the answer when ``answer_key`` is not set, after verl's ground truth.
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
@@ -83,53 +91,10 @@ class DatasetConfig(BaseModel):
         return self
 
 
-def load_rows(path: str, split: str, field: str) -> list[dict]:
-    """The rows of ``split`` of the dataset at ``path`` (see :class:`DatasetConfig`), as dicts;
-    ``field`` is the recipe field named in errors."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    local = Path(path)
-    try:
-        if local.is_file():
-            builder = BUILDERS.get(local.suffix.lower())
-            if builder is None:
-                raise UserError(f"{field}: {path} is not a dataset file (expected one of "
-                                f"{', '.join(BUILDERS)}, or a folder)")
-            data = datasets.load_dataset(builder, data_files=str(local), split="train")
-        elif local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()
-                                 or (local / "state.json").exists()):
-            data = datasets.load_from_disk(str(local))
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise UserError(f"{field}: {path} has no split {split!r} (it has {', '.join(data)})")
-                data = data[split]
-        elif local.is_dir():
-            data = datasets.load_dataset(str(local), split=split)
-        else:
-            data = datasets.load_dataset(path, split=split)
-    except UserError:
-        raise
-    except Exception as exc:  # datasets' own errors are long; the first line says what was wrong
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = "" if local.exists() else " (no such file or folder next to the recipe, and not found on the hub)"
-        raise UserError(f"{field}: cannot read {path}{where}: {first[:300]}") from None
-    return data.to_list()
-
-
-def dig(row: dict, dotted: str) -> Any:
-    """``row["a"]["b"]`` for ``"a.b"``; KeyError when a part is missing."""
-    value: Any = row
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(dotted)
-        value = value[part]
-    return value
-
-
-def is_chat(value: Any) -> bool:
-    """Whether a prompt is a list of chat messages."""
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+def _excerpt(row: Any) -> str:
+    """The start of a row as text, to name it in a message (a row has no name of its own)."""
+    text = repr(row)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 class DatasetTask(Task):
@@ -165,21 +130,73 @@ class DatasetTask(Task):
         self.rows, self.held_out_rows = rows, held_out[:config.eval_max]
         # a held-out file may have a layout of its own
         self.eval_answer_key = config.answer_key or (self._default_answer_key(held_out[0]) if held_out else None)
+        self.rows = self._usable_rows(self.rows, "task.path", held_out=False)
+        if self.held_out_rows:
+            self.held_out_rows = self._usable_rows(self.held_out_rows, "the held-out rows", held_out=True)
+        self._passed_over: set[int] = set()  # rows the chat template refused when handed out
         self._prompts: dict[int, Prompt] = {}
         if config.max_prompt_tokens:
             before = len(self.rows)
-            self.rows = [r for r in self.rows if self._length(self._prompt_of(r)) <= config.max_prompt_tokens]
-            self.held_out_rows = [r for r in self.held_out_rows
-                                  if self._length(self._prompt_of(r, held_out=True)) <= config.max_prompt_tokens]
+            self.rows = [r for r in self.rows if self._fits(r, held_out=False)]
+            self.held_out_rows = [r for r in self.held_out_rows if self._fits(r, held_out=True)]
             if not self.rows:
                 raise UserError(f"task.max_prompt_tokens: every prompt of {config.path} is longer than "
                                 f"{config.max_prompt_tokens} tokens")
             if len(self.rows) < before:  # said once, here: the run then goes on with the rest
                 print(f"task: {before - len(self.rows)} of {before} prompts are longer than "
-                      f"max_prompt_tokens = {config.max_prompt_tokens} and are left out", file=sys.stderr)
+                      f"max_prompt_tokens = {config.max_prompt_tokens} (or the chat template refuses them) and "
+                      "are left out", file=sys.stderr)
         self._orders: dict[int, list[int]] = {}
 
     # -- rows to prompts ------------------------------------------------------------------------
+    def _row_problem(self, row: Any, held_out: bool) -> str | None:
+        """Why ``row`` cannot become a prompt, found without the tokenizer; None when it can."""
+        key = self.config.prompt_key
+        if not isinstance(row, dict) or key not in row:
+            return f"no field {key!r}"
+        value = row[key]
+        if isinstance(value, list):
+            try:
+                normalize(value)
+            except MessageError as exc:
+                return f"{key}{str(exc).removeprefix('messages')}"
+        elif not isinstance(value, str):
+            return (f"{key!r} is neither a string nor a list of {{role, content}} messages "
+                    f"(got {type(value).__name__})")
+        answer_key = self.eval_answer_key if held_out else self.answer_key
+        try:
+            answer_key and dig(row, answer_key)
+        except KeyError:
+            return f"no field {answer_key!r}"
+        return None
+
+    def _fits(self, row: dict, held_out: bool) -> bool:
+        """Whether ``row``'s prompt is at most ``max_prompt_tokens`` long (False: the chat template
+        refuses it)."""
+        try:
+            return self._length(self._prompt_of(row, held_out=held_out)) <= self.config.max_prompt_tokens
+        except UserError:
+            raise
+        except Exception:  # (a chat template's refusal: this row's alone)
+            return False
+
+    def _usable_rows(self, rows: list[dict], what: str, held_out: bool) -> list[dict]:
+        """``rows`` without those that cannot be prompts, said once on stderr (count and first)."""
+        kept, first, left = [], None, 0
+        for row in rows:
+            problem = self._row_problem(row, held_out)
+            if problem is None:
+                kept.append(row)
+            else:
+                left += 1
+                first = first or f"{problem}, in {_excerpt(row)}"
+        if not kept:
+            raise UserError(f"{what}: no row of {self.config.path} can be a prompt (the first: {first})")
+        if left:
+            print(f"task: {left} of {len(rows)} rows of {what} cannot be prompts and are left out (the first, "
+                  f"{first[:300]})", file=sys.stderr)
+        return kept
+
     @staticmethod
     def _default_answer_key(row: dict) -> str | None:
         try:
@@ -212,10 +229,13 @@ class DatasetTask(Task):
         columns = dict(row)  # the prompt too, as written (a TRL reward gets chat prompts as messages)
         messages = self._messages(value)
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+            # content is text: a control token's string in a message does not become that token
+            guarded, contents = content_as_text.guard(self.tokenizer, template_messages(normalize(messages)))
+            text = self.tokenizer.apply_chat_template(guarded, add_generation_prompt=True, tokenize=False,
                                                       **self.config.chat_template_kwargs)
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            return Prompt(uid=uid, text=text, answer=answer, token_ids=list(ids), columns=columns)
+            ids = content_as_text.encode(self.tokenizer, text, contents)
+            return Prompt(uid=uid, text=content_as_text.unguard(text, contents), answer=answer,
+                          token_ids=list(ids), columns=columns)
         if not isinstance(value, str):
             raise UserError(f"task.prompt_key: a row's {self.config.prompt_key!r} is neither a string nor a list "
                             f"of {{role, content}} messages (got {type(value).__name__})")
@@ -241,10 +261,29 @@ class DatasetTask(Task):
             return len(prompt.token_ids)
         return len(self.tokenizer(prompt.text, add_special_tokens=False).input_ids) + 1  # (+ BOS)
 
-    def _row(self, index: int) -> Prompt:
-        if index not in self._prompts:
-            self._prompts[index] = self._prompt_of(self.rows[index])
-        return self._prompts[index]
+    def _row(self, order: list[int], at: int) -> Prompt:
+        """The prompt at position ``at`` of an epoch's ``order``: the first row from there on that
+        renders (a row the chat template refuses is passed over, with a warning, for good)."""
+        first_error = None
+        for k in range(len(order)):
+            index = order[(at + k) % len(order)]
+            if index in self._passed_over:
+                continue
+            if index not in self._prompts:
+                try:
+                    self._prompts[index] = self._prompt_of(self.rows[index])
+                except UserError:
+                    raise
+                except Exception as exc:  # (a chat template's refusal, a tokenizer's error: this row's)
+                    self._passed_over.add(index)
+                    error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    first_error = first_error or error
+                    warnings.warn(f"task: a row of {self.config.path} cannot be a prompt and is passed over "
+                                  f"({error}): {_excerpt(self.rows[index])}", RunWarning, stacklevel=2)
+                    continue
+            return self._prompts[index]
+        raise UserError(f"task.path: no row of {self.config.path} can be a prompt for this model "
+                        f"(the last: {first_error})")
 
     # -- the Task contract ----------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -263,14 +302,26 @@ class DatasetTask(Task):
                 last = self.config.epochs * len(self.rows) // n
                 raise UserError(f"task.epochs: {self.config.epochs} epoch(s) of {len(self.rows)} prompts end after "
                                 f"step {last} at {n} prompts per step; set run.steps <= {last} or raise task.epochs")
-            row = self._row(self._order(epoch)[at])
+            row = self._row(self._order(epoch), at)
             out.append(Prompt(uid=f"{step}-{i:03d}", text=row.text, answer=row.answer, token_ids=row.token_ids,
                               columns=row.columns))
         return out
 
     def eval_prompts(self) -> list[Prompt]:
-        """The held-out rows (``eval_path``, ``eval_split`` or ``eval_fraction``), in file order."""
-        return [self._prompt_of(r, f"eval-{i}", held_out=True) for i, r in enumerate(self.held_out_rows)]
+        """The held-out rows (``eval_path``, ``eval_split`` or ``eval_fraction``), in file order
+        (a row the chat template refuses is left out, with a warning)."""
+        out, refused = [], []
+        for i, row in enumerate(self.held_out_rows):
+            try:
+                out.append(self._prompt_of(row, f"eval-{i}", held_out=True))
+            except UserError:
+                raise
+            except Exception as exc:  # (a chat template's refusal: this row's alone)
+                refused.append(f"{type(exc).__name__}: {str(exc)[:200]}, in {_excerpt(row)}")
+        if refused:
+            warnings.warn(f"task: {len(refused)} held-out rows cannot be prompts and are left out of the "
+                          f"evaluation (the first, {refused[0]})", RunWarning, stacklevel=2)
+        return out
 
     def __len__(self) -> int:
         return len(self.rows)

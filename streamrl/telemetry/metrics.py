@@ -52,7 +52,7 @@ def read(path: str | Path) -> list[dict]:
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (RecursionError: JSON nested past the parser's reach)
             if number == len(lines):  # the record being written when the run stopped
                 warnings.warn(f"{path}: its last line (line {number}) was cut off, as a crash in the middle of "
                               "writing it leaves it, and is dropped", RunWarning, stacklevel=2)

@@ -12,6 +12,7 @@ the run.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -62,7 +63,7 @@ def load_run(path: Path) -> Run:
     records, bad = [], 0
     for i, line in enumerate(lines):
         rec = _parse(line, with_log=keep(i))
-        if isinstance(rec, dict) and "reward_mean" in rec:
+        if _step_record(rec):
             records.append(rec)
         else:
             bad += 1
@@ -72,11 +73,11 @@ def load_run(path: Path) -> Run:
         warn(f"{metrics}: skipped {bad} unreadable line(s)")
     try:
         recipe = tomllib.loads((path / "recipe.toml").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         recipe = {}
     try:
         state = json.loads((path / "status.json").read_text()).get("state", "?")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         state = "?"
     run = recipe.get("run", {})
     # (a folder is <name>-<yyyymmdd>-<hhmmss>[-n]; without its recipe that is the best name)
@@ -111,8 +112,24 @@ def _parse(line: str, with_log: bool) -> dict | None:
                 pass  # (the key inside some text value: parse it all)
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: JSON nested past the parser's reach)
         return None
+
+
+def _step_record(rec) -> bool:
+    """Whether a parsed line has the shape of a step record where the report reads it: a finite
+    ``reward_mean``, and ``pools`` / ``learners`` (when there) tables of tables. Anything else
+    (a line edited by hand, another program's) is skipped and counted, not read into a crash."""
+    if not isinstance(rec, dict):
+        return False
+    reward = rec.get("reward_mean")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        return False
+    for key in ("pools", "learners"):
+        value = rec.get(key)
+        if value is not None and not (isinstance(value, dict) and all(isinstance(v, dict) for v in value.values())):
+            return False
+    return True
 
 
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:

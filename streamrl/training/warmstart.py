@@ -19,7 +19,8 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as the engine feeds it: BOS and its tokens, or its tokens alone when a chat
     template already put BOS in front."""
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    return ids if ids[:1] == [tokenizer.bos_token_id] else [tokenizer.bos_token_id] + ids
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
 
 def encode_pair(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:

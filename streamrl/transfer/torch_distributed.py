@@ -89,9 +89,9 @@ class TorchDistributedConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     bucket_mb: float = Field(64.0, gt=0)
     """Megabytes per broadcast: fewer collectives against a bounded extra buffer."""
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds every member waits for the others (group set-up and each broadcast)."""
-    join_within_s: float = Field(30.0, gt=0)
+    join_within_s: float = Field(30.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds a receiver in a forming group waits for a member that has not come at all (a
     generate worker killed before it took its place, or one whose store connection failed):
     past it, the members that came get the weights from the train worker one by one
