@@ -149,6 +149,29 @@ def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, t
     assert resolved.task.build().prompts(0, 1)[0].answer == "2"
 
 
+def test_a_prompt_longer_than_the_slot_engine_takes_is_left_out_with_the_data(tmp_path, tiny_model, capsys):
+    # the slot engine refuses a prompt longer than its slots (engine.max_prompt_tokens): such a
+    # row is left out when the task is built, not a failed step mid-run
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+    from tests.helpers import TINY_RECIPE
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1" * 40 + "+1=", "answer": "x"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
+    text = text.replace('[task]\nname = "addition"', '[task]\nname = "dataset"\npath = "train.jsonl"')
+    (tmp_path / "r.toml").write_text(text)
+    slots = ['engine.batching="slots"', "engine.max_prompt_tokens=16"]
+    task = resolve(load_recipe(tmp_path / "r.toml", slots)).task
+    assert task.config.max_prompt_tokens == 16  # the engine's, the recipe leaving the task's unset
+    assert [p.answer for p in task.build().prompts(0, 2)] == ["2", "2"]
+    assert "1 of 2 prompts are longer than max_prompt_tokens = 16" in capsys.readouterr().err
+    task = resolve(load_recipe(tmp_path / "r.toml", [*slots, "task.max_prompt_tokens=64"])).task
+    assert task.config.max_prompt_tokens == 64  # the recipe's own, kept
+    task = resolve(load_recipe(tmp_path / "r.toml", ['engine.batching="continuous"'])).task
+    assert task.config.max_prompt_tokens is None  # an engine without a fixed limit sets none
+
+
 def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet):
     from transformers import AutoModelForCausalLM
 

@@ -38,6 +38,11 @@ class EngineCapabilities:
     max_new_tokens: int | None = None
     """Most tokens the engine generates per response, when its config fixes it: streamrl checks
     that a prompt still fits the model's positions beside them (None: not checked)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt, in tokens, the engine takes, when its config fixes it (None: any that fits
+    the model). A task whose config has a ``max_prompt_tokens`` the recipe leaves unset (the
+    ``dataset`` task's) gets this one, so a longer row is left out with the data when the task is
+    built instead of failing its step mid-run."""
     greedy: bool = False
     """True when the engine implements :meth:`Engine.generate_greedy` (held-out evaluation then
     decodes greedily; otherwise it samples)."""

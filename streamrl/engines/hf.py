@@ -62,7 +62,7 @@ class HFEngine(Engine):
     @classmethod
     def capabilities(cls, config: HFEngineConfig) -> EngineCapabilities:
         """``engine.temperature`` (the trainer divides its logits by it), ``max_running``,
-        ``max_new_tokens``, the KV cache's tokens when the config fixes them
+        ``max_new_tokens`` (and ``max_prompt_tokens``: slot batching's slots hold no more), the KV cache's tokens when the config fixes them
         (:func:`~streamrl.engines.hf_config.kv_capacity_tokens`), and whether a seed repeats the
         samples (``reproducible``); every variant decodes greedily for evaluation, and slot
         batching streams each response's tokens (``streams``: an endpoint serves from it) and can
@@ -70,6 +70,7 @@ class HFEngine(Engine):
         ``adapters`` LoRA adapters."""
         return EngineCapabilities(temperature=config.temperature, max_running=config.max_running,
                                   max_new_tokens=config.max_new_tokens,
+                                  max_prompt_tokens=config.max_prompt_tokens if config.batching == "slots" else None,
                                   kv_capacity_tokens=kv_capacity_tokens(config),
                                   repeatable=config.reproducible, greedy=True,
                                   stops_early=config.stop_early_every > 0,

@@ -135,11 +135,16 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     named += [(f"metrics[{i}]", "metric_sink", sec) for i, sec in enumerate(r.metrics)]
     found = [registry.get(kind, sec.name, f"{path}.name") for path, kind, sec in named]
     model = loaded.model_path()
-    chosen = {path: Chosen(comp, validate_section(comp.config, with_run_defaults(comp.config, sec.options(), r.run.seed,
-                                                                                 model, (r.scheduler is not None)
-                                                                                 if path == "engine" else None),
-                                                  path, loaded.base))
-              for comp, (path, _, sec) in zip(found, named)}
+    chosen: dict[str, Chosen] = {}
+    prompt_limit = None
+    # the engine first: the longest prompt it takes is the task's default limit
+    for comp, (path, _, sec) in sorted(zip(found, named), key=lambda c: c[1][0] != "engine"):
+        options = with_run_defaults(comp.config, sec.options(), r.run.seed, model,
+                                    (r.scheduler is not None) if path == "engine" else None,
+                                    prompt_limit if path == "task" else None)
+        chosen[path] = Chosen(comp, validate_section(comp.config, options, path, loaded.base))
+        if path == "engine":
+            prompt_limit = chosen[path].capabilities().max_prompt_tokens
     check_pools(r)
     sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]
     out = Resolved(loaded, registry, sinks=sinks, **{section: chosen.get(section) for section in SECTIONS})

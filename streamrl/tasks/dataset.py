@@ -66,7 +66,9 @@ class DatasetConfig(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments to ``apply_chat_template`` (e.g. ``{enable_thinking = false}``)."""
     max_prompt_tokens: int | None = Field(None, ge=1)
-    """Drop rows whose prompt is longer than this many tokens (counted once, printed)."""
+    """Drop rows whose prompt is longer than this many tokens (counted once, printed). Default:
+    the longest prompt the engine takes when it has a fixed one (slot batching's
+    ``engine.max_prompt_tokens``), else none."""
     epochs: int | None = Field(None, ge=1)
     """Passes over the data; the run fails with a one-line error when it needs more. None: as
     many as ``run.steps`` takes."""
