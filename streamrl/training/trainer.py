@@ -123,7 +123,7 @@ class HFTrainer(Trainer):
         if kernels and self.config.kernels == "liger":
             use_liger_kernels(model, self.device)
         if self.config.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if self.config.compile:
             compile_layers(model)
 
