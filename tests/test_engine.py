@@ -31,6 +31,7 @@ def test_the_config_picks_the_variant_and_its_capabilities(config, variant, kv_t
     assert type(engine) is variant and engine.config is config and engine.requests_in_flight() == (0, 0)
     assert HFEngine.capabilities(config) == EngineCapabilities(
         temperature=0.7, max_running=3, max_new_tokens=16, kv_capacity_tokens=kv_tokens,
+        max_prompt_tokens=512 if variant is SlotEngine else None,  # (a slot holds no longer prompt)
         repeatable=config.reproducible, greedy=True, streams=variant is SlotEngine, moves_samples=variant is SlotEngine,
         adapters=4)  # (every variant holds LoRA adapters: engine.adapters)
     engine.close()  # before load: nothing started, nothing to fail
