@@ -16,7 +16,7 @@ token ids; plain strings are used as they are.
 
 A row that cannot be a prompt (no prompt field, a prompt that is neither text nor chat
 messages, messages of an unknown role, a missing answer) is left out when the task is built, and
-the count is printed with the first such row's index. A row the model's chat template refuses
+the count is printed with the first such row. A row the model's chat template refuses
 when it is handed out (roles out of order) is passed over for the next row of that epoch's
 sequence, with a warning; no single row ends a run. Chat content is text: a control token's
 string inside a message stays text (``chat/content_as_text.py``).
@@ -157,7 +157,7 @@ class DatasetTask(Task):
         if not isinstance(row, dict) or key not in row:
             return f"no field {key!r}"
         value = row[key]
-        if isinstance(value, list):
+        if is_chat(value):
             try:
                 normalize(value)
             except MessageError as exc:
