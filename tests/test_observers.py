@@ -57,3 +57,40 @@ def test_each_plugins_on_step_end_is_an_observer_of_its_own_and_sinks_are_observ
     assert calls == [("sink", 0), ("fine", 0, 0.0), ("sink", 1), ("fine", 1, 0.1), ("sink", 2), ("fine", 2, 0.2)]
     assert warned == ["plugin 'failing-plugin' (on_step_end) failed at step 1 and is left out from now on: "
                       "RuntimeError: tracker down at 0"]
+
+
+def test_a_sink_that_cannot_open_is_one_line_and_one_that_fails_to_close_is_a_warning(tiny_recipe):
+    # a sink's close() that raised replaced the run's outcome with a traceback and skipped the
+    # cleanup after it (the trace, the cluster's stop, the report); an open() that raised was a traceback
+    import pytest
+
+    from streamrl.errors import RunWarning, UserError
+    from streamrl.recipe.recipe import load_recipe
+    from streamrl.run.run_folder import RunFolder
+
+    class Sink:
+        def __init__(self, fails_at=""):
+            self.fails_at, self.calls = fails_at, []
+
+        def open(self, path):
+            self.calls.append("open")
+            if self.fails_at == "open":
+                raise ConnectionError("tracker unreachable")
+
+        def close(self):
+            self.calls.append("close")
+            if self.fails_at == "close":
+                raise RuntimeError("flush failed")
+
+    loaded = load_recipe(tiny_recipe)
+    good, bad = Sink(), Sink("open")
+    folder = RunFolder.create(loaded)
+    with pytest.raises(UserError, match="metrics: the Sink sink could not start: ConnectionError: tracker unreachable"):
+        folder.open(loaded, [good, bad], None)
+    assert good.calls == ["open", "close"] and bad.calls == ["open"]  # the opened one closed, the other not
+
+    first, last = Sink("close"), Sink()
+    folder.open(loaded, [first, last], None)
+    with pytest.warns(RunWarning, match="metrics: the Sink sink failed to close: RuntimeError: flush failed"):
+        folder.close()
+    assert last.calls == ["open", "close"]  # the sinks after it are still closed

@@ -303,3 +303,50 @@ def test_a_ranker_whose_state_cannot_be_saved_is_warned_about_and_the_checkpoint
     last = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert last.name == "step-000004" and (last / "controller.json").exists() and (last / "dispatch.json").exists()
     assert not (last / "ranker.pt").exists()
+
+
+WAYWARD_RANKER = """
+from pydantic import BaseModel
+import streamrl
+from streamrl.api import Ranker
+from streamrl.plugins.registry import Component
+
+class WaywardConfig(BaseModel):
+    pass
+
+class Wayward(Ranker):
+    def __init__(self, config):
+        self.calls = 0
+    def predict(self, prompts):
+        self.calls += 1
+        if self.calls == 2:
+            raise ZeroDivisionError("no scores today")
+        if self.calls == 3:
+            return [1.0]  # one score for a step's prompts
+        return [float(len(p.text)) for p in prompts]
+    def observe(self, prompts, lengths):
+        raise KeyError("lesson refused")
+
+@streamrl.hookimpl
+def register_rankers():
+    return [Component("ranker", "wayward", WaywardConfig, Wayward)]
+"""
+
+
+@pytest.mark.slow
+def test_a_ranker_that_raises_or_gives_the_wrong_scores_is_said_once_and_the_run_and_its_save_go_on(
+        tiny_model, tmp_path, shared_cluster):
+    # a ranker's failed lesson failed the next step's ranking with a worker's traceback, and on
+    # the last step kept the trained policy from being saved; a short list of scores was an IndexError
+    (tmp_path / "wayward.py").write_text(WAYWARD_RANKER)
+    recipe = write_tiny_recipe(tmp_path, tiny_model, more='\n[ranker]\nname = "wayward"\n\n[scheduler]\nname = "skew"\n'
+                                                          '\n[plugins]\nmodules = ["./wayward.py"]\n')
+    proc = streamrl("recipe", "run", str(recipe), *sets("run.steps=5", *shared_cluster.sets))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for said in ("ranker: predict() raised ZeroDivisionError: no scores today; the run goes on",
+                 "ranker: predict() gave 1 scores for 4 prompts; the run goes on",
+                 "ranker: observe() raised KeyError: 'lesson refused'; the run goes on"):
+        assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    run = only_run(tmp_path / "runs")
+    assert (run / "policy" / "config.json").exists() and len(read_records(run)) == 5

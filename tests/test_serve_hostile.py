@@ -204,6 +204,17 @@ class RaisingParser:
         raise KeyError("oops")
 
 
+class ShapelessParser:
+    """A tool parser that returns its calls' arguments as a mapping (the contract says JSON text);
+    the test then makes it give content, or arguments, of other types."""
+
+    start = "<tool_call>"
+    keep_tokens = ()
+
+    def parse(self, text):
+        return None, [{"name": "calc", "arguments": {"x": 1}}]
+
+
 def test_a_tool_parser_that_raises_is_that_requests_openai_error_counted_and_the_endpoint_goes_on(tiny_model):
     import openai
 
@@ -226,6 +237,20 @@ def test_a_tool_parser_that_raises_is_that_requests_openai_error_counted_and_the
             assert api.traffic.snapshot()["tool_parser_errors"] == 2
             plain = client.chat.completions.create(**{**ask, "tools": None})  # no tools: no parser, answered
             assert plain.choices[0].message.content is not None
+        # a call's arguments given as a mapping reach the client as OpenAI's JSON text
+        shapeless = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", ShapelessParser())
+        with endpoint_in_process(shapeless) as url:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            (call,) = client.chat.completions.create(**ask).choices[0].message.tool_calls
+            assert call.function.name == "calc" and call.function.arguments == '{"x": 1}'
+            ShapelessParser.parse = lambda self, text: ({"not": "text"}, [])  # content that is not text: a 500
+            with pytest.raises(openai.InternalServerError) as err:
+                client.chat.completions.create(**ask)
+            assert err.value.code == "tool_parser_failed" and "gave dict content" in err.value.message
+            ShapelessParser.parse = lambda self, text: (None, [{"name": "calc", "arguments": 7}])
+            with pytest.raises(openai.InternalServerError) as err:
+                client.chat.completions.create(**ask)
+            assert "has arguments of type int; expected JSON text" in err.value.message
     finally:
         engine.close()
 

@@ -187,3 +187,20 @@ def test_a_step_that_trained_no_sample_moves_nothing_and_counts_as_a_version(tin
     trainer.step()
     assert trainer.lr_schedule.get_last_lr() != lr_before
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("wrong", [lambda r: r[:-1], lambda r: [], lambda r: r + [0.5], lambda r: None,
+                                   lambda r: ["a"] * len(r)])
+def test_an_algorithm_whose_advantages_do_not_fit_its_group_stops_the_step_in_one_line(tiny_model, wrong):
+    # one advantage short lined samples up with other samples' advantages and trained on it
+    # without a word (and an empty list looked like a group with no signal)
+    from streamrl.errors import RunStopped
+
+    trainer = new_trainer(tiny_model)
+    before = trainer.named_weights()
+    right = trainer.algorithm.advantages
+    trainer.algorithm.advantages = lambda rewards: wrong(list(right(rewards)))
+    with pytest.raises(RunStopped, match=r"algorithm GRPO: advantages\(\) gave .* for a group of 4 samples; "
+                                         "expected one number per sample"):
+        trainer.micro_batch(make_groups(trainer), 1.0 / 24)
+    assert all(torch.equal(w, before[n]) for n, w in trainer.named_weights().items())

@@ -49,6 +49,7 @@ class Dispatcher:
         self.prompt_tokens = 0.0
         self.last_observe: Future | None = None
         self.observe_failed = False
+        self.ranker_problems: set[str] = set()  # what the ranker got wrong, each said once
 
     def place(self, step: int, prompts: list[Prompt]) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
         """``{prompt index: [(worker name, priority, samples)]}``, one entry per chunk of the
@@ -59,10 +60,14 @@ class Dispatcher:
         ctx = DispatchContext(self.samples_per_prompt, self.observed_lengths, self.prompt_tokens, self.step_latency)
         workers = list(self.topology.generate)
         if self.rank_worker is not None and (self.scheduler is None or self.scheduler.needs_scores(workers, ctx)):
-            scores = self.client.submit(
+            ranked = self.client.submit(
                 ranker_tasks.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
                 workers=[self.rank_worker], allow_other_workers=False).result()
-            self.predicted[step] = scores
+            if isinstance(ranked, str):  # the ranker failed: this step is placed without its scores
+                self._ranker_failed(ranked)
+            else:
+                scores = ranked
+                self.predicted[step] = scores
         if self.scheduler is None:
             return {}
         placed = self.scheduler.dispatch(prompts, scores, workers, ctx)
@@ -103,6 +108,7 @@ class Dispatcher:
                               "skipped from now on", RunWarning, stacklevel=2)
         if step in self.predicted:  # a step placed without the ranker's scores teaches it nothing
             out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
+            self._check_lesson()
             self.last_observe = self.client.submit(
                 ranker_tasks.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
                 workers=[self.rank_worker], allow_other_workers=False)
@@ -112,6 +118,21 @@ class Dispatcher:
         """Wait for the ranker's last lesson."""
         if self.last_observe is not None:
             self.last_observe.result()
+            self._check_lesson()
+
+    def _check_lesson(self) -> None:
+        # the last lesson, when it is done: one that failed is said once (the ranker goes on
+        # with what it learned before; its scores still order work)
+        done = self.last_observe
+        if done is not None and done.done() and done.status == "finished" and isinstance(done.result(), str):
+            self._ranker_failed(done.result())
+
+    def _ranker_failed(self, what: str) -> None:
+        kind = what.split(":")[0]  # ("predict() raised ZeroDivisionError"): once per kind of problem
+        if kind not in self.ranker_problems:
+            self.ranker_problems.add(kind)
+            warnings.warn(f"ranker: {what}; the run goes on (a step without its scores is placed as if every "
+                          "prompt were alike)", RunWarning, stacklevel=3)
 
     # -- checkpoints: what was learned about output lengths survives a resume ------------------
     def checkpoint_files(self, tag: str) -> dict[str, bytes]:

@@ -5,18 +5,35 @@ it learns from once they are known, and its state for a checkpoint and back
 
 from __future__ import annotations
 
+import math
+
 from streamrl.on_worker.resident import RANKER, resident
 from streamrl.sample import Prompt
 
 
-def rank_prompts(prompts: list[Prompt], after=None) -> list[float]:
-    """Rank pool: the length ranker's scores (higher = longer)."""
-    return [float(x) for x in resident(RANKER).predict(prompts)]
+def rank_prompts(prompts: list[Prompt], after=None) -> list[float] | str:
+    """Rank pool: the length ranker's scores (higher = longer), one finite number per prompt; or,
+    when the ranker raised or gave anything else, what went wrong, as text. A ranker only
+    orders work: the run goes on without its scores (``flow/dispatch.py`` says so once)."""
+    try:
+        given = resident(RANKER).predict(prompts)
+        scores = [float(x) for x in given]
+    except Exception as exc:  # (a plugin's bug; a ComponentError too: the ranker could not be built)
+        return f"predict() raised {type(exc).__name__}: {str(exc)[:200]}"
+    if len(scores) != len(prompts) or not all(math.isfinite(x) for x in scores):
+        return (f"predict() gave {len(scores)} scores for {len(prompts)} prompts" if len(scores) != len(prompts)
+                else "predict() gave a score that is not finite")
+    return scores
 
 
-def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None) -> int:
-    """Rank pool: teach the ranker the observed output lengths; returns how many prompts."""
-    resident(RANKER).observe(prompts, lengths)
+def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None) -> int | str:
+    """Rank pool: teach the ranker the observed output lengths; returns how many prompts, or what
+    went wrong as text (a lesson that fails is skipped: the run's save and next placements must
+    not wait on it)."""
+    try:
+        resident(RANKER).observe(prompts, lengths)
+    except Exception as exc:
+        return f"observe() raised {type(exc).__name__}: {str(exc)[:200]}"
     return len(prompts)
 
 

@@ -171,9 +171,15 @@ class RunFolder:
                     warnings.warn(f"checkpoints/{old} is kept as {name} (the resumed run writes that step again)",
                                   RunWarning, stacklevel=2)
         self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())
-        self.sinks = list(sinks)
-        for sink in self.sinks:
-            sink.open(self.path)
+        self.sinks = []
+        for sink in sinks:  # (a plugin's: one that cannot start is one line, and closes those before it)
+            try:
+                sink.open(self.path)
+            except Exception as exc:
+                self.close()
+                raise UserError(f"metrics: the {type(sink).__name__} sink could not start: {type(exc).__name__}: "
+                                f"{str(exc)[:300]}") from None
+            self.sinks.append(sink)
 
     @property
     def records(self) -> list[dict]:
@@ -186,9 +192,14 @@ class RunFolder:
         self.metrics.write(m)
 
     def close(self) -> None:
-        """Close the sinks."""
+        """Close the sinks that opened. One that fails to close is a warning: the run's own
+        outcome (and the cleanup after this) is what the user must see."""
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:
+                warnings.warn(f"metrics: the {type(sink).__name__} sink failed to close: {type(exc).__name__}: "
+                              f"{str(exc)[:300]}", RunWarning, stacklevel=2)
         self.sinks = []
 
 

@@ -168,11 +168,15 @@ class Format:
     def reply(self, c) -> dict:
         """Choice ``c``'s assistant message, canonical (``chat/messages.py``): its text, parsed for
         tool calls when the request offered tools. A parser that raises (or returns what is not
-        ``(content, calls)``) is this request's 500 (:class:`APIError`), counted as
-        ``tool_parser_errors``."""
+        ``(content, calls)`` in the contract's shape) is this request's 500 (:class:`APIError`),
+        counted as ``tool_parser_errors``."""
         if c.index not in self._replies:
             try:
                 content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
+                if not (content is None or isinstance(content, str)) or not isinstance(calls, list):
+                    raise TypeError(f"parse() gave {type(content).__name__} content and {type(calls).__name__} calls; "
+                                    "expected a string (or None) and a list")
+                calls = [_as_call(call) for call in calls]
                 ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
                        for call in calls]
                 self._replies[c.index] = reply_message(content, calls, ids)
@@ -268,3 +272,18 @@ class Format:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": self.usage(completion)}
+
+
+def _as_call(call: Any) -> dict[str, Any]:
+    """A tool parser's call in the contract's shape: a ``name`` string and ``arguments`` as JSON
+    text (a mapping or list a plugin gave is written as JSON; anything else is the parser's
+    error). What an agent's client and its trajectory read: a call in another shape broke
+    OpenAI's schema for the client and, kept in a trajectory, its next turn."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise TypeError(f"a call is {str(call)[:80]!r}; expected {{'name': str, 'arguments': JSON text}}")
+    args = call.get("arguments", "{}")
+    if isinstance(args, dict | list):
+        args = json.dumps(args)
+    if not isinstance(args, str):
+        raise TypeError(f"call {call['name'][:40]!r} has arguments of type {type(args).__name__}; expected JSON text")
+    return {**call, "arguments": args}

@@ -13,10 +13,28 @@ import time
 import torch
 
 from streamrl.algorithms.off_policy import TOKEN_FLAGS
+from streamrl.errors import RunStopped
 from streamrl.sample import Group, Sample
 from streamrl.training.critic import critic_stats
 from streamrl.training.logprobs import pad_batch
 from streamrl.training.off_policy_stats import bucket_sums, token_versions
+
+
+def advantages(algorithm, group: Group) -> list[float]:
+    """The algorithm's advantages of ``group``: one number per sample, or the run stops in one
+    line naming the algorithm. A list of another length would still make tensors of matching
+    shapes -- samples paired with other samples' advantages, or a group left out as if its
+    advantages were zero -- and train on that without a word."""
+    given = algorithm.advantages([s.reward for s in group])
+    try:
+        values = [float(a) for a in given]
+    except (TypeError, ValueError):
+        values = None
+    if values is None or len(values) != len(group):
+        what = f"{len(values)} numbers" if values is not None else f"{type(given).__name__} {str(given)[:60]!r}"
+        raise RunStopped(f"algorithm {type(algorithm).__name__}: advantages() gave {what} for a group of "
+                         f"{len(group)} samples; expected one number per sample, so nothing of this step was applied")
+    return values
 
 
 def of_groups(trainer, groups: list[Group], scale: float) -> dict:
@@ -29,7 +47,7 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
                "reward_sum": float(sum(s.reward for s in samples))}
     adv_list = None
     if trainer.critic is None:
-        adv_list = [a for g in groups for a in trainer.algorithm.advantages([s.reward for s in g])]
+        adv_list = [a for g in groups for a in advantages(trainer.algorithm, g)]
         if trainer.algorithm.zero_advantage_no_gradient and trainer.version >= trainer.algorithm.critic_warmup_steps:
             # a sample with advantage 0 adds nothing to the gradient: leave it out of the
             # forward/backward (GRPO groups whose samples all got the same reward)
