@@ -175,6 +175,9 @@ class RunFolder:
         for sink in sinks:  # (a plugin's: one that cannot start is one line, and closes those before it)
             try:
                 sink.open(self.path)
+            except UserError:  # (the sink's own one line: a tracker without an account)
+                self.close()
+                raise
             except Exception as exc:
                 self.close()
                 raise UserError(f"metrics: the {type(sink).__name__} sink could not start: {type(exc).__name__}: "
