@@ -132,6 +132,11 @@ class GroupsSoFar(StepExtension):
         record.extra["context_version"] = self.context.version
         record.extra["extension_order"] = [type(e).__name__ for e in self.context.extensions]
 
+    def close(self):  # (the run's end, however it ended: said in a file next to this one)
+        from pathlib import Path
+
+        Path(__file__).with_name("closed.txt").write_text(f"closed after {self.groups} groups")
+
 
 @hookimpl
 def add_step_extensions(context):
@@ -179,6 +184,7 @@ def test_a_plugins_step_extension_takes_part_in_a_run(tmp_path, tiny_recipe, sha
     assert [r["groups_so_far"] for r in recs] == [4, 8]
     assert [r["context_version"] for r in recs] == [1, 2]
     assert recs[0]["extension_order"] == ["HeldOutEvaluation", "GroupsSoFar", "SideLearners", "SampleMoves"]
+    assert (tmp_path / "closed.txt").read_text() == "closed after 8 groups"  # its close() ran at the end
 
 
 def test_every_import_line_in_the_docs_imports_as_written():

@@ -268,6 +268,11 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         if watchdog is not None:
             watchdog.uninstall()
         warnings_log.detach()
+        if controller is not None:  # its extensions' close (a thread, evaluations in flight): however it ended
+            try:
+                controller.close()
+            except Exception as exc:  # noqa: BLE001 -- the run's own outcome is what must show
+                warn(f"closing the run's step extensions failed: {type(exc).__name__}: {str(exc)[:300]}")
         folder.close()
         trace_file = _close_trace(trace, warn)
         stopped = lifecycle.stop_meanwhile(dask_cluster, client)
