@@ -268,7 +268,9 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         if watchdog is not None:
             watchdog.uninstall()
         warnings_log.detach()
-        if controller is not None:  # its extensions' close (a thread, evaluations in flight): however it ended
+        # its extensions' close (a thread, evaluations in flight), however the run ended -- while the
+        # scheduler still answers (a cancel sent to one that is gone would wait on its connection)
+        if controller is not None and client is not None and client.status == "running":
             try:
                 controller.close()
             except Exception as exc:  # noqa: BLE001 -- the run's own outcome is what must show
