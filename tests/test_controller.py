@@ -4,6 +4,7 @@ starts or uses a cluster, so all are marked slow."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -274,3 +275,95 @@ def test_a_scheduler_whose_observe_raises_is_warned_about_once_and_the_steps_go_
     assert Forgetful.calls == 1  # said once, then left out
     assert [r["samples"] for r in records] == [12, 12, 12]
     assert all(0.0 <= r["ranker_recall"] <= 1.0 for r in records)  # the ranker still learns and ranks
+
+
+def test_a_scheduler_plugin_that_raises_or_reports_odd_numbers_is_warned_about_and_the_steps_go_on(client):
+    import numpy as np
+
+    from streamrl.cluster import lifecycle
+    from streamrl.errors import RunWarning
+    from streamrl.scheduling.schedulers import FCFS, FCFSConfig
+
+    class Wayward(FCFS):
+        placements = 0
+
+        def needs_scores(self, workers, ctx):
+            raise KeyError("ctx")
+
+        def dispatch(self, prompts, scores, workers, ctx):
+            Wayward.placements += 1
+            if Wayward.placements == 1:
+                raise RuntimeError("no plan yet")
+            return super().dispatch(prompts, scores, workers, ctx)
+
+        def metrics(self):
+            return {"spread": np.float32(0.5), "label": "wide", "step": 99}
+
+    resolved = resolve(load_recipe(W3, SMALL + ['scheduler={name="fcfs"}', 'ranker={name="oracle"}', "run.steps=3"]))
+    ctl = Controller(resolved, client, lifecycle.pool_workers(client))
+    ctl.place_residents()
+    ctl.dispatcher.scheduler = Wayward(FCFSConfig())  # a plugin's mistakes, after placement
+    with pytest.warns(RunWarning) as said:
+        records = [ctl.step(s) for s in range(3)]
+    lines = [str(w.message) for w in said if issubclass(w.category, RunWarning)]
+    for expected in [r"scheduler Wayward: needs_scores\(\) raised KeyError: 'ctx'; the ranker scores every step",
+                     r"scheduler Wayward: dispatch\(\) raised RuntimeError: no plan yet; this step's groups are "
+                     r"placed by Dask",
+                     r"scheduler Wayward: metrics\(\) gave 'label' as a str, not a number; that field is left out",
+                     r"the step record's field 'step' is streamrl's own"]:
+        assert sum(bool(re.match(expected, line)) for line in lines) == 1, (expected, lines)  # each said once
+    assert [r["samples"] for r in records] == [12, 12, 12] and Wayward.placements == 3
+    assert [r["step"] for r in records] == [0, 1, 2]  # a plugin's "step" does not renumber the run
+    assert "spread" not in records[0] and [r["spread"] for r in records[1:]] == [0.5, 0.5]
+    assert all("label" not in r for r in records)
+    assert all(0.0 <= r["ranker_recall"] <= 1.0 for r in records)  # ranked every step
+
+
+def test_a_plugins_step_extension_that_raises_stops_the_run_in_one_line_naming_it(client, tmp_path):
+    import json
+
+    import numpy as np
+    import torch
+
+    from streamrl.api import StepExtension
+    from streamrl.cluster import lifecycle
+    from streamrl.errors import RunFailed
+
+    class Odd(StepExtension):
+        def record(self, step, record):  # numbers of numpy's and torch's, and an object: made plain
+            record.extra.update({"seen": np.int64(step), "ones": torch.ones(2), "scalar": torch.tensor(0.25)})
+
+        def between_steps(self, done, run_dir):
+            return None  # (no lines)
+
+    class Broken(StepExtension):
+        def trained(self, step, scored):
+            if step == 1:
+                raise ZeroDivisionError("no groups to divide")
+
+    resolved = resolve(load_recipe(W3, SMALL + ["run.steps=3"]))
+    ctl = Controller(resolved, client, lifecycle.pool_workers(client))
+    ctl.extensions += [Odd(), Broken()]  # (as a plugin's add_step_extensions adds them)
+    ctl.place_residents()
+    first = ctl.step(0)
+    json.dumps(first, allow_nan=False)
+    assert (first["seen"], first["ones"], first["scalar"]) == (0, "tensor([1., 1.])", 0.25)
+    assert ctl.between_steps(1, tmp_path) == []
+    with pytest.raises(RunFailed, match=r"^step extension test_a_plugins_step_extension_that_raises_stops_the_run_in_"
+                                        r"one_line_naming_it.<locals>.Broken \(module tests.test_controller\): "
+                                        r"trained\(\) raised ZeroDivisionError: no groups to divide; the run stopped"):
+        ctl.step(1)
+    ctl.close()
+
+    class Empty(Exception):
+        pass
+
+    def prompts(step, n):
+        raise Empty("the source ran dry")
+
+    again = Controller(resolved, client, lifecycle.pool_workers(client))
+    again.place_residents()
+    again.task.prompts = prompts  # a task's code that fails at run time, not at validation
+    with pytest.raises(RunFailed, match=r"^task '[^']+': prompts\(\) for step 1 raised Empty: the source ran dry$"):
+        again.step(0)
+    again.close()

@@ -287,6 +287,35 @@ def test_a_group_baseline_with_one_sample_per_prompt_is_refused_at_validation(ca
     assert validate(capsys, tiny_recipe, "trainer.samples_per_prompt=2", f'algorithm.name="{algorithm}"')[0] == 0
 
 
+ODD_EPOCHS = """
+from streamrl.algorithms.grpo import GRPO, GRPOConfig
+from streamrl.api import Component, hookimpl
+
+
+class NoPasses(GRPO):
+    def __init__(self, config):
+        super().__init__(config)
+        self.epochs = EPOCHS
+
+
+@hookimpl
+def register_algorithms():
+    return [Component("algorithm", "no_passes", GRPOConfig, NoPasses)]
+"""
+
+
+@pytest.mark.parametrize("epochs", ["0", "2.5", "None"])
+def test_an_algorithm_plugin_with_no_whole_number_of_epochs_is_refused_at_validation(capsys, tiny_recipe, epochs):
+    recipe = with_plugin(tiny_recipe, "no_passes", ODD_EPOCHS.replace("EPOCHS", epochs),
+                         extra='\n[algorithm]\nname = "no_passes"\n')
+    code, err = validate(capsys, recipe)
+    assert (code, err) == (2, f"streamrl: error: algorithm 'no_passes': its epochs is {epochs}; expected a whole number "
+                              "of passes over each batch, 1 to 1000")
+    recipe = with_plugin(tiny_recipe, "no_passes", ODD_EPOCHS.replace("EPOCHS", "3"),
+                         extra='\n[algorithm]\nname = "no_passes"\n')
+    assert validate(capsys, recipe)[0] == 0
+
+
 def test_one_sample_per_prompt_is_fine_for_an_algorithm_with_a_critic(capsys, tiny_recipe):
     assert validate(capsys, tiny_recipe, "trainer.samples_per_prompt=1", 'algorithm.name="ppo"')[0] == 0
 

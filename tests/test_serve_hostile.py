@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -252,6 +254,56 @@ def test_a_tool_parser_that_raises_is_that_requests_openai_error_counted_and_the
                 client.chat.completions.create(**ask)
             assert "has arguments of type int; expected JSON text" in err.value.message
     finally:
+        engine.close()
+
+
+class HangingParser:
+    """A tool parser that never returns (until the test lets it go): a regular expression gone
+    quadratic on a long reply, say."""
+
+    start = "<tool_call>"
+    keep_tokens = ()
+    entered = threading.Event()
+    release = threading.Event()
+
+    def parse(self, text):
+        HangingParser.entered.set()
+        HangingParser.release.wait(60)
+        return text, []
+
+
+def test_a_tool_parser_that_hangs_is_that_requests_500_after_its_bound_and_others_are_answered_meanwhile(
+        tiny_model, monkeypatch):
+    import openai
+
+    from streamrl.serve import responses
+
+    monkeypatch.setattr(responses, "TOOL_PARSER_TIMEOUT_S", 1.5)
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=48, max_new_tokens=4,
+                                       temperature=1.0, profile=False))
+    engine.load(str(tiny_model))
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy", HangingParser())
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    ask = dict(model="policy", messages=[{"role": "user", "content": "1+2="}], max_tokens=4, tools=tools)
+    try:
+        with endpoint_in_process(api) as url, ThreadPoolExecutor(1) as pool:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=20)
+            hung = pool.submit(client.chat.completions.create, **ask)
+            assert HangingParser.entered.wait(20)
+            # the parser holds its thread, not the server's loop: another client is answered now
+            plain = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=5).chat.completions.create(
+                **{**ask, "tools": None})
+            assert plain.choices[0].message.content is not None and not hung.done()
+            with pytest.raises(openai.InternalServerError) as err:
+                hung.result(timeout=20)
+            assert err.value.code == "tool_parser_failed"
+            assert err.value.message.endswith(" - serve.tool_parser HangingParser did not finish parsing this reply within 1.5 s.")
+            with pytest.raises(openai.APIError) as streamed:  # streamed, with the parser still stuck: an error event
+                list(client.chat.completions.create(**ask, stream=True))
+            assert "did not finish parsing" in str(streamed.value)
+            assert api.traffic.snapshot()["tool_parser_errors"] == 2
+    finally:
+        HangingParser.release.set()
         engine.close()
 
 

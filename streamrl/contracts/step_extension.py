@@ -23,7 +23,7 @@ so an extension overrides only the moments it needs. What an extension sees of t
 
 A plugin adds one with the ``add_step_extensions(context)`` hook (``plugins/hookspecs.py``).
 An extension that raises stops the run, as a failure of the loop would: extensions are part of
-the loop. (What only watches the step's record is an observer: ``run/observers.py``.)
+the loop (a plugin's, in one line naming its class and the moment). (What only watches the step's record is an observer: ``run/observers.py``.)
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Dispatcher:
         self.last_observe: Future | None = None
         self.observe_failed = False
         self.ranker_problems: set[str] = set()  # what the ranker got wrong, each said once
+        self.scheduler_problems: set[str] = set()  # and the scheduler
 
     def place(self, step: int, prompts: list[Prompt]) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
         """``{prompt index: [(worker name, priority, samples)]}``, one entry per chunk of the
@@ -57,9 +58,10 @@ class Dispatcher:
         tasks)."""
         self.step_prompts[step] = prompts
         scores = [0.0] * len(prompts)
-        ctx = DispatchContext(self.samples_per_prompt, self.observed_lengths, self.prompt_tokens, self.step_latency)
+        # (copies: a scheduler that sorts or trims what it is given must not change the run's own lists)
+        ctx = DispatchContext(self.samples_per_prompt, list(self.observed_lengths), self.prompt_tokens, self.step_latency)
         workers = list(self.topology.generate)
-        if self.rank_worker is not None and (self.scheduler is None or self.scheduler.needs_scores(workers, ctx)):
+        if self.rank_worker is not None and (self.scheduler is None or self._needs_scores(workers, ctx)):
             ranked = self.client.submit(
                 ranker_tasks.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
                 workers=[self.rank_worker], allow_other_workers=False).result()
@@ -70,9 +72,50 @@ class Dispatcher:
                 self.predicted[step] = scores
         if self.scheduler is None:
             return {}
-        placed = self.scheduler.dispatch(prompts, scores, workers, ctx)
-        self.scheduler_metrics[step] = dict(self.scheduler.metrics())
+        try:
+            placed = self.scheduler.dispatch(list(prompts), list(scores), list(workers), ctx)
+        except UserError:
+            raise
+        except Exception as exc:  # this step's groups go where Dask puts them: the run goes on, said once
+            self._scheduler_failed("dispatch()", _raised(exc), "this step's groups are placed by Dask")
+            return {}
+        self.scheduler_metrics[step] = self._metrics()
         return placement(placed, workers, self.samples_per_prompt)
+
+    # -- a scheduler plugin's mistakes: each kind said once; placement goes on without it -------
+    def _needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
+        try:
+            return bool(self.scheduler.needs_scores(workers, ctx))
+        except Exception as exc:
+            self._scheduler_failed("needs_scores()", _raised(exc), "the ranker scores every step")
+            return True
+
+    def _metrics(self) -> dict[str, float]:
+        """The scheduler's ``metrics()``: its numbers (a value that is not a number is left out, a
+        failure leaves them all out: a record field must not end a run)."""
+        try:
+            got = self.scheduler.metrics()
+            got = dict(got) if got is not None else {}
+        except Exception as exc:
+            self._scheduler_failed("metrics()", _raised(exc), "its numbers are left out of the record")
+            return {}
+        out = {}
+        for key, value in got.items():
+            try:  # (a numpy or one-element torch number is a number; text is not, though float() reads it)
+                if isinstance(value, (str, bytes, bool)):
+                    raise TypeError
+                out[str(key)] = float(value)
+            except Exception:
+                self._scheduler_failed("metrics()", f"gave {key!r} as a {type(value).__name__}, not a number",
+                                       "that field is left out of the record")
+        return out
+
+    def _scheduler_failed(self, where: str, what: str, meanwhile: str) -> None:
+        kind = f"{where} {what.split(':')[0]}"  # (once per method and kind of problem)
+        if kind not in self.scheduler_problems:
+            self.scheduler_problems.add(kind)
+            warnings.warn(f"scheduler {type(self.scheduler).__name__}: {where} {what}; {meanwhile}; the run goes on",
+                          RunWarning, stacklevel=3)
 
     def learn(self, step: int, sample_log: list[dict]) -> dict:
         """After a step: feed the observed lengths to the ranker; returns the record's dispatch
@@ -168,6 +211,10 @@ class Dispatcher:
                 self.last_observe = None
                 warnings.warn(f"ranker: could not take back its state from {blob} ({type(exc).__name__}: {exc}); "
                               "it learns again from this run's samples", RunWarning, stacklevel=2)
+
+
+def _raised(exc: Exception) -> str:
+    return f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def placement(placed: list[Assignment], workers: list[str],

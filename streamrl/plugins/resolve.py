@@ -151,7 +151,7 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     out.learners = _learners(out, model)
     out.algorithm, out.trainer = out.learners[0].algorithm, out.learners[0].trainer
     for plan in out.learners:
-        _check_group_size(out, plan)
+        _check_algorithm(out, plan)
     _check_engine_can(out)
     _check_trainer_can(out)
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
@@ -209,15 +209,18 @@ def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, mod
                        when_full=table.get("when_full", "skip"), served=served, table=dict(table))
 
 
-def _check_group_size(out: Resolved, plan: LearnerPlan) -> None:
-    """An algorithm with a group baseline learns nothing from groups of one sample."""
+def _check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
+    """What the trainer asks of an algorithm, checked before any cluster starts: a whole number
+    of passes over each batch, and groups big enough for a group baseline (one that learns from
+    the differences between a prompt's samples learns nothing from groups of one)."""
     r = out.recipe
-    # a class attribute (``Algorithm.min_group_size``): asked of the class when the factory is
-    # one, so validation builds nothing; a factory function's object is built (algorithms are light)
-    factory = plan.algorithm.component.factory
-    made = factory if isinstance(factory, type) else plan.algorithm.build()
-    typed = isinstance(made, Algorithm) or (isinstance(made, type) and issubclass(made, Algorithm))
-    need = made.min_group_size if typed else 1  # (an object not built on Algorithm declares no group baseline)
+    built = plan.algorithm.build_here()  # (algorithms are light: the controller builds one to ask, too)
+    field = "algorithm" if plan.name == "main" else f"learner {plan.name!r}'s algorithm"
+    epochs = getattr(built, "epochs", 1)  # (an object not built on Algorithm may leave it out: one pass)
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or not 1 <= epochs <= 1000:
+        raise UserError(f"{field} {plan.algorithm.component.name!r}: its epochs is {epochs!r}; expected a whole number "
+                        "of passes over each batch, 1 to 1000")
+    need = built.min_group_size if isinstance(built, Algorithm) else 1  # (an object not built on it: no baseline)
     if r.trainer.samples_per_prompt < need:
         field = "algorithm.name" if plan.name == "main" else f"learner {plan.name!r}'s algorithm"
         raise UserError(f"trainer.samples_per_prompt: {r.trainer.samples_per_prompt} with {field} = "

@@ -20,6 +20,7 @@ controller keeps current; never the controller itself.
 from __future__ import annotations
 
 import threading
+import warnings
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from distributed import Client, Future, SpecCluster, wait
 
 from streamrl.flow import modes, placement, submit
 from streamrl.checkpoints import folders
+from streamrl.errors import Interrupted, RunFailed, RunWarning, UserError
 from streamrl.contracts.step_extension import RunContext, StepExtension
 from streamrl.flow.feed import Feed
 from streamrl.plugins.resolve import Resolved
@@ -70,6 +72,7 @@ class Controller:
         self.context.extensions = self.extensions
         # False: the engines keep the policy they started with (run.serve = "initial")
         self.context.publishes = all(e.publishes for e in self.extensions)
+        self.clashes_said: set[str] = set()  # record fields a plugin tried to replace, each said once
         self._start_over()
 
     def _start_over(self) -> None:
@@ -109,11 +112,17 @@ class Controller:
         what the modes call. ``min_version`` defaults to the current policy version."""
         version = self.version if min_version is None else min_version
         for ext in self.extensions:  # a source of samples other than the task's prompts (served traffic)
-            supplied = ext.samples(step, version)
+            supplied = _called(ext, "samples", step, version)
             if supplied is not None:
                 return supplied
         t0, t = time.time(), self.recipe.trainer
-        prompts = self.task.prompts(step, t.prompts_per_step)
+        try:
+            prompts = self.task.prompts(step, t.prompts_per_step)
+        except (UserError, RunFailed):
+            raise
+        except Exception as exc:  # the task's code (a plugin's, a dataset's), not streamrl's: one line
+            raise RunFailed(f"task {self.recipe.task.name!r}: prompts() for step {step + 1} raised "
+                            f"{type(exc).__name__}: {_text(exc)}") from None
         submit.check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         with self.lock:
             placed = self.dispatcher.place(step, prompts)
@@ -213,6 +222,12 @@ class Controller:
             record.extra = self.dispatcher.learn(step, record.sample_log)
         record.generate_workers = generate_workers
         self._call("record", step, record)
+        for name in record.clashes():  # (said once: the same plugin says it every step)
+            if name not in self.clashes_said:
+                self.clashes_said.add(name)
+                warnings.warn(f"the step record's field {name!r} is streamrl's own: the value an algorithm, reward "
+                              "or plugin gave under that name is left out (name it differently)", RunWarning,
+                              stacklevel=2)
         return record.as_dict()
 
     def _feed(self, step: int, previous: Future) -> tuple[list[Future], list[list[Future]]]:
@@ -246,11 +261,20 @@ class Controller:
         self._call("close")
         if self.next_training is not None:  # the next step's generation, taken by a feed in flight
             self.client.cancel(self.next_training_groups)
+        # what the task and the scheduler hold (a dataset's files, a plugin's connections) goes
+        # with the run; a close that fails is a warning, the run's own outcome is what must show
+        for what, part in (("task", self.task), ("scheduler", self.context.scheduler)):
+            try:
+                if part is not None:
+                    part.close()
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"{what} {type(part).__name__}: close() raised {type(exc).__name__}: {_text(exc)}",
+                              RunWarning, stacklevel=2)
 
     # -- the extensions ---------------------------------------------------------------------
     def _call(self, moment: str, *args) -> None:
         for ext in self.extensions:
-            getattr(ext, moment)(*args)
+            _called(ext, moment, *args)
 
     def extension(self, kind: type) -> StepExtension | None:
         """The run's extension of class ``kind`` (None: the run has none)."""
@@ -274,7 +298,7 @@ class Controller:
 
     def started(self, run_dir: Path) -> list[str]:
         """After placement, before the first step: every extension's lines for the console."""
-        return [line for ext in self.extensions for line in ext.started(run_dir)]
+        return [line for ext in self.extensions for line in _lines(_called(ext, "started", run_dir))]
 
     def begin(self, checkpoint: Path | None, run_dir: Path) -> tuple[int, list[str]]:
         """Everything before the first step, in order: the residents placed, the run's state
@@ -288,12 +312,12 @@ class Controller:
     def between_steps(self, done: int, run_dir: Path) -> list[str]:
         """After step ``done``'s record: every extension's work between steps (requests from
         outside the run); lines for the console."""
-        return [line for ext in self.extensions for line in ext.between_steps(done, run_dir)]
+        return [line for ext in self.extensions for line in _lines(_called(ext, "between_steps", done, run_dir))]
 
     def checkpoint_writer(self, next_step: int, previous: Path | None):
         """What the extensions add to a checkpoint: one function writing all of it into the
         checkpoint's folder, or None."""
-        writers = [w for w in (e.checkpoint(next_step, previous) for e in self.extensions) if w is not None]
+        writers = [w for w in (_called(e, "checkpoint", next_step, previous) for e in self.extensions) if w is not None]
         if not writers:
             return None
         return lambda folder: [write(folder) for write in writers]
@@ -306,3 +330,36 @@ class Controller:
         """The last step is done: the extensions finish before the policy is saved."""
         self._call("finish", policy_dir)
 
+
+
+def _called(ext: StepExtension, moment: str, *args):
+    """``ext``'s method of ``moment``, called. A plugin's extension that raises stops the run (it
+    is part of the loop), in one line naming it and the moment, not in a traceback from inside
+    the controller; a built-in's exception is a bug of streamrl and goes up as it was raised."""
+    try:
+        return getattr(ext, moment)(*args)
+    except (UserError, RunFailed, Interrupted):  # (said for the user already)
+        raise
+    except Exception as exc:
+        kind = type(ext)
+        if kind.__module__.split(".")[0] == "streamrl":
+            raise
+        raise RunFailed(f"step extension {kind.__qualname__} (module {kind.__module__}): {moment}() raised "
+                        f"{type(exc).__name__}: {_text(exc)}; the run stopped (a step extension is part of "
+                        "the step loop)") from None
+
+
+def _lines(got) -> list[str]:
+    """An extension's console lines as text: None is none, one string is one line."""
+    if got is None:
+        return []
+    if isinstance(got, str):
+        return [got]
+    try:
+        return [str(line) for line in got]
+    except TypeError:  # (not a list of lines: one line of whatever it is)
+        return [str(got)]
+
+
+def _text(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -95,6 +96,9 @@ class Endpoint:
         # Prompts are tokenized here, one at a time, off the server's event loop: a long prompt
         # takes that thread, not every other client's requests and streams.
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrl-tokenize")
+        self.parse_lock = threading.Lock()
+        """Held while a reply is parsed for tool calls (``responses.Format.parse``, off the loop):
+        the parser sees one reply at a time."""
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenizing thread (its exceptions raised here)."""

@@ -5,8 +5,10 @@ choices to the learners or its reply to an agent's trajectory."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -19,6 +21,11 @@ from streamrl.serve.request_bodies import APIError, Sampling
 
 # ``endpoint`` below is the ``openai_api.Endpoint`` the request came to (not imported here: that
 # module imports this one)
+
+#: Seconds ``serve.tool_parser`` may take on one reply. It runs off the server's event loop, so a
+#: parser that hangs (a regular expression gone quadratic on a long reply) costs its own request a
+#: 500 after this long, while every other client is answered meanwhile.
+TOOL_PARSER_TIMEOUT_S = 10.0
 
 
 class Turn:
@@ -57,6 +64,8 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
         async for _ in completion.events():
             if await request.is_disconnected():
                 completion.cancel()
+        for c in completion.choices:
+            await fmt.parse(c)
     except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
         completion.cancel()  # (its other choices stop decoding too)
         raise APIError(500, f"Generation failed: {e}", kind="server_error") from None
@@ -72,6 +81,8 @@ async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling)
     try:
         yield sse(fmt.chunk(None, first=True))
         async for ev in completion.events():
+            if ev.finish_reason:  # (a reply that ended: its tool calls, parsed off the loop)
+                await fmt.parse(completion.choices[ev.index])
             if completion.turn is not None and all(c.finish_reason for c in completion.choices):
                 finished(endpoint, completion, fmt)  # the trajectory has the reply before the client sees its end
             yield sse(fmt.chunk(ev, choice=completion.choices[ev.index]))
@@ -167,28 +178,77 @@ class Format:
 
     def reply(self, c) -> dict:
         """Choice ``c``'s assistant message, canonical (``chat/messages.py``): its text, parsed for
-        tool calls when the request offered tools. A parser that raises (or returns what is not
-        ``(content, calls)`` in the contract's shape) is this request's 500 (:class:`APIError`),
-        counted as ``tool_parser_errors``."""
+        tool calls when the request offered tools (:meth:`parse` does that off the event loop
+        first). A parser that raises, hangs, or returns what is not ``(content, calls)`` in the
+        contract's shape is this request's 500 (:class:`APIError`), counted as
+        ``tool_parser_errors``."""
         if c.index not in self._replies:
-            try:
-                content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
-                if not (content is None or isinstance(content, str)) or not isinstance(calls, list):
-                    raise TypeError(f"parse() gave {type(content).__name__} content and {type(calls).__name__} calls; "
-                                    "expected a string (or None) and a list")
-                calls = [_as_call(call) for call in calls]
-                ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
-                       for call in calls]
-                self._replies[c.index] = reply_message(content, calls, ids)
-            except Exception as e:  # noqa: BLE001 -- a plugin's bug: this request's error, not the server's end
-                self.endpoint.traffic.count("tool_parser_errors")
-                self._replies[c.index] = APIError(
-                    500, f"serve.tool_parser {type(self.tool_parser).__name__} failed on this reply "
-                         f"({type(e).__name__}: {str(e)[:200]}).", kind="server_error", code="tool_parser_failed")
+            self._keep(c, self._parsed(c))
         reply = self._replies[c.index]
         if isinstance(reply, APIError):
             raise reply
         return reply
+
+    async def parse(self, c) -> None:
+        """Parse finished choice ``c``'s reply for tool calls, once, in a thread of its own: the
+        event loop answers every other client meanwhile, and a parser that takes longer than
+        :data:`TOOL_PARSER_TIMEOUT_S` is this request's 500. Replies are parsed one at a time (as
+        they were on the loop: a parser need not be thread-safe); while a parser hangs, later
+        replies with tools wait their bound for it and get the same 500. (A daemon thread: one
+        that never returns does not hold the process at its exit.)"""
+        if self.tool_parser is None or c.index in self._replies:
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        late = APIError(500, f"serve.tool_parser {type(self.tool_parser).__name__} did not finish parsing this reply "
+                             f"within {TOOL_PARSER_TIMEOUT_S:g} s.", kind="server_error", code="tool_parser_failed")
+
+        def settle(got) -> None:
+            if not done.done():  # (not after the wait gave up)
+                done.set_result(got)
+
+        def work() -> None:
+            lock = self.endpoint.parse_lock
+            if not lock.acquire(timeout=TOOL_PARSER_TIMEOUT_S):
+                got = late  # (an earlier reply's parse still holds it)
+            else:
+                try:
+                    got = self._parsed(c)
+                finally:
+                    lock.release()
+            try:
+                loop.call_soon_threadsafe(settle, got)
+            except RuntimeError:  # (the server's loop closed meanwhile)
+                pass
+
+        threading.Thread(target=work, name="streamrl-tool-parser", daemon=True).start()
+        try:
+            got = await asyncio.wait_for(done, TOOL_PARSER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            got = late
+        if c.index not in self._replies:
+            self._keep(c, got)
+
+    def _keep(self, c, reply: dict | APIError) -> None:
+        if isinstance(reply, APIError):
+            self.endpoint.traffic.count("tool_parser_errors")
+        self._replies[c.index] = reply
+
+    def _parsed(self, c) -> dict | APIError:
+        # (in the parsing thread, or on the loop without a parser: touches nothing shared)
+        try:
+            content, calls = self.tool_parser.parse(c.text) if self.tool_parser is not None else (c.text, [])
+            if not (content is None or isinstance(content, str)) or not isinstance(calls, list):
+                raise TypeError(f"parse() gave {type(content).__name__} content and {type(calls).__name__} calls; "
+                                "expected a string (or None) and a list")
+            calls = [_as_call(call) for call in calls]
+            ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
+                   for call in calls]
+            return reply_message(content, calls, ids)
+        except Exception as e:  # noqa: BLE001 -- a plugin's bug: this request's error, not the server's end
+            return APIError(500, f"serve.tool_parser {type(self.tool_parser).__name__} failed on this reply "
+                                 f"({type(e).__name__}: {str(e)[:200]}).", kind="server_error",
+                            code="tool_parser_failed")
 
     def finish_reason(self, c) -> str | None:
         """``tool_calls`` for a finished reply that calls tools, else the choice's own."""

@@ -85,12 +85,46 @@ class StepRecord:
     """Per sample: id, generating version, staleness, worker and timeline (epoch seconds)."""
 
     def as_dict(self) -> dict:
-        """The flat JSON record (``stats`` and ``extra`` merged in, ``sample_log`` last)."""
+        """The flat JSON record (``stats`` and ``extra`` merged in, ``sample_log`` last). What
+        algorithms, rewards and plugins add is made plain JSON (:func:`plain`), and none of it
+        replaces a field streamrl writes (:meth:`clashes` names what tried)."""
         # shallow, not ``dataclasses.asdict``: its deep copy of the per-sample log (512 dicts a
         # W1 step) was the controller's largest cost per step; nothing here is mutated later
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         stats, rewards, extra, log = d.pop("stats"), d.pop("rewards"), d.pop("extra"), d.pop("sample_log")
-        return {**d, **stats, **rewards, **extra, "sample_log": log}
+        added = plain({**stats, **rewards, **extra})
+        return {**d, **{k: v for k, v in added.items() if k not in d}, "sample_log": log}
+
+    def clashes(self) -> list[str]:
+        """The names among ``stats``, ``rewards`` and ``extra`` that are a field of the record
+        itself (left out of :meth:`as_dict`: a plugin's ``step`` must not renumber the run)."""
+        own = {f.name for f in fields(self)}
+        return sorted({*self.stats, *self.rewards, *self.extra} & own)
+
+
+def plain(value, depth: int = 0):
+    """``value`` as JSON can hold it: numbers, text, lists and objects as they are; a number of
+    numpy's or torch's as a Python number; anything else (or nested past 32 levels) as its
+    text. What a plugin adds to a record must not stop the run when the record is written."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth < 32:
+        if isinstance(value, dict):
+            return {str(k): plain(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v, depth + 1) for v in value]
+        item = getattr(value, "item", None)  # (a one-element array or tensor: its number)
+        if callable(item):
+            try:
+                got = item()
+                if isinstance(got, (bool, int, float, str)):
+                    return got
+            except Exception:  # noqa: BLE001 -- more than one element: its text below
+                pass
+    try:
+        return str(value)[:4096]
+    except Exception as exc:  # noqa: BLE001 -- a __str__ that raises
+        return f"<{type(value).__name__}: str() raised {type(exc).__name__}>"
 
 
 def algorithm_stats(micro: list[TrainTaskStats], samples: int) -> dict[str, float]:
