@@ -32,16 +32,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.requests import ClientDisconnect
-from pydantic import BaseModel, ValidationError
 
 from streamrl.chat import content_as_text
-from streamrl.chat.messages import MAX_NESTING, MessageError, nested_deeper, normalize, render
+from streamrl.chat.messages import MessageError, normalize, render
 from streamrl.serve.completion import Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequest, Feedback, RefusalLog, Sampling,
-                                          _param)
+                                          read_body)
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Trajectories
@@ -147,59 +145,6 @@ class Endpoint:
         if not self.rollout_key or not secrets.compare_digest(given.encode(), self.rollout_key.encode()):
             raise APIError(403, f"{ROLLOUT_HEADER} is for the run's own agent rollouts; this request is not one of "
                                 "theirs (omit the header).", code="rollout_forbidden", kind="permission_error")
-
-    async def body(self, request: Request, model: type[BaseModel]):
-        """The JSON body as ``model``; a 413 past ``serve.max_body_bytes`` (before it is read to
-        the end), a 400 naming the first bad field otherwise."""
-        limit = self.config.max_body_bytes
-        too_large = APIError(413, f"The request body is larger than this endpoint takes: at most {limit} bytes "
-                                  "(serve.max_body_bytes).", code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.config.body_timeout_s):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:  # (a body sent without its length, or longer than it said)
-                        raise too_large
-                    chunks.append(chunk)
-        except ClientDisconnect:  # the client went away before its body came: nothing to answer
-            raise APIError(400, "The client disconnected before sending its request.") from None
-        except TimeoutError:
-            raise APIError(408, f"The request body did not come within {self.config.body_timeout_s:g} s "
-                                "(serve.body_timeout_s).", code="request_timeout") from None
-        deep = APIError(400, f"The request body is nested too deeply (more than {MAX_NESTING} levels of arrays "
-                             "and objects).")
-        try:
-            raw = json.loads(b"".join(chunks))
-            # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can encode
-            json.dumps(raw, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, "The request body has a string that is not valid Unicode (a lone surrogate).") from None
-        except RecursionError:
-            raise deep from None
-        except ValueError:  # (not JSON, not UTF-8, or an integer of more digits than Python reads: 4,300)
-            raise APIError(400, "The request body is not valid JSON.") from None
-        if not isinstance(raw, dict):
-            raise APIError(400, "The request body must be a JSON object.")
-        # Valid JSON, but what it holds goes on to a chat template and, pickled, to the trainer:
-        # both recurse once per level (an ``answer`` 500 levels deep made a step wait for ever)
-        if nested_deeper(raw):
-            raise deep
-        try:
-            return model.model_validate(raw)
-        except ValidationError as e:
-            errors = e.errors()
-            # the first bad field; of a union's errors on it, the one that goes deepest into
-            # what was sent ("prompt": [1, "2"] -> prompt.1, not "prompt is not a string")
-            err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]),
-                      key=lambda x: len(_param(raw, x)))
-            field = _param(raw, err)
-            if not field:  # a rule over several fields (``model_validator``): its own words
-                raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None
-            raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
 
     def params(self, req: Sampling, prompt_ids: list[int]) -> Params:
         """The request's sampling, checked against the engine and the policy."""
@@ -323,7 +268,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         endpoint.authorize(request)
-        req = await endpoint.body(request, ChatRequest)
+        req = await read_body(request, ChatRequest, endpoint.config)
         if req.top_logprobs:
             raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).", param="top_logprobs")
         messages = endpoint.messages(req)
@@ -363,7 +308,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         endpoint.authorize(request)
-        req = await endpoint.body(request, CompletionRequest)
+        req = await read_body(request, CompletionRequest, endpoint.config)
         if req.logprobs:
             raise APIError(400, "logprobs above 0 (top alternatives) is not served; the sampled tokens' log-probs "
                                 "are in the response's 'streamrl' object.", param="logprobs")
@@ -377,7 +322,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/feedback")
     async def feedback(request: Request):
         endpoint.authorize(request)
-        fb = await endpoint.body(request, Feedback)
+        fb = await read_body(request, Feedback, endpoint.config)
         if abs(fb.reward) > endpoint.reward_limit:
             raise APIError(400, f"Invalid value for 'reward': {fb.reward:g} is past this run's reward.limit; rewards "
                                 f"must lie within [-{endpoint.reward_limit:g}, {endpoint.reward_limit:g}].", param="reward")

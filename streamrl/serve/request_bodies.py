@@ -1,16 +1,24 @@
 """What the OpenAI-compatible API takes, and how it refuses: the request bodies (strict
-pydantic models: a field takes its own JSON type, as OpenAI's API does) and the errors in
-OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``), with the log of refusals
-that counts a flood instead of printing it."""
+pydantic models: a field takes its own JSON type, as OpenAI's API does), read within their
+bounds of size, time and depth (:func:`read_body`), and the errors in OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``), with the log of refusals that counts a
+flood instead of printing it."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from typing import Any, Literal
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import ClientDisconnect
+
+from streamrl.chat.messages import MAX_NESTING, nested_deeper
+from streamrl.recipe.serve import ServeConfig
 
 log = logging.getLogger("streamrl.serve")
 
@@ -164,3 +172,60 @@ def _param(body: dict, error: dict) -> str:
     if error["type"] == "missing" and error["loc"]:
         parts.append(str(error["loc"][-1]))
     return ".".join(parts)
+
+
+async def read_body(request: Request, model: type[BaseModel], config: ServeConfig):
+    """A request's JSON body as ``model``: a 413 past ``serve.max_body_bytes`` (before it is
+    read to the end), a 408 when it does not come within ``serve.body_timeout_s``, a 400 naming
+    the first bad field otherwise (or saying what else is wrong with it: not JSON, not Unicode,
+    nested too deeply)."""
+    limit = config.max_body_bytes
+    too_large = APIError(413, f"The request body is larger than this endpoint takes: at most {limit} bytes "
+                              "(serve.max_body_bytes).", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(config.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:  # (a body sent without its length, or longer than it said)
+                    raise too_large
+                chunks.append(chunk)
+    except ClientDisconnect:  # the client went away before its body came: nothing to answer
+        raise APIError(400, "The client disconnected before sending its request.") from None
+    except TimeoutError:
+        raise APIError(408, f"The request body did not come within {config.body_timeout_s:g} s "
+                            "(serve.body_timeout_s).", code="request_timeout") from None
+    deep = APIError(400, f"The request body is nested too deeply (more than {MAX_NESTING} levels of arrays "
+                         "and objects).")
+    try:
+        raw = json.loads(b"".join(chunks))
+        # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can encode
+        json.dumps(raw, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "The request body has a string that is not valid Unicode (a lone surrogate).") from None
+    except RecursionError:
+        raise deep from None
+    except ValueError:  # (not JSON, not UTF-8, or an integer of more digits than Python reads: 4,300)
+        raise APIError(400, "The request body is not valid JSON.") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    # Valid JSON, but what it holds goes on to a chat template and, pickled, to the trainer:
+    # both recurse once per level (an ``answer`` 500 levels deep made a step wait for ever)
+    if nested_deeper(raw):
+        raise deep
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        errors = e.errors()
+        # the first bad field; of a union's errors on it, the one that goes deepest into
+        # what was sent ("prompt": [1, "2"] -> prompt.1, not "prompt is not a string")
+        err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]),
+                  key=lambda x: len(_param(raw, x)))
+        field = _param(raw, err)
+        if not field:  # a rule over several fields (``model_validator``): its own words
+            raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None
+        raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+
