@@ -25,7 +25,7 @@ from pathlib import Path
 from streamrl.cluster import pool_workers
 from streamrl.errors import RunWarning
 from streamrl.contracts.step_extension import StepExtension
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import move_tasks
 
 
 #: Seconds a look, or a move, may wait for the workers' answers. A worker killed since the last look
@@ -87,7 +87,7 @@ class SampleMoves(StepExtension):
             address = self.address = {str(info.get("name", addr)): addr
                                       for addr, info in pool_workers.workers(run.client).items()}
         live = [address[n] for n in names if n in address]
-        answers = (run.client.run(task_functions.requests_now, workers=live, on_error="return",
+        answers = (run.client.run(move_tasks.requests_now, workers=live, on_error="return",
                                   callback_timeout=LOOK_TIMEOUT_S) if live else {})
         seen = [answers.get(address.get(n)) for n in names]
         if any(isinstance(s, BaseException) for s in seen):
@@ -98,7 +98,7 @@ class SampleMoves(StepExtension):
         for uid, source, target in run.scheduler.moves(seen):
             if seen[source] is None or names[target] not in run.topology.pins:
                 continue
-            taken = run.client.run(task_functions.move_sample, uid, run.topology.pins[names[target]],
+            taken = run.client.run(move_tasks.move_sample, uid, run.topology.pins[names[target]],
                                    workers=[address[names[source]]], on_error="return", callback_timeout=LOOK_TIMEOUT_S)
             moved += taken.get(address[names[source]]) is True
         self.moved += moved

@@ -1,7 +1,7 @@
 """The functions Dask runs on workers to generate, score and train. Each is small: it finds the
 resident engine, reward or trainer and calls one method, so the dashboard shows one bar per
 meaningful piece of work. The weights' tasks are in ``weight_tasks.py``, the ranker's in
-``ranker_tasks.py``.
+``ranker_tasks.py``, sample moves' in ``move_tasks.py``.
 
 Arguments named ``after`` carry a future only to order a task after another one. ``trainer_id``
 is the trainer incarnation the controller built (``{worker name: id}`` over a train pool): a
@@ -15,9 +15,9 @@ import time
 
 from distributed import get_client, get_worker
 
-from streamrl.contracts.generation import Engine
 from streamrl.errors import RewardFailed, RunStopped
 from streamrl.on_worker.microbatch import group_tokens, pack
+from streamrl.on_worker.move_tasks import MOVE_TARGETS, continue_moved
 from streamrl.on_worker.weight_tasks import LOAD_PRIORITY, catch_up
 from streamrl.rewards import scoring
 from streamrl.on_worker.resident import (ENGINE, REWARD, TRAINER, ResidentLost, expect, incarnation,
@@ -62,8 +62,8 @@ def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, e
                    min_version: int = 0, movable: bool = False) -> Group:
     """Generate pool: the samples numbered ``samples`` of ``prompt``'s group (one chunk of a group
     a scheduler split over instances; :func:`score_chunks` joins them). ``movable``: a straggler
-    mover may take one out (:func:`move_sample`); it is then finished by a task on the worker it
-    was moved to (:func:`continue_moved`), and this task returns it finished."""
+    mover may take one out (``move_tasks.move_sample``); it is then finished by a task on the worker
+    it was moved to (``move_tasks.continue_moved``), and this task returns it finished."""
     shift = dask_clock_shift()  # (first: Dask took it as the task started)
     engine = resident(ENGINE)
     if engine.version < min_version:
@@ -98,22 +98,6 @@ def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, e
     return group
 
 
-#: ``{sample uid: submit() keywords of the worker it moves to}``, on the worker it leaves: set by
-#: :func:`move_sample`, read by the :func:`generate_chunk` task that hands the sample over.
-MOVE_TARGETS: dict[str, dict] = {}
-
-
-def requests_now(dask_worker=None):
-    """Run on a generate worker by ``Client.run`` (not a task: it must answer while every task
-    slot waits on the engine): what its engine decodes now (``Engine.requests_now``), or None
-    where no engine that moves samples is built."""
-    plugin = dask_worker.plugins.get(ENGINE) if dask_worker is not None else None
-    engine = getattr(plugin, "obj", None)
-    if engine is None or not engine_moves(engine):
-        return None
-    return engine.requests_now()
-
-
 def engine_loop_counts(dask_worker=None) -> dict | None:
     """Run on a generate worker by ``Client.run``: its engine loop's counters (decode steps,
     admissions, requests admitted; ``SlotEngine.loop_counts``), or None where the engine is not
@@ -121,38 +105,6 @@ def engine_loop_counts(dask_worker=None) -> dict | None:
     plugin = dask_worker.plugins.get(ENGINE) if dask_worker is not None else None
     counts = getattr(getattr(plugin, "obj", None), "loop_counts", None)
     return dict(counts) if counts is not None else None
-
-
-def move_sample(uid: str, pin: dict, dask_worker=None) -> bool:
-    """Run on a generate worker by ``Client.run``: take running sample ``uid`` out of its engine,
-    to be finished where ``pin`` (``submit()`` keywords) places a task. False when it is not
-    running there any more."""
-    engine = getattr(dask_worker.plugins.get(ENGINE), "obj", None)
-    if engine is None:
-        return False
-    MOVE_TARGETS[uid] = pin
-    if not engine.move_out(uid):
-        MOVE_TARGETS.pop(uid, None)
-        return False
-    return True
-
-
-def continue_moved(partial, priority: float):
-    """Generate pool, on the worker a sample moved to: finish it (``Engine.continue_sample``),
-    with a policy no older than the one it left (a restarted worker catches up first)."""
-    engine = resident(ENGINE)
-    newest = max(partial.token_versions or [partial.policy_version])
-    if engine.version < newest:
-        catch_up(engine, newest)
-    sample = engine.continue_sample(partial, priority)
-    sample.worker = str(get_worker().name)
-    return sample
-
-
-def engine_moves(engine) -> bool:
-    """Whether ``engine`` can hand running samples between instances (its class overrides
-    ``Engine.move_out``)."""
-    return type(engine).move_out is not Engine.move_out
 
 
 def join_chunks(*chunks: Group) -> Group:
