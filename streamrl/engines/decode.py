@@ -8,6 +8,12 @@ only real tokens, so a padded row sees the positions (and hence the logits) it w
 from __future__ import annotations
 
 import torch
+import transformers
+
+#: The name a causal LM's forward takes its KV cache by, and its output gives it back by:
+#: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated there and goes in 5.40),
+#: ``past_key_values`` before.
+CACHE = "cache" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
 
 
 @torch.no_grad()
@@ -30,7 +36,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in unique], device=device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-    past, logits, pos = out.past_key_values, out.logits[:, -1], pos[:, -1:]
+    past, logits, pos = out[CACHE], out.logits[:, -1], pos[:, -1:]
     if len(unique) < len(prompts):
         rows = torch.tensor(row_of, device=device)
         past.reorder_cache(rows)
@@ -52,9 +58,8 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         pos = pos + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=past,
-                    use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, use_cache=True, **{CACHE: past})
+        past, logits = out[CACHE], out.logits[:, -1]
     tok, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
     responses = []
     for row, lrow in zip(tok, lps):
