@@ -457,3 +457,11 @@ def test_deadline_calls_reuse_their_threads_and_a_hung_call_holds_only_its_own()
     # the hung call holds its thread, the next got an idle one (if another test left one) or a new one
     assert before <= threading.active_count() <= before + 1
     release.set()
+
+
+def test_exact_match_gives_nothing_for_a_prompt_without_an_answer_even_to_the_reply_none():
+    from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
+
+    reward = ExactMatch(ExactMatchConfig())
+    assert reward.score(Prompt("0-000", "say 7", answer="7"), " 7\n") == 1.0
+    assert reward.score(Prompt("0-001", "say something", answer=None), "None") == 0.0

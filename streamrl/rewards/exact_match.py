@@ -21,6 +21,9 @@ class ExactMatch(Reward):
         self.config = config
 
     def score(self, prompt: Prompt, response: str) -> float:
-        """1.0 for an exact answer, 0.0 otherwise."""
+        """1.0 for an exact answer, 0.0 otherwise (and for a prompt without an answer: a reply
+        "None" must not match a missing one)."""
+        if prompt.answer is None:
+            return 0.0
         text = response.strip() if self.config.strip else response
         return 1.0 if text == str(prompt.answer) else 0.0
