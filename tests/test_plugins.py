@@ -232,3 +232,35 @@ def test_the_run_context_keeps_no_finished_run_alive_and_extensions_go_in_their_
         assert gone() is None and [type(e).__name__ for e in context.extensions] == []
     finally:
         gc.enable()
+
+
+def test_a_plugins_on_run_start_that_raises_stops_the_run_in_one_line_naming_it(tmp_path):
+    import pluggy
+
+    from streamrl.api import hookimpl
+    from streamrl.errors import RunFailed
+    from streamrl.plugins import hookspecs
+    from streamrl.run.observers import run_start
+
+    seen = []
+
+    class Fine:
+        @hookimpl
+        def on_run_start(self, recipe, run_dir):
+            seen.append((recipe, run_dir))
+
+    class Broken:
+        @hookimpl
+        def on_run_start(self, run_dir):  # (a hook names only the arguments it wants)
+            raise KeyError("token")
+
+    pm = pluggy.PluginManager("streamrl")
+    pm.add_hookspecs(hookspecs)
+    pm.register(Fine(), name="fine")
+    run_start(pm.hook.on_run_start, "the recipe", tmp_path)
+    assert seen == [("the recipe", tmp_path)]
+    pm.register(Broken(), name="broken")  # (registered last: pluggy calls it first)
+    with pytest.raises(RunFailed, match=r"^plugin 'broken': on_run_start raised KeyError: 'token'; the run stopped "
+                                        r"before its first step$"):
+        run_start(pm.hook.on_run_start, "the recipe", tmp_path)
+    assert len(seen) == 1

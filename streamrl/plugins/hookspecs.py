@@ -229,7 +229,7 @@ def on_run_start(recipe, run_dir) -> None:
     :param recipe: the validated :class:`streamrl.recipe.recipe.Recipe`.
     :param run_dir: the run folder (``pathlib.Path``).
 
-    If it raises, the run stops with that error (before any step).
+    If it raises, the run stops before any step, in one line naming the plugin and the error.
 
     Example::
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from streamrl.errors import RunFailed, UserError
+
 
 class StepObserver:
     """Watches each step's record (the dict written to ``metrics.jsonl``)."""
@@ -70,3 +72,23 @@ class Observers:
                 text = " ".join(str(exc).split())[:300]
                 self.warn(f"{obs.name} failed at step {record.get('step', 0) + 1} and is left out from now on: "
                           f"{type(exc).__name__}: {text}")
+
+
+def run_start(hook, recipe, run_dir) -> None:
+    """Each plugin's ``on_run_start`` (``hook``: the plugin manager's caller), in pluggy's order.
+    One that raises stops the run before its first step, as its contract says, in one line
+    naming the plugin (:class:`~streamrl.errors.RunFailed`), not in a traceback."""
+    impls = hook.get_hookimpls()
+    if any(i.hookwrapper or i.wrapper for i in impls):  # (a wrapper wraps the others' calls: pluggy calls them all)
+        calls = [("a plugin", lambda: hook(recipe=recipe, run_dir=run_dir))]
+    else:
+        given = {"recipe": recipe, "run_dir": run_dir}
+        calls = [(repr(i.plugin_name), lambda i=i: i.function(*[given[a] for a in i.argnames])) for i in reversed(impls)]
+    for name, call in calls:
+        try:
+            call()
+        except (UserError, RunFailed):
+            raise
+        except Exception as exc:
+            raise RunFailed(f"plugin {name}: on_run_start raised {type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:300]}; the run stopped before its first step") from None

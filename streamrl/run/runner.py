@@ -19,7 +19,7 @@ from streamrl.flow import submit
 from streamrl.checkpoints import folders
 from streamrl.checkpoints import saving
 from streamrl.run.controller import Controller
-from streamrl.run.observers import Called, Observers, plugin_observers, sink_observers
+from streamrl.run.observers import Called, Observers, plugin_observers, run_start, sink_observers
 from streamrl.on_worker.resident import ComponentError, ResidentLost
 from streamrl.plugins.resolve import Resolved, resolve
 from streamrl.run.run_folder import RunFolder
@@ -235,7 +235,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             first, lines = controller.begin(checkpoint, folder.path)
         for line in lines:  # e.g. the endpoint's address
             console.print(escape(line), soft_wrap=True, highlight=False)
-        hooks.on_run_start(recipe=r, run_dir=folder.path)
+        run_start(hooks.on_run_start, r, folder.path)
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
         folder.mark("running", step=first, scheduler=client.scheduler.address)
         with ExitStack() as stack:
