@@ -60,6 +60,29 @@ def train_one_batch(trainer: HFTrainer, seed: int = 0) -> None:
 
 
 # -- in the trainer -----------------------------------------------------------------------------------
+class Buggy(GRPO):
+    """GRPO whose loss has a bug of its own."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False
+
+    def loss(self, new, old, ref, adv, mask):
+        return {}["ratio"]
+
+
+def test_an_algorithm_that_raises_stops_the_step_in_one_line_naming_it_and_where(tiny_model):
+    from streamrl.errors import RunStopped
+
+    trainer = trainer_with(tiny_model, algorithm=Buggy(GRPOConfig()))
+    before = weights(trainer)
+    with pytest.raises(RunStopped) as caught:
+        train_one_batch(trainer)
+    assert str(caught.value) == ("algorithm Buggy: loss() raised KeyError: 'ratio' (at test_poison.py:"
+                                 f"{Buggy.loss.__code__.co_firstlineno + 1}, in loss); nothing of this step was applied")
+    assert same(weights(trainer), before)
+
+
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])  # 0: no clipping, the norm is still measured
 def test_a_nan_loss_is_refused_before_the_update_and_leaves_the_weights_as_they_were(tiny_model, max_grad_norm):
     trainer = trainer_with(tiny_model, max_grad_norm=max_grad_norm)

@@ -8,7 +8,10 @@ runs :func:`empty` instead: through every sharded module, adding exactly zero.
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
@@ -20,12 +23,33 @@ from streamrl.training.logprobs import pad_batch
 from streamrl.training.off_policy_stats import bucket_sums, token_versions
 
 
+def called(algorithm, method: str, *args):
+    """``algorithm.method(*args)``. One that raises stops the run in one line naming the
+    algorithm, the method, the error and where in the code it was raised
+    (:class:`~streamrl.errors.RunStopped`: the step's optimizer step never runs, so nothing of it
+    is applied), not in a traceback from the train worker. Running out of device memory is
+    not the algorithm's mistake and goes up as it is."""
+    try:
+        return getattr(algorithm, method)(*args)
+    except (RunStopped, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:] if f"{os.sep}torch{os.sep}" not in f.filename]
+        where = ""
+        if frames:  # (a recipe-local plugin's code comes by value, without its file's name: its module's)
+            f = frames[-1]
+            name = Path(f.filename).name if not f.filename.startswith("<") else type(algorithm).__module__
+            where = f" (at {name}:{f.lineno}, in {f.name})"
+        raise RunStopped(f"algorithm {type(algorithm).__name__}: {method}() raised {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:300]}{where}; nothing of this step was applied") from None
+
+
 def advantages(algorithm, group: Group) -> list[float]:
     """The algorithm's advantages of ``group``: one number per sample, or the run stops in one
     line naming the algorithm. A list of another length would still make tensors of matching
     shapes -- samples paired with other samples' advantages, or a group left out as if its
     advantages were zero -- and train on that without a word."""
-    given = algorithm.advantages([s.reward for s in group])
+    given = called(algorithm, "advantages", [s.reward for s in group])
     try:
         values = [float(a) for a in given]
     except (TypeError, ValueError):
@@ -69,12 +93,12 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=trainer.device)
         with trainer.precision.autocast():
             values = trainer.critic.values(ids, attn).float()
-        adv, returns = trainer.algorithm.token_advantages(rewards, values.detach(), resp)
-        value_loss = trainer.algorithm.value_loss(values, values.detach(), returns, resp)
+        adv, returns = called(trainer.algorithm, "token_advantages", rewards, values.detach(), resp)
+        value_loss = called(trainer.algorithm, "value_loss", values, values.detach(), returns, resp)
         critic_loss = value_loss.sum() * scale
         stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
     new, ref = policy_logprobs(trainer, ids, attn, resp)
-    per_sample, algo_stats = trainer.algorithm.loss(new, old, ref, adv, resp)
+    per_sample, algo_stats = called(trainer.algorithm, "loss", new, old, ref, adv, resp)
     flags = algo_stats.pop(TOKEN_FLAGS, None)
     stats.update(algo_stats)
     # how off-policy these tokens were, by staleness (versions count steps, not optimizer steps)
@@ -129,7 +153,7 @@ def empty(trainer, like=None) -> dict:
         adv = torch.zeros_like(values)
         critic_loss = values.sum() * 0.0
     new, ref = policy_logprobs(trainer, ids, attn, resp)
-    per_sample, _ = trainer.algorithm.loss(new, old, ref, adv, resp)
+    per_sample, _ = called(trainer.algorithm, "loss", new, old, ref, adv, resp)
     (per_sample.sum() * 0.0 + critic_loss).backward()
     return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
             "seconds": time.perf_counter() - t0}
