@@ -264,3 +264,34 @@ def test_a_plugins_on_run_start_that_raises_stops_the_run_in_one_line_naming_it(
                                         r"before its first step$"):
         run_start(pm.hook.on_run_start, "the recipe", tmp_path)
     assert len(seen) == 1
+
+
+def test_an_error_raised_in_a_plugins_code_is_told_from_a_bug_of_streamrl_by_where_it_was_raised(tmp_path):
+    import importlib.util
+
+    from streamrl.checkpoints import folders
+    from streamrl.rewards.exact_match import ExactMatch, ExactMatchConfig
+    from streamrl.run.runner import _plugin_frame
+
+    (tmp_path / "my_engine.py").write_text("import json\n\n\ndef decode(text):\n    return json.loads(text)\n\n\n"
+                                           "def call(fn, *args):\n    return fn(*args)\n")
+    spec = importlib.util.spec_from_file_location("my_engine", tmp_path / "my_engine.py")
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+
+    def raised(fn, *args) -> Exception:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        raise AssertionError("it did not raise")
+
+    # the standard library raised for the plugin that called it: the plugin's line
+    assert _plugin_frame(raised(mine.decode, "{")) == "my_engine.py:5, in decode"
+    # streamrl's own code raised (here, called by a plugin): a bug of streamrl, shown as it was raised
+    assert _plugin_frame(raised(mine.call, ExactMatch(ExactMatchConfig()).score, None, "7")) is None
+    (tmp_path / "controller.json").write_text("{")
+    assert _plugin_frame(raised(folders.read, tmp_path)) is None  # the standard library raised for streamrl
+    local = {}
+    exec(compile("def boom():\n    raise ValueError('x')\n", "<dynamic-code>", "exec"), local)
+    assert _plugin_frame(raised(local["boom"])) == "a recipe-local module, line 2, in boom"

@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import sysconfig
 import time
+import traceback
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -130,7 +133,41 @@ def _as_said(exc: BaseException, r, folder: RunFolder, controller: Controller | 
         return RunFailed(_killed(exc, r, folder))
     if isinstance(exc, ResidentLost):  # the trainer's state (or the endpoint) died with its worker
         return RunFailed(f"{_who_was_lost(exc, controller)}; the run stopped, {folder.go_on()}")
+    frame = _plugin_frame(exc) if isinstance(exc, Exception) else None
+    if frame is not None:  # a plugin's code (an engine's, a trainer's, a transfer's) raised, here or on a worker
+        text = " ".join(str(exc).split())[:300]
+        return RunFailed(f"{type(exc).__name__}: {text} (raised in a plugin's code: {frame}); the run stopped, "
+                         f"{folder.go_on()}")
     return exc
+
+
+#: Top-level packages streamrl is built on: a frame in them is not a plugin's (an error raised
+#: there was called from somewhere, and that somewhere is what names the culprit).
+LIBRARIES = {"torch", "transformers", "tokenizers", "safetensors", "accelerate", "peft", "numpy", "distributed",
+             "dask", "tornado", "cloudpickle", "msgpack", "pydantic", "pydantic_core", "pluggy", "datasets",
+             "pyarrow", "fastapi", "starlette", "uvicorn", "anyio", "httpx", "triton", "_pytest", "pytest"}
+
+
+def _plugin_frame(exc: Exception) -> str | None:
+    """Where ``exc`` was raised when that is a plugin's code ("file:line, in function"): the
+    innermost frame of its traceback (Dask keeps a worker's) that is neither streamrl's, nor
+    the standard library's, nor in :data:`LIBRARIES`. None when it is streamrl's own: a bug of
+    streamrl is shown as it was raised."""
+    own = str(Path(__file__).resolve().parents[1]) + os.sep
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = f.filename
+        if path.startswith("<"):  # a recipe-local plugin's code, sent by value (no file name)
+            return f"a recipe-local module, line {f.lineno}, in {f.name}"
+        if path.startswith(own):
+            return None
+        if path.startswith(stdlib) and "site-packages" not in path:
+            continue  # (the standard library raised for whoever called it)
+        parts = Path(path).parts
+        top = parts[parts.index("site-packages") + 1].removesuffix(".py") if "site-packages" in parts[:-1] else None
+        if top not in LIBRARIES:
+            return f"{Path(path).name}:{f.lineno}, in {f.name}"
+    return None
 
 
 def _who_was_lost(exc: ResidentLost, controller: Controller | None) -> str:
