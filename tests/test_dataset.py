@@ -117,6 +117,28 @@ def test_prompts_over_max_prompt_tokens_are_left_out_and_counted_once(verl_parqu
     assert task.prompts(0, 1)[0].text.startswith("<bos><|system|>1<|end|><|user|>")
 
 
+def test_a_prompt_longer_than_the_limit_could_hold_is_left_out_without_being_rendered(tmp_path, tokenizer, monkeypatch, capsys):
+    # more characters than max_prompt_tokens could ever hold: counted, not rendered or tokenized
+    from transformers import PreTrainedTokenizerBase
+
+    from streamrl.chat.messages import MAX_CHARS_PER_TOKEN
+
+    huge = "1" * (8 * MAX_CHARS_PER_TOKEN + 1)
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
+            {"prompt": [{"role": "user", "content": "1"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"function": {"name": "add", "arguments": huge}}]}], "answer": "x"},
+            {"prompt": [{"role": "user", "content": huge}], "answer": "x"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rendered = []
+    template = PreTrainedTokenizerBase.apply_chat_template
+    monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template",
+                        lambda self, messages, **kw: rendered.append(messages) or template(self, messages, **kw))
+    task = DatasetTask(DatasetConfig(path=str(tmp_path / "rows.jsonl"), model_path=tokenizer, max_prompt_tokens=8))
+    assert len(task) == 1 and [p.answer for p in task.prompts(0, 2)] == ["2", "2"]
+    assert rendered and all(m[-1]["content"] == "1+1=" for m in rendered)  # the long two never rendered
+    assert "2 of 3 prompts are longer than max_prompt_tokens = 8" in capsys.readouterr().err
+
+
 def test_mistakes_are_one_line_naming_the_field(tmp_path, trl_jsonl):
     with pytest.raises(UserError, match="task.path: cannot read .*missing.parquet"):
         DatasetTask(DatasetConfig(path=str(tmp_path / "missing.parquet")))

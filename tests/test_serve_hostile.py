@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from streamrl.chat.messages import MAX_CHARS_PER_TOKEN
 from streamrl.engines.hf_config import HFEngineConfig
 from streamrl.engines.slots import SlotEngine
 from streamrl.recipe.serve import ServeConfig
-from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN, Endpoint
+from streamrl.serve.openai_api import Endpoint
 from streamrl.serve.traffic import Traffic
 from tests.helpers import endpoint_in_process, slot_endpoint
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from streamrl.serve.openai_api import MAX_CHARS_PER_TOKEN
+from streamrl.chat.messages import MAX_CHARS_PER_TOKEN
 from tests.helpers import ROOT, slot_endpoint
 
 CALC = ROOT / "models" / "tiny-calculator"

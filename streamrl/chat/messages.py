@@ -15,6 +15,12 @@ from typing import Any
 #: The roles a message may have.
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
+#: A prompt of more characters than a token limit times this cannot fit that limit and is refused
+#: (the endpoint) or left out (a dataset's rows) before it is rendered or tokenized: no
+#: tokenizer's tokens are that long on average, and tokenizing megabytes only to count them
+#: would cost seconds of CPU.
+MAX_CHARS_PER_TOKEN = 32
+
 
 class MessageError(ValueError):
     """A message the endpoint cannot take; ``param`` names it (``messages.3.content``)."""

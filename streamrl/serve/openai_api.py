@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from streamrl.chat import content_as_text
-from streamrl.chat.messages import MessageError, normalize, render
+from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize, render
 from streamrl.serve.completion import Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
@@ -46,11 +46,6 @@ from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Traj
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
-
-#: A prompt of more characters than ``engine.max_prompt_tokens`` times this is refused before
-#: it is tokenized: no tokenizer's tokens are that long on average, and tokenizing megabytes
-#: only to count them would cost seconds of a worker's CPU.
-MAX_CHARS_PER_TOKEN = 32
 
 log = logging.getLogger("streamrl.serve")
 

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.api import PathOrHubId, Prompt, Task
 from streamrl.chat import content_as_text
-from streamrl.chat.messages import MessageError, normalize, template_messages
+from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize, template_messages
 from streamrl.errors import RunWarning, UserError
 from streamrl.tasks.dataset_files import dig, is_chat, load_rows
 
@@ -172,9 +172,24 @@ class DatasetTask(Task):
             return f"no field {answer_key!r}"
         return None
 
+    def _characters(self, row: dict) -> int:
+        """How many characters ``row``'s prompt has before a chat template renders it (its
+        messages' text and tool calls, and the system prompt)."""
+        value = row[self.config.prompt_key]
+        chars = len(self.config.system_prompt or "")
+        if not is_chat(value):
+            return chars + len(value)
+        for m in normalize(value):
+            chars += len(m["content"]) + sum(len(c["function"]["name"]) + len(c["function"]["arguments"])
+                                             for c in m.get("tool_calls", ()))
+        return chars
+
     def _fits(self, row: dict, held_out: bool) -> bool:
         """Whether ``row``'s prompt is at most ``max_prompt_tokens`` long (False: the chat template
-        refuses it)."""
+        refuses it). A prompt of more characters than the limit could hold is left out before it
+        is rendered or tokenized (a row of megabytes would take seconds to count)."""
+        if self._characters(row) > self.config.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+            return False
         try:
             return self._length(self._prompt_of(row, held_out=held_out)) <= self.config.max_prompt_tokens
         except UserError:
