@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from streamrl.bench.learners import learner_overrides, parse_learners, variant_overrides
+from streamrl.bench.learner_variants import learner_overrides, parse_learners, variant_overrides
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig
 from streamrl.recipe.recipe import apply_overrides
