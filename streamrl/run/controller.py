@@ -210,8 +210,9 @@ class Controller:
         """The step's record: the train tasks' stats, the pools' busy clocks, dispatch lessons."""
         before, self.clock = self.clock, bubbles.snapshot(self.client)
         self.boundary = self.clock[0]
+        pools = bubbles.pool_bubbles(before, self.clock, self.topology.pools)
         record = summarize(step, self.version, [f.result() for f in trains], step_stats, t0, t_trained, self.clock[0])
-        record.pools = bubbles.pool_bubbles(before, self.clock, self.topology.pools)
+        record.pools = pools
         # the accounting window runs boundary to boundary, so it includes the controller's own
         # time between steps (writing metrics), which is idle time for every pool too
         record.accounting_window_s = round(self.clock[0] - before[0], 4)
