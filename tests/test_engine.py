@@ -308,6 +308,20 @@ def test_a_request_id_asked_again_while_waiting_fails_the_old_ask_instead_of_lea
     assert sorted(taken) == [("a-0", [3]), ("b-0", [1])]
 
 
+def test_requests_put_after_the_loop_died_fail_at_once_instead_of_waiting_for_ever():
+    from streamrl.engines.request_queue import RequestQueue
+
+    queue = RequestQueue()
+    waiting = queue.put([("a-0", [1], 0.0)])["a-0"]
+    queue.fail_all("its generation loop died: IndexError: boom")
+    with pytest.raises(RuntimeError, match="request a-0 did not finish: its generation loop died"):
+        waiting.result(timeout=1)
+    late = queue.put([("b-0", [1], 0.0)])["b-0"]
+    with pytest.raises(RuntimeError, match="request b-0 cannot run: its generation loop died: IndexError: boom"):
+        late.result(timeout=1)
+    assert queue.counts() == (0, 0)
+
+
 def test_greedy_evaluation_while_continuous_batching_generates_gives_the_idle_answers(tiny_model):
     import threading
 
@@ -354,25 +368,58 @@ def test_a_responses_text_is_the_tokenizers_decode_special_tokens_left_out(tiny_
         assert engine.tokenizer.eos_token not in text and "46" in text
 
 
-@pytest.mark.parametrize("batching", ["slots", "continuous"])
-def test_a_tokenizer_without_a_bos_token_generates_from_plain_text(tiny_model, tmp_path, batching):
-    # Qwen2.5's tokenizer has no BOS token (bos_token_id None): a plain-string prompt is then its
-    # text alone, where [None] + ids failed every request
+def without_bos(model, folder):
+    """A copy of ``model`` in ``folder`` whose tokenizer has no BOS token (as Qwen2.5's); its tokenizer."""
     import shutil
 
     from transformers import AutoTokenizer
 
-    folder = tmp_path / "no-bos"
-    shutil.copytree(tiny_model, folder)
+    shutil.copytree(model, folder)
     tok = AutoTokenizer.from_pretrained(folder)
     tok.bos_token = None
     tok.save_pretrained(folder)
     assert AutoTokenizer.from_pretrained(folder).bos_token_id is None
+    return tok
+
+
+@pytest.mark.parametrize("batching", ["slots", "continuous"])
+def test_a_tokenizer_without_a_bos_token_generates_from_plain_text(tiny_model, tmp_path, batching):
+    # Qwen2.5's tokenizer has no BOS token (bos_token_id None): a plain-string prompt is then its
+    # text alone, where [None] + ids failed every request
+    folder = tmp_path / "no-bos"
+    tok = without_bos(tiny_model, folder)
     engine = HFEngine(HFEngineConfig(max_new_tokens=4, batching=batching))
     engine.load(str(folder))
     try:
         assert engine.encode("1+2=") == tok("1+2=", add_special_tokens=False).input_ids
         group = engine.generate(Prompt(uid="p0", text="1+2=", answer="3"), 2)
         assert [len(s.response_ids) == len(s.logprobs) > 0 for s in group] == [True, True]
+    finally:
+        engine.close()
+
+
+def test_an_empty_prompt_without_a_bos_token_is_refused_and_the_slot_loop_goes_on(tiny_model, tmp_path):
+    # no BOS: "" is no tokens at all, and a prefill of nothing killed the decode loop, after which
+    # every request (the endpoint's, the run's) waited for ever
+    import httpx
+
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.traffic import Traffic
+    from tests.helpers import endpoint_in_process
+
+    without_bos(tiny_model, tmp_path / "no-bos")
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4,
+                                       profile=False))
+    engine.load(str(tmp_path / "no-bos"))
+    try:
+        with pytest.raises(ValueError, match="prompt e0 has no tokens; a prompt needs at least one"):
+            engine.generate(Prompt(uid="e0", text=""), 2)
+        with endpoint_in_process(Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")) as url:
+            r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+2=", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"], r.text
+        assert engine.loop_error is None and len(engine.generate(Prompt(uid="p1", text="1+2="), 2)) == 2
     finally:
         engine.close()

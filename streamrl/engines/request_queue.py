@@ -54,6 +54,7 @@ class RequestQueue:
         self._order = itertools.count()
         self._futures: dict[str, Future] = {}
         self._running = 0
+        self._ended: str | None = None  # why no loop takes requests any more (fail_all)
 
     def put(self, requests: list[tuple[str, list[int], float]]) -> dict[str, Future]:
         """Queue ``(request id, prompt ids, priority)`` requests, all under one lock so a loop
@@ -66,6 +67,11 @@ class RequestQueue:
             raise ValueError(f"hf engine: request {twice[0]} asked twice at once; every request needs its own id")
         superseded = []
         with self._lock:
+            if self._ended is not None:  # no loop will ever take them: each fails now, not in a timeout
+                for rid, _, _ in requests:
+                    futures[rid] = Future()
+                    futures[rid].set_exception(RuntimeError(f"hf engine: request {rid} cannot run: {self._ended}"))
+                return futures
             for rid, ids, priority in requests:
                 # An id still waiting is a request asked again (Dask retrying a generate task whose
                 # wait timed out): the new ask takes the id, and the old one fails at once rather
@@ -143,9 +149,10 @@ class RequestQueue:
     def fail_all(self, why: str = "the engine closed") -> None:
         """Fail every request not finished yet and empty the queue (the engine is closing, or its
         loop died): a task blocked on a request that will never finish would hang its worker
-        thread."""
+        thread. Requests put after it fail at once, for the same reason."""
         with self._lock:
             waiting, self._futures, self._heap = self._futures, {}, []
+            self._ended = why
         for rid, fut in waiting.items():
             fut.set_exception(RuntimeError(f"hf engine: request {rid} did not finish: {why}"))
 

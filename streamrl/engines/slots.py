@@ -287,6 +287,8 @@ class SlotEngine(TransformersEngine):
             self._check_ids(f"prompt {p.uid}", i)
 
     def _check_ids(self, what: str, ids: list[int]) -> None:
+        if not ids:  # (an empty text on a tokenizer without BOS: nothing to prefill, no last token to sample from)
+            raise ValueError(f"hf engine: {what} has no tokens; a prompt needs at least one")
         if len(ids) > self.config.max_prompt_tokens:
             raise ValueError(f"hf engine: {what} has {len(ids)} tokens, more than engine.max_prompt_tokens "
                              f"= {self.config.max_prompt_tokens} (a slot holds max_prompt_tokens + max_new_tokens)")

@@ -202,8 +202,13 @@ class Endpoint:
             return list(req.prompt)
         pattern = content_as_text.added_pattern(self.tokenizer)
         if pattern is None or not pattern.search(req.prompt):
-            return self.engine.encode(req.prompt)
-        return self.engine.encode("") + content_as_text.text_ids(self.tokenizer, req.prompt)  # (BOS, if any)
+            ids = self.engine.encode(req.prompt)
+        else:
+            ids = self.engine.encode("") + content_as_text.text_ids(self.tokenizer, req.prompt)  # (BOS, if any)
+        if not ids:  # (a model without a BOS token: an empty text is no tokens at all)
+            raise APIError(400, "The prompt is empty, and this model has no beginning-of-text token to start from; "
+                                "send some text.", param="prompt")
+        return ids
 
 
 def make_app(endpoint: Endpoint) -> FastAPI:

@@ -14,8 +14,8 @@ reaches the reward (``Prompt.columns``; the prompt too, as the row has it). Chat
 (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and reach the engine as
 token ids; plain strings are used as they are.
 
-A row that cannot be a prompt (no prompt field, a prompt that is neither text nor chat
-messages, messages of an unknown role, a missing answer) is left out when the task is built, and
+A row that cannot be a prompt (no prompt field, an empty one, a prompt that is neither text
+nor chat messages, messages of an unknown role, a missing answer) is left out when the task is built, and
 the count is printed with the first such row. A row the model's chat template refuses
 when it is handed out (roles out of order) is passed over for the next row of that epoch's
 sequence, with a warning; no single row ends a run. Chat content is text: a control token's
@@ -165,6 +165,8 @@ class DatasetTask(Task):
         elif not isinstance(value, str):
             return (f"{key!r} is neither a string nor a list of {{role, content}} messages "
                     f"(got {type(value).__name__})")
+        elif not value and not self.config.system_prompt:  # (no tokens at all for a model without BOS)
+            return f"{key!r} is empty"
         answer_key = self.eval_answer_key if held_out else self.answer_key
         try:
             answer_key and dig(row, answer_key)
