@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from streamrl.chat import content_as_text
 from streamrl.chat.messages import reply_message
-from streamrl.chat.tool_calls import Llama3JsonToolParser, MistralToolParser, Qwen3ToolParser
+from streamrl.chat.tool_calls import HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3ToolParser
 from streamrl.serve.completion import decode, token_ids
 from streamrl.serve.trajectories import Trajectories
 from tests.helpers import ROOT
@@ -138,6 +138,18 @@ def test_the_parsers_leave_what_does_not_parse_as_content():
     assert Qwen3ToolParser().parse("<think>\nhm\n</think>\n\nIt is 18 C.") == ("It is 18 C.", [])
     assert Qwen3ToolParser().parse("<think>\nstill thinking when the tokens ran out") == (None, [])
     assert Qwen3ToolParser().parse("Plain answer") == ("Plain answer", [])
+    call = '{"name": "f", "arguments": {"x": 1}}'
+    assert HermesToolParser().parse(f"Sure.\n<tool_call>\n{call}\n</tool_call>\n") == (
+        "Sure.", [{"name": "f", "arguments": '{"x": 1}'}])
+    assert HermesToolParser().parse(f"<tool_call> {call} \n") == (None, [{"name": "f", "arguments": '{"x": 1}'}])
+
+
+def test_a_reply_of_a_long_run_of_blanks_after_a_tool_call_tag_parses_in_one_pass():
+    # the block's pattern once tried every split of such a run (quadratic, holding the GIL: a
+    # reply of this size took hours); the test's timeout is what fails
+    reply = "<tool_call>x" + " " * 2_000_000 + "y"
+    assert HermesToolParser().parse(reply) == (reply, [])
+    assert Qwen3ToolParser().parse(reply) == (reply, [])
 
 
 @pytest.mark.parametrize("parser, pieces, content", [

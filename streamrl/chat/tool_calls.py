@@ -30,8 +30,11 @@ from pydantic import BaseModel, ConfigDict
 from streamrl.contracts.agents import ToolParser
 
 # a block ends at its closing tag, or at the end of the reply (a model that stopped right after
-# the JSON, its end of turn doubling as the closing tag)
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# the JSON, its end of turn doubling as the closing tag). No ``\s*`` around the body: JSON takes
+# the blanks, and a lazy body between two blank-eating runs tried every split of a long run of
+# blanks -- quadratic in a reply's length, in a regex that holds the GIL (a reply of 64 K blanks
+# took the whole worker for about a minute)
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 class HermesConfig(BaseModel):
