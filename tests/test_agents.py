@@ -124,6 +124,13 @@ def test_a_rollouts_calls_join_one_trajectory_with_the_engines_tokens_and_logpro
         if m:
             assert abs(lp[k].item() - seg["logprobs"][k]) < 1e-4, k
     assert finish(url, "r-join")["segments"] == []  # handed over once
+    # a call's reward is its rollout's: feedback naming the call is refused, and the call is ended
+    # in the traffic's tables (not kept as running for the whole run)
+    import httpx
+
+    r = httpx.post(f"{url}/feedback", json={"id": first.id, "reward": 1.0}, timeout=30)
+    assert r.status_code == 400 and "is a call of an agent's rollout" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "id"
 
 
 def test_a_reply_with_a_tool_call_comes_back_as_openai_tool_calls(served):

@@ -154,6 +154,64 @@ def test_megabytes_of_prompt_are_refused_by_their_characters_without_tokenizing(
     assert error_of(r, 400)["param"] == "prompt"
 
 
+def test_thousands_of_messages_are_refused_by_their_rendered_characters_without_tokenizing(served, monkeypatch):
+    # each message is a few characters of the template's and none of content: counted when rendered
+    from streamrl.chat import content_as_text
+
+    _, url = served
+    encoded = []
+    encode = content_as_text.encode
+    monkeypatch.setattr(content_as_text, "encode", lambda *a: encoded.append(a) or encode(*a))
+    assert chat(url, "1+1=").status_code == 200 and len(encoded) == 1  # (the spy sees a prompt tokenized)
+    body = {"model": "policy", "messages": [{"role": "user", "content": ""}] * 2000, "max_tokens": 2}
+    err = error_of(httpx.post(f"{url}/chat/completions", json=body, timeout=30), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert "without tokenizing them" in err["message"] and len(encoded) == 1
+
+
+def test_a_list_of_a_million_bad_items_is_one_error_not_a_million():
+    # pydantic stops at the first bad item of such a list (a million errors took seconds of the
+    # event loop to build); the error still names the item
+    from pydantic import ValidationError
+
+    from streamrl.serve.request_bodies import ChatRequest, CompletionRequest, parse_body
+
+    for model, body in [(CompletionRequest, {"model": "m", "prompt": "x", "stop": [1] * 1_000_000}),
+                        (CompletionRequest, {"model": "m", "prompt": [1.5] * 1_000_000}),
+                        (ChatRequest, {"model": "m", "messages": [1] * 1_000_000})]:
+        with pytest.raises(ValidationError) as e:
+            model.model_validate(body)
+        assert e.value.error_count() <= 2, model
+    with pytest.raises(Exception) as e:
+        parse_body(json.dumps({"model": "m", "prompt": [1, "a", 2, 3, 4, 5, 6, 7, 8, 9, 10, "bb"]}).encode(),
+                   CompletionRequest)
+    assert e.value.param == "prompt.1"  # the first bad item, not the longest name
+
+
+def test_an_answer_of_megabytes_is_refused_naming_it(served):
+    # (a completion keeps its answer until its feedback comes: 4 MB of answer was ~47 MB kept)
+    from streamrl.serve.request_bodies import MAX_ANSWER_CHARS, APIError, ChatRequest, parse_body
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "1+1="}], "answer": ["ab"] * MAX_ANSWER_CHARS}
+    with pytest.raises(APIError) as e:
+        parse_body(json.dumps(body).encode(), ChatRequest)
+    assert e.value.param == "answer" and f"at most {MAX_ANSWER_CHARS} characters" in e.value.message
+    _, url = served
+    assert chat(url, "1+1=", answer={"value": 2, "alternatives": ["2", "two"]}).status_code == 200
+
+
+def test_a_template_that_fails_on_what_it_was_sent_is_that_requests_400(served, monkeypatch):
+    # (a template filter reading a mapping it was given as a string raises TypeError inside jinja)
+    api, url = served
+
+    def template(*_, **__):
+        raise TypeError("dictsort requires a mapping")
+
+    monkeypatch.setattr(api.tokenizer, "apply_chat_template", template)
+    err = error_of(chat(url, "1+1="), 400)
+    assert err["param"] == "messages" and "TypeError: dictsort requires a mapping" in err["message"]
+
+
 def test_a_failure_nobody_foresaw_is_that_requests_500_in_openais_shape(served, monkeypatch, caplog):
     api, url = served
 

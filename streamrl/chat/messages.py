@@ -138,6 +138,11 @@ def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None, 
         except TemplateError as e:  # (a template's own refusal: roles out of order, a tool it cannot show)
             raise MessageError(f"The model's chat template cannot write these messages: {str(e)[:300]}",
                                "messages") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            # (a template that reads what it was sent as another type: a filter over a mapping
+            # given a string) -- the messages' doing, said as such, not the server's failure
+            raise MessageError(f"The model's chat template cannot write these messages ({type(e).__name__}: "
+                               f"{str(e)[:300]})", "messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant:" if generation_prompt else "")
 

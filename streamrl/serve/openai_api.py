@@ -179,7 +179,10 @@ class Endpoint:
     def encode_chat(self, text: str, contents: dict[str, str] | None = None) -> list[int]:
         """Rendered chat text as token ids: the template wrote the control tokens, and the
         guarded ``contents`` (``chat/content_as_text.py``) are text. A tokenizer without a
-        template gets the engine's own encoding, BOS first."""
+        template gets the engine's own encoding, BOS first. Text longer than the prompt limit
+        could hold is refused before it is tokenized (thousands of empty messages, each a few
+        characters of the template's)."""
+        self.check_characters(len(text), "messages")
         if getattr(self.tokenizer, "chat_template", None):
             return content_as_text.encode(self.tokenizer, text, contents or {})
         if not contents:
@@ -333,7 +336,9 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             return {"object": "feedback", "session": fb.session, "accepted": True, "completions": reached}
         problem = endpoint.traffic.feedback(fb.id, fb.index, fb.reward)
         if problem is not None:
-            raise refused_feedback(problem, "id" if problem.startswith("no completion") else "index")
+            # (the field the refusal is about: the choice when one was named and it is the problem)
+            raise refused_feedback(problem, "index" if fb.index is not None and ("choice" in problem or "index" in problem)
+                                   else "id")
         return {"object": "feedback", "id": fb.id, "accepted": True}
 
     @app.post("/v1/streamrl/rollouts/{rollout}/finish")

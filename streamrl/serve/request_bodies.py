@@ -10,17 +10,29 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.requests import ClientDisconnect
 
 from streamrl.chat.messages import MAX_NESTING, nested_deeper
 from streamrl.recipe.serve import ServeConfig
 
 log = logging.getLogger("streamrl.serve")
+
+#: The most characters an ``answer`` may have, written as JSON: a reference answer is short, and
+#: a served completion keeps it until its feedback comes (``serve.feedback_timeout_s``).
+MAX_ANSWER_CHARS = 65_536
+
+#: A body larger than this is parsed and checked in a thread, off the event loop that streams
+#: every other client's tokens; a small one is quicker to parse than to hand over.
+PARSE_OFF_LOOP_BYTES = 64 * 1024
+
+# A list of the body stops at its first bad item (``fail_fast``): a list of a million bad items
+# otherwise made a million errors, seconds of the event loop's time to build and sort.
+Strings = Annotated[list[str], Field(fail_fast=True)]
 
 
 class APIError(Exception):
@@ -81,15 +93,23 @@ class Sampling(BaseModel):
     n: int = Field(1, ge=1, le=64)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: str | Strings | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     answer: Any = None
-    """streamrl's own: the reference answer the recipe's reward checks (``serve.reward = "recipe"``)."""
+    """streamrl's own: the reference answer the recipe's reward checks (``serve.reward = "recipe"``);
+    at most ``MAX_ANSWER_CHARS`` characters as JSON."""
     session: str | None = Field(None, min_length=1, max_length=256)
     """streamrl's own: a conversation or user session this request belongs to; one ``POST
     /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
+
+    @field_validator("answer")
+    @classmethod
+    def _short_answer(cls, value: Any) -> Any:
+        if value is not None and len(json.dumps(value)) > MAX_ANSWER_CHARS:
+            raise ValueError(f"an answer is at most {MAX_ANSWER_CHARS} characters as JSON")
+        return value
 
 
 class ToolFunction(BaseModel):
@@ -113,7 +133,7 @@ class Tool(BaseModel):
 class ChatRequest(Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1, fail_fast=True)]
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
@@ -131,7 +151,7 @@ class ChatRequest(Sampling):
 class CompletionRequest(Sampling):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int]
+    prompt: str | Annotated[list[int], Field(fail_fast=True)]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
 
@@ -198,10 +218,18 @@ async def read_body(request: Request, model: type[BaseModel], config: ServeConfi
     except TimeoutError:
         raise APIError(408, f"The request body did not come within {config.body_timeout_s:g} s "
                             "(serve.body_timeout_s).", code="request_timeout") from None
+    body = b"".join(chunks)
+    if size > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, body, model)
+    return parse_body(body, model)
+
+
+def parse_body(body: bytes, model: type[BaseModel]):
+    """``body`` (JSON) as ``model``, or the :class:`APIError` that says what is wrong with it."""
     deep = APIError(400, f"The request body is nested too deeply (more than {MAX_NESTING} levels of arrays "
                          "and objects).")
     try:
-        raw = json.loads(b"".join(chunks))
+        raw = json.loads(body)
         # a lone surrogate ("\ud800") is valid JSON but no text a tokenizer can encode
         json.dumps(raw, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -219,11 +247,11 @@ async def read_body(request: Request, model: type[BaseModel], config: ServeConfi
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        errors = e.errors()
+        errors = e.errors(include_url=False, include_input=False)
         # the first bad field; of a union's errors on it, the one that goes deepest into
         # what was sent ("prompt": [1, "2"] -> prompt.1, not "prompt is not a string")
         err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]),
-                  key=lambda x: len(_param(raw, x)))
+                  key=lambda x: len(_param(raw, x).split(".")))
         field = _param(raw, err)
         if not field:  # a rule over several fields (``model_validator``): its own words
             raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None

@@ -126,6 +126,9 @@ def finished(endpoint, completion: Completion, fmt: "Format") -> None:
             endpoint.trajectories.add(turn.rollout, turn.segment, turn.messages, turn.prompt_ids, c.tokens[:n],
                                       c.logprobs[:n], c.versions[:n], reply)
         turn.done = True
+        # (its samples go with the trajectory, not through feedback: ended here, or the traffic's
+        # tables kept one entry per agent call for the whole run)
+        endpoint.traffic.joined(completion.cid)
         return
     endpoint.traffic.timed(completion.cid, completion.first_token_s, completion.token_s)
     if completion.cancelled or not all(c.finish_reason for c in completion.choices):

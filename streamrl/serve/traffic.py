@@ -144,6 +144,14 @@ class Traffic:
             self._early.pop(completion_id, None)
             self._choices.pop(completion_id, None)
 
+    def joined(self, completion_id: str) -> None:
+        """Request ``completion_id`` was an agent rollout's call: its tokens went to the rollout's
+        trajectory, whose reward is the agent's (feedback naming it is refused)."""
+        with self._lock:
+            self._end(completion_id, "joined")
+            self._early.pop(completion_id, None)
+            self._choices.pop(completion_id, None)
+
     def finished(self, completion_id: str, group: Group, ready: bool = False) -> None:
         """Request ``completion_id`` ended with ``group``; ``ready``: it needs no feedback (the
         recipe's reward scores it when a step takes it), so it is ready for a step at once."""
@@ -175,6 +183,9 @@ class Traffic:
                 return f"no completion with id {completion_id!r}"
             if state == "rewarded":
                 return f"completion {completion_id!r} is already rewarded"
+            if state == "joined":
+                return (f"completion {completion_id!r} is a call of an agent's rollout: its reward is the "
+                        "rollout's, which the run's agent returns")
             if state == "dropped":
                 return f"completion {completion_id!r} was dropped (cancelled, or no reward within serve.feedback_timeout_s)"
             self.counts["feedback"] += 1
@@ -294,7 +305,7 @@ class Traffic:
         self._ended.append(completion_id)
         while len(self._ended) > REMEMBERED:
             old = self._ended.popleft()
-            if self._state.get(old) in ("rewarded", "dropped"):
+            if self._state.get(old) in ("rewarded", "dropped", "joined"):
                 del self._state[old]
                 self._model.pop(old, None)
 

@@ -132,8 +132,13 @@ class Trajectories:
                 rollout.splits += 1
             seg = Segment(prompt_ids=[], tools=tools_key, busy=True)
             rollout.segments.append(seg)
-        guarded, contents = content_as_text.guard(self.tokenizer, messages)
-        ids = self.encode(render(self.tokenizer, guarded, tools, generation_prompt=True), contents)
+        try:
+            guarded, contents = content_as_text.guard(self.tokenizer, messages)
+            ids = self.encode(render(self.tokenizer, guarded, tools, generation_prompt=True), contents)
+        except BaseException:  # (messages the template refuses, a prompt too long): no segment of nothing
+            with self._lock:
+                rollout.segments.remove(seg)
+            raise
         seg.prompt_ids = ids
         return ids, seg
 
