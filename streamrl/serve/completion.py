@@ -18,6 +18,14 @@ from typing import Any
 from streamrl.sample import Group, Prompt, Sample
 
 
+#: Tokens a response's text waits for a character cut between them to end. A byte-level BPE
+#: token can hold the end of one character and the start of the next, so a run of them (CJK
+#: text in a small vocabulary) may leave no character whole for several tokens; past this many,
+#: what they decode to is sent as it is (a model writing bytes that are no text must not make
+#: every later step decode all of them again).
+MAX_CHARACTER_TOKENS = 64
+
+
 @dataclass
 class Params:
     """What a request asks of its completions, checked (``openai_api.py``)."""
@@ -39,13 +47,20 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: str = ""
-    """The text sent so far (cut at a stop sequence)."""
+    """The text decoded so far (cut at a stop sequence)."""
+    sent: int = 0
+    """Characters of ``text`` sent in events (a tail that may begin a stop sequence is held back)."""
     finish_reason: str | None = None
     stopped_at: int | None = None
     """Token count when a stop sequence was found: the trained response ends there."""
     stopped_early: bool = False
     """The reward's ``stop_early`` ended it (``engine.stop_early_every``): a hopeless response,
     not decoded to its end; it is trained on as far as it went."""
+    prefix_at: int = 0
+    read_at: int = 0
+    """Tokens ``prefix_at:read_at`` were decoded into the text before the last new text, and are
+    decoded again in front of new tokens (``_new_text``): a token's text can depend on the one
+    before it (a word's leading space, a character split over bytes)."""
 
 
 @dataclass
@@ -149,18 +164,28 @@ class Completion:
                     c.finish_reason = "stop"
                 else:
                     c.finish_reason = "cancelled" if self.cancelled else "length"
-                yield Event(index, "", [], [], None, c.finish_reason)
+                rest, c.sent = c.text[c.sent:], len(c.text)  # (a tail held back for a stop sequence that never came)
+                yield Event(index, rest, [], [], None, c.finish_reason)
 
     def _new_text(self, c: Choice) -> str:
-        full = decode(self.tokenizer, c.tokens, self.keep)
-        if full.endswith("\ufffd"):  # a character cut between tokens: wait for its end
-            return ""
+        # Only the tokens since the last new text, behind the few decoded before them (decoded
+        # alike in both calls, so what they print differently alone cancels out): decoding the
+        # whole choice at each step cost the event loop time quadratic in its length.
+        before = decode(self.tokenizer, c.tokens[c.prefix_at:c.read_at], self.keep)
+        window = decode(self.tokenizer, c.tokens[c.prefix_at:], self.keep)
+        if window.endswith("\ufffd") and len(c.tokens) - c.read_at < MAX_CHARACTER_TOKENS:
+            return ""  # a character cut between tokens: wait for its end
+        c.prefix_at, c.read_at = c.read_at, len(c.tokens)
+        full = c.text + window[len(before):]
         for stop in self.params.stop:
             at = full.find(stop, max(0, len(c.text) - len(stop)))
             if at >= 0:
                 full, c.finish_reason, c.stopped_at = full[:at], "stop", len(c.tokens)
-        new = full[len(c.text):]
         c.text = full
+        # a tail that may be the start of a stop sequence waits: sent, it could not be taken back
+        hold = 0 if c.finish_reason else max((len(s) for s in self.params.stop), default=1) - 1
+        upto = max(c.sent, len(full) - hold)
+        new, c.sent = full[c.sent:upto], upto
         return new
 
     @property
