@@ -243,6 +243,11 @@ def test_refused_requests_are_a_few_lines_that_count_the_rest(served, caplog):
     assert lines == ["POST /v1/feedback -> 400 bad 0",
                      "POST /v1/feedback -> 400 last (and 49 more refused since the last line)"]
     caplog.clear()
+    # a path or a model name with a newline or an escape sequence cannot forge a line of the log
+    with caplog.at_level("WARNING", logger="streamrl.serve"):
+        RefusalLog().say("POST /v1/x\nstreamrl: run completed\x1b[2J -> 404")
+    assert [r.getMessage() for r in caplog.records] == ["POST /v1/x\\nstreamrl: run completed\\x1b[2J -> 404"]
+    caplog.clear()
     api, url = served
     before = dict(api.traffic.counts)
     with caplog.at_level("WARNING", logger="streamrl.serve"):

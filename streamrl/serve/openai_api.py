@@ -39,7 +39,7 @@ from streamrl.serve.completion import Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequest, Feedback, RefusalLog, Sampling,
-                                          read_body)
+                                          printable, read_body)
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Trajectories
@@ -243,7 +243,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             return await call_next(request)
         except Exception as exc:  # noqa: BLE001
             endpoint.traffic.count("server_errors")
-            log.error("%s %s -> 500 %s: %s", request.method, request.url.path, type(exc).__name__, str(exc)[:300])
+            log.error("%s %s -> 500 %s: %s", request.method, printable(request.url.path), type(exc).__name__,
+                      printable(str(exc)[:300]))
             return APIError(500, f"The server failed on this request ({type(exc).__name__}).",
                             kind="server_error").response()
 

@@ -50,6 +50,13 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def printable(text: str) -> str:
+    """``text`` with what is not printable (a newline, an escape sequence) written as its escape:
+    a client's path or model name in a log line cannot start a line of its own or move the
+    terminal's cursor."""
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 class RefusalLog:
     """Refused requests in the worker's log: one line, then at most one every ``every_s``
     seconds, which counts those refused in between (a flood of bad requests is a few lines, not
@@ -66,7 +73,7 @@ class RefusalLog:
             return
         if self.quiet:
             line += f" (and {self.quiet} more refused since the last line)"
-        log.warning(line)
+        log.warning(printable(line))
         self.last, self.quiet = now, 0
 
 
