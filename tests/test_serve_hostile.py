@@ -20,7 +20,7 @@ from streamrl.engines.slots import SlotEngine
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.openai_api import Endpoint
 from streamrl.serve.traffic import Traffic
-from tests.helpers import endpoint_in_process, slot_endpoint
+from tests.helpers import endpoint_in_process, slot_endpoint, until
 
 LIMIT = 64 * 1024  # serve.max_body_bytes here: small, so the test sends little
 BODY_TIMEOUT_S = 3.0  # serve.body_timeout_s here
@@ -410,3 +410,25 @@ def test_a_name_or_id_of_tens_of_kb_is_refused_without_being_said_back(served, p
     r = httpx.post(f"{url}{path}", json=body, timeout=30)
     err = error_of(r, 400)
     assert err["param"] == field and len(r.text) < 1000, r.text[:300]
+
+
+def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
+    # a request without stream: the route looks for the client between decode steps; under
+    # Starlette's BaseHTTPMiddleware it never saw it leave, and the reply decoded to its end
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4000,
+                                       temperature=1.0, profile=False))
+    engine.load(str(tiny_model))
+    engine.decoder.eos_id.fill_(-1)  # (no early end: only the cancel ends it before 4,000 tokens)
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
+    try:
+        with endpoint_in_process(api) as url:
+            host, port = url.split("//")[1].split("/")[0].split(":")
+            body = json.dumps({"model": "policy", "prompt": "1+1=", "max_tokens": 4000}).encode()
+            with socket.create_connection((host, int(port)), timeout=20) as gone:
+                gone.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                             f"content-length: {len(body)}\r\n\r\n".encode() + body)
+                assert until(lambda: api.pending == 1, 30)
+            assert until(lambda: api.traffic.counts.get("cancelled", 0) == 1, 60)
+            assert api.pending == 0 and engine.loop_counts["steps"] < 4000
+    finally:
+        engine.close()
