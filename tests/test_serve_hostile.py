@@ -432,3 +432,19 @@ def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
             assert api.pending == 0 and engine.loop_counts["steps"] < 4000
     finally:
         engine.close()
+
+
+def test_feedback_on_a_greedy_completion_is_refused_while_it_runs_and_after(served):
+    # (a greedy reply is not a sample of the policy: feedback it "accepted" was then dropped)
+    api, url = served
+    traffic = Traffic(60.0)
+    traffic.started("cmpl-g", session="s", n=1, trained=False)
+    refused = traffic.feedback("cmpl-g", None, 1.0)
+    assert refused and "greedy (temperature 0)" in refused
+    assert traffic.session_feedback("s", 1.0)[0] == 0  # (not among its session's waiting completions)
+    traffic.dropped("cmpl-g")
+    assert "greedy (temperature 0)" in traffic.feedback("cmpl-g", None, 1.0)
+    done = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "temperature": 0,
+                                                  "max_tokens": 2}, timeout=30).json()
+    err = error_of(httpx.post(f"{url}/feedback", json={"id": done["id"], "reward": 1.0}, timeout=30), 400)
+    assert "greedy (temperature 0)" in err["message"] and err["param"] == "id"

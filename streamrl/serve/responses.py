@@ -49,7 +49,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     endpoint.pending += params.n
     endpoint.running[id(engine)] = endpoint.running.get(id(engine), 0) + params.n
     model = endpoint.model_name if turn is not None else req.model
-    endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n)
+    endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n, trained=not params.greedy)
     try:
         completion.start()
     except ValueError as e:  # the engine's own check (a prompt past its slots)

@@ -102,12 +102,17 @@ class Traffic:
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
         self._stopped = False
 
-    def started(self, completion_id: str, session: str | None = None, model: str = "", n: int | None = None) -> None:
+    def started(self, completion_id: str, session: str | None = None, model: str = "", n: int | None = None,
+                trained: bool = True) -> None:
         """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from
         now on. ``model``: the one that answers it (its figures are kept apart); ``n``: its
-        choices (feedback that comes before its end names one of them)."""
+        choices (feedback that comes before its end names one of them); ``trained``: False for a
+        greedy one, not a sample of the policy (feedback naming it is refused at once, not
+        accepted and then dropped)."""
         with self._lock:
-            self._state[completion_id] = "running"
+            self._state[completion_id] = "running" if trained else "untrained"
+            if not trained:
+                session = None
             if n is not None:
                 self._choices[completion_id] = n
             self.counts["requests"] += 1
@@ -140,7 +145,7 @@ class Traffic:
     def dropped(self, completion_id: str) -> None:
         """Request ``completion_id`` ended without samples to learn from (cancelled, greedy)."""
         with self._lock:
-            self._end(completion_id, "dropped")
+            self._end(completion_id, "untrained" if self._state.get(completion_id) == "untrained" else "dropped")
             self._early.pop(completion_id, None)
             self._choices.pop(completion_id, None)
 
@@ -183,6 +188,9 @@ class Traffic:
                 return f"no completion with id {completion_id!r}"
             if state == "rewarded":
                 return f"completion {completion_id!r} is already rewarded"
+            if state == "untrained":
+                return (f"completion {completion_id!r} was greedy (temperature 0): not a sample of the policy, "
+                        "it is not trained on")
             if state == "joined":
                 return (f"completion {completion_id!r} is a call of an agent's rollout: its reward is the "
                         "rollout's, which the run's agent returns")
@@ -305,7 +313,7 @@ class Traffic:
         self._ended.append(completion_id)
         while len(self._ended) > REMEMBERED:
             old = self._ended.popleft()
-            if self._state.get(old) in ("rewarded", "dropped", "joined"):
+            if self._state.get(old) in ("rewarded", "dropped", "joined", "untrained"):
                 del self._state[old]
                 self._model.pop(old, None)
 
