@@ -47,14 +47,15 @@ def text_ids(tokenizer, text: str) -> list[int]:
     """``text`` as token ids of its characters: every added token's string in it is tokenized as
     text, never as the added token (cut after its first character)."""
     pattern = added_pattern(tokenizer)
-    ids: list[int] = []
-    rest = text
-    while rest:
-        found = pattern.search(rest) if pattern is not None else None
-        cut = len(rest) if found is None else found.start() + 1
-        ids += tokenizer(rest[:cut], add_special_tokens=False).input_ids
-        rest = rest[cut:]
-    return ids
+    pieces, at = [], 0
+    while at < len(text):
+        found = pattern.search(text, at) if pattern is not None else None
+        cut = len(text) if found is None else found.start() + 1
+        pieces.append(text[at:cut])
+        at = cut
+    # one call for every piece (content of thousands of control strings is one batch, not
+    # thousands of calls)
+    return [i for piece in (tokenizer(pieces, add_special_tokens=False).input_ids if pieces else []) for i in piece]
 
 
 def guard(tokenizer, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
