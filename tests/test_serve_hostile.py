@@ -448,3 +448,11 @@ def test_feedback_on_a_greedy_completion_is_refused_while_it_runs_and_after(serv
                                                   "max_tokens": 2}, timeout=30).json()
     err = error_of(httpx.post(f"{url}/feedback", json={"id": done["id"], "reward": 1.0}, timeout=30), 400)
     assert "greedy (temperature 0)" in err["message"] and err["param"] == "id"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_token_limit_past_the_engines_is_400_naming_the_field_sent(served, field):
+    _, url = served
+    body = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}], field: 10_000}
+    err = error_of(httpx.post(f"{url}/chat/completions", json=body, timeout=30), 400)
+    assert err["param"] == field and err["message"].startswith(f"{field} 10000 is more than")

@@ -152,8 +152,9 @@ class Endpoint:
                            param="top_p")
         limit = req.max_completion_tokens or req.max_tokens or c.max_new_tokens
         if limit > c.max_new_tokens:
-            raise APIError(400, f"max_tokens {limit} is more than this endpoint generates: at most "
-                                f"{c.max_new_tokens} (engine.max_new_tokens).", param="max_tokens")
+            field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"  # (the one it sent)
+            raise APIError(400, f"{field} {limit} is more than this endpoint generates: at most "
+                                f"{c.max_new_tokens} (engine.max_new_tokens).", param=field)
         if len(prompt_ids) > c.max_prompt_tokens:
             raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this endpoint takes at most "
                                 f"{c.max_prompt_tokens} (engine.max_prompt_tokens).", param="messages",
