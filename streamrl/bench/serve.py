@@ -8,8 +8,10 @@ each, alternating: **off**, the clients ask and send no feedback (no step trains
 load); **on**, the same clients reward every answer (steps train and the engine loads each new
 policy between decode steps). Each client streams its requests with the ``openai`` client, one
 at a time. Per phase: time to first token and time between two tokens of one choice (p50, p99
-over every request), generated tokens/s, requests answered, refused (429) and failed. The ratio on/off of
-the median inter-token latency is the cost learning adds to serving.
+over every request), generated tokens/s, requests answered, refused (429) and failed, and the
+host's CPU per streamed token in the serving process (its HTTP thread, its decode loop, the loop's
+hand-over of tokens: :func:`per_token`). The ratio on/off of the median inter-token latency is the
+cost learning adds to serving.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class Load:
             hung, wall = found["hung"], found["wall"]
         ms = lambda x: None if x is None else round(1000 * x, 2)  # noqa: E731
         row = {"requests": self.answered, "refused": self.refused, "failed": self.failed,
-               "hung": hung, "tokens_per_s": round(self.tokens / wall, 1),
+               "hung": hung, "tokens": self.tokens, "tokens_per_s": round(self.tokens / wall, 1),
                "ttft_p50_ms": ms(percentile(self.ttft, 0.5)), "ttft_p99_ms": ms(percentile(self.ttft, 0.99)),
                "itl_p50_ms": ms(percentile(self.itl, 0.5)), "itl_p99_ms": ms(percentile(self.itl, 0.99))}
         if len(self.models) > 1:
@@ -208,9 +210,11 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
             rows = []
             for i in range(repeats):
                 for learning in ((False, True) if i % 2 == 0 else (True, False)):
+                    before = _host(info["url"], key)
                     row = {"pass": i + 1, "learning": "on" if learning else "off",
                            **Load(info["url"], models, key, clients, seconds, n, learning,
                                   processes=client_processes).run()}
+                    row.update(per_token(before, _host(info["url"], key), row["tokens"]))
                     rows.append(row)
                     console.print(row)
             steps = len((Path(info["run_dir"]) / "metrics.jsonl").read_text().splitlines()) \
@@ -228,12 +232,12 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
         ratios[what] = round(statistics.median(a / b for a, b in pairs), 3) if pairs else None
     table = Table(title=f"bench serve: {file}")
     for col in ("pass", "learning", "requests", "refused", "failed", "hung", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
-                "ITL p50 ms", "ITL p99 ms"):
+                "ITL p50 ms", "ITL p99 ms", "HTTP CPU us/token", "loop CPU us/token", "emit us/token"):
         table.add_column(col)
     for r in rows:
         table.add_row(*[str(x) for x in (r["pass"], r["learning"], r["requests"], r["refused"], r["failed"], r["hung"],
                                          r["tokens_per_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"],
-                                         r["itl_p99_ms"])])
+                                         r["itl_p99_ms"], r["http_cpu_us"], r["loop_cpu_us"], r["emit_us"])])
     console.print(table)
     console.print(f"learning on / off (median over passes): inter-token p50 {ratios['itl_p50_ms']}, "
                   f"time to first token p50 {ratios['ttft_p50_ms']}, inter-token p99 {ratios['itl_p99_ms']}; "
@@ -261,6 +265,29 @@ def _pairs(rows: list[dict]):
     for r in rows:
         by_pass.setdefault(r["pass"], {})[r["learning"]] = r
     return [(p["on"], p["off"]) for p in by_pass.values() if "on" in p and "off" in p]
+
+
+def per_token(before: dict, after: dict, tokens: int) -> dict:
+    """Host microseconds per streamed token over a phase, from the endpoint's host counts before
+    and after it: the HTTP server's thread (``http_cpu_us``), the engine's decode loop
+    (``loop_cpu_us``: decoding itself on a CPU, launching on a GPU) and the loop's hand-over of
+    tokens to the served requests (``emit_us``, wall time within the loop). None where the
+    endpoint could not say."""
+    def us(key: str) -> float | None:
+        a, b = before.get(key), after.get(key)
+        return None if a is None or b is None or not tokens else round(1e6 * (b - a) / tokens, 1)
+
+    return {"http_cpu_us": us("http_cpu_s"), "loop_cpu_us": us("decode_loop_cpu_s"), "emit_us": us("decode_loop_emit_s")}
+
+
+def _host(url: str, key: str) -> dict:
+    """The endpoint's host counts (``GET /v1/serve/stats``'s ``host``); empty if it cannot say."""
+    req = urllib.request.Request(f"{url}/serve/stats", headers={"Authorization": f"Bearer {key or 'none'}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read()).get("host") or {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _models(url: str, key: str) -> list[str]:

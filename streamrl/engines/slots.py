@@ -72,11 +72,14 @@ class SlotEngine(TransformersEngine):
         """The reward that may end responses early (:meth:`stop_early_with`)."""
         self.moves = SampleMoves(self)
         """Samples taken out to go on elsewhere, and those continued here."""
-        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "idle_s": 0.0}
+        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "idle_s": 0.0,
+                            "emit_s": 0.0}
         """What the loop did so far: decode steps, admissions (each one prefill between two steps),
         the requests they took, the seconds its prefill calls took on the host (on a GPU, mostly
-        launching the prefill's kernels) and the seconds it waited with nothing to decode; read by
-        ``streamrl bench engine`` (monotone counters)."""
+        launching the prefill's kernels), the seconds it waited with nothing to decode and the
+        seconds it spent handing followed requests their tokens (``emit_s``: the serving path's
+        share of the loop); read by ``streamrl bench engine`` and the endpoint's stats (monotone
+        counters)."""
 
     def _start(self, device: str) -> None:
         c = self.config
@@ -88,6 +91,12 @@ class SlotEngine(TransformersEngine):
         self._loop = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
                                       name="streamrl-hf-slots", daemon=True)
         self._loop.start()
+
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The decode loop's thread (None before :meth:`load`): what the endpoint's host counts
+        read the CPU time of."""
+        return self._loop
 
     def queued(self, requests: list[Request], ids: list[list[int]], priority: float) -> dict[str, Future]:
         """Register ``requests`` (before the loop can see them) and queue them; their futures."""
@@ -127,13 +136,13 @@ class SlotEngine(TransformersEngine):
         # waiting requests are admitted on the turns that look for ended ones (or when nothing
         # runs): requests that arrive a few at a time share one prefill between two steps
         if (not self.table.running or self._steps % self.config.finished_every == 0) and self._admit_into_free_slots():
-            self.streams.emit(self.table.running, self.decoder)
+            self._emit()
             self._hand_back()  # a first token can end a request (EOS, max_new_tokens = 1)
         if not self.table.running:
             return False
         self.decoder.step(self._size())
         self.loop_counts["steps"] += 1
-        self.streams.emit(self.table.running, self.decoder)
+        self._emit()
         stop = self.watch.stops(self.table.running, self.decoder)
         if stop:
             self._release(stop)
@@ -141,6 +150,12 @@ class SlotEngine(TransformersEngine):
         if self.table.running and self._steps % self.config.finished_every == 0:
             self._hand_back()
         return True
+
+    def _emit(self) -> None:
+        # followed requests' new tokens to their callbacks, timed (the serving path's share of the loop)
+        t = time.perf_counter()
+        self.streams.emit(self.table.running, self.decoder)
+        self.loop_counts["emit_s"] += time.perf_counter() - t
 
     @property
     def _steps(self) -> int:
@@ -245,7 +260,7 @@ class SlotEngine(TransformersEngine):
             elif self._queue.cancel(rid):  # still waiting: answered empty, its request forgotten
                 self._requests.pop(rid, None)
         if stop:
-            self.streams.emit(self.table.running, self.decoder)
+            self._emit()
             self._release(stop, taken_out=True)
 
     def _version_of(self, adapter: str) -> int:

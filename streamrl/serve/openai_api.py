@@ -42,6 +42,7 @@ from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequ
                                           printable, read_body)
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
+from streamrl.telemetry.thread_cpu import cpu_seconds
 from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Trajectories
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
@@ -92,6 +93,16 @@ class Endpoint:
         self.parse_lock = threading.Lock()
         """Held while a reply is parsed for tool calls (``responses.Format.parse``, off the loop):
         the parser sees one reply at a time."""
+
+    def host_counts(self) -> dict[str, Any]:
+        """What the serving path has cost the host so far (call it on the server's thread): the
+        CPU seconds of the HTTP server's thread and of this engine's decode loop (None where the
+        platform cannot say), and the loop's own counters (``SlotEngine.loop_counts``). The two
+        threads share the interpreter lock: their CPU per streamed token bounds how many tokens a
+        second this process can stream, however fast the accelerator decodes."""
+        loop = getattr(self.engine, "loop_thread", None)
+        return {"http_cpu_s": cpu_seconds(threading.current_thread()), "decode_loop_cpu_s": cpu_seconds(loop),
+                **{f"decode_loop_{k}": v for k, v in getattr(self.engine, "loop_counts", {}).items()}}
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenizing thread (its exceptions raised here)."""
@@ -377,7 +388,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         endpoint.authorize(request)
         return {"object": "serve.stats", "pending": endpoint.pending, "policy_version": endpoint.engine.version,
                 "rollouts_in_flight": endpoint.trajectories.in_flight(),
-                "rollouts_dropped_stale": endpoint.trajectories.dropped_stale, **endpoint.traffic.snapshot()}
+                "rollouts_dropped_stale": endpoint.trajectories.dropped_stale, **endpoint.traffic.snapshot(),
+                "host": endpoint.host_counts()}
 
     return app
 
