@@ -520,6 +520,11 @@ def table(result: dict) -> str:
             if off:
                 lines.append(f"| serve | learning off: tokens/s, inter-token p50 ms; steps trained | "
                              f"{off[0]['tokens_per_s']:,.0f}, {off[0]['itl_p50_ms']}; {row['training_steps']} |")
+                # the serving process's host CPU per streamed token: its HTTP thread and decode loop
+                # share one interpreter lock, so their sum bounds the tokens/s it can stream
+                lines.append(f"| serve | learning off: host us per streamed token: HTTP thread CPU, decode loop CPU, "
+                             f"its hand-over | {off[0].get('http_cpu_us')}, {off[0].get('loop_cpu_us')}, "
+                             f"{off[0].get('emit_us')} |")
         if name == "transfer" and row.get("result"):
             for r in row["result"] if isinstance(row["result"], list) else [row["result"]]:
                 lines.append(f"| transfer | {r.get('transfer')}: MB, s/publication, memcpy GB/s | "

@@ -380,6 +380,23 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert serve["ok"] and {r["learning"] for r in serve["rows"]} == {"off", "on"}
     assert all(r["requests"] > 0 and r["failed"] == 0 for r in serve["rows"]) and serve["ratios"]["itl_p50_ms"] > 0
     assert "| serve | learning on / off: inter-token p50" in table
+    assert "| serve | learning off: host us per streamed token" in table
+    assert all(r["http_cpu_us"] > 0 and r["emit_us"] > 0 for r in serve["rows"])
+
+
+@pytest.mark.slow
+def test_stream_handover_measures_both_wakeups_and_delivers_every_token(tmp_path):
+    # benchmarks/stream_handover.py: each decode step's tokens to an event loop in another
+    # thread, woken per choice or once a step; every token arrives either way
+    out = tmp_path / "handover.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_handover.py"), "--slots", "16",
+                           "--max-new-tokens", "16", "--steps", "16", "--rounds", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert sorted(r["way"] for r in result["rows"]) == ["batched", "batched", "per-choice", "per-choice"]
+    assert all(r["delivered"] and r["emit_us_per_token"] > 0 for r in result["rows"])
+    assert result["summary"]["ratio_process_cpu"] > 0 and "Traceback" not in proc.stderr
 
 
 def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_path):

@@ -315,6 +315,8 @@ def test_bench_serve_measures_latency_with_learning_off_and_on(tmp_path, tiny_mo
     assert set(rows) == {"off", "on"}
     for r in rows.values():
         assert r["requests"] > 0 and r["failed"] == 0 and r["hung"] == 0 and r["itl_p50_ms"] > 0
+        # the serving process's host CPU per streamed token (Linux has per-thread clocks)
+        assert r["http_cpu_us"] > 0 and r["loop_cpu_us"] > 0 and r["emit_us"] > 0
     assert result["training_steps"] >= 1  # learning on trained (off sends no feedback: nothing to train)
     assert result["ratios"]["itl_p50_ms"] > 0
     bad = subprocess.run([sys.executable, "-m", "streamrl", "bench", "serve", str(recipe), "--client-processes", "0"],

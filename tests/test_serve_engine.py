@@ -137,6 +137,67 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_choices(engine):
     assert traffic.feedback("cmpl-x", None, 1.0) is not None  # nothing of it to reward or train
 
 
+def test_a_stream_writes_what_each_decode_step_brought_its_choices_at_once(engine):
+    # n choices decode in the same steps: their chunks of a step are one write, not n, and every
+    # token still reaches its choice in order
+    import asyncio
+    import json as json_
+
+    from streamrl.recipe.serve import ServeConfig
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.request_bodies import CompletionRequest
+    from streamrl.serve.responses import Format, stream
+    from streamrl.serve.completion import Completion
+    from streamrl.serve.traffic import Traffic
+
+    endpoint = Endpoint(engine, ServeConfig(), Traffic(60), "tiny")
+    req = CompletionRequest(model="tiny", prompt="1+2=", n=3, max_tokens=6, stream=True)
+
+    async def go():
+        ids = endpoint.completion_prompt(req)
+        completion = Completion(engine, engine.tokenizer, "cmpl-w", ids, endpoint.params(req, ids))
+        endpoint.pending += 3
+        endpoint.traffic.started("cmpl-w")
+        completion.start()
+        return [w async for w in stream(endpoint, completion, Format(endpoint, req, "cmpl-w", False, ids), req)]
+
+    writes = asyncio.run(go())
+    chunks = [json_.loads(e[len("data: "):]) for w in writes for e in w.split("\n\n") if e.startswith("data: {")]
+    tokens = {k: [t for c in chunks[1:] if c["streamrl"]["index"] == k for t in c["streamrl"]["token_ids"]]
+              for k in range(3)}
+    assert all(len(t) == 6 for t in tokens.values())  # every token of every choice came
+    token_chunks = [c for c in chunks[1:] if c["streamrl"]["token_ids"]]
+    assert len(token_chunks) >= 18
+    # each step's three chunks share a write (the first write is the opening chunk alone)
+    assert len(writes) <= 1 + 6 + 3 + 1 < len(chunks)
+    assert writes[-1].endswith("data: [DONE]\n\n")
+
+
+def test_an_inbox_wakes_its_event_loop_once_for_what_a_thread_posts_together():
+    import asyncio
+
+    from streamrl.serve.completion import Inbox
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: wakes.append(a) or real(*a)
+        box, queues = Inbox(loop), [asyncio.Queue() for _ in range(4)]
+        poster = threading.Thread(target=lambda: [box.post(queues[i % 4], i) for i in range(100)])
+        poster.start()
+        poster.join()
+        await asyncio.sleep(0.05)
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        box.post(queues[0], "later")  # a post after the delivery wakes the loop again
+        await asyncio.sleep(0.05)
+        return wakes, got, queues[0].get_nowait()
+
+    wakes, got, later = asyncio.run(go())
+    assert got == [list(range(k, 100, 4)) for k in range(4)]  # each queue's items, in order
+    assert len(wakes) == 2 and later == "later"
+
+
 def test_each_choice_takes_one_reward_and_early_feedback_names_a_choice_it_has():
     from streamrl.sample import Prompt, Sample
     from streamrl.serve.traffic import Traffic

@@ -49,17 +49,29 @@ class TokenStreams:
     def emit(self, running: dict[int, Request], decoder) -> None:
         """Hand each followed request in ``running`` (slot -> request) the tokens ``decoder``
         decoded for it since the last call, with their log-probs and version. A callback that
-        raises cancels its own request; the loop goes on."""
+        raises cancels its own request; the loop goes on. A callback with a ``flush`` attribute
+        has it called once after the step's callbacks (distinct flushes once each): a consumer
+        may hold what it was given until then (``SlotEngine.flushes_token_callbacks``)."""
         live = [(slot, r) for slot, r in running.items() if r.streamed]
         if not live:
             return
         idx = torch.tensor([slot for slot, _ in live], device=decoder.device)
         counts = decoder.generated[idx].tolist()
-        tokens, logprobs = decoder.out_tokens[idx].tolist(), decoder.out_logprobs[idx].tolist()
+        sent = [r.sent for _, r in live]
+        width = max(n - s for n, s in zip(counts, sent))
+        if width <= 0:
+            return
+        # only the columns decoded since the last call (one, between two steps): copying whole
+        # rows of max_new_tokens cost the loop time that grew with the responses' limit
+        cols = (torch.tensor(sent)[:, None] + torch.arange(width)).clamp(max=decoder.max_new_tokens - 1)
+        cols = cols.to(decoder.device)
+        tokens = decoder.out_tokens[idx[:, None], cols].tolist()
+        logprobs = decoder.out_logprobs[idx[:, None], cols].tolist()
+        flushes = {}
         for (slot, r), n, toks, lps in zip(live, counts, tokens, logprobs):
             if n <= r.sent:
                 continue
-            new_tokens, new_lps = toks[r.sent:n], lps[r.sent:n]
+            new_tokens, new_lps = toks[:n - r.sent], lps[:n - r.sent]
             version = self._version_of(r.adapter)
             r.versions.extend([version] * len(new_tokens))
             r.sent = n
@@ -68,3 +80,11 @@ class TokenStreams:
                     r.on_tokens(new_tokens, new_lps, version)
                 except Exception:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
                     self.cancel(r.rid)
+                flush = getattr(r.on_tokens, "flush", None)
+                if flush is not None:
+                    flushes[flush] = None  # (one call per distinct flush: a server's requests share one)
+        for flush in flushes:
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 -- as a callback's: its consumer's, not the loop's
+                pass

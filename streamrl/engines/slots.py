@@ -50,6 +50,11 @@ from streamrl.sample import Group, Prompt, Sample
 class SlotEngine(TransformersEngine):
     """The ``hf`` engine on streamrl's slot decoder."""
 
+    flushes_token_callbacks = True
+    """A served request's ``on_tokens`` with a ``flush`` attribute has it called once after each
+    step's callbacks (``TokenStreams.emit``): the endpoint wakes its event loop once a step, not
+    once a choice."""
+
     def __init__(self, config: HFEngineConfig):
         super().__init__(config)
         self.decoder: SlotDecoder | None = None

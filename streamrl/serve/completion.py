@@ -11,7 +11,10 @@ character waits for the next). Everything here runs on the HTTP server's event l
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,58 @@ from streamrl.sample import Group, Prompt, Sample
 #: what they decode to is sent as it is (a model writing bytes that are no text must not make
 #: every later step decode all of them again).
 MAX_CHARACTER_TOKENS = 64
+
+
+class Inbox:
+    """Events from other threads (the engine's loop) to one event loop, with one wake-up per
+    batch: a decode step hands every followed choice its token, and a wake-up per choice (a
+    write to the event loop's self-pipe, which also hands the interpreter lock to the waiting
+    server thread) cost both threads more than the tokens' own handling (``streamrl bench
+    serve``'s CPU per token). An engine that says it flushes (``flushes_token_callbacks``)
+    calls :meth:`flush` once after a step's callbacks; the items posted before it go in one
+    wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item, wake: bool = True) -> None:
+        """Put ``item`` into ``queue`` on the event loop (any thread): soon, or with ``wake``
+        False at the next :meth:`flush` or waking post."""
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled or not wake:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def flush(self) -> None:
+        """Deliver what was posted without waking (any thread)."""
+        with self._lock:
+            if self._scheduled or not self._items:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_INBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inbox(loop: asyncio.AbstractEventLoop) -> Inbox:
+    """The :class:`Inbox` of ``loop`` (one per event loop, made at its first request)."""
+    found = _INBOXES.get(loop)
+    if found is None:
+        found = _INBOXES[loop] = Inbox(loop)
+    return found
 
 
 @dataclass
@@ -89,7 +144,9 @@ class Completion:
                              answer=params.answer, token_ids=list(prompt_ids))
         """The request as a prompt: what the reward scores and its ``stop_early`` is asked about."""
         self.started = time.time()
-        self._loop = asyncio.get_running_loop()
+        self._inbox = inbox(asyncio.get_running_loop())
+        # an engine that flushes its token callbacks once per step: their events wait for it
+        self._batched = bool(getattr(engine, "flushes_token_callbacks", False))
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = params.n
         self.cancelled = False
@@ -113,13 +170,19 @@ class Completion:
 
     def _from_engine(self, index: int):
         def on_tokens(tokens, logprobs, version):  # (the engine's loop thread)
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, ("tokens", index, tokens, logprobs, version))
+            self._inbox.post(self._queue, ("tokens", index, tokens, logprobs, version), wake=not self._batched)
+        on_tokens.flush = self._inbox.flush
         return on_tokens
 
     def _done(self, index: int):
         def done(future):  # (the engine's loop thread, or a cancelling one)
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, ("done", index, future))
+            self._inbox.post(self._queue, ("done", index, future))
         return done
+
+    def waiting(self) -> bool:
+        """Whether more output is here already (:meth:`events` yields it without waiting): a
+        stream writes what a decode step brought its choices in one go."""
+        return not self._queue.empty()
 
     def cancel(self) -> None:
         """Stop every choice still decoding (the client went away)."""
@@ -229,13 +292,22 @@ def decode(tokenizer, tokens: list[int], keep: frozenset[int]) -> str:
     """``tokens`` as text, special tokens dropped but those in ``keep`` (written as their
     strings, where a tool parser looks for them)."""
     if not keep or keep.isdisjoint(tokens):
-        return tokenizer.decode(tokens, skip_special_tokens=True)
+        return _plain(tokenizer, tokens)
     out, run = [], []
     for t in tokens:
         if t in keep:
-            out += [tokenizer.decode(run, skip_special_tokens=True), tokenizer.convert_ids_to_tokens(t)]
+            out += [_plain(tokenizer, run), tokenizer.convert_ids_to_tokens(t)]
             run = []
         else:
             run.append(t)
-    out.append(tokenizer.decode(run, skip_special_tokens=True))
+    out.append(_plain(tokenizer, run))
     return "".join(out)
+
+
+def _plain(tokenizer, tokens: list[int]) -> str:
+    # the fast tokenizer's own decode where transformers' adds nothing to it (no clean-up of
+    # spaces): it skips transformers' check of every id's type, twice per streamed event
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    return backend.decode(tokens, skip_special_tokens=True)

@@ -76,8 +76,11 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
 
 async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling):
     """Server-sent events: one chunk per decode step's new tokens of a choice, then each choice's
-    end, the usage (``stream_options.include_usage``) and ``[DONE]``. A client that goes away
-    cancels the request (the generator is closed)."""
+    end, the usage (``stream_options.include_usage``) and ``[DONE]``. The chunks a decode step
+    brought the request's choices go out in one write (a write per chunk took most of the
+    server's time per token). A client that goes away cancels the request (the generator is
+    closed)."""
+    out: list[str] = []  # chunks not written yet
     try:
         yield sse(fmt.chunk(None, first=True))
         async for ev in completion.events():
@@ -85,16 +88,21 @@ async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling)
                 await fmt.parse(completion.choices[ev.index])
             if completion.turn is not None and all(c.finish_reason for c in completion.choices):
                 finished(endpoint, completion, fmt)  # the trajectory has the reply before the client sees its end
-            yield sse(fmt.chunk(ev, choice=completion.choices[ev.index]))
+            out.append(sse(fmt.chunk(ev, choice=completion.choices[ev.index])))
+            if not completion.waiting():
+                yield "".join(out)
+                out = []
+        if out:
+            yield "".join(out)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse(fmt.usage_chunk(completion))
         yield "data: [DONE]\n\n"
     except APIError as e:  # (the tool parser failed on the finished reply)
         endpoint.refusals.say(f"POST (stream) -> {e.status} {e.message}")
-        yield sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+        yield "".join(out) + sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
     except Exception as e:  # noqa: BLE001 -- mid-stream there is no status to change: an error event
-        yield sse({"error": {"message": f"Generation failed: {e}", "type": "server_error", "param": None,
-                             "code": None}})
+        yield "".join(out) + sse({"error": {"message": f"Generation failed: {e}", "type": "server_error",
+                                            "param": None, "code": None}})
     finally:
         if not all(c.finish_reason for c in completion.choices):
             completion.cancel()
