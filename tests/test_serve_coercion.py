@@ -47,6 +47,9 @@ def refused(r: httpx.Response) -> dict:
     ("/completions", {**COMPLETION, "stop": 5}, "stop"),
     ("/completions", {**COMPLETION, "stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage"),
+    # options of a stream on a request that does not stream (OpenAI's API refuses them too)
+    ("/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/chat/completions", {**CHAT, "stream": False, "stream_options": {}}, "stream_options"),
     ("/chat/completions", {**CHAT, "max_completion_tokens": "2"}, "max_completion_tokens"),
     ("/chat/completions", {**CHAT, "logprobs": "true"}, "logprobs"),
     ("/chat/completions", {**CHAT, "stream": "yes"}, "stream"),

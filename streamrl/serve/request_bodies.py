@@ -111,6 +111,15 @@ class Sampling(BaseModel):
     """streamrl's own: a conversation or user session this request belongs to; one ``POST
     /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, value: StreamOptions | None, info) -> StreamOptions | None:
+        # as OpenAI's API: options of a stream on a request that does not stream are a mistake
+        # the client should hear of, not a setting silently dropped
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
     @field_validator("answer")
     @classmethod
     def _short_answer(cls, value: Any) -> Any:
@@ -262,5 +271,6 @@ def parse_body(body: bytes, model: type[BaseModel]):
         field = _param(raw, err)
         if not field:  # a rule over several fields (``model_validator``): its own words
             raise APIError(400, err["msg"].removeprefix("Value error, ") + ".") from None
-        raise APIError(400, f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+        raise APIError(400, f"Invalid value for '{field}': {err['msg'].removeprefix('Value error, ')}.",
+                       param=field) from None
 
