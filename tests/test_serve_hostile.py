@@ -450,6 +450,23 @@ def test_feedback_on_a_greedy_completion_is_refused_while_it_runs_and_after(serv
     assert "greedy (temperature 0)" in err["message"] and err["param"] == "id"
 
 
+def test_refused_feedback_names_the_field_the_refusal_is_about_whatever_the_id_says(served):
+    # (the field once came from the refusal's words: an unknown id holding "choice" named index)
+    _, url = served
+    err = error_of(httpx.post(f"{url}/feedback", json={"id": "choice-index-7", "index": 0, "reward": 1.0},
+                              timeout=30), 404)
+    assert err["param"] == "id" and "choice-index-7" in err["message"]
+    done = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "n": 2, "max_tokens": 2},
+                      timeout=30).json()
+    err = error_of(httpx.post(f"{url}/feedback", json={"id": done["id"], "index": 5, "reward": 1.0}, timeout=30), 400)
+    assert err["param"] == "index" and "out of range" in err["message"]
+    assert httpx.post(f"{url}/feedback", json={"id": done["id"], "index": 1, "reward": 1.0}, timeout=30).status_code == 200
+    err = error_of(httpx.post(f"{url}/feedback", json={"id": done["id"], "index": 1, "reward": 0.0}, timeout=30), 400)
+    assert err["param"] == "index" and "already rewarded" in err["message"]
+    err = error_of(httpx.post(f"{url}/feedback", json={"id": done["id"], "reward": 0.0}, timeout=30), 400)
+    assert err["param"] == "id" and "rewarded already" in err["message"]
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_token_limit_past_the_engines_is_400_naming_the_field_sent(served, field):
     _, url = served

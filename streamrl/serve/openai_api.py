@@ -370,10 +370,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                 raise refused_feedback(problem, "session")
             return {"object": "feedback", "session": fb.session, "accepted": True, "completions": reached}
         problem = endpoint.traffic.feedback(fb.id, fb.index, fb.reward)
-        if problem is not None:
-            # (the field the refusal is about: the choice when one was named and it is the problem)
-            raise refused_feedback(problem, "index" if fb.index is not None and ("choice" in problem or "index" in problem)
-                                   else "id")
+        if problem is not None:  # (the field it is about: the traffic store says, the id unless told)
+            raise refused_feedback(problem, getattr(problem, "field", "id"))
         return {"object": "feedback", "id": fb.id, "accepted": True}
 
     @app.post("/v1/streamrl/rollouts/{rollout}/finish")

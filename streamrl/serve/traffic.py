@@ -23,6 +23,18 @@ from dataclasses import dataclass, field
 from streamrl.sample import Group, Prompt, Sample
 
 #: Why feedback is refused once the run's last checkpoint is written (a 503).
+class Refusal(str):
+    """Why feedback was refused, in words, and the field of the feedback it is about
+    (``field``: ``id``, ``index`` or ``session``): the endpoint's error names that field."""
+
+    field: str
+
+    def __new__(cls, text: str, field: str = "id") -> "Refusal":
+        refusal = super().__new__(cls, text)
+        refusal.field = field
+        return refusal
+
+
 STOPPING = "the run is stopping: its last checkpoint is written, so a reward sent now would never be trained"
 
 
@@ -179,7 +191,8 @@ class Traffic:
 
     def feedback(self, completion_id: str, index: int | None, reward: float) -> str | None:
         """A client's reward for choice ``index`` of ``completion_id`` (None: every choice).
-        Returns why it was refused (unknown id, index out of range, already used), or None."""
+        Returns why it was refused (unknown id, index out of range, already used), or None; a
+        :class:`Refusal` names the field it is about (the id unless said)."""
         with self._lock:
             if self._closed:
                 return STOPPING
@@ -200,7 +213,8 @@ class Traffic:
             if state == "running":  # feedback on a streamed response before its end: kept for then
                 n = self._choices.get(completion_id)
                 if index is not None and n is not None and not 0 <= index < n:
-                    return f"completion {completion_id!r} has {n} choices; index {index} is out of range"
+                    return Refusal(f"completion {completion_id!r} has {n} choices; index {index} is out of range",
+                                   "index")
                 early = self._early.setdefault(completion_id, {})
                 if index in early or None in early or (index is None and early):
                     return _already(completion_id, index)
@@ -235,7 +249,8 @@ class Traffic:
     def _apply(self, completion_id: str, index: int | None, reward: float) -> str | None:
         group = self._waiting[completion_id].group
         if index is not None and not 0 <= index < len(group):
-            return f"completion {completion_id!r} has {len(group)} choices; index {index} is out of range"
+            return Refusal(f"completion {completion_id!r} has {len(group)} choices; index {index} is out of range",
+                           "index")
         if any(s.reward is not None for s in (group if index is None else [group[index]])):
             return _already(completion_id, index)  # (one reward per choice: the first stands)
         for s in group if index is None else [group[index]]:
@@ -381,8 +396,8 @@ def from_json(groups: list[list[dict]]) -> list[Group]:
     return out
 
 
-def _already(completion_id: str, index: int | None) -> str:
+def _already(completion_id: str, index: int | None) -> Refusal:
     """Why feedback for a choice already rewarded is refused (the first reward stands)."""
     if index is None:
-        return f"completion {completion_id!r} has choices rewarded already; reward the others by index"
-    return f"choice {index} of completion {completion_id!r} is already rewarded"
+        return Refusal(f"completion {completion_id!r} has choices rewarded already; reward the others by index")
+    return Refusal(f"choice {index} of completion {completion_id!r} is already rewarded", "index")
