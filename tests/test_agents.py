@@ -396,6 +396,10 @@ def test_an_agent_failure_is_transient_only_when_its_endpoint_timed_out_was_unre
     assert transient_failure(status(503)) and transient_failure(status(429))
     assert not transient_failure(status(400)) and not transient_failure(status(401))
     assert not transient_failure(ValueError("the tool exploded")) and not transient_failure(SystemExit(3))
+    # the recipe's tool parser failing on the reply: its bug, the same at every step
+    parser = openai.InternalServerError("x", response=httpx.Response(500, request=request),
+                                        body={"message": "serve.tool_parser P failed", "code": "tool_parser_failed"})
+    assert parser.code == "tool_parser_failed" and not transient_failure(parser)
 
     async def overloaded():
         raise openai.APITimeoutError(request=request)

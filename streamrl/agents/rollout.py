@@ -227,11 +227,15 @@ def transient_failure(e: BaseException) -> bool:
     """Whether an agent's exception is its endpoint's failure rather than its own: the model's
     client timed out or could not connect, or the endpoint answered 429 or a 5xx. Under a
     neighbour that hogs the worker (a tool result of megabytes, a CPU spin, a loop of hundreds of
-    calls) every other rollout of a step can fail so; that is overload, not a broken agent."""
+    calls) every other rollout of a step can fail so; that is overload, not a broken agent. A 500
+    of the recipe's tool parser (``code: "tool_parser_failed"``) is not: the same parser fails
+    the same way at every step, so a step whose every rollout met it stops the run at once."""
     import openai
 
     if isinstance(e, (openai.APIConnectionError, httpx.TransportError)):  # (APITimeoutError is one)
         return True
+    if getattr(e, "code", None) == "tool_parser_failed":
+        return False
     return isinstance(e, openai.APIStatusError) and (e.status_code == 429 or e.status_code >= 500)
 
 

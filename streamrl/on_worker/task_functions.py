@@ -271,7 +271,7 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
                                "or find what holds the agent workers")
         raise RewardFailed(f"{where}: the reward failed for all {samples} samples (the first: {first}), so the step "
                            "was not trained on; a reward that fails for every sample is a bug, not a learning "
-                           "signal: fix the reward")
+                           "signal: fix what the first error names")
     try:
         return StepStats.of(resident(name).step())
     except RunStopped:  # the trainer refused the step (a loss that is not finite): that is the news
