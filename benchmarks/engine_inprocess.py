@@ -22,6 +22,11 @@ around it: the difference between the two is what the dataflow costs. Per reques
   difference to the above is what that wait costs; the rest, up to ``ms_per_step``, is the
   engine's own work between steps (Python, prefill, hand-back);
 - ``kv_cache_bytes``: the memory the decoder's KV cache takes at this slot count;
+  ``decoder_build_s``: seconds to build the decoder (its cache, and on a GPU its graphs);
+- ``prefill_ms_group`` / ``prefill_ms_all``: one prefill as the decoder does it (from its
+  captured graphs on a GPU, ``engine.prefill_graphs``) of one group (1 prompt x 8 samples) and of
+  every slot (N / 8 prompts x 8), against the eager prefill (``prefill_eager_ms_*``); the
+  graphs' buckets and their staging memory;
 - ``fused_sampling``: whether the decoder sampled with the fused kernels (``engine.fused_sampling``,
   a GPU with Triton; ``--torch-sampling`` turns them off); if so, ``decoder_step_torch_sampling_ms``
   is the step of a decoder sampling with torch ops instead, and the first row's
@@ -82,14 +87,19 @@ def decoder_pace(engine, requests: int, new_tokens: int, steps: int, device: str
 def pace(engine, requests: int, new_tokens: int, steps: int, device: str, profile: Path | None,
          fused: bool) -> dict:
     """:func:`decoder_pace` of one decoder (``fused``: its sampling kernels if it can)."""
+    t0 = time.perf_counter()
     decoder = SlotDecoder(engine.model, requests, PROMPT_TOKENS + new_tokens, new_tokens,
                           engine.config.temperature, -1, graphs=engine.config.cuda_graph and device == "cuda",
-                          fused=fused)
+                          fused=fused, prefill_graphs=engine.config.prefill_graphs)
+    sync(device)
+    built_s = time.perf_counter() - t0
     ids = engine.tokenizer("12+34=")["input_ids"]
     steps = min(steps, new_tokens - 1)  # (a slot stops at new_tokens)
     b = decoder.size_for(requests - 1)
     out = {"kv_cache_bytes": sum(t.numel() * t.element_size() for t in decoder.k_cache + decoder.v_cache),
-           "fused_sampling": decoder.fused, **({"fused_error": decoder.fused_error} if decoder.fused_error else {})}
+           "decoder_build_s": round(built_s, 2),
+           "fused_sampling": decoder.fused, **({"fused_error": decoder.fused_error} if decoder.fused_error else {}),
+           **prefill_pace(decoder, ids, requests, new_tokens, device)}
 
     def run(read_flags: bool) -> float:
         decoder.reset()
@@ -123,6 +133,43 @@ def pace(engine, requests: int, new_tokens: int, steps: int, device: str, profil
             shutil.copyfileobj(src, dst)
         raw.unlink()
         out["profile"] = str(profile / f"decode-profile-{requests}.txt")
+    return out
+
+
+def prefill_pace(decoder, ids: list[int], requests: int, new_tokens: int, device: str, repeats: int = 5) -> dict:
+    """Milliseconds of one prefill (median of ``repeats``, waited for) as the decoder does it
+    (``prefill_ms``: from its captured graphs where it has them) and eagerly (``prefill_eager_ms``),
+    at two admissions: one group (1 prompt x 8 samples) and every slot (N / 8 distinct prompts x 8);
+    and the prefill graphs' buckets and staging memory."""
+    from streamrl.engines.slot_prefill import PromptForward
+
+    def timed(prompts: int) -> float:
+        starts = [(s, ids + [s // 8 + 1], new_tokens, False) for s in range(min(requests, prompts * 8))]
+        times = []
+        for _ in range(repeats):
+            decoder.reset()
+            sync(device)
+            t0 = time.perf_counter()
+            decoder.prefill(starts)
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        decoder.reset()
+        return round(sorted(times)[len(times) // 2], 3)
+
+    built = decoder.prompts
+    out = {"prefill_graphs": built.graphs, "prefill_buckets": len(built.buckets),
+           "prefill_staging_bytes": sum(t.numel() * t.element_size()
+                                        for t in getattr(built, "_k", []) + getattr(built, "_v", []))
+           + (built._logits.numel() * built._logits.element_size() if built.static else 0),
+           **({"prefill_error": built.error} if built.error else {})}
+    for name, prompts in (("group", 1), ("all", max(1, requests // 8))):
+        out[f"prefill_ms_{name}"] = timed(prompts)
+    decoder.prompts = PromptForward(decoder, static=False, graphs=False)
+    try:
+        for name, prompts in (("group", 1), ("all", max(1, requests // 8))):
+            out[f"prefill_eager_ms_{name}"] = timed(prompts)
+    finally:
+        decoder.prompts = built
     return out
 
 

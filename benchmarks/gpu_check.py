@@ -500,6 +500,12 @@ def table(result: dict) -> str:
                 lines.append(f"| {name} | {r['requests']} requests: tokens/s, ms/step; decoder step ms alone, "
                              f"with the flags read; KV GiB | {r['tokens_per_s']:,}, {r['ms_per_step']:.2f}; "
                              f"{r['decoder_step_ms']:.2f}, {r['decoder_step_sync_ms']:.2f}; {r['kv_cache_bytes'] / 2**30:.3f} |")
+                if "prefill_ms_all" in r:
+                    lines.append(f"| {name} | {r['requests']} requests: prefill ms of one group, of all "
+                                 f"({'graphs' if r['prefill_graphs'] else 'eager'}, then eager); buckets, staging "
+                                 f"MiB | {r['prefill_ms_group']:.2f}, {r['prefill_ms_all']:.2f} vs "
+                                 f"{r['prefill_eager_ms_group']:.2f}, {r['prefill_eager_ms_all']:.2f}; "
+                                 f"{r['prefill_buckets']}, {r['prefill_staging_bytes'] / 2**20:.0f} |")
                 if "decoder_step_torch_sampling_ms" in r:
                     lines.append(f"| {name} | {r['requests']} requests: decoder step ms, fused sampling against "
                                  f"torch ops | {r['decoder_step_ms']:.2f} vs {r['decoder_step_torch_sampling_ms']:.2f} |")

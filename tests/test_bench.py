@@ -375,6 +375,7 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert "| lora | decode tokens/s base, one adapter, 8 mixed" in table
     assert "| inprocess | 8 requests: tokens/s, ms/step; decoder step ms alone" in table
     assert "| anchor | 8 requests: tokens/s, ms/step (eager)" in table
+    assert "| inprocess | 8 requests: prefill ms of one group, of all (eager, then eager)" in table
     # serving while learning: the endpoint answered with learning off and on, and the ratio of the two
     serve = result["phases"]["serve"]
     assert serve["ok"] and {r["learning"] for r in serve["rows"]} == {"off", "on"}

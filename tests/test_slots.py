@@ -78,11 +78,23 @@ def test_logprobs_match_the_trainer_with_more_requests_than_slots(model_path):
         engine.close()
 
 
-def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it_would_alone(qwen_model):
+@pytest.mark.parametrize("prefill", ["eager", "buckets"])
+def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it_would_alone(qwen_model, prefill):
+    # "buckets": the prefill a GPU replays from its graphs (prompts padded to a bucket, keys and
+    # values through the staging buffer), run eagerly here
     from transformers import AutoModelForCausalLM
+
+    from streamrl.engines.slot_prefill import PromptForward
 
     model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
     dec = SlotDecoder(model, slots=4, context=32, max_new_tokens=12, temperature=1.0, eos_id=-1, graphs=False)
+    if prefill == "buckets":
+        dec.prompts = PromptForward(dec, static=True, graphs=False)
+        assert dec.prompts.buckets == [(1, 16), (2, 16), (1, 32), (4, 16), (2, 32), (4, 32)]
+        assert dec.prompts.bucket(3, 17) == (4, 32) and dec.prompts.bucket(5, 16) is None  # (past them: eager)
+        bodies = []
+        real = dec.prompts._body
+        dec.prompts._body = lambda p, w: bodies.append((p, w)) or real(p, w)
     a, b, c = [1, 5, 9, 13, 2], [1, 7, 3], [1, 200, 100, 50, 25, 12, 6]
     dec.prefill([(0, a, 12, True), (1, b, 3, True)])
     ended = {}
@@ -102,6 +114,8 @@ def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it
         assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
     ((want, _),) = decode_batch(model, [b], 3, 1.0, eos_id=-1, greedy=True)
     assert ended[1][0] == want
+    if prefill == "buckets":
+        assert bodies == [(2, 16), (1, 16)]  # both prefills padded to a bucket
 
 
 def test_a_weight_load_mid_generation_drops_nothing_and_the_next_steps_use_the_new_weights(tiny_model):

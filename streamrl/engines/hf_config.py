@@ -98,6 +98,13 @@ class HFEngineConfig(BaseModel):
     ops that write float32 copies of ``[slots, vocabulary]`` about ten times. The same draw (a
     Gumbel-max sample of the tempered softmax) and the same float32 log-probs; false: the torch
     ops (the reference; what a CPU runs)."""
+    prefill_graphs: bool = True
+    """``batching = "slots"`` on a GPU with ``cuda_graph``: prefill prompts from CUDA graphs
+    captured per bucket (a power of two of prompts by a width of 16 x a power of two, up to 8,192
+    positions), padded to the smallest that holds them, instead of launching every layer's kernels
+    at each admission while the running requests wait (``engines/slot_prefill.py``). A prefill
+    past the buckets, or with LoRA adapters, runs eagerly; false: always eagerly. Costs a staging
+    buffer of 8,192 positions' keys and values and the graphs' memory (docs/benchmarks.md)."""
     kernels: Literal["torch", "liger"] = "torch"
     """How the model's elementwise layers run in the engine: ``torch``, transformers' modules
     (several kernels each: RMSNorm in float32, SwiGLU, rotary); ``liger``, the liger-kernel

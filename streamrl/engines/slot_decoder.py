@@ -20,9 +20,9 @@ head): the weights are the model's parameters, so a weight load that copies into
 is seen by the next replay. Llama and Qwen2 decoders (the architectures streamrl ships) are
 supported; :func:`check_supported` names what is not.
 
-Prompts are prefilled eagerly (no graph: their shapes vary), each distinct prompt once, and its
-cache copied into the slots of every sample that shares it. On CPU the same step runs without a
-graph.
+Prompts are prefilled each distinct prompt once, its cache copied into the slots of every sample
+that shares it (``engines/slot_prefill.py``): on a GPU from graphs captured per bucket of prompts
+and width, eagerly past the buckets. On CPU the same step and prefill run without graphs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from streamrl.engines.slot_prefill import PromptForward
 
 
 def check_supported(model) -> None:
@@ -69,7 +71,7 @@ class SlotDecoder:
     Not thread-safe: one loop thread drives it (``engines/slots.py``)."""
 
     def __init__(self, model, slots: int, context: int, max_new_tokens: int, temperature: float,
-                 eos_id: int, graphs: bool, adapters=None, fused: bool = True):
+                 eos_id: int, graphs: bool, adapters=None, fused: bool = True, prefill_graphs: bool = True):
         check_supported(model)
         self.model, self.slots, self.context = model, slots, context
         self.adapters = adapters
@@ -127,6 +129,9 @@ class SlotDecoder:
         self.graphs = graphs and self.device.type == "cuda"
         if self.graphs:
             self._capture()
+        self.prompts = PromptForward(self, static=self.graphs and prefill_graphs, graphs=self.graphs and prefill_graphs)
+        """The prefill's forward (:class:`~streamrl.engines.slot_prefill.PromptForward`): from
+        graphs captured per bucket where the decode step has its graphs, else eager."""
 
     def _try_fused(self, vocab: int) -> None:
         # the kernels compile at their first call: one that fails here (a Triton too old for
@@ -279,35 +284,15 @@ class SlotDecoder:
         is copied into every slot that asks for it, and each slot draws its first token. A prompt
         must leave room in the context for its tokens (the engine checks)."""
         requests = [Start(*r) for r in requests]
-        m = self.model.model
         distinct: dict[tuple, int] = {}
         row_of = [distinct.setdefault((tuple(r.ids), r.adapter), len(distinct)) for r in requests]
         prompts = [ids for ids, _ in distinct]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        # right-padded to a multiple of 16 (few shapes for the allocator); causal attention keeps
-        # every real token from seeing the padding after it
-        width = -(-max(len(p) for p in prompts) // 16) * 16
-        width = min(width, self.context)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)  # (built here, then one copy to the device)
-        for r, p in enumerate(prompts):
-            ids[r, :len(p)] = torch.tensor(p)
-        ids = ids.to(self.device)
-        positions = torch.arange(width, device=self.device)[None].expand(len(prompts), -1)
         slots = torch.tensor([r.slot for r in requests], device=self.device)
         rows = torch.tensor(row_of, device=self.device)
         adapters = torch.tensor([a for _, a in distinct], device=self.device)
-        n = len(prompts)
-
-        def attend(i, q, k, v):  # each distinct prompt over itself, its cache copied to every slot asking for it
-            self.k_cache[i][slots, :, :width] = k[rows]
-            self.v_cache[i][slots, :, :width] = v[rows]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                                  enable_gqa=self.kv_heads != self.heads)
-
-        with self._with_adapters(adapters):
-            x = self._layers(m.embed_tokens(ids), positions, attend)
-            last = x[torch.arange(n, device=self.device), lengths - 1]
-            logits = self.model.lm_head(last)[rows]
+        # right-padded, causal: every real token is kept from seeing the padding after it
+        logits = self.prompts(prompts, adapters, slots, rows)
         greedy = torch.tensor([r.greedy for r in requests], device=self.device)
         nxt, lp = self._sample(logits, greedy)
         limits = torch.tensor([r.limit for r in requests], device=self.device)

@@ -91,7 +91,7 @@ class SlotEngine(TransformersEngine):
         self.decoder = SlotDecoder(self.model, c.slots, c.max_prompt_tokens + c.max_new_tokens, c.max_new_tokens,
                                    c.temperature, self.tokenizer.eos_token_id,
                                    graphs=c.cuda_graph and device == "cuda", adapters=self.adapters,
-                                   fused=c.fused_sampling)
+                                   fused=c.fused_sampling, prefill_graphs=c.prefill_graphs)
         self.latency_points = self._profile() if c.profile else []
         self._loop = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
                                       name="streamrl-hf-slots", daemon=True)
