@@ -26,7 +26,8 @@ around it: the difference between the two is what the dataflow costs. Per reques
 - ``prefill_ms_group`` / ``prefill_ms_all``: one prefill as the decoder does it (from its
   captured graphs on a GPU, ``engine.prefill_graphs``) of one group (1 prompt x 8 samples) and of
   every slot (N / 8 prompts x 8), against the eager prefill (``prefill_eager_ms_*``); the
-  graphs' buckets and their staging memory;
+  graphs' buckets, their staging memory, and on a GPU the memory a second set of them reserves
+  (staging and graphs, ``prefill_graph_memory_bytes``);
 - ``fused_sampling``: whether the decoder sampled with the fused kernels (``engine.fused_sampling``,
   a GPU with Triton; ``--torch-sampling`` turns them off); if so, ``decoder_step_torch_sampling_ms``
   is the step of a decoder sampling with torch ops instead, and the first row's
@@ -160,10 +161,17 @@ def prefill_pace(decoder, ids: list[int], requests: int, new_tokens: int, device
     out = {"prefill_graphs": built.graphs, "prefill_buckets": len(built.buckets),
            "prefill_staging_bytes": sum(t.numel() * t.element_size()
                                         for t in getattr(built, "_k", []) + getattr(built, "_v", []))
-           + (built._logits.numel() * built._logits.element_size() if built.static else 0),
+           + (built._hidden.numel() * built._hidden.element_size() if built.static else 0),
            **({"prefill_error": built.error} if built.error else {})}
     for name, prompts in (("group", 1), ("all", max(1, requests // 8))):
         out[f"prefill_ms_{name}"] = timed(prompts)
+    if built.graphs:  # what a second set of them takes on the device: staging and the graphs' pool
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        again = PromptForward(decoder, static=True, graphs=True)
+        torch.cuda.synchronize()
+        out["prefill_graph_memory_bytes"] = torch.cuda.memory_reserved() - before
+        del again
     decoder.prompts = PromptForward(decoder, static=False, graphs=False)
     try:
         for name, prompts in (("group", 1), ("all", max(1, requests // 8))):

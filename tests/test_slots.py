@@ -118,6 +118,31 @@ def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it
         assert bodies == [(2, 16), (1, 16)]  # both prefills padded to a bucket
 
 
+def test_a_prefill_padded_to_a_bigger_bucket_decodes_each_slot_as_the_reference(qwen_model):
+    # three distinct prompts (one 40 tokens long) into four slots, one prompt shared by two: the
+    # bucket (4 prompts, 64 positions) is wider and has more rows than the prompts need
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.engines.slot_prefill import PromptForward
+
+    model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
+    dec = SlotDecoder(model, slots=4, context=80, max_new_tokens=6, temperature=1.0, eos_id=-1, graphs=False)
+    dec.prompts = PromptForward(dec, static=True, graphs=False)
+    bodies = []
+    real = dec.prompts._body
+    dec.prompts._body = lambda p, w: bodies.append((p, w)) or real(p, w)
+    a, b, c = [1, 5, 9], [1] + list(range(10, 49)), [1, 7, 3, 2]
+    dec.prefill([(0, a, 6, True), (1, b, 6, True), (2, c, 6, True), (3, a, 6, True)])
+    assert bodies == [(4, 64)]
+    for _ in range(5):
+        dec.step(4)
+    done = [int(x) for x in dec.finished_slots(4)]
+    assert done == [0, 1, 2, 3]
+    for (tokens, logprobs), prompt in zip(dec.release(done), (a, b, c, a)):
+        ((want, want_lp),) = decode_batch(model, [prompt], 6, 1.0, eos_id=-1, greedy=True)
+        assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
+
+
 def test_a_weight_load_mid_generation_drops_nothing_and_the_next_steps_use_the_new_weights(tiny_model):
     engine = slot_engine(tiny_model, max_new_tokens=50, slots=2)
     engine.decoder.eos_id.fill_(-1)  # every response runs to 50 tokens: the load lands mid-way

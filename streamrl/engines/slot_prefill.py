@@ -9,7 +9,7 @@ two of prompts, by a width that is 16 times a power of two), over fixed input an
 and replayed: the prompts are padded to the smallest bucket that holds them (padded rows and
 positions compute what no one reads: attention is causal and right-padded), their keys and values
 land in a staging buffer shared by every bucket, and the eager rest is one copy per layer into the
-slots and the draw. Buckets hold at most :data:`GRAPH_TOKENS` positions (a bigger prefill spends
+slots, the output head over the real prompts' last positions and the draw. Buckets hold at most :data:`GRAPH_TOKENS` positions (a bigger prefill spends
 its time computing, not launching, and the staging buffer and the graphs' memory stay bounded);
 a prefill past them, or with LoRA adapters, runs eagerly.
 """
@@ -45,7 +45,11 @@ class PromptForward:
         """The (prompts, width) shapes a static prefill pads to, smallest first."""
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if self.static:
-            self._allocate()
+            try:
+                self._allocate()
+            except torch.OutOfMemoryError as e:  # (the eager prefill needs none of it)
+                self._give_up(e)
+                return
             if self.graphs:
                 self._capture()
 
@@ -72,7 +76,9 @@ class PromptForward:
         self._ids = torch.zeros(most, dtype=torch.long, device=dev)
         self._last = torch.zeros(widest_count, dtype=torch.long, device=dev)
         self._rows = torch.arange(widest_count, device=dev)
-        self._logits = torch.zeros(widest_count, d.model.lm_head.out_features, device=dev, dtype=dtype)
+        # each prompt's last hidden state: the head runs eagerly on the real prompts alone (a
+        # captured head would keep [prompts, vocabulary] logits for every padded row too)
+        self._hidden = torch.zeros(widest_count, d.model.config.hidden_size, device=dev, dtype=dtype)
 
     def _staged(self, flat: torch.Tensor, p: int, w: int) -> torch.Tensor:
         return flat[:p * self.d.kv_heads * w * self.d.head_dim].view(p, self.d.kv_heads, w, self.d.head_dim)
@@ -90,14 +96,15 @@ class PromptForward:
                                                   enable_gqa=d.kv_heads != d.heads)
 
         x = d._layers(m.embed_tokens(self._ids[:p * w].view(p, w)), positions, attend)
-        last = x[self._rows[:p], self._last[:p]]
-        self._logits[:p].copy_(d.model.lm_head(last))
+        self._hidden[:p].copy_(x[self._rows[:p], self._last[:p]])
 
     @torch.no_grad()
     def _capture(self) -> None:
-        # each bucket warmed up on a side stream (cuBLAS picks its kernels per shape), then captured;
-        # the graphs share one memory pool (one prefill runs at a time, and none holds its
-        # intermediates past its replay). A capture that fails leaves the eager prefill, said once.
+        # each bucket warmed up on a side stream (cuBLAS picks its kernels per shape, Triton compiles
+        # each shape), then captured; the graphs share one memory pool with the decode step's (one
+        # graph runs at a time, on one stream, and none leaves anything in the pool past its replay:
+        # every output is a buffer made before the capture). A capture that fails leaves the eager
+        # prefill, said once.
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -105,21 +112,26 @@ class PromptForward:
                 for p, w in self.buckets:
                     self._body(p, w)
             torch.cuda.current_stream().wait_stream(stream)
-            pool = None
-            for p, w in reversed(self.buckets):  # the largest first: the pool is sized by it
+            decode = next(iter(self.d._graphs.values()), None)
+            pool = decode.pool() if decode is not None else None
+            for p, w in reversed(self.buckets):  # (the largest first: the pool grows least)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self._body(p, w)
                 pool = graph.pool()
                 self._graphs[(p, w)] = graph
         except Exception as e:  # noqa: BLE001 -- the eager prefill computes the same, only slower
-            self._graphs.clear()
-            self.graphs = self.static = False
-            self.buckets, self._k, self._v = [], [], []  # (the staging memory goes back too)
-            self._logits = self._ids = None
-            self.error = f"{type(e).__name__}: {e}"
-            logging.getLogger(__name__).warning("engine.prefill_graphs: capturing the prefill failed (%s); prompts "
-                                                "prefill eagerly", self.error)
+            self._give_up(e)
+
+    def _give_up(self, e: BaseException) -> None:
+        # the eager prefill from now on, the buffers given back, said once in the log
+        self._graphs.clear()
+        self.graphs = self.static = False
+        self.buckets, self._k, self._v = [], [], []
+        self._hidden = self._ids = self._last = self._rows = None
+        self.error = f"{type(e).__name__}: {e}"
+        logging.getLogger(__name__).warning("engine.prefill_graphs: the prefill's graphs failed (%s); prompts "
+                                            "prefill eagerly", self.error)
 
     # -- a prefill -----------------------------------------------------------------------------------
 
@@ -154,7 +166,7 @@ class PromptForward:
         for i in range(len(d.k_cache)):
             d.k_cache[i][slots, :, :w] = self._staged(self._k[i], p, w)[rows]
             d.v_cache[i][slots, :, :w] = self._staged(self._v[i], p, w)[rows]
-        return self._logits[rows]
+        return d.model.lm_head(self._hidden[:n])[rows]
 
     def _eager(self, prompts, adapters, slots, rows, width) -> torch.Tensor:
         # each distinct prompt over itself, right-padded to ``width``, its cache copied to every

@@ -136,15 +136,20 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     found = [registry.get(kind, sec.name, f"{path}.name") for path, kind, sec in named]
     model = loaded.model_path()
     chosen: dict[str, Chosen] = {}
-    prompt_limit = None
-    # the engine first: the longest prompt it takes is the task's default limit
+    prompt_limit = positions = None
+    # the engine first: the longest prompt it takes is the task's default limit, and without
+    # one, the model's positions less the engine's max_new_tokens the longest a prompt can be
     for comp, (path, _, sec) in sorted(zip(found, named), key=lambda c: c[1][0] != "engine"):
         options = with_run_defaults(comp.config, sec.options(), r.run.seed, model,
                                     (r.scheduler is not None) if path == "engine" else None,
-                                    prompt_limit if path == "task" else None)
+                                    prompt_limit if path == "task" else None, positions if path == "task" else None)
         chosen[path] = Chosen(comp, validate_section(comp.config, options, path, loaded.base))
         if path == "engine":
-            prompt_limit = chosen[path].capabilities().max_prompt_tokens
+            can = chosen[path].capabilities()
+            prompt_limit = can.max_prompt_tokens
+            found_positions = model_positions(model) if model is not None and model.is_absolute() else None
+            if prompt_limit is None and found_positions and isinstance(can.max_new_tokens, int):
+                positions = found_positions[1] - can.max_new_tokens if found_positions[1] > can.max_new_tokens else None
     check_pools(r)
     sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]
     out = Resolved(loaded, registry, sinks=sinks, **{section: chosen.get(section) for section in SECTIONS})
@@ -269,6 +274,22 @@ def _check_trainer_can(out: Resolved) -> None:
         raise UserError(refused)
 
 
+def model_positions(model: Path, config: dict | None = None) -> tuple[str, int] | None:
+    """``(key, positions)``: how many positions (prompt and response together) the model at
+    ``model`` has, and the ``config.json`` key that says so; None where it cannot say (no
+    readable config, no such key). ``config``: the file's contents, when read already."""
+    if config is None:
+        try:
+            config = json.loads((model / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    if not isinstance(config, dict):
+        return None
+    config = {**config, **(config.get("text_config") or {})}  # (a multimodal model's language part)
+    key = next((k for k in POSITION_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    return None if key is None else (key, config[key])
+
+
 def _check_positions(out: Resolved, model: Path) -> None:
     """``max_new_tokens`` of the engine must leave room for a prompt in the model's positions
     (beyond them a model with learned positions fails, and one with rotary ones goes where it
@@ -278,11 +299,10 @@ def _check_positions(out: Resolved, model: Path) -> None:
         config = json.loads((model / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"model.path: {model / 'config.json'} cannot be read ({type(exc).__name__})") from None
-    config = {**config, **(config.get("text_config") or {})}  # (a multimodal model's language part)
-    key = next((k for k in POSITION_KEYS if isinstance(config.get(k), int)), None)
-    if not isinstance(wanted, int) or key is None:
+    found = model_positions(model, config)
+    if not isinstance(wanted, int) or found is None:
         return
-    limit = config[key]
+    key, limit = found
     if wanted >= limit:
         raise UserError(f"engine.max_new_tokens: {wanted} does not fit the model's {limit} positions "
                         f"({key} in {model / 'config.json'}), which the prompt and the response share; "

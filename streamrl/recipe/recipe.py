@@ -271,15 +271,19 @@ next to the recipe becomes absolute; anything else is kept as written (a hub id)
 
 
 def with_run_defaults(config: type[BaseModel], section: dict, seed: int, model_path: Path | None,
-                      engine_profile: bool | None = None, prompt_limit: int | None = None) -> dict:
+                      engine_profile: bool | None = None, prompt_limit: int | None = None,
+                      prompt_positions: int | None = None) -> dict:
     """``section`` with what the run knows filled in where the config has the field and the
     recipe left it unset: ``seed`` from ``run.seed``, ``model_path`` (e.g. a task that needs the
     model's tokenizer) from ``[model] path``, and for the ``[engine]`` section alone
     (``engine_profile`` given) ``profile``, the engine's start-up decode profile, where the field
     defaults to None ("measure it if the run needs it"): whether the recipe has a
     ``[scheduler]``, the profile's only reader in a run; and ``max_prompt_tokens`` from
-    ``prompt_limit``, the longest prompt the engine takes (its ``capabilities``)."""
-    run = {"seed": seed, "model_path": None if model_path is None else str(model_path), "max_prompt_tokens": prompt_limit}
+    ``prompt_limit``, the longest prompt the engine takes (its ``capabilities``), and
+    ``prompt_positions`` from ``prompt_positions``, the longest the model takes (its positions
+    less the engine's ``max_new_tokens``)."""
+    run = {"seed": seed, "model_path": None if model_path is None else str(model_path), "max_prompt_tokens": prompt_limit,
+           "prompt_positions": prompt_positions}
     filled = {k: v for k, v in run.items() if k in config.model_fields and k not in section and v is not None}
     field = config.model_fields.get("profile")
     if engine_profile is not None and field is not None and field.default is None and "profile" not in section:

@@ -52,7 +52,7 @@ class Inbox:
             if self._scheduled or not wake:
                 return
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._deliver)
+        self._wake()
 
     def flush(self) -> None:
         """Deliver what was posted without waking (any thread)."""
@@ -60,7 +60,14 @@ class Inbox:
             if self._scheduled or not self._items:
                 return
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._deliver)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # (the loop closed: nothing is delivered, and a later post tries again)
+            with self._lock:
+                self._scheduled = False
 
     def _deliver(self) -> None:
         with self._lock:

@@ -69,6 +69,13 @@ class DatasetConfig(BaseModel):
     """Drop rows whose prompt is longer than this many tokens (counted once, printed). Default:
     the longest prompt the engine takes when it has a fixed one (slot batching's
     ``engine.max_prompt_tokens``), else none."""
+    prompt_positions: int | None = Field(None, ge=1)
+    """The longest prompt the model can take: its positions less the engine's
+    ``max_new_tokens`` (filled in by the run when ``max_prompt_tokens`` is not). A row past it is
+    passed over when it is handed out, with a warning, and left out of the evaluation: checked
+    then, not when the task is built, which would tokenize every row of a large dataset. (A
+    prompt of a megabyte sent to the engine asked it for a cache of a hundred gigabytes and
+    ended the run.)"""
     epochs: int | None = Field(None, ge=1)
     """Passes over the data; the run fails with a one-line error when it needs more. None: as
     many as ``run.steps`` takes."""
@@ -280,9 +287,24 @@ class DatasetTask(Task):
             return len(prompt.token_ids)
         return len(self.tokenizer(prompt.text, add_special_tokens=False).input_ids) + 1  # (+ BOS)
 
+    def _too_long(self, row: dict, held_out: bool) -> str | None:
+        """Why ``row``'s prompt is longer than the model takes (``prompt_positions``), or None;
+        counted in characters first, so a row of megabytes is never rendered or tokenized."""
+        limit = self.config.prompt_positions
+        if limit is None or self.config.max_prompt_tokens:  # (max_prompt_tokens dropped such rows at build)
+            return None
+        chars = self._characters(row)
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            return f"its prompt is longer than the {limit} tokens the model takes ({chars} characters)"
+        tokens = self._length(self._prompt_of(row, held_out=held_out))
+        if tokens > limit:
+            return f"its prompt is longer than the {limit} tokens the model takes ({tokens} tokens)"
+        return None
+
     def _row(self, order: list[int], at: int) -> Prompt:
         """The prompt at position ``at`` of an epoch's ``order``: the first row from there on that
-        renders (a row the chat template refuses is passed over, with a warning, for good)."""
+        renders and fits the model (a row the chat template refuses, or longer than
+        ``prompt_positions``, is passed over, with a warning, for good)."""
         first_error = None
         for k in range(len(order)):
             index = order[(at + k) % len(order)]
@@ -290,6 +312,10 @@ class DatasetTask(Task):
                 continue
             if index not in self._prompts:
                 try:
+                    long = self._too_long(self.rows[index], held_out=False)
+                    if long is not None:
+                        raise ValueError(f"{long}: its positions less engine.max_new_tokens; set "
+                                         "task.max_prompt_tokens to drop such rows at the start")
                     self._prompts[index] = self._prompt_of(self.rows[index])
                 except UserError:
                     raise
@@ -332,6 +358,9 @@ class DatasetTask(Task):
         out, refused = [], []
         for i, row in enumerate(self.held_out_rows):
             try:
+                long = self._too_long(row, held_out=True)
+                if long is not None:
+                    raise ValueError(long)
                 out.append(self._prompt_of(row, f"eval-{i}", held_out=True))
             except UserError:
                 raise
