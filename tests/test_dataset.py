@@ -194,6 +194,36 @@ def test_a_prompt_longer_than_the_slot_engine_takes_is_left_out_with_the_data(tm
     assert task.config.max_prompt_tokens is None  # an engine without a fixed limit sets none
 
 
+def test_a_prompt_longer_than_the_model_takes_is_passed_over_when_no_limit_is_set(tmp_path, tiny_model):
+    # an engine without a fixed prompt limit: the model's positions less max_new_tokens bound a
+    # prompt, checked as rows are handed out (a megabyte row asked the engine for a cache of
+    # ~130 GB and ended the run); the held-out rows alike
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+    from tests.helpers import TINY_RECIPE
+
+    positions = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    rows = [{"prompt": "1" * 400_000 + "+1=", "answer": "x"}, {"prompt": "1+1=", "answer": "2"},
+            {"prompt": "1" * (positions - 6) + "+1=", "answer": "y"}]  # (few characters, too many tokens)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
+    text = text.replace('[task]\nname = "addition"',
+                        '[task]\nname = "dataset"\npath = "train.jsonl"\neval_path = "test.jsonl"')
+    (tmp_path / "r.toml").write_text(text)
+    for engine in ('engine.batching="continuous"', 'engine.batching="static"'):
+        task = resolve(load_recipe(tmp_path / "r.toml", [engine])).task
+        assert task.config.prompt_positions == positions - 6  # (the recipe's max_new_tokens = 6)
+        built = task.build()
+        with pytest.warns(RunWarning, match=f"longer than the {positions - 6} tokens the model takes"):
+            got = [p.answer for p in built.prompts(0, 3)]
+        assert got == ["2", "2", "2"]
+        with pytest.warns(RunWarning, match="2 held-out rows cannot be prompts"):
+            assert [p.answer for p in built.eval_prompts()] == ["2"]
+    task = resolve(load_recipe(tmp_path / "r.toml", ['engine.batching="continuous"', "task.max_prompt_tokens=32"])).task
+    assert [p.answer for p in task.build().prompts(0, 2)] == ["2", "2"]  # (dropped at build instead)
+
+
 def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet):
     from transformers import AutoModelForCausalLM
 
