@@ -253,8 +253,8 @@ def test_a_reward_that_fails_for_every_sample_stops_the_run_in_one_line_with_its
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert error_lines(proc) == [
         "streamrl: error: step 1: the reward failed for all 16 samples (the first: KeyError: 'answer'), so the "
-        "step was not trained on; a reward that fails for every sample is a bug, not a learning signal: fix the "
-        "reward; no checkpoint was written yet (run.checkpoint_every)"]
+        "step was not trained on; a reward that fails for every sample is a bug, not a learning signal: fix what the "
+        "first error names; no checkpoint was written yet (run.checkpoint_every)"]
     (run,) = (tmp_path / "runs").iterdir()
     assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text() == ""  # no step recorded
     assert not (run / "policy").exists()
