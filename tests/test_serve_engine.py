@@ -68,7 +68,8 @@ def test_tokens_stream_per_step_and_a_weight_load_mid_response_marks_their_versi
     old = logprobs_under(engine.model, ids, response.tokens)
     for k in range(switch):
         assert abs(response.logprobs[k] - old[k]) < 1e-4, k
-    assert all(abs(response.logprobs[k] - old[k]) > 1e-3 for k in range(switch, 6))
+    # any, not all: a token both policies are all but sure of has a log-prob near 0 under each
+    assert any(abs(response.logprobs[k] - old[k]) > 1e-3 for k in range(switch, 6))
 
 
 def test_a_cancelled_request_frees_its_slot_with_the_tokens_so_far(engine):
