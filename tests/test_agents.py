@@ -277,9 +277,10 @@ def test_a_reward_past_the_limit_is_a_counted_error_wherever_it_comes_from():
     from streamrl.rewards.scoring import REWARD_LIMIT, reward_value
 
     assert reward_value(REWARD_LIMIT) == (REWARD_LIMIT, {}) and reward_value({"score": -2.5}) == (-2.5, {})
-    for bad in (1e308, -1e7, {"score": 2e6}, float("nan")):
+    for bad in (1e308, -1e7, {"score": 2e6}, float("nan"), 10**400):
         with pytest.raises(ValueError, match="reward is"):
             reward_value(bad)
+    assert reward_value({"score": 1.0, "n": 10**400, "m": 2}) == (1.0, {"m": 2.0})  # a value past range: left out
     # reward.limit: the run's own bound, for a reward function's scores as for an agent's
     from streamrl.agents.rollout import RolloutThread, _outcome
     from streamrl.recipe.recipe import RewardSection
@@ -415,3 +416,33 @@ def test_an_agent_failure_is_transient_only_when_its_endpoint_timed_out_was_unre
     assert _outcome(done, time.time(), 60).transient
     timed_out = _outcome(hung, time.time(), 0.1)
     assert timed_out.transient and timed_out.error.startswith("RolloutTimeout")
+
+
+def test_a_groups_rollouts_each_get_a_row_of_their_own_and_a_huge_returned_int_is_that_rollouts_error(served):
+    from distributed import Client, LocalCluster
+
+    from streamrl.agents.rollout import run_group
+
+    api, url = served
+    source = '''
+async def rollout(client, row):
+    row["prompt"].append({"role": "user", "content": "and again?"})  # as an agent that extends its conversation
+    turns = len(row["prompt"])
+    await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=2)
+    row.pop("answer")
+    return 10 ** 5000 if row["huge"] else float(turns)
+'''
+    spec = {"path": "agent.py", "source": source, "function": "rollout", "timeout_s": 60.0}
+    # a real Dask worker (in this process: it reaches the endpoint on loopback), as the run's
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp://", host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        for huge in (False, True):
+            prompt = Prompt(uid=f"p{huge:d}", text="", columns={
+                "prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5", "huge": huge})
+            (group,) = client.submit(run_group, prompt, 4, [url], spec, "", 0, rollout_key=KEY, pure=False).result(120)
+            assert len(group) == 4
+            if not huge:  # each saw its own two turns, none its siblings' (nor lost the answer to one)
+                assert [s.reward for s in group] == [2.0] * 4 and not any(s.reward_error for s in group)
+            else:
+                assert all(s.reward == 0.0 and "past a float's range" in s.reward_error for s in group), group[0].reward_error
+            assert prompt.columns["prompt"] == [{"role": "user", "content": "What is 2+3?"}]  # the task's row

@@ -62,6 +62,12 @@ def test_a_verl_compute_score_gets_the_row_as_verl_passes_it():
     assert [s.reward for s in g] == [1.0, 0.0] and all(s.reward_info == {} for s in g)
     assert calls(reward) == [("compute_score", "openai/gsm8k", "42", "42", {"split": "train", "index": 7}),
                              ("compute_score", "openai/gsm8k", " 41", "42", {"split": "train", "index": 7})]
+    # extra_info as the row holds it where it is not a dict (a CSV's text), as verl passes it; {} where none
+    calls(reward).clear()
+    as_text = Prompt("1-000", "what is 6*7?", answer="42", columns={"extra_info": "{'index': 7}"})
+    bare = Prompt("2-000", "what is 6*7?", answer="42", columns={})
+    assert [s.reward for s in score_group(reward, group(as_text, "42") + group(bare, "42"))] == [1.0, 1.0]
+    assert [c[-1] for c in calls(reward)] == ["{'index': 7}", {}]
 
 
 def test_a_verl_dict_gives_the_score_and_logs_its_other_numbers_per_step():

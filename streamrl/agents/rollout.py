@@ -11,6 +11,7 @@ only that thread, and is abandoned at ``task.rollout_timeout_s`` while the other
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import secrets
 import ssl
@@ -149,12 +150,14 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     agent = agent_of(spec)
     with _MODULES_LOCK:  # once per worker, by one task, before any rollout thread needs it (not
         import openai  # noqa: F401 -- at the CLI's import: trackers such as wandb react to its presence)
-    row = dict(prompt.columns)
     tag = secrets.token_hex(4)
     runs = []
     for k in range(n):
         rid = f"{prompt.uid}-{k}-{tag}"
         url = urls[(first + k) % len(urls)]
+        # a row of its own for each rollout: they run side by side, and an agent that appends to
+        # the row's messages (or pops its answer) must not change its siblings' conversations
+        row = copy.deepcopy(prompt.columns)
         thread = RolloutThread(_rollout_coroutine(agent, url, api_key, rid, row, spec["timeout_s"], rollout_key))
         runs.append((k, rid, url, thread, time.time()))
         thread.start()
@@ -217,10 +220,19 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float, limit: flo
         return Outcome(error=f"{type(e).__name__}: {e}"[:500], seconds=seconds, transient=transient_failure(e))
     try:
         reward, info = reward_value(thread.result, limit)
-    except (TypeError, ValueError) as e:
-        return Outcome(error=f"{type(e).__name__}: the rollout returned {thread.result!r:.80}: {e}"[:500],
+    except Exception as e:  # (whatever the agent returned: its rollout's error, not the step's)
+        return Outcome(error=f"{type(e).__name__}: the rollout returned {_shown(thread.result)}: {e}"[:500],
                        seconds=seconds)
     return Outcome(reward, info, seconds=seconds)
+
+
+def _shown(value: Any) -> str:
+    # an agent's result in an error line: its repr may raise, or be an int of 10,000 digits
+    # (whose repr Python refuses past 4,300 digits)
+    try:
+        return f"{value!r:.80}"
+    except Exception:
+        return f"a value of type {type(value).__name__}"
 
 
 def transient_failure(e: BaseException) -> bool:

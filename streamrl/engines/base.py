@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from streamrl.api import Engine, fit_decode_latency
+from streamrl.chat.decoding import plain_text
 from streamrl.contracts.adapters import is_adapter
 from streamrl.engines.adapters import POLICY, AdapterBank
 from streamrl.errors import WeightShapeMismatch
@@ -169,13 +170,8 @@ class TransformersEngine(Engine):
         return group
 
     def response_text(self, tokens: list[int]) -> str:
-        """``tokens`` as text, special tokens left out: the fast tokenizer's own decode where
-        transformers' would add nothing to it (no clean-up of spaces), which skips its check of
-        every id's type -- half the time of a sample's hand-back at 256 tokens."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return backend.decode(tokens, skip_special_tokens=True)
+        """``tokens`` as text, special tokens left out (:func:`plain_text`)."""
+        return plain_text(self.tokenizer, tokens)
 
     def make_sample(self, prompt: Prompt, ids: list[int], rid: str, tokens: list[int], logprobs: list[float],
                 version: int, start: float, end: float) -> Sample:

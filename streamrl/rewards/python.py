@@ -18,6 +18,7 @@ per reward worker: the file only has to exist where ``streamrl`` runs.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from dataclasses import dataclass
@@ -324,10 +325,12 @@ class PythonReward(Reward):
     @staticmethod
     def _verl(f: _Function, prompt: Prompt, response: str) -> dict[str, Any]:
         # as verl's reward managers: extra_info is the row's (a copy: a group's samples share the
-        # row), or an empty dict
+        # row), an empty dict where the row has none, and what the row holds where it is not a
+        # dict (a CSV's text): the function, not the call, decides what to make of it
         extra_info = prompt.columns.get("extra_info")
+        extra_info = {} if extra_info is None else copy.deepcopy(extra_info)
         args = {"data_source": prompt.columns.get("data_source"), "solution_str": response,
-                "ground_truth": _ground_truth(prompt), "extra_info": dict(extra_info or {})}
+                "ground_truth": _ground_truth(prompt), "extra_info": extra_info}
         return args if f.any_keyword else {k: v for k, v in args.items() if k in f.params}
 
     @staticmethod

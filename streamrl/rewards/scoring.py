@@ -34,14 +34,17 @@ def reward_value(value: Any, limit: float = REWARD_LIMIT) -> tuple[float, dict[s
                 continue
             try:
                 number = float(extra)
-            except (TypeError, ValueError):
+            except Exception:  # (not a number, or an int past float's range: left out, as a string is)
                 continue
             if math.isfinite(number):
                 info[str(key)] = number
         value = value["score"]
     if value is None:
         raise TypeError("got None; expected a number or a dict with 'score'")
-    score = float(value)
+    try:
+        score = float(value)
+    except OverflowError:  # an int past float's range (10**400): a value, not a crash
+        raise ValueError(f"reward is past a float's range (a value of type {type(value).__name__})") from None
     if not math.isfinite(score):
         raise ValueError(f"reward is {score}")
     if abs(score) > limit:

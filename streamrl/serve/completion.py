@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl.chat.decoding import plain_text
 from streamrl.sample import Group, Prompt, Sample
 
 
@@ -299,22 +300,13 @@ def decode(tokenizer, tokens: list[int], keep: frozenset[int]) -> str:
     """``tokens`` as text, special tokens dropped but those in ``keep`` (written as their
     strings, where a tool parser looks for them)."""
     if not keep or keep.isdisjoint(tokens):
-        return _plain(tokenizer, tokens)
+        return plain_text(tokenizer, tokens)
     out, run = [], []
     for t in tokens:
         if t in keep:
-            out += [_plain(tokenizer, run), tokenizer.convert_ids_to_tokens(t)]
+            out += [plain_text(tokenizer, run), tokenizer.convert_ids_to_tokens(t)]
             run = []
         else:
             run.append(t)
-    out.append(_plain(tokenizer, run))
+    out.append(plain_text(tokenizer, run))
     return "".join(out)
-
-
-def _plain(tokenizer, tokens: list[int]) -> str:
-    # the fast tokenizer's own decode where transformers' adds nothing to it (no clean-up of
-    # spaces): it skips transformers' check of every id's type, twice per streamed event
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return tokenizer.decode(tokens, skip_special_tokens=True)
-    return backend.decode(tokens, skip_special_tokens=True)

@@ -287,19 +287,21 @@ class DatasetTask(Task):
             return len(prompt.token_ids)
         return len(self.tokenizer(prompt.text, add_special_tokens=False).input_ids) + 1  # (+ BOS)
 
-    def _too_long(self, row: dict, held_out: bool) -> str | None:
-        """Why ``row``'s prompt is longer than the model takes (``prompt_positions``), or None;
-        counted in characters first, so a row of megabytes is never rendered or tokenized."""
+    def _fitting_prompt(self, row: dict, uid: str = "", held_out: bool = False, hint: str = "") -> Prompt:
+        """``row`` as a prompt, rendered once; ValueError (``hint`` added) where it is longer than
+        the model takes (``prompt_positions``), counted in characters first, so a row of megabytes
+        is never rendered or tokenized."""
         limit = self.config.prompt_positions
         if limit is None or self.config.max_prompt_tokens:  # (max_prompt_tokens dropped such rows at build)
-            return None
+            return self._prompt_of(row, uid, held_out=held_out)
         chars = self._characters(row)
         if chars > limit * MAX_CHARS_PER_TOKEN:
-            return f"its prompt is longer than the {limit} tokens the model takes ({chars} characters)"
-        tokens = self._length(self._prompt_of(row, held_out=held_out))
+            raise ValueError(f"its prompt is longer than the {limit} tokens the model takes ({chars} characters){hint}")
+        prompt = self._prompt_of(row, uid, held_out=held_out)
+        tokens = self._length(prompt)
         if tokens > limit:
-            return f"its prompt is longer than the {limit} tokens the model takes ({tokens} tokens)"
-        return None
+            raise ValueError(f"its prompt is longer than the {limit} tokens the model takes ({tokens} tokens){hint}")
+        return prompt
 
     def _row(self, order: list[int], at: int) -> Prompt:
         """The prompt at position ``at`` of an epoch's ``order``: the first row from there on that
@@ -312,11 +314,9 @@ class DatasetTask(Task):
                 continue
             if index not in self._prompts:
                 try:
-                    long = self._too_long(self.rows[index], held_out=False)
-                    if long is not None:
-                        raise ValueError(f"{long}: its positions less engine.max_new_tokens; set "
-                                         "task.max_prompt_tokens to drop such rows at the start")
-                    self._prompts[index] = self._prompt_of(self.rows[index])
+                    self._prompts[index] = self._fitting_prompt(
+                        self.rows[index], hint=": its positions less engine.max_new_tokens; set "
+                                               "task.max_prompt_tokens to drop such rows at the start")
                 except UserError:
                     raise
                 except Exception as exc:  # (a chat template's refusal, a tokenizer's error: this row's)
@@ -358,10 +358,7 @@ class DatasetTask(Task):
         out, refused = [], []
         for i, row in enumerate(self.held_out_rows):
             try:
-                long = self._too_long(row, held_out=True)
-                if long is not None:
-                    raise ValueError(long)
-                out.append(self._prompt_of(row, f"eval-{i}", held_out=True))
+                out.append(self._fitting_prompt(row, f"eval-{i}", held_out=True))
             except UserError:
                 raise
             except Exception as exc:  # (a chat template's refusal: this row's alone)
