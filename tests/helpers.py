@@ -629,23 +629,15 @@ def slot_endpoint(model, max_prompt_tokens: int = 32, serve=None):
 
 
 @contextmanager
-def endpoint_in_process(api):
+def endpoint_in_process(api, **protocol):
     """The OpenAI-compatible app of ``api`` (a ``serve.openai_api.Endpoint``) on a free loopback
-    port, in a thread of this process; yields its base URL (``.../v1``)."""
-    import threading
-
-    import uvicorn
-
+    port, served in a thread of this process as a run serves it (``protocol``: the bounds of
+    ``http_server.bounded_protocol`` to change); yields its base URL (``.../v1``)."""
+    from streamrl.serve.http_server import bounded_protocol, start_in_thread
     from streamrl.serve.openai_api import make_app
 
-    server = uvicorn.Server(uvicorn.Config(make_app(api), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server, thread, port = start_in_thread(make_app(api), "127.0.0.1", 0, "test-endpoint",
+                                           protocol=bounded_protocol(**protocol))
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:

@@ -473,3 +473,101 @@ def test_a_token_limit_past_the_engines_is_400_naming_the_field_sent(served, fie
     body = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}], field: 10_000}
     err = error_of(httpx.post(f"{url}/chat/completions", json=body, timeout=30), 400)
     assert err["param"] == field and err["message"].startswith(f"{field} 10000 is more than")
+
+
+# -- before the app: the server's own bounds on a request's head and on connections ------------
+
+
+async def echo_length(scope, receive, send):
+    """An ASGI app that answers 200 with the length of the body it read."""
+    size, more = 0, True
+    while more:
+        message = await receive()
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": str(size).encode()})
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    from streamrl.serve.http_server import bounded_protocol, start_in_thread
+
+    server, thread, port = start_in_thread(echo_length, "127.0.0.1", 0, "test-bounded", protocol=bounded_protocol(
+        head_limit=16 * 1024, head_timeout_s=1.0, connections=4))
+    yield port
+    server.should_exit = True
+    thread.join(5)
+
+
+def answer_of(sock: socket.socket) -> bytes:
+    """All the server sends until it closes the connection (a timeout here: it never did)."""
+    out = b""
+    while got := sock.recv(65536):
+        out += got
+    return out
+
+
+def test_a_request_line_or_header_sent_without_end_is_431_and_a_large_body_is_not(bounded):
+    for head in (b"GET /" + b"a" * 40_000, b"GET / HTTP/1.1\r\nhost: x\r\nx-a: " + b"b" * 40_000):
+        with socket.create_connection(("127.0.0.1", bounded), timeout=10) as s:
+            try:
+                for k in range(0, len(head), 4096):  # in pieces, as a client streams it
+                    s.sendall(head[k:k + 4096])
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # (the server closed the connection partway: what it answered comes next)
+            try:
+                answer = answer_of(s)
+            except ConnectionResetError:  # closed with the client's bytes unread: the kernel's reset
+                answer = None             # may overtake the answer; the connection ended, as it must
+        if answer is not None:
+            assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    # past the limit in one send, then nothing more: every byte read, so the answer arrives whole
+    with socket.create_connection(("127.0.0.1", bounded), timeout=10) as s:
+        s.sendall(b"GET /" + b"a" * 20_000)
+        answer = answer_of(s)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_header_fields_too_large" and "16384 bytes" in error["message"]
+    # a small head with a body four times the head limit, in one send: the body is the app's
+    body = b"x" * 65_536
+    r = httpx.post(f"http://127.0.0.1:{bounded}/", content=body, timeout=10)
+    assert r.status_code == 200 and r.text == str(len(body))
+
+
+def test_a_head_that_stalls_is_408_after_the_timeout_and_a_silent_connection_is_closed(bounded):
+    for sent in (b"POST / HTTP/1.1\r\nhost: x\r\n", b""):
+        with socket.create_connection(("127.0.0.1", bounded), timeout=10) as s:
+            s.sendall(sent)
+            start = time.time()
+            answer = answer_of(s)
+        assert 0.8 < time.time() - start < 5, time.time() - start
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    # a keep-alive connection's second request has the same time for its head, from its first byte
+    with socket.create_connection(("127.0.0.1", bounded), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET / HTTP/1.1\r\n")
+        assert answer_of(s).startswith(b"HTTP/1.1 408")
+
+
+def test_connections_past_the_limit_are_closed_at_once_and_one_freed_lets_the_next_in(bounded):
+    held = [socket.create_connection(("127.0.0.1", bounded), timeout=10) for _ in range(4)]
+    try:
+        with socket.create_connection(("127.0.0.1", bounded), timeout=10) as extra:
+            try:
+                closed = extra.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            assert closed  # well before the head timeout: no descriptor held for it
+        held.pop().close()
+
+        def answered() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{bounded}/", timeout=5).status_code == 200
+            except httpx.TransportError:  # (the server has not seen the close yet)
+                return False
+        until(answered, 5)
+    finally:
+        for s in held:
+            s.close()
