@@ -478,8 +478,29 @@ def test_a_token_limit_past_the_engines_is_400_naming_the_field_sent(served, fie
 # -- before the app: the server's own bounds on a request's head and on connections ------------
 
 
+ENDLESS_CLOSED = threading.Event()
+
+
+async def endless():
+    """An answer without end, as a long stream of tokens (each chunk waits on the loop, as a
+    token waits on the engine); says when it was closed."""
+    import asyncio
+
+    try:
+        while True:
+            await asyncio.sleep(0.001)
+            yield b"x" * 65536
+    finally:
+        ENDLESS_CLOSED.set()
+
+
 async def echo_length(scope, receive, send):
-    """An ASGI app that answers 200 with the length of the body it read."""
+    """An ASGI app that answers 200 with the length of the body it read (``/endless``: an
+    answer streamed for ever, as the endpoint streams, through Starlette's response)."""
+    if scope["path"] == "/endless":
+        from starlette.responses import StreamingResponse
+
+        return await StreamingResponse(endless())(scope, receive, send)
     size, more = 0, True
     while more:
         message = await receive()
@@ -494,7 +515,7 @@ def bounded():
     from streamrl.serve.http_server import bounded_protocol, start_in_thread
 
     server, thread, port = start_in_thread(echo_length, "127.0.0.1", 0, "test-bounded", protocol=bounded_protocol(
-        head_limit=16 * 1024, head_timeout_s=1.0, connections=4))
+        head_limit=16 * 1024, head_timeout_s=1.0, connections=4, write_timeout_s=1.0))
     yield port
     server.should_exit = True
     thread.join(5)
@@ -571,3 +592,20 @@ def test_connections_past_the_limit_are_closed_at_once_and_one_freed_lets_the_ne
     finally:
         for s in held:
             s.close()
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout_and_the_answer_closed(bounded):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window it offers)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", bounded))
+        s.sendall(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
+        # reads nothing: the server's buffers fill, its writer waits, and after the write timeout
+        # the connection is cut and the answer's generator closed, as for a client that went away
+        assert ENDLESS_CLOSED.wait(15)
+        got = 0
+        with pytest.raises((ConnectionResetError, AssertionError)):
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+            raise AssertionError(f"the connection ended without a reset after {got} bytes")
+        assert got < 64 * 2**20  # (what the buffers held, not an answer without end)

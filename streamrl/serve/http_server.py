@@ -2,13 +2,14 @@
 from: the endpoint (``endpoint.py``) and the token servers of other engines
 (``remote_engines.py``) start theirs here.
 
-The server is uvicorn's own (httptools' parser), with three bounds on what a client may hold
-before its request reaches the app, where the app's own limits (body size, pending requests)
-take over. Without them a hostile client could end the worker the engine runs in: a request
-line or header sent for ever grows the parser's buffer without limit; a connection that sends
-half a request head and stalls is never timed out (uvicorn times out idle keep-alive
-connections, not slow heads); and each open connection holds a file descriptor the worker's
-Dask comms and files share."""
+The server is uvicorn's own (httptools' parser), with bounds on what a client may hold, where
+the app's own limits (body size, pending requests) cannot reach. Without them a hostile client
+could end the worker the engine runs in, or hold the endpoint's places: a request line or header
+sent for ever grows the parser's buffer without limit; a connection that sends half a request
+head and stalls is never timed out (uvicorn times out idle keep-alive connections, not slow
+heads); each open connection holds a file descriptor the worker's Dask comms and files share;
+and a client that stops reading a streamed answer without closing its connection leaves the
+answer's writer waiting for ever, its completions counted against ``serve.max_pending``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ import time
 #: The most bytes of one request's line and headers (the body is the app's to bound): 64 KiB,
 #: four times the largest head common servers accept by default, far past any OpenAI client's.
 HEAD_LIMIT_BYTES = 64 * 1024
+
+#: Seconds an answer's writer may wait on a client that reads none of it (the connection's
+#: buffers full) before the connection is cut, as if the client had gone: its request cancelled.
+WRITE_TIMEOUT_S = 30.0
 
 #: Seconds a request's line and headers may take from their first byte (or from the connection's
 #: start) to their end; a client slower than this is cut off.
@@ -44,10 +49,11 @@ def _error(status: int, reason: str, message: str, code: str) -> bytes:
 
 
 def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
-                     connections: int | None = None):
-    """uvicorn's httptools protocol with the three bounds of this module's docstring: a head past
+                     connections: int | None = None, write_timeout_s: float = WRITE_TIMEOUT_S):
+    """uvicorn's httptools protocol with the bounds of this module's docstring: a head past
     ``head_limit`` bytes is answered 431 and closed, one not done within ``head_timeout_s`` is
-    answered 408 and closed, and a connection past ``connections`` open ones is closed at once."""
+    answered 408 and closed, a connection past ``connections`` open ones is closed at once, and
+    one whose client has read nothing of what waits for it for ``write_timeout_s`` is cut."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     limit_connections = connections or max_connections()
@@ -56,7 +62,7 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
         def connection_made(self, transport) -> None:
             self._head_bytes = 0
             self._in_head = True
-            self._head_timer = None
+            self._head_timer = self._write_timer = None
             super().connection_made(transport)
             if len(self.connections) > limit_connections:  # (this one counted) its descriptor freed now
                 transport.abort()
@@ -65,7 +71,29 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
 
         def connection_lost(self, exc) -> None:
             self._stop_head_timer()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            # the transport's buffer is full: the client reads slower than the answer comes, or
+            # not at all; uvicorn's writer now waits until it drains
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _stalled(self) -> None:
+            # as a client that went away: uvicorn marks the request disconnected and frees its
+            # writer, and the app's disconnect handling cancels what it was answering
+            self._write_timer = None
+            self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
