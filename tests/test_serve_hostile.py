@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from streamrl.chat.messages import MAX_CHARS_PER_TOKEN
+from streamrl.serve.request_bodies import MAX_MESSAGES
 from streamrl.engines.hf_config import HFEngineConfig
 from streamrl.engines.slots import SlotEngine
 from streamrl.recipe.serve import ServeConfig
@@ -148,14 +149,14 @@ def test_megabytes_of_prompt_are_refused_by_their_characters_without_tokenizing(
     monkeypatch.setattr(api, "chat_prompt", lambda *a: calls.append(a) or [1])
     too_many = 32 * MAX_CHARS_PER_TOKEN + 1  # engine.max_prompt_tokens = 32
     err = error_of(chat(url, "7" * too_many), 400)
-    assert err["code"] == "context_length_exceeded" and f"{too_many} characters" in err["message"]
+    assert err["code"] == "context_length_exceeded" and f"{too_many} characters in 1 message (" in err["message"]
     assert calls == []  # never tokenized
     r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "7" * too_many}, timeout=30)
     assert error_of(r, 400)["param"] == "prompt"
 
 
-def test_thousands_of_messages_are_refused_by_their_rendered_characters_without_tokenizing(served, monkeypatch):
-    # each message is a few characters of the template's and none of content: counted when rendered
+def test_thousands_of_messages_are_refused_by_their_count_without_rendering_or_tokenizing(served, monkeypatch):
+    # each message is a few characters of the template's and none of content: each counts as a token
     from streamrl.chat import content_as_text
 
     _, url = served
@@ -166,7 +167,14 @@ def test_thousands_of_messages_are_refused_by_their_rendered_characters_without_
     body = {"model": "policy", "messages": [{"role": "user", "content": ""}] * 2000, "max_tokens": 2}
     err = error_of(httpx.post(f"{url}/chat/completions", json=body, timeout=30), 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
-    assert "without tokenizing them" in err["message"] and len(encoded) == 1
+    assert "without tokenizing them" in err["message"] and "in 2000 messages" in err["message"] and len(encoded) == 1
+    # past MAX_MESSAGES, refused as the body is read (here as parsed: that many pass this test's body limit)
+    from streamrl.serve.request_bodies import APIError, ChatRequest, parse_body
+
+    body["messages"] = [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)
+    with pytest.raises(APIError) as e:
+        parse_body(json.dumps(body).encode(), ChatRequest)
+    assert e.value.param == "messages" and f"at most {MAX_MESSAGES} items" in e.value.message, e.value.message
 
 
 def test_a_list_of_a_million_bad_items_is_one_error_not_a_million():
@@ -609,3 +617,33 @@ def test_a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout_and
                 got += len(chunk)
             raise AssertionError(f"the connection ended without a reset after {got} bytes")
         assert got < 64 * 2**20  # (what the buffers held, not an answer without end)
+
+
+def test_a_number_that_is_not_finite_anywhere_in_the_body_is_a_400_naming_where(served):
+    _, url = served
+    for field, where in ((b'"answer": NaN', "answer"), (b'"answer": {"x": [1, -Infinity]}', "answer.x.1"),
+                         (b'"temperature": 1e999', "temperature")):
+        body = b'{"model": "policy", "prompt": "1+1=", "max_tokens": 2, ' + field + b"}"
+        r = httpx.post(f"{url}/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert error_of(r, 400)["param"] == where
+    r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "stop": list("abcde")}, timeout=30)
+    assert error_of(r, 400)["param"] == "stop"
+
+
+def test_bodies_being_read_past_the_admission_budget_are_429_until_room_is_made(served, monkeypatch):
+    api, url = served
+    monkeypatch.setattr(api, "admission_budget", 150)
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": "policy", "prompt": "1+1=", "max_tokens": 2}).encode()
+    with socket.create_connection((host, int(port)), timeout=20) as slow:
+        # a body of 100 bytes declared and 10 sent: admitted, its room held while the rest comes
+        slow.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                     "content-length: 100\r\n\r\n".encode() + body[:10])
+        until(lambda: api.admitted_bytes == 100, 10)
+        r = httpx.post(f"{url}/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert error_of(r, 429)["code"] == "rate_limit_exceeded" and r.headers["retry-after"] == "1"
+        slow.sendall(b" " * 90)  # (the rest: a malformed body, a 400, and its room given back)
+        assert slow.recv(65536).startswith(b"HTTP/1.1 400")
+    assert api.admitted_bytes == 0
+    r = httpx.post(f"{url}/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text

@@ -22,6 +22,7 @@ calls that carry the ``X-Streamrl-Rollout`` header join one token-faithful traje
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -47,6 +48,11 @@ from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Traj
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
+
+#: How many largest request bodies (``serve.max_body_bytes``) may be read, parsed and tokenized
+#: at once (:meth:`Endpoint.admission`): 16 x 4 MiB by default. Small requests, the usual ones,
+#: are thousands at once under it.
+ADMISSION_BODIES = 16
 
 log = logging.getLogger("streamrl.serve")
 
@@ -79,6 +85,10 @@ class Endpoint:
         """The name of the Dask worker serving (set by ``endpoint.start``)."""
         self.trajectories = Trajectories(self.tokenizer, self.encode_chat)
         self.pending = 0  # choices asked and not ended (serve.max_pending)
+        self.admitted_bytes = 0
+        """Bytes of the request bodies being read, parsed or tokenized now (as each declared, or
+        ``serve.max_body_bytes`` for one that did not): at most :attr:`admission_budget`."""
+        self.admission_budget = ADMISSION_BODIES * config.max_body_bytes
         self.created = int(time.time())
         self.engines: dict[str, list] = {model_name: [engine]}
         """The engines that answer each ``model`` a request may give: under ``model_name`` the
@@ -104,15 +114,38 @@ class Endpoint:
         return {"http_cpu_s": cpu_seconds(threading.current_thread()), "decode_loop_cpu_s": cpu_seconds(loop),
                 **{f"decode_loop_{k}": v for k, v in getattr(self.engine, "loop_counts", {}).items()}}
 
+    @contextlib.contextmanager
+    def admission(self, request: Request):
+        """Room for ``request``'s body while it is read, parsed and tokenized: a 429 once the
+        bodies in those stages would pass :attr:`admission_budget`. Completions are counted
+        against ``serve.max_pending`` only once their prompt is tokenized; without this, clients
+        could queue bodies for the tokenizing thread without bound (each held parsed meanwhile)."""
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() and int(declared) <= self.config.max_body_bytes \
+            else self.config.max_body_bytes  # (a larger one is read_body's 413)
+        if self.admitted_bytes and self.admitted_bytes + size > self.admission_budget:
+            self.traffic.count("refused")
+            raise APIError(429, f"The endpoint is busy: {self.admitted_bytes} bytes of requests are being read or "
+                                "tokenized; retry shortly.", kind="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+        self.admitted_bytes += size
+        try:
+            yield
+        finally:
+            self.admitted_bytes -= size
+
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenizing thread (its exceptions raised here)."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
-    def check_characters(self, chars: int, param: str) -> None:
-        """A 400 for a prompt of more characters than it could fit in tokens (before tokenizing it)."""
+    def check_characters(self, chars: int, param: str, messages: int = 0) -> None:
+        """A 400 for a prompt of more characters than it could fit in tokens (before tokenizing
+        it); each of its ``messages`` counts as a token's worth too, however empty: the template
+        writes at least a token for it."""
         most = self.engine.config.max_prompt_tokens * MAX_CHARS_PER_TOKEN
-        if chars > most:
-            raise APIError(400, f"The prompt has {chars} characters; this endpoint takes prompts of at most "
+        if chars + messages * MAX_CHARS_PER_TOKEN > most:
+            held = f" in {messages} message{'s' * (messages != 1)} (each at least a token)" if messages else ""
+            raise APIError(400, f"The prompt has {chars} characters{held}; this endpoint takes prompts of at most "
                                 f"{self.engine.config.max_prompt_tokens} tokens (engine.max_prompt_tokens), and "
                                 f"refuses more than {most} characters without tokenizing them.", param=param,
                            code="context_length_exceeded")
@@ -306,35 +339,42 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         endpoint.authorize(request)
-        req = await read_body(request, ChatRequest, endpoint.config)
-        if req.top_logprobs:
-            raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).", param="top_logprobs")
-        messages = endpoint.messages(req)
-        tools = req.tool_list()
-        # everything the template writes counts, not the contents alone: a tool call's arguments
-        # or a tool's schema of megabytes is refused as fast as a content of as many characters
-        endpoint.check_characters(sum(len(m["content"]) + sum(len(json.dumps(v)) for k, v in m.items()
-                                                              if k not in ("content", "role")) for m in messages)
-                                  + (len(json.dumps(tools)) if tools else 0), "messages")
         rollout = request.headers.get(ROLLOUT_HEADER)
+        with endpoint.admission(request):
+            req = await read_body(request, ChatRequest, endpoint.config)
+            if req.top_logprobs:
+                raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).",
+                               param="top_logprobs")
+            messages = endpoint.messages(req)
+            tools = req.tool_list()
+            # everything the template writes counts, not the contents alone: a tool call's arguments
+            # or a tool's schema of megabytes is refused as fast as a content of as many characters;
+            # and each message as at least one token, however empty (thousands of them are refused
+            # before the template writes them all out)
+            endpoint.check_characters(sum(len(m["content"]) + sum(len(json.dumps(v)) for k, v in m.items()
+                                                                  if k not in ("content", "role")) for m in messages)
+                                      + (len(json.dumps(tools)) if tools else 0), "messages", len(messages))
+            if rollout is None:
+                try:
+                    ids = await endpoint.off_loop(endpoint.chat_prompt, messages, tools)
+                except MessageError as e:
+                    raise APIError(400, str(e), param=e.param) from None
+            else:
+                endpoint.check_rollout(request)
+                if req.n != 1:
+                    raise APIError(400, "A rollout's call asks for one reply (n = 1); a group is several rollouts.",
+                                   param="n")
+                if req.temperature == 0:  # a greedy reply is not a sample of the policy: it cannot be trained
+                    raise APIError(400, "A rollout's call samples from the policy: temperature 0 (greedy) is not "
+                                        "served to rollouts; omit temperature.", param="temperature")
+                try:
+                    ids, segment = await endpoint.off_loop(endpoint.trajectories.prompt, rollout, messages, tools)
+                except MessageError as e:
+                    raise APIError(400, str(e), param=e.param) from None
+                except ValueError as e:
+                    raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         if rollout is None:
-            try:
-                ids = await endpoint.off_loop(endpoint.chat_prompt, messages, tools)
-            except MessageError as e:
-                raise APIError(400, str(e), param=e.param) from None
             return await respond(endpoint, request, req, ids, chat=True)
-        endpoint.check_rollout(request)
-        if req.n != 1:
-            raise APIError(400, "A rollout's call asks for one reply (n = 1); a group is several rollouts.", param="n")
-        if req.temperature == 0:  # a greedy reply is not a sample of the policy: it cannot be trained
-            raise APIError(400, "A rollout's call samples from the policy: temperature 0 (greedy) is not served to "
-                                "rollouts; omit temperature.", param="temperature")
-        try:
-            ids, segment = await endpoint.off_loop(endpoint.trajectories.prompt, rollout, messages, tools)
-        except MessageError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        except ValueError as e:
-            raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         turn = Turn(rollout, segment, messages, ids)
         try:
             return await respond(endpoint, request, req, ids, chat=True, turn=turn)
@@ -346,15 +386,16 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         endpoint.authorize(request)
-        req = await read_body(request, CompletionRequest, endpoint.config)
-        if req.logprobs:
-            raise APIError(400, "logprobs above 0 (top alternatives) is not served; the sampled tokens' log-probs "
-                                "are in the response's 'streamrl' object.", param="logprobs")
-        if req.echo:
-            raise APIError(400, "echo is not served.", param="echo")
-        if isinstance(req.prompt, str):
-            endpoint.check_characters(len(req.prompt), "prompt")
-        ids = await endpoint.off_loop(endpoint.completion_prompt, req)
+        with endpoint.admission(request):
+            req = await read_body(request, CompletionRequest, endpoint.config)
+            if req.logprobs:
+                raise APIError(400, "logprobs above 0 (top alternatives) is not served; the sampled tokens' "
+                                    "log-probs are in the response's 'streamrl' object.", param="logprobs")
+            if req.echo:
+                raise APIError(400, "echo is not served.", param="echo")
+            if isinstance(req.prompt, str):
+                endpoint.check_characters(len(req.prompt), "prompt")
+            ids = await endpoint.off_loop(endpoint.completion_prompt, req)
         return await respond(endpoint, request, req, ids, chat=False)
 
     @app.post("/v1/feedback")

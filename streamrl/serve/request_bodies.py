@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from typing import Annotated, Any, Literal
 
@@ -26,14 +27,13 @@ log = logging.getLogger("streamrl.serve")
 #: a served completion keeps it until its feedback comes (``serve.feedback_timeout_s``).
 MAX_ANSWER_CHARS = 65_536
 
+#: The most messages a chat request may have: an agent's long conversation of tool calls is
+#: hundreds; many thousands, however short, only cost the template and the tokenizer.
+MAX_MESSAGES = 4096
+
 #: A body larger than this is parsed and checked in a thread, off the event loop that streams
 #: every other client's tokens; a small one is quicker to parse than to hand over.
 PARSE_OFF_LOOP_BYTES = 64 * 1024
-
-# A list of the body stops at its first bad item (``fail_fast``): a list of a million bad items
-# otherwise made a million errors, seconds of the event loop's time to build and sort.
-Strings = Annotated[list[str], Field(fail_fast=True)]
-
 
 class APIError(Exception):
     """A request the API refuses: an OpenAI-shaped error with ``status``."""
@@ -100,7 +100,10 @@ class Sampling(BaseModel):
     n: int = Field(1, ge=1, le=64)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | Strings | None = None
+    # (a list of the body stops at its first bad item, ``fail_fast``: a list of a million bad items
+    # otherwise made a million errors, seconds of the event loop's time to build and sort)
+    stop: str | Annotated[list[str], Field(max_length=4, fail_fast=True)] | None = None
+    """Up to 4 sequences, as OpenAI's API takes: the reply ends where one appears."""
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -149,7 +152,8 @@ class Tool(BaseModel):
 class ChatRequest(Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1, fail_fast=True)]
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+    """The conversation, at most ``MAX_MESSAGES`` messages (each is at least a token of the prompt)."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
@@ -240,6 +244,21 @@ async def read_body(request: Request, model: type[BaseModel], config: ServeConfi
     return parse_body(body, model)
 
 
+def non_finite(value: Any, path: str = "") -> str | None:
+    """Where in ``value`` (parsed JSON, nested at most ``MAX_NESTING`` levels) a number is not
+    finite, as ``a.0.b``, or None: ``NaN`` and ``Infinity`` (which Python's JSON reads and JSON
+    does not have) and numbers too large for a float (``1e999``). A number goes on to a reward,
+    a sampling setting or a checkpoint; none of them takes one that is not finite."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def parse_body(body: bytes, model: type[BaseModel]):
     """``body`` (JSON) as ``model``, or the :class:`APIError` that says what is wrong with it."""
     deep = APIError(400, f"The request body is nested too deeply (more than {MAX_NESTING} levels of arrays "
@@ -260,6 +279,10 @@ def parse_body(body: bytes, model: type[BaseModel]):
     # both recurse once per level (an ``answer`` 500 levels deep made a step wait for ever)
     if nested_deeper(raw):
         raise deep
+    where = non_finite(raw)
+    if where is not None:
+        raise APIError(400, f"Invalid value for '{where}': a number that is not finite (NaN, Infinity or past a "
+                            "float's range); JSON numbers are finite.", param=where)
     try:
         return model.model_validate(raw)
     except ValidationError as e:
