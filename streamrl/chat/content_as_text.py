@@ -14,8 +14,10 @@ template's parts are tokenized as before, and the content is tokenized as text
 sees plain characters). Content without such a string is rendered and tokenized exactly as
 before, byte for byte: ordinary prompts do not change.
 
-Limits: only ``content`` is guarded. A tool call's ``arguments`` and the ``tools`` definitions
-are written by the template itself (as JSON) and tokenized with it.
+Only ``content`` can be guarded: a tool call's name and ``arguments``, a tool result's id and
+the ``tools`` definitions are written by the template itself (pasted, or as JSON it makes) and
+tokenized with it. So a control token's string in any of those is refused instead
+(:func:`control_outside_content` says where), never rendered.
 """
 
 from __future__ import annotations
@@ -101,3 +103,26 @@ def unguard(text: str, contents: dict[str, str]) -> str:
     if not contents:
         return text
     return _SENTINEL.sub(lambda found: contents.get(found.group(1), found.group(0)), text)
+
+
+def control_outside_content(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[str, str] | None:
+    """``(field, string)``: the first field of the (canonical) ``messages`` other than a
+    ``content``, or of ``tools``, whose text holds the string of one of the tokenizer's added
+    tokens, as ``messages.2.tool_calls.0.function.name``; None when there is none."""
+    pattern = added_pattern(tokenizer)
+    if pattern is None:
+        return None
+    places = [(f"messages.{i}.{key}", value) for i, m in enumerate(messages) for key, value in m.items()
+              if key not in ("role", "content")]
+    places += [("tools", tools)] if tools else []
+    while places:  # (depth first, in order: the first such field is the one named)
+        where, value = places.pop(0)
+        if isinstance(value, str):
+            found = pattern.search(value)
+            if found is not None:
+                return where, found.group(0)
+        elif isinstance(value, dict):
+            places[:0] = [(f"{where}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            places[:0] = [(f"{where}.{k}", v) for k, v in enumerate(value)]
+    return None

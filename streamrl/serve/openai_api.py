@@ -347,6 +347,10 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                                param="top_logprobs")
             messages = endpoint.messages(req)
             tools = req.tool_list()
+            control = content_as_text.control_outside_content(endpoint.tokenizer, messages, tools)
+            if control is not None:  # (the template would write it as the control token itself)
+                raise APIError(400, f"Invalid value for '{control[0]}': it holds {control[1]!r}, a control token of "
+                                    "this model; only a message's content may hold one (as text).", param=control[0])
             # everything the template writes counts, not the contents alone: a tool call's arguments
             # or a tool's schema of megabytes is refused as fast as a content of as many characters;
             # and each message as at least one token, however empty (thousands of them are refused

@@ -135,7 +135,9 @@ class ToolFunction(BaseModel):
     """A tool's ``function``: what a chat template shows the model of it."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=r"^[\w.:-]{1,64}$")
+    """Letters, digits, ``_ . : -``, at most 64 (OpenAI's rule, with ``.`` and ``:`` as namespaced
+    tools use): a chat template pastes the name into the prompt as it is."""
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """Its arguments as a JSON Schema."""
