@@ -218,6 +218,18 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
         (tmp_path / name).write_text(text)
         code, _, err = run_cli(capsys, "recipe", "validate", str(tmp_path / name))
         assert code == 2 and f"{name}: " in one_line_error(err), err[-500:]
+    # files named where others were meant, and values Dask or the registry would have failed on
+    (tmp_path / "plugin.txt").write_text("x = 1\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cases = {
+        ('pools.train.memory_limit="80%"',): "pools.train.memory_limit: not a memory size",
+        (f'plugins.modules=["{tmp_path / "plugin.txt"}"]',): "is not a Python file; expected a path ending in .py",
+        ('reward.name="python"', f'reward.path="{tmp_path / "rows.jsonl"}"'): "expected a Python file ending in .py",
+        ("learners=[{name=\"side\", algorithm={name=5}}]",): "learners[0].algorithm.name: expected the name of an algorithm (a string)",
+    }
+    for overrides, said in cases.items():
+        code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), *[a for o in overrides for a in ("--set", o)])
+        assert code == 2 and said in one_line_error(err), (overrides, err[-500:])
     code, _, err = run_cli(capsys, "recipe", "validate", "/dev/zero")  # read up to the bound, not to the end
     assert code == 2 and "/dev/zero: larger than 1024 KB" in one_line_error(err)
     code, out, _ = run_cli(capsys, "recipe", "show", str(tiny_recipe), "--set", "trainer.lr=1e300")

@@ -60,6 +60,9 @@ class Registry:
 
     def get(self, kind: str, name: str, path: str) -> Component:
         """The component ``name`` of ``kind``; ``path`` is the TOML path named in the error."""
+        if not isinstance(name, str):
+            raise UserError(f"{path}: expected the name of a{'n' * (kind[0] in 'aeiou')} {kind} (a string), "
+                            f"got {'nothing' if name is None else type(name).__name__}")
         found = self.components[kind].get(name)
         if not found:
             names = sorted(self.components[kind])
@@ -98,6 +101,8 @@ def load_local_module(path: str | Path, base: Path) -> Any:
     if not file.is_file():
         raise UserError(f"plugins.modules: file {str(path)!r} not found (looked at {file})")
     spec = importlib.util.spec_from_file_location(f"streamrl_local_{file.stem}", file)
+    if spec is None:  # (Python imports a file by its suffix: no loader for "plugin" or "plugin.txt")
+        raise UserError(f"plugins.modules: {str(path)!r} is not a Python file; expected a path ending in .py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:

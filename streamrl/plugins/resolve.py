@@ -202,7 +202,7 @@ def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, mod
     options over ``[trainer]``'s."""
     r, where = out.recipe, f"learners[{index}]"
     algo = dict(table.get("algorithm") or {"name": r.algorithm.name, **r.algorithm.options()})
-    name = algo.pop("name")
+    name = algo.pop("name", None)
     comp = out.registry.get("algorithm", name, f"{where}.algorithm.name")
     algorithm = Chosen(comp, validate_section(comp.config, with_run_defaults(comp.config, algo, r.run.seed, model),
                                               f"{where}.algorithm", out.loaded.base))
@@ -285,7 +285,9 @@ def model_positions(model: Path, config: dict | None = None) -> tuple[str, int] 
             return None
     if not isinstance(config, dict):
         return None
-    config = {**config, **(config.get("text_config") or {})}  # (a multimodal model's language part)
+    text = config.get("text_config")
+    if isinstance(text, dict):  # (a multimodal model's language part)
+        config = {**config, **text}
     key = next((k for k in POSITION_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
     return None if key is None else (key, config[key])
 

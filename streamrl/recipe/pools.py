@@ -99,6 +99,23 @@ class PoolConfig(Strict):
     """Dask memory limit per worker (``"4GiB"``, ``"auto"``, or ``"0"`` for none). ``auto``: Dask's
     share of the machine by threads; on a GPU pool (``device = "cuda"`` or GPUs listed) of the
     embedded cluster, the machine's memory over all its workers instead."""
+    @field_validator("memory_limit")
+    @classmethod
+    def _dask_reads_it(cls, value: str) -> str:
+        # read here as Dask's Nanny reads it at the worker's start, where a mistake was a traceback
+        import logging
+
+        from distributed.worker_memory import parse_memory_limit
+
+        try:
+            limit = parse_memory_limit(value, 1, logger=logging.getLogger("streamrl.recipe")) if value.strip() else -1
+        except (ValueError, TypeError):
+            limit = -1
+        if limit is not None and limit < 0:
+            raise ValueError("not a memory size; expected bytes with a unit (\"4GiB\", \"500MB\"), "
+                             "a fraction of the machine's memory (\"0.5\"), \"auto\", or \"0\" for no limit")
+        return value
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where this pool's engine / trainer / reward model compute: ``auto`` = CUDA when the worker
     sees a GPU, else CPU; ``cuda`` fails at start-up on a worker without one."""

@@ -21,6 +21,10 @@ class _Loaded:
     module: ModuleType
 
 
+#: The largest user file of code read (16 MiB): a program is kilobytes; a file of gigabytes named
+#: where code was meant would be read whole and compiled before anything said no.
+MAX_SOURCE_BYTES = 16 * 2**20
+
 # Validators of one recipe run separately for each field naming the same file; importing a file
 # runs its top-level code, so do it once per version of the file.
 _LOADED: dict[tuple[str, int, int], _Loaded] = {}
@@ -51,7 +55,11 @@ def load_user_file(path: str) -> _Loaded:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"{'no such file' if not file.exists() else 'not a file'}: {file}")
+    if file.suffix != ".py":  # (a dataset named where its code was meant: read whole, then run as code)
+        raise ValueError(f"expected a Python file ending in .py, got {file.name}")
     stat = file.stat()
+    if stat.st_size > MAX_SOURCE_BYTES:
+        raise ValueError(f"it has {stat.st_size} bytes; a Python file of code is at most {MAX_SOURCE_BYTES}")
     key = (str(file), stat.st_mtime_ns, stat.st_size)
     if key not in _LOADED:
         try:

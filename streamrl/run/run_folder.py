@@ -163,7 +163,8 @@ class RunFolder:
         if resumed is not None:  # the recipe as resumed (e.g. more steps) is the one to resume from next time
             _owner_only(self.path)  # (a folder an older streamrl made, readable by others)
             (self.path / "recipe.toml").write_text(to_toml(loaded.recipe))
-            self.metrics.keep_first(resumed["records"])
+            # (a checkpoint of an older streamrl says nothing of its records: all are kept)
+            self.metrics.keep_first(resumed.get("records"))
             ckpt = checkpoint or self.latest_checkpoint()
             if ckpt is not None:  # newer ones (damaged, or passed over): out of the way of the steps run again
                 for name in folders.set_aside(self.path, ckpt):

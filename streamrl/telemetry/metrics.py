@@ -22,9 +22,9 @@ class MetricsLog:
         self.path = path
         self.records: list[dict] = []
 
-    def keep_first(self, n: int) -> None:
-        """A resumed run: load the file's first ``n`` records and drop the rest (the steps after
-        the checkpoint are run again)."""
+    def keep_first(self, n: int | None) -> None:
+        """A resumed run: load the file's first ``n`` records (None: all) and drop the rest (the
+        steps after the checkpoint are run again)."""
         self.records = read(self.path)[:n] if self.path.exists() else []
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(rec) + "\n" for rec in self.records))
