@@ -333,3 +333,26 @@ def test_rows_that_cannot_be_prompts_are_left_out_or_passed_over_and_no_row_ends
     with pytest.raises(UserError, match=r"task.path: no row of .* can be a prompt \(the first: 'prompt' is neither .* \(got NoneType\), in {"):
         path.write_text(json.dumps({"question": "1+1="}) + "\n" + json.dumps({"prompt": None}) + "\n")
         DatasetTask(DatasetConfig(path=str(path), prompt_key="prompt", answer_key="question"))
+
+
+def test_a_template_that_refuses_every_row_stops_the_task_in_one_line_not_a_warning_per_row(tmp_path):
+    from streamrl.tasks.dataset import REFUSED_BEFORE_ANY, WARNED_ROWS
+    from streamrl.tasks.tiny import CHAT_TEMPLATE
+
+    tok = char_tokenizer("0123456789+=<>|dne ")
+    tok.chat_template = "{{ raise_exception('System role not supported') }}" + CHAT_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": "1"}) + "\n"
+                            for i in range(200)))
+    task = DatasetTask(DatasetConfig(path=str(path), model_path=str(tmp_path / "tok")))
+    with pytest.warns(RunWarning) as said, pytest.raises(UserError, match=rf"task.path: none of the first "
+                                                                          rf"{REFUSED_BEFORE_ANY} rows .* System role"):
+        task.prompts(0, 4)
+    assert len(said) == WARNED_ROWS and "without a warning each" in str(said[-1].message)
+    # measured at the start (max_prompt_tokens): the template's refusal is named, not a length
+    with pytest.raises(UserError, match=r"task.path: no row of .* \(the first: TemplateError: System role"):
+        DatasetTask(DatasetConfig(path=str(path), model_path=str(tmp_path / "tok"), max_prompt_tokens=64))
+    # the task's own arguments of apply_chat_template are refused as the recipe is read
+    with pytest.raises(ValueError, match="tokenize is set by the task itself"):
+        DatasetConfig(path=str(path), chat_template_kwargs={"tokenize": True})

@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from streamrl.api import PathOrHubId, Prompt, Task
 from streamrl.chat import content_as_text
@@ -45,6 +45,18 @@ from streamrl.tasks.dataset_files import dig, is_chat, load_rows
 
 #: Columns taken as the answer when ``answer_key`` is not set, after verl's ground truth.
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
+
+#: Keyword arguments of ``apply_chat_template`` the task sets itself: given again in
+#: ``chat_template_kwargs`` they would fail every row (a keyword given twice) or make no prompt.
+TASK_TEMPLATE_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                           "return_dict", "return_tensors", "return_assistant_tokens_mask")
+
+#: Rows handed out that cannot be prompts, with none that could, before the run stops: the
+#: template or its settings refuse them all (a system message to a template without that role).
+REFUSED_BEFORE_ANY = 20
+
+#: Rows passed over with a warning each; those after are passed over and counted, not printed.
+WARNED_ROWS = 5
 
 
 class DatasetConfig(BaseModel):
@@ -64,7 +76,8 @@ class DatasetConfig(BaseModel):
     system_prompt: str | None = None
     """A system message put before each prompt (turns a plain-string prompt into a chat)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments to ``apply_chat_template`` (e.g. ``{enable_thinking = false}``)."""
+    """Extra keyword arguments to ``apply_chat_template`` (e.g. ``{enable_thinking = false}``);
+    not those the task sets itself (``tokenize``, ``add_generation_prompt``, ...)."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Drop rows whose prompt is longer than this many tokens (counted once, printed). Default:
     the longest prompt the engine takes when it has a fixed one (slot batching's
@@ -98,6 +111,15 @@ class DatasetConfig(BaseModel):
         if self.eval_fraction and (self.eval_path or self.eval_split):
             raise ValueError("set eval_fraction, or eval_path / eval_split, not both")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_tasks_own(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & set(TASK_TEMPLATE_ARGUMENTS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the task itself "
+                             "(a prompt is rendered as text, ending where the model's reply starts)")
+        return value
 
 
 def _excerpt(row: Any) -> str:
@@ -144,10 +166,14 @@ class DatasetTask(Task):
             self.held_out_rows = self._usable_rows(self.held_out_rows, "the held-out rows", held_out=True)
         self._passed_over: set[int] = set()  # rows the chat template refused when handed out
         self._prompts: dict[int, Prompt] = {}
+        self._template_error: str | None = None  # the first row the template refused, when measured at the start
         if config.max_prompt_tokens:
             before = len(self.rows)
             self.rows = [r for r in self.rows if self._fits(r, held_out=False)]
             self.held_out_rows = [r for r in self.held_out_rows if self._fits(r, held_out=True)]
+            if not self.rows and self._template_error is not None:
+                raise UserError(f"task.path: no row of {config.path} can be a prompt for this model (the "
+                                f"first: {self._template_error})")
             if not self.rows:
                 raise UserError(f"task.max_prompt_tokens: every prompt of {config.path} is longer than "
                                 f"{config.max_prompt_tokens} tokens")
@@ -203,7 +229,8 @@ class DatasetTask(Task):
             return self._length(self._prompt_of(row, held_out=held_out)) <= self.config.max_prompt_tokens
         except UserError:
             raise
-        except Exception:  # (a chat template's refusal: this row's alone)
+        except Exception as exc:  # (a chat template's refusal: this row's alone)
+            self._template_error = self._template_error or f"{type(exc).__name__}: {str(exc)[:200]}"
             return False
 
     def _usable_rows(self, rows: list[dict], what: str, held_out: bool) -> list[dict]:
@@ -323,8 +350,16 @@ class DatasetTask(Task):
                     self._passed_over.add(index)
                     error = f"{type(exc).__name__}: {str(exc)[:200]}"
                     first_error = first_error or error
-                    warnings.warn(f"task: a row of {self.config.path} cannot be a prompt and is passed over "
-                                  f"({error}): {_excerpt(self.rows[index])}", RunWarning, stacklevel=2)
+                    if not self._prompts and len(self._passed_over) >= REFUSED_BEFORE_ANY:
+                        # not one row has rendered: the template or its settings refuse them all,
+                        # and a warning per row of a large file would be all the run says
+                        raise UserError(f"task.path: none of the first {len(self._passed_over)} rows of "
+                                        f"{self.config.path} can be a prompt for this model ({error})") from None
+                    if len(self._passed_over) <= WARNED_ROWS:
+                        more = (f"; further such rows are passed over without a warning each"
+                                if len(self._passed_over) == WARNED_ROWS else "")
+                        warnings.warn(f"task: a row of {self.config.path} cannot be a prompt and is passed over "
+                                      f"({error}): {_excerpt(self.rows[index])}{more}", RunWarning, stacklevel=2)
                     continue
             return self._prompts[index]
         raise UserError(f"task.path: no row of {self.config.path} can be a prompt for this model "
