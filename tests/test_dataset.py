@@ -356,3 +356,19 @@ def test_a_template_that_refuses_every_row_stops_the_task_in_one_line_not_a_warn
     # the task's own arguments of apply_chat_template are refused as the recipe is read
     with pytest.raises(ValueError, match="tokenize is set by the task itself"):
         DatasetConfig(path=str(path), chat_template_kwargs={"tokenize": True})
+
+
+def test_an_image_column_is_read_as_its_bytes_not_decoded(tmp_path):
+    import datasets
+
+    from streamrl.tasks.dataset_files import load_rows
+
+    png = bytes.fromhex("89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+                        "0000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
+    features = datasets.Features({"prompt": datasets.Value("string"), "img": datasets.Image()})
+    datasets.Dataset.from_dict({"prompt": ["1+1="], "img": [{"bytes": png, "path": None}]},
+                               features=features).save_to_disk(str(tmp_path / "with-images"))
+    (row,) = load_rows(str(tmp_path / "with-images"), "train", "task.path")
+    assert row["img"] == {"bytes": png, "path": None}  # (decoded, it was a PIL image, all rows' at once)
+    (prompt,) = DatasetTask(DatasetConfig(path=str(tmp_path / "with-images"))).prompts(0, 1)
+    assert prompt.text == "1+1=" and prompt.columns["img"]["bytes"] == png

@@ -38,13 +38,26 @@ def load_rows(path: str, split: str, field: str) -> list[dict]:
             data = datasets.load_dataset(str(local), split=split)
         else:
             data = datasets.load_dataset(path, split=split)
+        data = _media_undecoded(data, datasets)
+        rows = data.to_list()
     except UserError:
         raise
     except Exception as exc:  # datasets' own errors are long; the first line says what was wrong
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = "" if local.exists() else " (no such file or folder next to the recipe, and not found on the hub)"
         raise UserError(f"{field}: cannot read {path}{where}: {first[:300]}") from None
-    return data.to_list()
+    return rows
+
+
+def _media_undecoded(data, datasets):
+    # An image, audio or video column is kept as its bytes and path: a prompt is text, and
+    # decoding every row's media on reading took the memory of all of them at once (and needs
+    # the decoder's package, an ImportError on reading otherwise).
+    for name, feature in data.features.items():
+        if isinstance(feature, tuple(getattr(datasets, kind) for kind in ("Image", "Audio", "Video")
+                                     if hasattr(datasets, kind))) and getattr(feature, "decode", False):
+            data = data.cast_column(name, type(feature)(decode=False))
+    return data
 
 
 def dig(row: dict, dotted: str) -> Any:
