@@ -156,3 +156,59 @@ def test_a_lora_learner_publishes_merged_weights_to_an_engine_without_adapters(t
     assert not is_adapter(published)
     assert set(published) == {n for n, _ in AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters()}
     assert trainer.publish_bytes() == sum(t.numel() * t.element_size() for t in published.values())
+
+
+def test_a_bad_adapter_or_a_failed_grow_leaves_the_bank_as_it_was_and_an_unloaded_index_is_free(tiny_model, monkeypatch):
+    trainer = lora_trainer(tiny_model, steps=1)
+    engine = HFEngine(HFEngineConfig(batching="static", profile=False, adapters=2))
+    engine.load(str(tiny_model), device="cpu")
+    try:
+        good = trainer.named_weights()
+        engine.load_weights(good, 1)
+        bank = engine.adapters
+        layer = next(n for n in good if n.endswith(".lora_A")).removesuffix(".lora_A")
+        held = {n: {k: t.clone() for k, t in st.items()} for n, st in bank.layers.items()}
+
+        def unchanged() -> bool:
+            return (bank.versions == {POLICY: 1} and bank.rank == 4 and set(bank.layers) == set(held)
+                    and all(torch.equal(bank.layers[n][k], held[n][k]) for n in held for k in held[n]))
+
+        last = sorted(good)[-1]  # (a layer after others: nothing of the ones before may be copied either)
+        bad = {"a scale of two numbers": ({f"{layer}.lora_scale": torch.tensor([1.0, 2.0])}, "scale"),
+               "NaN in A": ({last: good[last] * float("nan")}, "NaN or infinite"),
+               "an integer B": ({f"{layer}.lora_B": good[f"{layer}.lora_B"].long()}, "not floating")}
+        for what, (change, says) in bad.items():
+            with pytest.raises((ValueError, WeightShapeMismatch), match=says):
+                engine.load_weights(dict(good, **change), 2)
+            assert unchanged(), what
+        a, b = good[f"{layer}.lora_A"], good[f"{layer}.lora_B"]
+        wide = max(a.shape[1], b.shape[0]) + 1  # a rank past what the layer's weight can use
+        with pytest.raises(WeightShapeMismatch, match="more than"):
+            engine.load_weights(dict(good, **{f"{layer}.lora_A": torch.zeros(wide, a.shape[1]),
+                                              f"{layer}.lora_B": torch.zeros(b.shape[0], wide)}), 2)
+        assert unchanged()
+        # a higher rank whose stacks cannot all be made (device memory): nothing swapped in
+        made, zeros = [], torch.zeros
+
+        def fails_on_the_third(*args, **kwargs):
+            made.append(args)
+            if len(made) == 3:
+                raise torch.OutOfMemoryError("out of memory (made to fail)")
+            return zeros(*args, **kwargs)
+        higher = lora_trainer(tiny_model, rank=8, steps=1).named_weights()
+        monkeypatch.setattr(torch, "zeros", fails_on_the_third)
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.load_weights(higher, 2)
+        monkeypatch.setattr(torch, "zeros", zeros)
+        assert unchanged() and bank.layout == 1
+        engine.load_weights(higher, 2)  # and the grow goes through once there is room
+        assert bank.rank == 8 and bank.versions == {POLICY: 2}
+        # full (the policy and 'a'), 'a' unloaded: 'b' takes its index, and 'a' can come back after it leaves
+        engine.load_adapter("a", good, 1)
+        engine.adapters.unload("a")
+        engine.load_adapter("b", good, 1)
+        engine.adapters.unload("b")
+        engine.load_adapter("a", good, 1)
+        assert bank.versions == {POLICY: 2, "a": 1}
+    finally:
+        engine.close()

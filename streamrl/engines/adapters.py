@@ -138,7 +138,7 @@ class AdapterBank:
         layers = payload.by_layer(named)
         modules = dict(self.model.named_modules())
         rank = 0
-        for layer, (a, b, _) in layers.items():
+        for layer, (a, b, s) in layers.items():
             module = modules.get(layer)
             if not isinstance(module, torch.nn.Linear):
                 raise WeightShapeMismatch(f"adapter {name!r} for version {version}: the model has no linear layer "
@@ -148,9 +148,20 @@ class AdapterBank:
                 raise WeightShapeMismatch(
                     f"adapter {name!r} for version {version}: layer {layer!r} is {module.out_features}x"
                     f"{module.in_features} in the engine, but A is {tuple(a.shape)} and B {tuple(b.shape)}")
+            if a.shape[0] > min(module.in_features, module.out_features):  # (a rank past it adds nothing but memory)
+                raise WeightShapeMismatch(
+                    f"adapter {name!r} for version {version}: layer {layer!r} has rank {a.shape[0]}, more than "
+                    f"its {module.out_features}x{module.in_features} weight can use")
+            if s.numel() != 1 or not all(t.is_floating_point() for t in (a, b, s)):
+                raise WeightShapeMismatch(f"adapter {name!r} for version {version}: layer {layer!r}'s scale is "
+                                          f"{tuple(s.shape)} {s.dtype} (a single float) or A or B is not floating")
+            if not all(bool(torch.isfinite(t).all()) for t in (a, b, s)):
+                raise ValueError(f"adapter {name!r} for version {version}: layer {layer!r} holds NaN or infinite "
+                                 "values; the adapter held is kept")
             rank = max(rank, a.shape[0])
-        if name not in self.slots and len(self.slots) >= self.capacity:
-            raise ValueError(f"the engine holds {self.capacity} adapters ({', '.join(sorted(self.slots))}); "
+        live = sorted(n for n in self.slots if not n.startswith(_RETIRED))  # (an unloaded one's index is free)
+        if name not in self.slots and len(live) >= self.capacity:
+            raise ValueError(f"the engine holds {self.capacity} adapters ({', '.join(live)}); "
                              f"adapter {name!r} is one more (engine.adapters)")
         self._make_room(layers, rank, modules)
         k = self.slot(name)
@@ -170,13 +181,17 @@ class AdapterBank:
 
     def _make_room(self, layers: dict, rank: int, modules: dict) -> None:
         """Stacks for every layer of ``layers`` of at least ``rank``: new layers get stacks and a
-        hook, a higher rank re-allocates every stack (the adapters held are kept)."""
+        hook, a higher rank re-allocates every stack (the adapters held are kept). All of them
+        are made before any is swapped in: an allocation that fails (device memory) leaves the
+        bank as it was, not some layers at the new rank and the captured graphs reading freed
+        stacks."""
         grow = rank > self.rank
         new = [layer for layer in layers if layer not in self.layers]
         if not grow and not new:
             return
         rank = max(rank, self.rank)
-        for layer in [*self.layers, *new]:
+        made = {}
+        for layer in [*self.layers, *new] if grow else new:
             module = modules[layer]
             w = module.weight
             old = self.layers.get(layer)
@@ -188,9 +203,10 @@ class AdapterBank:
                 stacks["A"][:, :self.rank].copy_(old["A"])
                 stacks["B"][:, :, :self.rank].copy_(old["B"])
                 stacks["scale"].copy_(old["scale"])
-            self.layers[layer] = stacks
-            if old is None:
-                self._hooks.append(module.register_forward_hook(self._hook(layer)))
+            made[layer] = stacks
+        self.layers.update(made)
+        for layer in new:
+            self._hooks.append(modules[layer].register_forward_hook(self._hook(layer)))
         self.rank = rank
         self.layout += 1
 

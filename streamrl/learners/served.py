@@ -162,6 +162,13 @@ class ServedVariants(StepExtension):
                 self._endpoint(endpoint.remove_variant, self.served.pop(name))
                 if name in self.on_adapters:
                     self.on_adapters.discard(name)
+                    # its loads still on their way land first: one landing after the unload
+                    # would take an index again, for a learner that has left
+                    for f in self._refreshing.pop(name, []):
+                        try:
+                            f.result(timeout=30)
+                        except Exception:  # noqa: BLE001 -- a failed or lost load holds nothing
+                            pass
                     for f in self._on_generate(unload_adapter, name, key=f"variant-unload-{name}"):
                         try:
                             f.result(timeout=30)

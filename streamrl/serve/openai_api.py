@@ -44,7 +44,7 @@ from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequ
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.telemetry.thread_cpu import cpu_seconds
-from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Trajectories
+from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, RolloutLimit, Trajectories
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
@@ -375,6 +375,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                     ids, segment = await endpoint.off_loop(endpoint.trajectories.prompt, rollout, messages, tools)
                 except MessageError as e:
                     raise APIError(400, str(e), param=e.param) from None
+                except RolloutLimit as e:
+                    raise APIError(400, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_limit") from None
                 except ValueError as e:
                     raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         if rollout is None:

@@ -45,6 +45,20 @@ STALE_ROLLOUT_S = 3600.0
 #: Finished rollouts remembered, so that a late call of one is refused rather than begun anew.
 FINISHED_KEPT = 100_000
 
+#: The most calls one rollout may make, and segments (forks, rewritten histories) it may have: an
+#: agent that loops without end is refused past them, not kept until memory runs out.
+MAX_CALLS = 1024
+MAX_SEGMENTS = 256
+
+#: The most rollouts in flight on one endpoint; a new one past it drops the oldest (counted with
+#: the stale ones).
+MAX_ROLLOUTS = 16_384
+
+
+class RolloutLimit(ValueError):
+    """A rollout's call past :data:`MAX_CALLS` or :data:`MAX_SEGMENTS`."""
+
+
 #: Stands in for a reply's text when the template renders a conversation around it (no
 #: template writes this, so where it lands tells what the template adds after a reply).
 PLACEHOLDER = "\u2063streamrl-reply\u2063"
@@ -107,40 +121,82 @@ class Trajectories:
                ) -> tuple[list[int], Segment]:
         """The prompt of a rollout's call with canonical ``messages``, and the segment it joins
         (marked busy until :meth:`add` or :meth:`abandon`). ``ValueError`` for a call of a
-        rollout already finished."""
+        rollout already finished; :class:`RolloutLimit` past a rollout's bounds. Rendering and
+        tokenizing happen outside the store's lock: the server's event loop takes it when a
+        call ends, and must not wait on another call's template."""
         tools_key = json.dumps(tools or [], sort_keys=True)
         keys = [message_key(m) for m in messages]
+
+        def continues(seg: Segment) -> bool:
+            k = len(seg.history)
+            return (not seg.busy and seg.tools == tools_key and len(keys) > k and keys[:k] == seg.history
+                    and messages[k]["role"] != "assistant")
+
         with self._lock:
-            if rollout_id in self._finished:
+            rollout = self._begin(rollout_id)
+            candidates = [seg for seg in reversed(rollout.segments) if continues(seg)]
+        for seg in candidates:
+            with self._lock:  # (another call may have taken it, or the rollout ended, meanwhile)
+                if not continues(seg) or self._rollouts.get(rollout_id) is not rollout:
+                    continue
+                seg.busy = True
+            try:
+                ids = self._continue(seg, messages[len(seg.history):], tools)
+            except Exception:  # noqa: BLE001 -- a template that refuses the placeholder: render anew
+                ids = None
+            if ids is not None:
+                return ids, seg
+            with self._lock:
+                seg.busy = False
+        with self._lock:
+            if self._rollouts.get(rollout_id) is not rollout:
+                self._refuse_call(rollout_id, rollout)
                 raise ValueError(f"rollout {rollout_id!r} is finished: its trajectory was handed over")
-            self._sweep()
-            rollout = self._rollouts.setdefault(rollout_id, Rollout())
-            rollout.calls += 1
-            rollout.active = time.time()
-            for seg in reversed(rollout.segments):
-                k = len(seg.history)
-                if (not seg.busy and seg.tools == tools_key and len(keys) > k and keys[:k] == seg.history
-                        and messages[k]["role"] != "assistant"):
-                    try:
-                        ids = self._continue(seg, messages[k:], tools)
-                    except Exception:  # noqa: BLE001 -- a template that refuses the placeholder: render anew
-                        ids = None
-                    if ids is not None:
-                        seg.busy = True
-                        return ids, seg
-            if rollout.segments:
-                rollout.splits += 1
+            if len(rollout.segments) >= MAX_SEGMENTS:
+                self._refuse_call(rollout_id, rollout)
+                raise RolloutLimit(f"rollout {rollout_id!r} has {MAX_SEGMENTS} segments, the most one rollout may "
+                                   "have: its calls rewrote or forked the conversation that often")
+            split = bool(rollout.segments)
+            rollout.splits += split
             seg = Segment(prompt_ids=[], tools=tools_key, busy=True)
             rollout.segments.append(seg)
         try:
             guarded, contents = content_as_text.guard(self.tokenizer, messages)
             ids = self.encode(render(self.tokenizer, guarded, tools, generation_prompt=True), contents)
-        except BaseException:  # (messages the template refuses, a prompt too long): no segment of nothing
+        except BaseException:  # (messages the template refuses, a prompt too long): not a call, nor a split
             with self._lock:
-                rollout.segments.remove(seg)
+                if seg in rollout.segments:
+                    rollout.segments.remove(seg)
+                rollout.splits -= split
+                self._refuse_call(rollout_id, rollout)
             raise
         seg.prompt_ids = ids
         return ids, seg
+
+    def _begin(self, rollout_id: str) -> Rollout:
+        # (under the lock) the rollout of a new call, counted: refused once finished or past its
+        # calls, and the oldest rollout dropped when too many are in flight
+        if rollout_id in self._finished:
+            raise ValueError(f"rollout {rollout_id!r} is finished: its trajectory was handed over")
+        self._sweep()
+        rollout = self._rollouts.get(rollout_id)
+        if rollout is None:
+            while len(self._rollouts) >= MAX_ROLLOUTS:  # (an agent that makes up rollout ids)
+                del self._rollouts[next(iter(self._rollouts))]
+                self.dropped_stale += 1
+            rollout = self._rollouts[rollout_id] = Rollout()
+        if rollout.calls >= MAX_CALLS:
+            raise RolloutLimit(f"rollout {rollout_id!r} has made {MAX_CALLS} calls, the most one rollout may make")
+        rollout.calls += 1
+        rollout.active = time.time()
+        return rollout
+
+    def _refuse_call(self, rollout_id: str, rollout: Rollout) -> None:
+        # (under the lock) a call refused before it decoded is not counted; a rollout it began
+        # and that holds nothing else is not kept
+        rollout.calls -= 1
+        if rollout.calls == 0 and not rollout.segments and self._rollouts.get(rollout_id) is rollout:
+            del self._rollouts[rollout_id]
 
     def _continue(self, seg: Segment, new: list[dict[str, Any]], tools) -> list[int] | None:
         # the template's text after the reply: the reply's end of turn, the new messages and the

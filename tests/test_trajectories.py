@@ -1,0 +1,100 @@
+"""The store of agents' rollouts on an endpoint, alone (the calculator model's tokenizer and chat
+template, no server): a refused call leaves no count behind, a rollout's calls and segments are
+bounded, an agent that makes up rollout ids cannot fill it, and one call's rendering does not
+hold up the others'."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+from streamrl.chat import content_as_text
+from streamrl.serve import trajectories as store
+from streamrl.serve.trajectories import RolloutLimit, Trajectories
+from tests.helpers import ROOT
+
+TOK = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny-calculator")
+
+
+def fresh(encode=None) -> Trajectories:
+    return Trajectories(TOK, encode or (lambda text, contents: content_as_text.encode(TOK, text, contents)))
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def one_call(t: Trajectories, rid: str, messages: list[dict]) -> None:
+    ids, seg = t.prompt(rid, messages, None)
+    t.add(rid, seg, messages, ids, [5, 6], [-0.1, -0.2], [0, 0], {"role": "assistant", "content": "7"})
+
+
+def test_a_call_refused_while_rendered_counts_no_call_nor_split_and_keeps_no_rollout():
+    def refuses(text, contents):
+        if "refused" in text:
+            raise ValueError("the prompt is too long")
+        return content_as_text.encode(TOK, text, contents)
+    t = fresh(refuses)
+    with pytest.raises(ValueError, match="too long"):
+        t.prompt("alone", user("refused"), None)
+    assert t.in_flight() == 0  # (its only call refused: nothing of it kept)
+    one_call(t, "r", user("1+1="))
+    with pytest.raises(ValueError, match="too long"):
+        t.prompt("r", user("refused, a rewritten history"), None)
+    one_call(t, "r", user("2+2="))  # a rewritten history: one split, counted once
+    traj = t.finish("r")
+    assert (traj["calls"], traj["splits"], len(traj["segments"])) == (2, 1, 2)
+
+
+def test_a_rollouts_calls_and_segments_are_bounded_and_made_up_rollouts_drop_the_oldest(monkeypatch):
+    monkeypatch.setattr(store, "MAX_CALLS", 3)
+    t = fresh()
+    for k in range(3):
+        one_call(t, "loop", user(f"{k}+1="))
+    with pytest.raises(RolloutLimit, match="3 calls"):
+        t.prompt("loop", user("9+9="), None)
+    assert t.finish("loop")["calls"] == 3
+    monkeypatch.setattr(store, "MAX_CALLS", 1024)
+    monkeypatch.setattr(store, "MAX_SEGMENTS", 2)
+    one_call(t, "forks", user("1+1="))
+    one_call(t, "forks", user("2+2="))
+    with pytest.raises(RolloutLimit, match="2 segments"):
+        t.prompt("forks", user("3+3="), None)
+    assert t.finish("forks")["calls"] == 2  # (the refused one not counted)
+    monkeypatch.setattr(store, "MAX_ROLLOUTS", 2)
+    for rid in ("a", "b", "c"):
+        one_call(t, rid, user("1+1="))
+    assert t.in_flight() == 2 and t.dropped_stale == 1 and t.finish("a")["calls"] == 0  # the oldest went
+
+
+def test_a_call_being_rendered_does_not_hold_the_store_for_the_others(monkeypatch):
+    # a call that continues its conversation renders it around the reply (twice) and tokenizes
+    # what follows: seconds for a long one, while the server's event loop ends other calls
+    rendering, go_on = threading.Event(), threading.Event()
+    render = store.render
+
+    def slow(tokenizer, messages, *args, **kwargs):
+        if any("slow" in m["content"] for m in messages if isinstance(m.get("content"), str)):
+            rendering.set()
+            assert go_on.wait(10)
+        return render(tokenizer, messages, *args, **kwargs)
+    monkeypatch.setattr(store, "render", slow)
+    t = fresh()
+    one_call(t, "agent", user("1+1="))
+    then = user("1+1=") + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "slow: and 2+2?"}]
+    got = []
+    caller = threading.Thread(target=lambda: got.append(t.prompt("agent", then, None)))
+    caller.start()
+    try:
+        assert rendering.wait(10)
+        # meanwhile: a call ends, another begins, the count is read -- none waits on that render
+        ids, seg = t.prompt("r", user("3+3="), None)
+        t.add("r", seg, user("3+3="), ids, [5], [-0.1], [0], {"role": "assistant", "content": "6"})
+        assert t.in_flight() == 2
+    finally:
+        go_on.set()
+        caller.join(10)
+    (ids, seg), = got
+    assert t.finish("agent")["splits"] == 0 and seg.busy  # it continued the first call's segment
