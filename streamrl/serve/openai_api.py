@@ -425,8 +425,10 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     async def finish_rollout(rollout: str, request: Request):
         endpoint.authorize(request)
         endpoint.check_rollout(request)
-        return {"object": "streamrl.rollout", "id": rollout, "worker": endpoint.worker,
-                **endpoint.trajectories.finish(rollout)}
+        # (off the loop: decoding every segment of a long rollout; and a JSONResponse, not
+        # FastAPI's encoder, which walks every token id in Python)
+        trajectory = await endpoint.off_loop(endpoint.trajectories.finish, rollout)
+        return JSONResponse({"object": "streamrl.rollout", "id": rollout, "worker": endpoint.worker, **trajectory})
 
     @app.get("/v1/serve/stats")
     async def stats(request: Request):
