@@ -372,3 +372,15 @@ def test_an_image_column_is_read_as_its_bytes_not_decoded(tmp_path):
     assert row["img"] == {"bytes": png, "path": None}  # (decoded, it was a PIL image, all rows' at once)
     (prompt,) = DatasetTask(DatasetConfig(path=str(tmp_path / "with-images"))).prompts(0, 1)
     assert prompt.text == "1+1=" and prompt.columns["img"]["bytes"] == png
+
+
+def test_rows_too_long_for_the_model_are_passed_over_however_many_come_first(tmp_path, tiny_model):
+    from streamrl.tasks.dataset import REFUSED_BEFORE_ANY
+
+    rows = [{"prompt": "1" * 20 + "+1=", "answer": "long"} for _ in range(200)] + [{"prompt": "1+1=", "answer": "2"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = DatasetTask(DatasetConfig(path=str(path), model_path=str(tiny_model), prompt_positions=8, seed=0))
+    assert task._order(0).index(200) > REFUSED_BEFORE_ANY  # (the one row that fits comes after that many)
+    with pytest.warns(RunWarning, match="longer than the 8 tokens"):
+        assert [p.answer for p in task.prompts(0, 2)] == ["2", "2"]

@@ -181,12 +181,6 @@ def test_a_bad_adapter_or_a_failed_grow_leaves_the_bank_as_it_was_and_an_unloade
             with pytest.raises((ValueError, WeightShapeMismatch), match=says):
                 engine.load_weights(dict(good, **change), 2)
             assert unchanged(), what
-        a, b = good[f"{layer}.lora_A"], good[f"{layer}.lora_B"]
-        wide = max(a.shape[1], b.shape[0]) + 1  # a rank past what the layer's weight can use
-        with pytest.raises(WeightShapeMismatch, match="more than"):
-            engine.load_weights(dict(good, **{f"{layer}.lora_A": torch.zeros(wide, a.shape[1]),
-                                              f"{layer}.lora_B": torch.zeros(b.shape[0], wide)}), 2)
-        assert unchanged()
         # a higher rank whose stacks cannot all be made (device memory): nothing swapped in
         made, zeros = [], torch.zeros
 

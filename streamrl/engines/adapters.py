@@ -148,10 +148,6 @@ class AdapterBank:
                 raise WeightShapeMismatch(
                     f"adapter {name!r} for version {version}: layer {layer!r} is {module.out_features}x"
                     f"{module.in_features} in the engine, but A is {tuple(a.shape)} and B {tuple(b.shape)}")
-            if a.shape[0] > min(module.in_features, module.out_features):  # (a rank past it adds nothing but memory)
-                raise WeightShapeMismatch(
-                    f"adapter {name!r} for version {version}: layer {layer!r} has rank {a.shape[0]}, more than "
-                    f"its {module.out_features}x{module.in_features} weight can use")
             if s.numel() != 1 or not all(t.is_floating_point() for t in (a, b, s)):
                 raise WeightShapeMismatch(f"adapter {name!r} for version {version}: layer {layer!r}'s scale is "
                                           f"{tuple(s.shape)} {s.dtype} (a single float) or A or B is not floating")

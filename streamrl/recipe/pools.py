@@ -109,7 +109,7 @@ class PoolConfig(Strict):
 
         try:
             limit = parse_memory_limit(value, 1, logger=logging.getLogger("streamrl.recipe")) if value.strip() else -1
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, ArithmeticError):  # ("inf" overflows Dask's reading)
             limit = -1
         if limit is not None and limit < 0:
             raise ValueError("not a memory size; expected bytes with a unit (\"4GiB\", \"500MB\"), "

@@ -15,8 +15,15 @@ from __future__ import annotations
 
 import json
 import resource
+import struct
 import threading
 import time
+
+try:  # (the kernel's send queue, where a platform says it: Linux; elsewhere the buffer alone)
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover
+    fcntl = termios = None
 
 #: The most bytes of one request's line and headers (the body is the app's to bound): 64 KiB,
 #: four times the largest head common servers accept by default, far past any OpenAI client's.
@@ -33,39 +40,54 @@ HEAD_TIMEOUT_S = 30.0
 
 def max_connections() -> int:
     """The most connections a server keeps open at once: a quarter of this process's file
-    descriptors (the rest are the worker's comms, files and the engine's), at most 4,096."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    descriptors (the rest are the worker's comms, files and the engine's), at most 4,096. The
+    soft limit is raised to the hard one first, as Dask's scheduler does: the common default of
+    1,024 would allow 256, fewer than an agent run's rollouts hold at once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+            if target > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+        except (OSError, ValueError):  # (a platform or container that will not): the limit as it is
+            pass
     if soft == resource.RLIM_INFINITY:
         return 4096
     return max(16, min(4096, soft // 4))
 
 
-def _error(status: int, reason: str, message: str, code: str) -> bytes:
+def _error(status: int, reason: str, message: str, code: str, kind: str = "invalid_request_error",
+           retry_after: bool = False) -> bytes:
     # the API's usual error shape, written straight to the socket: the app never saw the request
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+            + ("retry-after: 1\r\n" if retry_after else "") + "connection: close\r\n\r\n").encode() + body
 
 
 def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
                      connections: int | None = None, write_timeout_s: float = WRITE_TIMEOUT_S):
     """uvicorn's httptools protocol with the bounds of this module's docstring: a head past
-    ``head_limit`` bytes is answered 431 and closed, one not done within ``head_timeout_s`` is
-    answered 408 and closed, a connection past ``connections`` open ones is closed at once, and
-    one whose client has read nothing of what waits for it for ``write_timeout_s`` is cut."""
+    ``head_limit`` bytes is answered 431 and closed (and so is a chunked body whose framing and
+    trailers, the bytes that are not its content, pass it); one not done within
+    ``head_timeout_s`` is answered 408 and closed; a connection past ``connections`` open ones
+    is answered 503 and closed at once; and one whose client has read nothing of what waits for
+    it for ``write_timeout_s`` is cut."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     limit_connections = connections or max_connections()
 
     class BoundedHead(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
-            self._head_bytes = 0
+            self._message_bytes = self._body_bytes = 0  # (since the request began; of its content)
             self._in_head = True
             self._head_timer = self._write_timer = None
+            self._unsent = 0
             super().connection_made(transport)
             if len(self.connections) > limit_connections:  # (this one counted) its descriptor freed now
-                transport.abort()
+                transport.write(_error(503, "Service Unavailable", "The endpoint has as many connections open as "
+                                       "it keeps; retry shortly.", "too_many_connections", "server_error", True))
+                transport.close()
                 return
             self._start_head_timer()
 
@@ -76,11 +98,47 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
                 self._write_timer = None
             super().connection_lost(exc)
 
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._start_head_timer()
+            self._message_bytes += len(data)
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            # still in the head after all it was sent: the head alone is past the limit (a head
+            # and a body that arrive in one read are fine, however large the body)
+            if self._in_head and self._message_bytes > head_limit:
+                self._refuse(431, "Request Header Fields Too Large",
+                             f"the request's line and headers are longer than {head_limit} bytes",
+                             "request_header_fields_too_large")
+            # and with a chunked body's bytes that are not its content: its chunks' sizes and
+            # its trailers, which the parser keeps (a trailer sent for ever, as a header would be)
+            elif not self._in_head and self._message_bytes - self._body_bytes > head_limit:
+                self._refuse(431, "Request Header Fields Too Large",
+                             f"the request's headers, chunk framing and trailers are longer than {head_limit} bytes",
+                             "request_header_fields_too_large")
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._stop_head_timer()
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            # the next request on this connection starts its head (its timer with its first byte;
+            # until then uvicorn's keep-alive timeout holds the idle connection)
+            self._in_head, self._message_bytes, self._body_bytes = True, 0, 0
+
         def pause_writing(self) -> None:
             # the transport's buffer is full: the client reads slower than the answer comes, or
             # not at all; uvicorn's writer now waits until it drains
             super().pause_writing()
             if self._write_timer is None:
+                self._unsent = self._unsent_bytes()
                 self._write_timer = self.loop.call_later(write_timeout_s, self._stalled)
 
         def resume_writing(self) -> None:
@@ -90,33 +148,27 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
                 self._write_timer = None
 
         def _stalled(self) -> None:
-            # as a client that went away: uvicorn marks the request disconnected and frees its
-            # writer, and the app's disconnect handling cancels what it was answering
+            # a client that read some of it meanwhile is slow, not gone: another while. One that
+            # read nothing is cut, as a client that went away: uvicorn marks the request
+            # disconnected and frees its writer, and the app cancels what it was answering
+            unsent = self._unsent_bytes()
+            if unsent < self._unsent:
+                self._unsent = unsent
+                self._write_timer = self.loop.call_later(write_timeout_s, self._stalled)
+                return
             self._write_timer = None
             self.transport.abort()
 
-        def data_received(self, data: bytes) -> None:
-            if self._in_head:
-                self._start_head_timer()
-                self._head_bytes += len(data)
-            super().data_received(data)
-            # still in the head after all it was sent: the head alone is past the limit (a head
-            # and a body that arrive in one read are fine, however large the body)
-            if self._in_head and self._head_bytes > head_limit and not self.transport.is_closing():
-                self._refuse(431, "Request Header Fields Too Large",
-                             f"the request's line and headers are longer than {head_limit} bytes",
-                             "request_header_fields_too_large")
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            self._stop_head_timer()
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            # the next request on this connection starts its head (its timer with its first byte;
-            # until then uvicorn's keep-alive timeout holds the idle connection)
-            self._in_head, self._head_bytes = True, 0
+        def _unsent_bytes(self) -> int:
+            # what waits to reach the client: the transport's buffer and the kernel's send queue
+            # (megabytes of it: a client reading slowly empties that long before the buffer)
+            unsent = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            try:
+                unsent += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            except (OSError, AttributeError, ValueError):  # (no such queue here: the buffer alone)
+                pass
+            return unsent
 
         def _start_head_timer(self) -> None:
             if self._head_timer is None:
@@ -135,6 +187,9 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
 
         def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
             self._stop_head_timer()
+            if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+                self.transport.abort()  # (mid-answer to an earlier request: no room for another status)
+                return
             self.transport.write(_error(status, reason, message, code))
             self.transport.close()
 

@@ -115,24 +115,17 @@ class Endpoint:
                 **{f"decode_loop_{k}": v for k, v in getattr(self.engine, "loop_counts", {}).items()}}
 
     @contextlib.contextmanager
-    def admission(self, request: Request):
-        """Room for ``request``'s body while it is read, parsed and tokenized: a 429 once the
-        bodies in those stages would pass :attr:`admission_budget`. Completions are counted
-        against ``serve.max_pending`` only once their prompt is tokenized; without this, clients
-        could queue bodies for the tokenizing thread without bound (each held parsed meanwhile)."""
-        declared = request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() and int(declared) <= self.config.max_body_bytes \
-            else self.config.max_body_bytes  # (a larger one is read_body's 413)
-        if self.admitted_bytes and self.admitted_bytes + size > self.admission_budget:
-            self.traffic.count("refused")
-            raise APIError(429, f"The endpoint is busy: {self.admitted_bytes} bytes of requests are being read or "
-                                "tokenized; retry shortly.", kind="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
-        self.admitted_bytes += size
+    def admission(self):
+        """Room for a request's body while it is read, parsed and tokenized, taken as its bytes
+        arrive (:class:`Admission`) and given back at the end: a 429 once the bodies in those
+        stages would pass :attr:`admission_budget`. Completions are counted against
+        ``serve.max_pending`` only once their prompt is tokenized; without this, clients could
+        queue bodies for the tokenizing thread without bound (each held parsed meanwhile)."""
+        room = Admission(self)
         try:
-            yield
+            yield room
         finally:
-            self.admitted_bytes -= size
+            self.admitted_bytes -= room.taken
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenizing thread (its exceptions raised here)."""
@@ -297,6 +290,27 @@ class Contained:
             await failed.response()(scope, receive, send)
 
 
+class Admission:
+    """One request's share of :attr:`Endpoint.admitted_bytes`: the bytes of its body received
+    so far. Charged as they come, not as declared, so a client that declares megabytes and
+    sends a trickle holds only the trickle."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint, self.taken = endpoint, 0
+
+    def take(self, size: int) -> None:
+        """``size`` more bytes of the body; a 429 past the budget, unless this request is the
+        only one holding any (a body the endpoint takes at all is never refused for itself)."""
+        e = self.endpoint
+        if e.admitted_bytes > self.taken and e.admitted_bytes + size > e.admission_budget:
+            e.traffic.count("refused")
+            raise APIError(429, f"The endpoint is busy: {e.admitted_bytes} bytes of requests are being read or "
+                                "tokenized; retry shortly.", kind="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+        e.admitted_bytes += size
+        self.taken += size
+
+
 def make_app(endpoint: Endpoint) -> FastAPI:
     """The FastAPI application of ``endpoint``."""
     app = FastAPI(title="streamrl", docs_url=None, redoc_url=None, openapi_url=None)
@@ -340,8 +354,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     async def chat(request: Request):
         endpoint.authorize(request)
         rollout = request.headers.get(ROLLOUT_HEADER)
-        with endpoint.admission(request):
-            req = await read_body(request, ChatRequest, endpoint.config)
+        with endpoint.admission() as room:
+            req = await read_body(request, ChatRequest, endpoint.config, room)
             if req.top_logprobs:
                 raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).",
                                param="top_logprobs")
@@ -392,8 +406,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         endpoint.authorize(request)
-        with endpoint.admission(request):
-            req = await read_body(request, CompletionRequest, endpoint.config)
+        with endpoint.admission() as room:
+            req = await read_body(request, CompletionRequest, endpoint.config, room)
             if req.logprobs:
                 raise APIError(400, "logprobs above 0 (top alternatives) is not served; the sampled tokens' "
                                     "log-probs are in the response's 'streamrl' object.", param="logprobs")

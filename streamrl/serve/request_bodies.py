@@ -216,11 +216,12 @@ def _param(body: dict, error: dict) -> str:
     return ".".join(parts)
 
 
-async def read_body(request: Request, model: type[BaseModel], config: ServeConfig):
+async def read_body(request: Request, model: type[BaseModel], config: ServeConfig, room=None):
     """A request's JSON body as ``model``: a 413 past ``serve.max_body_bytes`` (before it is
     read to the end), a 408 when it does not come within ``serve.body_timeout_s``, a 400 naming
     the first bad field otherwise (or saying what else is wrong with it: not JSON, not Unicode,
-    nested too deeply)."""
+    nested too deeply). ``room``: told of each piece's bytes as it comes (``room.take``, which
+    may refuse it)."""
     limit = config.max_body_bytes
     too_large = APIError(413, f"The request body is larger than this endpoint takes: at most {limit} bytes "
                               "(serve.max_body_bytes).", code="request_too_large")
@@ -234,6 +235,8 @@ async def read_body(request: Request, model: type[BaseModel], config: ServeConfi
                 size += len(chunk)
                 if size > limit:  # (a body sent without its length, or longer than it said)
                     raise too_large
+                if room is not None:
+                    room.take(len(chunk))
                 chunks.append(chunk)
     except ClientDisconnect:  # the client went away before its body came: nothing to answer
         raise APIError(400, "The client disconnected before sending its request.") from None

@@ -122,6 +122,10 @@ class DatasetConfig(BaseModel):
         return value
 
 
+class TooLong(ValueError):
+    """A row's prompt is longer than the model takes (``prompt_positions``)."""
+
+
 def _excerpt(row: Any) -> str:
     """The start of a row as text, to name it in a message (a row has no name of its own)."""
     text = repr(row)
@@ -166,6 +170,7 @@ class DatasetTask(Task):
             self.held_out_rows = self._usable_rows(self.held_out_rows, "the held-out rows", held_out=True)
         self._passed_over: set[int] = set()  # rows the chat template refused when handed out
         self._prompts: dict[int, Prompt] = {}
+        self._refused = 0  # rows handed out that the template or the tokenizer refused
         self._template_error: str | None = None  # the first row the template refused, when measured at the start
         if config.max_prompt_tokens:
             before = len(self.rows)
@@ -323,11 +328,11 @@ class DatasetTask(Task):
             return self._prompt_of(row, uid, held_out=held_out)
         chars = self._characters(row)
         if chars > limit * MAX_CHARS_PER_TOKEN:
-            raise ValueError(f"its prompt is longer than the {limit} tokens the model takes ({chars} characters){hint}")
+            raise TooLong(f"its prompt is longer than the {limit} tokens the model takes ({chars} characters){hint}")
         prompt = self._prompt_of(row, uid, held_out=held_out)
         tokens = self._length(prompt)
         if tokens > limit:
-            raise ValueError(f"its prompt is longer than the {limit} tokens the model takes ({tokens} tokens){hint}")
+            raise TooLong(f"its prompt is longer than the {limit} tokens the model takes ({tokens} tokens){hint}")
         return prompt
 
     def _row(self, order: list[int], at: int) -> Prompt:
@@ -350,7 +355,8 @@ class DatasetTask(Task):
                     self._passed_over.add(index)
                     error = f"{type(exc).__name__}: {str(exc)[:200]}"
                     first_error = first_error or error
-                    if not self._prompts and len(self._passed_over) >= REFUSED_BEFORE_ANY:
+                    self._refused += not isinstance(exc, TooLong)  # (a long row says nothing of the others)
+                    if not self._prompts and self._refused >= REFUSED_BEFORE_ANY:
                         # not one row has rendered: the template or its settings refuse them all,
                         # and a warning per row of a large file would be all the run says
                         raise UserError(f"task.path: none of the first {len(self._passed_over)} rows of "
