@@ -221,3 +221,20 @@ def test_wandb_online_without_an_account_is_one_line_before_the_cluster_starts(t
     last = proc.stderr.strip().splitlines()[-1]  # (W&B's own words in between: "No API key configured...")
     assert last.startswith('streamrl: error: metrics: name = "wandb": ') and last.endswith('mode = "offline")'), last
     assert "dashboard:" not in proc.stderr  # no cluster was started
+
+
+def test_the_csv_sink_of_a_resumed_run_keeps_the_steps_before_its_checkpoint(tmp_path):
+    import csv
+
+    from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
+
+    # as a resume leaves the folder: metrics.jsonl cut back to the checkpoint's two steps, and
+    # the CSV as the first run left it (three steps)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(2)))
+    (tmp_path / "metrics.csv").write_text("step,loss\n0,0.0\n1,0.1\n2,0.2\n")
+    sink = CSVSink(CSVSinkConfig())
+    sink.open(tmp_path)
+    sink.write({"step": 2, "loss": 0.25})  # the step after the checkpoint, run again
+    sink.close()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["step"], r["loss"]) for r in rows] == [("0", "0.0"), ("1", "0.1"), ("2", "0.25")]

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from streamrl.api import MetricSink
+from streamrl.telemetry.metrics import read
 
 
 class CSVSinkConfig(BaseModel):
@@ -25,8 +26,14 @@ class CSVSink(MetricSink):
         self._writer = None
 
     def open(self, run_dir: Path) -> None:
-        """Create the file in ``run_dir``."""
+        """Create the file in ``run_dir``, with the rows of the steps the run already has: a
+        resumed run's ``metrics.jsonl`` holds the steps up to its checkpoint (those after it
+        are run again), and the file is written anew from them, not emptied."""
         self._file = (Path(run_dir) / self.config.file).open("w", newline="")
+        kept = Path(run_dir) / "metrics.jsonl"
+        if kept.exists():
+            for record in read(kept):
+                self.write(record)
 
     def write(self, record: dict) -> None:
         """Append one step's record (keys unseen in the first record are ignored)."""
