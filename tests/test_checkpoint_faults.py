@@ -87,6 +87,13 @@ DAMAGES = {
         lambda c: ((c / "controller.json").write_text('{"next_step": -4, "policy_version": 4, "records": 4}'),
                    rewrite_manifest(c)), "controller.json does not hold what a checkpoint writes there (next_step is -4, "
                                          "not a count)"),
+    # a manifest edited by hand: a size past a float's range, a file outside the checkpoint
+    "manifest with a size of 1e400": (
+        lambda c: (c / "manifest.json").write_text('{"files": {"controller.json": {"bytes": 1e400, "sha256": "x"}}}'),
+        "manifest.json cannot be read (OverflowError)"),
+    "manifest naming a file outside the checkpoint": (
+        lambda c: (c / "manifest.json").write_text('{"files": {"../../../metrics.jsonl": {"bytes": 1, "sha256": "x"}}}'),
+        "manifest.json names '../../../metrics.jsonl', not a file inside the checkpoint"),
 }
 
 

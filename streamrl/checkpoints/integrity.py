@@ -13,9 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 MANIFEST = "manifest.json"
+
+#: The largest manifest read: a checkpoint lists tens of files (a few KB); one of megabytes was
+#: not written by streamrl.
+MAX_MANIFEST_BYTES = 16 * 2**20
 """The checkpoint's table of contents (``{"files": {path: {"bytes": n, "sha256": hex}}}``), written last."""
 
 _VERIFIED: dict[str, tuple] = {}
@@ -47,10 +51,18 @@ def verify(ckpt: Path) -> str | None:
     if not manifest.exists():
         return _verify_legacy(ckpt)
     try:
+        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ValueError("too large")
         files = json.loads(manifest.read_text())["files"]
         wanted = {str(name): (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         return f"{MANIFEST} cannot be read ({type(exc).__name__})"
+    # a name the manifest lists is a file of the checkpoint's own: never a path out of it (a
+    # manifest edited to name /dev/zero or ../../a-large-file would have it read and hashed)
+    outside = next((n for n in sorted(wanted) if PurePosixPath(n).is_absolute() or ".." in PurePosixPath(n).parts
+                    or "\\" in n), None)
+    if outside is not None:
+        return f"{MANIFEST} names {outside!r}, not a file inside the checkpoint"
     for name, (size, _) in sorted(wanted.items()):
         path = ckpt / name
         if not path.is_file():
