@@ -354,3 +354,22 @@ def test_a_policy_transformers_refuses_to_save_at_the_end_is_one_line_naming_the
     run = only_run(tmp_path / "runs")
     assert len(read_records(run)) == 2
     assert json.loads((run / "status.json").read_text())["state"] == "failed"
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("learners.json", '{"learners": {"a": {}}}', "learner 'a' is not a table, a summary and has_state"),
+    ("learners.json", '{"learners": {"../x": {"table": {}, "summary": {}, "has_state": false}}}',
+     "'../x' is not a learner's name"),
+    ("learners.json", '{"learners": {"a": {"table": {}, "summary": {"steps_trained": -1}, "has_state": true}}}',
+     "learner 'a''s steps_trained is not a count"),
+    ("serve_traffic.json", '{"groups": [[{"uid": "x"}]]}', "a group is not a list of samples, each with its prompt"),
+    ("serve_traffic.json", '{"groups": {}}', "groups is not a list"),
+])
+def test_a_side_learner_or_traffic_file_not_as_written_is_the_checkpoints_problem(tmp_path, name, text, says):
+    from streamrl.checkpoints.integrity import json_problem
+
+    (tmp_path / "controller.json").write_text('{"next_step": 2, "policy_version": 2, "records": 2}')
+    (tmp_path / name).write_text(text)
+    assert json_problem(tmp_path) == f"{name} does not hold what a checkpoint writes there ({says})"
+    (tmp_path / name).write_text('{"learners": {}, "groups": []}')
+    assert json_problem(tmp_path) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
@@ -114,8 +115,39 @@ def _dispatch_problem(d) -> str | None:
     return None
 
 
+#: A side learner's name, as the recipe's ``[[learners]]`` allow it (it becomes a folder's name).
+_LEARNER_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,31}")
+
+
+def _learners_problem(d) -> str | None:
+    learners = d.get("learners") if isinstance(d, dict) else None
+    if not isinstance(learners, dict):
+        return "learners is not an object"
+    for name, entry in learners.items():
+        if not _LEARNER_NAME.fullmatch(name):
+            return f"{name[:40]!r} is not a learner's name"
+        if not (isinstance(entry, dict) and isinstance(entry.get("table"), dict)
+                and isinstance(entry.get("summary"), dict) and isinstance(entry.get("has_state"), bool)):
+            return f"learner {name!r} is not a table, a summary and has_state"
+        for key in ("steps_trained", "skipped_steps", "samples_trained"):
+            if key in entry["summary"] and not _count(entry["summary"][key]):
+                return f"learner {name!r}'s {key} is not a count"
+    return None
+
+
+def _traffic_problem(d) -> str | None:
+    groups = d.get("groups") if isinstance(d, dict) else None
+    if not isinstance(groups, list):
+        return "groups is not a list"
+    for g in groups:
+        if not (isinstance(g, list) and g and all(isinstance(s, dict) and isinstance(s.get("prompt"), dict) for s in g)):
+            return "a group is not a list of samples, each with its prompt"
+    return None
+
+
 #: What a resume reads from each JSON file of a checkpoint: what is wrong with the parsed value, or None.
-JSON_FILES = {"controller.json": _controller_problem, "dispatch.json": _dispatch_problem}
+JSON_FILES = {"controller.json": _controller_problem, "dispatch.json": _dispatch_problem,
+              "learners.json": _learners_problem, "serve_traffic.json": _traffic_problem}
 
 
 def json_problem(ckpt: Path) -> str | None:
