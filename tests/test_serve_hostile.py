@@ -411,7 +411,7 @@ def test_an_endpoint_that_serves_for_months_remembers_a_bounded_number_of_ended_
 @pytest.mark.parametrize("path, field", [("/chat/completions", "model"), ("/feedback", "id"), ("/feedback", "session")])
 def test_a_name_or_id_of_tens_of_kb_is_refused_without_being_said_back(served, path, field):
     _, url = served
-    huge = "m" * 50_000  # (under serve.max_body_bytes here)
+    huge = "m" * (50_000 if field == "model" else 3_000)  # (under the route's body limit here)
     body = {"model": "policy", "messages": [{"role": "user", "content": "1+2="}]} if field == "model" else \
         {field: huge, "reward": 1.0}
     if field == "model":
@@ -419,6 +419,9 @@ def test_a_name_or_id_of_tens_of_kb_is_refused_without_being_said_back(served, p
     r = httpx.post(f"{url}{path}", json=body, timeout=30)
     err = error_of(r, 400)
     assert err["param"] == field and len(r.text) < 1000, r.text[:300]
+    if path == "/feedback":  # and a feedback body of tens of KB is not one: refused before it is read
+        r = httpx.post(f"{url}{path}", json={field: "m" * 50_000, "reward": 1.0}, timeout=30)
+        assert error_of(r, 413)["code"] == "request_too_large" and "4096 bytes" in r.text
 
 
 def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
@@ -684,3 +687,31 @@ def test_a_client_that_reads_slowly_is_not_cut(bounded):
             time.sleep(0.05)
         assert got > 0 and not ENDLESS_CLOSED.is_set()
     assert ENDLESS_CLOSED.wait(10)  # (and once it goes, the answer is closed)
+
+
+def test_a_sessions_reward_fills_only_the_choices_without_one_and_recipe_mode_keeps_no_feedback():
+    from streamrl.sample import Prompt, Sample
+
+    traffic = Traffic(60.0)
+
+    def group(cid: str, n: int) -> list[Sample]:
+        prompt = Prompt(uid=cid, text="1+2=")
+        return [Sample(uid=f"{cid}-{k}", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0])
+                for k in range(n)]
+
+    for cid in ("a", "b", "c"):
+        traffic.started(cid, session="s", model="policy", n=2)
+    assert traffic.feedback("a", None, 1.0) is None       # a: both choices by its own feedback (still running)
+    assert traffic.feedback("b", 0, 1.0) is None          # b: choice 0 by its own feedback (still running)
+    traffic.finished("c", group("c", 2))                  # c: ended, waiting
+    assert traffic.feedback("c", 1, 1.0) is None          # c: choice 1 by its own feedback
+    assert traffic.session_feedback("s", -1.0) == (2, None)  # reaches b and c, not a: their own rewards stand
+    traffic.finished("a", group("a", 2))
+    traffic.finished("b", group("b", 2))
+    rewards = {g[0].uid[0]: [s.reward for s in g] for g in traffic.take(0, 6, 0, 0.0)}
+    assert rewards == {"a": [1.0, 1.0], "b": [1.0, -1.0], "c": [-1.0, 1.0]}
+    # with the recipe's reward, feedback that came while a request ran is not kept once it ends
+    traffic.started("d", session=None, model="policy", n=1)
+    traffic.feedback("d", None, 1.0)
+    traffic.finished("d", group("d", 1), ready=True)
+    assert "d" not in traffic._early

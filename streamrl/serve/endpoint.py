@@ -9,7 +9,7 @@ worker like any other.
 
 from __future__ import annotations
 
-from distributed import get_worker
+from distributed import get_worker, rejoin, secede
 
 from streamrl.on_worker.resident import ENGINE, ResidentLost, resident
 from streamrl.sample import Group
@@ -74,7 +74,14 @@ def take(step: int, min_samples: int, min_version: int, wait_s: float, after=Non
     when the endpoint stops first); steps asked ahead are served in step order (``after``: the
     previous step's take, which Dask runs first)."""
     traffic = _traffic()
-    groups = traffic.take(step, min_samples, min_version, wait_s)
+    # out of the worker's thread pool while it waits (up to a day): the tasks that must reach
+    # this worker meanwhile -- the stop's release, a checkpoint's untrained traffic, weight
+    # loads, the stats -- would otherwise queue behind it on a worker of one thread
+    secede()
+    try:
+        groups = traffic.take(step, min_samples, min_version, wait_s)
+    finally:
+        rejoin()
     name = str(get_worker().name)
     for s in (s for g in groups for s in g):
         s.worker = s.worker or name  # (a learner's policy made it on that learner's worker)

@@ -54,6 +54,9 @@ UNHEALTHY_S = 10.0
 #: are thousands at once under it.
 ADMISSION_BODIES = 16
 
+#: The largest ``POST /v1/feedback`` body: an id, a session, an index and a number.
+FEEDBACK_BODY_BYTES = 4096
+
 log = logging.getLogger("streamrl.serve")
 
 #: Seconds a client is told to wait (``Retry-After``) while the endpoint starts.
@@ -421,7 +424,11 @@ def make_app(endpoint: Endpoint) -> FastAPI:
     @app.post("/v1/feedback")
     async def feedback(request: Request):
         endpoint.authorize(request)
-        fb = await read_body(request, Feedback, endpoint.config)
+        if endpoint.config.reward == "recipe":  # (it would be taken and never used)
+            raise APIError(400, "This endpoint scores its completions with the recipe's reward (serve.reward = "
+                                "\"recipe\"); it takes no feedback.", code="feedback_not_taken")
+        with endpoint.admission() as room:  # (a feedback is a few hundred bytes: a body of megabytes is not one)
+            fb = await read_body(request, Feedback, endpoint.config, room, limit=FEEDBACK_BODY_BYTES)
         if abs(fb.reward) > endpoint.reward_limit:
             raise APIError(400, f"Invalid value for 'reward': {fb.reward:g} is past this run's reward.limit; rewards "
                                 f"must lie within [-{endpoint.reward_limit:g}, {endpoint.reward_limit:g}].", param="reward")

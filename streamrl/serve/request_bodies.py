@@ -216,15 +216,16 @@ def _param(body: dict, error: dict) -> str:
     return ".".join(parts)
 
 
-async def read_body(request: Request, model: type[BaseModel], config: ServeConfig, room=None):
+async def read_body(request: Request, model: type[BaseModel], config: ServeConfig, room=None, limit: int | None = None):
     """A request's JSON body as ``model``: a 413 past ``serve.max_body_bytes`` (before it is
     read to the end), a 408 when it does not come within ``serve.body_timeout_s``, a 400 naming
     the first bad field otherwise (or saying what else is wrong with it: not JSON, not Unicode,
     nested too deeply). ``room``: told of each piece's bytes as it comes (``room.take``, which
-    may refuse it)."""
-    limit = config.max_body_bytes
-    too_large = APIError(413, f"The request body is larger than this endpoint takes: at most {limit} bytes "
-                              "(serve.max_body_bytes).", code="request_too_large")
+    may refuse it); ``limit``: a route's own bound, below ``serve.max_body_bytes``."""
+    said = "" if limit is not None and limit < config.max_body_bytes else " (serve.max_body_bytes)"
+    limit = min(limit or config.max_body_bytes, config.max_body_bytes)
+    too_large = APIError(413, f"The request body is larger than this endpoint takes: at most {limit} bytes"
+                              f"{said}.", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large

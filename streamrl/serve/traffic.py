@@ -179,6 +179,7 @@ class Traffic:
             if tally is not None:
                 tally.completions += len(group)
             if ready:
+                self._early.pop(completion_id, None)  # (no feedback is taken in this mode: none is kept)
                 self._end(completion_id, "rewarded")
                 self._ready.append(group)
                 self.counts["rewarded"] += len(group)
@@ -235,16 +236,35 @@ class Traffic:
             open_ids = [cid for cid in ids if self._state.get(cid) in ("running", "waiting")]
             if not open_ids:
                 return 0, f"every completion of session {session!r} is already rewarded or dropped"
-            self.counts["feedback"] += 1
-            for cid in open_ids:
-                if self._state[cid] == "running":
-                    self._early.setdefault(cid, {})[None] = reward
-                else:
-                    self._apply(cid, None, reward)
+            # the session's reward goes to every choice not rewarded yet: a reward a choice has
+            # already (its own feedback, or an earlier round's) stands, as one reward per choice does
+            reached = [cid for cid in open_ids if self._fill(cid, reward)]
             # (a session's later completions start a new round of feedback)
             self._sessions[session] = [cid for cid in ids if self._state.get(cid) in ("running", "waiting")
                                        and cid not in open_ids]
-            return len(open_ids), None
+            if not reached:
+                return 0, f"every choice of session {session!r}'s completions is already rewarded"
+            self.counts["feedback"] += 1
+            return len(reached), None
+
+    def _fill(self, completion_id: str, reward: float) -> bool:
+        # (under the lock) ``reward`` for each choice of an open completion that has none; whether any had none
+        if self._state[completion_id] == "running":
+            early = self._early.setdefault(completion_id, {})
+            n = self._choices.get(completion_id)
+            if None in early or (n is not None and len(early) >= n):
+                return False
+            if not early:
+                early[None] = reward
+            else:  # (some choices rewarded by index: the others get the session's)
+                for index in range(n or 0):
+                    early.setdefault(index, reward)
+            return True
+        group = self._waiting[completion_id].group
+        todo = [k for k, s in enumerate(group) if s.reward is None]
+        for k in todo:
+            self._apply(completion_id, k, reward)
+        return bool(todo)
 
     def _apply(self, completion_id: str, index: int | None, reward: float) -> str | None:
         group = self._waiting[completion_id].group
