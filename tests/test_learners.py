@@ -313,3 +313,26 @@ def test_a_learner_that_is_not_served_runs_at_a_lower_cpu_priority(tiny_recipe):
         assert in_task == {"learner-rloo": min(19, base + 7), "reward-0": base}
         on_loop = client.run(priority)
         assert on_loop[by_name["learner-rloo"]] == min(19, base + 7) and on_loop[by_name["reward-0"]] == base
+
+
+def test_the_learners_commands_on_a_damaged_run_folder_are_one_line(tmp_path):
+    from tests.helpers import streamrl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cases = [
+        ({"status.json": "[]"}, ["add", str(run), "--name", "x"], "expected a JSON object with a 'state'"),
+        ({"status.json": "[" * 100_000}, ["remove", str(run), "x"], "cannot be read (RecursionError)"),
+        ({"status.json": '{"state": "running", "scheduler": 5}'}, ["remove", str(run), "x"], "the run is not running"),
+        ({"metrics.jsonl": '{"step": 0, "learners": [1]}\n[1]\n'}, ["list", str(run)], "is not an object of learners"),
+        ({"metrics.jsonl": '[1]\n{"loss": 1}\n'}, ["list", str(run)], "no step's record yet"),
+        ({}, ["add", str(run), "--name", "x", "--timeout", "nan"], "expected seconds above 0"),
+    ]
+    for files, args, says in cases:
+        for name, text in files.items():
+            (run / name).write_text(text)
+        proc = streamrl("learners", *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and says in lines[-1], (args, proc.stderr[-500:])
+        for name in files:
+            (run / name).unlink()

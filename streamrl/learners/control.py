@@ -41,9 +41,11 @@ def scheduler_of(run_dir: Path) -> str:
         state = json.loads(status.read_text())
     except FileNotFoundError:
         raise UserError(f"{run_dir}: not a run folder (no status.json)") from None
-    except ValueError:
-        raise UserError(f"{status}: not readable JSON") from None
-    if state.get("state") != "running" or not state.get("scheduler"):
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UserError(f"{status}: cannot be read ({type(exc).__name__}); expected the run's status record") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{status}: expected a JSON object with a 'state' (the run's status record)")
+    if state.get("state") != "running" or not isinstance(state.get("scheduler"), str) or not state["scheduler"]:
         raise UserError(f"{run_dir}: the run is not running (state {state.get('state')!r}); learners are added "
                         "and removed while it runs")
     return state["scheduler"]
@@ -65,8 +67,11 @@ def ask(run_dir: Path, request: dict, timeout: float = ANSWER_TIMEOUT) -> str:
             reply = answer.get(timeout=timeout)
             answer.delete()
         except TimeoutError:
+            # withdrawn: a request the run reads after this is not carried out behind the back
+            # of a command that said it had no answer (one the run has begun goes on)
+            Variable(f"{REQUESTS}-{rid}-withdrawn", client=client).set(True)
             raise UserError(f"{run_dir}: no answer from the run within {timeout:.0f} s (it reads requests between "
-                            "steps; is a step that long?)") from None
+                            "steps; is a step that long?); the request is withdrawn") from None
         except OSError:  # (CommClosedError) the scheduler went away: the run ended first
             raise UserError(f"{run_dir}: the run ended before it read the request") from None
     finally:
@@ -82,17 +87,22 @@ def listing(run_dir: Path) -> list[dict]:
     if not metrics.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl yet (not a run folder, or no step has finished)")
     last = None
-    for line in metrics.read_text().splitlines():
-        try:
-            last = json.loads(line)
-        except ValueError:
-            continue  # a torn last line
+    with metrics.open(errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue  # a torn last line
+            if isinstance(record, dict) and isinstance(record.get("step"), int):  # (a step's record)
+                last = record
     if last is None:
-        raise UserError(f"{metrics}: no record yet")
+        raise UserError(f"{metrics}: no step's record yet")
     learners = last.get("learners")
     if not learners:
         return [{"name": "main", "state": "training", "served": True, "steps_trained": last["step"] + 1,
                  "reward_mean": last.get("reward_mean"), "eval/reward_mean": last.get("eval/reward_mean")}]
+    if not isinstance(learners, dict) or not all(isinstance(e, dict) for e in learners.values()):
+        raise UserError(f"{metrics}: the last step's 'learners' is not an object of learners")
     return [{"name": name, **entry} for name, entry in learners.items()]
 
 
@@ -109,6 +119,8 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
     lines = []
     for request in requests:
         try:
+            if _withdrawn(client, request.get("id")):
+                raise UserError("the request was withdrawn (its command stopped waiting); not carried out")
             if request.get("op") == "add":
                 message = add(side, run_dir, step, request)
             elif request.get("op") == "remove":
@@ -122,6 +134,17 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
         lines.append(reply["message"])
         Variable(f"{REQUESTS}-{request.get('id')}", client=client).set(reply)
     return lines
+
+
+def _withdrawn(client, rid) -> bool:
+    # whether the command that sent request ``rid`` gave up waiting before the run read it
+    flag = Variable(f"{REQUESTS}-{rid}-withdrawn", client=client)
+    try:
+        flag.get(timeout=0.5)
+    except TimeoutError:
+        return False
+    flag.delete()
+    return True
 
 
 def add(side, run_dir: Path, step: int, request: dict) -> str:
