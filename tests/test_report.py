@@ -297,3 +297,17 @@ def test_streamrl_report_overlays_a_real_run_and_another(real_run, tmp_path):
     assert "Worker timeline of tiny (stream)" in text and "Worker timeline of other (async)" in text
     for png in linked_images(tmp_path / "both" / "report.md"):
         check_png(png)
+
+
+def test_fields_a_step_record_holds_otherwise_and_a_recipe_written_by_hand_are_read_as_nothing(tmp_path):
+    run = made_up_run(tmp_path / "run", steps=5)
+    odd = [{"step": 5, "reward_mean": 0.5, "step_s": "x", "samples": None},
+           {"step": 6, "reward_mean": 0.5, "pools": {"generate": {"busy_s": "x", "idle_s": [1]}}},
+           {"step": 7, "reward_mean": 0.5, "learners": {"a": {"steps_trained": float("inf"), "step": 7,
+                                                               "eval/policy_version": float("inf"),
+                                                               "eval/reward_mean": 0.5, "failure": 5}}}]
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in odd))
+    (run / "recipe.toml").write_text("run = 3\npools = 4\n")
+    text = write_report([run]).read_text()
+    assert "| run | ? | 8 | completed |" in text  # (the folder's name and no mode: the recipe names neither)

@@ -41,7 +41,8 @@ class Run:
     @property
     def serial_train(self) -> bool:
         """Whether each train worker runs one task at a time (``pools.train.threads``, default 1)."""
-        return int(self.recipe.get("pools", {}).get("train", {}).get("threads", 1) or 1) <= 1
+        threads = _table(_table(self.recipe, "pools"), "train").get("threads", 1)
+        return not _num(threads) or threads <= 1
 
 
 def warn(text: str) -> None:
@@ -79,10 +80,11 @@ def load_run(path: Path) -> Run:
         state = json.loads((path / "status.json").read_text()).get("state", "?")
     except (OSError, ValueError, AttributeError, RecursionError):
         state = "?"
-    run = recipe.get("run", {})
+    run = _table(recipe, "run")
     # (a folder is <name>-<yyyymmdd>-<hhmmss>[-n]; without its recipe that is the best name)
-    name = run.get("name") or re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", path.resolve().name)
-    return Run(path, records, name, run.get("mode", "?"), state, recipe)
+    name = run.get("name") if isinstance(run.get("name"), str) else ""
+    name = name or re.sub(r"-\d{8}-\d{6}(-\d+)?$", "", path.resolve().name)
+    return Run(path, records, name, str(run.get("mode", "?")), str(state), recipe)
 
 
 #: steps whose per-sample log is read, at most (spread over the run, the last ones always):
@@ -254,14 +256,14 @@ def summary_table(runs: list[Run]) -> str:
         k = min(10, max(1, len(recs) // 4))
         first = sum(r["reward_mean"] for r in recs[:k]) / k
         last = sum(r["reward_mean"] for r in recs[-k:]) / k
-        wall = sum(r.get("step_s", 0.0) for r in recs)
-        rate = sum(r.get("samples", 0) for r in recs) / wall if wall > 0 else float("nan")
+        wall = sum(_number(r.get("step_s")) for r in recs)
+        rate = sum(_number(r.get("samples")) for r in recs) / wall if wall > 0 else float("nan")
         idle = []
         for p in pools:
-            busy = sum(r.get("pools", {}).get(p, {}).get("busy_s", 0.0) for r in recs)
-            free = sum(r.get("pools", {}).get(p, {}).get("idle_s", 0.0) for r in recs)
+            busy = sum(_number(r.get("pools", {}).get(p, {}).get("busy_s")) for r in recs)
+            free = sum(_number(r.get("pools", {}).get(p, {}).get("idle_s")) for r in recs)
             idle.append(f"{free / (busy + free):.0%}" if busy + free > 0 else "-")
-        steps = run.recipe.get("run", {}).get("steps")
+        steps = _table(run.recipe, "run").get("steps")
         cells = [run.name, run.mode, f"{len(recs)}" + (f" of {steps}" if steps and steps != len(recs) else ""),
                  run.state, f"{first:.3f} → {last:.3f}", f"{rate:.1f}", _duration(wall), *idle,
                  f"`{run.path}`"]
@@ -276,14 +278,27 @@ LEARNER_WINDOW = 10
 
 
 def _num(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # a number the report can add and print: not a bool, not NaN or infinite (a record edited by
+    # hand, or another program's)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(value) -> float:
+    """``value`` where it is a finite number, else 0 (a field a record lacks or holds otherwise)."""
+    return float(value) if _num(value) else 0.0
+
+
+def _table(parent, key: str) -> dict:
+    """``parent[key]`` where both are tables, else {} (a recipe.toml written by hand)."""
+    value = parent.get(key) if isinstance(parent, dict) else None
+    return value if isinstance(value, dict) else {}
 
 
 def learners_final(path: Path) -> dict:
     """The run folder's ``learners.json`` (each side learner as the run ended), {} without one."""
     try:
         final = json.loads((Path(path) / "learners.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return {k: v for k, v in final.items() if isinstance(v, dict)} if isinstance(final, dict) else {}
 
@@ -326,7 +341,7 @@ def learner_figures(records: list[dict], final: dict | None = None, window: int 
             for ev in [e, *(e.get("eval_unrecorded") or ())]:
                 if isinstance(ev, dict) and _num(ev.get("eval/policy_version")) and _num(ev.get("eval/reward_mean")):
                     found[int(ev["eval/policy_version"])] = ev["eval/reward_mean"]
-        failure = next((e["failure"] for e in reversed(mine) if e.get("failure")), None)
+        failure = next((str(e["failure"]) for e in reversed(mine) if e.get("failure")), None)
         rows.append({"name": name, "served": served, "algorithm": last.get("algorithm", "?"),
                      "state": last.get("state", "?"), "steps_trained": last.get("steps_trained"),
                      "skipped_steps": last.get("skipped_steps", 0), "failure": failure,
