@@ -203,6 +203,11 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
         runs = tmp_path / "runs"
         run_dir = until(lambda: next(iter(runs.glob("tiny-*")), None) if runs.exists() else None, 180, every=0.5)
         until(lambda: len(read_records(run_dir, partial=True)) >= 2, 180, every=0.5)
+        # what a recipe's [[learners]] table may not hold, a learner added may not either: one line each
+        for bad, says in (("trainer.lr=inf", "expected a finite number"),
+                          ("trainer.prompts_per_step=2", "the batch shape is the stream's")):
+            refused = streamrl("learners", "add", str(run_dir), "--name", "bad", "--set", bad)
+            assert refused.returncode == 2 and says in refused.stderr.strip().splitlines()[-1], refused.stderr
         added = streamrl("learners", "add", str(run_dir), "--name", "dr", "--set", "algorithm.name=dr_grpo",
                          "--from", "initial")
         assert added.returncode == 0, added.stderr

@@ -156,13 +156,19 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     from streamrl.on_worker import task_functions
     from streamrl.plugins.resolve import learner_plan
     from streamrl.learners import runtime
-    from streamrl.recipe.learners import LearnerConfig
+    from streamrl.plugins.resolve import check_algorithm
+    from streamrl.recipe.learners import STREAM_KEYS, LearnerConfig
     from streamrl.recipe.recipe import validate_section
+    from streamrl.recipe.toml_input import check_finite
 
     run = side.context
     resolved, topo = run.resolved, run.topology
+    check_finite(request["table"])  # (as a recipe's tables are: lr = inf passes a "> 0" check)
     table = validate_section(LearnerConfig, request["table"], "learner").model_dump()
     name = table["name"]
+    fixed = sorted(set(table.get("trainer") or {}) & set(STREAM_KEYS))
+    if fixed:  # (as for a recipe's [[learners]]: every learner sees the stream's batches)
+        raise UserError(f"learner.trainer.{fixed[0]}: the batch shape is the stream's, set in the run's [trainer]")
     fanout = side.fanout
     known = fanout.learners if fanout else {}
     if name in known and known[name].state == "training":
@@ -180,6 +186,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
         if not request["table"].get("algorithm") and (latest / runtime.STATE).exists():
             table = json.loads((latest / runtime.STATE).read_text())["learners"][name]["table"]
     plan = learner_plan(resolved, name, table, served=False)
+    check_algorithm(resolved, plan)  # (its epochs, and groups big enough for it, as a recipe's learner)
     plan.added = True
     worker = plan.worker
     runtime.ensure_worker(run.client, topo, resolved.recipe, worker)

@@ -156,7 +156,7 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
     out.learners = _learners(out, model)
     out.algorithm, out.trainer = out.learners[0].algorithm, out.learners[0].trainer
     for plan in out.learners:
-        _check_algorithm(out, plan)
+        check_algorithm(out, plan)
     _check_engine_can(out)
     _check_trainer_can(out)
     needs_model = [f'{s}.name = "{tables[s].name}"' for s, c in (("engine", out.engine), ("trainer", out.trainer))
@@ -214,7 +214,7 @@ def learner_plan(out: Resolved, index: int | str, table: dict, served: bool, mod
                        when_full=table.get("when_full", "skip"), served=served, table=dict(table))
 
 
-def _check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
+def check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
     """What the trainer asks of an algorithm, checked before any cluster starts: a whole number
     of passes over each batch, and groups big enough for a group baseline (one that learns from
     the differences between a prompt's samples learns nothing from groups of one)."""
