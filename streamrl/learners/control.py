@@ -205,10 +205,13 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     if resume_from is not None:
         run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
                                  **learner.view.train_pin).result()
-        if name in known:  # its counts go on
+        # its counts go on from those of the state it resumes (the checkpoint's, not the ones it
+        # had when it left: the steps it trained after that checkpoint are lost with their state)
+        counts = runtime.saved_counts(latest, name)
+        if not counts and name in known:  # (a checkpoint of an older streamrl: the counts it had)
             old = known[name]
-            learner = replace(learner, steps_trained=old.steps_trained, skipped_steps=old.skipped_steps,
-                              samples_trained=old.samples_trained, last_step=old.last_step)
+            counts = {k: getattr(old, k) for k in runtime.COUNTS}
+        learner = replace(learner, **counts)
     side.add(learner)
     where = {"served": "the served policy's current weights", "initial": "the initial model"}.get(start, start)
     origin = f"its state in {resume_from.parent.parent.name}" if resume_from is not None else where

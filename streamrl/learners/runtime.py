@@ -177,9 +177,34 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             elif previous is not None and (previous / "learners" / lr.name).is_dir():
                 shutil.copytree(previous / "learners" / lr.name, target)
                 saved = True
-            states[lr.name] = {"table": lr.plan.table, "summary": lr.summary(), "has_state": saved}
+            summary = lr.summary()
+            if saved and lr.state != "training":  # (the state copied is the one before: so are its counts)
+                summary = {**summary, **_counts(_saved_summary(previous, lr.name))}
+            states[lr.name] = {"table": lr.plan.table, "summary": summary, "has_state": saved}
         (folder / STATE).write_text(json.dumps({"next_step": next_step, "learners": states}, indent=1))
     return write
+
+
+#: The counts of a learner that go with its trainer's state (a resume from that state restores them).
+COUNTS = ("steps_trained", "skipped_steps", "samples_trained", "last_step")
+
+
+def _saved_summary(checkpoint: Path | None, name: str) -> dict:
+    """Learner ``name``'s summary in ``checkpoint``'s ``learners.json`` ({} without one)."""
+    path = checkpoint / STATE if checkpoint is not None else None
+    if path is None or not path.exists():
+        return {}
+    entry = json.loads(path.read_text())["learners"].get(name)
+    return entry["summary"] if entry else {}
+
+
+def _counts(summary: dict) -> dict:
+    return {k: summary[k] for k in COUNTS if k in summary}
+
+
+def saved_counts(checkpoint: Path, name: str) -> dict:
+    """The counts of learner ``name`` that go with its state in ``checkpoint``."""
+    return _counts(_saved_summary(checkpoint, name))
 
 
 def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Path) -> Fanout | None:
@@ -205,7 +230,7 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
             fanout.add(learner)
         lr = fanout.learners[name]
         summary = entry["summary"]
-        for key in ("steps_trained", "skipped_steps", "samples_trained", "last_step"):
+        for key in COUNTS:
             setattr(lr, key, summary.get(key, getattr(lr, key)))
         if summary.get("state") in ("failed", "removed"):
             lr.state, lr.failure = summary["state"], summary.get("failure")
