@@ -22,9 +22,7 @@ calls that carry the ``X-Streamrl-Rollout`` header join one token-faithful traje
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import secrets
 import threading
 import time
@@ -39,8 +37,10 @@ from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize,
 from streamrl.serve.completion import Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
+from streamrl.serve.admission import ADMISSION_BODIES, FEEDBACK_BODY_BYTES, admitted
+from streamrl.serve.contained import RETRY_AFTER_S, Contained
 from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequest, Feedback, RefusalLog, Sampling,
-                                          printable, read_body)
+                                          read_body)
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.telemetry.thread_cpu import cpu_seconds
@@ -48,19 +48,6 @@ from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, Roll
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
-
-#: How many largest request bodies (``serve.max_body_bytes``) may be read, parsed and tokenized
-#: at once (:meth:`Endpoint.admission`): 16 x 4 MiB by default. Small requests, the usual ones,
-#: are thousands at once under it.
-ADMISSION_BODIES = 16
-
-#: The largest ``POST /v1/feedback`` body: an id, a session, an index and a number.
-FEEDBACK_BODY_BYTES = 4096
-
-log = logging.getLogger("streamrl.serve")
-
-#: Seconds a client is told to wait (``Retry-After``) while the endpoint starts.
-RETRY_AFTER_S = 1
 
 
 class Endpoint:
@@ -117,18 +104,9 @@ class Endpoint:
         return {"http_cpu_s": cpu_seconds(threading.current_thread()), "decode_loop_cpu_s": cpu_seconds(loop),
                 **{f"decode_loop_{k}": v for k, v in getattr(self.engine, "loop_counts", {}).items()}}
 
-    @contextlib.contextmanager
     def admission(self):
-        """Room for a request's body while it is read, parsed and tokenized, taken as its bytes
-        arrive (:class:`Admission`) and given back at the end: a 429 once the bodies in those
-        stages would pass :attr:`admission_budget`. Completions are counted against
-        ``serve.max_pending`` only once their prompt is tokenized; without this, clients could
-        queue bodies for the tokenizing thread without bound (each held parsed meanwhile)."""
-        room = Admission(self)
-        try:
-            yield room
-        finally:
-            self.admitted_bytes -= room.taken
+        """Room for a request's body while it is read, parsed and tokenized (``admission.py``)."""
+        return admitted(self)
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` in the tokenizing thread (its exceptions raised here)."""
@@ -253,65 +231,6 @@ class Endpoint:
             raise APIError(400, "The prompt is empty, and this model has no beginning-of-text token to start from; "
                                 "send some text.", param="prompt")
         return ids
-
-
-class Contained:
-    """Whatever a request makes fail that no check foresaw is that request's 500, in OpenAI's
-    shape, and one line in the worker's log -- not a traceback for every such call; and while the
-    endpoint is starting, ``/v1/`` answers 503. Plain ASGI, not Starlette's ``BaseHTTPMiddleware``:
-    under that one a route's ``request.is_disconnected()`` never saw a client that went away, so
-    an abandoned request decoded to its end (and was trained on)."""
-
-    def __init__(self, app, endpoint: Endpoint):
-        self.app, self.endpoint = app, endpoint
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if not self.endpoint.ready and scope["path"].startswith("/v1/"):
-            # not a 404 for a model it will serve in a moment: the client's usual retry finds it
-            starting = APIError(503, "The endpoint is starting: it answers once every model it serves is ready "
-                                     "(GET /health says when).", code="starting", kind="server_error",
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
-            return await starting.response()(scope, receive, send)
-        answered = False
-
-        async def sending(message):
-            nonlocal answered
-            answered = answered or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        except Exception as exc:  # noqa: BLE001
-            self.endpoint.traffic.count("server_errors")
-            log.error("%s %s -> 500 %s: %s", scope["method"], printable(scope["path"]), type(exc).__name__,
-                      printable(str(exc)[:300]))
-            if answered:  # (mid-response: nothing else can be said; the connection ends)
-                return
-            failed = APIError(500, f"The server failed on this request ({type(exc).__name__}).", kind="server_error")
-            await failed.response()(scope, receive, send)
-
-
-class Admission:
-    """One request's share of :attr:`Endpoint.admitted_bytes`: the bytes of its body received
-    so far. Charged as they come, not as declared, so a client that declares megabytes and
-    sends a trickle holds only the trickle."""
-
-    def __init__(self, endpoint: Endpoint):
-        self.endpoint, self.taken = endpoint, 0
-
-    def take(self, size: int) -> None:
-        """``size`` more bytes of the body; a 429 past the budget, unless this request is the
-        only one holding any (a body the endpoint takes at all is never refused for itself)."""
-        e = self.endpoint
-        if e.admitted_bytes > self.taken and e.admitted_bytes + size > e.admission_budget:
-            e.traffic.count("refused")
-            raise APIError(429, f"The endpoint is busy: {e.admitted_bytes} bytes of requests are being read or "
-                                "tokenized; retry shortly.", kind="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
-        e.admitted_bytes += size
-        self.taken += size
 
 
 def make_app(endpoint: Endpoint) -> FastAPI:
