@@ -86,6 +86,11 @@ class ServeConfig(Strict):
     max_pending: int = Field(256, ge=1)
     """Completions asked for but not finished, across all requests; a request that would go
     past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""
+    max_waiting: int = Field(4096, ge=1)
+    """Finished completions waiting for their feedback, at most (``reward = "feedback"``); past
+    it a request is answered ``429`` with ``Retry-After`` until feedback, or
+    :attr:`feedback_timeout_s`, frees room. Each holds its prompt and its choices' tokens:
+    clients that never send feedback would otherwise fill the worker's memory within the timeout."""
 
     @model_validator(mode="after")
     def _key_off_loopback(self):

@@ -185,6 +185,11 @@ class Endpoint:
             raise APIError(429, f"The endpoint is busy: {self.pending} completions are running or queued "
                                 f"(serve.max_pending = {self.config.max_pending}); retry shortly.",
                            kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        if self.config.reward == "feedback" and self.traffic.waiting() >= self.config.max_waiting:
+            self.traffic.count("refused")
+            raise APIError(429, f"The endpoint is busy: {self.config.max_waiting} completions wait for their feedback "
+                                "(serve.max_waiting); send feedback, or retry shortly.", kind="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
         return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer)
 
     def messages(self, req: ChatRequest) -> list[dict[str, Any]]:

@@ -332,6 +332,12 @@ class Traffic:
             count += len(taken[-1])
         return taken
 
+    def waiting(self) -> int:
+        """Finished completions waiting for their feedback now (those past the timeout dropped first)."""
+        with self._lock:
+            self._expire()
+            return len(self._waiting)
+
     def _expire(self) -> None:
         now = time.time()
         while self._waiting:
