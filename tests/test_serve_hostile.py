@@ -719,6 +719,7 @@ def test_a_sessions_reward_fills_only_the_choices_without_one_and_recipe_mode_ke
 
 def test_completions_waiting_for_feedback_past_max_waiting_make_new_requests_429(served, monkeypatch):
     api, url = served
+    monkeypatch.setattr(api.traffic, "feedback_timeout_s", 3600.0)  # (none of the module's earlier ones expires meanwhile)
     monkeypatch.setattr(api.config, "max_waiting", api.traffic.waiting() + 1)
     ask = partial(httpx.post, f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2},
                   timeout=30)
@@ -726,5 +727,8 @@ def test_completions_waiting_for_feedback_past_max_waiting_make_new_requests_429
     assert first.status_code == 200, first.text
     r = ask()  # the first waits for its feedback: no room for another
     assert error_of(r, 429)["code"] == "rate_limit_exceeded" and "serve.max_waiting" in r.text
+    greedy = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2,
+                                                     "temperature": 0}, timeout=30)
+    assert greedy.status_code == 200  # (a greedy reply waits for no feedback: not held back by those that do)
     assert httpx.post(f"{url}/feedback", json={"id": first.json()["id"], "reward": 1.0}, timeout=30).status_code == 200
     assert ask().status_code == 200  # its feedback made room

@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 MANIFEST = "manifest.json"
+"""The checkpoint's table of contents (``{"files": {path: {"bytes": n, "sha256": hex}}}``), written last."""
 
 #: The largest manifest read: a checkpoint lists tens of files (a few KB); one of megabytes was
 #: not written by streamrl.
 MAX_MANIFEST_BYTES = 16 * 2**20
-"""The checkpoint's table of contents (``{"files": {path: {"bytes": n, "sha256": hex}}}``), written last."""
 
 _VERIFIED: dict[str, tuple] = {}
 """Checkpoint folder -> the sizes and times of its files when they last verified: the run

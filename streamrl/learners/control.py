@@ -66,10 +66,20 @@ def ask(run_dir: Path, request: dict, timeout: float = ANSWER_TIMEOUT) -> str:
         try:
             reply = answer.get(timeout=timeout)
             answer.delete()
+            Variable(f"{REQUESTS}-{rid}-begun", client=client).delete()
         except TimeoutError:
             # withdrawn: a request the run reads after this is not carried out behind the back
-            # of a command that said it had no answer (one the run has begun goes on)
-            Variable(f"{REQUESTS}-{rid}-withdrawn", client=client).set(True)
+            # of a command that said it had no answer. The run marks a request begun before it
+            # looks for the withdrawal, and this looks for the mark after withdrawing it: the
+            # scheduler takes the two one at a time, so one of them sees the other.
+            try:
+                Variable(f"{REQUESTS}-{rid}-withdrawn", client=client).set(True)
+                begun = _flag(client, f"{REQUESTS}-{rid}-begun")
+            except OSError:  # (the scheduler went away: the run ended)
+                raise UserError(f"{run_dir}: the run ended before it answered the request") from None
+            if begun:
+                raise UserError(f"{run_dir}: no answer from the run within {timeout:.0f} s, but it has begun the "
+                                "request and carries it out; `streamrl learners list` says when") from None
             raise UserError(f"{run_dir}: no answer from the run within {timeout:.0f} s (it reads requests between "
                             "steps; is a step that long?); the request is withdrawn") from None
         except OSError:  # (CommClosedError) the scheduler went away: the run ended first
@@ -118,9 +128,15 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
         return []
     lines = []
     for request in requests:
+        rid = request.get("id")
         try:
-            if _withdrawn(client, request.get("id")):
-                raise UserError("the request was withdrawn (its command stopped waiting); not carried out")
+            Variable(f"{REQUESTS}-{rid}-begun", client=client).set(True)
+            if _flag(client, f"{REQUESTS}-{rid}-withdrawn"):
+                lines.append("a request was withdrawn (its command stopped waiting); not carried out")
+                continue  # (nobody waits for its answer)
+        except Exception:  # noqa: BLE001 -- the scheduler's trouble: the request as if not withdrawn
+            pass
+        try:
             if request.get("op") == "add":
                 message = add(side, run_dir, step, request)
             elif request.get("op") == "remove":
@@ -132,15 +148,15 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
             text = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             reply = {"ok": False, "message": text.splitlines()[0] if text else type(exc).__name__}
         lines.append(reply["message"])
-        Variable(f"{REQUESTS}-{request.get('id')}", client=client).set(reply)
+        Variable(f"{REQUESTS}-{rid}", client=client).set(reply)
     return lines
 
 
-def _withdrawn(client, rid) -> bool:
-    # whether the command that sent request ``rid`` gave up waiting before the run read it
-    flag = Variable(f"{REQUESTS}-{rid}-withdrawn", client=client)
+def _flag(client, name: str) -> bool:
+    # whether the other side (the run or the command) set the Dask Variable ``name``; read once
+    flag = Variable(name, client=client)
     try:
-        flag.get(timeout=0.5)
+        flag.get(timeout=0.1)
     except TimeoutError:
         return False
     flag.delete()

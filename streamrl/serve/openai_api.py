@@ -159,8 +159,9 @@ class Endpoint:
             raise APIError(403, f"{ROLLOUT_HEADER} is for the run's own agent rollouts; this request is not one of "
                                 "theirs (omit the header).", code="rollout_forbidden", kind="permission_error")
 
-    def params(self, req: Sampling, prompt_ids: list[int]) -> Params:
-        """The request's sampling, checked against the engine and the policy."""
+    def params(self, req: Sampling, prompt_ids: list[int], rollout: bool = False) -> Params:
+        """The request's sampling, checked against the engine and the policy (``rollout``: an
+        agent's call, whose reply joins its rollout and waits for no feedback)."""
         c = self.engine.config  # (a learner's engine has the served one's settings)
         if req.temperature not in (None, 0) and abs(req.temperature - c.temperature) > 1e-6:
             raise APIError(400, f"temperature {req.temperature} is not served: the policy samples at "
@@ -185,7 +186,8 @@ class Endpoint:
             raise APIError(429, f"The endpoint is busy: {self.pending} completions are running or queued "
                                 f"(serve.max_pending = {self.config.max_pending}); retry shortly.",
                            kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        if self.config.reward == "feedback" and self.traffic.waiting() >= self.config.max_waiting:
+        waits = self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
+        if waits and self.traffic.waiting() >= self.config.max_waiting:
             self.traffic.count("refused")
             raise APIError(429, f"The endpoint is busy: {self.config.max_waiting} completions wait for their feedback "
                                 "(serve.max_waiting); send feedback, or retry shortly.", kind="rate_limit_error",

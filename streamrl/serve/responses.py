@@ -41,7 +41,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
                   turn: Turn | None = None):
     """Run the request in the engine; the whole response, or its server-sent events."""
     engine = endpoint.engine_for(req.model, rollout=turn is not None)
-    params = endpoint.params(req, ids)
+    params = endpoint.params(req, ids, rollout=turn is not None)
     cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     tools = chat and bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
     completion = Completion(engine, endpoint.tokenizer, cid, ids, params, keep=endpoint.kept_tokens if tools else None)

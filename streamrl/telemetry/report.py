@@ -129,7 +129,9 @@ def _step_record(rec) -> bool:
         return False
     for key in ("pools", "learners"):
         value = rec.get(key)
-        if value is not None and not (isinstance(value, dict) and all(isinstance(v, dict) for v in value.values())):
+        if value is None:  # (null where a table goes: none, as an absent one)
+            rec.pop(key, None)
+        elif not (isinstance(value, dict) and all(isinstance(v, dict) for v in value.values())):
             return False
     return True
 
