@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from streamrl.serve.request_bodies import APIError
+from streamrl.serve.request_bodies import busy
 
 #: How many largest request bodies (``serve.max_body_bytes``) may be read, parsed and tokenized
 #: at once: 16 x 4 MiB by default. Small requests, the usual ones, are thousands at once under it.
@@ -47,9 +47,6 @@ class Admission:
         only one holding any (a body the endpoint takes at all is never refused for itself)."""
         e = self.endpoint
         if e.admitted_bytes > self.taken and e.admitted_bytes + size > e.admission_budget:
-            e.traffic.count("refused")
-            raise APIError(429, f"The endpoint is busy: {e.admitted_bytes} bytes of requests are being read or "
-                                "tokenized; retry shortly.", kind="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
+            raise busy(e.traffic, f"{e.admitted_bytes} bytes of requests are being read or tokenized")
         e.admitted_bytes += size
         self.taken += size

@@ -40,7 +40,7 @@ from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.serve.admission import ADMISSION_BODIES, FEEDBACK_BODY_BYTES, admitted
 from streamrl.serve.contained import RETRY_AFTER_S, Contained
 from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequest, Feedback, RefusalLog, Sampling,
-                                          read_body)
+                                          busy, read_body)
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.telemetry.thread_cpu import cpu_seconds
@@ -182,16 +182,12 @@ class Endpoint:
         if len(stop) > 4 or any(not s for s in stop):
             raise APIError(400, "stop takes at most 4 non-empty strings.", param="stop")
         if self.pending + req.n > self.config.max_pending:
-            self.traffic.count("refused")
-            raise APIError(429, f"The endpoint is busy: {self.pending} completions are running or queued "
-                                f"(serve.max_pending = {self.config.max_pending}); retry shortly.",
-                           kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise busy(self.traffic, f"{self.pending} completions are running or queued "
+                                     f"(serve.max_pending = {self.config.max_pending})")
         waits = self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
         if waits and self.traffic.waiting() >= self.config.max_waiting:
-            self.traffic.count("refused")
-            raise APIError(429, f"The endpoint is busy: {self.config.max_waiting} completions wait for their feedback "
-                                "(serve.max_waiting); send feedback, or retry shortly.", kind="rate_limit_error",
-                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise busy(self.traffic, f"{self.config.max_waiting} completions wait for their feedback "
+                                     "(serve.max_waiting)")
         return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer)
 
     def messages(self, req: ChatRequest) -> list[dict[str, Any]]:

@@ -50,6 +50,14 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def busy(traffic, why: str) -> APIError:
+    """The 429 for a request the endpoint has no room for now (``why``: what is full, and the
+    setting that bounds it), counted as refused in ``traffic``; the client retries after a second."""
+    traffic.count("refused")
+    return APIError(429, f"The endpoint is busy: {why}; retry shortly.", kind="rate_limit_error",
+                    code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
 def printable(text: str) -> str:
     """``text`` with what is not printable (a newline, an escape sequence) written as its escape:
     a client's path or model name in a log line cannot start a line of its own or move the
