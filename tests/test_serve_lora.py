@@ -61,6 +61,24 @@ def test_each_variant_answers_with_its_own_adapter_through_the_openai_client(tin
         engine.close()
 
 
+def test_a_restarted_replica_replaces_its_old_engine_and_leaves_the_adapter_variants():
+    # (what endpoint.add_replica and remove_replica do to the endpoint's engines, on plain objects)
+    from types import SimpleNamespace
+
+    from streamrl.serve import endpoint
+    from streamrl.serve.remote_engines import RemoteEngine
+
+    local = SimpleNamespace(config=None, tokenizer=None, encode=None, version=3)
+    one, two = RemoteEngine(local, "http://a", "k", "generate-1"), RemoteEngine(local, "http://b", "k", "generate-2")
+    served = [local, one, two]
+    api = SimpleNamespace(model_name="tiny", engines={"tiny": served, "alias": served,
+                                                       "tiny/b": [OnAdapter(e, "b") for e in served]})
+    assert endpoint._drop_replica(api, "generate-1") is served
+    assert served == [local, two] and api.engines["alias"] is served and one.closed and not two.closed
+    assert [e.engine for e in api.engines["tiny/b"]] == [local, two]  # no adapter on a restarted engine
+    assert endpoint._drop_replica(api, "generate-9") is served and served == [local, two]  # none there: no change
+
+
 SERVE = """
 [serve]
 port = {port}

@@ -99,13 +99,43 @@ def go_live() -> list[str]:
 
 def add_replica(url: str, key: str, worker: str) -> int:
     """Generate worker (the endpoint's): another generate worker's engine, behind its token
-    server at ``url``, answers the served policy's requests too; returns how many engines do."""
+    server at ``url``, answers the served policy's requests too; returns how many engines do.
+    A worker served already (restarted since, with a new token server) is served from ``url``
+    from now on: its old server's requests in flight fail, and the LoRA variants no longer
+    decode there (its restarted engine holds none of their adapters)."""
     from streamrl.serve.remote_engines import RemoteEngine
 
     api = _api()
-    engines = api.engines[api.model_name]
-    engines.append(RemoteEngine(api.engine, url, key, worker))  # (the aliases share this list)
+    engines = _drop_replica(api, worker)
+    engines.append(RemoteEngine(api.engine, url, key, worker))
     return len(engines)
+
+
+def remove_replica(worker: str) -> int:
+    """Generate worker (the endpoint's): generate worker ``worker`` has left the pool; its engine
+    answers no more requests (those in flight fail). Returns how many engines still do."""
+    return len(_drop_replica(_api(), worker))
+
+
+def _drop_replica(api, worker: str) -> list:
+    """Take ``worker``'s engine out of every model's engines (the served policy's and the LoRA
+    variants' decoding there); returns the served policy's list of engines."""
+    from streamrl.serve.adapter_routes import OnAdapter
+    from streamrl.serve.remote_engines import RemoteEngine
+
+    engines = api.engines[api.model_name]
+    old = [e for e in engines if isinstance(e, RemoteEngine) and e.worker == worker]
+    if not old:
+        return engines
+    # (in place: the aliases share this list; one slice assignment, so a request picking an
+    # engine on the event loop sees the list before or after, never half of it)
+    engines[:] = [e for e in engines if e not in old]
+    api.engines = {model: held if held is engines else [e for e in held if not (isinstance(e, OnAdapter)
+                                                                                   and e.engine in old)]
+                   for model, held in api.engines.items()}
+    for engine in old:
+        engine.close()
+    return engines
 
 
 def add_variant(model: str, url: str, key: str, learner: str, worker: str) -> list[str]:

@@ -2,7 +2,9 @@
 
 After placement it starts the endpoint on the first generate worker, and a token server on each
 other one (``serve/remote_engines.py``): the endpoint spreads requests over every generate
-worker's engine. Each step's samples are then a :func:`~streamrl.serve.endpoint.take` of the
+worker's engine. A watcher keeps that true while the run goes on: a generate worker its nanny
+restarted catches up to the newest policy and is served again through a new token server, one
+the pool grows by is served from when it joins, and one that leaves is no longer asked. Each step's samples are then a :func:`~streamrl.serve.endpoint.take` of the
 endpoint's rewarded traffic (scored by the
 recipe's reward on the reward pool when ``serve.reward = "recipe"``) instead of generation of
 the task's prompts. Weight publication goes on as in any run: the engine loads each new policy
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
 
 from distributed import Future
 
+from streamrl.cluster import lifecycle
 from streamrl.errors import RunWarning, UserError
 from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker import task_functions
@@ -34,6 +38,15 @@ TAKE_WAIT_S = 24 * 3600.0
 
 #: The file of a checkpoint that holds the rewarded traffic no step trained yet.
 TRAFFIC_FILE = "serve_traffic.json"
+
+#: How often the watcher compares the generate pool with the engines the endpoint serves from:
+#: a restarted worker's requests fail (500) until it is served again, once per
+#: ``openai_api.UNHEALTHY_S`` while the endpoint passes it over.
+REPLICA_WATCH_S = 2.0
+
+#: How long a restarted worker may take to catch up and start its token server (the catch-up's
+#: own waits, and some) before the watcher gives up on it for this round.
+REPLICA_START_S = 300.0
 
 
 class ServedTraffic(StepExtension):
@@ -52,8 +65,16 @@ class ServedTraffic(StepExtension):
         self.tool_parser = r.serve.build_tool_parser(context.resolved.registry)
         self.pin: dict | None = None
         self._last_take: Future | None = None
-        self.replicas: list[dict] = []
-        """The pins of the other generate workers whose engines the endpoint also serves from."""
+        self.context = context
+        self.replicas: dict[str, str] = {}
+        """``{worker name: its address when its token server started}``: the other generate
+        workers whose engines the endpoint also serves from."""
+        self.replicas_restarted = 0
+        """How many times a restarted generate worker was served again, this run."""
+        self._replicas_lock = threading.Lock()
+        self._watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._failing: set[str] = set()  # workers the watcher could not serve at its last look
         self.worker = ""
         self.url = ""
         self.stop_requested = False
@@ -73,20 +94,78 @@ class ServedTraffic(StepExtension):
                                           key=f"serve-start-{time.time_ns()}", **self.pin).result()
         except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix, in one line
             raise UserError(str(e)) from None
-        self.replicas = []
-        for worker in sorted(self.topology.generate)[1:]:
-            pin = self.topology.pins[worker]
-            url, key = self.client.submit(remote_engines.start, ENGINE, pure=False,
-                                          key=f"serve-replica-{worker}-{time.time_ns()}", **pin).result()
-            self.client.submit(endpoint.add_replica, url, key, worker, pure=False,
-                               key=f"serve-add-replica-{time.time_ns()}", **self.pin).result()
-            self.replicas.append(pin)
+        with self._replicas_lock:
+            self.replicas = {}
+            for worker in sorted(self.topology.generate)[1:]:
+                self._serve_replica(worker, None)
+
+    def _serve_replica(self, worker: str, min_version: int | None) -> None:
+        """Start a token server on generate worker ``worker`` and serve from it (``min_version``:
+        a restarted worker's engine first catches up to the newest policy; None: at placement,
+        where every engine holds the run's starting weights). Its address is noted first: a
+        restart while it starts is seen at the next look."""
+        address = self.topology.address(worker) or ""
+        pin = self.topology.pins[worker]
+        if min_version is None:
+            started = self.client.submit(remote_engines.start, ENGINE, pure=False,
+                                         key=f"serve-replica-{worker}-{time.time_ns()}", **pin)
+        else:
+            started = self.client.submit(remote_engines.restart, ENGINE, min_version, pure=False,
+                                         key=f"serve-replica-restart-{worker}-{time.time_ns()}", **pin)
+        url, key = started.result(timeout=REPLICA_START_S)
+        self.client.submit(endpoint.add_replica, url, key, worker, pure=False,
+                           key=f"serve-add-replica-{time.time_ns()}", **self.pin).result(timeout=30)
+        self.replicas[worker] = address
+
+    def _watch_replicas(self) -> None:
+        """Watcher thread: every :data:`REPLICA_WATCH_S`, serve again each generate worker that
+        came back at another address (its nanny restarted it), serve one that joined the pool,
+        and stop asking one that left it. A worker not up yet is looked at again next time; a
+        failure to serve one is a warning, and the next look tries again."""
+        while not self._watching.wait(REPLICA_WATCH_S):
+            with self._replicas_lock:
+                try:
+                    self._reconcile_replicas()
+                except Exception as e:  # noqa: BLE001 -- the run goes on with the engines it has
+                    if not self._watching.is_set():
+                        warnings.warn(f"serve: the generate workers could not be checked ({type(e).__name__}: {e}); "
+                                      "looking again", RunWarning, stacklevel=1)
+
+    def _reconcile_replicas(self) -> None:
+        up = {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
+        pool = set(self.topology.generate) - {self.worker}  # (a copy: the controller changes it between steps)
+        for worker in sorted(set(self.replicas) - pool):  # left the pool (an elastic pool retired it)
+            self.client.submit(endpoint.remove_replica, worker, pure=False,
+                               key=f"serve-remove-replica-{time.time_ns()}", **self.pin).result(timeout=30)
+            del self.replicas[worker]
+        for worker in sorted(pool):
+            address = up.get(worker)
+            if address is None or self.replicas.get(worker) == address:
+                continue  # down (its nanny is bringing it back), or served as it is
+            restarted = worker in self.replicas  # (else it joined the pool, up to date already)
+            version = self.context.version if self.context.publishes else 0
+            try:
+                self._serve_replica(worker, version)
+            except Exception as e:  # noqa: BLE001 -- that worker is not served for now; the next look tries again
+                if worker not in self._failing and not self._watching.is_set():  # (once, not every look)
+                    warnings.warn(f"serve: generate worker {worker} could not be served ({type(e).__name__}: {e}); "
+                                  "trying again while the run goes on", RunWarning, stacklevel=1)
+                self._failing.add(worker)
+                continue
+            self._failing.discard(worker)
+            if restarted:
+                self.replicas_restarted += 1
+                warnings.warn(f"serve: generate worker {worker} was restarted; it is served again, with policy "
+                              f"v{version} or newer", RunWarning, stacklevel=1)
 
     def started(self, run_dir: Path) -> list[str]:
         """The endpoint opens (every extension has placed what it serves: the models it lists are
         all there); ``serve.json`` in the run folder (where clients find it), and the line that
         says it."""
         self.client.submit(endpoint.go_live, pure=False, key=f"serve-live-{time.time_ns()}", **self.pin).result(timeout=30)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_replicas, name="streamrl-serve-replicas", daemon=True)
+            self._watcher.start()
         # written whole, then renamed: a client polling for the file never reads half of it
         tmp = run_dir / "serve.json.tmp"
         tmp.write_text(json.dumps({"url": self.url, "model": self.model_name, "worker": self.worker}) + "\n")
@@ -117,6 +196,7 @@ class ServedTraffic(StepExtension):
         except Exception:  # noqa: BLE001 -- the counters are a report; the step goes on without them
             return
         record.extra.update({f"serve/{k}": v for k, v in stats.items()})
+        record.extra["serve/replicas_restarted"] = self.replicas_restarted
 
     def checkpoint(self, next_step: int, previous: Path | None):
         """The rewarded traffic no step before ``next_step`` trained into the checkpoint
@@ -170,13 +250,16 @@ class ServedTraffic(StepExtension):
 
     def close(self) -> None:
         """Stop the endpoint (a take still waiting returns) and the other workers' token servers."""
-        for pin in self.replicas:
+        self._watching.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)  # (a restart in progress is left to end on its own)
+        for worker in list(self.replicas):
             try:
                 self.client.submit(remote_engines.stop, ENGINE, pure=False, key=f"serve-replica-stop-{time.time_ns()}",
-                                   **pin).result(timeout=30)
+                                   **self.topology.pins[worker]).result(timeout=30)
             except Exception:  # noqa: BLE001 -- the worker may be gone already: nothing left to stop
                 pass
-        self.replicas = []
+        self.replicas = {}
         if self.pin is None:
             return
         try:

@@ -103,6 +103,19 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
     return f"http://{netloc}:{port}", key
 
 
+def restart(engine: str, min_version: int) -> tuple[str, str]:
+    """A generate worker whose nanny restarted it: its fresh engine, at the base weights, first
+    loads the newest published policy (when the run has published one: ``min_version`` > 0), so
+    that it never answers with a policy older than the others'; then it serves on a new token
+    server (:func:`start`). Returns its base URL and key."""
+    from streamrl.on_worker.weight_tasks import catch_up
+
+    eng = resident(engine)
+    if eng.version < min_version:
+        catch_up(eng, min_version)
+    return start(engine)
+
+
 async def _decode(eng, body: dict):
     """One request's decode steps as JSON lines: ``{"tokens", "logprobs", "version"}`` per step,
     then ``{"done": tokens}`` (or ``{"error": message}``). A client that goes away cancels it."""
