@@ -294,32 +294,52 @@ def test_a_side_learners_policy_answers_its_model_and_every_learner_trains_on_al
 
 def test_a_restarted_generate_worker_catches_up_and_is_served_again(served):
     # (the last test on `served`: it kills one of its workers; a module's tests run in order)
-    from tests.helpers import kill_worker
+    from distributed import Client
+
+    from streamrl.on_worker.resident import ENGINE
+    from streamrl.serve import remote_engines
+    from tests.helpers import kill_worker, worker_addresses
 
     url, model, run_dir = served
     log = run_dir.parent.parent / "serve.log"
+
+    def answered_by_generate_1() -> list[dict]:
+        """Send requests (and their feedback) until generate-1 made samples of them that a step
+        trained; those samples."""
+        asked, failed, made = set(), 0, []
+        deadline = time.time() + 180
+        while time.time() < deadline and not made:
+            status, body = post(url, "/completions", json.dumps({"model": model, "prompt": "2+2=", "n": 4,
+                                                                  "max_tokens": 6}).encode())
+            if status != 200:  # asked of the dead server (a 500), passed over for a while after
+                assert status == 500, body
+                failed += 1
+                time.sleep(0.5)
+                continue
+            asked.add(body["id"])
+            assert post(url, "/feedback", json.dumps({"id": body["id"], "reward": 0.5}).encode())[0] == 200
+            made = [x for r in read_records(run_dir, partial=True) for x in r["sample_log"]
+                    if x["worker"] == "generate-1" and x["uid"].rsplit("-", 1)[0] in asked]
+        assert made, f"generate-1 answered nothing ({failed} requests failed):\n{log.read_text()[-3000:]}"
+        return made
+
     version = read_records(run_dir, partial=True)[-1]["policy_version"]
     assert version >= 1  # (so a restarted engine at the base weights would show)
     kill_worker(run_dir, "generate-1")
-    asked, failed, made = set(), 0, []
-    deadline = time.time() + 180
-    while time.time() < deadline and not made:
-        status, body = post(url, "/completions", json.dumps({"model": model, "prompt": "2+2=", "n": 4,
-                                                              "max_tokens": 6}).encode())
-        if status != 200:  # asked of the dead worker (a 500), passed over for a while after
-            assert status == 500, body
-            failed += 1
-            time.sleep(0.5)
-            continue
-        asked.add(body["id"])
-        assert post(url, "/feedback", json.dumps({"id": body["id"], "reward": 0.5}).encode())[0] == 200
-        made = [x for r in read_records(run_dir, partial=True) for x in r["sample_log"]
-                if x["worker"] == "generate-1" and x["uid"].rsplit("-", 1)[0] in asked]
-    assert made, f"generate-1 answered nothing after its restart ({failed} requests failed):\n{log.read_text()[-3000:]}"
+    made = answered_by_generate_1()
     # it caught up before answering: never a token of the base weights, nor older than at the kill
     assert min(x["version"] for x in made) >= version, made
-    assert "generate worker generate-1 was restarted; it is served again" in log.read_text()
+    assert log.read_text().count("generate worker generate-1 is served again") == 1
     assert read_records(run_dir, partial=True)[-1]["serve/replicas_restarted"] == 1
+    # its token server gone, at the same address (as a worker restarted on a fixed port): the
+    # requests that fail to reach it have it served again
+    scheduler = json.loads((run_dir / "status.json").read_text())["scheduler"]
+    with Client(scheduler, timeout=10) as c:
+        stopped = c.run(remote_engines.stop, ENGINE, workers=[worker_addresses(run_dir)["generate-1"]])
+        assert list(stopped.values()) == [True]
+    answered_by_generate_1()
+    assert log.read_text().count("generate worker generate-1 is served again") == 2
+    assert read_records(run_dir, partial=True)[-1]["serve/replicas_restarted"] == 2
 
 
 def test_a_host_off_loopback_without_a_key_is_refused_in_one_line(tiny_recipe):

@@ -173,7 +173,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     from streamrl.plugins.resolve import learner_plan
     from streamrl.learners import runtime
     from streamrl.plugins.resolve import check_algorithm
-    from streamrl.recipe.learners import STREAM_KEYS, LearnerConfig
+    from streamrl.recipe.learners import LearnerConfig, check_stream_keys
     from streamrl.recipe.recipe import validate_section
     from streamrl.recipe.toml_input import check_finite
 
@@ -182,9 +182,10 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     check_finite(request["table"])  # (as a recipe's tables are: lr = inf passes a "> 0" check)
     table = validate_section(LearnerConfig, request["table"], "learner").model_dump()
     name = table["name"]
-    fixed = sorted(set(table.get("trainer") or {}) & set(STREAM_KEYS))
-    if fixed:  # (as for a recipe's [[learners]]: every learner sees the stream's batches)
-        raise UserError(f"learner.trainer.{fixed[0]}: the batch shape is the stream's, set in the run's [trainer]")
+    try:
+        check_stream_keys(table.get("trainer"), "learner")  # (as a recipe's [[learners]] are)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     fanout = side.fanout
     known = fanout.learners if fanout else {}
     if name in known and known[name].state == "training":

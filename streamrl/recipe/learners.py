@@ -79,12 +79,18 @@ def check(learners: list[LearnerConfig], serve: str) -> None:
     if serve and serve != INITIAL and serve not in names:
         raise ValueError(f"run.serve: {serve!r} is not a learner; expected one of {', '.join(names)} or {INITIAL!r}")
     for i, lr in enumerate(learners):
-        fixed = sorted(set(lr.trainer) & set(STREAM_KEYS))
-        if fixed:
-            raise ValueError(f"learners[{i}].trainer.{fixed[0]}: the batch shape is the stream's, set it in "
-                             "[trainer] (every learner sees the same batches)")
+        check_stream_keys(lr.trainer, f"learners[{i}]")
         if lr.algorithm is not None and "name" not in lr.algorithm:
             raise ValueError(f"learners[{i}].algorithm.name: required key missing")
+
+
+def check_stream_keys(trainer: dict, where: str) -> None:
+    """A learner's ``trainer`` table (``where``: how errors name the learner) sets none of the
+    stream's batch-shape keys: every learner sees the same batches. ``ValueError`` otherwise."""
+    fixed = sorted(set(trainer or {}) & set(STREAM_KEYS))
+    if fixed:
+        raise ValueError(f"{where}.trainer.{fixed[0]}: the batch shape is the stream's, set it in the run's "
+                         "[trainer] (every learner sees the same batches)")
 
 
 def served_name(learners: list[LearnerConfig], serve: str) -> str:

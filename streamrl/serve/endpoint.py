@@ -9,6 +9,8 @@ worker like any other.
 
 from __future__ import annotations
 
+import time
+
 from distributed import get_worker, rejoin, secede
 
 from streamrl.on_worker.resident import ENGINE, ResidentLost, resident
@@ -109,6 +111,17 @@ def add_replica(url: str, key: str, worker: str) -> int:
     engines = _drop_replica(api, worker)
     engines.append(RemoteEngine(api.engine, url, key, worker))
     return len(engines)
+
+
+def failing_replicas(within_s: float) -> list[str]:
+    """Generate worker (the endpoint's): the workers whose token server a request failed to
+    reach in the last ``within_s`` seconds."""
+    from streamrl.serve.remote_engines import RemoteEngine
+
+    api = _api()
+    now = time.time()
+    return sorted({e.worker for e in api.engines[api.model_name]
+                   if isinstance(e, RemoteEngine) and now - e.failed_at < within_s})
 
 
 def remove_replica(worker: str) -> int:

@@ -70,11 +70,13 @@ class ServedTraffic(StepExtension):
         """``{worker name: its address when its token server started}``: the other generate
         workers whose engines the endpoint also serves from."""
         self.replicas_restarted = 0
-        """How many times a restarted generate worker was served again, this run."""
+        """How many times a generate worker was served again (restarted, or its token server
+        gone), this run."""
         self._replicas_lock = threading.Lock()
         self._watching = threading.Event()
         self._watcher: threading.Thread | None = None
         self._failing: set[str] = set()  # workers the watcher could not serve at its last look
+        self._unchecked = False  # the watcher's last look failed
         self.worker = ""
         self.url = ""
         self.stop_requested = False
@@ -126,10 +128,12 @@ class ServedTraffic(StepExtension):
             with self._replicas_lock:
                 try:
                     self._reconcile_replicas()
+                    self._unchecked = False
                 except Exception as e:  # noqa: BLE001 -- the run goes on with the engines it has
-                    if not self._watching.is_set():
+                    if not self._unchecked and not self._watching.is_set():  # (once, not every look)
                         warnings.warn(f"serve: the generate workers could not be checked ({type(e).__name__}: {e}); "
-                                      "looking again", RunWarning, stacklevel=1)
+                                      "looking again while the run goes on", RunWarning, stacklevel=1)
+                    self._unchecked = True
 
     def _reconcile_replicas(self) -> None:
         up = {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
@@ -138,9 +142,21 @@ class ServedTraffic(StepExtension):
             self.client.submit(endpoint.remove_replica, worker, pure=False,
                                key=f"serve-remove-replica-{time.time_ns()}", **self.pin).result(timeout=30)
             del self.replicas[worker]
+        # a request failed to reach one at the address it was served at: restarted at the same
+        # address (a worker started with a fixed port), or its token server is gone
+        # (client.run: asked in the workers' event loops, not as tasks -- nothing in the task
+        # stream every 2 s, and no wait behind a busy worker's threads)
+        gone = set()
+        if self.replicas and self.worker in up:
+            failing = self.client.run(endpoint.failing_replicas, 2 * REPLICA_WATCH_S, workers=[up[self.worker]])
+            for worker in next(iter(failing.values()), []):
+                if worker in pool and worker in up and self.replicas.get(worker) == up[worker]:
+                    serving = self.client.run(remote_engines.serving, ENGINE, workers=[up[worker]])
+                    if not next(iter(serving.values()), True):
+                        gone.add(worker)
         for worker in sorted(pool):
             address = up.get(worker)
-            if address is None or self.replicas.get(worker) == address:
+            if address is None or (self.replicas.get(worker) == address and worker not in gone):
                 continue  # down (its nanny is bringing it back), or served as it is
             restarted = worker in self.replicas  # (else it joined the pool, up to date already)
             version = self.context.version if self.context.publishes else 0
@@ -155,8 +171,8 @@ class ServedTraffic(StepExtension):
             self._failing.discard(worker)
             if restarted:
                 self.replicas_restarted += 1
-                warnings.warn(f"serve: generate worker {worker} was restarted; it is served again, with policy "
-                              f"v{version} or newer", RunWarning, stacklevel=1)
+                warnings.warn(f"serve: generate worker {worker} is served again (it was restarted, or its token "
+                              f"server was gone), with policy v{version} or newer", RunWarning, stacklevel=1)
 
     def started(self, run_dir: Path) -> list[str]:
         """The endpoint opens (every extension has placed what it serves: the models it lists are

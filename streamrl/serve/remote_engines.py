@@ -149,6 +149,12 @@ async def _decode(eng, body: dict):
             eng.cancel(rid)
 
 
+def serving(engine: str) -> bool:
+    """The engine's worker: whether a token server of ``engine`` runs in this process (a worker
+    its nanny restarted at the same address has none)."""
+    return engine in _SERVERS
+
+
 def stop(engine: str) -> bool:
     """Learner worker: stop the token server of ``engine`` if one runs here."""
     running = _SERVERS.pop(engine, None)

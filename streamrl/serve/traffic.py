@@ -21,8 +21,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from streamrl.sample import Group, Prompt, Sample
+from streamrl.serve.model_tally import ModelTally
 
-#: Why feedback is refused once the run's last checkpoint is written (a 503).
 class Refusal(str):
     """Why feedback was refused, in words, and the field of the feedback it is about
     (``field``: ``id``, ``index`` or ``session``): the endpoint's error names that field."""
@@ -35,6 +35,7 @@ class Refusal(str):
         return refusal
 
 
+#: Why feedback is refused once the run's last checkpoint is written (a 503).
 STOPPING = "the run is stopping: its last checkpoint is written, so a reward sent now would never be trained"
 
 
@@ -46,9 +47,6 @@ class Waiting:
     finished: float = field(default_factory=time.time)
 
 
-#: How many of a model's latest rewards and latencies its recent figures are taken over.
-RECENT = 256
-
 #: Ended completions (rewarded or dropped) whose ids the endpoint remembers, so that feedback
 #: naming one says what became of it; older ones are forgotten (feedback naming one is an unknown
 #: id), so an endpoint that serves for months holds a bounded record of what it served.
@@ -56,34 +54,6 @@ REMEMBERED = 65_536
 
 #: Sessions the endpoint remembers (the least recently used beyond are forgotten).
 REMEMBERED_SESSIONS = 65_536
-
-
-@dataclass
-class ModelTally:
-    """What one served model (the served policy, or a learner's) has answered and earned: the
-    figures an A/B comparison of variants reads."""
-
-    requests: int = 0
-    completions: int = 0
-    rewarded: int = 0
-    stale_dropped: int = 0
-    reward_sum: float = 0.0
-    rewards: deque = field(default_factory=lambda: deque(maxlen=RECENT))
-    first_token_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
-    token_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
-
-    def report(self) -> dict:
-        """Totals, the mean reward (all, and the latest :data:`RECENT`), and the latest
-        requests' time to first token (p50, p99) and time between tokens (p50), in ms."""
-        def pct(values, q):
-            v = sorted(values)
-            return round(1000 * v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
-        return {"requests": self.requests, "completions": self.completions, "rewarded": self.rewarded,
-                "stale_dropped": self.stale_dropped,
-                "reward_mean": round(self.reward_sum / self.rewarded, 6) if self.rewarded else None,
-                "reward_recent": round(sum(self.rewards) / len(self.rewards), 6) if self.rewards else None,
-                "ttft_p50_ms": pct(self.first_token_s, 0.5), "ttft_p99_ms": pct(self.first_token_s, 0.99),
-                "itl_p50_ms": pct(self.token_s, 0.5)}
 
 
 class Traffic:
