@@ -35,3 +35,34 @@ def test_a_wait_that_outlasts_the_deadline_is_interrupted_and_one_that_ends_in_t
     finally:
         dog.uninstall()
     assert signal.getsignal(SIGNAL) == signal.SIG_DFL
+
+
+def test_a_deadline_swallowed_by_a_catch_all_comes_again_until_it_ends_the_body():
+    # (an observer's or a scheduler's call keeps a plugin's failure from ending the run with an
+    # `except Exception`; the deadline landing inside one must still end the step)
+    dog = Watchdog(client=None, limit_s=0.3)
+    dog.install()
+    swallowed = []
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(StepTimeout):
+            with dog.watching("step 7"):
+                for _ in range(2):
+                    try:
+                        threading.Event().wait(30)
+                    except Exception as exc:  # noqa: BLE001 -- what a plugin's catch-all does
+                        swallowed.append(exc)
+                threading.Event().wait(30)  # the step hangs again after it
+        assert len(swallowed) == 2 and all(isinstance(e, StepTimeout) for e in swallowed)
+        assert time.perf_counter() - t0 < 20
+        # swallowed once, and the body then ends on its own: the timeout is raised at its end
+        with pytest.raises(StepTimeout):
+            with dog.watching("step 8"):
+                try:
+                    threading.Event().wait(30)
+                except StepTimeout:
+                    pass
+        with dog.watching("step 9"):  # a later body in time is left alone
+            time.sleep(0.05)
+    finally:
+        dog.uninstall()

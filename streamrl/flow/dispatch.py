@@ -18,7 +18,7 @@ from pathlib import Path
 from distributed import Client, Future
 
 from streamrl.api import Assignment, DispatchContext, Prompt, Scheduler
-from streamrl.errors import RunWarning, UserError
+from streamrl.errors import RunStopped, RunWarning, UserError
 from streamrl.on_worker import ranker_tasks, task_functions
 from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
@@ -76,6 +76,8 @@ class Dispatcher:
             placed = self.scheduler.dispatch(list(prompts), list(scores), list(workers), ctx)
         except UserError:
             raise
+        except RunStopped:  # the step's deadline, landing in a plugin's call: the run's, not the plugin's
+            raise
         except Exception as exc:  # this step's groups go where Dask puts them: the run goes on, said once
             self._scheduler_failed("dispatch()", _raised(exc), "this step's groups are placed by Dask")
             return {}
@@ -86,6 +88,8 @@ class Dispatcher:
     def _needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
         try:
             return bool(self.scheduler.needs_scores(workers, ctx))
+        except RunStopped:  # (the step's deadline)
+            raise
         except Exception as exc:
             self._scheduler_failed("needs_scores()", _raised(exc), "the ranker scores every step")
             return True
@@ -96,6 +100,8 @@ class Dispatcher:
         try:
             got = self.scheduler.metrics()
             got = dict(got) if got is not None else {}
+        except RunStopped:  # (the step's deadline)
+            raise
         except Exception as exc:
             self._scheduler_failed("metrics()", _raised(exc), "its numbers are left out of the record")
             return {}
@@ -105,6 +111,8 @@ class Dispatcher:
                 if isinstance(value, (str, bytes, bool)):
                     raise TypeError
                 out[str(key)] = float(value)
+            except RunStopped:  # (the step's deadline)
+                raise
             except Exception:
                 self._scheduler_failed("metrics()", f"gave {key!r} as a {type(value).__name__}, not a number",
                                        "that field is left out of the record")
@@ -145,6 +153,8 @@ class Dispatcher:
         if self.scheduler is not None and not self.observe_failed:
             try:
                 self.scheduler.observe(prompts, lengths)
+            except RunStopped:  # (the step's deadline)
+                raise
             except Exception as exc:  # it only tunes placement: the run goes on, said once
                 self.observe_failed = True
                 warnings.warn(f"scheduler: observe() raised {type(exc).__name__}: {exc}; its lessons are "
@@ -188,6 +198,8 @@ class Dispatcher:
                 files["ranker.pt"] = self.client.submit(
                     ranker_tasks.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
                     workers=[self.rank_worker], allow_other_workers=False).result()
+            except RunStopped:  # (the step's deadline)
+                raise
             except Exception as exc:  # the checkpoint is still written: a resume's ranker learns again
                 warnings.warn(f"ranker: its state could not be saved ({type(exc).__name__}: {exc}); "
                               "a resumed run's ranker learns again", RunWarning, stacklevel=2)
@@ -207,6 +219,8 @@ class Dispatcher:
                 workers=[self.rank_worker], allow_other_workers=False)
             try:
                 self.last_observe.result()
+            except RunStopped:  # (the step's deadline)
+                raise
             except Exception as exc:  # a ranker plugin's mistake must not end a resume: it only orders work
                 self.last_observe = None
                 warnings.warn(f"ranker: could not take back its state from {blob} ({type(exc).__name__}: {exc}); "

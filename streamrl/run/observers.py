@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from streamrl.errors import RunFailed, UserError
+from streamrl.errors import RunFailed, RunStopped, UserError
 
 
 class StepObserver:
@@ -67,6 +67,8 @@ class Observers:
         for obs in list(self.observers):
             try:
                 obs.step(record)
+            except RunStopped:  # the step's deadline, landing while this one ran: the run's, not its
+                raise
             except Exception as exc:
                 self.observers.remove(obs)
                 text = " ".join(str(exc).split())[:300]

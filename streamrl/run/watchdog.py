@@ -11,6 +11,10 @@ tasks still running and where, and the resume command (:class:`StepTimeout`).
 The controller waits on Dask futures in the main thread (``as_completed``, ``Future.result``),
 so the deadline is a timer thread that interrupts it: a signal sent to the main thread wakes
 its wait (a lock wait returns on a signal to run Python's handler), and the handler raises.
+The exception lands wherever the main thread is, and that may be inside a catch-all that keeps
+a plugin's failure from ending the run (an observer's call, a scheduler's): so until the body
+ends the signal comes again every :data:`REFIRE_S`, and a body that ends after swallowing it
+raises it at its end.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from streamrl.errors import RunStopped
 
 #: The signal that carries the timer's news to the main thread (nothing else of streamrl uses it).
 SIGNAL = signal.SIGUSR1
+
+#: After the deadline, how often the signal comes again while the body still runs (the first
+#: one was swallowed by a catch-all on its way out).
+REFIRE_S = 2.0
 
 
 class StepTimeout(RunStopped):
@@ -61,6 +69,8 @@ class Watchdog:
         self.client, self.limit_s = client, limit_s
         self.message = ""
         self._armed: object | None = None  # the watched body's token while it runs
+        self._fired: object | None = None  # the body's token once its deadline passed
+        self._pending: threading.Timer | None = None  # the timer that signals next
         self._lock = threading.RLock()  # (the handler takes it in the main thread, which may hold it)
         self._old = None
 
@@ -85,29 +95,47 @@ class Watchdog:
             yield
             return
         token = object()
-        timer = threading.Timer(limit, self._expire, args=(token, what, limit))
-        timer.daemon = True
         with self._lock:
-            self._armed = token
-        timer.start()
+            self._armed, self._fired = token, None
+        self._timer(limit, token, what, limit)
         try:
             yield
         finally:
             with self._lock:
                 self._armed = None
+                fired, self._fired = self._fired, None
+            self._cancel()
+        if fired is token:  # it expired, and the exception was swallowed on its way out
+            raise StepTimeout(self.message)
+
+    def _timer(self, delay: float, token: object, what: str, limit: float) -> None:
+        timer = threading.Timer(delay, self._expire, args=(token, what, limit))
+        timer.daemon = True
+        with self._lock:
+            if self._armed is not token:
+                return
+            self._pending = timer
+        timer.start()
+
+    def _cancel(self) -> None:
+        with self._lock:
+            timer, self._pending = self._pending, None
+        if timer is not None:
             timer.cancel()
 
     def _expire(self, token: object, what: str, limit: float) -> None:
-        stuck = running(self.client)  # (before the lock: it asks the scheduler)
+        stuck = running(self.client) if self._fired is not token else ""  # (before the lock: it asks the scheduler)
         with self._lock:
             if self._armed is not token:  # the body ended meanwhile
                 return
-            self.message = f"{what} did not finish within {limit:g} s (run.step_timeout_s); still running: {stuck}"
+            if self._fired is not token:
+                self.message = f"{what} did not finish within {limit:g} s (run.step_timeout_s); still running: {stuck}"
+                self._fired = token
             signal.pthread_kill(threading.main_thread().ident, SIGNAL)
+        self._timer(REFIRE_S, token, what, limit)  # (again, until the body ends)
 
     def _raise(self, signum, frame) -> None:
         with self._lock:
-            armed = self._armed is not None
-            self._armed = None  # (once)
+            armed = self._armed is not None and self._fired is self._armed
         if armed:
             raise StepTimeout(self.message)
