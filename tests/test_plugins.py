@@ -85,6 +85,75 @@ def test_a_register_hook_that_raises_is_reported_and_skipped(tmp_path):
     assert reg.get("reward", "exact_match", "reward.name").plugin == "streamrl.builtins"
 
 
+def test_a_register_hook_that_exits_or_returns_malformed_components_is_skipped_naming_why(tmp_path):
+    from streamrl.errors import PluginWarning
+
+    (tmp_path / "exits.py").write_text(textwrap.dedent('''
+        import sys
+        from streamrl.api import hookimpl
+
+        @hookimpl
+        def register_rewards():
+            sys.exit("needs CUDA")
+    '''))
+    (tmp_path / "malformed.py").write_text(textwrap.dedent('''
+        from streamrl.api import hookimpl
+        from streamrl.plugins.registry import Component
+
+        @hookimpl
+        def register_rewards():
+            return [Component("reward", 7, dict, print)]
+
+        @hookimpl
+        def register_tasks():
+            return [Component("task", "t", dict, print)]
+
+        @hookimpl
+        def register_rankers():
+            from pydantic import BaseModel
+            return [Component("ranker", "r", BaseModel, "not callable")]
+    '''))
+    with pytest.warns(PluginWarning) as caught:
+        reg = build_registry(["./exits.py", "./malformed.py"], tmp_path)
+    said = "\n".join(str(w.message) for w in caught)
+    assert "local:./exits.py" in said and "SystemExit: needs CUDA" in said
+    assert "name must be a non-empty string, got 7" in said
+    assert "config must be a pydantic model class" in said and "factory must be callable" in said
+    assert all(c.plugin == "streamrl.builtins" for c in reg.entries)  # none of theirs got in
+
+
+def test_a_local_module_with_a_wrong_hook_or_named_twice_is_one_line(tmp_path):
+    (tmp_path / "my_reward.py").write_text(LOCAL_REWARD.format(name="always"))
+    reg = build_registry(["./my_reward.py", "my_reward.py"], tmp_path)  # (two spellings of one file)
+    assert [c.plugin for c in reg.entries if c.name == "always"] == ["local:./my_reward.py"]
+    (tmp_path / "wrong.py").write_text(textwrap.dedent('''
+        from streamrl.api import hookimpl
+
+        @hookimpl
+        def on_step_end(step, metrics, run):
+            pass
+    '''))
+    with pytest.raises(UserError, match=r"plugins.modules: './wrong.py' cannot be registered .*on_step_end"):
+        build_registry(["./wrong.py"], tmp_path)
+
+
+def test_a_plugin_config_whose_validator_raises_any_error_is_one_line():
+    from pydantic import BaseModel, model_validator
+
+    from streamrl.recipe.recipe import validate_section
+
+    class Reads(BaseModel):
+        path: str = ""
+
+        @model_validator(mode="after")
+        def read(self):
+            open(self.path)  # (FileNotFoundError: pydantic does not wrap it)
+            return self
+
+    with pytest.raises(UserError, match=r"^reward: Reads could not validate it: FileNotFoundError: .*no/such/file"):
+        validate_section(Reads, {"path": "no/such/file"}, "reward")
+
+
 def streamrl_imports(path) -> list[tuple[int, str]]:
     """``(line, module)`` for every import of a ``streamrl`` module in the file, at any depth
     (``from streamrl import x`` counts as ``streamrl.x``)."""

@@ -46,10 +46,8 @@ class Registry:
                 try:
                     comps = list(impl.function() or [])
                     for comp in comps:
-                        if not isinstance(comp, Component) or comp.kind != kind:
-                            raise TypeError(f"{hook_name} must return Component(kind={kind!r}, ...) "
-                                            f"entries, got {comp!r}")
-                except Exception as exc:  # one bad plugin must not take the others down
+                        _check_component(comp, kind, hook_name)
+                except (Exception, SystemExit) as exc:  # one bad plugin must not take the others down
                     warnings.warn(f"plugin {plugin_name!r}: {hook_name} failed and is skipped: "
                                   f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
                     continue
@@ -76,6 +74,23 @@ class Registry:
         return found[0]
 
 
+def _check_component(comp: Any, kind: str, hook_name: str) -> None:
+    """A registration is a :class:`Component` of the hook's kind whose name is text, whose
+    config is a pydantic model and whose factory can be called: what the recipe's checks and
+    ``streamrl plugins list`` rely on (``TypeError`` naming what is wrong)."""
+    from pydantic import BaseModel
+
+    if not isinstance(comp, Component) or comp.kind != kind:
+        raise TypeError(f"{hook_name} must return Component(kind={kind!r}, ...) entries, got {comp!r}")
+    if not isinstance(comp.name, str) or not comp.name:
+        raise TypeError(f"{hook_name}: a component's name must be a non-empty string, got {comp.name!r}")
+    if not (isinstance(comp.config, type) and issubclass(comp.config, BaseModel)):
+        raise TypeError(f"{hook_name}: {kind} {comp.name!r}'s config must be a pydantic model class, "
+                        f"got {comp.config!r}")
+    if not callable(comp.factory):
+        raise TypeError(f"{hook_name}: {kind} {comp.name!r}'s factory must be callable, got {comp.factory!r}")
+
+
 def _disabled() -> set[str]:
     return {n.strip() for n in os.environ.get("STREAMRL_DISABLE_PLUGINS", "").split(",") if n.strip()}
 
@@ -90,7 +105,7 @@ def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str], origins: dic
             module = ep.load()
             pm.register(module, name=ep.name)
             origins[ep.name] = (ep.dist.name, ep.dist.version) if ep.dist else (ep.value, "")
-        except Exception as exc:  # a broken plugin must not take the others down
+        except (Exception, SystemExit) as exc:  # a broken plugin must not take the others down (nor exit)
             warnings.warn(f"plugin {ep.name!r} from {dist} failed to load and is skipped: "
                           f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
 
@@ -142,11 +157,20 @@ def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Reg
     pm.register(builtins, name="streamrl.builtins")
     origins = {"streamrl.builtins": ("streamrl", _version("streamrl"))}
     _load_entrypoints(pm, disabled, origins)
+    seen: set[Path] = set()
     for path in local_modules:
+        file = (base / path).resolve()
+        if file in seen:  # (named twice, perhaps by two spellings of its path: loaded once)
+            continue
+        seen.add(file)
         module = load_local_module(path, base)
         if module.__name__ not in disabled:
-            pm.register(module, name=f"local:{path}")
-            origins[f"local:{path}"] = (str((base / path).resolve()), "")
+            try:
+                pm.register(module, name=f"local:{path}")
+            except (pluggy.PluginValidationError, ValueError) as exc:  # (a hook with arguments its spec lacks)
+                raise UserError(f"plugins.modules: {str(path)!r} cannot be registered ({file}): "
+                                f"{' '.join(str(exc).split())[:300]}") from None
+            origins[f"local:{path}"] = (str(file), "")
     return Registry(pm, origins)
 
 

@@ -39,7 +39,7 @@ class Chosen:
         ``on_worker/resident.py`` does the same with a :class:`ComponentError`.)"""
         try:
             return self.build(*args)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # (a constructor that exits, as argparse does, too)
             where = f", from plugin {self.component.plugin}" if self.component.plugin else ""
             raise UserError(f"{self.component.kind} {self.component.name!r} could not be built{where}: "
                             f"{type(exc).__name__}: {exc}") from exc

@@ -301,6 +301,11 @@ def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_
         more = len(exc.errors()) - 1
         suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
         raise UserError(f"{path + '.' if path else ''}{first}{suffix}") from None
+    except UserError:
+        raise
+    except (Exception, SystemExit) as exc:  # a plugin's validator that raised something pydantic does not wrap
+        raise UserError(f"{path or 'recipe'}: {model.__name__} could not validate it: {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:300]}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
