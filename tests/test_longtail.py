@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from functools import partial
 
 import pytest
@@ -216,3 +217,16 @@ def test_a_dask_priority_is_clamped_and_a_nan_priority_is_refused_in_one_line():
         placement([Assignment(0, "z")], ["a"], 2)
     with pytest.raises(UserError, match=r"samples as \[0\]"):
         placement([Assignment(0, "a", 0.0, (0,))], ["a"], 2)
+    # numpy's numbers are numbers; a generator is read once; what else a plugin may hand back is one line
+    import numpy as np
+
+    assert placement((a for a in [Assignment(np.int64(1), "a", np.float32(2.5))]), ["a"], 2, prompts=2) == \
+        {1: [("a", 2.5, ())]}
+    for wrong, said in [(None, "returned NoneType; expected a list of Assignment"),
+                        ([(0, "a")], "returned a tuple among its assignments"),
+                        ([Assignment(2, "a")], "placed prompt index 2; expected a position in the list of 2 prompts"),
+                        ([Assignment(-1, "a")], "placed prompt index -1"),
+                        ([Assignment(0, "a", True)], "the priority True; expected a number"),
+                        ([Assignment(0, "a", 0.0, 5)], "the samples 5; expected a tuple of sample numbers")]:
+        with pytest.raises(UserError, match=re.escape(said)):
+            placement(wrong, ["a"], 2, prompts=2)

@@ -5,6 +5,7 @@ re-prefills them, nothing lost or generated twice, each token keeping the versio
 from __future__ import annotations
 
 import random
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -273,3 +274,13 @@ def test_a_generate_worker_killed_while_samples_move_loses_and_repeats_nothing(t
         assert x["response_len"] == sample_length(by_uid[group], random.Random(f"0-{group}-{k}")), x
     # the mover found the restarted worker again: samples still move in the last steps
     assert sum(r["moves/moved"] for r in records[-3:]) > 0
+
+
+def test_a_schedulers_move_with_an_index_outside_the_engines_is_refused_not_wrapped_round():
+    from streamrl.extensions.sample_moves import SampleMoves
+
+    assert SampleMoves._checked(("g-1", 0, 1), 2) == ("g-1", 0, 1)
+    for wrong, said in [(("g-1", -1, 0), "worker index -1"), (("g-1", 0, 2), "worker index 2"),
+                        (("g-1", 0, True), "worker index True"), (("g-1", 0), "expected (sample uid")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            SampleMoves._checked(wrong, 2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from streamrl.cli import main
@@ -130,6 +132,15 @@ def test_a_task_must_give_the_prompts_asked_for_with_uids_new_to_the_run():
         check_prompts("t", 1, [Prompt(uid="1-0", text="a", answer=""), Prompt(uid="0-1", text="b", answer="")], 2, seen)
     with pytest.raises(UserError, match="prompt uid 'x' repeats in step 2"):
         check_prompts("t", 2, [Prompt(uid="x", text="a", answer=""), Prompt(uid="x", text="b", answer="")], 2, seen)
+    # what else a task may hand back: one line naming it, not a traceback in the engine
+    for wrong, said in [(None, "returned NoneType; expected a list of Prompt"),
+                        ((p for p in []), "returned generator"),
+                        (["3+4="], "at index 0 that is a str, not a Prompt"),
+                        ([Prompt(uid=3, text="a")], "at index 0 that has uid 3; expected non-empty text"),
+                        ([Prompt(uid="3-0", text=None)], "has text of type NoneType"),
+                        ([Prompt(uid="3-0", text="a", token_ids=[1, "2"])], "token_ids that are not a list of ints")]:
+        with pytest.raises(UserError, match=re.escape(said)):
+            check_prompts("t", 3, wrong, 1, seen)
 
 
 def test_what_the_run_asks_of_its_engine_and_cluster_is_checked_before_any_cluster_starts(capsys, tiny_recipe):

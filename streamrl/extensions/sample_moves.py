@@ -17,6 +17,7 @@ speed generation up, and every sample finishes where it is without them. A look 
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 import warnings
@@ -95,14 +96,31 @@ class SampleMoves(StepExtension):
         seen = [s if s is not None and not isinstance(s, BaseException) else None for s in seen]
         self.looks += 1
         moved = 0
-        for uid, source, target in run.scheduler.moves(seen):
-            if seen[source] is None or names[target] not in run.topology.pins:
+        for move in run.scheduler.moves(seen):
+            uid, source, target = self._checked(move, len(names))
+            if source == target or seen[source] is None or names[target] not in run.topology.pins:
                 continue
             taken = run.client.run(move_tasks.move_sample, uid, run.topology.pins[names[target]],
                                    workers=[address[names[source]]], on_error="return", callback_timeout=LOOK_TIMEOUT_S)
             moved += taken.get(address[names[source]]) is True
         self.moved += moved
         return moved
+
+    @staticmethod
+    def _checked(move, workers: int) -> tuple[str, int, int]:
+        """A scheduler's move as ``(sample uid, source, target)``, the two indices in
+        ``range(workers)`` (a negative one would wrap round to another worker); ``ValueError``
+        naming the move otherwise (the look fails, said once, and samples finish where they are)."""
+        try:
+            uid, source, target = move
+        except (TypeError, ValueError):
+            raise ValueError(f"the scheduler's moves() gave {move!r}; expected (sample uid, source index, "
+                             "target index)") from None
+        for index in (source, target):
+            if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < workers:
+                raise ValueError(f"the scheduler's moves() gave worker index {index!r} in {move!r}; expected "
+                                 f"0..{workers - 1} (positions in the list of engines it was given)")
+        return str(uid), int(source), int(target)
 
     def record(self, step: int, record) -> None:
         """Since the last record, when the run moves samples: ``moves/moved`` (samples taken

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import time
 import warnings
 from pathlib import Path
@@ -82,7 +83,7 @@ class Dispatcher:
             self._scheduler_failed("dispatch()", _raised(exc), "this step's groups are placed by Dask")
             return {}
         self.scheduler_metrics[step] = self._metrics()
-        return placement(placed, workers, self.samples_per_prompt)
+        return placement(placed, workers, self.samples_per_prompt, len(prompts))
 
     # -- a scheduler plugin's mistakes: each kind said once; placement goes on without it -------
     def _needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
@@ -231,22 +232,43 @@ def _raised(exc: Exception) -> str:
     return f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
-def placement(placed: list[Assignment], workers: list[str],
-              samples_per_prompt: int) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
+def placement(placed: list[Assignment], workers: list[str], samples_per_prompt: int,
+              prompts: int | None = None) -> dict[int, list[tuple[str, float, tuple[int, ...]]]]:
     """A scheduler's assignments as ``{prompt index: [(worker, priority, samples)]}``, checked:
-    every worker one of ``workers``, every priority a number, every group's samples covered
-    exactly once. A plugin's mistake is one line naming it (:class:`UserError`)."""
-    unknown = sorted({a.worker for a in placed} - set(workers))
+    a list (or any iterable) of :class:`Assignment`, every index one of the ``prompts`` it was
+    given, every worker one of ``workers``, every priority a number (numpy's too), every
+    group's samples covered exactly once. A plugin's mistake is one line naming it
+    (:class:`UserError`)."""
+    said = "scheduler: dispatch()"
+    try:
+        placed = list(placed)  # (once: a generator would be used up by the first check)
+    except TypeError:
+        raise UserError(f"{said} returned {type(placed).__name__}; expected a list of Assignment") from None
+    wrong = [a for a in placed if not isinstance(a, Assignment)]
+    if wrong:
+        raise UserError(f"{said} returned a {type(wrong[0]).__name__} among its assignments; expected Assignment")
+    outside = [a for a in placed if isinstance(a.index, bool) or not isinstance(a.index, numbers.Integral)
+               or (prompts is not None and not 0 <= a.index < prompts)]
+    if outside:
+        raise UserError(f"{said} placed prompt index {outside[0].index!r}; expected a position in the list of "
+                        f"{prompts if prompts is not None else 'the'} prompts it was given")
+    unknown = sorted({str(a.worker) for a in placed} - set(workers))
     if unknown:
-        raise UserError(f"scheduler: dispatch() placed a prompt on {unknown[0]!r}, which is not one of the "
+        raise UserError(f"{said} placed a prompt on {unknown[0]!r}, which is not one of the "
                         f"generate workers it was given ({', '.join(workers)})")
-    odd = [a for a in placed if not isinstance(a.priority, (int, float)) or math.isnan(a.priority)]
+    odd = [a for a in placed if isinstance(a.priority, bool) or not isinstance(a.priority, numbers.Real)
+           or math.isnan(a.priority)]
     if odd:
-        raise UserError(f"scheduler: dispatch() gave prompt {odd[0].index} the priority {odd[0].priority!r}; "
+        raise UserError(f"{said} gave prompt {odd[0].index} the priority {odd[0].priority!r}; "
                         "expected a number (higher is admitted first)")
+    bad = [a for a in placed if not isinstance(a.samples, (list, tuple, range))
+           or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in a.samples)]
+    if bad:
+        raise UserError(f"{said} gave prompt {bad[0].index} the samples {bad[0].samples!r}; expected a tuple of "
+                        "sample numbers (empty: the whole group)")
     out: dict[int, list[tuple[str, float, tuple[int, ...]]]] = {}
     for a in placed:
-        out.setdefault(a.index, []).append((a.worker, a.priority, tuple(a.samples)))
+        out.setdefault(int(a.index), []).append((a.worker, float(a.priority), tuple(int(k) for k in a.samples)))
     for i, pieces in out.items():
         covered = sorted(k for p in pieces for k in (p[2] or range(samples_per_prompt)))
         if covered != list(range(samples_per_prompt)):

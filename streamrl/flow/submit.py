@@ -28,7 +28,20 @@ from streamrl.telemetry import spans
 def check_prompts(task: str, step: int, prompts: list, wanted: int, seen: set[str]) -> None:
     """A task must give ``wanted`` prompts with uids never used before in the run (``seen``,
     updated): samples and tasks are keyed by uid, so a repeated one would be generated once and
-    trained many times."""
+    trained many times. Each is a :class:`Prompt` whose uid is text, whose text is text and
+    whose ``token_ids``, when given, are ints: what the engines and the records rely on."""
+    if not isinstance(prompts, (list, tuple)):
+        raise UserError(f"task {task!r}: prompts(step={step}, n={wanted}) returned {type(prompts).__name__}; "
+                        "expected a list of Prompt")
+    for i, p in enumerate(prompts):
+        wrong = ("" if isinstance(p, Prompt) else f"is a {type(p).__name__}, not a Prompt")
+        wrong = wrong or ("" if isinstance(p.uid, str) and p.uid else f"has uid {p.uid!r}; expected non-empty text")
+        wrong = wrong or ("" if isinstance(p.text, str) else f"has text of type {type(p.text).__name__}; expected str")
+        wrong = wrong or ("" if p.token_ids is None or (isinstance(p.token_ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p.token_ids)) else
+            "has token_ids that are not a list of ints")
+        if wrong:
+            raise UserError(f"task {task!r}: prompts(step={step}) returned a prompt at index {i} that {wrong}")
     if len(prompts) != wanted:
         raise UserError(f"task {task!r}: prompts(step={step}, n={wanted}) returned {len(prompts)} prompts")
     uids = [p.uid for p in prompts]
