@@ -83,6 +83,39 @@ def test_an_algorithm_that_raises_stops_the_step_in_one_line_naming_it_and_where
     assert same(weights(trainer), before)
 
 
+class Returns(GRPO):
+    """GRPO whose loss hands back something the backward pass cannot use (``kind``)."""
+
+    kind = ""
+
+    def loss(self, new, old, ref, adv, mask):
+        per_sample, stats = super().loss(new, old, ref, adv, mask)
+        if self.kind == "detached":
+            return per_sample.detach(), stats
+        if self.kind == "per token":
+            return new * mask, stats
+        if self.kind == "one tensor":
+            return per_sample
+        return per_sample, {**stats, "per_sample_stat": per_sample.detach()}
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("detached", "returned losses without a gradient"),
+    ("per token", "returned per-sample losses of shape (4, "),
+    ("one tensor", "returned Tensor; expected (per-sample losses [B], stats dict)"),
+    ("a stat per sample", "returned the stat 'per_sample_stat' as (4,); expected one number")])
+def test_an_algorithm_whose_loss_cannot_be_trained_stops_the_step_in_one_line(tiny_model, kind, said):
+    from streamrl.errors import RunStopped
+
+    algorithm = Returns(GRPOConfig())
+    algorithm.kind = kind
+    trainer = trainer_with(tiny_model, algorithm=algorithm)
+    before = weights(trainer)
+    with pytest.raises(RunStopped, match=re.escape(f"algorithm Returns: loss() {said}")):
+        train_one_batch(trainer)
+    assert same(weights(trainer), before)
+
+
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])  # 0: no clipping, the norm is still measured
 def test_a_nan_loss_is_refused_before_the_update_and_leaves_the_weights_as_they_were(tiny_model, max_grad_norm):
     trainer = trainer_with(tiny_model, max_grad_norm=max_grad_norm)

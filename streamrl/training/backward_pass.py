@@ -44,6 +44,41 @@ def called(algorithm, method: str, *args):
                          f"{' '.join(str(exc).split())[:300]}{where}; nothing of this step was applied") from None
 
 
+def loss_result(algorithm, result, batch: int) -> tuple[torch.Tensor, dict]:
+    """What ``algorithm.loss`` returned, checked before the backward pass: ``(per_sample,
+    stats)`` with ``per_sample`` a tensor of ``batch`` losses that carries a gradient, and
+    ``stats`` a dict (None: none) of numbers or one-element tensors (its token flags aside).
+    Anything else stops the run in one line naming the algorithm
+    (:class:`~streamrl.errors.RunStopped`: nothing of the step is applied), not in a traceback
+    from the backward pass or the record."""
+    said = f"algorithm {type(algorithm).__name__}: loss()"
+    try:
+        per_sample, stats = result
+    except (TypeError, ValueError):
+        raise RunStopped(f"{said} returned {type(result).__name__}; expected (per-sample losses [B], stats dict); "
+                         "nothing of this step was applied") from None
+    if not isinstance(per_sample, torch.Tensor) or tuple(per_sample.shape) != (batch,):
+        shape = tuple(per_sample.shape) if isinstance(per_sample, torch.Tensor) else type(per_sample).__name__
+        raise RunStopped(f"{said} returned per-sample losses of shape {shape}; expected ({batch},), one per sample; "
+                         "nothing of this step was applied")
+    if torch.is_grad_enabled() and not per_sample.requires_grad:
+        raise RunStopped(f"{said} returned losses without a gradient (computed from `old` or `ref`, or detached?); "
+                         "they must come from `new`; nothing of this step was applied")
+    stats = {} if stats is None else stats
+    if not isinstance(stats, dict):
+        raise RunStopped(f"{said} returned stats of type {type(stats).__name__}; expected a dict; "
+                         "nothing of this step was applied")
+    for key, value in stats.items():
+        if key == TOKEN_FLAGS:
+            continue
+        one = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        if not one:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise RunStopped(f"{said} returned the stat {str(key)[:80]!r} as {shape}; expected one number "
+                             "(a sum over the micro-batch's samples); nothing of this step was applied")
+    return per_sample, dict(stats)
+
+
 def advantages(algorithm, group: Group) -> list[float]:
     """The algorithm's advantages of ``group``: one number per sample, or the run stops in one
     line naming the algorithm. A list of another length would still make tensors of matching
@@ -98,7 +133,8 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
         critic_loss = value_loss.sum() * scale
         stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
     new, ref = policy_logprobs(trainer, ids, attn, resp)
-    per_sample, algo_stats = called(trainer.algorithm, "loss", new, old, ref, adv, resp)
+    per_sample, algo_stats = loss_result(trainer.algorithm, called(trainer.algorithm, "loss", new, old, ref, adv, resp),
+                                         ids.shape[0])
     flags = algo_stats.pop(TOKEN_FLAGS, None)
     stats.update(algo_stats)
     # how off-policy these tokens were, by staleness (versions count steps, not optimizer steps)
@@ -153,7 +189,7 @@ def empty(trainer, like=None) -> dict:
         adv = torch.zeros_like(values)
         critic_loss = values.sum() * 0.0
     new, ref = policy_logprobs(trainer, ids, attn, resp)
-    per_sample, _ = called(trainer.algorithm, "loss", new, old, ref, adv, resp)
+    per_sample, _ = loss_result(trainer.algorithm, called(trainer.algorithm, "loss", new, old, ref, adv, resp), 1)
     (per_sample.sum() * 0.0 + critic_loss).backward()
     return {"samples": 0, "tokens": 0, "reward_sum": 0.0, "skipped_sum": 0, "loss_sum": 0.0,
             "seconds": time.perf_counter() - t0}
