@@ -59,6 +59,46 @@ def test_each_plugins_on_step_end_is_an_observer_of_its_own_and_sinks_are_observ
                       "RuntimeError: tracker down at 0"]
 
 
+def test_an_observer_that_changes_its_record_changes_nobody_elses_and_every_on_run_end_is_called():
+    from streamrl.run.observers import run_end
+
+    class Pops:  # a tracker's idiom: step = metrics.pop("step")
+        @hookimpl
+        def on_step_end(self, metrics):
+            metrics.pop("step")
+            metrics["reward_mean"] = None
+
+        @hookimpl
+        def on_run_end(self, metrics):
+            metrics.clear()
+            raise OSError("flush failed")
+
+    got, ended = [], []
+
+    class Reads:
+        @hookimpl
+        def on_step_end(self, step, metrics):
+            got.append((step, metrics["reward_mean"]))
+
+        @hookimpl
+        def on_run_end(self, run_dir, metrics):
+            ended.append((run_dir, [m["step"] for m in metrics]))
+
+    pm = pluggy.PluginManager("streamrl")
+    pm.add_hookspecs(hookspecs)
+    pm.register(Reads(), name="reads")
+    pm.register(Pops(), name="pops")  # (pluggy calls the last registered first)
+    warned = []
+    observers = Observers(plugin_observers(pm.hook.on_step_end), warned.append)
+    kept = records(2)
+    for m in kept:
+        observers.step(m)
+    assert got == [(0, 0.0), (1, 0.1)] and warned == [] and kept == records(2)
+    run_end(pm.hook.on_run_end, "runs/x", kept, warned.append)
+    assert ended == [("runs/x", [0, 1])] and kept == records(2)
+    assert warned == ["plugin 'pops': on_run_end raised OSError: flush failed"]
+
+
 def test_a_sink_that_cannot_open_is_one_line_and_one_that_fails_to_close_is_a_warning(tiny_recipe):
     # a sink's close() that raised replaced the run's outcome with a traceback and skipped the
     # cleanup after it (the trace, the cluster's stop, the report); an open() that raised was a traceback

@@ -13,6 +13,7 @@ of its own, so one failing plugin does not silence the others.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 from streamrl.errors import RunFailed, RunStopped, UserError
@@ -63,10 +64,12 @@ class Observers:
         self.observers, self.warn = list(observers), warn
 
     def step(self, record: dict) -> None:
-        """Hand ``record`` to every observer still in; one that raises is reported and left out."""
+        """Hand ``record`` to every observer still in, each its own copy (a sink that pops
+        ``step`` from it, as trackers' examples do, takes nothing from the others or from the
+        run's records); one that raises is reported and left out."""
         for obs in list(self.observers):
             try:
-                obs.step(record)
+                obs.step(copy.deepcopy(record))
             except RunStopped:  # the step's deadline, landing while this one ran: the run's, not its
                 raise
             except Exception as exc:
@@ -94,3 +97,20 @@ def run_start(hook, recipe, run_dir) -> None:
         except Exception as exc:
             raise RunFailed(f"plugin {name}: on_run_start raised {type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:300]}; the run stopped before its first step") from None
+
+
+def run_end(hook, run_dir, records: list[dict], warn: Callable[[str], None]) -> None:
+    """Each plugin's ``on_run_end`` with its own copy of the run's records, one after another:
+    one that raises is reported in one line naming it, and the others are still called (a
+    tracker's flush must not depend on another plugin). The run's own outcome stands."""
+    impls = hook.get_hookimpls()
+    if any(i.hookwrapper or i.wrapper for i in impls):  # (a wrapper wraps the others' calls: pluggy calls them all)
+        calls = [("a plugin", lambda: hook(run_dir=run_dir, metrics=copy.deepcopy(records)))]
+    else:
+        calls = [(repr(i.plugin_name), lambda i=i: i.function(*[{"run_dir": run_dir, "metrics": copy.deepcopy(records)}[a]
+                                                                for a in i.argnames])) for i in reversed(impls)]
+    for name, call in calls:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 -- an observer's failure must not hide the run's outcome
+            warn(f"plugin {name}: on_run_end raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")

@@ -22,7 +22,7 @@ from streamrl.flow import submit
 from streamrl.checkpoints import folders
 from streamrl.checkpoints import saving
 from streamrl.run.controller import Controller
-from streamrl.run.observers import Called, Observers, plugin_observers, run_start, sink_observers
+from streamrl.run.observers import Called, Observers, plugin_observers, run_end, run_start, sink_observers
 from streamrl.on_worker.resident import ComponentError, ResidentLost
 from streamrl.plugins.resolve import Resolved, resolve
 from streamrl.run.run_folder import RunFolder
@@ -252,8 +252,8 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         warnings_log.attach(client)
         if not verbose:  # a worker's loss and restart: streamrl's own line says what matters
             warnings_log.take_dask_warnings()
-        console.print(f"[bold]streamrl[/] {r.run.name}: mode={r.run.mode} steps={r.run.steps} -> {folder.path}",
-                      soft_wrap=True)
+        console.print(f"[bold]streamrl[/] {escape(r.run.name)}: mode={r.run.mode} steps={r.run.steps} -> "
+                      f"{escape(str(folder.path))}", soft_wrap=True)
         if r.cluster.dashboard or r.cluster.address or r.cluster.factory:  # (a cluster of someone else's: its own)
             console.print(f"dashboard: {client.dashboard_link}")
         page = dashboard.install(client, name=r.run.name, mode=r.run.mode, steps=r.run.steps)
@@ -272,7 +272,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
             first, lines = controller.begin(checkpoint, folder.path)
         for line in lines:  # e.g. the endpoint's address
             console.print(escape(line), soft_wrap=True, highlight=False)
-        run_start(hooks.on_run_start, r, folder.path)
+        run_start(hooks.on_run_start, r.model_copy(deep=True), folder.path)  # (a copy: a plugin cannot change the run)
         # the scheduler's address lets a user attach (``Client(address)``) to inspect the run
         folder.mark("running", step=first, scheduler=client.scheduler.address)
         with ExitStack() as stack:
@@ -317,10 +317,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         stopped = lifecycle.stop_meanwhile(dask_cluster, client)
         try:
             files = _write_views(folder, trace_file, r.run.report if report is None else report, warn)
-            try:
-                hooks.on_run_end(run_dir=folder.path, metrics=folder.records)
-            except Exception as exc:  # an observer's failure must not hide the run's outcome
-                warn(f"on_run_end failed: {type(exc).__name__}: {exc}")
+            run_end(hooks.on_run_end, folder.path, folder.records, warn)
         finally:
             stopped()
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
