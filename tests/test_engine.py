@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -423,3 +424,29 @@ def test_an_empty_prompt_without_a_bos_token_is_refused_and_the_slot_loop_goes_o
         assert engine.loop_error is None and len(engine.generate(Prompt(uid="p1", text="1+2="), 2)) == 2
     finally:
         engine.close()
+
+
+def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_naming_it():
+    from streamrl.errors import RunStopped
+    from streamrl.on_worker.task_functions import checked_groups
+    from streamrl.sample import Sample
+
+    class Plugin:
+        pass
+
+    prompts = [Prompt(uid="0-0", text="a"), Prompt(uid="0-1", text="b")]
+
+    def sample(uid, prompt, logprobs=(-0.5,)):
+        return Sample(uid=uid, prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=list(logprobs))
+
+    good = [[sample(f"{p.uid}-{k}", p) for k in range(2)] for p in prompts]
+    assert checked_groups(Plugin(), prompts, 2, good) == good
+    for wrong, said in [(good[:1], "returned 1 groups for 2 prompts"),
+                        (None, "returned NoneType for 2 prompts"),
+                        ([good[0], good[1][:1]], "returned 1 samples for prompt '0-1'; expected 2"),
+                        ([good[1], good[0]], "returned sample '0-1-0' in the group of prompt '0-0'"),
+                        ([good[0], [good[1][0], "x"]], "returned a str in the group of prompt '0-1'"),
+                        ([good[0], [good[1][0], sample("0-1-1", prompts[1], (-0.1, -0.2))]],
+                         "returned sample '0-1-1' with 1 response tokens and 2 log-probs")]:
+        with pytest.raises(RunStopped, match=re.escape(f"engine Plugin: generate_groups() {said}")):
+            checked_groups(Plugin(), prompts, 2, wrong)
