@@ -236,6 +236,10 @@ def test_a_plugin_adds_a_step_extension_in_its_declared_order_and_a_wrong_one_is
     (tmp_path / "ext.py").write_text(EXTENSION_PLUGIN.replace("return [GroupsSoFar", "return 1 / 0 or [GroupsSoFar"))
     with pytest.raises(UserError, match=r"^plugin 'local:ext.py': add_step_extensions failed: ZeroDivisionError"):
         extensions.from_plugins(context())
+    (tmp_path / "ext.py").write_text(EXTENSION_PLUGIN.replace("order = 35 ", 'order = "35" '))
+    with pytest.raises(UserError, match=r"^plugin 'local:ext.py': step extension GroupsSoFar has order '35'; "
+                                        r"expected a number"):
+        extensions.from_plugins(context())
 
 
 @pytest.mark.slow

@@ -69,5 +69,10 @@ def from_plugins(context: RunContext) -> list[StepExtension]:
         if wrong:
             raise UserError(f"plugin {name!r}: add_step_extensions returned {type(wrong[0]).__name__}, not a "
                             "StepExtension (from streamrl.api import StepExtension)")
+        unordered = [x for x in got if isinstance(x.order, bool) or not isinstance(x.order, (int, float))
+                     or x.order != x.order]
+        if unordered:
+            raise UserError(f"plugin {name!r}: step extension {type(unordered[0]).__name__} has order "
+                            f"{unordered[0].order!r}; expected a number (lowest is called first)")
         out += got
     return out
