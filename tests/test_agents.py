@@ -446,3 +446,23 @@ async def rollout(client, row):
             else:
                 assert all(s.reward == 0.0 and "past a float's range" in s.reward_error for s in group), group[0].reward_error
             assert prompt.columns["prompt"] == [{"role": "user", "content": "What is 2+3?"}]  # the task's row
+
+
+def test_an_agents_error_is_one_printable_bounded_line():
+    from streamrl.agents.rollout import RolloutThread, _outcome
+
+    async def agent():
+        raise ValueError("the model said:\n\x1b[31mred\x1b[0m" + "x" * 5000)
+
+    class Odd:  # (no number: the rollout's result is quoted in its error, by its repr)
+        def __repr__(self):
+            return "\x1b[2J\n" * 50
+
+    async def odd():
+        return Odd()
+
+    for fn, start in [(agent, "ValueError: the model said:\\n\\x1b[31mred"), (odd, "TypeError: the rollout returned")]:
+        thread = RolloutThread(fn)
+        thread.start(), thread.join(10)
+        error = _outcome(thread, time.time(), 60).error
+        assert error.startswith(start) and error.isprintable() and len(error) <= 500, error

@@ -175,3 +175,15 @@ def test_a_warning_keeps_its_brackets_as_text():
     said = out.getvalue()
     assert "[algorithm.off_policy] correction" in said, said
     assert "[bold]not markup[/] [/nope]" in said, said
+
+
+def test_the_run_name_and_the_files_are_shown_as_written_never_read_as_markup():
+    name = "grpo[/bold][red]x[link=http://e]y\x1b[2J"
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, color_system=None, width=160)
+    with RunDisplay(console, name, steps=2) as display:  # ("[/bold]" alone raised rich's MarkupError)
+        display.step(record(0))
+    assert "grpo[/bold][red]x[link=http://e]y\\x1b[2J" in out.getvalue() and "\x1b[2J" not in out.getvalue()
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table([record(0)], {"run folder": "/runs/[red]a[/]\nb"}))
+    assert "/runs/[red]a[/]\\nb" in out.getvalue()

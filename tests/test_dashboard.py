@@ -258,3 +258,31 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     # publish returns at once: the send happens on the client's loop (measured: ~10 us a step)
     assert statistics.median(seen["cost"]) < 0.005
     assert not [w for w in recwarn if "streamrl page" in str(w.message)]
+
+
+@pytest.mark.parametrize("odd", [{"busy": [1]}, {"eval": []}, {"eval": "reward_mean"}, {"steps": "x"},
+                                 {"version": "<b>x</b>"}, {"staleness": [1]}, {"steps": True}, {"step": True},
+                                 {"busy": {"generate": "x"}}, {"eval": {"pass@1": None}}, {"reward": 10**400}])
+def test_a_message_of_another_shape_is_skipped_and_the_next_step_still_shows(odd, caplog):
+    good = dashboard.summarize(record(1), dashboard._Run(id="a", name="<i>run</i>", steps=10))
+    bad = {**dashboard.summarize(record(0), dashboard._Run(id="a", steps=10)), **odd}
+    scheduler = type("Scheduler", (), {"get_events": lambda self, topic: [(1.0, bad), (2.0, good)]})()
+    page = StreamrlPage(scheduler)
+    with caplog.at_level("WARNING"):
+        page.update()
+        page.update()
+    assert "update failed" not in caplog.text
+    assert 1 in page.steps.data["step"]
+    header = page.header.text
+    assert "&lt;i&gt;run&lt;/i&gt;" in header and "<i>" not in header and "policy v2" in header
+
+
+def test_every_field_of_the_header_is_escaped():
+    # (valid() lets only ints through for these; the header escapes them all the same)
+    msg = {**dashboard.summarize(record(0), dashboard._Run(id="a", name="<script>n</script>", mode="<b>m</b>")),
+           "version": "<img src=x>", "staleness": "<u>s</u>", "steps": "<i>10</i>"}
+    page = StreamrlPage(type("Scheduler", (), {"get_events": lambda self, topic: []})())
+    page.rows, page.last_step = {0: msg}, 0
+    header = page._header_html()
+    assert not any(tag in header for tag in ("<script>", "<b>m", "<img", "<u>", "<i>"))
+    assert "&lt;img src=x&gt;" in header and "&lt;u&gt;s&lt;/u&gt;" in header and "1 step " in header

@@ -311,3 +311,63 @@ def test_fields_a_step_record_holds_otherwise_and_a_recipe_written_by_hand_are_r
     (run / "recipe.toml").write_text("run = 3\npools = 4\n")
     text = write_report([run]).read_text()
     assert "| run | ? | 8 | completed |" in text  # (the folder's name and no mode: the recipe names neither)
+
+
+@pytest.mark.parametrize("odd", [{"eval_unrecorded": None}, {"eval_unrecorded": 3},
+                                 {"eval/policy_version": float("nan"), "eval/pass@1": 0.5},
+                                 {"eval/policy_version": float("inf"), "eval/pass@1": 0.5},
+                                 {"eval_unrecorded": [{"eval/policy_version": float("-inf"), "eval/pass@1": 0.5}]}])
+def test_an_evaluation_field_that_is_not_a_list_or_not_finite_is_no_evaluation_not_a_traceback(tmp_path, odd):
+    run = made_up_run(tmp_path / "run", steps=5)
+    with (run / "metrics.jsonl").open("a") as f:  # (json writes NaN / Infinity, and reads them back)
+        f.write(json.dumps({"step": 5, "reward_mean": 0.5, **odd}) + "\n")
+        # and the same field on a learner's entry
+        f.write(json.dumps({"step": 6, "reward_mean": 0.5, "learners": {"a": {"step": 6, **odd}}}) + "\n")
+    text = write_report([run]).read_text()
+    assert "| made-up | stream | 7 of 5 | completed |" in text
+    from streamrl.telemetry import plots
+
+    assert [p["eval/policy_version"] for p in plots.eval_points(read_lines(run))] == [3]
+
+
+def read_lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_names_states_and_folders_in_report_md_are_text_on_one_line_and_bounded(tmp_path):
+    run = made_up_run(tmp_path / "run<b>", steps=5, name="a|b<script>x</script>[link](http://e)*em*")
+    (run / "status.json").write_text(json.dumps({"state": "done\n| forged | row |" + "z" * 500}))
+    text = write_report([run]).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| a"))
+    assert row.startswith("| a\\|b&lt;script&gt;x&lt;/script&gt;\\[link\\](http://e)\\*em\\* | stream | 5 | "
+                          "done \\| forged \\| row \\|zzz")
+    assert "<script>" not in text and "run<b>" not in text and "run&lt;b&gt;" in row
+    state = row.split(" | ")[3]
+    assert len(state.replace("\\", "")) <= 100 and state.endswith("…")
+    assert "\n| forged" not in text
+    # the learners' table uses the same cleaner: a learner's failure reads as text too
+    from streamrl.telemetry.report import learner_figures, learners_table
+
+    rows = learner_figures([{"step": 0, "reward_mean": 0.5, "learners": {
+        "x": {"state": "failed", "algorithm": "grpo<i>", "failure": "boom\n<img src=x>|" + "y" * 1000}}}])
+    table = learners_table(rows)
+    assert "grpo&lt;i&gt;" in table and "boom &lt;img src=x&gt;\\|yyy" in table and "<img" not in table
+    assert max(len(line) for line in table.splitlines()) < 600
+
+
+def test_a_run_name_with_dollars_or_a_leading_underscore_is_drawn_as_written(tmp_path, capsys, monkeypatch):
+    run = made_up_run(tmp_path / "run", steps=5, name=r"_grpo$\\foo$")
+    report = write_report([run])
+    assert "plot failed" not in capsys.readouterr().err
+    assert {p.name for p in linked_images(report)} >= {"reward.png", "throughput.png", "timeline.png"}
+    # the legend keeps a label that starts with "_" (matplotlib's mark of a hidden artist)
+    from streamrl.telemetry import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or True)
+    records = read_lines(run)
+    for draw in (plots.reward, plots.throughput, plots.ranker):
+        draw([("_grpo (stream)", records), ("other (async)", records)], tmp_path / "x.png")
+    for fig in drawn:
+        legend = fig.axes[0].get_legend()
+        assert [t.get_text() for t in legend.get_texts()][:2] == [" _grpo (stream)", "other (async)"]

@@ -471,3 +471,51 @@ def test_exact_match_gives_nothing_for_a_prompt_without_an_answer_even_to_the_re
     reward = ExactMatch(ExactMatchConfig())
     assert reward.score(Prompt("0-000", "say 7", answer="7"), " 7\n") == 1.0
     assert reward.score(Prompt("0-001", "say something", answer=None), "None") == 0.0
+
+
+# -- scoring: what a failure and a reward's named values may hold ------------------------------
+
+
+class Gives(Reward):
+    """A reward that gives (or raises, when it is an exception) ``value`` for every response."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def score(self, prompt, response):
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_reward_raising_what_is_not_an_exception_scores_0_with_its_error(timeout_s):
+    import asyncio
+
+    class FunctionTimedOut(BaseException):  # (func_timeout's: a BaseException, not an Exception)
+        pass
+
+    for exc, name in [(asyncio.CancelledError("cancelled"), "CancelledError"), (FunctionTimedOut("late"), "FunctionTimedOut")]:
+        g = score_group(Gives(exc), group(Prompt("0-000", "p"), "a", "b"), timeout_s=timeout_s)
+        assert [s.reward for s in g] == [0.0, 0.0] and all(s.times["reward_error"] == 1.0 for s in g)
+        assert name in g[0].reward_error
+    with pytest.raises(KeyboardInterrupt):  # (the user's Ctrl-C is never a failed score)
+        score_group(Gives(KeyboardInterrupt()), group(Prompt("0-000", "p"), "a"), timeout_s=timeout_s)
+
+
+def test_a_rewards_error_text_is_one_printable_bounded_line():
+    g = score_group(Gives(ValueError("the model wrote:\n\x1b[2J\x1b]0;title\x07" + "x" * 5000)),
+                    group(Prompt("0-000", "p"), "a"))
+    error = g[0].reward_error
+    assert error.startswith("ValueError: the model wrote:\\n\\x1b[2J") and error.isprintable() and len(error) <= 500
+    assert g[0].response_text == "a\n[reward error: " + error + "]"
+
+
+def test_a_rewards_named_values_are_bounded_in_number_and_length_and_never_the_main_reward():
+    many = {"score": 1.0, **{f"k{i}": float(i) for i in range(1000)}}
+    (s,) = score_group(Gives(many), group(Prompt("0-000", "p"), "a"))
+    assert s.reward == 1.0 and len(s.reward_info) == 32 and "k0" in s.reward_info
+    odd = {"score": 1.0, "": 1.0, "/": 2.0, "./..": 3.0, "x" * 1000: 4.0, "a\nb": 5.0, "ok": 6.0, "\x1b" * 64: 7.0}
+    (s,) = score_group(Gives(odd), group(Prompt("0-000", "p"), "a"))
+    # ("", "/" and "./.." would be a tracker's reward/mean: the main reward's name)
+    assert s.reward_info == {"x" * 64: 4.0, "a\\nb": 5.0, "ok": 6.0, "\\x1b" * 16: 7.0}

@@ -28,6 +28,7 @@ from streamrl.recipe.user_files import exec_user_source
 from streamrl.rewards.scoring import REWARD_LIMIT, reward_value
 from streamrl.sample import Group, Prompt, Sample
 from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER
+from streamrl.telemetry.text import error_line, one_line
 
 #: The Dask event topic of each group's rollout counts (``agents/extension.py`` reads it).
 EVENT_TOPIC = "streamrl-agent"
@@ -175,7 +176,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         except httpx.HTTPError as e:  # its endpoint is gone (a restarted generate worker): nothing to train
             traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
             if not outcome.error:
-                outcome.error = f"EndpointLost: the trajectory could not be read from {url} ({e})"
+                outcome.error = one_line(f"EndpointLost: the trajectory could not be read from {url} ({e})")
                 outcome.transient = True
         counts["calls"] += traj["calls"]
         counts["tool_calls"] += traj["tool_calls"]
@@ -217,11 +218,12 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float, limit: flo
                        seconds=seconds, transient=True)
     if thread.error is not None:
         e = thread.error
-        return Outcome(error=f"{type(e).__name__}: {e}"[:500], seconds=seconds, transient=transient_failure(e))
+        # (an agent's error text may quote the model's output: newlines, terminal escapes)
+        return Outcome(error=error_line(e, 500), seconds=seconds, transient=transient_failure(e))
     try:
         reward, info = reward_value(thread.result, limit)
     except Exception as e:  # (whatever the agent returned: its rollout's error, not the step's)
-        return Outcome(error=f"{type(e).__name__}: the rollout returned {_shown(thread.result)}: {e}"[:500],
+        return Outcome(error=one_line(f"{type(e).__name__}: the rollout returned {_shown(thread.result)}: {e}", 500),
                        seconds=seconds)
     return Outcome(reward, info, seconds=seconds)
 

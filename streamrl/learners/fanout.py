@@ -34,6 +34,7 @@ from streamrl.cluster.pool_workers import LEARN
 from streamrl.recipe.recipe import Recipe
 from streamrl.telemetry.record import algorithm_stats
 from streamrl.telemetry.stats import StepStats, TrainTaskStats
+from streamrl.telemetry.text import error_line
 
 
 class LearnerView:
@@ -203,8 +204,8 @@ class Fanout:
 
     def fail(self, lr: SideLearner, step: int, exc: BaseException) -> None:
         """Mark ``lr`` failed (one line, naming it), drop its queued steps; the others go on."""
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        lr.state, lr.failure = "failed", f"step {step}: {type(exc).__name__}: {text}"[:300]
+        # (its first line, printable: the text may quote a user's reward or the model's output)
+        lr.state, lr.failure = "failed", f"step {step}: {error_line(exc, 290, first_line=True)}"
         self.client.cancel([f for e in lr.inflight for f in (*e.last, *e.trains)])
         lr.inflight.clear()
         if lr.evaluator is not None:

@@ -3,6 +3,7 @@ reference loop)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import sys
@@ -12,6 +13,8 @@ from typing import Any, Callable
 
 from streamrl.api import Reward
 from streamrl.sample import Group
+from streamrl.telemetry.names import clean_name
+from streamrl.telemetry.text import error_line, printable
 
 #: The default of ``reward.limit``: the largest reward magnitude a run trains on. A reward is a
 #: number a user's function, an agent or a client sends; one huge value among a batch's (1e308)
@@ -19,25 +22,40 @@ from streamrl.sample import Group
 #: (an error counted for that sample, or a 400 to the client), never trained.
 REWARD_LIMIT = 1e6
 
+#: The most named values a reward's dict may add beside its score, and the longest name each may
+#: have: each becomes a field of every step's record (``reward/<name>/mean``) and of every
+#: tracker's chart, so a reward that names thousands (a per-sample id as a key) or a page of text
+#: fills neither; past them the rest are left out.
+MAX_REWARD_INFO = 32
+MAX_REWARD_INFO_NAME = 64
+
 
 def reward_value(value: Any, limit: float = REWARD_LIMIT) -> tuple[float, dict[str, float]]:
     """The score and the named values of what a reward gave for one response: a number, or a
     dict with ``"score"`` and other named values (those that are not numbers are left out, as
     verl's dicts carry strings such as the extracted answer). Raises on anything else, on a
-    score that is not a finite number, or on one past ``limit`` (``reward.limit``) either way."""
+    score that is not a finite number, or on one past ``limit`` (``reward.limit``) either way.
+
+    The named values are at most :data:`MAX_REWARD_INFO`, their names printable and cut to
+    :data:`MAX_REWARD_INFO_NAME` characters; a name a tracker would read as nothing (``""``,
+    ``"/"``: ``reward//mean`` is the main reward's ``reward/mean`` there) or as one kept already is left out."""
     info: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"a dict without 'score' (keys: {', '.join(map(str, value)) or 'none'})")
+            keys = ", ".join(map(str, itertools.islice(value, MAX_REWARD_INFO))) or "none"
+            raise ValueError(f"a dict without 'score' (keys: {keys[:300]})")
         for key, extra in value.items():
+            if len(info) >= MAX_REWARD_INFO:
+                break
             if key == "score" or isinstance(extra, (str, bytes)):
                 continue
             try:
                 number = float(extra)
             except Exception:  # (not a number, or an int past float's range: left out, as a string is)
                 continue
-            if math.isfinite(number):
-                info[str(key)] = number
+            name = printable(str(key)[:MAX_REWARD_INFO_NAME])[:MAX_REWARD_INFO_NAME]  # (escapes lengthen it)
+            if math.isfinite(number) and clean_name(name) and name not in info:
+                info[name] = number
         value = value["score"]
     if value is None:
         raise TypeError("got None; expected a number or a dict with 'score'")
@@ -118,12 +136,17 @@ def call_with_deadline(fn: Callable[..., Any], *args: Any, timeout_s: float | No
     return box["value"]
 
 
-def _failure(exc: BaseException) -> BaseException:
+def _failure(exc: BaseException) -> Exception:
     """What a sample's failed score is recorded as: the exception itself, except that a reward
     calling ``sys.exit()`` (a script's grader, ``argparse`` reading the worker's command line)
-    must not end a worker thread with Dask's traceback: it is a failed score like any other."""
+    must not end a worker thread with Dask's traceback: it is a failed score like any other. So
+    is any other exception that is not an :class:`Exception` (``asyncio.CancelledError`` from a
+    reward's own event loop, ``func_timeout``'s ``FunctionTimedOut``); only a
+    ``KeyboardInterrupt`` is the user's, and its callers let it through."""
     if isinstance(exc, SystemExit):
         return RuntimeError(f"the reward raised SystemExit({exc.code!r}) (sys.exit() called while scoring)")
+    if not isinstance(exc, Exception):
+        return RuntimeError(f"the reward raised {error_line(exc, 300)}")
     return exc
 
 
@@ -146,14 +169,18 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None, li
                                              what="score_group"))
             if len(values) != len(group):
                 raise ValueError(f"score_group gave {len(values)} scores for {len(group)} responses")
-        except (Exception, SystemExit):  # (the batch as a whole failed) each response alone, so one bad one fails alone
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # (the batch as a whole failed) each response alone, so one bad one fails alone
             values = None
     if values is None:
         values = []
         for prompt, response in zip(prompts, responses):
             try:
                 values.append(call_with_deadline(reward.score, prompt, response, timeout_s=timeout_s))
-            except (Exception, SystemExit) as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # (SystemExit, CancelledError: a failed score too, see _failure)
                 values.append(_failure(exc))
     end = time.time()
     for s, value in zip(group, values):
@@ -161,10 +188,14 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None, li
             if isinstance(value, BaseException):
                 raise _failure(value)
             s.reward, s.reward_info = reward_value(value, limit)
-        except Exception as exc:  # one bad sample must not fail the step
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # one bad sample must not fail the step
             s.reward, s.reward_info = 0.0, {}
             s.times["reward_error"] = 1.0
-            s.reward_error = f"{type(exc).__name__}: {exc}"[:500]  # (the step's first goes into its record)
+            # (the step's first goes into its record and the console: the exception's text may
+            # hold the model's output, with newlines and terminal escapes)
+            s.reward_error = error_line(_failure(exc), 500)
             s.response_text += f"\n[reward error: {s.reward_error}]"
         s.times["reward_end"] = end
     return group

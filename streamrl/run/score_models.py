@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
@@ -24,6 +25,7 @@ from streamrl.run.controller import Controller
 from streamrl.plugins.resolve import resolve
 from streamrl.run.run_folder import RunFolder
 from streamrl.recipe.recipe import EvalConfig, LoadedRecipe, load_recipe
+from streamrl.telemetry.text import printable
 
 
 def model_and_recipe(target: str, recipe: str | None, overrides: list[str]) -> tuple[Path, LoadedRecipe]:
@@ -67,17 +69,33 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
             rows.append({"model": target, **result})
     finally:
         lifecycle.stop(dask_cluster, client)
-    table = Table(title="held-out evaluation")
-    keys = list(dict.fromkeys(k for row in rows for k in row if k != "model"))  # (targets may differ)
-    for col in ["model", *keys]:
-        table.add_column(col.removeprefix("eval/"))
-    for row in rows:
-        table.add_row(row["model"], *(f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, ""))
-                                      for k in keys))
-    Console().print(table)
-    if out:
-        Path(out).write_text(json.dumps(rows, indent=2))
+    show_scores(rows, out)
     return rows
 
 
-__all__ = ["score", "model_and_recipe", "evaluate"]
+def show_scores(rows: list[dict], out: str | None, console: Console | None = None) -> None:
+    """Write ``rows`` as JSON to ``out`` (first: the scores are kept whatever the terminal does),
+    then print them as a table on ``console``. A file that cannot be written is a
+    :class:`UserError` naming it, after the table: the scores are shown either way."""
+    failed = None
+    if out:
+        try:
+            Path(out).write_text(json.dumps(rows, indent=2))
+        except OSError as exc:
+            failed = UserError(f"{out}: cannot write the scores ({exc.strerror or exc})")
+    table = Table(title="held-out evaluation")
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "model"))  # (targets may differ)
+    # every cell a Text: a model's folder name (and an evaluation's error) is shown as written,
+    # never read as rich markup
+    for col in ["model", *keys]:
+        table.add_column(Text(printable(col.removeprefix("eval/"))))
+    for row in rows:
+        table.add_row(Text(printable(str(row["model"]))),
+                      *(Text(f"{row[k]:.3f}" if isinstance(row.get(k), float) else printable(str(row.get(k, ""))))
+                        for k in keys))
+    (console or Console()).print(table)
+    if failed is not None:
+        raise failed
+
+
+__all__ = ["score", "show_scores", "model_and_recipe", "evaluate"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from streamrl.serve.request_bodies import APIError, printable
+from streamrl.serve.request_bodies import APIError
+from streamrl.telemetry.text import printable
 
 log = logging.getLogger("streamrl.serve")
 

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from streamrl.chat.messages import MAX_NESTING, nested_deeper
 from streamrl.recipe.serve import ServeConfig
+from streamrl.telemetry.text import printable
 
 log = logging.getLogger("streamrl.serve")
 
@@ -56,13 +57,6 @@ def busy(traffic, why: str) -> APIError:
     traffic.count("refused")
     return APIError(429, f"The endpoint is busy: {why}; retry shortly.", kind="rate_limit_error",
                     code="rate_limit_exceeded", headers={"Retry-After": "1"})
-
-
-def printable(text: str) -> str:
-    """``text`` with what is not printable (a newline, an escape sequence) written as its escape:
-    a client's path or model name in a log line cannot start a line of its own or move the
-    terminal's cursor."""
-    return text if text.isprintable() else "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 class RefusalLog:

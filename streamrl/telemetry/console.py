@@ -30,6 +30,7 @@ from rich.text import Text
 
 from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
 from streamrl.telemetry.report import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
+from streamrl.telemetry.text import printable
 
 #: Dask event topic the workers' warnings travel on
 TOPIC = "streamrl-warnings"
@@ -138,10 +139,12 @@ class RunDisplay:
     def __init__(self, console: Console, name: str, steps: int, first: int = 0, plain: bool = False):
         self.console, self.steps = console, steps
         self.live_mode = console.is_terminal and not plain
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        # the run's name is the user's text: shown as written, never read as rich markup
+        self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(),
+                                 MofNCompleteColumn(),
                                  TextColumn("steps"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                  console=console)
-        self.task = self.progress.add_task(name, total=steps, completed=first)
+        self.task = self.progress.add_task(printable(name), total=steps, completed=first)
         self.latest: dict | None = None
         self.live: Live | None = None
 
@@ -254,8 +257,8 @@ def summary_table(records: list[dict], files: dict[str, str], window: int = 10) 
         if any(r.get("learners") for r in records):
             folder = files.get("run folder")
             t.below.append(learners_summary(records, learners_final(folder) if folder else {}))
-    for label, path in files.items():
-        t.add_row(label, str(path))
+    for label, path in files.items():  # (a folder's name is the run's: text, not markup)
+        t.add_row(Text(printable(str(label))), Text(printable(str(path))))
     return t
 
 

@@ -117,13 +117,44 @@ def _num(value) -> float:
     """A float for a plot: NaN for anything missing or not a number (Bokeh leaves a gap)."""
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an int past a float's, 10**400)
         return math.nan
 
 
+#: the most pools (``busy``) and evaluation figures (``eval``) a summary may carry: each pool is
+#: a line of the busy figure, so a message naming thousands would bury the page
+MAX_SUMMARY_ENTRIES = 64
+#: the most characters of the run's name or mode the header shows
+MAX_HEADER_TEXT = 120
+
+
+def _int_or_none(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _numbers(value, texts: tuple[str, ...] = ()) -> bool:
+    """Whether ``value`` is a table of at most :data:`MAX_SUMMARY_ENTRIES` names (str) to numbers
+    (not bools; NaN is a summary's "unknown", a gap in the figure), those named in ``texts`` a str."""
+    if not isinstance(value, dict) or len(value) > MAX_SUMMARY_ENTRIES:
+        return False
+    return all(isinstance(k, str) and (isinstance(v, str) if k in texts else
+                                       isinstance(v, (int, float)) and not isinstance(v, bool))
+               for k, v in value.items())
+
+
 def valid(msg) -> bool:
-    """A step summary this page can show (the topic is public: anyone may log to it)."""
-    return isinstance(msg, dict) and isinstance(msg.get("step"), int) and "run" in msg
+    """A step summary this page can show (the topic is public: anyone may log to it): the shape
+    ``dashboard.summarize`` gives, at least where the page reads it without :func:`_num` --
+    ``step`` an int, a ``run``; ``version``, ``staleness`` and ``steps`` ints or absent;
+    ``busy`` and ``eval`` tables of numbers (``eval``'s ``error`` a str) or absent. Anything
+    else is skipped: one bad message must not make every update fail."""
+    step = msg.get("step") if isinstance(msg, dict) else None
+    # (a step the browser's numbers hold exactly: a JavaScript number is a double)
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**53 and "run" in msg):
+        return False
+    if not all(_int_or_none(msg.get(key)) for key in ("version", "staleness", "steps")):
+        return False
+    return all(msg.get(key) is None or _numbers(msg[key], texts) for key, texts in (("busy", ()), ("eval", ("error",))))
 
 
 class StreamrlPage:
@@ -310,20 +341,23 @@ class StreamrlPage:
             return ("<div style='font-size:15px;padding:4px 0'><b>streamrl</b> &middot; "
                     "waiting for the first step of a run on this scheduler&hellip;</div>")
         last = self.rows[self.last_step]
-        esc = html.escape
+
+        def esc(value) -> str:  # every field as text in the page's HTML, a name cut to a header's length
+            return html.escape(str(value)[:MAX_HEADER_TEXT])
+
         parts = ["<b>streamrl</b>"]
         if last.get("name"):
-            parts.append(f"<b>{esc(str(last['name']))}</b>")
+            parts.append(f"<b>{esc(last['name'])}</b>")
         if last.get("mode"):
-            parts.append(f"mode {esc(str(last['mode']))}")
-        total = last.get("steps")
+            parts.append(f"mode {esc(last['mode'])}")
+        total = last.get("steps") if _int_or_none(last.get("steps")) else None  # (a count, or none known)
         done = self.last_step + 1
         # a count, as the console's "step 51/60" is; the figures' x axis is metrics.jsonl's step index
-        parts.append(f"{done}/{total} steps" if total else f"{done} step" + "s" * (done != 1))
-        parts.append(f"policy v{last.get('version')}")
+        parts.append(f"{done}/{esc(total)} steps" if total else f"{done} step" + "s" * (done != 1))
+        parts.append(f"policy v{esc(last.get('version'))}")
         parts.append(f"reward {_num(last.get('reward')):.3f}")
         parts.append(f"{_num(last.get('samples_per_s')):.1f} samples/s")
-        parts.append(f"staleness {last.get('staleness')}")
+        parts.append(f"staleness {esc(last.get('staleness'))}")
         if self.last_eval:
             at, ev = self.last_eval
             if "pass@1" in ev:

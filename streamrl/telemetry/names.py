@@ -89,8 +89,13 @@ def _put(out: dict[str, float], name: str, value) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             _put(out, f"{name}/{k}", v)
-    elif isinstance(value, numbers.Real) and math.isfinite(value):  # (bool is a Real: a flag logs as 0/1)
-        out[clean_name(name)] = float(value)
+    elif isinstance(value, numbers.Real):  # (bool is a Real: a flag logs as 0/1)
+        try:
+            number = float(value)
+        except (OverflowError, ValueError, TypeError):  # (an int past a float's range, 10**400: left out)
+            return
+        if math.isfinite(number):
+            out[clean_name(name)] = number
 
 
 def clean_name(name: str) -> str:

@@ -13,6 +13,7 @@ matplotlib and numpy are imported by the caller's first use of this module, neve
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -80,6 +81,17 @@ def _trend(ax, x: np.ndarray, y: np.ndarray, colour: str, label: str) -> int:
     return w
 
 
+def legend_label(label: str) -> str:
+    """``label`` as a legend shows it: matplotlib leaves out of a legend every artist whose label
+    starts with ``_`` (its mark of a hidden one), so a run named ``_baseline`` gets a space first."""
+    return " " + label if label.startswith("_") else label
+
+
+def _labelled(series: Series) -> Series:
+    """``series`` with each label as :func:`legend_label` makes it."""
+    return [(legend_label(label), records) for label, records in series]
+
+
 def _legend(ax, **kw) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, **kw)
@@ -88,6 +100,7 @@ def _legend(ax, **kw) -> None:
 def reward(series: Series, path: Path) -> bool:
     """Training reward per step; beside it the held-out evaluation (``eval/...``) by policy
     version when any run has one."""
+    series = _labelled(series)
     evals = [(label, eval_points(records)) for label, records in series]
     with_eval = any(points for _, points in evals)
     fig, axes = _figure((11.0, 3.8) if with_eval else WIDE, cols=2 if with_eval else 1)
@@ -127,8 +140,12 @@ def eval_points(records: list[dict]) -> list[dict]:
     not recorded (``eval_unrecorded``). Failed evaluations (no numbers) are left out."""
     found: dict[int, dict] = {}
     for rec in records:
-        for ev in [rec, *rec.get("eval_unrecorded", ())]:
-            if not isinstance(ev, dict) or not isinstance(ev.get("eval/policy_version"), (int, float)):
+        # (a record edited by hand or another program's: ``eval_unrecorded`` is read only as a
+        # list, a version only as a finite number; anything else is no evaluation, not a crash)
+        unrecorded = rec.get("eval_unrecorded")
+        for ev in [rec, *(unrecorded if isinstance(unrecorded, list) else ())]:
+            version = ev.get("eval/policy_version") if isinstance(ev, dict) else None
+            if not isinstance(version, (int, float)) or not math.isfinite(version):
                 continue
             nums = {k: v for k, v in ev.items() if k.startswith("eval/") and k != "eval/prompts"
                     and isinstance(v, (int, float))}
@@ -140,6 +157,7 @@ def eval_points(records: list[dict]) -> list[dict]:
 def response_length(series: Series, path: Path) -> bool:
     """Response-length distribution per step: the mean, the 10th-90th percentile band and the
     longest response."""
+    series = _labelled(series)
     fig, (ax,) = _figure(WIDE)
     one = len(series) == 1
     for i, (label, records) in enumerate(series):
@@ -167,6 +185,7 @@ def response_length(series: Series, path: Path) -> bool:
 
 def throughput(series: Series, path: Path) -> bool:
     """Samples and response tokens trained per second of step time, per step."""
+    series = _labelled(series)
     fig, axes = _figure((11.0, 3.6), cols=2)
     for key, ax, what in (("samples_per_s", axes[0], "samples/s"), ("tokens_per_s", axes[1], "response tokens/s")):
         windows = set()
@@ -184,6 +203,7 @@ def throughput(series: Series, path: Path) -> bool:
 
 def idle(series: Series, path: Path) -> bool:
     """Each pool's idle ratio per step, as the workers' busy clocks measured it (``pools``)."""
+    series = _labelled(series)
     pools = list(dict.fromkeys(p for _, records in series for r in records for p in r.get("pools", {})))
     if not pools:
         return False
@@ -205,6 +225,7 @@ def idle(series: Series, path: Path) -> bool:
 
 def staleness(series: Series, path: Path) -> bool:
     """Histogram of sample staleness (policy versions between generating and training a sample)."""
+    series = _labelled(series)
     counts = [Counter(s["staleness"] for r in records for s in r.get("sample_log", ()) if "staleness" in s)
               for _, records in series]
     if not any(counts):
@@ -231,6 +252,7 @@ def staleness(series: Series, path: Path) -> bool:
 def off_policy(series: Series, path: Path) -> bool:
     """How off-policy each step's tokens were, per staleness bucket: the importance weights'
     effective sample size and the k3 KL to the behaviour policy (``offpolicy/<b>/...``)."""
+    series = _labelled(series)
     buckets = [b for b in ("0", "1", "2-3", "4+")
                if any(f"offpolicy/{b}/ess" in r for _, records in series for r in records)]
     if not buckets:
@@ -256,6 +278,7 @@ def off_policy(series: Series, path: Path) -> bool:
 
 def ranker(series: Series, path: Path) -> bool:
     """The length ranker's recall of each step's longest 20% of responses (``ranker_recall``)."""
+    series = _labelled(series)
     have = [(i, label, records) for i, (label, records) in enumerate(series)
             if any("ranker_recall" in r for r in records)]
     if not have:
@@ -360,8 +383,8 @@ def learners(label: str, rows: list[dict], path: Path) -> bool:
         if not points:
             continue
         x, y = np.array(points, dtype=float).T
-        name = f"{row['name']} ({row['algorithm']}" + (", served" if row["served"] else "") + (
-            f", {row['state']}" if row["state"] != "training" else "") + ")"
+        name = legend_label(f"{row['name']} ({row['algorithm']}" + (", served" if row["served"] else "") + (
+            f", {row['state']}" if row["state"] != "training" else "") + ")")
         if with_eval:
             ax.plot(x, y, color=f"C{i}", lw=2.4 if row["served"] else 1.5, marker="o", ms=3.5, label=name)
         else:

@@ -11,6 +11,7 @@ the run.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamrl.errors import UserError
+from streamrl.telemetry.text import error_line, one_line
 
 #: steps shown in the per-worker timeline (more and the bars get too thin to read)
 TIMELINE_STEPS = 3
@@ -189,7 +191,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
         png = _draw(lambda s, p, run=run: plots.timeline(run.label, run.records, p, run.serial_train, TIMELINE_STEPS),
                     series, plot_dir / name, f"timeline of {run.label}")
         if png:
-            timelines.append(f"![Worker timeline of {run.label}](plots/{png.name})\n")
+            timelines.append(f"![Worker timeline of {md_text(run.label)}](plots/{png.name})\n")
     if timelines:
         sections.append("## Who was busy when\n\n" + TIMELINE_HELP + "\n\n" + "\n".join(timelines))
     # many learners on one stream: a table and a plot per run that had them, right after the summary
@@ -199,8 +201,8 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
         name = f"learners-{i + 1}.png" if len(with_learners) > 1 else "learners.png"
         png = _draw(lambda s, p, run=run, rows=rows: plots.learners(run.label, rows, p), series,
                     plot_dir / name, f"learners of {run.label}")
-        parts.append((f"### {run.label}\n\n" if len(with_learners) > 1 else "") + learners_table(rows)
-                     + (f"\n![Learners of {run.label}](plots/{png.name})\n" if png else ""))
+        parts.append((f"### {md_text(run.label)}\n\n" if len(with_learners) > 1 else "") + learners_table(rows)
+                     + (f"\n![Learners of {md_text(run.label)}](plots/{png.name})\n" if png else ""))
     if parts:
         sections.insert(0, "## Learners\n\n" + LEARNERS_HELP + "\n\n" + "\n".join(parts))
     report = out / "report.md"
@@ -227,10 +229,15 @@ TIMELINE_HELP = (
 
 def _draw(draw, series, path: Path, what: str) -> Path | None:
     """Draw one figure; a failure is a warning (the other figures and the report go on)."""
+    import matplotlib  # (imported already: the caller imported plots)
+
     try:
-        return path if draw(series, path) else None
+        # a run's name is text: ``$...$`` in it is not mathtext (which would fail every figure
+        # that shows the name, or draw it as a formula)
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return path if draw(series, path) else None
     except Exception as exc:
-        warn(f"the {what} plot failed: {type(exc).__name__}: {exc}")
+        warn(one_line(f"the {what} plot failed: {error_line(exc)}"))  # (the text may quote a run's name)
         return None
 
 
@@ -267,12 +274,32 @@ def summary_table(runs: list[Run]) -> str:
             idle.append(f"{free / (busy + free):.0%}" if busy + free > 0 else "-")
         steps = _table(run.recipe, "run").get("steps")
         cells = [run.name, run.mode, f"{len(recs)}" + (f" of {steps}" if steps and steps != len(recs) else ""),
-                 run.state, f"{first:.3f} → {last:.3f}", f"{rate:.1f}", _duration(wall), *idle,
-                 f"`{run.path}`"]
-        lines.append("| " + " | ".join(cells) + " |")
+                 run.state, f"{first:.3f} → {last:.3f}", f"{rate:.1f}", _duration(wall), *idle, run.path]
+        lines.append("| " + " | ".join(map(md_text, cells)) + " |")
     return "\n".join(lines) + ("\n\nReward: mean of the first and of the last ten steps (a quarter of a shorter run). "
                                 "Run time: the steps' wall time (starting the cluster and saving not included). Idle: "
                                 "share of the pool's worker time over the whole run, from the workers' busy clocks.\n")
+
+
+#: the most characters of a cell of report.md's tables (a name, a state, a folder): a cell, not a page
+MAX_CELL = 100
+#: ... of a learner's failure, the cell that explains it
+MAX_FAILURE_CELL = 300
+#: markdown's characters that would start markup in a cell or a heading (a link, emphasis, code,
+#: the cell's end), each escaped with a backslash
+_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]|~"})
+
+
+def md_text(value, limit: int = MAX_CELL) -> str:
+    """``value`` as text in report.md (a table cell, a heading, an image's caption): one line of
+    at most ``limit`` characters (cut with "…"), its HTML and markdown characters escaped, so a
+    run's name or a learner's failure reads as written and cannot end its cell, open a tag or
+    make a link."""
+    text = str(value)[:limit + 1]  # (cut first: the cleaning below costs by the character)
+    text = "".join(ch if ch.isprintable() else " " for ch in text)
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return html.escape(text, quote=False).translate(_MARKDOWN)
 
 
 #: a learner's train reward: the mean of its last this many trained steps (as ``bench learners``)
@@ -340,7 +367,8 @@ def learner_figures(records: list[dict], final: dict | None = None, window: int 
         # after the last record, ``eval_unrecorded``); a side learner's, its entries' and the final
         found: dict[int, float] = {}
         for e in (records if served else []) + mine:
-            for ev in [e, *(e.get("eval_unrecorded") or ())]:
+            unrecorded = e.get("eval_unrecorded")  # (a list, or nothing: a record edited by hand)
+            for ev in [e, *(unrecorded if isinstance(unrecorded, list) else ())]:
                 if isinstance(ev, dict) and _num(ev.get("eval/policy_version")) and _num(ev.get("eval/reward_mean")):
                     found[int(ev["eval/policy_version"])] = ev["eval/reward_mean"]
         failure = next((str(e["failure"]) for e in reversed(mine) if e.get("failure")), None)
@@ -377,8 +405,9 @@ def learners_table(rows: list[dict]) -> str:
     head = [c.format(arrow="→") for c in LEARNER_COLUMNS] + (["failure"] if failed else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = learner_cells(row, "→") + ([row["failure"] or ""] if failed else [])
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        cells = [md_text(c) for c in learner_cells(row, "→")]
+        cells += [md_text(row["failure"] or "", MAX_FAILURE_CELL)] if failed else []
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
