@@ -87,6 +87,24 @@ def test_each_epoch_hands_out_every_row_once_in_a_seeded_order_and_a_fresh_task_
     assert [p.columns["extra_info"]["index"] for p in other.prompts(0, 5)] != index[0][:5]
 
 
+def test_rows_stay_in_the_datasets_table_and_the_rendered_prompts_kept_are_bounded(verl_parquet, tokenizer,
+                                                                                   monkeypatch):
+    from streamrl.tasks import dataset
+    from streamrl.tasks.dataset_files import Rows
+
+    monkeypatch.setattr(dataset, "PROMPTS_KEPT", 7)
+    task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, seed=3, eval_fraction=0.25))
+    # read from datasets' memory-mapped cache of the file when asked for, not copied as dicts
+    assert isinstance(task.rows, Rows) and task.rows.table.cache_files
+    assert len(task.rows) == 30 and len(task.held_out_rows) == 10
+    assert sorted([*(r["extra_info"]["index"] for r in task.rows),
+                   *(r["extra_info"]["index"] for r in task.held_out_rows)]) == list(range(40))
+    index = [[p.columns["extra_info"]["index"] for s in range(e * 6, e * 6 + 6) for p in task.prompts(s, 5)]
+             for e in range(2)]
+    assert sorted(index[0]) == sorted(index[1]) == sorted(r["extra_info"]["index"] for r in task.rows)
+    assert len(task._prompts) == 7  # the latest rendered, for a row asked for again soon
+
+
 def test_epochs_cap_the_data_in_one_line(verl_parquet, tokenizer):
     task = DatasetTask(DatasetConfig(path=verl_parquet, model_path=tokenizer, epochs=1))
     task.prompts(7, 5)  # the last step of the one epoch

@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 import sys
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from streamrl.chat import content_as_text
 from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize, template_messages
 from streamrl.errors import RunWarning, UserError
 from streamrl.tasks.dataset_config import DatasetConfig
-from streamrl.tasks.dataset_files import dig, is_chat, load_rows
+from streamrl.tasks.dataset_files import Rows, dig, is_chat, load_rows
 
 #: Columns taken as the answer when ``answer_key`` is not set, after verl's ground truth.
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
@@ -51,6 +52,9 @@ REFUSED_BEFORE_ANY = 20
 
 #: Rows passed over with a warning each; those after are passed over and counted, not printed.
 WARNED_ROWS = 5
+
+#: Rendered prompts kept for rows handed out again (the latest ones; a few MB of token ids).
+PROMPTS_KEPT = 4096
 
 
 class TooLong(ValueError):
@@ -76,7 +80,7 @@ class DatasetTask(Task):
             raise UserError(f"task.prompt_key: the rows of {config.path} have no field {config.prompt_key!r} "
                             f"(they have {', '.join(sorted(rows[0]))})")
         self.answer_key = config.answer_key or self._default_answer_key(rows[0])
-        held_out: list[dict] = []
+        held_out: Rows = rows.take([])
         if config.eval_split and not config.eval_path and Path(config.path).is_file():
             raise UserError(f"task.eval_split: {config.path} is one file, one split; hold rows out with "
                             "eval_fraction, or name a held-out file with eval_path")
@@ -87,8 +91,8 @@ class DatasetTask(Task):
             order = list(range(len(rows)))
             random.Random(config.seed * 1_000_003 - 1).shuffle(order)
             cut = set(order[:max(1, int(len(rows) * config.eval_fraction))])
-            held_out = [r for i, r in enumerate(rows) if i in cut]
-            rows = [r for i, r in enumerate(rows) if i not in cut]
+            held_out = rows.take(i for i in range(len(rows)) if i in cut)
+            rows = rows.take(i for i in range(len(rows)) if i not in cut)
             if not rows:
                 raise UserError(f"task.eval_fraction: holding out {config.eval_fraction} of {len(cut)} rows "
                                 "leaves none to train on")
@@ -100,13 +104,17 @@ class DatasetTask(Task):
         if self.held_out_rows:
             self.held_out_rows = self._usable_rows(self.held_out_rows, "the held-out rows", held_out=True)
         self._passed_over: set[int] = set()  # rows the chat template refused when handed out
-        self._prompts: dict[int, Prompt] = {}
+        # the rows handed out lately, rendered: a row asked for again soon is not rendered again,
+        # and a run of many epochs over a large dataset holds a bounded number of them
+        self._prompts: OrderedDict[int, Prompt] = OrderedDict()
+        self._rendered_any = False  # (whether any row has rendered: a template that refuses all stops the run)
         self._refused = 0  # rows handed out that the template or the tokenizer refused
         self._template_error: str | None = None  # the first row the template refused, when measured at the start
         if config.max_prompt_tokens:
             before = len(self.rows)
-            self.rows = [r for r in self.rows if self._fits(r, held_out=False)]
-            self.held_out_rows = [r for r in self.held_out_rows if self._fits(r, held_out=True)]
+            self.rows = self.rows.take([i for i, r in enumerate(self.rows) if self._fits(r, held_out=False)])
+            self.held_out_rows = self.held_out_rows.take(
+                [i for i, r in enumerate(self.held_out_rows) if self._fits(r, held_out=True)])
             if not self.rows and self._template_error is not None:
                 raise UserError(f"task.path: no row of {config.path} can be a prompt for this model (the "
                                 f"first: {self._template_error})")
@@ -169,13 +177,13 @@ class DatasetTask(Task):
             self._template_error = self._template_error or f"{type(exc).__name__}: {str(exc)[:200]}"
             return False
 
-    def _usable_rows(self, rows: list[dict], what: str, held_out: bool) -> list[dict]:
+    def _usable_rows(self, rows: Rows, what: str, held_out: bool) -> Rows:
         """``rows`` without those that cannot be prompts, said once on stderr (count and first)."""
         kept, first, left = [], None, 0
-        for row in rows:
+        for i, row in enumerate(rows):
             problem = self._row_problem(row, held_out)
             if problem is None:
-                kept.append(row)
+                kept.append(i)
             else:
                 left += 1
                 first = first or f"{problem}, in {_excerpt(row)}"
@@ -184,7 +192,7 @@ class DatasetTask(Task):
         if left:
             print(f"task: {left} of {len(rows)} rows of {what} cannot be prompts and are left out (the first, "
                   f"{first[:300]})", file=sys.stderr)
-        return kept
+        return rows.take(kept)
 
     @staticmethod
     def _default_answer_key(row: dict) -> str | None:
@@ -280,6 +288,9 @@ class DatasetTask(Task):
                     self._prompts[index] = self._fitting_prompt(
                         self.rows[index], hint=": its positions less engine.max_new_tokens; set "
                                                "task.max_prompt_tokens to drop such rows at the start")
+                    self._rendered_any = True
+                    if len(self._prompts) > PROMPTS_KEPT:
+                        self._prompts.popitem(last=False)
                 except UserError:
                     raise
                 except Exception as exc:  # (a chat template's refusal, a tokenizer's error: this row's)
@@ -287,7 +298,7 @@ class DatasetTask(Task):
                     error = f"{type(exc).__name__}: {str(exc)[:200]}"
                     first_error = first_error or error
                     self._refused += not isinstance(exc, TooLong)  # (a long row says nothing of the others)
-                    if not self._prompts and self._refused >= REFUSED_BEFORE_ANY:
+                    if not self._rendered_any and self._refused >= REFUSED_BEFORE_ANY:
                         # not one row has rendered: the template or its settings refuse them all,
                         # and a warning per row of a large file would be all the run says
                         raise UserError(f"task.path: none of the first {len(self._passed_over)} rows of "
@@ -298,6 +309,7 @@ class DatasetTask(Task):
                         warnings.warn(f"task: a row of {self.config.path} cannot be a prompt and is passed over "
                                       f"({error}): {_excerpt(self.rows[index])}{more}", RunWarning, stacklevel=2)
                     continue
+            self._prompts.move_to_end(index)
             return self._prompts[index]
         raise UserError(f"task.path: no row of {self.config.path} can be a prompt for this model "
                         f"(the last: {first_error})")

@@ -1,9 +1,15 @@
 """Users' dataset files read as rows: a parquet, JSON/JSONL or CSV file, a ``save_to_disk``
 folder, a folder of such files or a hub id, through Hugging Face ``datasets`` (the ``dataset``
-task's input; ``dataset.py`` makes prompts of the rows)."""
+task's input; ``dataset.py`` makes prompts of the rows).
+
+The rows stay in ``datasets``' Arrow table, which it keeps memory-mapped from its cache, and
+are read when asked for (:class:`Rows`): a dataset of millions of rows costs the run's process
+the positions of the rows it uses, not millions of Python dicts (several times the file's size).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +19,50 @@ from streamrl.errors import UserError
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
-def load_rows(path: str, split: str, field: str) -> list[dict]:
-    """The rows of ``split`` of the dataset at ``path`` (see :class:`DatasetConfig`), as dicts;
-    ``field`` is the recipe field named in errors."""
+#: Rows read from the table at once when going through them all (one at a time, ``datasets``
+#: formats each row on its own, about ten times as slow).
+BATCH_ROWS = 1024
+
+
+class Rows(Sequence):
+    """A dataset's rows as dicts, read from its table when asked for: ``rows[i]``, ``len``, a
+    slice or :meth:`take` (another :class:`Rows` over the same table), and iteration in
+    batches. ``positions``: which of the table's rows, in this order (None: all of them)."""
+
+    def __init__(self, table, positions: list[int] | None = None):
+        self.table, self.positions = table, positions
+
+    def __len__(self) -> int:
+        return self.table.num_rows if self.positions is None else len(self.positions)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(range(len(self))[i])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of {n}")
+        i %= n
+        return self.table[i if self.positions is None else self.positions[i]]
+
+    def __iter__(self) -> Iterator[dict]:
+        n = len(self)
+        for start in range(0, n, BATCH_ROWS):
+            stop = min(n, start + BATCH_ROWS)
+            # (a batch of rows comes as its columns: {name: [value of each row]})
+            columns = self.table[start:stop] if self.positions is None else self.table[self.positions[start:stop]]
+            names = list(columns)
+            for values in zip(*(columns[c] for c in names)):
+                yield dict(zip(names, values))
+
+    def take(self, kept) -> "Rows":
+        """The rows at positions ``kept`` of these (in that order)."""
+        kept = list(kept)
+        return Rows(self.table, kept if self.positions is None else [self.positions[k] for k in kept])
+
+
+def load_rows(path: str, split: str, field: str) -> Rows:
+    """The rows of ``split`` of the dataset at ``path`` (see :class:`DatasetConfig`), read as
+    dicts when asked for (:class:`Rows`); ``field`` is the recipe field named in errors."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -38,8 +85,7 @@ def load_rows(path: str, split: str, field: str) -> list[dict]:
             data = datasets.load_dataset(str(local), split=split)
         else:
             data = datasets.load_dataset(path, split=split)
-        data = _media_undecoded(data, datasets)
-        rows = data.to_list()
+        rows = Rows(_media_undecoded(data, datasets))
     except UserError:
         raise
     except Exception as exc:  # datasets' own errors are long; the first line says what was wrong
