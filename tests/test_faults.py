@@ -43,6 +43,26 @@ def test_a_killed_generate_worker_loses_and_repeats_nothing(tiny_recipe, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_killed_ranker_worker_costs_its_lessons_not_the_run(tiny_recipe, tmp_path):
+    # the learned ranker lives on reward-0 (no rank pool): killed, its nanny restarts it at another
+    # address, where the ranker's tasks still find it (pinned by resource, not by the old
+    # address), and what it had learned is gone; the run goes on and trains every sample once
+    proc = start_run(tiny_recipe, tmp_path, "run.steps=10", 'ranker.name="learned"', 'scheduler.name="skew"',
+                     "pools.generate.workers=2")
+    try:
+        run_dir = wait_for_steps(proc, tmp_path, 3)
+        kill_worker(run_dir, "reward-0")
+        _, err = proc.communicate(timeout=300)  # (before, the next ranking waited for step_timeout_s: 1,800 s)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    recs = read_records(run_dir)
+    assert [r["step"] for r in recs] == list(range(10))
+    check_every_sample_trained_once(recs)
+    assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["one", "ddp", "fsdp", "with generate and reward"])
 def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(tiny_recipe, tmp_path, pool,
                                                                                  shared_cluster):

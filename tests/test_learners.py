@@ -147,6 +147,8 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
     # every learner's policy, as a transformers model folder
     for name in ("grpo", "rloo", "raises"):
         assert (run_dir / "policy" / name / "config.json").exists(), name
+    # but not the killed one's: its restarted worker holds the base weights, which are not its policy
+    assert not (run_dir / "policy" / "dies").exists() and "learner 'dies': policy not saved (ResidentLost" in res.stderr
 
 
 SHARED = ('\n[[learners]]\nname = "x"\nworker = "lora"\ntrainer = { lr = 0.05, lora = { rank = 4, alpha = 8 } }\n'

@@ -25,6 +25,12 @@ from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
 
 
+#: How long a ranking, a lesson or the ranker's state may take before the run goes on without
+#: it (the step placed without scores; the checkpoint without the ranker's state): its worker may
+#: be gone, and a lesson Dask would recompute there may never run.
+RANKER_WAIT_S = 120.0
+
+
 class Dispatcher:
     """Ranks and places prompts before a step; teaches the ranker after it."""
 
@@ -63,9 +69,14 @@ class Dispatcher:
         ctx = DispatchContext(self.samples_per_prompt, list(self.observed_lengths), self.prompt_tokens, self.step_latency)
         workers = list(self.topology.generate)
         if self.rank_worker is not None and (self.scheduler is None or self._needs_scores(workers, ctx)):
-            ranked = self.client.submit(
-                ranker_tasks.rank_prompts, prompts, after=self.last_observe, key=f"rank-{step}",
-                workers=[self.rank_worker], allow_other_workers=False).result()
+            try:
+                ranked = self.client.submit(ranker_tasks.rank_prompts, prompts, after=self.last_observe,
+                                            key=f"rank-{step}", **self._on_ranker()).result(timeout=RANKER_WAIT_S)
+            except RunStopped:  # (the step's deadline)
+                raise
+            except Exception as exc:  # (its worker lost, or silent): placed without scores, the ranker starts over
+                self.last_observe = None
+                ranked = f"rank() did not answer ({type(exc).__name__}: {exc})"
             if isinstance(ranked, str):  # the ranker failed: this step is placed without its scores
                 self._ranker_failed(ranked)
             else:
@@ -165,13 +176,19 @@ class Dispatcher:
             self._check_lesson()
             self.last_observe = self.client.submit(
                 ranker_tasks.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
-                workers=[self.rank_worker], allow_other_workers=False)
+                **self._on_ranker())
         return out
 
     def finish(self) -> None:
         """Wait for the ranker's last lesson."""
         if self.last_observe is not None:
-            self.last_observe.result()
+            try:
+                self.last_observe.result(timeout=RANKER_WAIT_S)
+            except RunStopped:  # (the step's deadline)
+                raise
+            except Exception as exc:  # (its worker lost): the run's steps are done, the lesson only ordered work
+                self._ranker_failed(f"its last lesson did not end ({type(exc).__name__}: {exc})")
+                return
             self._check_lesson()
 
     def _check_lesson(self) -> None:
@@ -180,6 +197,14 @@ class Dispatcher:
         done = self.last_observe
         if done is not None and done.done() and done.status == "finished" and isinstance(done.result(), str):
             self._ranker_failed(done.result())
+
+    def _on_ranker(self) -> dict:
+        """Where the ranker's tasks run: its worker by its ``worker:<name>`` resource, which a
+        worker its nanny restarted still offers (a worker's name is an address to Dask's
+        scheduler once a task is submitted, and a restarted worker has another: a task pinned
+        by name waited for the old one for ever)."""
+        return dict(self.topology.pins.get(self.rank_worker) or {"workers": [self.rank_worker],
+                                                                 "allow_other_workers": False})
 
     def _ranker_failed(self, what: str) -> None:
         kind = what.split(":")[0]  # ("predict() raised ZeroDivisionError"): once per kind of problem
@@ -198,10 +223,11 @@ class Dispatcher:
             try:
                 files["ranker.pt"] = self.client.submit(
                     ranker_tasks.ranker_state, after=self.last_observe, key=f"ranker-state-{tag}", pure=False,
-                    workers=[self.rank_worker], allow_other_workers=False).result()
+                    **self._on_ranker()).result(timeout=RANKER_WAIT_S)
             except RunStopped:  # (the step's deadline)
                 raise
             except Exception as exc:  # the checkpoint is still written: a resume's ranker learns again
+                self.last_observe = None  # (a lesson that never ends must not hold the next ranking)
                 warnings.warn(f"ranker: its state could not be saved ({type(exc).__name__}: {exc}); "
                               "a resumed run's ranker learns again", RunWarning, stacklevel=2)
         return files
@@ -217,9 +243,9 @@ class Dispatcher:
         if self.rank_worker is not None and blob.exists():
             self.last_observe = self.client.submit(
                 ranker_tasks.load_ranker_state, blob.read_bytes(), key=f"ranker-restore-{time.time_ns()}", pure=False,
-                workers=[self.rank_worker], allow_other_workers=False)
+                **self._on_ranker())
             try:
-                self.last_observe.result()
+                self.last_observe.result(timeout=RANKER_WAIT_S)
             except RunStopped:  # (the step's deadline)
                 raise
             except Exception as exc:  # a ranker plugin's mistake must not end a resume: it only orders work

@@ -17,7 +17,7 @@ from distributed import Client
 
 from streamrl.extensions.evaluate import Evaluator, for_run
 from streamrl.flow.placement import build_engine
-from streamrl.on_worker.resident import Resident, resident
+from streamrl.on_worker.resident import Resident, expect, resident
 from streamrl.sample import Group, Prompt
 
 
@@ -27,9 +27,12 @@ def engine_resident(learner: str) -> str:
 
 
 def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 0, after=None,
-                        trainer: str = "", engine: str = "") -> list[Group]:
+                        trainer: str = "", engine: str = "", trainer_id: dict | None = None) -> list[Group]:
     """A learner's worker: its engine takes the trainer's current weights, then answers
-    ``prompts`` (as ``extensions/evaluate.eval_groups``)."""
+    ``prompts`` (as ``extensions/evaluate.eval_groups``). ``trainer_id``: the trainer's
+    incarnation (a worker restarted since holds a fresh trainer at the base weights, which
+    must not be evaluated as the learner's policy: :class:`ResidentLost`)."""
+    expect(trainer, trainer_id)
     eng, held = resident(engine), resident(trainer)
     if getattr(eng, "trainer_version", None) != held.version:
         # (served beside the run's policy, the engine numbers versions by the stream's steps:
@@ -42,9 +45,9 @@ def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version
 
 
 def evaluator(client: Client, resolved, task, name: str, trainer: str, pin: dict, resource: str,
-              greedy: bool) -> Evaluator | None:
+              greedy: bool, trainer_id: dict | None = None) -> Evaluator | None:
     """The evaluation of learner ``name`` (trainer resident ``trainer`` on the worker ``pin``
-    names), or None without ``[eval]``; registers its engine resident."""
+    names, incarnation ``trainer_id``), or None without ``[eval]``; registers its engine resident."""
     base = for_run(client, task, resolved.recipe, greedy)
     if base is None:
         return None
@@ -55,4 +58,4 @@ def evaluator(client: Client, resolved, task, name: str, trainer: str, pin: dict
     where = {**pin, "resources": {**pin.get("resources", {}), resource: 1}}
     # (priority 1: before the learner's next train tasks, right after the step it measures)
     return Evaluator(client, base.prompts, base.cfg, base.per_task, greedy, generate=learner_eval_groups,
-                     where=where, tag=f"-{name}", priority=1, trainer=trainer, engine=engine)
+                     where=where, tag=f"-{name}", priority=1, trainer=trainer, engine=engine, trainer_id=trainer_id)

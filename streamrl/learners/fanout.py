@@ -246,11 +246,12 @@ class Fanout:
                 continue
             target = out / lr.name
             try:
+                # (its incarnation: a worker restarted since holds the base weights, not the learner's)
                 saved[lr.name] = self.client.submit(
                     task_functions.save_policy, str(target), trainer=lr.plan.resident,
-                    key=f"save-policy-{lr.name}-{time.time_ns()}",
+                    trainer_id=lr.view.incarnations, key=f"save-policy-{lr.name}-{time.time_ns()}",
                     **lr.view.train_pin).result(timeout=600)
-            except Exception as exc:  # its worker is gone: say so, save the others
+            except Exception as exc:  # its worker is gone or restarted: say so, save the others
                 warnings.warn(RunWarning(f"learner {lr.name!r}: policy not saved ({type(exc).__name__}: {exc})"),
                               stacklevel=2)
         return saved

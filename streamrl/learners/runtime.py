@@ -22,7 +22,7 @@ from distributed import Client, Future
 from streamrl.errors import RunWarning, UserError
 from streamrl.on_worker import task_functions
 from streamrl.flow.placement import trainer_context
-from streamrl.on_worker.resident import Resident
+from streamrl.on_worker.resident import Resident, ResidentLost
 from streamrl.cluster.pool_workers import LEARN
 from streamrl.learners import evaluate
 from streamrl.plugins.resolve import LearnerPlan
@@ -76,7 +76,7 @@ def finish_place(placing: Placing) -> SideLearner:
     view.incarnations = {plan.worker: placing.incarnation.result()}
     learner = SideLearner(plan, view, epochs=placing.epochs, joined_at=placing.joined_at)
     if placing.make_evaluator is not None:  # ``learners/evaluate.py``
-        learner.evaluator = placing.make_evaluator(plan, view.train_pin)
+        learner.evaluator = placing.make_evaluator(plan, view.train_pin, view.incarnations)
         learner.evaluate(0)
     return learner
 
@@ -106,8 +106,8 @@ def begin_one(client: Client, resolved, plan: LearnerPlan, pins: dict[str, dict]
     saved during the run)."""
     greedy = resolved.engine.capabilities().greedy
 
-    def make_evaluator(plan: LearnerPlan, pin: dict):
-        return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy)
+    def make_evaluator(plan: LearnerPlan, pin: dict, trainer_id: dict):
+        return evaluate.evaluator(client, resolved, task, plan.name, plan.resident, pin, LEARN, greedy, trainer_id)
 
     context = trainer_context(resolved, algorithm=plan.algorithm, model_path=model_path,
                               # (added while running: it may start from a policy saved then, so it
@@ -171,10 +171,14 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             target.parent.mkdir(exist_ok=True)
             saved = False
             if lr.state == "training":
-                fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
-                                     trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
-                saved = True
-            elif previous is not None and (previous / "learners" / lr.name).is_dir():
+                try:
+                    fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
+                                         trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
+                    saved = True
+                except ResidentLost as exc:  # its worker restarted since its last step: that learner's loss, not the run's
+                    fanout.fail(lr, next_step - 1, exc)
+                    shutil.rmtree(target, ignore_errors=True)
+            if not saved and previous is not None and (previous / "learners" / lr.name).is_dir():
                 shutil.copytree(previous / "learners" / lr.name, target)
                 saved = True
             summary = lr.summary()

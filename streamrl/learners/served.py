@@ -158,7 +158,9 @@ class ServedVariants(StepExtension):
             return []
         lines = []
         for name, lr in fanout.learners.items():
-            if lr.state == "removed" and name in self.served:
+            # (a failed learner learns no more, and its worker may be gone with its token server:
+            # its variant goes as a removed one's does, rather than answer 500s or stale weights)
+            if lr.state in ("removed", "failed") and name in self.served:
                 self._endpoint(endpoint.remove_variant, self.served.pop(name))
                 if name in self.on_adapters:
                     self.on_adapters.discard(name)
@@ -176,7 +178,8 @@ class ServedVariants(StepExtension):
                             pass
                 else:
                     self._stop_server(lr)
-                lines.append(f"variant {name!r}: no longer served (the learner left)")
+                lines.append(f"variant {name!r}: no longer served (the learner "
+                             f"{'left' if lr.state == 'removed' else 'failed'})")
             elif lr.state == "training" and name not in self.served:
                 model = self._start(lr)
                 if model:
