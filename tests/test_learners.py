@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import zlib
 from pathlib import Path
 
@@ -149,6 +150,39 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
         assert (run_dir / "policy" / name / "config.json").exists(), name
     # but not the killed one's: its restarted worker holds the base weights, which are not its policy
     assert not (run_dir / "policy" / "dies").exists() and "learner 'dies': policy not saved (ResidentLost" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_failed_learners_served_variant_is_withdrawn_and_the_others_are_still_served(tmp_path, tiny_model):
+    import openai
+
+    from tests.helpers import TINY_RECIPE, served_at, start_serving, stop_serving
+
+    recipe = tmp_path / "serve.toml"
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model).replace(
+        "steps = 2", 'steps = 1000\nstep_timeout_s = 0\nmode = "async"\nmax_staleness = 8')
+    text = text.replace("max_new_tokens = 6", 'max_new_tokens = 6\nbatching = "slots"\nslots = 8\nmax_prompt_tokens = 48')
+    recipe.write_text(text + '\n[serve]\nport = 0\nsamples_per_step = 8\nreward = "recipe"\n'
+                      '\n[[learners]]\nname = "a"\n\n[[learners]]\nname = "raises"\nalgorithm = { name = "raises" }\n'
+                      '\n[plugins]\nmodules = ["faulty.py"]\n')
+    log = tmp_path / "serve.log"
+    proc = start_serving("serve", recipe, log=log)
+    try:
+        info, run_dir = served_at(proc, tmp_path / "runs", log)
+        c = openai.OpenAI(base_url=info["url"], api_key="none", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny", "tiny/a", "tiny/raises"]
+        deadline = time.time() + 180
+        while time.time() < deadline and "variant 'raises': no longer served (the learner failed)" not in log.read_text():
+            c.completions.create(model="tiny", prompt="3+4=", n=4, max_tokens=6)  # (scored by the recipe's reward)
+        assert "variant 'raises': no longer served (the learner failed)" in log.read_text(), log.read_text()[-3000:]
+        assert [m.id for m in c.models.list().data] == ["tiny", "tiny/a"]
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="tiny/raises", prompt="3+4=", max_tokens=2)
+        assert c.completions.create(model="tiny/a", prompt="3+4=", max_tokens=2).choices
+    finally:
+        stop_serving(proc)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 SHARED = ('\n[[learners]]\nname = "x"\nworker = "lora"\ntrainer = { lr = 0.05, lora = { rank = 4, alpha = 8 } }\n'

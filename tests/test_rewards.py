@@ -84,6 +84,18 @@ def test_a_verl_dict_gives_the_score_and_logs_its_other_numbers_per_step():
                                      "reward/length/mean": pytest.approx(5 / 3)}
 
 
+def test_a_reward_that_names_a_value_per_sample_adds_a_bounded_number_of_fields_to_a_step():
+    from streamrl.telemetry.names import REWARD_NAMES_KEPT
+
+    # (each response's dict is small; their union over a step is what the record would hold)
+    a, b = TrainTaskStats(), TrainTaskStats()
+    a.add_reward_info({f"id{i:03d}": 1.0, "acc": 1.0} for i in range(100))
+    b.add_reward_info({f"id{i:03d}": 1.0, "acc": 0.0} for i in range(100, 200))
+    assert len(a.reward_info_sums) == len(b.reward_info_sums) == REWARD_NAMES_KEPT
+    means = reward_means([a, b])
+    assert len(means) == REWARD_NAMES_KEPT and means["reward/acc/mean"] == pytest.approx(0.5)
+
+
 def test_a_trl_function_is_called_once_per_group_with_the_rows_columns_as_lists():
     reward = python_reward(path="python_rewards.py", function="contains_solution")
     plain = Prompt("0-001", "Solve 2+3.", answer="5", columns={"solution": "5", "level": 1})

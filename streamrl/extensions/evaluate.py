@@ -34,6 +34,7 @@ from streamrl.on_worker.resident import ENGINE, resident
 from streamrl.recipe.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry import spans
+from streamrl.telemetry.names import REWARD_NAMES_KEPT
 
 #: Dask priority of evaluation's generate tasks: below training's (0 and up), so the generate
 #: pool runs them only when no training generation is waiting.
@@ -67,7 +68,7 @@ def metrics(summaries: list[dict], k: int, pass_reward: float = 1.0) -> dict:
         for info in g.get("info", []):
             for name, value in info.items():
                 named.setdefault(name, []).append(value)
-    return {**{f"eval/reward/{name}/mean": sum(v) / len(v) for name, v in sorted(named.items())},
+    return {**{f"eval/reward/{name}/mean": sum(v) / len(v) for name, v in sorted(named.items())[:REWARD_NAMES_KEPT]},
             "eval/prompts": len(summaries),
             "eval/reward_mean": sum(rewards) / len(rewards),
             "eval/pass@1": sum(sum(p) / len(p) for p in passed) / len(passed),

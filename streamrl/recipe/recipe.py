@@ -304,6 +304,8 @@ def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_
     except UserError:
         raise
     except (Exception, SystemExit) as exc:  # a plugin's validator that raised something pydantic does not wrap
+        if model.__module__.split(".")[0] == "streamrl":  # (streamrl's own: a bug, shown as raised)
+            raise
         raise UserError(f"{path or 'recipe'}: {model.__name__} could not validate it: {type(exc).__name__}: "
                         f"{' '.join(str(exc).split())[:300]}") from None
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from streamrl.api import Reward
 from streamrl.sample import Group
-from streamrl.telemetry.names import clean_name
+from streamrl.telemetry.names import REWARD_NAMES_KEPT, clean_name
 from streamrl.telemetry.text import error_line, printable
 
 #: The default of ``reward.limit``: the largest reward magnitude a run trains on. A reward is a
@@ -22,11 +22,12 @@ from streamrl.telemetry.text import error_line, printable
 #: (an error counted for that sample, or a 400 to the client), never trained.
 REWARD_LIMIT = 1e6
 
-#: The most named values a reward's dict may add beside its score, and the longest name each may
-#: have: each becomes a field of every step's record (``reward/<name>/mean``) and of every
-#: tracker's chart, so a reward that names thousands (a per-sample id as a key) or a page of text
-#: fills neither; past them the rest are left out.
-MAX_REWARD_INFO = 32
+#: The most named values a reward's dict may add beside its score (per response; a step keeps
+#: as many over all its responses, ``telemetry/names.py``), and the longest name each may have:
+#: each becomes a field of every step's record (``reward/<name>/mean``) and of every tracker's
+#: chart, so a reward that names thousands or a page of text fills neither; past them the rest
+#: are left out.
+MAX_REWARD_INFO = REWARD_NAMES_KEPT
 MAX_REWARD_INFO_NAME = 64
 
 

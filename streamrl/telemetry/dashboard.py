@@ -107,6 +107,9 @@ def page_url(client, info: dict) -> str:
     return f"http://{host}:{info['port']}{info['path']}"
 
 
+#: The evaluation figures the page draws (of a record's ``eval/*``).
+EVAL_SHOWN = ("reward_mean", "pass@1")
+
 def summarize(record: dict, run: _Run | None = None) -> dict:
     """The page's summary of one step record: a few numbers, msgpack-ready (plain ints, floats
     and strings), never the per-sample log."""
@@ -120,10 +123,9 @@ def summarize(record: dict, run: _Run | None = None) -> dict:
             busy[str(pool)] = float(acc.get("busy_s", 0.0)) / total if total else math.nan
         else:
             busy[str(pool)] = 1.0 - float(ratio)
-    evals = {}
-    for key, value in record.items():
-        if key.startswith("eval/") and isinstance(value, (int, float)):
-            evals[key[5:]] = float(value)
+    # (only the figures the page draws: a reward's many named values stay in metrics.jsonl)
+    evals = {key: float(record[f"eval/{key}"]) for key in EVAL_SHOWN
+             if isinstance(record.get(f"eval/{key}"), (int, float))}
     if "eval_error" in record:
         evals["error"] = str(record["eval_error"])[:200]
     return {

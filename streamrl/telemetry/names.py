@@ -64,6 +64,12 @@ NAMES = {
 DROPPED = {"step", "time", "sample_log"}
 
 
+#: The most names a reward's named values (``Sample.reward_info``) may add to a record: each is a
+#: ``reward/<name>/mean`` field of every step and a chart of every tracker. A reward that names
+#: a value per sample (an id as a key) would add one per sample; past this many a step keeps the
+#: first (``rewards/scoring.py`` bounds each response's, the step's aggregation the union).
+REWARD_NAMES_KEPT = 32
+
 def tracker_metrics(record: dict) -> dict[str, float]:
     """The step's ``record`` (a ``metrics.jsonl`` line) as flat, named numbers for a tracker.
 

@@ -145,7 +145,8 @@ def eval_points(records: list[dict]) -> list[dict]:
         unrecorded = rec.get("eval_unrecorded")
         for ev in [rec, *(unrecorded if isinstance(unrecorded, list) else ())]:
             version = ev.get("eval/policy_version") if isinstance(ev, dict) else None
-            if not isinstance(version, (int, float)) or not math.isfinite(version):
+            if isinstance(version, bool) or not isinstance(version, (int, float)) or abs(version) > 2 ** 53 \
+                    or not math.isfinite(version):  # (abs first: isfinite of an int past a float's range raises)
                 continue
             nums = {k: v for k, v in ev.items() if k.startswith("eval/") and k != "eval/prompts"
                     and isinstance(v, (int, float))}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from streamrl.telemetry.names import REWARD_NAMES_KEPT
 from streamrl.telemetry.off_policy import record_fields
 from streamrl.telemetry.stats import StepStats, TrainTaskStats, add_bucket_sums
 
@@ -153,7 +154,7 @@ def reward_means(micro: list[TrainTaskStats]) -> dict[str, float]:
         for k, v in m.reward_info_sums.items():
             sums[k] = sums.get(k, 0.0) + v
             counts[k] = counts.get(k, 0) + m.reward_info_counts[k]
-    return {f"reward/{k}/mean": sums[k] / counts[k] for k in sorted(sums)}
+    return {f"reward/{k}/mean": sums[k] / counts[k] for k in sorted(sums)[:REWARD_NAMES_KEPT]}
 
 
 def summarize(step: int, version: int, micro: list[TrainTaskStats], step_stats: StepStats, t0: float,

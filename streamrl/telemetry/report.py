@@ -274,8 +274,9 @@ def summary_table(runs: list[Run]) -> str:
             idle.append(f"{free / (busy + free):.0%}" if busy + free > 0 else "-")
         steps = _table(run.recipe, "run").get("steps")
         cells = [run.name, run.mode, f"{len(recs)}" + (f" of {steps}" if steps and steps != len(recs) else ""),
-                 run.state, f"{first:.3f} → {last:.3f}", f"{rate:.1f}", _duration(wall), *idle, run.path]
-        lines.append("| " + " | ".join(map(md_text, cells)) + " |")
+                 run.state, f"{first:.3f} → {last:.3f}", f"{rate:.1f}", _duration(wall), *idle]
+        # (the folder whole: its tail, the run's time stamp, is what tells two runs apart)
+        lines.append("| " + " | ".join([*map(md_text, cells), md_text(run.path, MAX_PATH_CELL)]) + " |")
     return "\n".join(lines) + ("\n\nReward: mean of the first and of the last ten steps (a quarter of a shorter run). "
                                 "Run time: the steps' wall time (starting the cluster and saving not included). Idle: "
                                 "share of the pool's worker time over the whole run, from the workers' busy clocks.\n")
@@ -285,6 +286,8 @@ def summary_table(runs: list[Run]) -> str:
 MAX_CELL = 100
 #: ... of a learner's failure, the cell that explains it
 MAX_FAILURE_CELL = 300
+#: ... of a run's folder (a path is as long as the file system lets it be; cut, it names no run)
+MAX_PATH_CELL = 4096
 #: markdown's characters that would start markup in a cell or a heading (a link, emphasis, code,
 #: the cell's end), each escaped with a backslash
 _MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]|~"})

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from streamrl.telemetry.names import REWARD_NAMES_KEPT
+
 def add_bucket_sums(into: dict[str, dict[str, float]], sums: dict[str, dict[str, float]]) -> None:
     """Add per-bucket sums (``{bucket: {name: value}}``) into ``into``, in place (anything else
     a plugin's trainer returned under that key is left out)."""
@@ -94,6 +96,8 @@ class TrainTaskStats:
         ``reward_info``), for their per-step means."""
         for info in infos:
             for name, value in info.items():
+                if name not in self.reward_info_sums and len(self.reward_info_sums) >= REWARD_NAMES_KEPT:
+                    continue  # (a name per sample would be a field per sample: the first are kept)
                 self.reward_info_sums[name] = self.reward_info_sums.get(name, 0.0) + float(value)
                 self.reward_info_counts[name] = self.reward_info_counts.get(name, 0) + 1
 

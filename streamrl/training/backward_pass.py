@@ -8,6 +8,7 @@ runs :func:`empty` instead: through every sharded module, adding exactly zero.
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 import traceback
@@ -71,7 +72,8 @@ def loss_result(algorithm, result, batch: int) -> tuple[torch.Tensor, dict]:
     for key, value in stats.items():
         if key == TOKEN_FLAGS:
             continue
-        one = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        one = (isinstance(value, numbers.Real) and not isinstance(value, bool)) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1)  # (numpy's scalars are Reals)
         if not one:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise RunStopped(f"{said} returned the stat {str(key)[:80]!r} as {shape}; expected one number "
