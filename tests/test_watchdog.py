@@ -64,5 +64,17 @@ def test_a_deadline_swallowed_by_a_catch_all_comes_again_until_it_ends_the_body(
                     pass
         with dog.watching("step 9"):  # a later body in time is left alone
             time.sleep(0.05)
+        assert dog._pending is None and dog._armed is None  # (nothing left to signal again)
+        # the handler put back while a body still runs past its deadline (the runner's own
+        # finally): disarmed first, so no signal reaches the default handler, which would end
+        # this process (the test's), and nothing is raised after it
+        with dog.watching("step 10"):
+            try:
+                threading.Event().wait(30)
+            except StepTimeout:
+                pass
+            dog.uninstall()
+            time.sleep(2.5)  # (past the next signal)
+            dog.install()
     finally:
         dog.uninstall()

@@ -1,14 +1,21 @@
 """The tasks of the rank pool: the length ranker's scores for a step's prompts, the output lengths
 it learns from once they are known, and its state for a checkpoint and back
 (``flow/dispatch.py`` submits them, ordered by ``after``).
+
+One at a time on the worker (:data:`_ONE`): ``after`` orders them, but the controller lets go of
+a lesson it waited too long for, and a ranker (its state, its optimizer) is not made to be
+taught and asked from two threads at once.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 from streamrl.on_worker.resident import RANKER, resident
 from streamrl.sample import Prompt
+
+_ONE = threading.Lock()
 
 
 def rank_prompts(prompts: list[Prompt], after=None) -> list[float] | str:
@@ -16,7 +23,8 @@ def rank_prompts(prompts: list[Prompt], after=None) -> list[float] | str:
     when the ranker raised or gave anything else, what went wrong, as text. A ranker only
     orders work: the run goes on without its scores (``flow/dispatch.py`` says so once)."""
     try:
-        given = resident(RANKER).predict(prompts)
+        with _ONE:
+            given = resident(RANKER).predict(prompts)
         scores = [float(x) for x in given]
     except Exception as exc:  # (a plugin's bug; a ComponentError too: the ranker could not be built)
         return f"predict() raised {type(exc).__name__}: {str(exc)[:200]}"
@@ -31,7 +39,8 @@ def observe_lengths(prompts: list[Prompt], lengths: list[list[int]], after=None)
     went wrong as text (a lesson that fails is skipped: the run's save and next placements must
     not wait on it)."""
     try:
-        resident(RANKER).observe(prompts, lengths)
+        with _ONE:
+            resident(RANKER).observe(prompts, lengths)
     except Exception as exc:
         return f"observe() raised {type(exc).__name__}: {str(exc)[:200]}"
     return len(prompts)
@@ -45,7 +54,8 @@ def ranker_state(after=None) -> bytes:
     import torch
 
     buf = io.BytesIO()
-    torch.save(resident(RANKER).state_dict(), buf)
+    with _ONE:
+        torch.save(resident(RANKER).state_dict(), buf)
     return buf.getvalue()
 
 
@@ -56,5 +66,6 @@ def load_ranker_state(blob: bytes, after=None) -> bool:
     import torch
 
     # plain values, tensors and the ranker's RNG state: never a full unpickling of a run-folder file
-    resident(RANKER).load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+    with _ONE:
+        resident(RANKER).load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
     return True

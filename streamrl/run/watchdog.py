@@ -80,7 +80,10 @@ class Watchdog:
             self._old = signal.signal(SIGNAL, self._raise)
 
     def uninstall(self) -> None:
-        """Put the previous handler back."""
+        """Disarm, and put the previous handler back (a signal after it would end the process)."""
+        with self._lock:
+            self._armed = self._fired = None
+        self._cancel()
         if self._old is not None:
             signal.signal(SIGNAL, self._old)
             self._old = None
@@ -101,9 +104,14 @@ class Watchdog:
         try:
             yield
         finally:
-            with self._lock:
-                self._armed = None
-                fired, self._fired = self._fired, None
+            while True:  # (a signal coming again just as the body ends must not skip the disarm)
+                try:
+                    with self._lock:
+                        self._armed = None
+                        fired, self._fired = self._fired, None
+                    break
+                except StepTimeout:
+                    continue
             self._cancel()
         if fired is token:  # it expired, and the exception was swallowed on its way out
             raise StepTimeout(self.message)
@@ -126,7 +134,7 @@ class Watchdog:
     def _expire(self, token: object, what: str, limit: float) -> None:
         stuck = running(self.client) if self._fired is not token else ""  # (before the lock: it asks the scheduler)
         with self._lock:
-            if self._armed is not token:  # the body ended meanwhile
+            if self._armed is not token or self._old is None:  # the body ended meanwhile, or the handler is gone
                 return
             if self._fired is not token:
                 self.message = f"{what} did not finish within {limit:g} s (run.step_timeout_s); still running: {stuck}"

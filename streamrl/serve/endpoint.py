@@ -9,6 +9,7 @@ worker like any other.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from distributed import get_worker, rejoin, secede
@@ -99,6 +100,12 @@ def go_live() -> list[str]:
     return list(api.engines)
 
 
+#: Held while the table of served models changes: the run's step loop (variants) and its watcher
+#: of the generate workers (replicas) change it from two threads, each from what it read; one
+#: change made on a table another had just replaced would bring back what that one took out.
+_CHANGING = threading.Lock()
+
+
 def add_replica(url: str, key: str, worker: str) -> int:
     """Generate worker (the endpoint's): another generate worker's engine, behind its token
     server at ``url``, answers the served policy's requests too; returns how many engines do.
@@ -108,9 +115,10 @@ def add_replica(url: str, key: str, worker: str) -> int:
     from streamrl.serve.remote_engines import RemoteEngine
 
     api = _api()
-    engines = _drop_replica(api, worker)
-    engines.append(RemoteEngine(api.engine, url, key, worker))
-    return len(engines)
+    with _CHANGING:
+        engines = _drop_replica(api, worker)
+        engines.append(RemoteEngine(api.engine, url, key, worker))
+        return len(engines)
 
 
 def failing_replicas(within_s: float) -> list[str]:
@@ -127,12 +135,14 @@ def failing_replicas(within_s: float) -> list[str]:
 def remove_replica(worker: str) -> int:
     """Generate worker (the endpoint's): generate worker ``worker`` has left the pool; its engine
     answers no more requests (those in flight fail). Returns how many engines still do."""
-    return len(_drop_replica(_api(), worker))
+    with _CHANGING:
+        return len(_drop_replica(_api(), worker))
 
 
 def _drop_replica(api, worker: str) -> list:
     """Take ``worker``'s engine out of every model's engines (the served policy's and the LoRA
-    variants' decoding there); returns the served policy's list of engines."""
+    variants' decoding there); returns the served policy's list of engines. (Under
+    :data:`_CHANGING`.)"""
     from streamrl.serve.adapter_routes import OnAdapter
     from streamrl.serve.remote_engines import RemoteEngine
 
@@ -159,8 +169,9 @@ def add_variant(model: str, url: str, key: str, learner: str, worker: str) -> li
 
     api = _api()
     remote = RemoteEngine(api.engine, url, key, worker, what=f"learner {learner!r}")
-    old = api.engines.get(model, [])
-    api.engines = {**api.engines, model: [remote]}  # (a new dict: a request looking one up sees either)
+    with _CHANGING:
+        old = api.engines.get(model, [])
+        api.engines = {**api.engines, model: [remote]}  # (a new dict: a request looking one up sees either)
     for engine in old:
         if isinstance(engine, RemoteEngine):
             engine.close()
@@ -175,8 +186,9 @@ def add_adapter_variant(model: str, learner: str) -> list[str]:
     from streamrl.serve.remote_engines import RemoteEngine
 
     api = _api()
-    old = api.engines.get(model, [])
-    api.engines = {**api.engines, model: [OnAdapter(e, learner) for e in api.engines[api.model_name]]}
+    with _CHANGING:
+        old = api.engines.get(model, [])
+        api.engines = {**api.engines, model: [OnAdapter(e, learner) for e in api.engines[api.model_name]]}
     for engine in old:
         if isinstance(engine, RemoteEngine):
             engine.close()
@@ -186,8 +198,9 @@ def add_adapter_variant(model: str, learner: str) -> list[str]:
 def alias(model: str) -> list[str]:
     """Generate worker: requests naming ``model`` are answered by the served policy too."""
     api = _api()
-    api.engines = {**api.engines, model: api.engines[api.model_name]}
-    return list(api.engines)
+    with _CHANGING:
+        api.engines = {**api.engines, model: api.engines[api.model_name]}
+        return list(api.engines)
 
 
 def remove_variant(model: str) -> list[str]:
@@ -196,9 +209,10 @@ def remove_variant(model: str) -> list[str]:
     from streamrl.serve.remote_engines import RemoteEngine
 
     api = _api()
-    engines = dict(api.engines)
-    old = engines.pop(model, [])
-    api.engines = engines
+    with _CHANGING:
+        engines = dict(api.engines)
+        old = engines.pop(model, [])
+        api.engines = engines
     for engine in old:
         if isinstance(engine, RemoteEngine):
             engine.close()

@@ -115,6 +115,10 @@ class ServedTraffic(StepExtension):
             started = self.client.submit(remote_engines.restart, ENGINE, min_version, pure=False,
                                          key=f"serve-replica-restart-{worker}-{time.time_ns()}", **pin)
         url, key = started.result(timeout=REPLICA_START_S)
+        if self._watching.is_set():  # the run closed while it started: nobody else would stop it
+            self.client.submit(remote_engines.stop, ENGINE, pure=False, key=f"serve-replica-stop-{time.time_ns()}",
+                               **pin).result(timeout=30)
+            return
         self.client.submit(endpoint.add_replica, url, key, worker, pure=False,
                            key=f"serve-add-replica-{time.time_ns()}", **self.pin).result(timeout=30)
         self.replicas[worker] = address
