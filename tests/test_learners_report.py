@@ -14,7 +14,8 @@ from rich.console import Console
 
 from streamrl.telemetry import plots
 from streamrl.telemetry.console import summary_table
-from streamrl.telemetry.report import learner_figures, learners_final, write_report
+from streamrl.telemetry.learner_figures import learner_figures, learners_final
+from streamrl.telemetry.report import write_report
 
 STEPS = 12
 FAILURE = "step 4: FloatingPointError: the loss is not finite"

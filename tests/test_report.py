@@ -346,7 +346,8 @@ def test_names_states_and_folders_in_report_md_are_text_on_one_line_and_bounded(
     assert len(state.replace("\\", "")) <= 100 and state.endswith("…")
     assert "\n| forged" not in text
     # the learners' table uses the same cleaner: a learner's failure reads as text too
-    from streamrl.telemetry.report import learner_figures, learners_table
+    from streamrl.telemetry.learner_figures import learner_figures
+    from streamrl.telemetry.report import learners_table
 
     rows = learner_figures([{"step": 0, "reward_mean": 0.5, "learners": {
         "x": {"state": "failed", "algorithm": "grpo<i>", "failure": "boom\n<img src=x>|" + "y" * 1000}}}])

@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
-from streamrl.telemetry.report import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
+from streamrl.telemetry.learner_figures import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
 from streamrl.telemetry.text import printable
 
 #: Dask event topic the workers' warnings travel on
@@ -277,7 +277,7 @@ class Fitted(Table):
 
 
 def learners_summary(records: list[dict], final: dict | None = None):
-    """A run's learners side by side (``telemetry/report.learner_figures``): name, algorithm,
+    """A run's learners side by side (``telemetry/learner_figures.py``): name, algorithm,
     state, steps trained / skipped, train reward of the last ten steps it trained, held-out
     reward first -> newest (vN: N steps trained); a failed learner's reason under the table."""
     rows = learner_figures(records, final)

@@ -370,7 +370,7 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
 
 
 def learners(label: str, rows: list[dict], path: Path) -> bool:
-    """One run's learners (``report.learner_figures``), one line each, labelled with its name and
+    """One run's learners (``learner_figures.learner_figures``), one line each, labelled with its name and
     algorithm: the held-out reward of every evaluation by the stream step its policy had trained
     through, or, when no learner was evaluated, the train loss per step. The served learner is
     drawn bold; a failed learner's last point is a cross."""

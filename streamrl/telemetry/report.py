@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamrl.errors import UserError
+from streamrl.telemetry.learner_figures import (LEARNER_COLUMNS, LEARNER_WINDOW, learner_cells, learner_figures,
+                                               learners_final)
 from streamrl.telemetry.text import error_line, one_line
 
 #: steps shown in the per-worker timeline (more and the bars get too thin to read)
@@ -305,10 +307,6 @@ def md_text(value, limit: int = MAX_CELL) -> str:
     return html.escape(text, quote=False).translate(_MARKDOWN)
 
 
-#: a learner's train reward: the mean of its last this many trained steps (as ``bench learners``)
-LEARNER_WINDOW = 10
-
-
 def _num(value) -> bool:
     # a number the report can add and print: not a bool, not NaN or infinite (a record edited by
     # hand, or another program's)
@@ -324,82 +322,6 @@ def _table(parent, key: str) -> dict:
     """``parent[key]`` where both are tables, else {} (a recipe.toml written by hand)."""
     value = parent.get(key) if isinstance(parent, dict) else None
     return value if isinstance(value, dict) else {}
-
-
-def learners_final(path: Path) -> dict:
-    """The run folder's ``learners.json`` (each side learner as the run ended), {} without one."""
-    try:
-        final = json.loads((Path(path) / "learners.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return {k: v for k, v in final.items() if isinstance(v, dict)} if isinstance(final, dict) else {}
-
-
-def learner_figures(records: list[dict], final: dict | None = None, window: int = LEARNER_WINDOW) -> list[dict]:
-    """Each learner of a run with several (``metrics.jsonl``'s ``learners``; ``final``: the run
-    folder's ``learners.json``), in order of appearance: ``name``, ``served``, ``algorithm``,
-    ``state``, ``steps_trained``, ``skipped_steps``, ``failure``, ``train_reward`` (the mean
-    ``reward_mean`` of its last ``window`` trained steps, each counted once: a side learner
-    repeats its last step's figures while it lags), ``evals`` (``(x, version, reward_mean)`` of
-    every held-out evaluation, by version; ``x``: the stream step the evaluated policy had
-    trained through, 0 before any) and ``loss`` (``(step, loss)`` per trained step, 1-based).
-    [] for a run without ``learners``."""
-    entries: dict[str, list[dict]] = {}
-    for rec in records:
-        for name, e in (rec.get("learners") or {}).items():
-            if isinstance(e, dict):
-                entries.setdefault(name, []).append(e)
-    for name, e in (final or {}).items():
-        entries.setdefault(name, []).append(e)
-    rows = []
-    for name, mine in entries.items():
-        last = mine[-1]
-        served = bool(last.get("served"))
-        trained: dict = {}  # the learner's stream step -> its entry (the newest)
-        for i, e in enumerate(mine):
-            if _num(e.get("reward_mean")) or _num(e.get("loss")):
-                trained[e["step"] if _num(e.get("step")) else ("entry", i)] = e
-        rewards = [e["reward_mean"] for e in trained.values() if _num(e.get("reward_mean"))][-window:]
-        # the stream step its policy had trained through, by steps trained (version)
-        joined = last.get("joined_at") if _num(last.get("joined_at")) else 0
-        through = {0: joined}
-        for e in mine:
-            if _num(e.get("steps_trained")) and _num(e.get("step")):
-                through[int(e["steps_trained"])] = int(e["step"]) + 1
-        # the served learner's evaluations are the record's own eval/* (with those that landed
-        # after the last record, ``eval_unrecorded``); a side learner's, its entries' and the final
-        found: dict[int, float] = {}
-        for e in (records if served else []) + mine:
-            unrecorded = e.get("eval_unrecorded")  # (a list, or nothing: a record edited by hand)
-            for ev in [e, *(unrecorded if isinstance(unrecorded, list) else ())]:
-                if isinstance(ev, dict) and _num(ev.get("eval/policy_version")) and _num(ev.get("eval/reward_mean")):
-                    found[int(ev["eval/policy_version"])] = ev["eval/reward_mean"]
-        failure = next((str(e["failure"]) for e in reversed(mine) if e.get("failure")), None)
-        rows.append({"name": name, "served": served, "algorithm": last.get("algorithm", "?"),
-                     "state": last.get("state", "?"), "steps_trained": last.get("steps_trained"),
-                     "skipped_steps": last.get("skipped_steps", 0), "failure": failure,
-                     "train_reward": sum(rewards) / len(rewards) if rewards else None,
-                     "evals": [(through.get(v, joined + v), v, found[v]) for v in sorted(found)],
-                     "loss": [(k + 1, e["loss"]) for k, e in trained.items() if _num(k) and _num(e.get("loss"))]})
-    return rows
-
-
-LEARNER_COLUMNS = ["learner", "algorithm", "state", "steps trained / skipped",
-                   f"train reward (last {LEARNER_WINDOW})", "eval first {arrow} last"]
-
-
-def learner_cells(row: dict, arrow: str = "->") -> list[str]:
-    """A learner's cells under :data:`LEARNER_COLUMNS` (the failure is left to the caller)."""
-    evals = row["evals"]
-    if evals:
-        (_, v0, e0), (_, v1, e1) = evals[0], evals[-1]
-        ev = f"{e0:.3f} (v{v0})" + (f" {arrow} {e1:.3f} (v{v1})" if len(evals) > 1 else "")
-    else:
-        ev = "-"
-    steps = row["steps_trained"] if row["steps_trained"] is not None else "-"
-    return [row["name"] + (" (served)" if row["served"] else ""), str(row["algorithm"]), str(row["state"]),
-            f"{steps} / {row['skipped_steps'] or 0}",
-            f"{row['train_reward']:.3f}" if row["train_reward"] is not None else "-", ev]
 
 
 def learners_table(rows: list[dict]) -> str:
