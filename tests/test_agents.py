@@ -466,3 +466,54 @@ def test_an_agents_error_is_one_printable_bounded_line():
         thread.start(), thread.join(10)
         error = _outcome(thread, time.time(), 60).error
         assert error.startswith(start) and error.isprintable() and len(error) <= 500, error
+
+
+@pytest.mark.parametrize("example", ["calculator_env.py", "calculator_agent.py"])
+def test_the_shipped_calculator_tool_answers_error_to_whatever_the_model_writes(example):
+    # (users copy it: arguments the model wrote that int() or str() refuse were the rollout's error)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calc_example", ROOT / "examples" / "agent" / example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.calc("12*3") == "36" and module.calc(" 9 - 4 ") == "5"
+    for hostile in ["2*²", "1" * 5000 + "*2", "9" * 3000 + "*" + "9" * 3000, 5, ["1"], None, "9**9**9"]:
+        assert module.calc(hostile) == "error", repr(hostile)[:40]
+
+
+def test_a_rollout_stuck_past_its_timeout_is_counted_and_past_the_bound_the_worker_runs_no_more(monkeypatch):
+    # (Python cannot stop a thread: an agent that never awaits keeps its own until it returns)
+    import threading
+    from types import SimpleNamespace
+
+    from streamrl.agents import rollout
+    from streamrl.sample import Prompt
+
+    release = threading.Event()
+
+    async def blocks(client, row):
+        release.wait(30)  # (a blocking call: the cancel at the timeout never lands)
+
+    thread = rollout.RolloutThread(lambda: blocks(None, None))
+    started = time.time()
+    thread.start()
+    thread.join(0.2)
+    outcome = rollout._outcome(thread, started, 0.2)
+    assert outcome.error.startswith("RolloutTimeout") and thread in rollout._STUCK
+    held = rollout.stuck()
+    # past the bound the next group starts no thread: its rollouts are that error, said in the step's counts
+    events = []
+    monkeypatch.setattr(rollout, "MAX_STUCK", held)
+    monkeypatch.setattr(rollout, "get_worker", lambda: SimpleNamespace(name="agent-0",
+                                                                       log_event=lambda topic, m: events.append(m)))
+    before = threading.active_count()
+    spec = {"path": "a.py", "source": "async def f(client, row):\n    return 1.0\n", "function": "f", "timeout_s": 5}
+    assert rollout.run_group(Prompt(uid="0-0", text="x"), 4, ["http://127.0.0.1:9"], spec, "", 0) == []
+    assert threading.active_count() == before
+    (counts,) = events
+    assert counts["errors"] == 4 and counts["stuck"] >= 1  # (this one, and any other test's still ending)
+    assert counts["first_error"].startswith(f"AgentStuck: {counts['stuck']} rollouts of worker agent-0")
+    release.set()
+    thread.join(5)
+    rollout.stuck()
+    assert thread not in rollout._STUCK  # (one that ends is counted no more)

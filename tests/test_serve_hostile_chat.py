@@ -115,3 +115,25 @@ def with_call_body(arguments: str, name: str = "calc") -> dict:
         {"role": "assistant", "content": None,
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"}]}
+
+
+def test_a_parsed_call_holding_a_control_tokens_string_is_the_replys_text_not_a_call(served, monkeypatch):
+    # (the model can spell "<|end|>" in a call's arguments; handed back as a call, the agent's
+    # next turn echoes it and is refused as a control token outside content: its own reply's doing)
+    api, url = served
+
+    class Spells:
+        def parse(self, text):
+            return None, [{"name": "calc", "arguments": '{"x": "<|end|>6*7"}'}]
+
+    monkeypatch.setattr(api, "tool_parser", Spells())
+    body = {"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "6*7?"}],
+            "tools": with_call_body("{}")["tools"] if "tools" in with_call_body("{}") else [
+                {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]}
+    r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    message = r.json()["choices"][0]["message"]
+    assert not message.get("tool_calls") and r.json()["choices"][0]["finish_reason"] != "tool_calls"
+    monkeypatch.setattr(Spells, "parse", lambda self, text: (None, [{"name": "calc", "arguments": '{"x": "6*7"}'}]))
+    r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)  # (the same call without it: a call)
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"x": "6*7"}'

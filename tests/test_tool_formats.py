@@ -144,6 +144,18 @@ def test_the_parsers_leave_what_does_not_parse_as_content():
     assert HermesToolParser().parse(f"<tool_call> {call} \n") == (None, [{"name": "f", "arguments": '{"x": 1}'}])
 
 
+def test_a_call_whose_json_python_will_not_read_is_content_not_a_parsers_failure():
+    # (a 5,000-digit number passes JSON's grammar and not Python's int limit; a thousand brackets
+    # pass the grammar and not the stack: each was a 500 blamed on the parser, and a retry)
+    huge = '{"name": "f", "arguments": {"x": ' + "1" * 5000 + "}}"
+    deep = '{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    for body in (huge, deep):
+        assert Llama3JsonToolParser().parse(body) == (body, [])
+        assert HermesToolParser().parse(f"<tool_call>{body}</tool_call>")[1] == []
+        assert MistralToolParser().parse(f"[TOOL_CALLS] [{body}]")[1] == []
+        assert MistralToolParser().parse(f"[TOOL_CALLS]f[ARGS]{body}")[1] == []
+
+
 def test_a_reply_of_a_long_run_of_blanks_after_a_tool_call_tag_parses_in_one_pass():
     # the block's pattern once tried every split of such a run (quadratic, holding the GIL: a
     # reply of this size took hours); the test's timeout is what fails

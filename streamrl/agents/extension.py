@@ -89,7 +89,8 @@ class AgentRollouts(StepExtension):
         """``turns_mean`` (model calls per rollout), ``tool_calls_mean`` and the rollouts'
         failures (``agent/errors``, ``agent/timeouts``, ``agent/no_calls``, ``agent/splits``)
         and ``agent/crossed_updates`` (rollouts that went on across a weight update), over the
-        step's groups (and any of earlier steps not recorded yet)."""
+        step's groups (and any of earlier steps not recorded yet); ``agent/stuck``: the rollouts
+        abandoned at their timeout still running on a worker (``agents/rollout.py``)."""
         # a group's counts reach the scheduler as an event, a moment after its result: wait (a
         # little) for this step's groups. Events are kept by step, so that a group of the next
         # step (asked ahead) waits for the next record instead of landing in this one.
@@ -115,6 +116,8 @@ class AgentRollouts(StepExtension):
         record.extra["tool_calls_mean"] = round(sum(m["tool_calls"] for m in new) / rollouts, 4)
         for key in ("errors", "timeouts", "no_calls", "splits", "crossed_updates"):
             record.extra[f"agent/{key}"] = sum(m[key] for m in new)
+        # (a worker's count, not the step's: the most any of its groups saw)
+        record.extra["agent/stuck"] = max(m.get("stuck", 0) for m in new)
         first = ""
         for m in new:
             if m["first_error"]:

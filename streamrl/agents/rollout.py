@@ -108,6 +108,23 @@ class RolloutThread(threading.Thread):
                 pass
 
 
+#: Rollout threads abandoned at their timeout that still run: an agent stuck in code that never
+#: awaits (a spin, a blocking socket, a tool in C) keeps its thread, its event loop and its row,
+#: and Python cannot stop a thread. Counted per worker (``agent/stuck``); past :data:`MAX_STUCK`
+#: the worker runs no more rollouts (each is that error, so the step says why) rather than
+#: gather threads until it runs out of memory.
+_STUCK: set[threading.Thread] = set()
+_STUCK_LOCK = threading.Lock()
+MAX_STUCK = 256
+
+
+def stuck() -> int:
+    """How many of this worker's abandoned rollout threads still run."""
+    with _STUCK_LOCK:
+        _STUCK.difference_update([t for t in _STUCK if not t.is_alive()])
+        return len(_STUCK)
+
+
 def agent_of(spec: dict):
     """The user's rollout function, or streamrl's rollout of the user's environment class."""
     key = (spec["path"], zlib.crc32(spec["source"].encode()))
@@ -152,6 +169,15 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     with _MODULES_LOCK:  # once per worker, by one task, before any rollout thread needs it (not
         import openai  # noqa: F401 -- at the CLI's import: trackers such as wandb react to its presence)
     tag = secrets.token_hex(4)
+    held = stuck()
+    if held >= MAX_STUCK:  # (a new thread per rollout would only add to them)
+        error = (f"AgentStuck: {held} rollouts of worker {get_worker().name} still run past task.rollout_timeout_s "
+                 "(agent code that never awaits: a loop, a blocking call); restart the agent pool's workers, and "
+                 "make the agent's waits awaitable")
+        get_worker().log_event(EVENT_TOPIC, {"step": step, "rollouts": n, "errors": n, "timeouts": 0, "no_calls": 0,
+                                             "calls": 0, "tool_calls": 0, "splits": 0, "crossed_updates": 0,
+                                             "stuck": held, "first_error": error})
+        return []  # (no sample: as rollouts that failed before calling the model)
     runs = []
     for k in range(n):
         rid = f"{prompt.uid}-{k}-{tag}"
@@ -169,7 +195,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         outcomes.append(_outcome(thread, started, spec["timeout_s"], spec.get("reward_limit", REWARD_LIMIT)))
     group: Group = []
     counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
-              "splits": 0, "crossed_updates": 0, "first_error": ""}
+              "splits": 0, "crossed_updates": 0, "stuck": 0, "first_error": ""}
     for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
         try:
             traj = _finish(url, api_key, rid, rollout_key)
@@ -191,6 +217,7 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         # a rollout that went on across a weight update: its tokens come from several versions
         counts["crossed_updates"] += len({v for s in samples for v, m in zip(s.token_versions, s.loss_mask) if m}) > 1
         group += samples
+    counts["stuck"] = stuck()
     get_worker().log_event(EVENT_TOPIC, counts)
     return [group] if group else []
 
@@ -214,6 +241,8 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float, limit: flo
     seconds = time.time() - started
     if thread.is_alive():
         thread.abandon()
+        with _STUCK_LOCK:  # (until it ends: one that awaits ends at its next await)
+            _STUCK.add(thread)
         return Outcome(error=f"RolloutTimeout: still running after {timeout_s:g} s (task.rollout_timeout_s)",
                        seconds=seconds, transient=True)
     if thread.error is not None:

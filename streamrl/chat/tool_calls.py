@@ -105,7 +105,7 @@ class Llama3JsonToolParser(_BuiltIn):
         while at < len(body) and body[at] == "{":
             try:
                 obj, at = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # (bad JSON, a 5,000-digit int, nesting past the stack)
                 return text, []
             call = _named(obj, "parameters")
             if call is None:
@@ -138,7 +138,7 @@ class MistralToolParser(_BuiltIn):
     def _json_list(self, rest: str) -> list[dict[str, str]] | None:
         try:
             items, _ = json.JSONDecoder().raw_decode(rest)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (bad JSON, a 5,000-digit int, nesting past the stack)
             return None
         if not isinstance(items, list):
             return None
@@ -159,7 +159,7 @@ class MistralToolParser(_BuiltIn):
                 return None
             try:
                 value = json.loads(args)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # (bad JSON, a 5,000-digit int, nesting past the stack)
                 return None
             calls.append({"name": name.strip(), "arguments": json.dumps(value), "id": _mistral_id(call_id.strip())})
         return calls
@@ -175,7 +175,7 @@ def _mistral_id(given: Any) -> str:
 def _call(body: str) -> dict[str, str] | None:
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (bad JSON, a 5,000-digit int, nesting past the stack)
         return None
     return _named(obj, "arguments")
 
@@ -187,4 +187,7 @@ def _named(obj: Any, key: str) -> dict[str, str] | None:
         return None
     other = "parameters" if key == "arguments" else "arguments"
     args = obj.get(key, obj.get(other, {}))
-    return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}
+    try:
+        return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}
+    except (ValueError, RecursionError):  # (arguments too deep to write back: not a call the endpoint can carry)
+        return None

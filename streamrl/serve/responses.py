@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from streamrl.chat.content_as_text import added_pattern
 from streamrl.chat.messages import reply_message
 from streamrl.serve.completion import Completion
 from streamrl.serve.request_bodies import APIError, Sampling
@@ -253,6 +254,13 @@ class Format:
                 raise TypeError(f"parse() gave {type(content).__name__} content and {type(calls).__name__} calls; "
                                 "expected a string (or None) and a list")
             calls = [_as_call(call) for call in calls]
+            control = added_pattern(self.endpoint.tokenizer) if calls and self.endpoint is not None else None
+            if control is not None and any(control.search(call["name"]) or control.search(call["arguments"])
+                                           for call in calls):
+                # a control token's string in a call's name or arguments: echoed back in the next
+                # turn, the endpoint refuses it there (the template would write it as that token);
+                # the reply is its text, as a reply that does not parse is
+                content, calls = c.text, []
             ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
                    for call in calls]
             return reply_message(content, calls, ids)
