@@ -203,6 +203,28 @@ memory_limit = "3GiB"
         made.close()
 
 
+def test_a_factory_cluster_s_dashboard_stays_on_loopback_unless_the_options_say_and_an_exit_is_one_line(
+        tiny_recipe, tmp_path, monkeypatch):
+    # (LocalCluster's own default, ":8787", is every interface of the machine)
+    made = factories.create(load_recipe(tiny_recipe, ["cluster.factory=distributed.LocalCluster",
+                                                      "cluster.factory_options={processes=false}"]).recipe)
+    try:
+        import socket
+        from urllib.parse import urlsplit
+
+        link = urlsplit(made.dashboard_link)  # (the machine's name or address, and the port)
+        socket.create_connection(("127.0.0.1", link.port), timeout=5).close()  # listening there
+        if link.hostname not in ("127.0.0.1", "localhost"):
+            with pytest.raises(OSError):  # and not on the machine's other address
+                socket.create_connection((link.hostname, link.port), timeout=5).close()
+    finally:
+        made.close()
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('needs a batch system')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"^cluster.factory: importing exits failed: SystemExit: needs a batch system$"):
+        factories.create(load_recipe(tiny_recipe, ["cluster.factory=exits:make"]).recipe)
+
+
 @pytest.fixture
 def labelled_elsewhere(tmp_path, monkeypatch):
     """A factory module whose cluster has a fixed worker list and no template to scale with, so

@@ -114,8 +114,13 @@ def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(ca
     (empty / "config.json").write_text("{}")
     code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f'model.path="{empty}"')
     assert code == 2 and "has a config.json but no weights" in one_line_error(err)
-    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "cluster.address=nonsense")
-    assert code == 2 and "cluster.address: expected a scheduler address like tcp://host:8786" in one_line_error(err)
+    for address in ("nonsense", '"tcp://::1:8786"', '"tcp://h:²"', '"tcp://h:99999"'):
+        code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"cluster.address={address}")
+        assert code == 2 and "cluster.address: expected a scheduler address like tcp://host:8786" in one_line_error(err)
+    # an empty host is every interface to Dask: never by accident
+    for host, said in (('""', "expected an interface to listen on"), ('"::1"', "takes no IPv6 address")):
+        code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"cluster.host={host}")
+        assert code == 2 and said in one_line_error(err), err
     code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", "pools.generate.workers=1000000000")
     assert code == 2 and "pools.generate.workers: expected less than or equal to 512" in one_line_error(err)
 

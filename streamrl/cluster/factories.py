@@ -58,7 +58,7 @@ def load(path: str) -> Callable[..., Any]:
         pip = PIP_NAMES.get(missing, missing)
         raise UserError(f"cluster.factory: {path!r} needs the Python package {missing!r}, which is not "
                         f"installed here (pip install {pip})") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # (a module that exits on import: its message, not the command's end)
         raise UserError(f"cluster.factory: importing {target} failed: {type(exc).__name__}: {exc}") from None
     try:
         fn = getattr(module, attr)
@@ -78,12 +78,16 @@ def create(recipe: Recipe) -> Cluster:
     c = recipe.cluster
     fn = load(c.factory)
     options = dict(c.factory_options)
-    if isinstance(fn, type) and issubclass(fn, SpecCluster) and "n_workers" not in options:
-        try:
-            if "n_workers" in inspect.signature(fn).parameters:
-                options["n_workers"] = 0
-        except (TypeError, ValueError):  # no signature to read: call it as the user wrote it
-            pass
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as the user wrote it
+        parameters = {}
+    if isinstance(fn, type) and issubclass(fn, SpecCluster) and "n_workers" not in options and "n_workers" in parameters:
+        options["n_workers"] = 0
+    if "dashboard_address" in parameters and "dashboard_address" not in options:
+        # (Dask's default, ":8787", is every interface: the dashboard shows the run to anyone
+        # who can reach the machine; the user's options say otherwise if they mean it)
+        options["dashboard_address"] = "127.0.0.1:0"
     try:
         try:
             made = fn(**options)
@@ -92,10 +96,10 @@ def create(recipe: Recipe) -> Cluster:
                 raise
             # a class that refuses no workers (dask-cuda: "Number of workers cannot be less than
             # 1") starts its own, which label() then replaces by the pools'
-            made = fn(**c.factory_options)
+            made = fn(**{k: v for k, v in options.items() if k != "n_workers"})
     except UserError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         text = " ".join(str(exc).split())  # some libraries' messages span lines: keep it one
         raise UserError(f"cluster.factory: {c.factory}(**factory_options) failed: "
                         f"{type(exc).__name__}: {text}") from None

@@ -60,9 +60,31 @@ class ClusterConfig(Strict):
     @classmethod
     def _address(cls, value: str) -> str:
         # Dask's own message for a bad address is a traceback from deep inside its comm layer
-        rest = value.split("://", 1)[-1]
-        if value and (":" not in rest or not rest.rsplit(":", 1)[1].isdigit()):
-            raise ValueError("expected a scheduler address like tcp://host:8786")
+        if not value:
+            return value
+        from distributed.comm import parse_address, parse_host_port
+
+        try:
+            _, location = parse_address(value)
+            host, port = parse_host_port(location)
+        except (ValueError, TypeError):
+            host, port = "", 0
+        if not host or not 1 <= int(port) <= 65535:
+            raise ValueError("expected a scheduler address like tcp://host:8786 (an IPv6 host in brackets: "
+                             "tcp://[::1]:8786; a port from 1 to 65535)")
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        # an empty host is every interface to Dask (the scheduler takes anyone's connection and
+        # code): never by accident; an IPv6 address Dask's dashboard cannot take is one line here
+        if not value.strip():
+            raise ValueError('expected an interface to listen on, like "127.0.0.1" (it is never all of them '
+                             'by default: name one, or "0.0.0.0" on a network you trust)')
+        if ":" in value or not value.isascii() or not value.isprintable() or " " in value:
+            raise ValueError("expected an IPv4 address or a host name (the embedded cluster's dashboard takes "
+                             "no IPv6 address)")
         return value
 
     @field_validator("factory")
