@@ -34,7 +34,7 @@ import sys
 from typing import Any, Callable
 
 import dask
-from distributed import Nanny, SpecCluster, Worker
+from distributed import LocalCluster, Nanny, SpecCluster, Worker
 from distributed.deploy import Cluster
 
 from streamrl.cluster import pool_workers as pools
@@ -84,9 +84,11 @@ def create(recipe: Recipe) -> Cluster:
         parameters = {}
     if isinstance(fn, type) and issubclass(fn, SpecCluster) and "n_workers" not in options and "n_workers" in parameters:
         options["n_workers"] = 0
-    if "dashboard_address" in parameters and "dashboard_address" not in options:
-        # (Dask's default, ":8787", is every interface: the dashboard shows the run to anyone
-        # who can reach the machine; the user's options say otherwise if they mean it)
+    if isinstance(fn, type) and issubclass(fn, LocalCluster) and "dashboard_address" not in options:
+        # (a cluster on this machine: Dask's default, ":8787", is every interface, and the
+        # dashboard shows the run to anyone who can reach the machine; the user's options say
+        # otherwise if they mean it. A batch system's scheduler is reached from elsewhere: its
+        # own defaults stand)
         options["dashboard_address"] = "127.0.0.1:0"
     try:
         try:
