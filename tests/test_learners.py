@@ -239,6 +239,14 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
         runs = tmp_path / "runs"
         run_dir = until(lambda: next(iter(runs.glob("tiny-*")), None) if runs.exists() else None, 180, every=0.5)
         until(lambda: len(read_records(run_dir, partial=True)) >= 2, 180, every=0.5)
+        # a request another run left on the queue (a cluster that outlives its runs) is not this run's
+        from distributed import Client, Queue
+
+        from streamrl.learners.control import REQUESTS, scheduler_of
+
+        with Client(scheduler_of(run_dir), timeout=10) as c:
+            Queue(REQUESTS, client=c).put({"op": "add", "id": "left-over", "run": str(tmp_path / "another-run"),
+                                           "name": "ghost", "table": {"name": "ghost"}})
         # what a recipe's [[learners]] table may not hold, a learner added may not either: one line each
         for bad, says in (("trainer.lr=inf", "expected a finite number"),
                           ("trainer.prompts_per_step=2", "the batch shape is the stream's")):
@@ -259,6 +267,7 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
         until(lambda: len(read_records(run_dir, partial=True)) >= n + 3, 180, every=0.5)
         listed = streamrl("learners", "list", str(run_dir))
         assert listed.returncode == 0 and "rloo" in listed.stdout and "removed" in listed.stdout
+        assert "ghost" not in listed.stdout
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=180)

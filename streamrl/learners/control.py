@@ -62,7 +62,9 @@ def ask(run_dir: Path, request: dict, timeout: float = ANSWER_TIMEOUT) -> str:
     try:
         rid = uuid.uuid4().hex
         answer = Variable(f"{REQUESTS}-{rid}", client=client)
-        Queue(REQUESTS, client=client).put({**request, "id": rid})
+        # (the run's folder in it: on a cluster that outlives runs, a request no run read is
+        # still on the queue when the next run starts, and must not be carried out by that one)
+        Queue(REQUESTS, client=client).put({**request, "id": rid, "run": str(Path(run_dir).resolve())})
         try:
             reply = answer.get(timeout=timeout)
             answer.delete()
@@ -127,7 +129,10 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
     except Exception:
         return []
     lines = []
+    mine = str(Path(run_dir).resolve())
     for request in requests:
+        if not isinstance(request, dict) or request.get("run") != mine:
+            continue  # (another run's, left on a cluster that outlived it: nobody waits for it now)
         rid = request.get("id")
         try:
             Variable(f"{REQUESTS}-{rid}-begun", client=client).set(True)
