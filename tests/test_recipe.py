@@ -117,6 +117,14 @@ def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(ca
     for address in ("nonsense", '"tcp://::1:8786"', '"tcp://h:²"', '"tcp://h:99999"'):
         code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"cluster.address={address}")
         assert code == 2 and "cluster.address: expected a scheduler address like tcp://host:8786" in one_line_error(err)
+    # nested past what the recipe's writers and senders recurse through: one line, not their RecursionError
+    deep = "cluster.factory_options." + "a." * 300 + "b=1"
+    code, _, err = run_cli(capsys, "recipe", "show", str(tiny_recipe), "--set", "cluster.factory=distributed.LocalCluster",
+                           "--set", deep)
+    assert code == 2 and "nested 64 tables or arrays deep" in one_line_error(err)
+    with pytest.raises(SystemExit) as exited:  # (argparse's own way: usage, one line, exit 2)
+        run_cli(capsys, "bench", "serve", str(tiny_recipe), "--seconds", "inf")
+    assert exited.value.code == 2 and "expected seconds above 0" in capsys.readouterr().err
     # an empty host is every interface to Dask: never by accident
     for host, said in (('""', "expected an interface to listen on"), ('"::1"', "takes no IPv6 address")):
         code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"cluster.host={host}")

@@ -9,6 +9,20 @@ from collections.abc import Callable
 from streamrl.errors import UserError
 
 
+
+def _seconds(text: str) -> float:
+    """A phase's seconds: a finite number above 0 (argparse says so in one line otherwise). (As
+    ``cli/arguments.py``'s: that module imports this one.)"""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1e6):
+        raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most 1e6, got {text!r}")
+    return value
+
 def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add ``bench`` and its subcommands to the ``streamrl`` command's subparsers ``sub``;
     ``recipe_args`` adds a recipe file and its ``--set`` overrides to a parser."""
@@ -137,7 +151,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                                  "(streamrl serve, openai clients on loopback)")
     recipe_args(bench_serve)
     bench_serve.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
-    bench_serve.add_argument("--seconds", type=float, default=30, help="seconds of each phase")
+    bench_serve.add_argument("--seconds", type=_seconds, default=30, help="seconds of each phase")
     bench_serve.add_argument("--repeats", type=int, default=2, help="off/on pairs (the order alternates)")
     bench_serve.add_argument("--n", type=int, default=8, help="completions per request")
     bench_serve.add_argument("--client-processes", type=int, default=1,

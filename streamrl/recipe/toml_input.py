@@ -59,24 +59,34 @@ def read_value(raw: str) -> Any:
                         "4,300 digits") from None
 
 
+#: The deepest a recipe's tables and arrays may nest: a recipe is read, written back into its run
+#: folder and sent to workers by code that recurses, and a few hundred levels (``--set a.a.a...=1``)
+#: end it with Python's recursion limit.
+MAX_NESTING = 64
+
+
 def first_not_finite(data: Any) -> tuple[str, float] | None:
     """``(dotted key, value)`` of the first ``inf`` or ``nan`` in ``data`` (tables and arrays
     walked without recursion), or None. No recipe value means anything as infinity (a field
-    whose limit can be off says how: 0, most often)."""
-    stack: list[tuple[str, Any]] = [("", data)]
+    whose limit can be off says how: 0, most often). Raises :class:`UserError` past
+    :data:`MAX_NESTING` levels."""
+    stack: list[tuple[str, Any, int]] = [("", data, 0)]
     while stack:
-        key, value = stack.pop()
+        key, value, depth = stack.pop()
         if isinstance(value, float) and not math.isfinite(value):
             return key, value
+        if isinstance(value, (dict, list)) and depth >= MAX_NESTING:
+            raise UserError(f"{key}: nested {MAX_NESTING} tables or arrays deep; a recipe nests far less")
         if isinstance(value, dict):
-            stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in reversed(value.items()))
+            stack.extend((f"{key}.{k}" if key else str(k), v, depth + 1) for k, v in reversed(value.items()))
         elif isinstance(value, list):
-            stack.extend((f"{key}.{i}" if key else str(i), v) for i, v in reversed(list(enumerate(value))))
+            stack.extend((f"{key}.{i}" if key else str(i), v, depth + 1) for i, v in reversed(list(enumerate(value))))
     return None
 
 
 def check_finite(data: dict[str, Any]) -> None:
-    """A :class:`UserError` naming the first ``inf`` or ``nan`` value in the recipe ``data``."""
+    """A :class:`UserError` naming the first ``inf`` or ``nan`` value in the recipe ``data``, or
+    a nesting past :data:`MAX_NESTING`."""
     found = first_not_finite(data)
     if found is not None:
         key, value = found
