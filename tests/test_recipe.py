@@ -125,6 +125,12 @@ def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(ca
     with pytest.raises(SystemExit) as exited:  # (argparse's own way: usage, one line, exit 2)
         run_cli(capsys, "bench", "serve", str(tiny_recipe), "--seconds", "inf")
     assert exited.value.code == 2 and "expected seconds above 0" in capsys.readouterr().err
+    # a result file is checked before minutes of measuring, not when it is written at the end
+    for out, said in ((str(tmp_path), "is a folder; expected a file to write"),
+                      (str(tmp_path / "no" / "x.json"), "no folder")):
+        with pytest.raises(SystemExit) as exited:
+            run_cli(capsys, "plan", str(tiny_recipe), "--out", out)
+        assert exited.value.code == 2 and said in capsys.readouterr().err
     # an empty host is every interface to Dask: never by accident
     for host, said in (('""', "expected an interface to listen on"), ('"::1"', "takes no IPv6 address")):
         code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"cluster.host={host}")

@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from streamrl.errors import UserError
 
 
+
+
+def json_out(text: str) -> str:
+    """A file a command writes its JSON result to at its end: checked before it runs (argparse
+    says what is wrong in one line), so that minutes of measuring are not lost to a path that is a
+    folder, in no folder, or not writable."""
+    import os
+
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file to write")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no folder {str(folder)!r} to write it in")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
+    return text
 
 def _seconds(text: str) -> float:
     """A phase's seconds: a finite number above 0 (argparse says so in one line otherwise). (As
@@ -33,18 +51,18 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     modes.add_argument("--modes", default="colocated,batch,stream,async", help="comma-separated modes to run")
     modes.add_argument("--steps", type=int, default=5, help="measured steps per mode")
     modes.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
-    modes.add_argument("--out", default=None, help="write the JSON result here")
+    modes.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     early = bench.add_parser("stop-early", help="responses ended early by the reward's stop_early, and not")
     recipe_args(early)
     early.add_argument("--every", type=int, default=8, help="engine.stop_early_every of the variant that stops early")
     early.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     early.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
-    early.add_argument("--out", default=None, help="write the JSON result here")
+    early.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     skew = bench.add_parser("skew", help="fcfs vs the skew scheduler (oracle and learned ranker)")
     recipe_args(skew)
     skew.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     skew.add_argument("--warmup", type=int, default=2, help="steps run first (the ranker learns) and left out")
-    skew.add_argument("--out", default=None, help="write the JSON result here")
+    skew.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     skew.add_argument("--variants", default=None, metavar="NAME,NAME,...",
                       help="run only these variants (fcfs, the reference of every ratio, always runs); "
                            "default: every variant the recipe's task and engine allow")
@@ -54,7 +72,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     recipe_args(transfer)
     transfer.add_argument("--transfers", default="dask", help="comma-separated transfer names")
     transfer.add_argument("--repeats", type=int, default=5, help="measured publications per transfer")
-    transfer.add_argument("--out", default=None, help="write the JSON result here")
+    transfer.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     engine = bench.add_parser("engine", help="generation per step: the recipe's engine, or variants of it")
     recipe_args(engine)
     engine.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
@@ -62,7 +80,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                              "speed-ups are relative to the first)")
     engine.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     engine.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
-    engine.add_argument("--out", default=None, help="write the JSON result here")
+    engine.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     trainer = bench.add_parser("trainer", help="the recipe's trainer on synthetic batches: tokens/s, MFU, peak memory")
     recipe_args(trainer)
     trainer.add_argument("--variant", dest="variants", action="append", default=[], metavar="LABEL:KEY=VALUE;...",
@@ -72,7 +90,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     trainer.add_argument("--response-tokens", type=int, default=512, help="response tokens per sample")
     trainer.add_argument("--steps", type=int, default=3, help="measured optimizer steps")
     trainer.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
-    trainer.add_argument("--out", default=None, help="write the JSON result here")
+    trainer.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     trainer.add_argument("--profile-dir", default=None,
                          help="profile one more step of each variant with torch.profiler; its operators by "
                               "device time go to DIR/trainer-profile-<variant>.txt")
@@ -87,7 +105,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     pool.add_argument("--response-tokens", type=int, default=48, help="response tokens per sample")
     pool.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
     pool.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
-    pool.add_argument("--out", default=None, help="write the JSON result here")
+    pool.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     elastic = bench.add_parser("elastic", help="a fixed generate pool (min, max workers) vs an elastic one")
     recipe_args(elastic)
     elastic.add_argument("--min", dest="lo", type=int, default=1, help="workers of the small fixed pool, where the "
@@ -98,7 +116,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     elastic.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the figures")
     elastic.add_argument("--repeats", type=int, default=1, help="passes of the three variants, interleaved; the "
                                                                  "median ratio to fixed-min is reported")
-    elastic.add_argument("--out", default=None, help="write the JSON result here")
+    elastic.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     bench_eval = bench.add_parser("eval", help="the recipe without and with [eval] every N steps: what evaluation "
                                                "costs training's samples/s")
     recipe_args(bench_eval)
@@ -107,7 +125,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     bench_eval.add_argument("--warmup", type=int, default=3, help="steps run first and left out of the figures")
     bench_eval.add_argument("--repeats", type=int, default=1, help="passes of both variants, interleaved; the "
                                                                    "median ratio is reported")
-    bench_eval.add_argument("--out", default=None, help="write the JSON result here")
+    bench_eval.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     bench_learners = bench.add_parser("learners", help="several learners on one stream ([[learners]]) vs each "
                                                        "alone, back to back: wall time, generated tokens, rewards")
     recipe_args(bench_learners)
@@ -133,7 +151,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                 "dpo.trainer.lr=1e-4 or dpo.algorithm.beta=0.2 (repeatable)")
     bench_learners.add_argument("--steps", type=int, default=None, help="run.steps of every run (default: the "
                                                                         "recipe's)")
-    bench_learners.add_argument("--out", default=None, help="write the JSON result here (default: "
+    bench_learners.add_argument("--out", default=None, type=json_out, help="write the JSON result here (default: "
                                                             "bench-learners.json beside the run folders)")
     stale = bench.add_parser("staleness", help="the recipe at staleness 0 (stream) to 8 (async), with and without "
                                                "an off-policy correction, over seeds: held-out score and samples/s")
@@ -146,7 +164,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     stale.add_argument("--steps", type=int, default=None, help="run.steps of every run (default: the recipe's)")
     stale.add_argument("--eval-prompts", type=int, default=256,
                        help="held-out prompts evaluated at the end when the recipe has no [eval]")
-    stale.add_argument("--out", default=None, help="write the JSON result here")
+    stale.add_argument("--out", default=None, type=json_out, help="write the JSON result here")
     bench_serve = bench.add_parser("serve", help="the endpoint's latency under a bounded load, learning off vs on "
                                                  "(streamrl serve, openai clients on loopback)")
     recipe_args(bench_serve)
@@ -157,7 +175,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
     bench_serve.add_argument("--client-processes", type=int, default=1,
                              help="processes the clients are spread over (one process's threads share its "
                                   "interpreter lock: on a GPU, 64 clients in one process measure themselves)")
-    bench_serve.add_argument("--out", help="write the rows and ratios as JSON here")
+    bench_serve.add_argument("--out", type=json_out, help="write the rows and ratios as JSON here")
     bench_serve.add_argument("--all-models", dest="all_models", action="store_true",
                              help="ask every model /v1/models lists in turn (each learner's variant too) and report "
                                   "each one's time to first token against the served policy's")

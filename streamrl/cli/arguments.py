@@ -123,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--recipe", help="the recipe whose task and reward score them (default: a run folder's own)")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe value, e.g. --set eval.samples=4")
-    ev.add_argument("--out", help="also write the rows as JSON to this file")
+    ev.add_argument("--out", type=bench_commands.json_out, help="also write the rows as JSON to this file")
 
     ref = sub.add_parser("reference", help="run a recipe's components in this process, no Dask (the reference loop)")
     ref.add_argument("file", help="recipe TOML file")
@@ -157,6 +157,7 @@ def parser() -> argparse.ArgumentParser:
                       help="steps of the recipe run first: a sim recipe's controller costs (async), a real "
                            "engine's whole profile (batch; 0: none)")
     plan.add_argument("--profile", default=None, help="plan from this saved profile (JSON) instead")
-    plan.add_argument("--save-profile", default=None, help="write the profile used here (JSON)")
-    plan.add_argument("--out", default=None, help="write the JSON result here")
+    plan.add_argument("--save-profile", default=None, type=bench_commands.json_out,
+                      help="write the profile used here (JSON)")
+    plan.add_argument("--out", default=None, type=bench_commands.json_out, help="write the JSON result here")
     return ap
