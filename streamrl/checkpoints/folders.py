@@ -87,8 +87,8 @@ def named(run_dir: Path, name: str) -> Path:
     """The checkpoint ``name`` of a run (``step-000010``, ``step-10`` or ``10``), which must
     verify; a one-line :class:`UserError` names the checkpoints there are otherwise."""
     digits = name.removeprefix(PREFIX)
-    found = next((c for c in _all(run_dir) if digits.isdigit() and int(c.name.removeprefix(PREFIX)) == int(digits)),
-                 None)
+    ok = digits.isascii() and digits.isdigit() and len(digits) <= 12  # ("²" is a digit to str, not to int)
+    found = next((c for c in _all(run_dir) if ok and int(c.name.removeprefix(PREFIX)) == int(digits)), None)
     if found is None:
         there = ", ".join(c.name for c in _all(run_dir)) or "none"
         raise UserError(f"--from {name}: no such checkpoint in {folder(run_dir)} (there are: {there})")

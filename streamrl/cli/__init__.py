@@ -142,7 +142,7 @@ def cmd_reference(args) -> int:
     from streamrl.recipe.recipe import load_recipe
 
     resolved = resolve(load_recipe(args.file, args.overrides))
-    steps = args.steps or resolved.recipe.run.steps
+    steps = resolved.recipe.run.steps if args.steps is None else args.steps
     if steps < 1:
         raise UserError("--steps must be >= 1")
     reference.run(resolved, steps)
