@@ -183,3 +183,20 @@ def test_the_hard_end_comes_while_an_exit_hook_hangs():
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 130 and time.monotonic() - t0 < 30, proc.stderr
+
+
+def test_model_init_mistakes_and_a_checkpoint_named_oddly_are_one_line(tmp_path, capsys):
+    # (a --set transformers refuses, a seed torch refuses, a digit int() refuses: tracebacks before)
+    code = main(["model", "init", "--arch", "qwen2.5-0.5b", "--random", "--out", str(tmp_path / "m"),
+                 "--set", "hidden_size=x"])
+    assert code == 2 and "the model cannot be made (StrictDataclassFieldValidationError" in one_line_error(
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exited:
+        main(["model", "init", "--task", "addition", "--out", str(tmp_path / "m"), "--seed", str(2**64)])
+    assert exited.value.code == 2 and "expected a seed from 0 below 2**32" in capsys.readouterr().err
+    from streamrl.checkpoints import folders
+    from streamrl.errors import UserError
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match="^--from step-²: no such checkpoint"):
+        folders.named(tmp_path / "run", "step-²")

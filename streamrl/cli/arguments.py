@@ -12,6 +12,17 @@ import argparse
 from streamrl.bench import commands as bench_commands
 
 
+def _seed(text: str) -> int:
+    """A seed: a whole number from 0 below 2**32, as a recipe's ``run.seed`` (torch refuses more)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 below 2**32, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """A wait in seconds: a finite number above 0 (argparse says so in one line otherwise)."""
     import math
@@ -94,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True, help="output folder")
     init.add_argument("--warmstart-steps", type=int, default=800,
                       help="supervised AdamW steps (0: none); 800 gives ~65%% greedy accuracy on addition, leaving room for RL")
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=_seed, default=0)
     init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="task option, e.g. --set digits=3 (with --arch: a model config value, e.g. "
                            "--set num_hidden_layers=4)")

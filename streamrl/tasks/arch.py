@@ -11,6 +11,7 @@ With a hub, point ``model.path`` at the real checkpoint instead (``Qwen/Qwen2.5-
 from __future__ import annotations
 
 import string
+from pathlib import Path
 
 from streamrl.errors import UserError
 
@@ -66,14 +67,21 @@ def random_model(arch: str, out: str, overrides: dict, dtype: str = "bfloat16", 
 
     if arch not in ARCHS:
         raise UserError(f"--arch: unknown {arch!r}; known: {', '.join(ARCHS)}")
+    if Path(out).exists() and not Path(out).is_dir():  # (checked before the weights are drawn)
+        raise UserError(f"--out: {out} is a file; expected a folder to write the model into")
     shape = {**ARCHS[arch], **overrides}
     model_type = shape.pop("model_type")
-    config = AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
-    torch.manual_seed(seed)
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--init-device cuda: this machine has no CUDA GPU")
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    try:
+        config = AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    except Exception as exc:  # noqa: BLE001 -- a --set transformers refuses (its config checks raise their own kinds)
+        text = " ".join(str(exc).split())[:300]
+        raise UserError(f"--arch {arch} with {overrides or 'its own shape'}: the model cannot be made "
+                        f"({type(exc).__name__}: {text})") from None
     tokenizer = any_id_tokenizer(config.vocab_size)
     save(model, tokenizer, out)
     report = {"arch": arch, "overrides": overrides, "dtype": dtype,
