@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -126,11 +127,16 @@ def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(ca
         run_cli(capsys, "bench", "serve", str(tiny_recipe), "--seconds", "inf")
     assert exited.value.code == 2 and "expected seconds above 0" in capsys.readouterr().err
     # a result file is checked before minutes of measuring, not when it is written at the end
+    (tmp_path / "a-file").write_text("")
     for out, said in ((str(tmp_path), "is a folder; expected a file to write"),
-                      (str(tmp_path / "no" / "x.json"), "no folder")):
+                      (str(tmp_path / "a-file" / "x.json"), "is not a folder this user can write in")):
         with pytest.raises(SystemExit) as exited:
             run_cli(capsys, "plan", str(tiny_recipe), "--out", out)
         assert exited.value.code == 2 and said in capsys.readouterr().err
+    from streamrl.bench.commands import json_out
+
+    assert json_out(str(tmp_path / "new" / "x.json")) == str(tmp_path / "new" / "x.json")  # (its folder made)
+    assert (tmp_path / "new").is_dir() and json_out("~/x.json") == str(Path.home() / "x.json")
     # an empty host is every interface to Dask: never by accident
     for host, said in (('""', "expected an interface to listen on"), ('"::1"', "takes no IPv6 address")):
         code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"cluster.host={host}")

@@ -15,18 +15,23 @@ from streamrl.errors import UserError
 def json_out(text: str) -> str:
     """A file a command writes its JSON result to at its end: checked before it runs (argparse
     says what is wrong in one line), so that minutes of measuring are not lost to a path that is a
-    folder, in no folder, or not writable."""
+    folder or cannot be written; its folder is made now when it does not exist yet. Returns the
+    path with ``~`` expanded (the shell leaves ``--out=~/x.json`` as it is)."""
     import os
 
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file to write")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: no folder {str(folder)!r} to write it in")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
-    return text
+    folder = path.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({existing} is not a folder this user can "
+                                         "write in)" if not path.exists() else f"{text!r} cannot be written")
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
 
 def _seconds(text: str) -> float:
     """A phase's seconds: a finite number above 0 (argparse says so in one line otherwise). (As

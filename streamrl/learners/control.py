@@ -131,9 +131,19 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
     lines = []
     mine = str(Path(run_dir).resolve())
     for request in requests:
-        if not isinstance(request, dict) or request.get("run") != mine:
-            continue  # (another run's, left on a cluster that outlived it: nobody waits for it now)
+        if not isinstance(request, dict):
+            continue
         rid = request.get("id")
+        if request.get("run") != mine:  # (another run's, left on a cluster that outlived it): not carried out
+            # answered all the same: a command that sees this folder by another path (a container's
+            # mount) learns why, instead of waiting for its timeout
+            try:
+                Variable(f"{REQUESTS}-{rid}", client=client).set(
+                    {"ok": False, "message": f"the request names run folder {request.get('run')!r}; this run's is "
+                                             f"{mine!r} (another run's request, or this folder by another path)"})
+            except Exception:  # noqa: BLE001 -- nobody may be waiting for it
+                pass
+            continue
         try:
             Variable(f"{REQUESTS}-{rid}-begun", client=client).set(True)
             if _flag(client, f"{REQUESTS}-{rid}-withdrawn"):

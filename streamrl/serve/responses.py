@@ -259,8 +259,9 @@ class Format:
                                            for call in calls):
                 # a control token's string in a call's name or arguments: echoed back in the next
                 # turn, the endpoint refuses it there (the template would write it as that token);
-                # the reply is its text, as a reply that does not parse is
-                content, calls = c.text, []
+                # the reply is its content without the calls (as the parser read it: a model's
+                # reasoning stays out)
+                calls = []
             ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
                    for call in calls]
             return reply_message(content, calls, ids)
