@@ -225,3 +225,20 @@ def test_a_dead_peers_fetch_is_dropped_on_both_ends_and_other_worker_errors_stay
         assert kept("Run out-of-band function %r")
     finally:
         log.filters[:] = before
+
+
+def test_a_scratch_folder_another_process_removed_first_is_no_error_shown_and_other_failures_are():
+    # (seen in CI: a worker starting as the run was interrupted printed it below "streamrl: interrupted")
+    import logging
+
+    import streamrl.cluster.pool_workers  # noqa: F401 -- installs the filter, as every worker process does
+    from streamrl.cluster.quiet import drop_vanished_scratch
+
+    def record(error: str):
+        return logging.LogRecord("distributed.diskutils", logging.ERROR, __file__, 1,
+                                 "Failed to remove %r (failed in %r): %s", ("/tmp/dask-scratch-space/w", "lstat", error),
+                                 None)
+
+    assert drop_vanished_scratch in logging.getLogger("distributed.diskutils").filters
+    assert not drop_vanished_scratch(record("[Errno 2] No such file or directory: '/tmp/dask-scratch-space/w'"))
+    assert drop_vanished_scratch(record("[Errno 13] Permission denied: '/tmp/dask-scratch-space/w'"))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from distributed import Nanny, Worker
 
+from streamrl.cluster import quiet
 from streamrl.devices import ENV as DEVICE_ENV
 from streamrl.recipe.learners import LearnerConfig, main_learner
 from streamrl.recipe.pools import REQUIRED_POOLS
@@ -80,6 +81,12 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
+
+
+# (at import: every worker process of a pool imports this module, as the cluster's process does;
+# a scratch folder another process removed first is no error to show the user, least of all
+# below "streamrl: interrupted")
+logging.getLogger("distributed.diskutils").addFilter(quiet.drop_vanished_scratch)
 
 
 class PoolWorker(Worker):

@@ -145,6 +145,17 @@ def _drop_lost_peer_fetch(record: logging.LogRecord) -> bool:
                 or msg.startswith("failed during get data"))
 
 
+def drop_vanished_scratch(record: logging.LogRecord) -> bool:
+    """Logging filter: False for Dask's "Failed to remove" record of a worker's scratch folder
+    that is already gone (two processes cleaning one folder as a cluster stops or starts: the
+    second finds nothing to remove); any other failure to remove stays."""
+    try:
+        text = record.getMessage()
+    except Exception:  # noqa: BLE001 -- a record that cannot be formatted is kept as it is
+        return True
+    return not (text.startswith("Failed to remove") and "No such file or directory" in text)
+
+
 def _drop_compute_failed(record: logging.LogRecord) -> bool:
     """Logging filter: False for the worker's "Compute Failed" record (the error reaches the
     client anyway); everything else the worker logs stays."""
