@@ -33,9 +33,9 @@ def json_out(text: str) -> str:
     return str(path)
 
 
-def _seconds(text: str) -> float:
-    """A phase's seconds: a finite number above 0 (argparse says so in one line otherwise). (As
-    ``cli/arguments.py``'s: that module imports this one.)"""
+def seconds(text: str) -> float:
+    """A wait or a phase in seconds: a finite number above 0 and at most 1e6 (argparse says so in
+    one line otherwise). Here, where ``cli/arguments.py``'s parsers find it too."""
     import math
 
     try:
@@ -174,7 +174,7 @@ def add_parsers(sub, recipe_args: Callable[[argparse.ArgumentParser], None]) -> 
                                                  "(streamrl serve, openai clients on loopback)")
     recipe_args(bench_serve)
     bench_serve.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
-    bench_serve.add_argument("--seconds", type=_seconds, default=30, help="seconds of each phase")
+    bench_serve.add_argument("--seconds", type=seconds, default=30, help="seconds of each phase")
     bench_serve.add_argument("--repeats", type=int, default=2, help="off/on pairs (the order alternates)")
     bench_serve.add_argument("--n", type=int, default=8, help="completions per request")
     bench_serve.add_argument("--client-processes", type=int, default=1,

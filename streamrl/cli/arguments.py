@@ -23,19 +23,6 @@ def _seed(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    """A wait in seconds: a finite number above 0 (argparse says so in one line otherwise)."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= 1e6):
-        raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most 1e6, got {text!r}")
-    return value
-
-
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="recipe TOML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -92,11 +79,13 @@ def parser() -> argparse.ArgumentParser:
                      help="start from the served policy's current weights (default) or the initial model")
     add.add_argument("--resume", action="store_true",
                      help="start from its own state in the newest checkpoint (a learner that failed or was removed)")
-    add.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for the run's answer")
+    add.add_argument("--timeout", type=bench_commands.seconds, default=600.0,
+                     help="seconds to wait for the run's answer")
     rm = learners.add_parser("remove", help="remove a learner from a running run (its policy is saved)")
     rm.add_argument("run_dir", help="the run folder")
     rm.add_argument("name", help="the learner's name")
-    rm.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for the run's answer")
+    rm.add_argument("--timeout", type=bench_commands.seconds, default=600.0,
+                    help="seconds to wait for the run's answer")
 
     model = sub.add_parser("model", help="model folders: tiny task models, GGUF imports, known models fetched"
                            ).add_subparsers(dest="cmd", required=True)
