@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
 import time
 import zlib
 from pathlib import Path
@@ -244,6 +246,8 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
 
         from streamrl.learners.control import REQUESTS, scheduler_of
 
+        status = json.loads((run_dir / "status.json").read_text())  # (what tells a killed run from a live one)
+        assert status["pid"] == proc.pid and status["host"] == socket.gethostname()
         with Client(scheduler_of(run_dir), timeout=10) as c:
             Queue(REQUESTS, client=c).put({"op": "add", "id": "left-over", "run": str(tmp_path / "another-run"),
                                            "name": "ghost", "table": {"name": "ghost"}})
@@ -370,7 +374,15 @@ def test_the_learners_commands_on_a_damaged_run_folder_are_one_line(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # (a pid of this machine that no process has now: a run killed with -9)
+    left_running = {"state": "running", "scheduler": "tcp://127.0.0.1:9", "pid": gone.pid}
     cases = [
+        ({"status.json": json.dumps({**left_running, "host": socket.gethostname()})}, ["remove", str(run), "x"],
+         f"the run's process (pid {gone.pid}) is gone"),
+        # another machine's run: its pid says nothing here, so the scheduler is asked (and is not there)
+        ({"status.json": json.dumps({**left_running, "host": "elsewhere.invalid"})}, ["remove", str(run), "x"],
+         "cannot reach the run's scheduler at tcp://127.0.0.1:9"),
         ({"status.json": "[]"}, ["add", str(run), "--name", "x"], "expected a JSON object with a 'state'"),
         ({"status.json": "[" * 100_000}, ["remove", str(run), "x"], "cannot be read (RecursionError)"),
         ({"status.json": '{"state": "running", "scheduler": 5}'}, ["remove", str(run), "x"], "the run is not running"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -171,7 +172,9 @@ class RunFolder:
                     old = name.removeprefix(folders.DAMAGED).removeprefix(folders.PASSED_OVER)
                     warnings.warn(f"checkpoints/{old} is kept as {name} (the resumed run writes that step again)",
                                   RunWarning, stacklevel=2)
-        self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid())
+        # (the host beside the pid: a command on the same machine can tell a killed run from a live one)
+        self.mark("starting", recipe_file=str(loaded.file.resolve()), steps=loaded.recipe.run.steps, pid=os.getpid(),
+                  host=socket.gethostname())
         self.sinks = []
         for sink in sinks:  # (a plugin's: one that cannot start is one line, and closes those before it)
             try:
