@@ -54,7 +54,9 @@ def check_scheduler_address(address: str, timeout: float) -> None:
         raise UserError(f"cluster.address: Dask cannot connect to {address} from here ({type(exc).__name__}: "
                         f"{exc}); expected tcp://HOST:PORT or tls://HOST:PORT (ucx:// needs the distributed-ucxx "
                         "package, where streamrl runs and on the cluster)") from None
-    if scheme != "tcp":  # (tls: the server waits for our TLS hello; Dask's client checks the rest)
+    if scheme == "tls":  # (the server waits for our TLS hello; Dask's client checks the rest -- given a certificate)
+        _check_tls_config(address)
+    if scheme != "tcp":
         return
     host, port = parse_host_port(location)
     deadline = time.monotonic() + timeout
@@ -103,6 +105,24 @@ def check_scheduler_address(address: str, timeout: float) -> None:
 #: A Dask ``Variable`` on the scheduler naming the client of the streamrl run that uses a cluster
 #: streamrl did not start (:func:`claim`).
 OWNER = "streamrl-run"
+
+
+def _check_tls_config(address: str) -> None:
+    """One line naming what is missing when ``tls://`` is asked for and Dask's config gives this
+    process no certificate (Dask's own message blames the scheduler: "TLS expects a ssl_context")."""
+    from distributed.security import Security
+
+    try:
+        context = Security().get_connection_args("client").get("ssl_context")
+    except Exception as exc:  # (a certificate file named in the config that is missing or not one)
+        raise UserError(f"cluster.address: {address} needs this machine's TLS certificate, and Dask's config "
+                        f"names one that cannot be used ({type(exc).__name__}: {str(exc)[:200]}); expected "
+                        "distributed.comm.tls.ca-file and .client.cert/.client.key to be readable PEM files") from None
+    if context is None:
+        raise UserError(f"cluster.address: {address} is a TLS address but Dask's config gives this process no "
+                        "certificate; expected distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/.key "
+                        "set (~/.config/dask/*.yaml, or DASK_DISTRIBUTED__COMM__TLS__CA_FILE and its kin), or a "
+                        "tcp:// address on a trusted network")
 
 
 def claim(client: Client, recipe: Recipe) -> None:
