@@ -155,6 +155,8 @@ def test_plan_command_prints_choices_and_writes_json(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--modes", "colocated"], "--modes: 'colocated' is not a mode the planner can split for"),
     (["--devices", "1"], "--devices must be >= 2"),
+    (["--max-staleness", "100000"], "--max-staleness must be <= 64"),
+    (["--steps", "3", "--warmup", "3"], "--warmup (3) must be below --steps (3)"),
     (["--profile", "missing.json"], "profile missing.json: not a streamrl plan profile"),
 ])
 def test_plan_mistakes_are_one_line(args, message):

@@ -45,6 +45,14 @@ def cmd_plan(args) -> int:
                         "expected some of batch, stream, async")
     if args.steps < 1 or args.warmup < 0 or args.top < 1 or args.max_staleness < 1 or args.calibrate_steps < 0:
         raise UserError("--steps, --top and --max-staleness must be >= 1, --warmup and --calibrate-steps >= 0")
+    # (the search replays every split, mode and bound for --steps steps: bounded so a typo is
+    # one line, not an afternoon; a bound past 64 steps behind or a run of 10,000 steps per
+    # prediction tells nothing a smaller one does not)
+    if args.max_staleness > 64 or args.steps > 10_000 or args.devices > 4096 or args.top > 1000:
+        raise UserError("--max-staleness must be <= 64, --steps <= 10000, --devices <= 4096 and --top <= 1000")
+    if args.warmup >= args.steps:
+        raise UserError(f"--warmup ({args.warmup}) must be below --steps ({args.steps}): the steps left out of "
+                        "each prediction")
     try:
         allocate.plan(args.file, args.overrides, args.devices or None, chosen, args.max_staleness, args.top,
                       args.steps, args.warmup, args.objective, args.check, args.profile, args.save_profile,
