@@ -447,6 +447,13 @@ def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_nami
                         ([good[1], good[0]], "returned sample '0-1-0' in the group of prompt '0-0'"),
                         ([good[0], [good[1][0], "x"]], "returned a str in the group of prompt '0-1'"),
                         ([good[0], [good[1][0], sample("0-1-1", prompts[1], (-0.1, -0.2))]],
-                         "returned sample '0-1-1' with 1 response tokens and 2 log-probs")]:
+                         "returned sample '0-1-1' with 1 response tokens and 2 log-probs"),
+                        # a behaviour log-prob that is not a finite number: every ratio of the batch NaN
+                        ([good[0], [good[1][0], sample("0-1-1", prompts[1], (float("nan"),))]],
+                         "returned sample '0-1-1' with a log-prob of 'nan'; expected finite"),
+                        ([good[0], [good[1][0], sample("0-1-1", prompts[1], (float("-inf"),))]],
+                         "returned sample '0-1-1' with a log-prob of '-inf'"),
+                        ([good[0], [good[1][0], sample("0-1-1", prompts[1], (None,))]],
+                         "returned sample '0-1-1' with a log-prob of 'None'")]:
         with pytest.raises(RunStopped, match=re.escape(f"engine Plugin: generate_groups() {said}")):
             checked_groups(Plugin(), prompts, 2, wrong)

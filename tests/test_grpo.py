@@ -98,3 +98,28 @@ def test_dr_grpo_loss_is_token_level():
                                                             torch.tensor([1.0, -1.0]), mask)
     # ratio 1: each token contributes -A; the sums (-2 and +1) are divided by L_max = 4, not by length
     assert per_sample.tolist() == pytest.approx([-0.5, 0.25])
+
+
+@pytest.mark.parametrize("rewards", [[0.7] * 8, [890.62] * 3, [0.1] * 5, [-1e6] * 4, [1 / 3] * 6])
+def test_a_group_of_equal_rewards_gets_exact_zeros_from_every_group_baseline(rewards):
+    # computed, the mean of equal values can be an ulp off while their std is exactly 0: GRPO gave
+    # [0.7] * 8 an advantage of 0.056 each, the whole group pushed one way by rounding, and the
+    # trainer's skip of zero-advantage samples never fired for it
+    from streamrl.algorithms.dr_grpo import DrGRPO, DrGRPOConfig
+    from streamrl.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
+    from streamrl.algorithms.rloo import RLOO, RLOOConfig
+
+    rpp = ReinforcePP(ReinforcePPConfig())
+    rpp.advantages([1.0, 0.0, 0.0, 1.0])  # (running statistics away from zero)
+    for algo in (GRPO(GRPOConfig()), GRPO(GRPOConfig(scale_rewards=False)), RLOO(RLOOConfig()),
+                 DrGRPO(DrGRPOConfig()), rpp):
+        assert algo.advantages(list(rewards)) == [0.0] * len(rewards), type(algo).__name__
+
+
+def test_grpo_advantages_are_torchs_normalisation_in_double_precision():
+    rewards = [0.3, 0.7, 0.7, 0.1, 1e-3, 2.5]
+    r = torch.tensor(rewards, dtype=torch.float64)
+    expected = ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+    assert GRPO(GRPOConfig()).advantages(rewards) == pytest.approx(expected, rel=1e-12)
+    assert GRPO(GRPOConfig(scale_rewards=False)).advantages(rewards) == pytest.approx((r - r.mean()).tolist())
+    assert GRPO(GRPOConfig()).advantages([0.5]) == [0.0]  # a sample alone: no baseline

@@ -189,3 +189,28 @@ def test_a_run_at_staleness_two_records_its_tokens_by_staleness(correction, tiny
                 assert correction == "tis" or v == 0
             if k.endswith("/masked"):
                 assert masking[correction] or v == 0
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "decoupled", "icepop", "geo_reject", "m2po"])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_a_token_far_off_its_behaviour_policy_keeps_the_loss_and_every_gradient_finite(correction, adv):
+    # a token 99.9 nats likelier now than when it was sampled (a stale sample, a mismatched engine):
+    # exp(new - old) is a float32 infinity, and its backward 0 * inf put NaN in every gradient --
+    # also where the clip or the response mask leaves the token out -- and the step was refused
+    new = torch.tensor([[-0.1, -0.5, -90.0]], requires_grad=True)
+    old = torch.tensor([[-100.0, -0.5, -0.4]])
+    ref = torch.tensor([[-0.1, -0.6, -1.0]])  # (the KL term: 89 nats below the reference at t=2)
+    mask = torch.tensor([[0.0, 1.0, 1.0]])  # (the far token masked out, as a tool's output would be)
+    for kl_coef, behaviour_kl in [(0.0, 0.0), (0.1, 0.0), (0.0, 0.1)]:
+        algo = GRPO(GRPOConfig(clip=0.2, kl_coef=kl_coef, behaviour_kl=behaviour_kl,
+                               off_policy={"correction": correction}))
+        for m in (mask, torch.ones_like(mask)):
+            per_sample, stats = algo.loss(new, old, ref if kl_coef else None, torch.tensor([adv]), m)
+            (grad,) = torch.autograd.grad(per_sample.sum(), new)
+            assert torch.isfinite(per_sample).all() and torch.isfinite(grad).all(), (kl_coef, behaviour_kl, m, grad)
+            assert all(torch.isfinite(v).all() for k, v in stats.items() if k != TOKEN_FLAGS)
+        # and the tokens within reach are untouched by the bound: t=1's gradient is the plain one
+        plain = GRPO(GRPOConfig(clip=0.2, off_policy={"correction": correction}))
+        per_sample, _ = plain.loss(new[:, 1:2], old[:, 1:2], None, torch.tensor([adv]), mask[:, 1:2])
+        (near,) = torch.autograd.grad(per_sample.sum(), new)
+        assert near[0, 1].item() == pytest.approx(-adv)

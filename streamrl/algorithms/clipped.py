@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from streamrl.algorithms.off_policy import TOKEN_FLAGS, OffPolicyConfig, ratio_and_weight
+from streamrl.algorithms.off_policy import LOG_RATIO_BOUND, TOKEN_FLAGS, OffPolicyConfig, ratio_and_weight
 from streamrl.contracts.learning import Algorithm
 
 
@@ -94,16 +94,17 @@ class ClippedSurrogate(Algorithm):
         per_token = -surrogate * behaviour_weight
         kl = torch.zeros_like(new)
         if ref is not None:
-            d = ref - new
+            d = (ref - new).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (e^d past float32: NaN gradients)
             kl = torch.exp(d) - d - 1
             per_token = per_token + self.config.kl_coef * kl
         anchor = torch.zeros_like(new)
         if self.config.behaviour_kl > 0:  # k3 of KL(behaviour || new) on the behaviour's samples
-            d = new - old
+            d = (new - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
             anchor = torch.exp(d) - d - 1
             per_token = per_token + self.config.behaviour_kl * anchor
         n_tokens = mask.sum(-1).clamp(min=1)
-        per_sample = (per_token * mask).sum(-1) / n_tokens
+        # (where, not a product: a padded position's value may be anything, and inf * 0 is NaN)
+        per_sample = torch.where(mask > 0, per_token, 0.0).sum(-1) / n_tokens
         with torch.no_grad():
             was_clipped = ((ratio - clipped).abs() > 1e-8).float()
             stats = {

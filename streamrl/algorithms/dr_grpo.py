@@ -11,6 +11,8 @@ makes the loss token-level. The trainer then divides by the samples in the batch
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
@@ -28,8 +30,10 @@ class DrGRPO(ClippedSurrogate):
     min_group_size = 2  # a group baseline: a sample alone gets advantage 0
 
     def advantages(self, rewards: list[float]) -> list[float]:
-        """``r_i - mean(r)``."""
-        mean = sum(rewards) / len(rewards)
+        """``r_i - mean(r)`` (exact zeros for an all-equal group: the trainer skips them)."""
+        if min(rewards) == max(rewards):  # (a computed mean can be an ulp off the equal values)
+            return [0.0] * len(rewards)
+        mean = math.fsum(rewards) / len(rewards)
         return [r - mean for r in rewards]
 
     def loss(self, new, old, ref, adv, mask):

@@ -12,6 +12,8 @@ says how stale samples are corrected). The trainer sums L_i over the batch and s
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
@@ -30,11 +32,15 @@ class GRPO(ClippedSurrogate):
     min_group_size = 2  # a group baseline: a sample alone gets advantage 0
 
     def advantages(self, rewards: list[float]) -> list[float]:
-        """Group-normalised advantages; an all-equal group gets zeros (no signal, no update)."""
-        import torch  # here, not at the top: the `streamrl` process registers GRPO without torch
-
-        r = torch.tensor(rewards, dtype=torch.float32)
-        a = r - r.mean()
-        if self.config.scale_rewards and len(rewards) > 1:  # config is a GRPOConfig here
-            a = a / (r.std() + self.config.eps)
-        return a.tolist()
+        """Group-normalised advantages; an all-equal group gets exact zeros (no signal, no update)."""
+        if len(rewards) < 2 or min(rewards) == max(rewards):
+            # (computed, the mean of equal values can be an ulp off while their std is exactly 0:
+            # every sample got the same +-ulp/eps, pushed the same way by noise, and was not skipped)
+            return [0.0] * len(rewards)
+        n = len(rewards)
+        mean = math.fsum(rewards) / n
+        a = [r - mean for r in rewards]
+        if self.config.scale_rewards:  # config is a GRPOConfig here; the sample std, as torch's
+            std = math.sqrt(math.fsum(x * x for x in a) / (n - 1))
+            a = [x / (std + self.config.eps) for x in a]
+        return a

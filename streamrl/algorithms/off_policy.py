@@ -54,6 +54,10 @@ CORRECTIONS = ("none", "tis", "decoupled", "icepop", "geo_reject", "m2po")
 #: clipped, truncated, masked) for the trainer's diagnostics, not a statistic to sum
 TOKEN_FLAGS = "token_flags"
 
+#: how far (in nats) a log-ratio is taken before its exp: past it the clip already holds the
+#: token, and e^89 is a float32 infinity whose backward is NaN
+LOG_RATIO_BOUND = 20.0
+
 #: the band each masking correction keeps when the recipe names none
 DEFAULT_BANDS = {"icepop": (0.5, 5.0), "geo_reject": (0.5, 2.0)}
 
@@ -98,7 +102,10 @@ def ratio_and_weight(config: OffPolicyConfig, new, old, mask):
     valid = mask > 0
     no = torch.zeros_like(valid)
     if kind in ("none", "m2po"):
-        ratio = torch.exp(new - old)
+        # (clamped before the exp: a token 89 nats likelier than its behaviour policy made it
+        # gives an infinite ratio, and its backward 0 * inf = NaN in every gradient -- even where
+        # the clip or the mask leaves the token out. e^20 is far outside any clip range.)
+        ratio = torch.exp((new - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         if kind == "none":
             return ratio, torch.ones_like(new), {"truncated": no, "masked": no}
         keep = m2_keep(new.detach() - old, valid, config.m2_threshold)

@@ -35,14 +35,17 @@ class ReinforcePP(ClippedSurrogate):
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """Centre on the group mean, then normalise with the run's running mean and std."""
-        g = sum(rewards) / len(rewards)
-        centred = [r - g for r in rewards]
+        flat = min(rewards) == max(rewards)
+        g = math.fsum(rewards) / len(rewards)
+        centred = [0.0 if flat else r - g for r in rewards]  # (a computed mean can be an ulp off equal values)
         for x in centred:  # Welford
             self.n += 1
             d = x - self.mean
             self.mean += d / self.n
             self.m2 += d * (x - self.mean)
         std = math.sqrt(self.m2 / self.n) if self.n > 1 else 1.0
+        if flat:  # no signal in the group (its zeros still count in the run's std, as in the paper's batch)
+            return [0.0] * len(rewards)
         return [(x - self.mean) / (std + self.config.eps) for x in centred]
 
     def state_dict(self) -> dict:

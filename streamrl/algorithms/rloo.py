@@ -25,7 +25,7 @@ class RLOO(ClippedSurrogate):
     def advantages(self, rewards: list[float]) -> list[float]:
         """``r_i`` minus the mean of the group's other rewards (0 for a group of one)."""
         n = len(rewards)
-        if n < 2:
+        if n < 2 or min(rewards) == max(rewards):  # (exact zeros: the trainer skips them; rounding would not)
             return [0.0] * n
         total = sum(rewards)
         return [r - (total - r) / (n - 1) for r in rewards]

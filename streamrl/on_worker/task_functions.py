@@ -11,6 +11,7 @@ instead of training the wrong policy.
 
 from __future__ import annotations
 
+import math
 import time
 
 from distributed import get_client, get_worker
@@ -88,7 +89,18 @@ def checked_groups(engine, prompts: list[Prompt], n: int, groups) -> list[Group]
                 raise RunStopped(f"{said} returned sample {s.uid!r} with {len(s.response_ids)} response tokens "
                                  f"and {len(s.logprobs)} log-probs; expected one per token; nothing of this step "
                                  "was applied")
+            bad = [x for x in s.logprobs or () if not _finite(x)]
+            if bad:  # (a NaN or -inf behaviour log-prob makes every weight and ratio of the batch NaN)
+                raise RunStopped(f"{said} returned sample {s.uid!r} with a log-prob of {str(bad[0])[:40]!r}; expected finite "
+                                 "log-probabilities of the tokens it sampled; nothing of this step was applied")
     return groups
+
+
+def _finite(x) -> bool:
+    try:  # (a float, or a number that is one: numpy's, a 0-d tensor)
+        return not isinstance(x, (bool, str)) and math.isfinite(float(x))
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def generate_chunk(prompt: Prompt, samples: list[int], submitted: float = 0.0, engine_priority: float = 0.0,
