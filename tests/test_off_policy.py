@@ -101,6 +101,24 @@ def test_a_band_that_is_empty_is_refused():
         GRPOConfig(off_policy={"correction": "icepop", "low": 2.0, "high": 1.0})
 
 
+@pytest.mark.parametrize("correction", ["tis", "decoupled", "icepop", "geo_reject"])
+def test_more_epochs_than_one_need_a_correction_clipped_to_the_behaviour_policy(correction):
+    # these take the weights before each optimizer step as the proximal policy: in a second epoch
+    # the ratio to it is exactly 1, so no token is ever clipped, however far the first step went
+    new = torch.zeros(1, 4, requires_grad=True)
+    old = -torch.log(torch.tensor([W]))
+    moved = (new + 3.0).detach().requires_grad_()  # (epoch 2: the first step made every token e^3 likelier)
+    _, stats = GRPO(GRPOConfig(clip=0.2, off_policy={"correction": correction})).loss(
+        moved, old, None, torch.tensor([1.0]), torch.ones(1, 4))
+    assert not stats[TOKEN_FLAGS]["clipped"].any()  # what a second epoch would have trained with
+    with pytest.raises(ValueError, match=f"epochs = 2 with off_policy correction '{correction}'"):
+        GRPOConfig(epochs=2, off_policy={"correction": correction})
+    with pytest.raises(ValueError, match="epochs = 3 with off_policy correction 'tis'"):
+        GRPOConfig(epochs=3, off_policy_cap=2.0)
+    for fine in ("none", "m2po"):  # (clipped to the generating policy: every epoch keeps its trust region)
+        assert GRPOConfig(epochs=2, off_policy={"correction": fine}).epochs == 2
+
+
 # -- the diagnostics ---------------------------------------------------------------------------------
 def test_bucket_sums_and_record_fields_on_a_batch_whose_ratios_are_known():
     # row 0: four tokens of staleness 0, 1, 2 and 5 with weights W; row 1: two tokens of staleness 1

@@ -56,7 +56,8 @@ class ClippedConfig(BaseModel):
     that generated it (a ratio far above 1, as for a learner that is not served) cannot pull with
     an unbounded weight."""
     epochs: int = Field(1, ge=1, le=64)
-    """Optimizer steps over each batch (PPO epochs). Epoch ``e`` trains on samples ``e - 1``
+    """Optimizer steps over each batch (PPO epochs; with the ``none`` or ``m2po`` correction,
+    whose clip is to the generating policy). Epoch ``e`` trains on samples ``e - 1``
     updates older than the policy, on top of any ``async`` staleness; the clip bounds how far
     the ratio to the generating policy may pull. The weights are published once, after the
     last epoch, so the policy version still counts batches."""
@@ -67,6 +68,13 @@ class ClippedConfig(BaseModel):
             if self.off_policy.correction not in ("none", "tis"):
                 raise ValueError("give off_policy_cap or [algorithm.off_policy], not both")
             self.off_policy = OffPolicyConfig(correction="tis", cap=self.off_policy_cap)
+        if self.epochs > 1 and self.off_policy.correction not in ("none", "m2po"):
+            # these take the weights before each optimizer step as the proximal policy: from the
+            # second epoch on the ratio to it is 1, and nothing bounds how far the step goes
+            raise ValueError(f"epochs = {self.epochs} with off_policy correction {self.off_policy.correction!r}: "
+                             "its trust region is around the weights before each optimizer step, so later epochs "
+                             "would have none; expected epochs = 1, or correction 'none' or 'm2po' (clipped to the "
+                             "policy that generated the samples)")
         return self
 
 
