@@ -373,3 +373,61 @@ def test_a_side_learner_or_traffic_file_not_as_written_is_the_checkpoints_proble
     assert json_problem(tmp_path) == f"{name} does not hold what a checkpoint writes there ({says})"
     (tmp_path / name).write_text('{"learners": {}, "groups": []}')
     assert json_problem(tmp_path) is None
+
+
+# -- folders made here (no run): the order, the sweep, what a manifest does not list -----------------
+def fake_checkpoint(run: Path, step: int, manifest: bool = True) -> Path:
+    """A checkpoint folder as :func:`folders.write` leaves one (a trainer file of a few bytes)."""
+    ckpt = folders.folder(run) / f"{folders.PREFIX}{step:06d}"
+    (ckpt / "trainer").mkdir(parents=True)
+    (ckpt / "trainer" / "sim_trainer.json").write_text(json.dumps({"version": step}))
+    (ckpt / "controller.json").write_text(json.dumps({"next_step": step, "policy_version": step, "records": step}))
+    if manifest:
+        integrity.write_manifest(ckpt)
+    return ckpt
+
+
+def test_checkpoints_past_step_999999_are_ordered_by_their_step_not_their_name(tmp_path):
+    # by name, step-1000000 sorted before step-999999: a resume took the older one, and the
+    # rotation after a write removed the one just written
+    older, newer = fake_checkpoint(tmp_path, 999_999), fake_checkpoint(tmp_path, 1_000_000)
+    assert folders.latest(tmp_path) == newer and folders.usable_all(tmp_path) == [older, newer]
+    assert folders.named(tmp_path, "1000000") == newer
+    assert folders.set_aside(tmp_path, older) == ["passed-over-step-1000000"]  # (newer than the one resumed)
+    assert folders.latest(tmp_path) == older
+
+
+def test_a_checkpoint_write_sweeps_the_unfinished_writes_a_killed_run_left(tmp_path, scheduler_only):
+    fake_checkpoint(tmp_path, 2)
+    left = folders.folder(tmp_path) / ".tmp-step-000003"
+    (left / "trainer").mkdir(parents=True)
+    (left / "trainer" / "trainer.pt").write_bytes(b"x" * 1000)  # (a full-size copy of the weights, in life)
+    # (no trainer rank to save here: the controller's part alone, on a real scheduler)
+    made = folders.write(scheduler_only, [], None, tmp_path, 4, 4, 4, keep=2, files={"dispatch.json": b"{}"})
+    assert made.name == "step-000004" and not left.exists()
+    assert sorted(p.name for p in folders.folder(tmp_path).iterdir()) == ["step-000002", "step-000004"]
+
+
+def test_what_a_resume_reads_must_be_a_listed_bounded_file(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 2)
+    assert integrity.verify(ckpt) is None
+    # a side learners' file copied in from another run after the manifest: would be acted on
+    (ckpt / "learners.json").write_text('{"learners": {}}')
+    assert integrity.verify(ckpt) == ("learners.json is not among the files its manifest.json lists (it was added "
+                                      "after the checkpoint was written)")
+    (ckpt / "learners.json").unlink()
+    # without a manifest (an older streamrl's): a FIFO or a link to an endless device is not read
+    legacy = fake_checkpoint(tmp_path, 3, manifest=False)
+    os.mkfifo(legacy / "dispatch.json")
+    assert integrity.verify(legacy) == "dispatch.json is not a file"  # (it waited for a writer for ever)
+    (legacy / "dispatch.json").unlink()
+    (legacy / "serve_traffic.json").symlink_to("/dev/zero")
+    assert integrity.verify(legacy) == "serve_traffic.json is not a file"
+    (legacy / "serve_traffic.json").unlink()
+    assert integrity.verify(legacy) is None
+    # and one whose trainer part never arrived (an interrupted copy) is passed over, not blamed
+    # on the trainer's set-up when it fails to load
+    shutil.rmtree(legacy / "trainer")
+    assert integrity.verify(legacy) == "trainer/ is missing or empty"
+    best, warned = newest_usable(tmp_path)
+    assert best == ckpt and warned[0].startswith("checkpoint step-000003 is not usable: trainer/ is missing")

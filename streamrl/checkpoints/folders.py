@@ -48,7 +48,14 @@ def folder(run_dir: Path) -> Path:
 def _all(run_dir: Path) -> list[Path]:
     # (``.tmp-`` folders are writes that never finished; ``damaged-`` ones were set aside; a
     # ``step-`` folder not named by its step is not one streamrl wrote)
-    return sorted(p for p in folder(run_dir).glob(f"{PREFIX}*") if p.is_dir() and p.name.removeprefix(PREFIX).isdigit())
+    # (by the step's number: by name, step-1000000 came before step-999999)
+    return sorted((p for p in folder(run_dir).glob(f"{PREFIX}*") if p.is_dir() and _step_of(p) is not None),
+                  key=_step_of)
+
+
+def _step_of(ckpt: Path) -> int | None:
+    digits = ckpt.name.removeprefix(PREFIX)
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # ("²" is a digit to str, not to int)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -111,7 +118,7 @@ def set_aside(run_dir: Path, resumed_from: Path) -> list[str]:
     ``passed-over-step-...``. Returns the new names."""
     moved = []
     for ckpt in _all(run_dir):
-        if ckpt.name > resumed_from.name:
+        if _step_of(ckpt) > _step_of(resumed_from):
             prefix = PASSED_OVER if verify(ckpt) is None else DAMAGED
             target, n = ckpt.with_name(prefix + ckpt.name), 1
             while target.exists():
@@ -183,7 +190,10 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
     :class:`~streamrl.errors.CheckpointFailed` once the partial folder is removed."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # every unfinished write, this step's and any a killed run left (each as big as a checkpoint)
+    for stale in folder(run_dir).glob(f".tmp-{PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    saves: list[Future] = []
     try:
         tmp.mkdir(parents=True)
         stamp = time.time_ns()
@@ -202,6 +212,10 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
             {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
         listed = write_manifest(tmp)
     except BaseException as exc:
+        try:  # (a second Ctrl-C mid-write: no rank goes on writing into what is removed)
+            client.cancel(saves)
+        except Exception:
+            pass
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception) and not isinstance(exc, (ResidentLost, RunFailed)) and _a_write_error(exc):
             raise _failed_write(exc, final, run_dir) from None

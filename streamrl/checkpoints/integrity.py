@@ -23,6 +23,10 @@ MANIFEST = "manifest.json"
 #: not written by streamrl.
 MAX_MANIFEST_BYTES = 16 * 2**20
 
+#: The largest JSON file of a checkpoint read (the served traffic waiting to be trained is the
+#: biggest, megabytes at most).
+MAX_JSON_BYTES = 256 * 2**20
+
 _VERIFIED: dict[str, tuple] = {}
 """Checkpoint folder -> the sizes and times of its files when they last verified: the run
 checks the one it resumes from more than once, and need not hash it again."""
@@ -64,6 +68,11 @@ def verify(ckpt: Path) -> str | None:
                     or "\\" in n), None)
     if outside is not None:
         return f"{MANIFEST} names {outside!r}, not a file inside the checkpoint"
+    # what a resume reads and the manifest does not list was put there after it was written (a
+    # learners.json copied in from another run would be acted on): not this checkpoint's
+    extra = next((n for n in JSON_FILES if n not in wanted and ((ckpt / n).exists() or (ckpt / n).is_symlink())), None)
+    if extra is not None:
+        return f"{extra} is not among the files its {MANIFEST} lists (it was added after the checkpoint was written)"
     for name, (size, _) in sorted(wanted.items()):
         path = ckpt / name
         if not path.is_file():
@@ -157,10 +166,15 @@ def json_problem(ckpt: Path) -> str | None:
     it, is refused in one line like any damaged checkpoint, not read into a traceback."""
     for name, fits in JSON_FILES.items():
         path = ckpt / name
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             if name == "controller.json":
                 return "controller.json is missing"
             continue
+        # (a file, and bounded before it is parsed: a FIFO waits for ever, a link to /dev/zero never ends)
+        if path.is_symlink() or not path.is_file():
+            return f"{name} is not a file"
+        if path.stat().st_size > MAX_JSON_BYTES:
+            return f"{name} is {path.stat().st_size} bytes; a checkpoint writes at most {MAX_JSON_BYTES}"
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError) as exc:  # (JSON nested past the parser's reach)
@@ -200,6 +214,10 @@ def _verify_legacy(ckpt: Path) -> str | None:
     if problem:
         return problem
     trainer = ckpt / "trainer"
+    if not trainer.is_dir() or not any(trainer.iterdir()):
+        # (an interrupted copy: without it a resume would blame the trainer's set-up rather than
+        # pass over to the checkpoint before)
+        return "trainer/ is missing or empty"
     if (trainer / "trainer.pt").exists() or (trainer / "dcp").exists():
         if not (trainer / "trainer.pt").exists():
             return "trainer/trainer.pt is missing"
