@@ -732,3 +732,38 @@ def test_completions_waiting_for_feedback_past_max_waiting_make_new_requests_429
     assert greedy.status_code == 200  # (a greedy reply waits for no feedback: not held back by those that do)
     assert httpx.post(f"{url}/feedback", json={"id": first.json()["id"], "reward": 1.0}, timeout=30).status_code == 200
     assert ask().status_code == 200  # its feedback made room
+
+
+def test_an_engine_that_fails_to_start_a_request_gives_back_its_places_and_n_past_them_is_400(served, monkeypatch):
+    # the places a request takes were counted before the engine took it, and only its own
+    # ValueError gave them back: any other failure held them for good, and enough of them made
+    # the endpoint answer 429 to everyone. Its words named the replica's internal address too.
+    api, url = served
+    engine = api.engine
+    stream = engine.stream
+    calls = []
+
+    def fails_on_the_second_choice(rid, *args, **kwargs):
+        calls.append(rid)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("Server error '503' for url 'http://10.1.2.3:40000/generate'")
+        return stream(rid, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "stream", fails_on_the_second_choice)
+    monkeypatch.setattr(api.config, "max_pending", 4)
+    places = lambda: (api.pending, api.running.get(id(engine), 0))  # noqa: E731
+    before = places()
+    for _ in range(3):  # (more than max_pending's worth of places, each given back)
+        err = error_of(httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2,
+                                                                "n": 2}, timeout=30), 500)
+        assert err["type"] == "server_error" and "RuntimeError" in err["message"], err
+        assert "10.1.2.3" not in err["message"] and "40000" not in err["message"] and "<replica>" in err["message"]
+    assert places() == before
+    monkeypatch.setattr(engine, "stream", stream)
+    # and n past what runs at once is that request's 400, not a 429 its client retries for ever
+    err = error_of(httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2,
+                                                            "n": 5}, timeout=30), 400)
+    assert err["param"] == "n" and "serve.max_pending" in err["message"], err
+    ok = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2, "n": 2},
+                    timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text

@@ -181,6 +181,9 @@ class Endpoint:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise APIError(400, "stop takes at most 4 non-empty strings.", param="stop")
+        if req.n > self.config.max_pending:  # (a 429 would be retried for ever: no wait makes room for it)
+            raise APIError(400, f"n {req.n} is more than this endpoint runs at once: at most "
+                                f"{self.config.max_pending} (serve.max_pending).", param="n")
         if self.pending + req.n > self.config.max_pending:
             raise busy(self.traffic, f"{self.pending} completions are running or queued "
                                      f"(serve.max_pending = {self.config.max_pending})")

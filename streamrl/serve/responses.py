@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import threading
 import time
@@ -53,10 +54,16 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n, trained=not params.greedy)
     try:
         completion.start()
-    except ValueError as e:  # the engine's own check (a prompt past its slots)
-        endpoint.pending -= params.n
-        endpoint.running[id(engine)] -= params.n
-        raise APIError(400, str(e), param="prompt") from None
+    except BaseException as e:
+        # every place it took given back, whatever the engine raised: counted in pending for
+        # good, enough of them and the endpoint answered 429 to everyone
+        completion.cancel()  # (the choices queued before the one that failed)
+        finished(endpoint, completion, None)
+        if isinstance(e, ValueError):  # the engine's own check (a prompt past its slots)
+            raise APIError(400, str(e), param="prompt") from None
+        if isinstance(e, Exception):
+            raise APIError(500, failure(endpoint, e), kind="server_error") from None
+        raise
     fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
     if req.stream:
         return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
@@ -69,7 +76,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
             await fmt.parse(c)
     except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
         completion.cancel()  # (its other choices stop decoding too)
-        raise APIError(500, f"Generation failed: {e}", kind="server_error") from None
+        raise APIError(500, failure(endpoint, e), kind="server_error") from None
     finally:
         finished(endpoint, completion, fmt)
     return fmt.whole(completion)
@@ -102,7 +109,7 @@ async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling)
         endpoint.refusals.say(f"POST (stream) -> {e.status} {e.message}")
         yield "".join(out) + sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
     except Exception as e:  # noqa: BLE001 -- mid-stream there is no status to change: an error event
-        yield "".join(out) + sse({"error": {"message": f"Generation failed: {e}", "type": "server_error",
+        yield "".join(out) + sse({"error": {"message": failure(endpoint, e), "type": "server_error",
                                             "param": None, "code": None}})
     finally:
         if not all(c.finish_reason for c in completion.choices):
@@ -110,7 +117,18 @@ async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling)
         finished(endpoint, completion, fmt)
 
 
-def finished(endpoint, completion: Completion, fmt: "Format") -> None:
+def failure(endpoint, exc: BaseException) -> str:
+    """What a client is told of an engine's failure: its kind and words, without the addresses
+    inside the cluster a replica's HTTP error names (those go to the worker's log)."""
+    endpoint.refusals.say(f"generation failed: {type(exc).__name__}: {str(exc)[:500]}")
+    said = _ADDRESS.sub("<replica>", str(exc).strip().splitlines()[0] if str(exc).strip() else "")[:300]
+    return f"Generation failed ({type(exc).__name__}){': ' + said if said else ''}"
+
+
+_ADDRESS = re.compile(r"\b(?:https?|tcp|tls)://\S+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
+
+
+def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
     """The request ended: free its place and hand its choices to the learners (not a cancelled
     one, nor a greedy one, which is not a sample of the policy); a rollout's call joins its
     trajectory instead. Once per request, however it ends."""
