@@ -204,3 +204,23 @@ def test_an_algorithm_whose_advantages_do_not_fit_its_group_stops_the_step_in_on
                                          "expected one number per sample"):
         trainer.micro_batch(make_groups(trainer), 1.0 / 24)
     assert all(torch.equal(w, before[n]) for n, w in trainer.named_weights().items())
+
+
+def test_a_micro_batch_without_a_trainable_token_adds_nothing_and_does_not_stop_the_run(tiny_model):
+    # empty responses, or an agent's turn whose tokens are all tool output (loss_mask 0): the
+    # chunked log-probs computed no position and came back without a gradient, which the trainer
+    # took for an algorithm's mistake and stopped the run
+    from streamrl.sample import Prompt, Sample
+
+    trainer = new_trainer(tiny_model)
+    ids = [trainer.tokenizer.bos_token_id] + trainer.tokenizer("1+2=", add_special_tokens=False).input_ids
+    prompt = Prompt(uid="0-0", text="1+2=", answer="3")
+    empty = [Sample(uid=f"0-0-{k}", prompt=prompt, prompt_ids=ids, response_ids=[], logprobs=[], reward=float(k))
+             for k in range(2)]
+    masked = [Sample(uid=f"0-1-{k}", prompt=prompt, prompt_ids=ids, response_ids=[5, 6], logprobs=[-1.0, -1.0],
+                     loss_mask=[0, 0], reward=float(k)) for k in range(2)]
+    for group in (empty, masked):
+        out = trainer.micro_batch([group], 1.0 / 4)
+        assert out["samples"] == 2 and out["loss_sum"] == 0.0
+        assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
+    assert trainer.step()["version"] == 1

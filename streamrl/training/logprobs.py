@@ -86,6 +86,11 @@ def token_logprobs(model, ids, attn, temperature: float = 1.0, chunk_tokens: int
     h, y = hidden[where], targets[where]
     head = model.get_output_embeddings()
     out = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    if not h.shape[0] and torch.is_grad_enabled():
+        # no position to compute (empty responses, tokens all masked): still a result in the
+        # graph, through the head too, whose gradient is exactly zero -- a loss without one is
+        # an algorithm's mistake to the trainer, and every rank's backward must reach every weight
+        return out + head(hidden[:1, :1]).float().sum() * 0.0
     if isinstance(head, torch.nn.Linear) and head.bias is None and kernels != "checkpointed":
         # the head is linear: dividing its input by the temperature divides the logits by it
         if h.shape[0]:
