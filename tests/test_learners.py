@@ -398,3 +398,37 @@ def test_the_learners_commands_on_a_damaged_run_folder_are_one_line(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and says in lines[-1], (args, proc.stderr[-500:])
         for name in files:
             (run / name).unlink()
+
+
+@pytest.mark.slow
+def test_a_side_learner_whose_state_cannot_be_loaded_on_resume_fails_alone(tiny_recipe, tmp_path):
+    # (a checkpoint made with another model or algorithm for it): the load's error was a traceback
+    # that ended the whole resume; now that learner fails, in one line, and the rest goes on
+    import shutil
+
+    import torch
+
+    from tests.helpers import only_run, rewrite_manifest, sets
+
+    path = with_learners(tiny_recipe)
+    proc = streamrl("recipe", "run", str(path), "--plain", "--no-report",
+                    *sets("run.steps=4", "run.checkpoint_every=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path / "runs")
+    ckpt = run / "checkpoints" / "step-000002"
+    state = ckpt / "learners" / "rloo"
+    assert any(state.iterdir())
+    shutil.rmtree(state)
+    state.mkdir()
+    torch.save({"not": torch.zeros(1)}, state / "trainer.pt")  # (loads safely; not a trainer's state)
+    rewrite_manifest(ckpt)
+    shutil.rmtree(run / "policy")
+    resumed = streamrl("recipe", "resume", str(run), "--from", "step-000002", "--plain", "--no-report")
+    i = resumed.stderr.find("Traceback")
+    assert resumed.returncode == 0 and i < 0, resumed.stderr[max(0, i - 1500):i + 1500]
+    said = [line for line in resumed.stderr.splitlines() if "learner 'rloo' failed at step 2" in line]
+    assert said and "its state in step-000002 could not be loaded" in said[0], resumed.stderr[-3000:]
+    last = read_records(run)[-1]
+    assert [r["step"] for r in read_records(run)] == [0, 1, 2, 3]
+    assert last["learners"]["rloo"]["state"] == "failed" and last["learners"]["grpo"]["state"] == "training"
+    assert (run / "policy" / "grpo" / "config.json").exists()

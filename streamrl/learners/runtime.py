@@ -28,6 +28,7 @@ from streamrl.learners import evaluate
 from streamrl.plugins.resolve import LearnerPlan
 from streamrl.recipe.recipe import Recipe
 from streamrl.learners.fanout import Fanout, LearnerView, SideLearner
+from streamrl.telemetry.text import error_line
 
 STATE = "learners.json"
 
@@ -221,15 +222,24 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
     from streamrl.plugins.resolve import learner_plan
 
     saved = json.loads(path.read_text())["learners"]
+    step = int(checkpoint.name.removeprefix("step-")) if checkpoint.name.removeprefix("step-").isdigit() else 0
     for name, entry in saved.items():
         if fanout is None or name not in fanout.learners:
             if entry["summary"].get("state") == "removed":
                 continue  # (left the run before this checkpoint: nothing to place)
-            plan = learner_plan(resolved, name, entry["table"], served=False)
-            plan.added = True
-            ensure_worker(client, topo, resolved.recipe, plan.worker)
-            learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
-                                task=fanout.task if fanout is not None else None)
+            try:
+                plan = learner_plan(resolved, name, entry["table"], served=False)
+                plan.added = True
+                ensure_worker(client, topo, resolved.recipe, plan.worker)
+                learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
+                                    task=fanout.task if fanout is not None else None)
+            except ResidentLost:
+                raise
+            except Exception as exc:  # (its table no longer resolves here: a plugin gone) -- the others go on
+                warnings.warn(RunWarning(f"learner {name!r} (added during the run) cannot be placed again: "
+                                         f"{error_line(exc, 290, first_line=True)}; the run goes on without it"),
+                              stacklevel=2)
+                continue
             fanout = fanout or Fanout(client, resolved.recipe, [], False)
             fanout.add(learner)
         lr = fanout.learners[name]
@@ -239,8 +249,15 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
         if summary.get("state") in ("failed", "removed"):
             lr.state, lr.failure = summary["state"], summary.get("failure")
         if entry["has_state"] and lr.state == "training":
-            client.submit(task_functions.load_trainer_checkpoint, str(checkpoint / "learners" / name), lr.plan.resident,
-                          pure=False, **lr.view.train_pin).result()
+            try:
+                client.submit(task_functions.load_trainer_checkpoint, str(checkpoint / "learners" / name),
+                              lr.plan.resident, pure=False, **lr.view.train_pin).result()
+            except ResidentLost:
+                raise
+            except Exception as exc:  # (resumed with another model or algorithm for it): it fails, alone
+                fanout.fail(lr, step, RuntimeError(
+                    f"its state in {checkpoint.name} could not be loaded ({error_line(exc, 200, first_line=True)}); "
+                    "was the run resumed with another model or algorithm for it?"))
         elif lr.state == "training":
             warnings.warn(RunWarning(f"learner {name!r}: the checkpoint holds no state of it; it starts over"),
                           stacklevel=2)

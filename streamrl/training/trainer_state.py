@@ -180,6 +180,9 @@ def load(trainer, path: str) -> None:
     """Restore the state :func:`save` wrote into this (freshly built) trainer, in place."""
     dcp, get_state_dict, set_state_dict = _dcp()
     folder = Path(path)
+    if not (folder / "dcp" / ".metadata").is_file():
+        # (said here: DCP's loader logs a traceback for each place it looks, then fails anyway)
+        raise FileNotFoundError(f"{folder.name}/dcp/.metadata is missing: not a trainer's saved state")
     state = {}
     modules = _modules(trainer)
     for name, (module, optimizer) in modules.items():
