@@ -106,7 +106,8 @@ def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
 
 def test_resume_refuses_a_run_that_is_still_going(tmp_path):
     (tmp_path / "recipe.toml").write_text("")
-    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
     (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
         json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))  # (what a checkpoint holds)
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "recipe_file": "x"}))
@@ -122,7 +123,8 @@ def test_a_damaged_run_folder_is_one_line_on_resume(tmp_path, status):
     # a status record emptied, edited or damaged, and a step- folder streamrl did not write
     (tmp_path / "recipe.toml").write_text("")
     for name in ("step-000002", "step-final"):
-        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "trainer").mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
         (tmp_path / "checkpoints" / name / "controller.json").write_text(
             json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
     (tmp_path / "status.json").write_text(status)
