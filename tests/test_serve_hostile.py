@@ -156,6 +156,25 @@ def test_megabytes_of_prompt_are_refused_by_their_characters_without_tokenizing(
     assert error_of(r, 400)["param"] == "prompt"
 
 
+def test_a_request_refused_for_its_settings_or_a_full_endpoint_is_refused_before_tokenizing(served, monkeypatch):
+    # the template and the tokenizer run one request at a time: a flood of requests refused
+    # anyway (an unknown model, a setting not served, a full endpoint) held up everyone's first token
+    api, url = served
+    calls = []
+    monkeypatch.setattr(api, "chat_prompt", lambda *a: calls.append(a) or [1])
+    monkeypatch.setattr(api, "completion_prompt", lambda *a: calls.append(a) or [1])
+    for more, status, param in [({"model": "nope"}, 404, "model"), ({"top_p": 0.5}, 400, "top_p"),
+                                ({"max_tokens": 10**9}, 400, "max_tokens"), ({"temperature": 0.3}, 400, "temperature"),
+                                ({"stop": ["a"] * 5}, 400, "stop")]:
+        assert error_of(chat(url, "1+1=", **more), status)["param"] == param
+        r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2, **more},
+                       timeout=30)
+        assert error_of(r, status)["param"] == param
+    monkeypatch.setattr(api, "pending", api.config.max_pending)  # (full)
+    assert error_of(chat(url, "1+1="), 429)["code"] == "rate_limit_exceeded"
+    assert calls == []  # never tokenized
+
+
 def test_thousands_of_messages_are_refused_by_their_count_without_rendering_or_tokenizing(served, monkeypatch):
     # each message is a few characters of the template's and none of content: each counts as a token
     from streamrl.chat import content_as_text

@@ -159,9 +159,11 @@ class Endpoint:
             raise APIError(403, f"{ROLLOUT_HEADER} is for the run's own agent rollouts; this request is not one of "
                                 "theirs (omit the header).", code="rollout_forbidden", kind="permission_error")
 
-    def params(self, req: Sampling, prompt_ids: list[int], rollout: bool = False) -> Params:
+    def params(self, req: Sampling, prompt_ids: list[int] | None, rollout: bool = False) -> Params:
         """The request's sampling, checked against the engine and the policy (``rollout``: an
-        agent's call, whose reply joins its rollout and waits for no feedback)."""
+        agent's call, whose reply joins its rollout and waits for no feedback). ``prompt_ids``
+        None: every check but the prompt's length, made before the prompt is tokenized (a request
+        refused anyway costs no template and no tokenizer time, which others wait for)."""
         c = self.engine.config  # (a learner's engine has the served one's settings)
         if req.temperature not in (None, 0) and abs(req.temperature - c.temperature) > 1e-6:
             raise APIError(400, f"temperature {req.temperature} is not served: the policy samples at "
@@ -174,7 +176,7 @@ class Endpoint:
             field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"  # (the one it sent)
             raise APIError(400, f"{field} {limit} is more than this endpoint generates: at most "
                                 f"{c.max_new_tokens} (engine.max_new_tokens).", param=field)
-        if len(prompt_ids) > c.max_prompt_tokens:
+        if prompt_ids is not None and len(prompt_ids) > c.max_prompt_tokens:
             raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this endpoint takes at most "
                                 f"{c.max_prompt_tokens} (engine.max_prompt_tokens).", param="messages",
                            code="context_length_exceeded")
@@ -301,6 +303,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                                                                   if k not in ("content", "role")) for m in messages)
                                       + (len(json.dumps(tools)) if tools else 0), "messages", len(messages))
             if rollout is None:
+                endpoint.engine_for(req.model)  # (the cheap refusals first: 404, 400s, 429)
+                endpoint.params(req, None)
                 try:
                     ids = await endpoint.off_loop(endpoint.chat_prompt, messages, tools)
                 except MessageError as e:
@@ -343,6 +347,8 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                 raise APIError(400, "echo is not served.", param="echo")
             if isinstance(req.prompt, str):
                 endpoint.check_characters(len(req.prompt), "prompt")
+            endpoint.engine_for(req.model)  # (the cheap refusals first: 404, 400s, 429)
+            endpoint.params(req, None)
             ids = await endpoint.off_loop(endpoint.completion_prompt, req)
         return await respond(endpoint, request, req, ids, chat=False)
 
