@@ -465,6 +465,35 @@ def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
         engine.close()
 
 
+def test_a_client_that_goes_away_while_its_request_waits_for_a_slot_cancels_it_at_once(tiny_model):
+    # its route looked for the client only when tokens came: one queued behind long replies (or
+    # sent to a replica gone silent) kept its place in serve.max_pending until then
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=1, max_prompt_tokens=32, max_new_tokens=4000,
+                                       temperature=1.0, profile=False))
+    engine.load(str(tiny_model))
+    engine.decoder.eos_id.fill_(-1)  # (the first reply holds the one slot for 4,000 tokens)
+    api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
+    try:
+        with endpoint_in_process(api) as url:
+            host, port = url.split("//")[1].split("/")[0].split(":")
+            body = json.dumps({"model": "policy", "prompt": "1+1=", "max_tokens": 4000}).encode()
+            head = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\n\r\n").encode()
+            with socket.create_connection((host, int(port)), timeout=20) as stays:
+                stays.sendall(head + body)
+                assert until(lambda: engine.loop_counts["steps"] > 0, 30)  # (decoding: the slot is taken)
+                with socket.create_connection((host, int(port)), timeout=20) as gone:
+                    gone.sendall(head + body)
+                    assert until(lambda: api.pending == 2, 30)
+                left = time.time()
+                assert until(lambda: api.traffic.counts.get("cancelled", 0) == 1, 30)
+                assert time.time() - left < 10 and api.pending == 1  # (the one whose client stays goes on)
+                assert engine.loop_counts["steps"] < 4000
+            assert until(lambda: api.pending == 0, 60)
+    finally:
+        engine.close()
+
+
 def test_feedback_on_a_greedy_completion_is_refused_while_it_runs_and_after(served):
     # (a greedy reply is not a sample of the policy: feedback it "accepted" was then dropped)
     api, url = served
@@ -786,3 +815,70 @@ def test_an_engine_that_fails_to_start_a_request_gives_back_its_places_and_n_pas
     ok = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2, "n": 2},
                     timeout=30)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+
+
+def test_a_replica_gone_silent_fails_its_requests_after_a_few_heartbeats_and_is_passed_over(served, monkeypatch):
+    # a token server that took the request and then said nothing (its host stopped, its process
+    # frozen): the endpoint waited ten minutes for a line, and kept sending it new requests
+    import asyncio
+    from concurrent.futures import Future
+
+    from streamrl.serve import remote_engines
+
+    api, _ = served
+    monkeypatch.setattr(remote_engines, "SILENT_S", 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def answer_then_nothing():
+        conn, _ = listener.accept()
+        held.append(conn)
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
+
+    threading.Thread(target=answer_then_nothing, daemon=True).start()
+    silent = remote_engines.RemoteEngine(api.engine, f"http://127.0.0.1:{listener.getsockname()[1]}", "key", "gen-1")
+
+    async def ask() -> Future:
+        future = silent.stream("r-1", [1, 2], 4)
+        while not future.done():
+            await asyncio.sleep(0.05)
+        return future
+
+    t0 = time.time()
+    future = asyncio.run(ask())
+    assert time.time() - t0 < 10
+    with pytest.raises(RuntimeError, match="worker 'gen-1' could not be reached: ReadTimeout"):
+        future.result()
+    assert time.time() - silent.failed_at < 10  # (the endpoint passes it over for a while)
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_a_token_server_sends_a_heartbeat_while_its_request_waits(monkeypatch):
+    # what tells a waiting replica from a silent one: an empty line every HEARTBEAT_S
+    import asyncio
+    from concurrent.futures import Future
+
+    from streamrl.serve import remote_engines
+
+    monkeypatch.setattr(remote_engines, "HEARTBEAT_S", 0.1)
+
+    class QueuedEngine:  # (stand-in for a slot engine whose slots are all taken: it answers after 0.5 s)
+        def stream(self, rid, ids, max_new_tokens, on_tokens=None, greedy=False):
+            future = Future()
+            threading.Timer(0.5, lambda: (on_tokens([7], [-0.5], 3), future.set_result(type("R", (), {"tokens": [7]})())))\
+                .start()
+            return future
+
+        def cancel(self, rid):
+            pass
+
+    async def lines():
+        return [line async for line in remote_engines._decode(QueuedEngine(), {"rid": "r", "ids": [1], "max_new_tokens": 1})]
+
+    got = asyncio.run(lines())
+    assert got[0] == "\n" and got.count("\n") >= 3  # (waiting: heartbeats, each an empty line)
+    assert [json.loads(line) for line in got if line.strip()] == [{"tokens": [7], "logprobs": [-0.5], "version": 3},
+                                                                   {"done": [7]}]

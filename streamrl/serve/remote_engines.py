@@ -34,6 +34,15 @@ from distributed import get_worker
 from streamrl.on_worker.resident import resident
 from streamrl.serve.http_server import start_in_thread
 
+#: Seconds a token server lets pass without a line: while a request waits for a slot (or between
+#: slow decode steps) it sends an empty one, so the endpoint can tell a waiting replica from one
+#: that went silent (its host stopped, its process frozen) without a timeout of many minutes.
+HEARTBEAT_S = 5.0
+
+#: Seconds the endpoint waits for a line before it fails the request and passes the replica over
+#: for a while: a few heartbeats missed.
+SILENT_S = 6 * HEARTBEAT_S
+
 # the token servers of this worker process: engine resident name -> (uvicorn server, thread)
 _SERVERS: dict[str, tuple] = {}
 
@@ -141,7 +150,11 @@ async def _decode(eng, body: dict):
     ended = False
     try:
         while not ended:
-            item = await queue.get()
+            try:
+                item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+            except TimeoutError:
+                yield "\n"  # (waiting, not gone: the endpoint skips empty lines)
+                continue
             ended = "done" in item or "error" in item
             yield json.dumps(item, separators=(",", ":")) + "\n"
     finally:
@@ -218,11 +231,10 @@ class RemoteEngine:
 
         if self._client is None:
             # no limit on connections: every choice running here holds one (serve.max_pending
-            # bounds them); a read timeout as long as the engine lets a request wait, so that a
-            # token server whose host went silent fails its requests instead of holding them
+            # bounds them); a token server sends a line at least every HEARTBEAT_S, so one whose
+            # host went silent fails its requests after SILENT_S instead of holding them
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(connect=10.0, read=max(600.0, float(self.config.request_timeout or 0)),
-                                      write=30.0, pool=None),
+                timeout=httpx.Timeout(connect=10.0, read=SILENT_S, write=30.0, pool=None),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
             self._loop = asyncio.get_running_loop()
         return self._client

@@ -68,18 +68,34 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     if req.stream:
         return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+    watch = asyncio.create_task(_cancel_when_gone(request, completion))
     try:
         async for _ in completion.events():
-            if await request.is_disconnected():
-                completion.cancel()
+            pass
         for c in completion.choices:
             await fmt.parse(c)
     except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
         completion.cancel()  # (its other choices stop decoding too)
         raise APIError(500, failure(endpoint, e), kind="server_error") from None
     finally:
+        watch.cancel()
         finished(endpoint, completion, fmt)
     return fmt.whole(completion)
+
+
+#: Seconds between two looks at whether the client of a whole (not streamed) reply went away.
+DISCONNECT_CHECK_S = 1.0
+
+
+async def _cancel_when_gone(request: Request, completion: Completion) -> None:
+    """Cancel ``completion`` once its client has gone away, whether or not tokens come meanwhile
+    (looked at between tokens only, a request queued behind others, or on a replica gone silent,
+    kept its place in ``serve.max_pending`` long after its client left)."""
+    while not completion.cancelled:
+        if await request.is_disconnected():
+            completion.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_CHECK_S)
 
 
 async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling):
