@@ -171,7 +171,8 @@ def test_a_request_refused_for_its_settings_or_a_full_endpoint_is_refused_before
                        timeout=30)
         assert error_of(r, status)["param"] == param
     monkeypatch.setattr(api, "pending", api.config.max_pending)  # (full)
-    assert error_of(chat(url, "1+1="), 429)["code"] == "rate_limit_exceeded"
+    full = chat(url, "1+1=")
+    assert error_of(full, 429)["code"] == "rate_limit_exceeded" and full.headers["retry-after"] == "1"
     assert calls == []  # never tokenized
 
 
@@ -882,3 +883,75 @@ def test_a_token_server_sends_a_heartbeat_while_its_request_waits(monkeypatch):
     assert got[0] == "\n" and got.count("\n") >= 3  # (waiting: heartbeats, each an empty line)
     assert [json.loads(line) for line in got if line.strip()] == [{"tokens": [7], "logprobs": [-0.5], "version": 3},
                                                                    {"done": [7]}]
+
+
+def test_a_replica_leaving_the_pool_finishes_its_running_requests_and_takes_no_more(served):
+    # an elastic pool retiring a generate worker: its requests in flight failed with it (500s,
+    # or an error mid-stream) though they could have run to their end on a worker still up
+    import asyncio
+    from concurrent.futures import Future
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from streamrl.serve import remote_engines
+    from streamrl.serve.http_server import start_in_thread
+
+    api, _ = served
+
+    async def slow_tokens(request):
+        async def lines():
+            for k in range(5):
+                await asyncio.sleep(0.2)
+                yield json.dumps({"tokens": [k], "logprobs": [-0.5], "version": 0}) + "\n"
+            yield json.dumps({"done": list(range(5))}) + "\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    server, thread, port = start_in_thread(Starlette(routes=[Route("/generate", slow_tokens, methods=["POST"])]),
+                                           "127.0.0.1", 0, "test-replica")
+    try:
+        for how, finishes in (("retire", True), ("close", False)):
+            replica = remote_engines.RemoteEngine(api.engine, f"http://127.0.0.1:{port}", "key", "generate-1")
+
+            async def ask() -> Future:
+                future = replica.stream("r-1", [1, 2], 5)
+                await asyncio.sleep(0.3)  # (decoding there)
+                getattr(replica, how)()
+                while not future.done():
+                    await asyncio.sleep(0.05)
+                while not replica.closed:  # (retired: closed once its last request ended)
+                    await asyncio.sleep(0.05)
+                return future
+
+            future = asyncio.run(ask())
+            if finishes:
+                assert future.result().tokens == [0, 1, 2, 3, 4]
+            else:
+                with pytest.raises(RuntimeError, match="no longer served"):
+                    future.result()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+
+
+def test_served_requests_count_as_the_workers_work():
+    # on a generate worker "busy" was a task executing: a replica decoding an endpoint's requests
+    # ran none, so an elastic pool judged it idle and retired it under its requests
+    from streamrl.telemetry import bubbles
+
+    clock = bubbles.BusyClock()
+    clock.setup(None)
+    try:
+        assert bubbles.served_in_flight() == 0 and clock.read() == 0.0
+        bubbles.begin_work()
+        bubbles.begin_work()
+        time.sleep(0.2)
+        bubbles.end_work()
+        assert bubbles.served_in_flight() == 1 and clock.read() >= 0.2  # (still at work: one runs)
+        bubbles.end_work()
+        done = clock.read()
+        time.sleep(0.1)
+        assert bubbles.served_in_flight() == 0 and clock.read() == done >= 0.2
+    finally:
+        bubbles._PROCESS_CLOCK[0] = None

@@ -26,6 +26,8 @@ from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.flow.topology import Topology
 from streamrl.recipe.pools import ElasticConfig
 from streamrl.recipe.recipe import Recipe
+from streamrl.serve import remote_engines
+from streamrl.telemetry import bubbles
 
 #: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
 PROBE_STEPS = 3
@@ -39,6 +41,11 @@ PROBE_Z = 1.5
 
 #: Seconds between checks whether a draining worker still runs a task.
 RETIRE_POLL_S = 0.05
+
+#: Seconds a draining worker that serves an endpoint's requests is given before it is looked at:
+#: the endpoint stops sending it requests within a look of its replica watcher (2 s), and one
+#: sent meanwhile must be running, counted, when the worker is found idle.
+SERVED_SETTLE_S = 5.0
 
 
 def generation_busy(busy_s: float, window_s: float, generate_s: float, n: int, ahead: bool) -> float:
@@ -97,8 +104,9 @@ async def _offer(slots: int, dask_worker=None) -> int:
 
 
 def _executing(dask_worker=None) -> int:
-    """Runs on a worker (``client.run``): how many tasks it is executing now."""
-    return len(dask_worker.state.executing)
+    """Runs on a worker (``client.run``): how many tasks it is executing now, and served requests
+    it decodes (an endpoint's replica: no task carries them)."""
+    return len(dask_worker.state.executing) + bubbles.served_in_flight()
 
 
 def _running(client, addr: str) -> bool:
@@ -108,6 +116,15 @@ def _running(client, addr: str) -> bool:
     except Exception:  # no such worker any more
         return False
     return isinstance(n, int) and n > 0
+
+
+def _serves(client, addr: str) -> bool:
+    """Does the worker at ``addr`` run a token server (an endpoint's replica)?"""
+    try:
+        got = client.run(remote_engines.serving, ENGINE, workers=[addr], on_error="return").get(addr)
+    except Exception:  # no such worker any more
+        return False
+    return got is True
 
 
 class ElasticPool:
@@ -297,6 +314,8 @@ class ElasticPool:
         another worker first; groups queued on it go to the others)."""
         client = self.client
         wait(pinned)
+        if addr and _serves(client, addr):
+            time.sleep(SERVED_SETTLE_S)
         while addr and _running(client, addr):
             time.sleep(RETIRE_POLL_S)
         client.retire_workers(names=[name], close_workers=True)

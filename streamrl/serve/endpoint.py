@@ -133,16 +133,17 @@ def failing_replicas(within_s: float) -> list[str]:
 
 
 def remove_replica(worker: str) -> int:
-    """Generate worker (the endpoint's): generate worker ``worker`` has left the pool; its engine
-    answers no more requests (those in flight fail). Returns how many engines still do."""
+    """Generate worker (the endpoint's): generate worker ``worker`` is leaving the pool (an
+    elastic pool retires it once it runs nothing); its engine takes no more requests, and those
+    running there end as they would have. Returns how many engines still answer."""
     with _CHANGING:
-        return len(_drop_replica(_api(), worker))
+        return len(_drop_replica(_api(), worker, drain=True))
 
 
-def _drop_replica(api, worker: str) -> list:
+def _drop_replica(api, worker: str, drain: bool = False) -> list:
     """Take ``worker``'s engine out of every model's engines (the served policy's and the LoRA
-    variants' decoding there); returns the served policy's list of engines. (Under
-    :data:`_CHANGING`.)"""
+    variants' decoding there); returns the served policy's list of engines. Its requests in
+    flight fail, or with ``drain`` run to their end first. (Under :data:`_CHANGING`.)"""
     from streamrl.serve.adapter_routes import OnAdapter
     from streamrl.serve.remote_engines import RemoteEngine
 
@@ -157,7 +158,7 @@ def _drop_replica(api, worker: str) -> list:
                                                                                    and e.engine in old)]
                    for model, held in api.engines.items()}
     for engine in old:
-        engine.close()
+        engine.retire() if drain else engine.close()
     return engines
 
 

@@ -124,17 +124,22 @@ class Endpoint:
                                 f"refuses more than {most} characters without tokenizing them.", param=param,
                            code="context_length_exceeded")
 
+    def served(self, model: str) -> list:
+        """The engines that answer ``model``; a 404 naming the models served otherwise."""
+        engines = self.engines.get(model)
+        if engines is None:
+            names = ", ".join(f"'{m}'" for m in self.engines)
+            raise APIError(404, f"The model '{model}' does not exist; this endpoint serves {names} (GET /v1/models).",
+                           param="model", code="model_not_found")
+        return engines
+
     def engine_for(self, model: str, rollout: bool = False):
         """The engine that answers ``model``, the least busy of those that can (an agent's
         rollout: always this worker's, whose trajectory store it joins); a 404 naming the models
         served otherwise."""
         if rollout:
             return self.engine
-        engines = self.engines.get(model)
-        if engines is None:
-            names = ", ".join(f"'{m}'" for m in self.engines)
-            raise APIError(404, f"The model '{model}' does not exist; this endpoint serves {names} (GET /v1/models).",
-                           param="model", code="model_not_found")
+        engines = self.served(model)
         # one that failed to answer in the last few seconds is passed over while another can
         healthy = [e for e in engines if time.time() - getattr(e, "failed_at", 0.0) > UNHEALTHY_S] or engines
         self._turn += 1  # (ties go round: sequential requests spread over the workers too)
@@ -303,7 +308,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                                                                   if k not in ("content", "role")) for m in messages)
                                       + (len(json.dumps(tools)) if tools else 0), "messages", len(messages))
             if rollout is None:
-                endpoint.engine_for(req.model)  # (the cheap refusals first: 404, 400s, 429)
+                endpoint.served(req.model)  # (the cheap refusals first: 404, 400s, 429)
                 endpoint.params(req, None)
                 try:
                     ids = await endpoint.off_loop(endpoint.chat_prompt, messages, tools)
@@ -347,7 +352,7 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                 raise APIError(400, "echo is not served.", param="echo")
             if isinstance(req.prompt, str):
                 endpoint.check_characters(len(req.prompt), "prompt")
-            endpoint.engine_for(req.model)  # (the cheap refusals first: 404, 400s, 429)
+            endpoint.served(req.model)  # (the cheap refusals first: 404, 400s, 429)
             endpoint.params(req, None)
             ids = await endpoint.off_loop(endpoint.completion_prompt, req)
         return await respond(endpoint, request, req, ids, chat=False)

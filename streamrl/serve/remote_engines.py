@@ -33,6 +33,7 @@ from distributed import get_worker
 
 from streamrl.on_worker.resident import resident
 from streamrl.serve.http_server import start_in_thread
+from streamrl.telemetry import bubbles
 
 #: Seconds a token server lets pass without a line: while a request waits for a slot (or between
 #: slow decode steps) it sends an empty one, so the endpoint can tell a waiting replica from one
@@ -148,6 +149,7 @@ async def _decode(eng, body: dict):
         yield json.dumps({"error": str(e)}) + "\n"
         return
     ended = False
+    bubbles.begin_work()  # (busy, and not retired under the request, until it ends)
     try:
         while not ended:
             try:
@@ -158,6 +160,7 @@ async def _decode(eng, body: dict):
             ended = "done" in item or "error" in item
             yield json.dumps(item, separators=(",", ":")) + "\n"
     finally:
+        bubbles.end_work()
         if not ended:  # the endpoint went away (its client did, or a stop sequence was found)
             eng.cancel(rid)
 
@@ -283,6 +286,22 @@ class RemoteEngine:
         task = self._tasks.get(rid)
         if task is not None:
             task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def retire(self, drain_s: float = 120.0) -> None:
+        """No longer sent requests (called from any thread, once it is out of the endpoint's
+        lists): those running end as they would have, then it closes (:meth:`close`; those
+        still running after ``drain_s`` fail)."""
+        if self._loop is None or not self._tasks:
+            self.close()
+            return
+
+        async def when_idle():
+            deadline = time.time() + drain_s
+            while self._tasks and time.time() < deadline:
+                await asyncio.sleep(0.1)
+            self.close()
+
+        asyncio.run_coroutine_threadsafe(when_idle(), self._loop)
 
     def close(self) -> None:
         """No longer served (called from any thread): its requests in flight fail, and its HTTP

@@ -19,7 +19,9 @@ from fastapi.responses import StreamingResponse
 from streamrl.chat.content_as_text import added_pattern
 from streamrl.chat.messages import reply_message
 from streamrl.serve.completion import Completion
+from streamrl.serve.remote_engines import RemoteEngine
 from streamrl.serve.request_bodies import APIError, Sampling
+from streamrl.telemetry import bubbles
 
 # ``endpoint`` below is the ``openai_api.Endpoint`` the request came to (not imported here: that
 # module imports this one)
@@ -64,6 +66,9 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
         if isinstance(e, Exception):
             raise APIError(500, failure(endpoint, e), kind="server_error") from None
         raise
+    if not isinstance(getattr(engine, "engine", engine), RemoteEngine):  # (decoded in this process)
+        completion.working = True
+        bubbles.begin_work()
     fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
     if req.stream:
         return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
@@ -151,6 +156,8 @@ def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
     if completion.ended:
         return
     completion.ended = True
+    if completion.working:
+        bubbles.end_work()
     endpoint.pending -= completion.params.n
     endpoint.running[id(completion.engine)] = endpoint.running.get(id(completion.engine), 0) - completion.params.n
     turn = completion.turn

@@ -7,7 +7,9 @@ generate tasks answers at once) at every step boundary: busy seconds in the step
 difference, idle seconds the rest of the step's wall time, and the idle ratio is the bubble the
 StreamRL paper measures. Tasks still running at the boundary are counted up to the boundary.
 
-On a generate worker "busy" means the engine had at least one request in flight.
+On a generate worker "busy" means the engine had at least one request in flight: a task's, or a
+served request's (an endpoint's, or a replica's token server's), which no task carries and which
+say so themselves (:func:`begin_work` / :func:`end_work`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from distributed import WorkerPlugin
 
 ACTIVE = {"executing", "long-running"}
+
+_PROCESS_CLOCK: list = [None]  # this worker process's BusyClock (none outside a worker)
 
 
 class BusyClock(WorkerPlugin):
@@ -30,6 +34,9 @@ class BusyClock(WorkerPlugin):
         self.running = 0
         self.busy = 0.0
         self.since = 0.0
+        # (the process's clock, for work that runs outside tasks: the threads of an endpoint or a
+        # token server are not Dask's, and get_worker() does not answer there)
+        _PROCESS_CLOCK[0] = self
 
     def transition(self, key, start, finish, **kwargs) -> None:
         now = time.time()
@@ -43,10 +50,57 @@ class BusyClock(WorkerPlugin):
                 if self.running == 0:
                     self.busy += now - self.since
 
+    def begin(self) -> None:
+        """Work that is not a task began here (a served request): busy until :meth:`end`."""
+        with self.lock:
+            if self.running == 0:
+                self.since = time.time()
+            self.running += 1
+
+    def end(self) -> None:
+        """Work :meth:`begin` counted ended."""
+        with self.lock:
+            if self.running > 0:
+                self.running -= 1
+                if self.running == 0:
+                    self.busy += time.time() - self.since
+
     def read(self) -> float:
         """Busy seconds so far, the task running now included."""
         with self.lock:
             return self.busy + (time.time() - self.since if self.running else 0.0)
+
+
+_SERVED = [0]  # served requests in flight in this process (a worker retires once none are)
+_SERVED_LOCK = threading.Lock()
+
+
+def begin_work() -> None:
+    """A served request began in this worker process: its clock counts it busy, and the elastic
+    pool does not retire the worker under it (:func:`served_in_flight`). Nothing outside a worker."""
+    with _SERVED_LOCK:
+        _SERVED[0] += 1
+    clock = _clock()
+    if clock is not None:
+        clock.begin()
+
+
+def end_work() -> None:
+    """The served request :func:`begin_work` counted ended."""
+    with _SERVED_LOCK:
+        _SERVED[0] = max(0, _SERVED[0] - 1)
+    clock = _clock()
+    if clock is not None:
+        clock.end()
+
+
+def served_in_flight() -> int:
+    """Served requests running in this process now."""
+    return _SERVED[0]
+
+
+def _clock() -> "BusyClock | None":
+    return _PROCESS_CLOCK[0]
 
 
 def read_clock(dask_worker) -> tuple[str, float]:
