@@ -117,6 +117,27 @@ def test_resume_refuses_a_run_that_is_still_going(tmp_path):
                                    "stop it first (Ctrl-C)")
 
 
+def test_a_second_command_on_a_run_folder_in_use_is_one_line(tmp_path, tiny_model):
+    # a resume started while another (or the run itself, on another machine sharing the folder)
+    # still went on: each set the other's checkpoints aside and rotated them away
+    import fcntl
+
+    write_tiny_recipe(tmp_path, tiny_model, name="recipe.toml")
+    (tmp_path / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
+    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
+        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": 4_000_000, "host": "elsewhere",
+                                                      "recipe_file": str(tmp_path / "recipe.toml")}))
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (the other command's hold)
+        proc = streamrl("recipe", "resume", str(tmp_path), "--set", "run.steps=4")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"streamrl: error: {tmp_path}: another streamrl command is running this run (pid 4000000 on elsewhere); "
+        "one at a time -- wait for it, or stop it (Ctrl-C)"], proc.stderr[-2000:]
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "running"  # (nothing written)
+
+
 @pytest.mark.parametrize("status", ["", "[]", "{}", '{"state": "running", "pid": "abc"}',
                                     '{"state": "running", "pid": 100000000000000000000}', "[" * 100_000])
 def test_a_damaged_run_folder_is_one_line_on_resume(tmp_path, status):

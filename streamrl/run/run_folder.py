@@ -14,6 +14,7 @@ at (and copied around). The process umask is left alone: other files the user wr
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -27,6 +28,7 @@ from streamrl.recipe.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
 
 STATUS = "status.json"
+LOCK = ".lock"
 OWNER_ONLY = 0o700
 """A run folder's mode: its owner reads, writes and enters it; nobody else."""
 
@@ -40,6 +42,31 @@ class RunFolder:
         self.metrics = MetricsLog(self.path / "metrics.jsonl")
         """``metrics.jsonl``; :meth:`open` loads the records a resumed run keeps."""
         self.sinks: list = []
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Hold the folder for this process (an exclusive ``flock`` on ``.lock``, let go by
+        :meth:`unlock` or the process's end, a kill -9 included): a second run or resume of it
+        meanwhile is one line, not two writers renaming and rotating each other's checkpoints."""
+        fd = os.open(self.path / LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                state = self.status()
+            except UserError:  # (not written yet, or damaged: the line says less)
+                state = {}
+            who = f" (pid {state['pid']} on {state.get('host', 'this machine')})" if "pid" in state else ""
+            raise UserError(f"{self.path}: another streamrl command is running this run{who}; one at a time -- "
+                            "wait for it, or stop it (Ctrl-C)") from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        """Let go of :meth:`lock`."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (closing the descriptor releases the flock)
+            self._lock_fd = None
 
     @classmethod
     def create(cls, loaded: LoadedRecipe) -> "RunFolder":

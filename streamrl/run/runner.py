@@ -240,6 +240,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
     dask_cluster = client = trace = watchdog = controller = None
+    folder.lock()  # (before anything is written: two commands on one folder set each other's checkpoints aside)
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed, checkpoint)
@@ -321,6 +322,7 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         finally:
             stopped()
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
+        folder.unlock()
         stop.uninstall()
         stop.stop_now_if_asked_twice()  # a second signal while it closed: the command says it was interrupted
     errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
