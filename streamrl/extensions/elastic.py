@@ -26,7 +26,6 @@ from streamrl.flow.weights import LOAD_PRIORITY
 from streamrl.flow.topology import Topology
 from streamrl.recipe.pools import ElasticConfig
 from streamrl.recipe.recipe import Recipe
-from streamrl.serve import remote_engines
 from streamrl.telemetry import bubbles
 
 #: Steps measured with a new worker (and before it was asked for) to judge whether it paid.
@@ -119,9 +118,9 @@ def _running(client, addr: str) -> bool:
 
 
 def _serves(client, addr: str) -> bool:
-    """Does the worker at ``addr`` run a token server (an endpoint's replica)?"""
+    """Is the worker at ``addr`` sent served requests (an endpoint's replica)?"""
     try:
-        got = client.run(remote_engines.serving, ENGINE, workers=[addr], on_error="return").get(addr)
+        got = client.run(bubbles.takes_requests, workers=[addr], on_error="return").get(addr)
     except Exception:  # no such worker any more
         return False
     return got is True

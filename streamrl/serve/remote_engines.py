@@ -110,6 +110,7 @@ def start(engine: str, trainer: str | None = None, version: int = 0) -> tuple[st
         raise RuntimeError(f"the token server of {engine} could not listen on {host}")
     server, thread, port = started
     _SERVERS[engine] = (server, thread)
+    bubbles.takes_requests(True)
     return f"http://{netloc}:{port}", key
 
 
@@ -174,6 +175,7 @@ def serving(engine: str) -> bool:
 def stop(engine: str) -> bool:
     """Learner worker: stop the token server of ``engine`` if one runs here."""
     running = _SERVERS.pop(engine, None)
+    bubbles.takes_requests(bool(_SERVERS))
     if running is None:
         return False
     server, thread = running

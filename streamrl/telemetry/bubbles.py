@@ -99,6 +99,18 @@ def served_in_flight() -> int:
     return _SERVED[0]
 
 
+_TAKES_REQUESTS = [False]
+
+
+def takes_requests(yes: bool | None = None) -> bool:
+    """Whether this worker process is sent served requests (a replica's token server runs here);
+    ``yes`` sets it. An elastic pool gives such a worker time to be taken out of the endpoint's
+    lists before it looks whether it is idle."""
+    if yes is not None:
+        _TAKES_REQUESTS[0] = yes
+    return _TAKES_REQUESTS[0]
+
+
 def _clock() -> "BusyClock | None":
     return _PROCESS_CLOCK[0]
 
