@@ -32,6 +32,11 @@ def test_packing_lays_every_tensor_end_to_end_in_one_buffer_and_unpacking_gives_
         assert back[name].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # views, no copy
     flat32, _ = pack({k: v for k, v in w.items() if v.dtype == torch.float32}, None)
     assert flat32.dtype == torch.float32  # as trained
+    # as trained, a model of two dtypes: every tensor exactly, whichever comes first
+    mixed = {"c.half": w["c.half"], "a.weight": w["a.weight"]}
+    flat, layout = pack(mixed, None)
+    assert flat.dtype == torch.float32 and all(torch.equal(unpack(flat, layout)[n].to(t.dtype), t) and
+                                               torch.equal(unpack(flat, layout)[n], t.float()) for n, t in mixed.items())
 
 
 def test_weights_on_the_cpu_cross_as_bytes_bit_for_bit():

@@ -44,12 +44,17 @@ class CudaIpcConfig(BaseModel):
 
 
 def pack(weights: dict, dtype) -> tuple[object, list[tuple[str, tuple[int, ...], int, int]]]:
-    """``weights`` cast to ``dtype`` (None: each tensor's own, which must then be one) and laid
-    end to end in one flat buffer on their device: ``(buffer, [(name, shape, offset, numel)])``."""
+    """``weights`` cast to ``dtype`` and laid end to end in one flat buffer on their device:
+    ``(buffer, [(name, shape, offset, numel)])``. ``dtype`` None: as trained -- the one dtype of
+    them all, or, for a model of several (bfloat16 weights beside float32 norms), the one every
+    one of them fits in exactly (each engine parameter takes its own dtype back on load)."""
+    import functools
+
     import torch
 
     tensors = list(weights.items())
-    dtype = dtype or tensors[0][1].dtype
+    # (the first tensor's dtype, as before: float32 norms after bfloat16 weights lost their bits)
+    dtype = dtype or functools.reduce(torch.promote_types, {t.dtype for _, t in tensors})
     flat = torch.empty(sum(t.numel() for _, t in tensors), dtype=dtype, device=tensors[0][1].device)
     layout, offset = [], 0
     for name, t in tensors:
