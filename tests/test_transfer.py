@@ -86,3 +86,48 @@ def test_a_run_publishes_through_torch_distributed_to_two_generate_workers(torch
     # every sample of step s came from policy s: each generate worker loaded each broadcast
     assert all(x["version"] == r["step"] for r in recs for x in r["sample_log"])
     assert {x["worker"] for r in recs for x in r["sample_log"]} <= {"generate-0", "generate-1"}
+
+
+def test_a_version_exported_after_a_newer_one_is_not_what_a_missed_receiver_is_sent_again():
+    # an elastic join's export of the current weights can run after the next publication's on
+    # the same train worker: the resend then served the older weights as the newest
+    sender = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=1))
+    sender.receivers = 1
+    newer, older = weights(), {n: t * 2 for n, t in weights().items()}
+    sender.send(newer, version=6)
+    sender.send(older, version=5)
+    token, held = sender.resend(6)
+    assert held == 6
+    got = TorchDistributedTransfer(TorchDistributedConfig(timeout_s=30)).receive(token, 6)
+    assert all(torch.equal(got[n], newer[n]) for n in newer)
+
+
+def test_exports_from_two_threads_each_size_their_own_group(monkeypatch):
+    # pools.train.threads > 1: the receivers of one export were set on the shared transfer, and
+    # another export could change them before its send read them (a group of the wrong size:
+    # every load missed it)
+    from streamrl.on_worker import weight_tasks
+
+    class Recorded:  # (stand-in for a transfer whose send is slow: it reads the receivers late)
+        receivers = 0
+
+        def send(self, weights, version):
+            time.sleep(0.2)
+            return self.receivers
+
+    class Trainer:
+        def named_weights(self):
+            return {}
+
+    transfer = Recorded()
+    monkeypatch.setattr(weight_tasks, "expect", lambda *a: None)
+    monkeypatch.setattr(weight_tasks, "resident", lambda name: transfer if name == weight_tasks.TRANSFER else Trainer())
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, weight_tasks.export_weights(1, receivers=r)))
+               for r in (1, 3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(10)
+    assert got == {1: 1, 3: 3}

@@ -19,6 +19,8 @@ from streamrl.on_worker.resident import ENGINE, TRAINER, TRANSFER, ResidentLost,
 
 LATEST = "streamrl-latest-weights"  # the newest publication's payload future (a Dask Variable)
 LATEST_SENDER = "streamrl-latest-weights-sender"  # who exported LATEST: {"pin", "name", "address"}
+_EXPORTING = threading.Lock()
+
 #: Dask priority of weight export/load tasks (``weights.LOAD_PRIORITY``)
 LOAD_PRIORITY = 1_000_000
 
@@ -27,8 +29,11 @@ def export_weights(version: int, after=None, trainer_id: str | dict | None = Non
     """Train pool: the transfer's payload of the trainer's current weights, for ``receivers``
     generate workers."""
     expect(TRAINER, trainer_id)
-    resident(TRANSFER).receivers = receivers
-    return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
+    # (one export at a time: the receivers are set on the one transfer object, and an elastic
+    # join's export for one worker must not size a publication's group, or the other way round)
+    with _EXPORTING:
+        resident(TRANSFER).receivers = receivers
+        return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
 
 
 def resend_weights(version: int) -> tuple:

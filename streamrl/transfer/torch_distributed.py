@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 import threading
 import time
@@ -229,7 +230,8 @@ class TorchDistributedTransfer(Transfer):
         names = list(weights)
         snapshot = [weights[n].detach().to("cpu").clone() for n in names]  # the trainer may step on
         layout = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, snapshot)]
-        self.latest = (version, snapshot, layout)  # for a receiver that misses its group (resend)
+        if self.latest is None or version >= self.latest[0]:  # (an elastic join's export of an older one: not newest)
+            self.latest = (version, snapshot, layout)  # for a receiver that misses its group (resend)
         return self._serve(snapshot, layout, version, 1 + self.receivers)
 
     def resend(self, version: int) -> tuple[dict, int]:
@@ -253,8 +255,13 @@ class TorchDistributedTransfer(Transfer):
         host = _host()
         listener = listen(host)  # (torch's store would listen on every interface, not only host's)
         port = listener.getsockname()[1]
-        store = dist.TCPStore(host, port, world, True, timeout=datetime.timedelta(seconds=self.config.timeout_s),
-                              wait_for_workers=False, master_listen_fd=listener.detach())
+        fd = listener.detach()
+        try:
+            store = dist.TCPStore(host, port, world, True, timeout=datetime.timedelta(seconds=self.config.timeout_s),
+                                  wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)  # (detached: nothing else closes it)
+            raise
 
         def broadcast():
             t0 = time.perf_counter()
