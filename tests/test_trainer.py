@@ -224,3 +224,40 @@ def test_a_micro_batch_without_a_trainable_token_adds_nothing_and_does_not_stop_
         assert out["samples"] == 2 and out["loss_sum"] == 0.0
         assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
     assert trainer.step()["version"] == 1
+
+
+def test_later_epochs_train_the_first_passs_advantages_and_count_each_group_once(tiny_model):
+    # REINFORCE++'s running statistics took every group once per epoch, so a sample's advantage
+    # changed from one epoch to the next; PPO's value clip was measured from the values of the
+    # pass itself (old_values = values.detach()), so it never clipped
+    from streamrl.algorithms.ppo import PPO, PPOConfig
+    from streamrl.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
+
+    rpp = HFTrainer(HFTrainerConfig(lr=1e-2), TrainerContext(str(tiny_model), ReinforcePP(ReinforcePPConfig(epochs=3)),
+                                                            EngineCapabilities(temperature=1.0)))
+    groups = make_groups(rpp)
+    seen = []
+    real = rpp.algorithm.advantages
+    rpp.algorithm.advantages = lambda rewards: seen.append(list(rewards)) or real(rewards)
+    for _ in range(2):  # two steps of three epochs
+        for _ in range(3):
+            rpp.micro_batch(groups, 1.0 / 24)
+            rpp.step()
+    assert rpp.algorithm.n == 2 * 24 and len(seen) == 2 * len(groups)  # once per step, not per epoch
+    assert rpp.first is None  # (nothing kept past a step)
+
+    ppo = HFTrainer(HFTrainerConfig(lr=1e-2, critic_lr=1e-1),
+                    TrainerContext(str(tiny_model), PPO(PPOConfig(epochs=2, value_clip=0.01, critic_warmup_steps=0)),
+                                   EngineCapabilities(temperature=1.0)))
+    groups = make_groups(ppo)
+    calls = []
+    value_loss = ppo.algorithm.value_loss
+    ppo.algorithm.value_loss = lambda v, old, ret, m: calls.append((v.detach().clone(), old.clone(), m)) or \
+        value_loss(v, old, ret, m)
+    ppo.micro_batch(groups, 1.0 / 24)
+    ppo.step()
+    ppo.micro_batch(groups, 1.0 / 24)
+    (v1, old1, mask), (v2, old2, _) = calls
+    on = mask > 0
+    assert torch.equal(old1[on], v1[on]) and torch.equal(old2[on], v1[on])  # epoch 2 clips around epoch 1's values
+    assert (v2[on] - v1[on]).abs().max() > 0.01  # (the critic moved past the clip: the clip binds)

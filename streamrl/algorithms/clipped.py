@@ -57,7 +57,8 @@ class ClippedConfig(BaseModel):
     an unbounded weight."""
     epochs: int = Field(1, ge=1, le=64)
     """Optimizer steps over each batch (PPO epochs; with the ``none`` or ``m2po`` correction,
-    whose clip is to the generating policy). Epoch ``e`` trains on samples ``e - 1``
+    whose clip is to the generating policy). Every epoch trains the advantages (and a critic's
+    values and returns) of the first pass over the batch. Epoch ``e`` trains on samples ``e - 1``
     updates older than the policy, on top of any ``async`` staleness; the clip bounds how far
     the ratio to the generating policy may pull. The weights are published once, after the
     last epoch, so the policy version still counts batches."""

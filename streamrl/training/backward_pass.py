@@ -98,6 +98,28 @@ def advantages(algorithm, group: Group) -> list[float]:
     return values
 
 
+class FirstPass:
+    """What the first pass over a step's batch computed, by sample, for the later epochs
+    (``algorithm.epochs`` above 1): each group's advantages (a running normaliser such as
+    REINFORCE++'s sees each group once, and every epoch trains the same advantages), and with a
+    critic the values, advantages and returns of each response token (PPO's value clip bounds the
+    critic's move from the first pass's values, not from its own)."""
+
+    def __init__(self):
+        self.values: dict[str, object] = {}
+        self.done = False
+        """Whether the first pass is over (its optimizer step taken): the later ones read it."""
+
+
+def first_pass(trainer) -> FirstPass | None:
+    """The trainer's :class:`FirstPass` of this step (None with one epoch: nothing to keep)."""
+    if getattr(trainer.algorithm, "epochs", 1) <= 1:
+        return None
+    if getattr(trainer, "first", None) is None:
+        trainer.first = FirstPass()
+    return trainer.first
+
+
 def of_groups(trainer, groups: list[Group], scale: float) -> dict:
     """One micro-batch of whole groups: advantages (the algorithm's, or the critic's, which
     learns in the same pass), the loss and its backward, gradients accumulating until the
@@ -107,8 +129,17 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
     counted = {"samples": len(samples), "tokens": sum(len(s.response_ids) for s in samples),
                "reward_sum": float(sum(s.reward for s in samples))}
     adv_list = None
+    kept = first_pass(trainer)
     if trainer.critic is None:
-        adv_list = [a for g in groups for a in advantages(trainer.algorithm, g)]
+        adv_list = []
+        for g in groups:
+            if kept is not None and kept.done and all(s.uid in kept.values for s in g):
+                adv_list += [kept.values[s.uid] for s in g]  # (a later epoch: the first pass's)
+            else:
+                given = advantages(trainer.algorithm, g)
+                adv_list += given
+                if kept is not None and not kept.done:
+                    kept.values.update((s.uid, a) for s, a in zip(g, given))
         if trainer.algorithm.zero_advantage_no_gradient and trainer.version >= trainer.algorithm.critic_warmup_steps:
             # a sample with advantage 0 adds nothing to the gradient: leave it out of the
             # forward/backward (GRPO groups whose samples all got the same reward)
@@ -130,8 +161,20 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=trainer.device)
         with trainer.precision.autocast():
             values = trainer.critic.values(ids, attn).float()
-        adv, returns = called(trainer.algorithm, "token_advantages", rewards, values.detach(), resp)
-        value_loss = called(trainer.algorithm, "value_loss", values, values.detach(), returns, resp)
+        spans = [slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.response_ids)) for s in samples]
+        if kept is not None and kept.done and all(s.uid in kept.values for s in samples):
+            # a later epoch: the first pass's values, advantages and returns -- what the value clip
+            # bounds the critic's move from, and the advantages PPO computes once per batch
+            old_values, adv, returns = values.detach().clone(), torch.zeros_like(values), torch.zeros_like(values)
+            for i, (s, span) in enumerate(zip(samples, spans)):
+                old_values[i, span], adv[i, span], returns[i, span] = kept.values[s.uid]
+        else:
+            old_values = values.detach()
+            adv, returns = called(trainer.algorithm, "token_advantages", rewards, old_values, resp)
+            if kept is not None and not kept.done:
+                kept.values.update((s.uid, (old_values[i, span].clone(), adv[i, span].clone(), returns[i, span].clone()))
+                                   for i, (s, span) in enumerate(zip(samples, spans)))
+        value_loss = called(trainer.algorithm, "value_loss", values, old_values, returns, resp)
         critic_loss = value_loss.sum() * scale
         stats = critic_stats(values.detach(), returns, resp, value_loss.detach())
     new, ref = policy_logprobs(trainer, ids, attn, resp)

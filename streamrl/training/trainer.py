@@ -109,6 +109,7 @@ class HFTrainer(Trainer):
         self.reference_policy = TokenLogprobs(self.reference) if self.reference is not None else None
         self._build_optimizer()
         self.version = 0
+        self.first = None  # what a step's first epoch computed, for its later ones (backward_pass.FirstPass)
         self._publish_bytes = self.publish_bytes()  # (fixed by the model and the adapter: once)
         self.optimizer.zero_grad(set_to_none=True)
         self.sharded = False  # trainer.strategy = "fsdp" over several ranks, once shard() has run
@@ -237,6 +238,11 @@ class HFTrainer(Trainer):
         if self.critic is not None:
             self.critic.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        if getattr(self, "first", None) is not None:  # (algorithm.epochs > 1: backward_pass.FirstPass)
+            if self.version % self.algorithm.epochs == 0:
+                self.first = None  # the step's last epoch: the next batch starts over
+            else:
+                self.first.done = True
         out["publish_bytes"] = self._publish_bytes
         return {**out, "seconds": time.perf_counter() - t0}
 
