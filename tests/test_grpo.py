@@ -123,3 +123,16 @@ def test_grpo_advantages_are_torchs_normalisation_in_double_precision():
     assert GRPO(GRPOConfig()).advantages(rewards) == pytest.approx(expected, rel=1e-12)
     assert GRPO(GRPOConfig(scale_rewards=False)).advantages(rewards) == pytest.approx((r - r.mean()).tolist())
     assert GRPO(GRPOConfig()).advantages([0.5]) == [0.0]  # a sample alone: no baseline
+
+
+def test_dr_grpo_whose_l_max_is_not_the_generation_budget_is_warned_about():
+    # its loss divides each sample's token sum by max_tokens (default 16): set to anything but the
+    # engine's max_new_tokens, every step's loss was that much off the paper's, without a word
+    from tests.helpers import ROOT, streamrl
+
+    off = streamrl("recipe", "validate", str(ROOT / "recipes" / "ppo.toml"), "--set", 'algorithm={name="dr_grpo"}')
+    assert off.returncode == 0 and ("algorithm 'dr_grpo': max_tokens = 16 (L_max, each sample's token sum is divided "
+                                    "by it) is not the engine's max_new_tokens = 4") in off.stderr, off.stderr
+    fits = streamrl("recipe", "validate", str(ROOT / "recipes" / "ppo.toml"), "--set",
+                    'algorithm={name="dr_grpo", max_tokens=4}')
+    assert fits.returncode == 0 and "dr_grpo" not in fits.stderr, fits.stderr

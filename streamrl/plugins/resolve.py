@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ from pydantic import BaseModel
 
 from streamrl.recipe.learners import INITIAL, main_learner, served_name
 from streamrl.api import Algorithm, Component
-from streamrl.errors import UserError
+from streamrl.algorithms.dr_grpo import DrGRPO
+from streamrl.errors import RunWarning, UserError
 from streamrl.models.fetch import KNOWN
 from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
@@ -232,6 +234,15 @@ def check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
                         f'"{plan.algorithm.component.name}", which learns from the differences between a prompt\'s samples '
                         f"(a group baseline, or a preference pair): a sample alone gets advantage 0 and nothing is "
                         f"learned; use {need} or more (8 is usual)")
+    # Dr. GRPO divides every sample's token sum by L_max, the generation budget: another
+    # constant scales the whole loss (the learning rate against the gradient clip) without a word
+    budget = out.engine.capabilities().max_new_tokens
+    l_max = getattr(getattr(built, "config", None), "max_tokens", None) if isinstance(built, DrGRPO) else None
+    if isinstance(l_max, int) and isinstance(budget, int) and l_max != budget:
+        warnings.warn(RunWarning(f"{field} 'dr_grpo': max_tokens = {l_max} (L_max, each sample's token sum is "
+                                 f"divided by it) is not the engine's max_new_tokens = {budget}; the loss is "
+                                 f"{budget / l_max:.2g}x what the paper's would be (set max_tokens = {budget})"),
+                      stacklevel=2)
 
 
 #: Where a model's config.json says how many positions (prompt and response together) it has.
