@@ -126,6 +126,9 @@ def test_a_folder_as_recipe_a_weightless_model_and_a_bad_address_are_one_line(ca
     with pytest.raises(SystemExit) as exited:  # (argparse's own way: usage, one line, exit 2)
         run_cli(capsys, "bench", "serve", str(tiny_recipe), "--seconds", "inf")
     assert exited.value.code == 2 and "expected seconds above 0" in capsys.readouterr().err
+    # n past the endpoint's 64 failed every request, counted as "failed" (a slow endpoint, to the eye)
+    code, _, err = run_cli(capsys, "bench", "serve", str(tiny_recipe), "--n", "65")
+    assert code == 2 and "--n 64 (the endpoint's limit)" in one_line_error(err)
     # a result file is checked before minutes of measuring, not when it is written at the end
     (tmp_path / "a-file").write_text("")
     for out, said in ((str(tmp_path), "is a folder; expected a file to write"),

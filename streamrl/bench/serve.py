@@ -192,16 +192,24 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
     token is reported with its ratio to the served policy's."""
     if clients < 1 or seconds <= 0 or repeats < 1 or n < 1 or client_processes < 1:
         raise UserError("--clients, --seconds, --repeats, --n and --client-processes must be positive")
+    # (bounded: a thread per client, and n past the endpoint's 64 fails every request, counted as
+    # "failed", which reads as a slow endpoint rather than a mistake)
+    if clients > 4096 or client_processes > 256 or n > 64 or repeats > 100:
+        raise UserError("--clients must be at most 4096, --client-processes 256, --n 64 (the endpoint's limit) and "
+                        "--repeats 100")
     recipe = load_recipe(file, overrides).recipe
     key = recipe.serve.api_key if recipe.serve else ""
     console = Console()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         runs = Path(tmp) / "runs"
         cmd = [sys.executable, "-m", "streamrl", "serve", file, "--plain", "--no-report", "--set", "serve.port=0",
                "--set", f'run.out_dir="{runs}"', "--set", "run.steps=100000", "--set", "run.step_timeout_s=0",
                *[x for o in overrides for x in ("--set", o)]]
         log = open(Path(tmp) / "serve.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # (a session of its own: a Ctrl-C at the terminal reaches this command alone, which stops
+        # the endpoint with one signal -- a second one, the terminal's, means "stop at once")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
         try:
             info = _wait_for_endpoint(runs, proc, Path(tmp) / "serve.log")
             console.print(f"endpoint {info['url']} ({clients} clients in {client_processes} process(es) x "
@@ -224,7 +232,8 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # (its cluster's workers too: they write in the folder)
+                proc.wait(30)
             log.close()
     ratios = {}
     for what in ("itl_p50_ms", "ttft_p50_ms", "itl_p99_ms"):
