@@ -955,3 +955,23 @@ def test_served_requests_count_as_the_workers_work():
         assert bubbles.served_in_flight() == 0 and clock.read() == done >= 0.2
     finally:
         bubbles._PROCESS_CLOCK[0] = None
+
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("more, says", [
+    ({"tool_choice": "auto"}, "'tool_choice' is only allowed when 'tools' are specified"),
+    ({"tool_choice": "always", "tools": [TOOL]}, "'always'; expected 'none', 'auto', 'required' or a function"),
+    ({"tool_choice": {"type": "function", "function": {"name": "mul"}}, "tools": [TOOL]},
+     "no function named 'mul' among the tools"),
+    ({"tool_choice": {"type": "function"}, "tools": [TOOL]}, "expected {'type': 'function', 'function': {'name'"),
+])
+def test_a_tool_choice_openai_refuses_is_400_naming_it(served, more, says):
+    # (accepted before: a named function not among the tools, or a choice without tools, went on
+    # as if no tool had been asked for)
+    _, url = served
+    err = error_of(chat(url, "1+1=", **more), 400)
+    assert err["param"] == "tool_choice" and says in err["message"], err
+    ok = chat(url, "1+1=", tools=[TOOL], tool_choice={"type": "function", "function": {"name": "add"}})
+    assert ok.status_code == 200 and chat(url, "1+1=", tool_choice="none").status_code == 200

@@ -295,6 +295,9 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                 raise APIError(400, "top_logprobs is not served (only the sampled token's log-prob).",
                                param="top_logprobs")
             messages = endpoint.messages(req)
+            problem = req.tool_choice_problem()
+            if problem is not None:
+                raise APIError(400, problem, param="tool_choice")
             tools = req.tool_list()
             control = content_as_text.control_outside_content(endpoint.tokenizer, messages, tools)
             if control is not None:  # (the template would write it as the control token itself)

@@ -167,6 +167,27 @@ class ChatRequest(Sampling):
     """``"none"``: the reply is not parsed for tool calls; anything else parses it."""
 
 
+    def tool_choice_problem(self) -> str | None:
+        """What is wrong with ``tool_choice`` as OpenAI's API takes it (one sentence), or None:
+        ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": N}}``
+        with ``N`` among the tools, and anything but ``"none"`` only with tools."""
+        choice = self.tool_choice
+        if choice is None:
+            return None
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                return f"Invalid value for 'tool_choice': {choice[:40]!r}; expected 'none', 'auto', 'required' or a function."
+        else:
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                return "Invalid value for 'tool_choice': expected {'type': 'function', 'function': {'name': ...}}."
+            if name not in {t.function.name for t in self.tools or ()}:
+                return f"Invalid value for 'tool_choice': no function named {name[:64]!r} among the tools."
+        if choice != "none" and not self.tools:
+            return "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified."
+        return None
+
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template and the trajectories take them: plain JSON objects."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
