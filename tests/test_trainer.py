@@ -135,6 +135,12 @@ def test_a_checkpoint_restores_the_trainer_exactly(tiny_model, tmp_path, algorit
     fresh.micro_batch(groups, 1 / 8)
     fresh.step()
     assert any(not torch.equal(fresh.named_weights()[n], wb[n]) for n in wb)
+    # weights saved in one dtype are not loaded into another: DCP cast them without a word
+    other = trainer()
+    other.model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"embed_tokens.weight was saved as float32 and this trainer holds it as "
+                                         r"bfloat16 \(trainer.precision or the model's dtype changed since\)"):
+        other.load_checkpoint(str(tmp_path / "ckpt"))
 
 
 def test_skipping_zero_advantage_groups_gives_the_same_update(tiny_model):

@@ -187,6 +187,7 @@ def load(trainer, path: str) -> None:
     modules = _modules(trainer)
     for name, (module, optimizer) in modules.items():
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
+    _same_dtypes(state, folder / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _unwrapped(lambda: dcp.load(state, storage_reader=SafeReader(str(folder / "dcp")), planner=SafePlanner(),
@@ -202,6 +203,23 @@ def load(trainer, path: str) -> None:
     random.setstate(extra["python_rng"])
     trainer.finite.in_a_row = extra.get("nonfinite_in_a_row", 0)  # (absent from older checkpoints)
     _recipe_learning_rates(trainer)
+
+
+def _same_dtypes(state: dict, dcp_folder: Path) -> None:
+    """Each weight of the trainer as saved: DCP copies a saved tensor into its target with a cast,
+    so weights saved in bfloat16 and resumed into float32 (or the other way round) came back
+    rounded, or with their float32 masters gone, without a word. Raises naming the first."""
+    saved = read_metadata(dcp_folder).state_dict_metadata
+    for part, held in state.items():
+        if not part.endswith(".model"):
+            continue
+        for fqn, tensor in held.items():
+            meta = saved.get(f"{part}.{fqn}")
+            dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+            if dtype is not None and isinstance(tensor, torch.Tensor) and dtype != tensor.dtype:
+                raise ValueError(f"{fqn} was saved as {str(dtype).removeprefix('torch.')} and this trainer holds it "
+                                 f"as {str(tensor.dtype).removeprefix('torch.')} (trainer.precision or the model's "
+                                 "dtype changed since)")
 
 
 def _recipe_learning_rates(trainer) -> None:
