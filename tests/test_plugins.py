@@ -368,3 +368,27 @@ def test_an_error_raised_in_a_plugins_code_is_told_from_a_bug_of_streamrl_by_whe
     local = {}
     exec(compile("def boom():\n    raise ValueError('x')\n", "<dynamic-code>", "exec"), local)
     assert _plugin_frame(raised(local["boom"])) == "a recipe-local module, line 2, in boom"
+
+
+@pytest.mark.slow
+def test_a_plugin_that_changes_the_recipe_it_is_shown_changes_nothing_of_the_run(tiny_recipe, tmp_path, shared_cluster):
+    # on_run_start is shown the recipe as run: a plugin that writes to it (a tracker "fixing" a
+    # setting it logs) must not change the steps, the learning rate or anything else the run does
+    from tests.helpers import only_run, read_records, sets, streamrl, with_plugin
+
+    recipe = with_plugin(tiny_recipe, "meddler", textwrap.dedent('''
+        from streamrl.api import hookimpl
+
+        @hookimpl
+        def on_run_start(recipe, run_dir):
+            recipe.run.steps = 50
+            recipe.trainer.lr = 1e9
+            (run_dir / "seen.txt").write_text(f"{recipe.run.steps} {recipe.trainer.lr}")
+    '''))
+    proc = streamrl("recipe", "run", str(recipe), "--plain", "--no-report", *sets(*shared_cluster.sets))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path / "runs")
+    assert (run / "seen.txt").read_text() == "50 1000000000.0"  # (the hook ran, on its copy)
+    # two steps, as the recipe says, and no ruinous update (a learning rate of 1e9 stops the run:
+    # trainer.max_weight_change)
+    assert [r["step"] for r in read_records(run)] == [0, 1]
