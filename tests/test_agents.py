@@ -6,6 +6,7 @@ split, the loss mask in the trainer's batch, and the agent task's one-line error
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -282,7 +283,7 @@ def test_a_reward_past_the_limit_is_a_counted_error_wherever_it_comes_from():
             reward_value(bad)
     assert reward_value({"score": 1.0, "n": 10**400, "m": 2}) == (1.0, {"m": 2.0})  # a value past range: left out
     # reward.limit: the run's own bound, for a reward function's scores as for an agent's
-    from streamrl.agents.rollout import RolloutThread, _outcome
+    from streamrl.agents.rollout import RolloutThread, _outcome, as_reward
     from streamrl.recipe.recipe import RewardSection
     from streamrl.rewards.scoring import score_group
 
@@ -305,10 +306,11 @@ def test_a_reward_past_the_limit_is_a_counted_error_wherever_it_comes_from():
     async def five():
         return 5.0
 
-    thread = RolloutThread(five)
-    thread.start(), thread.join(10)
-    assert "reward.limit" in _outcome(thread, time.time(), 60, limit=4.0).error
-    assert _outcome(thread, time.time(), 60, limit=5.0).reward == 5.0
+    for limit, says in ((4.0, "reward.limit"), (5.0, "")):
+        thread = RolloutThread(as_reward(five, limit))
+        thread.start(), thread.join(10)
+        outcome = _outcome(thread, time.time(), 60)
+        assert says in outcome.error and outcome.reward == (0.0 if says else 5.0)
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError):
             RewardSection(name="exact_match", limit=bad)
@@ -449,7 +451,7 @@ async def rollout(client, row):
 
 
 def test_an_agents_error_is_one_printable_bounded_line():
-    from streamrl.agents.rollout import RolloutThread, _outcome
+    from streamrl.agents.rollout import RolloutThread, _outcome, as_reward
 
     async def agent():
         raise ValueError("the model said:\n\x1b[31mred\x1b[0m" + "x" * 5000)
@@ -462,10 +464,46 @@ def test_an_agents_error_is_one_printable_bounded_line():
         return Odd()
 
     for fn, start in [(agent, "ValueError: the model said:\\n\\x1b[31mred"), (odd, "TypeError: the rollout returned")]:
-        thread = RolloutThread(fn)
+        thread = RolloutThread(as_reward(fn))
         thread.start(), thread.join(10)
         error = _outcome(thread, time.time(), 60).error
         assert error.startswith(start) and error.isprintable() and len(error) <= 500, error
+
+
+def test_a_result_whose_number_exits_or_never_comes_ends_its_rollout_alone():
+    # the rollout's result was read into a reward on the group's own thread, past the rollout's
+    # timeout: a __float__ that called sys.exit() ended the group's task, one that looped hung it
+    import sys
+
+    from streamrl.agents.rollout import RolloutThread, _outcome, as_reward
+
+    class Exits:
+        def __float__(self):
+            sys.exit(3)
+
+    released = threading.Event()
+
+    class Loops:
+        def __float__(self):
+            while not released.is_set():  # (for ever, as far as the rollout can tell; let go at the test's end)
+                time.sleep(0.01)
+            return 0.0
+
+    async def exits():
+        return Exits()
+
+    async def loops():
+        return Loops()
+
+    thread = RolloutThread(as_reward(exits))
+    thread.start(), thread.join(10)
+    outcome = _outcome(thread, time.time(), 60)
+    assert outcome.reward == 0.0 and "SystemExit" in outcome.error and not outcome.transient
+    hung, started = RolloutThread(as_reward(loops)), time.time()
+    hung.start(), hung.join(0.5)
+    outcome = _outcome(hung, started, 0.5)
+    released.set()
+    assert outcome.error.startswith("RolloutTimeout") and time.time() - started < 5
 
 
 @pytest.mark.parametrize("example", ["calculator_env.py", "calculator_agent.py"])

@@ -185,25 +185,30 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
         # a row of its own for each rollout: they run side by side, and an agent that appends to
         # the row's messages (or pops its answer) must not change its siblings' conversations
         row = copy.deepcopy(prompt.columns)
-        thread = RolloutThread(_rollout_coroutine(agent, url, api_key, rid, row, spec["timeout_s"], rollout_key))
+        thread = RolloutThread(_rollout_coroutine(agent, url, api_key, rid, row, spec["timeout_s"], rollout_key,
+                                                  spec.get("reward_limit", REWARD_LIMIT)))
         runs.append((k, rid, url, thread, time.time()))
         thread.start()
     deadline = time.time() + spec["timeout_s"]
     outcomes = []
     for k, rid, url, thread, started in runs:
         thread.join(max(0.0, deadline - time.time()))
-        outcomes.append(_outcome(thread, started, spec["timeout_s"], spec.get("reward_limit", REWARD_LIMIT)))
+        outcomes.append(_outcome(thread, started, spec["timeout_s"]))
     group: Group = []
     counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
               "splits": 0, "crossed_updates": 0, "stuck": 0, "first_error": ""}
     for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
         try:
             traj = _finish(url, api_key, rid, rollout_key)
-        except httpx.HTTPError as e:  # its endpoint is gone (a restarted generate worker): nothing to train
+        except Exception as e:  # its endpoint is gone (a restarted generate worker), or answered garbage
             traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
             if not outcome.error:
-                outcome.error = one_line(f"EndpointLost: the trajectory could not be read from {url} ({e})")
-                outcome.transient = True
+                outcome.error = one_line(f"EndpointLost: the trajectory could not be read from {url} "
+                                         f"({type(e).__name__}: {e})"[:500])
+                # (its surroundings' failure when the endpoint could not be reached or failed;
+                # an answer it refused, or one that was not a trajectory, is not overload)
+                outcome.transient = isinstance(e, httpx.TransportError) or (
+                    isinstance(e, httpx.HTTPStatusError) and e.response.status_code >= 500)
         counts["calls"] += traj["calls"]
         counts["tool_calls"] += traj["tool_calls"]
         counts["splits"] += traj["splits"]
@@ -222,7 +227,12 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     return [group] if group else []
 
 
-def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float, rollout_key: str):
+class BadResult(Exception):
+    """What a rollout returned is not a reward (raised in its own thread, under its timeout)."""
+
+
+def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeout_s: float, rollout_key: str,
+                       limit: float = REWARD_LIMIT):
     async def main():
         import openai  # (imported already by the group's task: a lookup)
 
@@ -234,10 +244,24 @@ def _rollout_coroutine(agent, url: str, api_key: str, rid: str, row: dict, timeo
             return await result if inspect.isawaitable(result) else result
         finally:
             await client.close()
+    return as_reward(main, limit)
+
+
+def as_reward(make_coroutine, limit: float = REWARD_LIMIT):
+    """``make_coroutine``'s result read into ``(reward, info)`` at the end of the same coroutine:
+    in the rollout's own thread and under its timeout, so a result whose ``__float__`` loops or
+    calls ``sys.exit()`` ends that rollout, not its group's task (:class:`BadResult` when it is
+    not a reward)."""
+    async def main():
+        result = await make_coroutine()
+        try:
+            return reward_value(result, limit)
+        except Exception as e:
+            raise BadResult(one_line(f"{type(e).__name__}: the rollout returned {_shown(result)}: {e}", 500)) from None
     return main
 
 
-def _outcome(thread: RolloutThread, started: float, timeout_s: float, limit: float = REWARD_LIMIT) -> Outcome:
+def _outcome(thread: RolloutThread, started: float, timeout_s: float) -> Outcome:
     seconds = time.time() - started
     if thread.is_alive():
         thread.abandon()
@@ -245,15 +269,13 @@ def _outcome(thread: RolloutThread, started: float, timeout_s: float, limit: flo
             _STUCK.add(thread)
         return Outcome(error=f"RolloutTimeout: still running after {timeout_s:g} s (task.rollout_timeout_s)",
                        seconds=seconds, transient=True)
+    if isinstance(thread.error, BadResult):  # (whatever the agent returned: its rollout's error, not the step's)
+        return Outcome(error=str(thread.error), seconds=seconds)
     if thread.error is not None:
         e = thread.error
         # (an agent's error text may quote the model's output: newlines, terminal escapes)
         return Outcome(error=error_line(e, 500), seconds=seconds, transient=transient_failure(e))
-    try:
-        reward, info = reward_value(thread.result, limit)
-    except Exception as e:  # (whatever the agent returned: its rollout's error, not the step's)
-        return Outcome(error=one_line(f"{type(e).__name__}: the rollout returned {_shown(thread.result)}: {e}", 500),
-                       seconds=seconds)
+    reward, info = thread.result
     return Outcome(reward, info, seconds=seconds)
 
 
