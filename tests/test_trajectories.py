@@ -98,3 +98,23 @@ def test_a_call_being_rendered_does_not_hold_the_store_for_the_others(monkeypatc
         caller.join(10)
     (ids, seg), = got
     assert t.finish("agent")["splits"] == 0 and seg.busy  # it continued the first call's segment
+
+
+def test_a_call_of_a_rollout_dropped_as_stale_or_crowded_out_is_refused_not_begun_anew(monkeypatch):
+    # begun anew, its first turns were gone and its tail alone was trained with the whole
+    # rollout's reward, without a word
+    import time
+
+    t = fresh()
+    one_call(t, "slow", user("1+1="))
+    monkeypatch.setattr(store, "STALE_ROLLOUT_S", 0.05)
+    time.sleep(0.1)
+    one_call(t, "other", user("2+2="))  # (its call sweeps the stale one)
+    with pytest.raises(ValueError, match=r"rollout 'slow' is finished: dropped after 0 s without a call"):
+        t.prompt("slow", user("1+1=2. And 3+3="), None)
+    monkeypatch.setattr(store, "STALE_ROLLOUT_S", 3600.0)
+    monkeypatch.setattr(store, "MAX_ROLLOUTS", 1)
+    one_call(t, "newer", user("5+5="))  # (crowds "other" out)
+    with pytest.raises(ValueError, match=r"rollout 'other' is finished: dropped, 1 rollouts being in flight"):
+        t.prompt("other", user("2+2=4. And 1+1="), None)
+    assert t.finish("slow")["segments"] == []

@@ -113,7 +113,8 @@ class Trajectories:
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self._lock = threading.Lock()
         self._rollouts: dict[str, Rollout] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished: OrderedDict[str, str | None] = OrderedDict()
+        """Rollouts over (None: finished; else why it was dropped): a late call of one is refused."""
         self.dropped_stale = 0
         """Rollouts dropped for going :data:`STALE_ROLLOUT_S` without a call (never finished)."""
 
@@ -176,12 +177,14 @@ class Trajectories:
     def _begin(self, rollout_id: str) -> Rollout:
         # (under the lock) the rollout of a new call, counted: refused once finished or past its
         # calls, and the oldest rollout dropped when too many are in flight
+        self._sweep()  # (first: a call of a rollout that went stale is refused with the rest)
         if rollout_id in self._finished:
-            raise ValueError(f"rollout {rollout_id!r} is finished: its trajectory was handed over")
-        self._sweep()
+            why = self._finished[rollout_id] or "its trajectory was handed over"
+            raise ValueError(f"rollout {rollout_id!r} is finished: {why}")
         rollout = self._rollouts.get(rollout_id)
         if rollout is None:
             while len(self._rollouts) >= MAX_ROLLOUTS:  # (an agent that makes up rollout ids)
+                self._finished[next(iter(self._rollouts))] = f"dropped, {MAX_ROLLOUTS} rollouts being in flight"
                 del self._rollouts[next(iter(self._rollouts))]
                 self.dropped_stale += 1
             rollout = self._rollouts[rollout_id] = Rollout()
@@ -277,6 +280,11 @@ class Trajectories:
         for rid in [rid for rid, r in self._rollouts.items() if now - r.active > STALE_ROLLOUT_S]:
             del self._rollouts[rid]
             self.dropped_stale += 1
+            # (a call of it after this is refused, not begun anew: its first turns are gone, and
+            # its tail alone would be trained with the whole rollout's reward)
+            self._finished[rid] = f"dropped after {STALE_ROLLOUT_S:.0f} s without a call"
+        while len(self._finished) > FINISHED_KEPT:
+            self._finished.popitem(last=False)
 
     def in_flight(self) -> int:
         """Rollouts begun and not finished."""

@@ -38,9 +38,11 @@ class AgentConfig(BaseModel):
     data: DatasetConfig
     """``[task.data]``: the rows, as the ``dataset`` task reads them (``path``, ``prompt_key``,
     ``answer_key``...). The prompt field only has to exist; the agent reads what it needs."""
-    rollout_timeout_s: float = Field(120.0, gt=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
+    rollout_timeout_s: float = Field(120.0, gt=0, le=3000)
     """A rollout still running after this many seconds is abandoned (a hung tool or agent loop):
-    scored 0, counted with its error; its worker goes on with the others."""
+    scored 0, counted with its error; its worker goes on with the others. At most 3000: the
+    endpoint drops a rollout that made no call for an hour (its worker died), and a tool that ran
+    longer would lose its rollout's first turns."""
     max_turns: int = Field(8, ge=1)
     """The most model replies of an ``environment`` rollout (a function rollout runs its own loop)."""
     max_tokens: int | None = Field(None, ge=1)
