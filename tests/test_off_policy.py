@@ -227,6 +227,10 @@ def test_a_token_far_off_its_behaviour_policy_keeps_the_loss_and_every_gradient_
             (grad,) = torch.autograd.grad(per_sample.sum(), new)
             assert torch.isfinite(per_sample).all() and torch.isfinite(grad).all(), (kl_coef, behaviour_kl, m, grad)
             assert all(torch.isfinite(v).all() for k, v in stats.items() if k != TOKEN_FLAGS)
+        if kl_coef:  # (the KL term still pulls a token far below its reference: its gradient, about 1, kept)
+            per_sample, _ = algo.loss(new, old, ref, torch.tensor([0.0]), torch.ones_like(mask))
+            (grad,) = torch.autograd.grad(per_sample.sum(), new)
+            assert grad[0, 2].item() == pytest.approx(kl_coef / 3, rel=1e-3)
         # and the tokens within reach are untouched by the bound: t=1's gradient is the plain one
         plain = GRPO(GRPOConfig(clip=0.2, off_policy={"correction": correction}))
         per_sample, _ = plain.loss(new[:, 1:2], old[:, 1:2], None, torch.tensor([adv]), mask[:, 1:2])

@@ -944,12 +944,12 @@ def test_served_requests_count_as_the_workers_work():
     clock.setup(None)
     try:
         assert bubbles.served_in_flight() == 0 and clock.read() == 0.0
-        bubbles.begin_work()
-        bubbles.begin_work()
+        first, second = bubbles.begin_work(), bubbles.begin_work()
         time.sleep(0.2)
-        bubbles.end_work()
+        bubbles.end_work(first)
+        bubbles.end_work(first)  # (said twice: ended once)
         assert bubbles.served_in_flight() == 1 and clock.read() >= 0.2  # (still at work: one runs)
-        bubbles.end_work()
+        bubbles.end_work(second)
         done = clock.read()
         time.sleep(0.1)
         assert bubbles.served_in_flight() == 0 and clock.read() == done >= 0.2
@@ -975,3 +975,38 @@ def test_a_tool_choice_openai_refuses_is_400_naming_it(served, more, says):
     assert err["param"] == "tool_choice" and says in err["message"], err
     ok = chat(url, "1+1=", tools=[TOOL], tool_choice={"type": "function", "function": {"name": "add"}})
     assert ok.status_code == 200 and chat(url, "1+1=", tool_choice="none").status_code == 200
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_gives_its_places_back(served):
+    # Starlette listens for the disconnect beside the stream: a client gone before the response
+    # began had the stream cancelled before its generator ever ran, and the generator's own
+    # clean-up with it -- its places in serve.max_pending were held for good. Driven here at the
+    # ASGI level, as uvicorn calls the app, with a send that has not sent the response's start yet
+    import asyncio
+
+    from streamrl.serve.openai_api import make_app
+
+    api, _ = served
+    app = make_app(api)
+    before = api.pending
+    body = json.dumps({"model": "policy", "prompt": "1+1=", "max_tokens": 4, "n": 3, "stream": True}).encode()
+
+    async def one_request():
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(3600)  # (the client's socket: gone, the write never completes)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                    (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    asyncio.run(one_request())
+    assert until(lambda: api.pending == before, 10, every=0.05)

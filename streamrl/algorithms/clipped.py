@@ -103,13 +103,13 @@ class ClippedSurrogate(Algorithm):
         per_token = -surrogate * behaviour_weight
         kl = torch.zeros_like(new)
         if ref is not None:
-            d = (ref - new).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (e^d past float32: NaN gradients)
-            kl = torch.exp(d) - d - 1
+            d = ref - new  # (bounded inside the exp only: e^d past float32 is NaN gradients, and -d keeps its pull)
+            kl = torch.exp(d.clamp(max=LOG_RATIO_BOUND)) - d - 1
             per_token = per_token + self.config.kl_coef * kl
         anchor = torch.zeros_like(new)
         if self.config.behaviour_kl > 0:  # k3 of KL(behaviour || new) on the behaviour's samples
-            d = (new - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-            anchor = torch.exp(d) - d - 1
+            d = new - old
+            anchor = torch.exp(d.clamp(max=LOG_RATIO_BOUND)) - d - 1
             per_token = per_token + self.config.behaviour_kl * anchor
         n_tokens = mask.sum(-1).clamp(min=1)
         # (where, not a product: a padded position's value may be anything, and inf * 0 is NaN)

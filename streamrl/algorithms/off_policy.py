@@ -105,7 +105,7 @@ def ratio_and_weight(config: OffPolicyConfig, new, old, mask):
         # (clamped before the exp: a token 89 nats likelier than its behaviour policy made it
         # gives an infinite ratio, and its backward 0 * inf = NaN in every gradient -- even where
         # the clip or the mask leaves the token out. e^20 is far outside any clip range.)
-        ratio = torch.exp((new - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        ratio = torch.exp((new - old).clamp(max=LOG_RATIO_BOUND))  # (below: e^-89 is 0, its gradient 0)
         if kind == "none":
             return ratio, torch.ones_like(new), {"truncated": no, "masked": no}
         keep = m2_keep(new.detach() - old, valid, config.m2_threshold)

@@ -178,6 +178,16 @@ class Load:
                 self.failed += 1
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """``kill -9`` the endpoint's process group (its cluster's workers too: they write in the
+    folder about to be removed), and wait for it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
 def _measure_part(args: tuple) -> dict:
     """One client process's share of a phase (:meth:`Load.measure`)."""
     url, models, key, clients, seconds, n, feedback, first_seed = args
@@ -232,9 +242,12 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # (its cluster's workers too: they write in the folder)
-                proc.wait(30)
-            log.close()
+                _kill_group(proc)
+            except BaseException:  # (a second Ctrl-C: in a session of its own, nothing else would stop it)
+                _kill_group(proc)
+                raise
+            finally:
+                log.close()
     ratios = {}
     for what in ("itl_p50_ms", "ttft_p50_ms", "itl_p99_ms"):
         pairs = [(on[what], off[what]) for on, off in _pairs(rows) if on[what] and off[what]]

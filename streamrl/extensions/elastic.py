@@ -41,10 +41,11 @@ PROBE_Z = 1.5
 #: Seconds between checks whether a draining worker still runs a task.
 RETIRE_POLL_S = 0.05
 
-#: Seconds a draining worker that serves an endpoint's requests is given before it is looked at:
-#: the endpoint stops sending it requests within a look of its replica watcher (2 s), and one
-#: sent meanwhile must be running, counted, when the worker is found idle.
-SERVED_SETTLE_S = 5.0
+#: Seconds a draining worker that an endpoint sends requests to waits, at most, for the endpoint
+#: to say it sends no more (its replica watcher looks every 2 s, and asks the endpoint's worker,
+#: which may be busy, to drop it): a request sent meanwhile must be running, and counted, when
+#: the worker is found idle.
+SERVED_DROP_S = 60.0
 
 
 def generation_busy(busy_s: float, window_s: float, generate_s: float, n: int, ahead: bool) -> float:
@@ -313,8 +314,9 @@ class ElasticPool:
         another worker first; groups queued on it go to the others)."""
         client = self.client
         wait(pinned)
-        if addr and _serves(client, addr):
-            time.sleep(SERVED_SETTLE_S)
+        deadline = time.time() + SERVED_DROP_S
+        while addr and _serves(client, addr) and time.time() < deadline:
+            time.sleep(0.5)
         while addr and _running(client, addr):
             time.sleep(RETIRE_POLL_S)
         client.retire_workers(names=[name], close_workers=True)

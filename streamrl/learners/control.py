@@ -16,9 +16,9 @@ first (the answer says how).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -50,27 +50,30 @@ def scheduler_of(run_dir: Path) -> str:
     if state.get("state") != "running" or not isinstance(state.get("scheduler"), str) or not state["scheduler"]:
         raise UserError(f"{run_dir}: the run is not running (state {state.get('state')!r}); learners are added "
                         "and removed while it runs")
-    pid = state.get("pid")
-    if state.get("host") == socket.gethostname() and not _process_alive(pid):
+    if not _held(run_dir):
         # (killed with -9, or its machine's OOM killer: on a cluster that outlives it the scheduler
         # still answers, and the request would wait the whole timeout for a run that is gone)
-        raise UserError(f"{run_dir}: the run's process (pid {pid}) is gone, without saying why (killed?); "
-                        f"learners are added and removed while it runs; resume it with: "
+        raise UserError(f"{run_dir}: the run's process (pid {state.get('pid')}) is gone, without saying why "
+                        f"(killed?); learners are added and removed while it runs; resume it with: "
                         f"streamrl recipe resume {run_dir}")
     return state["scheduler"]
 
 
-def _process_alive(pid) -> bool:
-    """Is process ``pid`` running on this machine (a status.json edited by hand: not a pid, so no)?"""
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
-        return False
+def _held(run_dir: Path) -> bool:
+    """Does a process hold the run folder (its ``.lock``, which a running command holds with
+    ``flock`` and the kernel lets go when the process ends, however it ends)? A folder of a
+    streamrl that wrote no lock counts as held: nothing tells."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's: it exists)
+        fd = os.open(Path(run_dir) / ".lock", os.O_RDONLY)
+    except OSError:
         return True
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # (BlockingIOError: held)
+        return True
+    finally:
+        os.close(fd)  # (a lock this probe took goes with it)
+    return False
 
 
 def ask(run_dir: Path, request: dict, timeout: float = ANSWER_TIMEOUT) -> str:

@@ -48,7 +48,10 @@ class RunFolder:
         """Hold the folder for this process (an exclusive ``flock`` on ``.lock``, let go by
         :meth:`unlock` or the process's end, a kill -9 included): a second run or resume of it
         meanwhile is one line, not two writers renaming and rotating each other's checkpoints."""
-        fd = os.open(self.path / LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.path / LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise UserError(f"{self.path}: cannot be written ({exc.strerror}); a run needs its folder writable") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

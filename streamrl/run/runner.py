@@ -225,9 +225,22 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     console = console or Console(stderr=True)
     r = loaded.recipe
     resolved = resolved or resolve(loaded)
-    hooks = resolved.registry.pm.hook
     random.seed(r.run.seed)  # anything in this process that draws from random (tasks, schedulers)
     folder = RunFolder(resume_dir) if resume_dir else RunFolder.create(loaded)
+    # (first: two commands on one folder set each other's checkpoints aside; let go however this ends)
+    folder.lock()
+    try:
+        return _run_in(folder, loaded, verbose, console, resolved, resume_dir, plain, profile, report, from_checkpoint)
+    finally:
+        folder.unlock()
+
+
+def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Console, resolved: Resolved,
+            resume_dir: Path | None, plain: bool | None, profile: bool, report: bool | None,
+            from_checkpoint: str | None) -> Path:
+    """:func:`run`, in ``folder``, which this process holds."""
+    r = loaded.recipe
+    hooks = resolved.registry.pm.hook
     checkpoint = None
     if resume_dir:  # the newest usable checkpoint, or the one ``--from`` names
         checkpoint = folders.named(folder.path, from_checkpoint) if from_checkpoint else folder.latest_checkpoint()
@@ -240,7 +253,6 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
     dask_cluster = client = trace = watchdog = controller = None
-    folder.lock()  # (before anything is written: two commands on one folder set each other's checkpoints aside)
     try:
         # (inside: a sink that cannot open, e.g. a tracker without its account, fails the run's status)
         folder.open(loaded, [s.build() for s in resolved.sinks], resumed, checkpoint)
@@ -322,7 +334,6 @@ def run(loaded: LoadedRecipe, verbose: bool = False, console: Console | None = N
         finally:
             stopped()
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
-        folder.unlock()
         stop.uninstall()
         stop.stop_now_if_asked_twice()  # a second signal while it closed: the command says it was interrupted
     errors = sum(rec.get("reward_errors", 0) for rec in folder.records)

@@ -163,8 +163,8 @@ class Completion:
         """The agent rollout's call this request is (``responses.Turn``), or None."""
         self.ended = False
         """Whether the endpoint has handed the request's end on (``responses.finished``)."""
-        self.working = False
-        """Whether it decodes in this process, counted as this worker's work until it ends
+        self.working = None
+        """While it decodes in this process: the work counted for this worker until it ends
         (``telemetry/bubbles.py``: its busy clock, and the elastic pool's retirement)."""
         self.first_token_at: float | None = None
         """When the first token of any choice came (time to first token, per variant)."""

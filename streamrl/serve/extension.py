@@ -31,6 +31,7 @@ from streamrl.errors import RunWarning, UserError
 from streamrl.contracts.step_extension import StepExtension
 from streamrl.on_worker import task_functions
 from streamrl.on_worker.resident import ENGINE
+from streamrl.telemetry import bubbles
 from streamrl.serve import endpoint, remote_engines
 
 #: How long one take waits for traffic before it is asked again (the run's stop ends it sooner).
@@ -142,10 +143,12 @@ class ServedTraffic(StepExtension):
     def _reconcile_replicas(self) -> None:
         up = {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
         pool = set(self.topology.generate) - {self.worker}  # (a copy: the controller changes it between steps)
-        for worker in sorted(set(self.replicas) - pool):  # left the pool (an elastic pool retired it)
+        for worker in sorted(set(self.replicas) - pool):  # left the pool (an elastic pool retires it)
             self.client.submit(endpoint.remove_replica, worker, pure=False,
                                key=f"serve-remove-replica-{time.time_ns()}", **self.pin).result(timeout=30)
             del self.replicas[worker]
+            if worker in up:  # sent no more requests: the pool may retire it once those it runs have ended
+                self.client.run(bubbles.takes_requests, False, workers=[up[worker]], on_error="ignore")
         # a request failed to reach one at the address it was served at: restarted at the same
         # address (a worker started with a fixed port), or its token server is gone
         # (client.run: asked in the workers' event loops, not as tasks -- nothing in the task

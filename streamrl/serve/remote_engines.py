@@ -150,7 +150,7 @@ async def _decode(eng, body: dict):
         yield json.dumps({"error": str(e)}) + "\n"
         return
     ended = False
-    bubbles.begin_work()  # (busy, and not retired under the request, until it ends)
+    work = bubbles.begin_work()  # (busy, and not retired under the request, until it ends)
     try:
         while not ended:
             try:
@@ -161,7 +161,7 @@ async def _decode(eng, body: dict):
             ended = "done" in item or "error" in item
             yield json.dumps(item, separators=(",", ":")) + "\n"
     finally:
-        bubbles.end_work()
+        bubbles.end_work(work)
         if not ended:  # the endpoint went away (its client did, or a stop sequence was found)
             eng.cancel(rid)
 

@@ -59,20 +59,21 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     except BaseException as e:
         # every place it took given back, whatever the engine raised: counted in pending for
         # good, enough of them and the endpoint answered 429 to everyone
-        completion.cancel()  # (the choices queued before the one that failed)
-        finished(endpoint, completion, None)
+        try:
+            completion.cancel()  # (the choices queued before the one that failed)
+        finally:
+            finished(endpoint, completion, None)
         if isinstance(e, ValueError):  # the engine's own check (a prompt past its slots)
             raise APIError(400, str(e), param="prompt") from None
         if isinstance(e, Exception):
             raise APIError(500, failure(endpoint, e), kind="server_error") from None
         raise
     if not isinstance(getattr(engine, "engine", engine), RemoteEngine):  # (decoded in this process)
-        completion.working = True
-        bubbles.begin_work()
+        completion.working = bubbles.begin_work()
     fmt = Format(endpoint, req, cid, chat, ids, endpoint.tool_parser if tools else None, model)
     if req.stream:
-        return StreamingResponse(stream(endpoint, completion, fmt, req), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EndingStream(endpoint, completion, fmt, stream(endpoint, completion, fmt, req),
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     watch = asyncio.create_task(_cancel_when_gone(request, completion))
     try:
         async for _ in completion.events():
@@ -101,6 +102,28 @@ async def _cancel_when_gone(request: Request, completion: Completion) -> None:
             completion.cancel()
             return
         await asyncio.sleep(DISCONNECT_CHECK_S)
+
+
+class EndingStream(StreamingResponse):
+    """A stream whose request ends however the response does: a client gone before its first
+    chunk has the response cancelled before the generator ever runs (Starlette listens for the
+    disconnect first), and the generator's own ``finally`` with it -- its places in
+    ``serve.max_pending`` were held for good, and its choices decoded to ``max_tokens``."""
+
+    def __init__(self, endpoint, completion: Completion, fmt: "Format", content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.endpoint, self.completion, self.fmt = endpoint, completion, fmt
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.completion.ended:
+                try:
+                    if not all(c.finish_reason for c in self.completion.choices):
+                        self.completion.cancel()
+                finally:
+                    finished(self.endpoint, self.completion, self.fmt)
 
 
 async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling):
@@ -157,7 +180,7 @@ def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
         return
     completion.ended = True
     if completion.working:
-        bubbles.end_work()
+        bubbles.end_work(completion.working)
     endpoint.pending -= completion.params.n
     endpoint.running[id(completion.engine)] = endpoint.running.get(id(completion.engine), 0) - completion.params.n
     turn = completion.turn

@@ -75,23 +75,35 @@ _SERVED = [0]  # served requests in flight in this process (a worker retires onc
 _SERVED_LOCK = threading.Lock()
 
 
-def begin_work() -> None:
+class Work:
+    """A served request counted by :func:`begin_work`: ended once, on the clock that counted it
+    (a clock registered again meanwhile, by another run on the same cluster, is not touched)."""
+
+    def __init__(self, clock: "BusyClock | None"):
+        self.clock, self.ended = clock, False
+
+
+def begin_work() -> Work:
     """A served request began in this worker process: its clock counts it busy, and the elastic
-    pool does not retire the worker under it (:func:`served_in_flight`). Nothing outside a worker."""
+    pool does not retire the worker under it (:func:`served_in_flight`); pass what this returns
+    to :func:`end_work`. No clock outside a worker."""
     with _SERVED_LOCK:
         _SERVED[0] += 1
-    clock = _clock()
-    if clock is not None:
-        clock.begin()
+    work = Work(_clock())
+    if work.clock is not None:
+        work.clock.begin()
+    return work
 
 
-def end_work() -> None:
-    """The served request :func:`begin_work` counted ended."""
+def end_work(work: Work) -> None:
+    """The served request :func:`begin_work` counted ended (once, however often it is said)."""
     with _SERVED_LOCK:
+        if work.ended:
+            return
+        work.ended = True
         _SERVED[0] = max(0, _SERVED[0] - 1)
-    clock = _clock()
-    if clock is not None:
-        clock.end()
+    if work.clock is not None:
+        work.clock.end()
 
 
 def served_in_flight() -> int:

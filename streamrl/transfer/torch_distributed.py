@@ -260,7 +260,10 @@ class TorchDistributedTransfer(Transfer):
             store = dist.TCPStore(host, port, world, True, timeout=datetime.timedelta(seconds=self.config.timeout_s),
                                   wait_for_workers=False, master_listen_fd=fd)
         except BaseException:
-            os.close(fd)  # (detached: nothing else closes it)
+            try:  # (detached: nothing else closes it, unless torch took it and closed it already)
+                os.close(fd)
+            except OSError:
+                pass
             raise
 
         def broadcast():
