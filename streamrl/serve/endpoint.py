@@ -158,7 +158,10 @@ def _drop_replica(api, worker: str, drain: bool = False) -> list:
                                                                                    and e.engine in old)]
                    for model, held in api.engines.items()}
     for engine in old:
-        engine.retire() if drain else engine.close()
+        if drain:
+            engine.retire()
+        else:
+            engine.close()
     return engines
 
 

@@ -115,7 +115,7 @@ def first_pass(trainer) -> FirstPass | None:
     """The trainer's :class:`FirstPass` of this step (None with one epoch: nothing to keep)."""
     if getattr(trainer.algorithm, "epochs", 1) <= 1:
         return None
-    if getattr(trainer, "first", None) is None:
+    if trainer.first is None:
         trainer.first = FirstPass()
     return trainer.first
 

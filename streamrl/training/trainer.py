@@ -238,7 +238,7 @@ class HFTrainer(Trainer):
         if self.critic is not None:
             self.critic.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        if getattr(self, "first", None) is not None:  # (algorithm.epochs > 1: backward_pass.FirstPass)
+        if self.first is not None:  # (algorithm.epochs > 1: backward_pass.FirstPass)
             if self.version % self.algorithm.epochs == 0:
                 self.first = None  # the step's last epoch: the next batch starts over
             else:
