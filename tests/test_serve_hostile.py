@@ -259,6 +259,30 @@ def test_a_failure_nobody_foresaw_is_that_requests_500_in_openais_shape(served, 
     assert json.loads(httpx.get(f"{url}/models", timeout=30).text)["data"][0]["id"] == "policy"
 
 
+def test_an_engine_that_gives_a_log_prob_not_finite_fails_that_request_and_trains_nothing_of_it(served, monkeypatch):
+    # a broken model or replica: a NaN log-prob went out as invalid JSON (and into a trajectory,
+    # where its finish was a 500 after the rollout was gone); now that one request fails, cleanly
+    api, url = served
+    stream = api.engine.stream
+
+    def nan_stream(rid, ids, max_new_tokens, on_tokens=None, **more):
+        def poisoned(tokens, logprobs, version):
+            on_tokens(tokens, [float("nan")] * len(logprobs), version)
+        poisoned.flush = getattr(on_tokens, "flush", None)
+        return stream(rid, ids, max_new_tokens, on_tokens=poisoned, **more)
+
+    monkeypatch.setattr(api.engine, "stream", nan_stream)
+    completions = api.traffic.counts["completions"]
+    err = error_of(chat(url, "1+1=", logprobs=True), 500)
+    assert err["type"] == "server_error" and "not a finite number" in err["message"]
+    body = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2, "stream": True}
+    text = httpx.post(f"{url}/chat/completions", json=body, timeout=30).text
+    assert "NaN" not in text and "not a finite number" in text and text.rstrip().endswith("}")
+    assert api.traffic.counts["completions"] == completions  # (nothing of them handed to the learners)
+    monkeypatch.undo()
+    assert chat(url, "1+1=").status_code == 200  # and the next request is served
+
+
 def test_refused_requests_are_a_few_lines_that_count_the_rest(served, caplog):
     from streamrl.serve.request_bodies import RefusalLog
 

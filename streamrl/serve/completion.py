@@ -11,6 +11,7 @@ character waits for the next). Everything here runs on the HTTP server's event l
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import weakref
@@ -211,6 +212,11 @@ class Completion:
                 tokens, logprobs, version = rest
                 if c.finish_reason is not None:  # decoded after a stop sequence: not sent, not trained
                     continue
+                if not all(math.isfinite(x) for x in logprobs):
+                    # (a broken model or replica: its tokens are no sample of the policy, and a NaN
+                    # would be invalid JSON to the client and poison a trajectory's training)
+                    raise RuntimeError(f"choice {index} of {self.cid} failed: the engine gave a log-prob "
+                                       "that is not a finite number")
                 self.last_token_at = time.time()
                 if self.first_token_at is None:
                     self.first_token_at = self.last_token_at
