@@ -135,3 +135,19 @@ def test_fsdp_with_bf16_params_keeps_float32_shards_and_gives_the_one_worker_upd
     # measured: 0.27% of the weights past that bound (a near-zero gradient whose sign bf16 flips
     # moves Adam's first step by 2 lr); a rank that trained nothing or on the wrong samples: ~100%
     assert off <= 1e-2 * total, (off, total)
+
+
+def test_every_pass_of_a_step_trains_each_group_on_the_rank_that_trained_it_first(setup):
+    # what the first pass kept of a group (its advantages, a critic's values) is on the rank that
+    # trained it: a later pass that gave it to the other rank had it counted again by REINFORCE++'s
+    # running normaliser and its value clip bounded around that rank's values instead
+    resolved, client, pools = setup
+    two = Controller(resolved, client, pools)
+    two.place_residents()
+    scored = two.generate(70) + two.generate(71)
+    wait(scored)
+    resolved.recipe.trainer.groups_per_micro_batch = 1
+    _, passes = submit.epochs(two.topology, two.recipe, 3, 600, scored, True, after=None, samples=4 * len(scored))
+    placed = [{x["uid"]: x["trained_on"] for f in run for x in f.result().sample_log} for run in passes]
+    assert len(placed[0]) == 4 * len(scored) and set(placed[0].values()) == {"train-0", "train-1"}
+    assert placed[1] == placed[0] and placed[2] == placed[0]

@@ -148,20 +148,33 @@ def epochs(topo: Topology, recipe: Recipe, passes: int, step: int, scored: list[
            ordered: bool = False) -> tuple[list[Future], list[list[Future]]]:
     """``passes`` passes over the step's groups (``algorithm.epochs``): the first as the mode
     says (``stream``), the others over the whole batch in submission order once it is scored,
-    each after the last. Returns every rank's last optimizer step and each pass's train tasks."""
-    runs = []
+    each after the last. Returns every rank's last optimizer step and each pass's train tasks.
+
+    With several passes on several ranks, every pass trains the first pass's micro-batches on the
+    same ranks: what the first pass kept of a group (its advantages, a critic's values: see
+    ``training/backward_pass.FirstPass``) is held by the rank that trained it, and a group
+    another rank met anew in a later pass was counted again by a running normaliser and had its
+    value clip bounded around the wrong values."""
+    runs, chunks = [], None
     for epoch in range(passes):
-        after, trains = training(topo, recipe, step, scored, stream and epoch == 0, epoch, after, samples, ordered)
+        after, trains, chunks = training(topo, recipe, step, scored, stream and epoch == 0, epoch, after, samples,
+                                         ordered, chunks=chunks, keep_places=passes > 1)
         runs.append(trains)
     return after, runs
 
 
 def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], stream: bool,
              epoch: int = 0, after: list[Future] | None = None, samples: int | None = None,
-             ordered: bool = False) -> tuple[list[Future], list[Future]]:
+             ordered: bool = False, chunks: list[list[Future]] | None = None,
+             keep_places: bool = False) -> tuple[list[Future], list[Future], list[list[Future]]]:
     """Train tasks over the step's scored groups (after the optimizer steps ``after``), then one
-    optimizer step per rank; returns those optimizer steps and the train tasks. Gradients are
-    averaged over ``samples`` (default: the recipe's samples per step).
+    optimizer step per rank; returns those optimizer steps, the train tasks and the chunks of
+    scored futures each task was given. Gradients are averaged over ``samples`` (default: the
+    recipe's samples per step).
+
+    ``chunks``: train exactly these, in this order, round-robin over the ranks (a later pass
+    over a step: the first pass's chunks, on the ranks that trained them). ``keep_places``: place
+    every chunk round-robin, even streamed, so that a later pass can find it again.
 
     ``stream=False``: the groups in submission order (all are scored). ``stream=True``: in
     completion order. Without a token budget, one train task per ``groups_per_micro_batch``
@@ -187,6 +200,8 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
     # trainer under its own name; its keys say whose they are
     res, held, tag = topo.train_resource, topo.trainer_resident, topo.key_tag
     chained = sharded or ordered  # each rank runs its tasks in the order given
+    pinned = chained or keep_places or chunks is not None  # each task on the rank round-robin names
+    given: list[list[Future]] = []  # each train task's chunk of scored futures
     turns: dict[str, Future] = {}  # chained: each rank's last train task (the rounds' order)
 
     def where() -> dict:
@@ -195,7 +210,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
         # Sharded: round-robin always -- rounds of one task per rank, see below
         if world == 1:
             return lifecycle.with_resources(topo.train_pin, **{res: 1})
-        if stream and not chained:
+        if stream and not pinned:
             return {"resources": {res: 1}}
         return lifecycle.with_resources(topo.pins[ranks[len(trains) % world]], **{res: 1})
 
@@ -211,8 +226,12 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
                 trainer_id=topo.incarnations, trainer=held,
                 key=spans.step_key(f"train{tag}", step, f"{suffix}{len(trains):03d}"), **where()))
         turns[rank] = trains[-1]
+        given.append(list(chunk))
 
-    if not stream or ordered:
+    if chunks is not None:
+        for chunk in chunks:
+            submit(chunk)
+    elif not stream or ordered:
         size = -(-len(scored) // world) if dynamic and not ordered else bundles_per_task
         for i in range(0, len(scored), size):
             submit(scored[i:i + size])
@@ -237,7 +256,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
                 buf = []
             if seen == len(scored):
                 break
-    while sharded and len(trains) % world:  # the last round: the other ranks' empty turns
+    while sharded and len(trains) % world and chunks is None:  # the last round: the other ranks' empty turns
         submit([])
     # every rank steps, together (they sum their gradients first), after every micro-batch
     with spans.phase(step, "train"):
@@ -246,4 +265,4 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
                                key=spans.step_key(f"optimizer-step{tag}", step, f"{suffix}rank{rank}"),
                                **lifecycle.with_resources(topo.pins[name], **{res: 1}))
                  for rank, name in enumerate(ranks)]
-    return steps, trains
+    return steps, trains, given
