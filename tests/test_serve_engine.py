@@ -103,7 +103,8 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_choices(engine):
     from streamrl.recipe.serve import ServeConfig
     from streamrl.serve.openai_api import Endpoint
     from streamrl.serve.request_bodies import CompletionRequest
-    from streamrl.serve.responses import Format, stream
+    from streamrl.serve.response_bodies import Format
+    from streamrl.serve.responses import stream
     from streamrl.serve.completion import Completion
     from streamrl.serve.traffic import Traffic
 
@@ -147,7 +148,8 @@ def test_a_stream_writes_what_each_decode_step_brought_its_choices_at_once(engin
     from streamrl.recipe.serve import ServeConfig
     from streamrl.serve.openai_api import Endpoint
     from streamrl.serve.request_bodies import CompletionRequest
-    from streamrl.serve.responses import Format, stream
+    from streamrl.serve.response_bodies import Format
+    from streamrl.serve.responses import stream
     from streamrl.serve.completion import Completion
     from streamrl.serve.traffic import Traffic
 

@@ -393,9 +393,9 @@ def test_a_tool_parser_that_hangs_is_that_requests_500_after_its_bound_and_other
         tiny_model, monkeypatch):
     import openai
 
-    from streamrl.serve import responses
+    from streamrl.serve import response_bodies
 
-    monkeypatch.setattr(responses, "TOOL_PARSER_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(response_bodies, "TOOL_PARSER_TIMEOUT_S", 1.5)
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=48, max_new_tokens=4,
                                        temperature=1.0, profile=False))
     engine.load(str(tiny_model))

@@ -173,7 +173,7 @@ def test_a_reply_of_a_long_run_of_blanks_after_a_tool_call_tag_parses_in_one_pas
 def test_a_streamed_reply_sends_no_reasoning_or_call_markup_as_content(parser, pieces, content):
     from types import SimpleNamespace
 
-    from streamrl.serve.responses import Format
+    from streamrl.serve.response_bodies import Format
 
     fmt = Format(None, None, "c", True, [], parser, model="m")
     choice, streamed = SimpleNamespace(index=0, text=""), []

@@ -1,6 +1,6 @@
 """Serve and learn: the OpenAI-compatible endpoint on a generate worker (``openai_api.py``, its
-request bodies and errors ``request_bodies.py``, its answers ``responses.py``; run there by
-``endpoint.py``), one request's choices in the engine (``completion.py``), the served
+request bodies and errors ``request_bodies.py``, its answers ``responses.py`` and their bodies
+``response_bodies.py``; run there by ``endpoint.py``), one request's choices in the engine (``completion.py``), the served
 completions waiting for rewards and steps (``traffic.py``), and the step extension that makes
 them a run's samples (``extension.py``), an agent's calls joined into one token-faithful
 trajectory (``trajectories.py``), and a token server beside an engine on another worker, which
