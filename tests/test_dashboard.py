@@ -262,7 +262,8 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
 
 @pytest.mark.parametrize("odd", [{"busy": [1]}, {"eval": []}, {"eval": "reward_mean"}, {"steps": "x"},
                                  {"version": "<b>x</b>"}, {"staleness": [1]}, {"steps": True}, {"step": True},
-                                 {"busy": {"generate": "x"}}, {"eval": {"pass@1": None}}, {"reward": 10**400}])
+                                 {"busy": {"generate": "x"}}, {"eval": {"pass@1": None}}, {"reward": 10**400},
+                                 {"busy": None}, {"eval": None}])
 def test_a_message_of_another_shape_is_skipped_and_the_next_step_still_shows(odd, caplog):
     good = dashboard.summarize(record(1), dashboard._Run(id="a", name="<i>run</i>", steps=10))
     bad = {**dashboard.summarize(record(0), dashboard._Run(id="a", steps=10)), **odd}
@@ -273,8 +274,9 @@ def test_a_message_of_another_shape_is_skipped_and_the_next_step_still_shows(odd
         page.update()
     assert "update failed" not in caplog.text
     assert 1 in page.steps.data["step"]
-    # the odd one was skipped (a reward past a float's range is a number: shown, as NaN)
-    assert (0 in page.steps.data["step"]) == ("reward" in odd)
+    # the odd one was skipped (a reward past a float's range is a number: shown, as NaN; no busy
+    # table or evaluation, as absent ones: shown)
+    assert (0 in page.steps.data["step"]) == ("reward" in odd or None in odd.values())
     header = page.header.text
     assert "&lt;i&gt;run&lt;/i&gt;" in header and "<i>" not in header and "policy v2" in header
 

@@ -274,7 +274,7 @@ class StreamrlPage:
             added.append(msg)
         if not self.eval_shown and self._eval_columns(added)["step"]:
             self._add_evals()
-        pools = [p for m in added for p in m.get("busy", {}) if p not in self.pools]
+        pools = [p for m in added for p in m.get("busy") or {} if p not in self.pools]
         if pools:
             for p in dict.fromkeys(pools):
                 self._add_pool(p)
@@ -319,7 +319,7 @@ class StreamrlPage:
             out["step"].append(m["step"])
             for c in STEP_COLUMNS[1:]:
                 out[c].append(_num(m.get(c)))
-            busy = m.get("busy", {})
+            busy = m.get("busy") or {}
             for p in self.pools:
                 out["busy_" + p].append(_num(busy.get(p)))
         return out
