@@ -78,3 +78,31 @@ def test_a_deadline_swallowed_by_a_catch_all_comes_again_until_it_ends_the_body(
             dog.install()
     finally:
         dog.uninstall()
+
+
+def test_a_scheduler_that_never_answers_does_not_hold_the_deadline_back(monkeypatch):
+    # a scheduler frozen with its connection open: the timer asked it what runs without a bound,
+    # and the step it should have ended hung for ever
+    from streamrl.run import watchdog
+
+    monkeypatch.setattr(watchdog, "ASK_S", 0.3)
+
+    class Frozen:  # (what a frozen scheduler's client does: its sync calls never return)
+        scheduler = type("Rpc", (), {"identity": None})()
+
+        def sync(self, *args, **kwargs):
+            threading.Event().wait(600)
+
+        def processing(self):
+            threading.Event().wait(600)
+
+    dog = Watchdog(client=Frozen(), limit_s=0.3)
+    dog.install()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(StepTimeout, match=r"still running: the scheduler did not say \(no answer within 0.3 s\)"):
+            with dog.watching("step 2"):
+                threading.Event().wait(30)
+        assert time.perf_counter() - t0 < 10
+    finally:
+        dog.uninstall()

@@ -41,9 +41,26 @@ class StepTimeout(RunStopped):
     """A step did not finish within ``run.step_timeout_s``; the message names what was running."""
 
 
-def running(client: Client, most: int = 4) -> str:
+#: Seconds the timer waits for the scheduler to say what runs before it signals regardless: a
+#: scheduler that froze with its connection open (a stopped process, a partition without a
+#: reset) never answers, and the deadline must still end the step.
+ASK_S = 5.0
+
+
+def running(client: Client, most: int = 4, within: float | None = None) -> str:
     """What the cluster is running now, as ``task on worker`` (the first ``most``), or why that
-    cannot be said."""
+    cannot be said (it did not answer ``within`` seconds)."""
+    within = ASK_S if within is None else within
+    said: list[str] = []
+    # (asked in a thread of its own, given up after ``within``: Dask's sync calls have no bound)
+    asking = threading.Thread(target=lambda: said.append(_running(client, most)), name="streamrl-watchdog-ask",
+                              daemon=True)
+    asking.start()
+    asking.join(within)
+    return said[0] if said else f"the scheduler did not say (no answer within {within:g} s)"
+
+
+def _running(client: Client, most: int) -> str:
     try:
         names = {addr: str(info.get("name")) for addr, info in lifecycle.workers(client).items()}
         busy = [f"{_key(key)} on {names.get(addr, addr)}" for addr, keys in client.processing().items()
