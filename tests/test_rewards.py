@@ -141,13 +141,15 @@ def test_weighted_functions_sum_and_each_is_logged_under_its_name():
 
 def test_a_function_that_raises_or_returns_no_score_fails_only_its_sample():
     reward = python_reward(path="python_rewards.py", function="misbehaves")
-    g = score_group(reward, group(VERL_ROW, "raise", "none", "text", "nan", "nodict", "fine"))
-    assert [s.reward for s in g] == [0.0] * 5 + [1.0]
-    assert ["reward_error" in s.times for s in g] == [True] * 5 + [False]
-    errors = [s.response_text.split("\n", 1)[1] for s in g[:5]]
+    g = score_group(reward, group(VERL_ROW, "raise", "none", "text", "nan", "nodict", "textdict", "bytes", "fine"))
+    assert [s.reward for s in g] == [0.0] * 7 + [1.0]
+    assert ["reward_error" in s.times for s in g] == [True] * 7 + [False]
+    errors = [s.response_text.split("\n", 1)[1] for s in g[:7]]
     assert "ZeroDivisionError: nothing to divide" in errors[0]
     assert "returned None" in errors[1] and "returned str" in errors[2]
     assert "reward is nan" in errors[3] and "without 'score'" in errors[4]
+    # text is not a reward, though float() reads it (inside a dict as well)
+    assert "got str '1'; expected a number" in errors[5] and "returned bytes" in errors[6]
     assert all(e.startswith("[reward error: RewardFunctionError: misbehaves: ") for e in errors)
 
 
@@ -253,6 +255,12 @@ def test_a_valid_python_reward_resolves(tmp_path):
      None, "reward.functions: shorter named twice"),
     ('path = "rewards.py"\n[[reward.functions]]\nfunction = "shorter"\n[[reward.functions]]\nfunction = "gone"',
      None, "reward.functions.1.function: rewards.py defines no function 'gone'"),
+    ('path = "rewards.py"\n[[reward.functions]]\nfunction = "shorter"\nname = "score"\n[[reward.functions]]\n'
+     'function = "scored_dict"', None, 'reward.functions: a function named "score" would hide the weighted sum'),
+    ('path = "rewards.py"', "def compute_score(data_source, solution_str, ground_truth, /):\n    return 1\n",
+     "reward.function: takes data_source, solution_str, ground_truth positionally only (before '/')"),
+    ('path = "rewards.py"', "def compute_score(prompts, completions, /, **kwargs):\n    return [1.0]\n",
+     "reward.function: takes prompts, completions positionally only (before '/')"),
     ('[[reward.functions]]\nfunction = "shorter"', None,
      "reward.functions.0.function: no file: give path here or reward.path"),
     ('path = "rewards.py"\n[[reward.functions]]\npath = "other.py"\nfunction = "shorter"', None,

@@ -74,6 +74,11 @@ def convention(fn: Callable) -> str:
              and p.kind is not inspect.Parameter.VAR_POSITIONAL]
     required = [p.name for p in params.values() if p.default is inspect.Parameter.empty
                 and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    positional = [p.name for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    if positional and ("solution_str" in names or names[:2] == ["prompts", "completions"]):
+        # (verl's and TRL's conventions pass every argument by name: each call would fail)
+        raise ValueError(f"takes {', '.join(positional)} positionally only (before '/'); verl's and TRL's "
+                         "conventions pass arguments by name: remove the '/'")
     if "solution_str" in names:
         extra = [n for n in required if n not in VERL_ARGS]
         if extra:
@@ -193,6 +198,9 @@ class PythonRewardConfig(BaseModel):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise UserError(f"reward.functions: {', '.join(twice)} named twice; give each a distinct name = \"...\"")
+        if len(names) > 1 and "score" in names:  # (its value would be logged over the weighted sum's)
+            raise UserError('reward.functions: a function named "score" would hide the weighted sum, the reward '
+                            'itself; give it another name = "..."')
         for path in {self.path, *(f.path for f in self.functions)} - {None}:
             self._sources[path] = load_user_file(path).source
         return self

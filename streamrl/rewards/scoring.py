@@ -60,6 +60,8 @@ def reward_value(value: Any, limit: float = REWARD_LIMIT) -> tuple[float, dict[s
         value = value["score"]
     if value is None:
         raise TypeError("got None; expected a number or a dict with 'score'")
+    if isinstance(value, (str, bytes, bytearray)):  # (float() reads "0.5" and b"1": text is not a reward)
+        raise TypeError(f"got {type(value).__name__} {_shown_text(value)}; expected a number or a dict with 'score'")
     try:
         score = float(value)
     except OverflowError:  # an int past float's range (10**400): a value, not a crash
@@ -200,3 +202,8 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None, li
             s.response_text += f"\n[reward error: {s.reward_error}]"
         s.times["reward_end"] = end
     return group
+
+
+def _shown_text(value: str | bytes | bytearray) -> str:
+    # (a reward's text in an error line: short, and printable)
+    return printable(repr(value[:40]))[:80]
