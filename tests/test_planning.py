@@ -4,6 +4,7 @@ command as a user runs it (``--check`` runs real simulated clusters)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,6 +84,24 @@ def _fixed(p: StageProfile) -> StageProfile:
             return [list(self.groups)] * steps
 
     return Fixed.model_validate(p.model_dump())
+
+
+def test_a_profile_with_empty_responses_is_replayed_and_one_without_groups_or_lengths_is_refused():
+    # an empty response (a request cancelled at once) ends where it starts: the replay queued its
+    # finish at the clock's own time, and found it there again, for ever
+    import threading
+
+    prof = from_cost_model(w3()).model_dump()
+    prof["groups"] = [{"prompt_tokens": 10, "lengths": [0, 5]}, {"prompt_tokens": 0, "lengths": [0, 0]}]
+    got = []
+    replay = threading.Thread(target=lambda: got.append(predict(StageProfile.model_validate(prof), 2, 2, "async", 1,
+                                                               steps=2)), daemon=True)
+    replay.start()
+    replay.join(60)
+    assert got and math.isfinite(got[0].step_s) and got[0].step_s > 0
+    for groups in ([], [{"prompt_tokens": 10, "lengths": []}], [{"prompt_tokens": 10, "lengths": [-1]}]):
+        with pytest.raises(ValueError):  # (plan --profile: one line naming the file)
+            StageProfile.model_validate({**prof, "groups": groups})
 
 
 def test_predictions_order_the_modes_and_respond_to_the_split():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,8 +30,9 @@ class Group(BaseModel):
     """One observed prompt group."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt_tokens: int
-    lengths: list[int]
+    prompt_tokens: int = Field(ge=0)
+    lengths: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    """Each sample's output tokens (0: an empty response, ended at once)."""
 
 
 class StageProfile(BaseModel):
@@ -64,7 +66,7 @@ class StageProfile(BaseModel):
     """Controller seconds to submit one prompt group's generate and reward tasks (measured)."""
     prompts_per_step: int = Field(ge=1)
     samples_per_prompt: int = Field(ge=1)
-    groups: list[Group]
+    groups: list[Group] = Field(min_length=1)
     """Observed groups; predictions draw each step's groups from them."""
 
     def draw_steps(self, steps: int, seed: int) -> list[list[Group]]:
