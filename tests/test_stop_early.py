@@ -105,6 +105,9 @@ def test_countdown_stops_at_its_first_wrong_number_and_the_score_is_the_same():
 def test_stop_early_needs_the_slot_engine():
     with pytest.raises(UserError, match='stop_early_every needs batching = "slots"'):
         validate_section(HFEngineConfig, {"stop_early_every": 4}, "engine")
+    # the seeded decoder has no loop to stop in: every generate worker failed at its start
+    with pytest.raises(UserError, match="stop_early_every needs reproducible = false"):
+        validate_section(HFEngineConfig, {"stop_early_every": 4, "batching": "slots", "reproducible": True}, "engine")
 
 
 STOPPING_REWARD = '''

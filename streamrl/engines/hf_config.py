@@ -116,6 +116,9 @@ class HFEngineConfig(BaseModel):
     def _stop_early_in_slots(self) -> "HFEngineConfig":
         if self.stop_early_every and self.batching != "slots":
             raise ValueError('stop_early_every needs batching = "slots" (the loop that sees each decode step)')
+        if self.stop_early_every and self.reproducible:
+            raise ValueError("stop_early_every needs reproducible = false (the seeded decoder decodes each group "
+                             "alone, to its end)")
         if self.finished_every > 1 and self.batching != "slots":
             raise ValueError('finished_every needs batching = "slots" (the loop that reads the finished flags)')
         return self
