@@ -90,6 +90,25 @@ def test_a_sample_that_ends_before_it_is_taken_out_stays_where_it_is(tiny_model)
         engine.close()
 
 
+def test_a_sample_ended_but_not_yet_handed_back_is_not_moved(tiny_model):
+    # finished_every > 1: an ended response keeps its slot until the flags are read, and looks
+    # running meanwhile; taken out then, it was continued past its end (or failed at its limit)
+    engine = slot_engine(tiny_model, max_new_tokens=3, slots=2, finished_every=10_000)
+    try:
+        engine.decoder.eos_id.fill_(-1)  # (it ends at its limit, 3 tokens)
+        out = []
+        asker = threading.Thread(target=lambda: out.append(engine.generate_movable(
+            Prompt(uid="e", text="1+2=", answer=""), [0], 0.0, lambda partial: pytest.fail("an ended sample moved"))))
+        asker.start()
+        until(lambda: engine.requests_now().running and engine.loop_counts["steps"] >= 5, every=0.002)
+        assert engine.move_out("e-0")  # (still in its slot: the ask is taken)
+        asker.join(60)
+        (group,) = out
+        assert len(group[0].response_ids) == 3 and "moved" not in group[0].times
+    finally:
+        engine.close()
+
+
 def test_a_simulated_sample_moved_keeps_its_whole_length_and_the_versions_of_both_instances():
     task = runner.resolve(load_recipe(str(ROOT / "recipes/paper-7b-20k.toml"), [])).task.build()
     prompt = task.prompts(0, 1)[0]

@@ -217,10 +217,12 @@ class SlotEngine(TransformersEngine):
 
     def _release(self, slots: list[int], taken_out: bool = False) -> None:
         # ``taken_out``: released by a cancel, so a request asked to move leaves as moved (one
-        # that ended by itself first stays here, finished)
+        # that ended by itself first stays here, finished: with finished_every > 1 an ended one
+        # keeps its slot for a few steps, and moved on it was decoded past its end elsewhere)
+        ended = set(self.decoder.finished_slots(self._size()).tolist()) if taken_out else set()
         for slot, (tokens, logprobs) in zip(slots, self.decoder.release(slots)):
             r = self.table.free(slot)
-            moved = taken_out and r.moving
+            moved = taken_out and r.moving and slot not in ended
             if not moved:
                 self.moves.ended(r, len(tokens))
             self._queue.finish(r.rid, Response(tokens, logprobs, token_versions=r.versions if r.streamed else None,
