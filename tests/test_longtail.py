@@ -101,6 +101,10 @@ def test_the_scheduler_moves_from_what_engines_report_and_learns_each_finished_s
     moves = scheduler.moves([crowded, RequestsNow([], [])])
     assert moves and moves[0] == ("h-0", 0, 1) and all(uid != "h-1" for uid, _, _ in moves)  # h-1 moved once already
     assert scheduler.policy.lengths.groups["g"].finished == [400]  # g-7 taught g's estimate mid-step
+    # an engine that did not answer the look (gone, restarting) is no target, however idle it looks
+    assert scheduler.moves([crowded, None]) == []
+    moves = scheduler.moves([crowded, None, RequestsNow([], [])])
+    assert moves and all(target == 2 for _, _, target in moves)
     scheduler.observe(prompts, [[400] + [900] * 7, [9000] * 8])
     assert "g" not in scheduler.policy.lengths.groups and not scheduler.seen_online  # closed, g-7 counted once
 

@@ -303,3 +303,29 @@ def test_a_schedulers_move_with_an_index_outside_the_engines_is_refused_not_wrap
                         (("g-1", 0, True), "worker index True"), (("g-1", 0), "expected (sample uid")]:
         with pytest.raises(ValueError, match=re.escape(said)):
             SampleMoves._checked(wrong, 2)
+
+
+def test_a_move_to_an_engine_that_did_not_answer_the_look_is_not_made():
+    # a scheduler plugin's move to a worker that is gone or restarting: the sample sent there
+    # waited on it for ever, and its step with it (a stand-in for the cluster: only the calls)
+    from types import SimpleNamespace
+
+    from streamrl.contracts.generation import RequestsNow
+    from streamrl.extensions.sample_moves import SampleMoves
+    from streamrl.on_worker import move_tasks
+
+    asked = []
+
+    class Cluster:
+        def run(self, fn, *args, workers, **_):
+            asked.append(fn)
+            if fn is move_tasks.requests_now:  # b's answer never came
+                return {"tcp://a": RequestsNow([("g-0", 900, 10, True)], []), "tcp://b": OSError("gone")}
+            return {workers[0]: True}
+
+    moves = SampleMoves()
+    moves.address = {"a": "tcp://a", "b": "tcp://b", "c": "tcp://c"}
+    moves.context = SimpleNamespace(
+        client=Cluster(), scheduler=SimpleNamespace(moves=lambda seen: [("g-0", 0, 1), ("g-0", 0, 2)]),
+        topology=SimpleNamespace(generate=["a", "b", "c"], pins={n: {"workers": [n]} for n in "abc"}))
+    assert moves.look() == 0 and asked == [move_tasks.requests_now]  # (c said nothing either: no answer)

@@ -98,7 +98,9 @@ class SampleMoves(StepExtension):
         moved = 0
         for move in run.scheduler.moves(seen):
             uid, source, target = self._checked(move, len(names))
-            if source == target or seen[source] is None or names[target] not in run.topology.pins:
+            # (a target that did not answer the look is gone, restarting or stuck: a sample sent
+            # there waits on it, and its step with it)
+            if source == target or seen[source] is None or seen[target] is None or names[target] not in run.topology.pins:
                 continue
             taken = run.client.run(move_tasks.move_sample, uid, run.topology.pins[names[target]],
                                    workers=[address[names[source]]], on_error="return", callback_timeout=LOOK_TIMEOUT_S)

@@ -216,11 +216,13 @@ class LongTailPolicy:
         longest = max(r for _, r in running)
         return self.c0 * longest + self.per_ctx * sum(r * (c + r / 2) for c, r in running)
 
-    def moves(self, instances: list[list[Running]]) -> list[Move]:
+    def moves(self, instances: list[list[Running]], usable: list[bool] | None = None) -> list[Move]:
         """Stragglers to move now: repeatedly, the longest-remaining straggler on the instance
         that finishes last goes to the one that finishes first, while that brings the later
-        finish of the two forward by at least ``gain``."""
+        finish of the two forward by at least ``gain``. ``usable``: which instances may take a
+        sample (one that did not answer the look is gone or stuck: it looks idle, and is not)."""
         c = self.config
+        usable = usable if usable is not None else [True] * len(instances)
         if not c.migrate or len(instances) < 2:
             return []
         by_group: dict[str, list[int]] = {}
@@ -241,7 +243,10 @@ class LongTailPolicy:
         for _ in range(c.max_moves):
             finish = [self.finish_estimate([(x, r) for x, r, _, _ in rows]) for rows in state]
             src = max(range(len(state)), key=lambda i: finish[i])
-            dst = min(range(len(state)), key=lambda i: finish[i])
+            targets = [i for i in range(len(state)) if usable[i]]
+            if not targets:
+                break
+            dst = min(targets, key=lambda i: finish[i])
             candidates = [row for row in state[src] if row[2] and row[3] not in moved]
             if src == dst or not candidates:
                 break
@@ -298,7 +303,7 @@ class LongTail(Scheduler):
                         self.policy.finished(group, length, running.get(group, []))
                         self.seen_online.setdefault(group, []).append(length)
             views = [[r for r in v if r.group in open_groups] for v in views]
-            return [(m.key, m.source, m.target) for m in self.policy.moves(views)]
+            return [(m.key, m.source, m.target) for m in self.policy.moves(views, [now is not None for now in instances])]
 
     def needs_scores(self, workers: list[str], ctx: DispatchContext) -> bool:
         """Only when there is something to place by length: a long tail in the lengths seen so
