@@ -29,6 +29,46 @@ def test_an_observer_that_raises_is_reported_once_and_left_out_while_the_others_
     assert warned == ["b failed at step 2 and is left out from now on: ValueError: disk full"]
 
 
+class Unsayable(Exception):
+    def __str__(self):  # (a user's exception class whose text itself fails)
+        raise RuntimeError("no words")
+
+
+def test_an_observer_that_exits_or_whose_error_cannot_be_said_is_left_out_and_the_run_goes_on():
+    # a tracker plugin's sys.exit("tracker down") ended the run; an exception whose str() raises
+    # raised again from the handler; escapes in the text reached the terminal
+    import sys
+
+    from streamrl.run.observers import run_end
+
+    warned, seen = [], []
+
+    def exits(m):
+        sys.exit("tracker down\x1b[2J")
+
+    def unsayable(m):
+        raise Unsayable()
+
+    observers = Observers([Called("a", exits), Called("b", unsayable), Called("c", lambda m: seen.append(m["step"]))],
+                          warned.append)
+    for m in records(2):
+        observers.step(m)
+    assert seen == [0, 1]
+    assert warned == ["a failed at step 1 and is left out from now on: SystemExit: tracker down\\x1b[2J",
+                      "b failed at step 1 and is left out from now on: Unsayable: "]
+
+    class Exits:
+        @hookimpl
+        def on_run_end(self, metrics):
+            sys.exit(3)
+
+    pm = pluggy.PluginManager("streamrl")
+    pm.add_hookspecs(hookspecs)
+    pm.register(Exits(), name="exits")
+    run_end(pm.hook.on_run_end, "runs/x", records(1), warned.append)
+    assert warned[-1] == "plugin 'exits': on_run_end raised SystemExit: 3"
+
+
 def test_each_plugins_on_step_end_is_an_observer_of_its_own_and_sinks_are_observers_too():
     calls = []
 

@@ -40,6 +40,7 @@ from distributed.deploy import Cluster
 from streamrl.cluster import pool_workers as pools
 from streamrl.errors import UserError
 from streamrl.recipe.recipe import Recipe
+from streamrl.telemetry.text import message_line
 
 #: pip's name for the packages recipes name most, for the message when one is missing
 PIP_NAMES = {"dask_jobqueue": "dask-jobqueue", "dask_kubernetes": "dask-kubernetes", "dask_cuda": "dask-cuda",
@@ -102,7 +103,7 @@ def create(recipe: Recipe) -> Cluster:
     except UserError:
         raise
     except (Exception, SystemExit) as exc:
-        text = " ".join(str(exc).split())  # some libraries' messages span lines: keep it one
+        text = message_line(exc, 500)  # some libraries' messages span lines: keep it one
         raise UserError(f"cluster.factory: {c.factory}(**factory_options) failed: "
                         f"{type(exc).__name__}: {text}") from None
     if not isinstance(made, Cluster):
@@ -225,7 +226,7 @@ def label(cluster: SpecCluster, recipe: Recipe) -> None:
                 # its start failed, so nothing of it runs; SpecCluster.close() insists that
                 # every worker it created be closed or failed, and would raise over this error
                 w.status = Status.failed
-        text = " ".join(str(exc).split())
+        text = message_line(exc, 500)
         raise UserError(f"cluster.factory: {type(cluster).__name__} could not start the pools' workers: "
                         f"{type(exc).__name__}: {text}") from None
 

@@ -23,6 +23,7 @@ from streamrl.errors import RunStopped, RunWarning, UserError
 from streamrl.on_worker import ranker_tasks, task_functions
 from streamrl.flow.topology import Topology
 from streamrl.ranking.recall import top_recall
+from streamrl.telemetry.text import message_line
 
 
 #: How long a ranking, a lesson or the ranker's state may take before the run goes on without
@@ -255,7 +256,7 @@ class Dispatcher:
 
 
 def _raised(exc: Exception) -> str:
-    return f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    return f"raised {type(exc).__name__}: {message_line(exc, 300)}"
 
 
 def placement(placed: list[Assignment], workers: list[str], samples_per_prompt: int,

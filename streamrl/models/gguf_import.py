@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from streamrl.errors import UserError
+from streamrl.telemetry.text import message_line
 
 #: What a GGUF file starts with.
 MAGIC = b"GGUF"
@@ -61,7 +62,7 @@ def read_header(path: Path) -> dict:
         name = fields["general.name"].contents() if "general.name" in fields else ""
     except Exception as exc:  # a truncated or damaged file: whatever the reader tripped on
         raise UserError(f"{path}: its GGUF header cannot be read ({type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:200]}); the file may be damaged or cut short") from None
+                        f"{message_line(exc, 200)}); the file may be damaged or cut short") from None
     try:
         quantization = gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_") if kind is not None else "unknown"
     except (ValueError, TypeError):  # a number no llama.cpp release knows, or not a number at all
@@ -111,7 +112,7 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "bfloat16", sour
             model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as exc:  # an architecture transformers cannot read, a tokenizer it cannot build
             raise UserError(f"{path}: transformers cannot read this {header['architecture']!r} GGUF model "
-                            f"({type(exc).__name__}: {' '.join(str(exc).split())[:240]})") from None
+                            f"({type(exc).__name__}: {message_line(exc, 240)})") from None
     model.generation_config = loaded.generation_config
     model.to(getattr(torch, dtype))
     del loaded

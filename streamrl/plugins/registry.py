@@ -23,6 +23,7 @@ import pluggy
 from streamrl.plugins import hookspecs
 from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
+from streamrl.telemetry.text import message_line
 
 __all__ = ["KINDS", "Component", "Registry", "build_registry", "load_local_module"]
 
@@ -169,7 +170,7 @@ def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Reg
                 pm.register(module, name=f"local:{path}")
             except (pluggy.PluginValidationError, ValueError) as exc:  # (a hook with arguments its spec lacks)
                 raise UserError(f"plugins.modules: {str(path)!r} cannot be registered ({file}): "
-                                f"{' '.join(str(exc).split())[:300]}") from None
+                                f"{message_line(exc, 300)}") from None
             origins[f"local:{path}"] = (str(file), "")
     return Registry(pm, origins)
 

@@ -28,6 +28,7 @@ from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
 from streamrl.recipe.toml_input import check_finite, read_toml, read_value
+from streamrl.telemetry.text import message_line
 
 
 class RunConfig(Strict):
@@ -307,7 +308,7 @@ def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_
         if model.__module__.split(".")[0] == "streamrl":  # (streamrl's own: a bug, shown as raised)
             raise
         raise UserError(f"{path or 'recipe'}: {model.__name__} could not validate it: {type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:300]}") from None
+                        f"{message_line(exc, 300)}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

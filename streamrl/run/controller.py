@@ -40,6 +40,7 @@ from streamrl.run import extensions
 from streamrl.telemetry import bubbles
 from streamrl.telemetry.record import last_epoch_stats, summarize
 from streamrl.telemetry.stats import StepStats
+from streamrl.telemetry.text import message_line
 
 
 class Controller:
@@ -363,4 +364,4 @@ def _lines(got) -> list[str]:
 
 
 def _text(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300]
+    return message_line(exc, 300)

@@ -13,6 +13,7 @@ from streamrl.learners.extension import SideLearners
 from streamrl.learners.served import ServedVariants
 from streamrl.serve.extension import ServedTraffic
 from streamrl.tasks.agent import AgentTask
+from streamrl.telemetry.text import message_line
 
 
 class KeepsInitialPolicy(StepExtension):
@@ -62,8 +63,9 @@ def from_plugins(context: RunContext) -> list[StepExtension]:
             continue
         try:  # each plugin's on its own, so a failure names it; pluggy passes the arguments it declares
             got = impl.function(**{arg: context for arg in impl.argnames})
-        except Exception as exc:
-            raise UserError(f"plugin {name!r}: add_step_extensions failed: {type(exc).__name__}: {exc}") from None
+        except (Exception, SystemExit) as exc:
+            raise UserError(f"plugin {name!r}: add_step_extensions failed: {type(exc).__name__}: "
+                            f"{message_line(exc)}") from None
         got = [] if got is None else list(got) if isinstance(got, (list, tuple)) else [got]
         wrong = [x for x in got if not isinstance(x, StepExtension)]
         if wrong:

@@ -17,6 +17,7 @@ import copy
 from typing import Callable
 
 from streamrl.errors import RunFailed, RunStopped, UserError
+from streamrl.telemetry.text import message_line
 
 
 class StepObserver:
@@ -72,9 +73,9 @@ class Observers:
                 obs.step(copy.deepcopy(record))
             except RunStopped:  # the step's deadline, landing while this one ran: the run's, not its
                 raise
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # (a plugin's sys.exit() is its failure, not the run's end)
                 self.observers.remove(obs)
-                text = " ".join(str(exc).split())[:300]
+                text = message_line(exc, 300)
                 self.warn(f"{obs.name} failed at step {record.get('step', 0) + 1} and is left out from now on: "
                           f"{type(exc).__name__}: {text}")
 
@@ -94,9 +95,9 @@ def run_start(hook, recipe, run_dir) -> None:
             call()
         except (UserError, RunFailed):
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise RunFailed(f"plugin {name}: on_run_start raised {type(exc).__name__}: "
-                            f"{' '.join(str(exc).split())[:300]}; the run stopped before its first step") from None
+                            f"{message_line(exc, 300)}; the run stopped before its first step") from None
 
 
 def run_end(hook, run_dir, records: list[dict], warn: Callable[[str], None]) -> None:
@@ -112,5 +113,5 @@ def run_end(hook, run_dir, records: list[dict], warn: Callable[[str], None]) -> 
     for name, call in calls:
         try:
             call()
-        except Exception as exc:  # noqa: BLE001 -- an observer's failure must not hide the run's outcome
-            warn(f"plugin {name}: on_run_end raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 -- an observer's failure must not hide the run's outcome
+            warn(f"plugin {name}: on_run_end raised {type(exc).__name__}: {message_line(exc, 300)}")

@@ -33,6 +33,7 @@ from streamrl.telemetry import dashboard
 from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, summary_table, warning
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
+from streamrl.telemetry.text import message_line
 
 __all__ = ["resolve", "run", "load_for_resume", "validate"]
 
@@ -50,7 +51,7 @@ def validate(loaded: LoadedRecipe) -> Resolved:
         raise
     except Exception as exc:
         raise UserError(f"task {r.task.name!r}: drawing the first step's prompts failed: {type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:300]}") from None
+                        f"{message_line(exc, 300)}") from None
     submit.check_prompts(r.task.name, 0, prompts, r.trainer.prompts_per_step, set())
     return resolved
 
@@ -135,7 +136,7 @@ def _as_said(exc: BaseException, r, folder: RunFolder, controller: Controller | 
         return RunFailed(f"{_who_was_lost(exc, controller)}; the run stopped, {folder.go_on()}")
     frame = _plugin_frame(exc) if isinstance(exc, Exception) else None
     if frame is not None:  # a plugin's code (an engine's, a trainer's, a transfer's) raised, here or on a worker
-        text = " ".join(str(exc).split())[:300]
+        text = message_line(exc, 300)
         return RunFailed(f"{type(exc).__name__}: {text} (raised in a plugin's code: {frame}); the run stopped, "
                          f"{folder.go_on()}")
     return exc

@@ -14,6 +14,7 @@ import string
 from pathlib import Path
 
 from streamrl.errors import UserError
+from streamrl.telemetry.text import message_line
 
 #: Config shapes of known checkpoints (values from their published config.json).
 ARCHS = {
@@ -79,7 +80,7 @@ def random_model(arch: str, out: str, overrides: dict, dtype: str = "bfloat16", 
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     except Exception as exc:  # noqa: BLE001 -- a --set transformers refuses (its config checks raise their own kinds)
-        text = " ".join(str(exc).split())[:300]
+        text = message_line(exc, 300)
         raise UserError(f"--arch {arch} with {overrides or 'its own shape'}: the model cannot be made "
                         f"({type(exc).__name__}: {text})") from None
     tokenizer = any_id_tokenizer(config.vocab_size)

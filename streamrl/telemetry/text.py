@@ -23,6 +23,17 @@ def one_line(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+def message_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc``'s message as :func:`one_line`, its runs of whitespace (a library's message over
+    several lines) one space each. An exception whose ``str()`` itself raises reads as nothing:
+    said inside an ``except``, that ``str()`` would otherwise raise from there."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = ""
+    return one_line(" ".join(message.split()), limit)
+
+
 def error_line(exc: BaseException, limit: int = 500, first_line: bool = False) -> str:
     """``"<type>: <message>"`` of ``exc`` as :func:`one_line` (``first_line``: of its message's
     first line only). An exception whose ``str()`` itself raises reads as its type and nothing more."""

@@ -22,6 +22,7 @@ from streamrl.sample import Group, Sample
 from streamrl.training.critic import critic_stats
 from streamrl.training.logprobs import pad_batch
 from streamrl.training.off_policy_stats import bucket_sums, token_versions
+from streamrl.telemetry.text import message_line
 
 
 def called(algorithm, method: str, *args):
@@ -42,7 +43,7 @@ def called(algorithm, method: str, *args):
             name = Path(f.filename).name if not f.filename.startswith("<") else type(algorithm).__module__
             where = f" (at {name}:{f.lineno}, in {f.name})"
         raise RunStopped(f"algorithm {type(algorithm).__name__}: {method}() raised {type(exc).__name__}: "
-                         f"{' '.join(str(exc).split())[:300]}{where}; nothing of this step was applied") from None
+                         f"{message_line(exc, 300)}{where}; nothing of this step was applied") from None
 
 
 def loss_result(algorithm, result, batch: int) -> tuple[torch.Tensor, dict]:
