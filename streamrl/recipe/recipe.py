@@ -28,7 +28,6 @@ from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
 from streamrl.recipe.toml_input import check_finite, read_toml, read_value
-from streamrl.telemetry.text import message_line
 
 
 class RunConfig(Strict):
@@ -307,8 +306,12 @@ def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_
     except (Exception, SystemExit) as exc:  # a plugin's validator that raised something pydantic does not wrap
         if model.__module__.split(".")[0] == "streamrl":  # (streamrl's own: a bug, shown as raised)
             raise
+        try:  # (its str() may raise as well: a plugin's exception class)
+            said = " ".join(str(exc).split())[:300]
+        except Exception:
+            said = ""
         raise UserError(f"{path or 'recipe'}: {model.__name__} could not validate it: {type(exc).__name__}: "
-                        f"{message_line(exc, 300)}") from None
+                        f"{said}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
