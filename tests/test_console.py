@@ -9,7 +9,8 @@ import logging
 import pytest
 from rich.console import Console
 
-from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, step_line, summary_table
+from streamrl.telemetry.console import RunDisplay, StepNotes, step_line, summary_table
+from streamrl.telemetry.warnings_log import WarningsLog
 from tests.helpers import read_records, sets, streamrl, write_tiny_recipe
 
 
@@ -31,6 +32,9 @@ def test_a_plain_line_names_every_figure_and_says_when_generation_overlapped():
     # a slow reward names itself: the longest wait from generated to scored
     log = [{"gen_end": 10.0, "reward_end": 10.5}, {"gen_end": 11.0, "reward_end": 41.25}]
     assert "scoring <=30.25s" in step_line(record(2, sample_log=log), steps=10)
+    # a held-out evaluation that failed says why (the step's line alone repeated itself)
+    failed = step_line(record(2, eval_error="EvalTimeout: no answer\x1b[2J [bold]x[/]"), steps=10)
+    assert "eval failed (EvalTimeout: no answer\\x1b[2J \\[bold]x\\[/])" in failed
 
 
 def test_the_live_display_shows_progress_and_the_latest_figures_on_a_terminal():
@@ -158,6 +162,22 @@ def test_dasks_warnings_and_failed_broadcasts_go_to_the_run_folder_and_other_err
     assert "WARNING: Removing worker 'tcp://127.0.0.1:1'" in kept
     assert "ERROR: Couldn't gather keys: {('load-weights-4', 'generate-1'): 'memory'}" in kept
     assert "WARNING: Couldn't gather 1 keys, rescheduling" in kept and log.count == 4
+
+
+def test_a_warnings_log_that_cannot_be_written_is_said_once_and_a_warning_is_one_bounded_line(tmp_path, capsys):
+    # it runs inside warnings.warn and Dask's logging calls: an OSError there (a full disk) came
+    # out of whatever code warned, the scheduler's handlers among it
+    from streamrl.telemetry.warnings_log import MAX_WARNING_CHARS
+
+    log = WarningsLog(tmp_path / "warnings.log")
+    log.write("w", "UserWarning", "first\nline " + "x" * 10 * MAX_WARNING_CHARS, "here")
+    (line,) = (tmp_path / "warnings.log").read_text().splitlines()
+    assert len(line) <= MAX_WARNING_CHARS and "first\\nline" in line
+    gone = WarningsLog(tmp_path / "no-such-folder" / "warnings.log")
+    for k in range(3):
+        gone.write("w", "UserWarning", f"warned {k}", "here")
+    err = capsys.readouterr().err
+    assert err.count("cannot be written") == 1 and "FileNotFoundError" in err and gone.broken
 
 
 def test_a_warning_keeps_its_brackets_as_text():

@@ -245,6 +245,7 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
         "reward.score_timeout_s=1e300": "reward.score_timeout_s: expected less than or equal to 1000000",
         "run.step_timeout_s=inf": "run.step_timeout_s: expected a finite number (got inf)",
         'run.name="../../elsewhere"': "run.name: expected one folder name",
+        'run.name="x\\u001b[2J"': "run.name: expected one folder name: 1 to 100 printable characters",
         "run.seed=-1": "run.seed: expected greater than or equal to 0",
         "run.steps=1" + "0" * 5000: "an integer longer than 4,300 digits",
         "task.x=" + "[" * 3000 + "]" * 3000: "arrays nested too deeply",

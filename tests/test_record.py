@@ -31,6 +31,8 @@ def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
 def test_last_epoch_stats_are_per_sample_means_of_the_last_pass():
     out = last_epoch_stats([micro(2, clip_frac_sum=0.5, loss_sum=1.0), micro(2, loss_sum=3.0)], epochs=3)
     assert out == {"epochs": 3, "last_epoch_clip_frac": pytest.approx(0.125), "last_epoch_loss": pytest.approx(1.0)}
+    # a step of no samples (a stop ended it): zeros, not a ZeroDivisionError ending the run
+    assert last_epoch_stats([], epochs=2) == {"epochs": 2, "last_epoch_clip_frac": 0.0, "last_epoch_loss": 0.0}
 
 
 def test_train_stats_keep_the_trainers_sums_and_pickle_as_dask_sends_them():

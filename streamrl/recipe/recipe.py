@@ -77,8 +77,9 @@ class RunConfig(Strict):
     @field_validator("name")
     @classmethod
     def _one_folder_name(cls, name: str) -> str:
-        if not 1 <= len(name) <= 100 or any(c in name for c in "/\\\0"):
-            raise ValueError("expected one folder name: 1 to 100 characters, no '/', '\\' or NUL")
+        # (printable: the name is a folder's, shown on the terminal; an escape in it moves the cursor)
+        if not 1 <= len(name) <= 100 or any(c in name for c in "/\\\0") or not name.isprintable():
+            raise ValueError("expected one folder name: 1 to 100 printable characters, no '/', '\\' or NUL")
         return name
 
 

@@ -30,10 +30,11 @@ from streamrl.run.stopping import StopRequest
 from streamrl.run.watchdog import Watchdog
 from streamrl.recipe.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
-from streamrl.telemetry.console import RunDisplay, StepNotes, WarningsLog, summary_table, warning
+from streamrl.telemetry.console import RunDisplay, StepNotes, summary_table, warning
+from streamrl.telemetry.warnings_log import WarningsLog
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
-from streamrl.telemetry.text import message_line
+from streamrl.telemetry.text import message_line, printable
 
 __all__ = ["resolve", "run", "load_for_resume", "validate"]
 
@@ -267,7 +268,7 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
         if not verbose:  # a worker's loss and restart: streamrl's own line says what matters
             warnings_log.take_dask_warnings()
         console.print(f"[bold]streamrl[/] {escape(r.run.name)}: mode={r.run.mode} steps={r.run.steps} -> "
-                      f"{escape(str(folder.path))}", soft_wrap=True)
+                      f"{escape(printable(str(folder.path)))}", soft_wrap=True)
         if r.cluster.dashboard or r.cluster.address or r.cluster.factory:  # (a cluster of someone else's: its own)
             console.print(f"dashboard: {client.dashboard_link}")
         page = dashboard.install(client, name=r.run.name, mode=r.run.mode, steps=r.run.steps)

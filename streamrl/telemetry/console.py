@@ -7,19 +7,12 @@ one line per step instead, every figure named. Messages printed meanwhile (warni
 events) scroll above the live part.
 
 Library warnings (transformers' deprecations and the like) go to ``warnings.log`` in the run
-folder, not the terminal: :class:`WarningsToEvents` sends each distinct one from the workers
-as a Dask event, and :class:`WarningsLog` writes those and this process's own to the file.
+folder, not the terminal (``warnings_log.py``).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-import warnings
-from pathlib import Path
 
-from distributed import WorkerPlugin
 from rich.console import Console, Group
 from rich.live import Live
 from rich.padding import Padding
@@ -30,10 +23,9 @@ from rich.text import Text
 
 from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
 from streamrl.telemetry.learner_figures import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
-from streamrl.telemetry.text import printable
+from streamrl.telemetry.text import one_line, printable
 
 #: Dask event topic the workers' warnings travel on
-TOPIC = "streamrl-warnings"
 
 
 def eval_score(m: dict) -> tuple[str, float] | None:
@@ -72,7 +64,9 @@ def step_line(m: dict, steps: int) -> str:
             # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
             + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}"
                + (f" ({escape(str(m['reward_error_first'])[:120])})" if m.get("reward_error_first") else "") + "[/]"
-               if m.get("reward_errors") else ""))
+               if m.get("reward_errors") else "")
+            # a held-out evaluation that failed: its error, or the step's line repeats for nothing
+            + (f"  [yellow]eval failed ({escape(one_line(str(m['eval_error']), 200))})[/]" if m.get("eval_error") else ""))
 
 
 def flat_groups_note(m: dict) -> str:
@@ -294,106 +288,3 @@ def learners_summary(records: list[dict], final: dict | None = None):
     failures = [Text(f"{row['name']} failed at {row['failure']}", style="red") for row in rows if row["failure"]]
     return Group(Text.from_markup("[bold]learners[/]", style="table.title"),
                  Padding(Group(t, *failures), (0, 0, 0, 2), expand=False))
-
-
-class WarningsToEvents(WorkerPlugin):
-    """On a worker: each distinct Python warning (category and text) is sent once as a Dask event
-    on :data:`TOPIC` instead of printed to the worker's stderr (which is the user's terminal for
-    the embedded cluster). Works on any cluster: events travel through the scheduler."""
-
-    name = "streamrl-warnings-to-events"
-
-    def setup(self, worker) -> None:
-        seen: set[tuple[str, str]] = set()
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            key = (category.__name__, str(message))
-            if key not in seen:
-                seen.add(key)
-                # ("name": the scheduler overwrites a "worker" field with the address)
-                worker.log_event(TOPIC, {"name": str(worker.name), "category": category.__name__,
-                                         "message": str(message), "where": f"{filename}:{lineno}"})
-
-        warnings.showwarning = show
-
-
-class WarningsLog:
-    """``warnings.log`` in the run folder: the workers' warnings (from their events) and this
-    process's own library warnings while the run goes. Counts what it wrote."""
-
-    def __init__(self, path: Path):
-        self.path, self.count = Path(path), 0
-        self.lock = threading.Lock()
-        self.seen: set[tuple[str, str]] = set()
-        self._default = None
-
-    def write(self, where: str, category: str, message: str, origin: str) -> None:
-        """Append one warning (once per distinct category, text and origin)."""
-        with self.lock:
-            if (where, category, message) in self.seen:
-                return
-            self.seen.add((where, category, message))
-            self.count += 1
-            with self.path.open("a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} [{where}] {category}: {message} ({origin})\n")
-
-    def attach(self, client) -> None:
-        """Take the workers' warnings (events) and this process's library warnings from now on.
-        streamrl's own warnings (``PluginWarning``) stay on the terminal."""
-        from streamrl.errors import PluginWarning
-
-        client.subscribe_topic(TOPIC, lambda event: self.write(
-            event[1]["name"], event[1]["category"], event[1]["message"], event[1]["where"]))
-        client.register_plugin(WarningsToEvents())
-        self._default = default = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, PluginWarning):
-                default(message, category, filename, lineno, file, line)
-            else:
-                self.write("streamrl", category.__name__, str(message), f"{filename}:{lineno}")
-
-        warnings.showwarning = show
-
-    def detach(self) -> None:
-        """Give this process's warnings back to the terminal."""
-        if self._default is not None:
-            warnings.showwarning = self._default
-            self._default = None
-
-    #: The Dask loggers of this process whose warnings :meth:`take_dask_warnings` keeps: the
-    #: embedded cluster's nannies and its scheduler, which retell a worker's loss and restart
-    #: (and a slow exit at the end) that streamrl reports in its own line, and the client, which
-    #: says when it asks for a result again because the worker holding it died.
-    DASK_LOGGERS = ("distributed.nanny", "distributed.scheduler", "distributed.client")
-
-    #: Errors of those loggers that are Dask's recovery, not a failure: see :meth:`take_dask_warnings`.
-    RECOVERED = ("broadcast to", "Couldn't gather keys")
-
-    def take_dask_warnings(self) -> None:
-        """Until :meth:`release_dask_warnings`, write the warnings of :data:`DASK_LOGGERS` here
-        instead of the terminal (errors still go there, but for the scheduler's failed
-        broadcasts); ``--verbose`` runs do not call it."""
-        def tap(record: logging.LogRecord) -> bool:
-            # The scheduler logs "broadcast to <worker> failed" as an error when a worker dies
-            # between its loss and the scheduler noticing it, and streamrl asks every worker
-            # something then (busy clocks, an elastic pool's probe) with errors ignored: the
-            # loss is told by the lines that follow, the error itself is noise on the terminal.
-            # Likewise "Couldn't gather keys" when a result's holder died as this process asked
-            # for it: the client computes it again (its "rescheduling" warning) and the run goes on.
-            if record.levelno >= logging.ERROR and not str(record.msg).startswith(self.RECOVERED):
-                return True
-            self.write(record.name, record.levelname, record.getMessage(), "dask")
-            return False
-
-        self._tap = tap
-        for name in self.DASK_LOGGERS:
-            logging.getLogger(name).addFilter(tap)
-
-    def release_dask_warnings(self) -> None:
-        """Dask's warnings to the terminal again."""
-        tap = getattr(self, "_tap", None)
-        if tap is not None:
-            for name in self.DASK_LOGGERS:
-                logging.getLogger(name).removeFilter(tap)
-            self._tap = None

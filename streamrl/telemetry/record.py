@@ -194,6 +194,6 @@ def flat_share(micro: list[TrainTaskStats]) -> float | None:
 def last_epoch_stats(micro: list[TrainTaskStats], epochs: int) -> dict[str, float]:
     """With ``algorithm.epochs > 1``: how far the last pass (its train tasks' stats ``micro``)
     moved from the generating policy (its loss and clip fraction per sample)."""
-    n = sum(m.samples for m in micro)
+    n = max(sum(m.samples for m in micro), 1)  # (a step of no samples: one a stop ended)
     return {"epochs": epochs, "last_epoch_clip_frac": sum(m.sums.get("clip_frac", 0.0) for m in micro) / n,
             "last_epoch_loss": sum(m.loss_sum for m in micro) / n}
