@@ -117,6 +117,30 @@ def test_resume_refuses_a_run_that_is_still_going(tmp_path):
                                    "stop it first (Ctrl-C)")
 
 
+def test_a_pid_written_on_another_host_does_not_say_the_run_is_going_here(tmp_path, tiny_model):
+    # killed with -9 on one node, resumed on another: a process there with the same pid made the
+    # resume refuse for ever ("still going")
+    import socket
+
+    from streamrl.errors import UserError
+    from streamrl.run.run_folder import RunFolder
+
+    write_tiny_recipe(tmp_path, tiny_model, name="recipe.toml")
+    (tmp_path / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
+    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
+        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
+    for host, going in (("another-node", False), (socket.gethostname(), True)):
+        (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "host": host,
+                                                          "recipe_file": str(tmp_path / "recipe.toml")}))
+        if going:
+            with pytest.raises(UserError, match="the run is still going"):
+                RunFolder.for_resume(tmp_path)
+        else:
+            _, folder = RunFolder.for_resume(tmp_path)
+            assert folder.path == tmp_path
+
+
 def test_a_second_command_on_a_run_folder_in_use_is_one_line(tmp_path, tiny_model):
     # a resume started while another (or the run itself, on another machine sharing the folder)
     # still went on: each set the other's checkpoints aside and rotated them away
@@ -373,3 +397,20 @@ def test_a_ranker_that_raises_or_gives_the_wrong_scores_is_said_once_and_the_run
     assert "Traceback" not in proc.stderr
     run = only_run(tmp_path / "runs")
     assert (run / "policy" / "config.json").exists() and len(read_records(run)) == 5
+
+
+def test_two_runs_of_one_name_started_in_the_same_second_get_a_folder_each(tmp_path, tiny_model, monkeypatch):
+    # the folder was looked for, then made: a second run making it in between got "cannot create
+    # a run folder ... (File exists)"; each is made now, the next number taken when it is there
+    from pathlib import Path
+
+    from streamrl.recipe.recipe import load_recipe
+    from streamrl.run.run_folder import RunFolder
+
+    loaded = load_recipe(write_tiny_recipe(tmp_path, tiny_model, name="recipe.toml"),
+                         [f"run.out_dir={json.dumps(str(tmp_path / 'runs'))}"])
+    monkeypatch.setattr("time.strftime", lambda *_: "20261203-120000")
+    monkeypatch.setattr(Path, "exists", lambda self: False)  # (each look sees no folder: the race, every time)
+    first, second = RunFolder.create(loaded), RunFolder.create(loaded)
+    assert first.path.name == f"{loaded.recipe.run.name}-20261203-120000"
+    assert second.path.name == f"{loaded.recipe.run.name}-20261203-120000-2"

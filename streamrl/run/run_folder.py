@@ -77,11 +77,14 @@ class RunFolder:
         r = loaded.recipe
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path, n = Path(r.run.out_dir) / f"{r.run.name}-{stamp}", 1
-        while path.exists():
-            n += 1
-            path = Path(r.run.out_dir) / f"{r.run.name}-{stamp}-{n}"
         try:
-            path.mkdir(parents=True)
+            while True:  # (made, not looked for: two runs of one name started in the same second)
+                try:
+                    path.mkdir(parents=True)
+                    break
+                except FileExistsError:
+                    n += 1
+                    path = Path(r.run.out_dir) / f"{r.run.name}-{stamp}-{n}"
             os.chmod(path, OWNER_ONLY)  # (mkdir's mode is cut by the umask; chmod's is not)
             (path / "recipe.toml").write_text(to_toml(r))
         except OSError as exc:
@@ -102,7 +105,10 @@ class RunFolder:
                 raise UserError(f"{where}: no usable checkpoint to resume from ({'; '.join(problems)})")
             raise UserError(f"{where}: no checkpoint to resume from (the run stopped before its first one)")
         state = folder.status()
-        if state["state"] in ("starting", "running") and _alive(state.get("pid")):
+        # (a pid means something only on the host that wrote it: resumed elsewhere, say a
+        # cluster's other node, an unrelated process there may have that number)
+        here = state.get("host") in (None, socket.gethostname())
+        if state["state"] in ("starting", "running") and here and _alive(state.get("pid")):
             raise UserError(f"{where}: the run is still going (pid {state['pid']}); stop it first (Ctrl-C)")
         return folder.recipe(overrides), folder
 
