@@ -274,3 +274,21 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
     assert code == 2 and "/dev/zero: larger than 1024 KB" in one_line_error(err)
     code, out, _ = run_cli(capsys, "recipe", "show", str(tiny_recipe), "--set", "trainer.lr=1e300")
     assert code == 0 and "lr = 1e+300" in out  # huge but finite: the trainer's own checks stop its steps
+
+
+def test_a_models_config_that_is_hostile_is_one_line_and_read_within_bounds(capsys, tiny_recipe, tmp_path, monkeypatch):
+    # config.json is read to check the model's positions: JSON nested without end raised a
+    # RecursionError traceback, and one past any size was read whole
+    import json
+
+    from streamrl.plugins import resolve as resolving
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(resolving, "MAX_CONFIG_BYTES", 1 << 16)
+    for text, said in (("[" * 30_000 + "]" * 30_000, "cannot be read (RecursionError)"),
+                       (json.dumps({"pad": "x" * (1 << 17)}), "a model's config.json is at most 65536")):
+        (model / "config.json").write_text(text)
+        code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"model.path={json.dumps(str(model))}")
+        assert code == 2 and f"model.path: {model / 'config.json'}" in one_line_error(err) and said in err, err[-300:]

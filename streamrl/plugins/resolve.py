@@ -285,14 +285,39 @@ def _check_trainer_can(out: Resolved) -> None:
         raise UserError(refused)
 
 
+#: Bytes of a model's ``config.json`` read at most (a real one is a few KB).
+MAX_CONFIG_BYTES = 4 * 2**20
+
+
+def model_config(model: Path) -> object:
+    """The parsed ``config.json`` of the model folder ``model`` (``ValueError``: a phrase saying
+    why it cannot be read). A regular file of bounded size, read before it is parsed: a FIFO
+    there waited for ever, a link to /dev/zero filled the memory, JSON nested without end raised
+    a RecursionError."""
+    path = model / "config.json"
+    try:
+        if not path.is_file():
+            raise ValueError("is not a file" if path.exists() else "is missing")
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"has {size} bytes; a model's config.json is at most {MAX_CONFIG_BYTES}")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({type(exc).__name__})") from None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"cannot be read ({type(exc).__name__})") from None
+
+
 def model_positions(model: Path, config: dict | None = None) -> tuple[str, int] | None:
     """``(key, positions)``: how many positions (prompt and response together) the model at
     ``model`` has, and the ``config.json`` key that says so; None where it cannot say (no
     readable config, no such key). ``config``: the file's contents, when read already."""
     if config is None:
         try:
-            config = json.loads((model / "config.json").read_text())
-        except (OSError, ValueError):
+            config = model_config(model)
+        except ValueError:
             return None
     if not isinstance(config, dict):
         return None
@@ -309,9 +334,9 @@ def _check_positions(out: Resolved, model: Path) -> None:
     was never trained)."""
     wanted = out.engine.capabilities().max_new_tokens
     try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model.path: {model / 'config.json'} cannot be read ({type(exc).__name__})") from None
+        config = model_config(model)
+    except ValueError as exc:
+        raise UserError(f"model.path: {model / 'config.json'} {exc}") from None
     found = model_positions(model, config)
     if not isinstance(wanted, int) or found is None:
         return
