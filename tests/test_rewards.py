@@ -230,6 +230,16 @@ def test_a_valid_python_reward_resolves(tmp_path):
     assert resolved.reward.config.functions[0].path == str(tmp_path / "rewards.py")
 
 
+def test_a_reward_file_is_read_in_the_encoding_its_coding_line_names(tmp_path):
+    # Python reads a source file so; read as UTF-8 whatever it said, it could not be imported
+    (tmp_path / "latin.py").write_bytes("# -*- coding: latin-1 -*-\n"
+                                        "def compute_score(data_source, solution_str, ground_truth):\n"
+                                        "    return float('é' in solution_str)\n".encode("latin-1"))
+    (tmp_path / "recipe.toml").write_text(SIM_RECIPE + 'path = "latin.py"\n')
+    reward = resolve(load_recipe(tmp_path / "recipe.toml")).reward.build()
+    assert [s.reward for s in score_group(reward, group(VERL_ROW, "café", "cafe"))] == [1.0, 0.0]
+
+
 @pytest.mark.parametrize("reward, rewards_file, expected", [
     ('path = "missing.py"', None, "reward.path: no such file: {tmp}/missing.py (got 'missing.py')"),
     ('path = "rewards.py"', "def compute_score(data_source, solution_str, ground_truth:\n    return 1\n",

@@ -62,10 +62,10 @@ def load_user_file(path: str) -> _Loaded:
         raise ValueError(f"it has {stat.st_size} bytes; a Python file of code is at most {MAX_SOURCE_BYTES}")
     key = (str(file), stat.st_mtime_ns, stat.st_size)
     if key not in _LOADED:
-        try:
-            source = file.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read it ({exc})") from None
+        try:  # (as Python reads a source file: UTF-8, or the encoding its coding line names)
+            source = importlib.util.decode_source(file.read_bytes())
+        except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as exc:
+            raise ValueError(f"cannot read it ({type(exc).__name__}: {exc})") from None
         try:
             module = exec_user_source(str(file), source)
         except SyntaxError as exc:
