@@ -392,3 +392,54 @@ def test_a_plugin_that_changes_the_recipe_it_is_shown_changes_nothing_of_the_run
     # two steps, as the recipe says, and no ruinous update (a learning rate of 1e9 stops the run:
     # trainer.max_weight_change)
     assert [r["step"] for r in read_records(run)] == [0, 1]
+
+
+CAPABLE_PLUGIN = textwrap.dedent('''
+    from pydantic import BaseModel
+
+    import streamrl
+    from streamrl.api import Component, ToolParser
+    from streamrl.engines.hf import HFEngine
+    from streamrl.engines.hf_config import HFEngineConfig
+
+    class Broken(HFEngine):
+        @classmethod
+        def capabilities(cls, config):
+            return {CAPABILITIES}
+
+    class Parser(ToolParser):
+        def __init__(self, config):
+            raise RuntimeError("no grammar for it")
+
+    @streamrl.hookimpl
+    def register_engines():
+        return [Component("engine", "broken", HFEngineConfig, Broken)]
+
+    @streamrl.hookimpl
+    def register_tool_parsers():
+        return [Component("tool_parser", "nogrammar", type("NoOptions", (BaseModel,), {}), Parser)]
+''')
+
+
+@pytest.mark.parametrize("capabilities, said", [
+    ("1 / 0", "engine 'broken', from plugin local:caps.py: capabilities() raised ZeroDivisionError: division by zero"),
+    ("{'max_new_tokens': 6}", "engine 'broken', from plugin local:caps.py: capabilities() returned dict; expected "
+                              "EngineCapabilities"),
+])
+def test_a_plugins_capabilities_or_tool_parser_that_fails_at_validation_is_one_line(tmp_path, tiny_recipe,
+                                                                                     capabilities, said):
+    # the recipe's validation asked them outside any containment: a traceback from `recipe validate`
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+
+    (tmp_path / "caps.py").write_text(CAPABLE_PLUGIN.replace("{CAPABILITIES}", capabilities))
+    tiny_recipe.write_text(tiny_recipe.read_text().replace('name = "hf"', 'name = "broken"', 1)
+                           + '\n[plugins]\nmodules = ["caps.py"]\n')
+    with pytest.raises(UserError) as err:
+        resolve(load_recipe(tiny_recipe))
+    assert str(err.value).startswith(said)
+    tiny_recipe.write_text(tiny_recipe.read_text().replace('name = "broken"', 'name = "hf"', 1)
+                           + '\n[serve]\ntool_parser = "nogrammar"\n')
+    with pytest.raises(UserError, match=r"^serve.tool_parser: 'nogrammar' could not be built, from plugin "
+                                        r"local:caps.py: RuntimeError: no grammar for it$"):
+        resolve(load_recipe(tiny_recipe, ['engine.batching="slots"']))

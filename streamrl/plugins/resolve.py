@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from streamrl.recipe.learners import INITIAL, main_learner, served_name
-from streamrl.api import Algorithm, Component
+from streamrl.api import Algorithm, Component, EngineCapabilities, TrainerCapabilities
 from streamrl.algorithms.dr_grpo import DrGRPO
 from streamrl.errors import RunWarning, UserError
 from streamrl.models.fetch import KNOWN
@@ -21,6 +21,7 @@ from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 from streamrl.recipe.serve import ServeConfig
 from streamrl.tasks.agent import AgentTask
+from streamrl.telemetry.text import message_line
 
 
 @dataclass
@@ -48,8 +49,20 @@ class Chosen:
 
     def capabilities(self) -> Any:
         """What the component declares for this config (an engine's or a trainer's:
-        :meth:`Component.capabilities`)."""
-        return self.component.capabilities(self.config)
+        :meth:`Component.capabilities`). A plugin's ``capabilities()`` that raises, or returns
+        what is not the kind's capabilities, is one line naming it (:class:`UserError`)."""
+        c = self.component
+        where = f", from plugin {c.plugin}" if c.plugin else ""
+        try:
+            can = c.capabilities(self.config)
+        except (Exception, SystemExit) as exc:
+            raise UserError(f"{c.kind} {c.name!r}{where}: capabilities() raised {type(exc).__name__}: "
+                            f"{message_line(exc)}") from None
+        expected = {"engine": EngineCapabilities, "trainer": TrainerCapabilities}.get(c.kind)
+        if expected is not None and not isinstance(can, expected):
+            raise UserError(f"{c.kind} {c.name!r}{where}: capabilities() returned {type(can).__name__}; expected "
+                            f"{expected.__name__} (from streamrl.api import {expected.__name__})")
+        return can
 
 
 @dataclass

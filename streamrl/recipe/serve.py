@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from streamrl.errors import UserError
 from streamrl.recipe.strict import Strict
 
 
@@ -68,7 +69,18 @@ class ServeConfig(Strict):
         errors naming ``serve.tool_parser``)."""
         options = {"name": self.tool_parser} if isinstance(self.tool_parser, str) else dict(self.tool_parser)
         name = options.pop("name")
-        return registry.get("tool_parser", name, "serve.tool_parser").build(options, "serve.tool_parser")
+        component = registry.get("tool_parser", name, "serve.tool_parser")
+        config = component.validate(options, "serve.tool_parser")
+        try:
+            return component.factory(config)
+        except (Exception, SystemExit) as exc:  # (the plugin's constructor: one line naming it, not a traceback)
+            where = f", from plugin {component.plugin}" if component.plugin else ""
+            try:
+                said = " ".join(str(exc).split())[:300]
+            except Exception:
+                said = ""
+            raise UserError(f"serve.tool_parser: {name!r} could not be built{where}: {type(exc).__name__}: "
+                            f"{said}") from None
     variants: bool = True
     """Serve each side learner's current policy too (``[[learners]]``, and those added while
     the run goes on), from an engine on its own worker: a request whose ``model`` is
