@@ -163,6 +163,27 @@ def test_what_cannot_be_imported_is_one_line_and_leaves_nothing(tmp_path, capsys
     assert code == 2 and "exists and is not an empty folder" in one_line_error(err)
     code, _, err = run_cli(capsys, "model", "fetch", "gpt-17")
     assert code == 2 and "unknown model 'gpt-17'; known: smollm2-135m-instruct" in one_line_error(err)
+    # a folder an earlier import did not write as it writes it: one line, not an AttributeError
+    (tmp_path / "odd-out").mkdir()
+    (tmp_path / "odd-out" / "config.json").write_text("{}")
+    for provenance in ("[]", "[" * 30_000):
+        (tmp_path / "odd-out" / "streamrl-import.json").write_text(provenance)
+        code, _, err = run_cli(capsys, "model", "fetch", "smollm2-135m-instruct", "--out", tmp_path / "odd-out")
+        assert code == 2 and "--out: " in one_line_error(err), err
+
+
+def test_a_gguf_file_that_cannot_be_opened_is_one_line(tmp_path, capsys, monkeypatch):
+    # (its permissions: a root user reads any file, so the refusal is the open's own)
+    from streamrl.models import gguf_import
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(gguf_import, "open", refused, raising=False)
+    code, _, err = run_cli(capsys, "model", "import", tmp_path / "tiny.gguf", "--out", tmp_path / "out")
+    assert code == 2 and "tiny.gguf: cannot be read (Permission denied)" in one_line_error(err)
 
 
 def test_a_recipe_without_its_fetched_model_says_how_to_get_it(capsys, tmp_path):

@@ -52,6 +52,19 @@ def default_folder(name: str) -> Path:
     return Path("models") / name
 
 
+def _provenance(out: Path) -> dict | None:
+    """What an earlier import wrote in ``out`` (None: nothing readable there). The folder is the
+    user's: the file may be anything, a FIFO, a list, JSON nested past the parser's reach."""
+    path = out / PROVENANCE
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return None
+        there = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return there if isinstance(there, dict) else None
+
+
 def fetch(name: str, out: str | Path | None = None, dtype: str = "bfloat16") -> tuple[Path, bool]:
     """Fetch and import model ``name`` (a key of :data:`KNOWN`) into ``out``; returns the folder
     and whether it was imported now (False: the folder already holds that file's import)."""
@@ -60,10 +73,7 @@ def fetch(name: str, out: str | Path | None = None, dtype: str = "bfloat16") -> 
         raise UserError(f"model fetch: unknown model {name!r}; known: {', '.join(sorted(KNOWN))} "
                         "(any other GGUF file: streamrl model import FILE.gguf --out DIR)")
     out = Path(out) if out is not None else default_folder(name)
-    try:
-        there = json.loads((out / PROVENANCE).read_text())
-    except (OSError, ValueError):
-        there = None
+    there = _provenance(out)
     if there is not None and there.get("sha256") == known.sha256 and (out / "config.json").is_file():
         if there.get("dtype") != dtype:
             raise UserError(f"--dtype: {out} holds {name} in {there.get('dtype')}; remove the folder to import it "

@@ -49,9 +49,13 @@ def read_header(path: Path) -> dict:
     file is missing, is not a GGUF file, or its header cannot be read."""
     if not path.is_file():
         raise UserError(f"{path}: no such file (expected a .gguf model file)")
-    with open(path, "rb") as f:
-        if f.read(4) != MAGIC:
-            raise UserError(f"{path}: not a GGUF file (it does not start with {MAGIC.decode()})")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:  # (unreadable: its permissions, a folder's)
+        raise UserError(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if magic != MAGIC:
+        raise UserError(f"{path}: not a GGUF file (it does not start with {MAGIC.decode()})")
     import gguf
 
     try:
