@@ -203,6 +203,18 @@ def test_a_wrong_agent_file_is_one_line(tmp_path, code, more, says):
     assert says in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("task.")
 
 
+def test_an_agents_data_mistake_names_the_task_data_table(tmp_path):
+    # the rows come from [task.data]: its mistakes were said as task.prompt_key, task.path (which
+    # is the agent's .py file there)
+    from streamrl.tasks.agent import AgentConfig, AgentTask
+
+    section = agent_section(tmp_path, "async def rollout(client, row):\n    return 1.0\n", function="rollout")
+    section["data"]["prompt_key"] = "question"
+    with pytest.raises(UserError) as e:
+        AgentTask(validate_section(AgentConfig, section, "task"))
+    assert str(e.value).startswith("task.data.prompt_key: the rows of ") and "no field 'question'" in str(e.value)
+
+
 def test_new_weights_between_two_calls_keep_the_trajectory_and_mark_each_tokens_version(served):
     api, url = served
     engine = api.engine

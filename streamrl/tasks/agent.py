@@ -93,7 +93,7 @@ class AgentTask(Task):
         data = config.data
         unset = {k: v for k, v in (("seed", config.seed), ("model_path", config.model_path))
                  if k not in data.model_fields_set and v is not None}
-        self.rows = DatasetTask(data.model_copy(update=unset))
+        self.rows = DatasetTask(data.model_copy(update=unset), where="task.data")
 
     def prompts(self, step: int, n: int) -> list[Prompt]:
         """Rows ``step * n .. step * n + n - 1`` of the shuffled data; ``Prompt.columns`` is the row."""

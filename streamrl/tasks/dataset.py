@@ -70,23 +70,26 @@ def _excerpt(row: Any) -> str:
 class DatasetTask(Task):
     """Hands out the rows of a dataset as prompts; see the module docstring."""
 
-    def __init__(self, config: DatasetConfig):
+    def __init__(self, config: DatasetConfig, where: str = "task"):
         self.config = config
+        self.where = where
+        """The recipe table its settings come from, as its errors name it (``task``, or an agent
+        task's ``task.data``)."""
         self._tokenizer = None
-        rows = load_rows(config.path, config.split, "task.path")
+        rows = load_rows(config.path, config.split, f"{self.where}.path")
         if not rows:
-            raise UserError(f"task.path: {config.path} has no rows")
+            raise UserError(f"{self.where}.path: {config.path} has no rows")
         if config.prompt_key not in rows[0]:
-            raise UserError(f"task.prompt_key: the rows of {config.path} have no field {config.prompt_key!r} "
+            raise UserError(f"{self.where}.prompt_key: the rows of {config.path} have no field {config.prompt_key!r} "
                             f"(they have {', '.join(sorted(rows[0]))})")
         self.answer_key = config.answer_key or self._default_answer_key(rows[0])
         held_out: Rows = rows.take([])
         if config.eval_split and not config.eval_path and Path(config.path).is_file():
-            raise UserError(f"task.eval_split: {config.path} is one file, one split; hold rows out with "
+            raise UserError(f"{self.where}.eval_split: {config.path} is one file, one split; hold rows out with "
                             "eval_fraction, or name a held-out file with eval_path")
         if config.eval_path or config.eval_split:
             held_out = load_rows(config.eval_path or config.path, config.eval_split or "train",
-                                 "task.eval_path" if config.eval_path else "task.eval_split")
+                                 f"{self.where}.eval_path" if config.eval_path else f"{self.where}.eval_split")
         elif config.eval_fraction:
             order = list(range(len(rows)))
             random.Random(config.seed * 1_000_003 - 1).shuffle(order)
@@ -94,13 +97,13 @@ class DatasetTask(Task):
             held_out = rows.take(i for i in range(len(rows)) if i in cut)
             rows = rows.take(i for i in range(len(rows)) if i not in cut)
             if not rows:
-                raise UserError(f"task.eval_fraction: holding out {config.eval_fraction} of {len(cut)} rows "
+                raise UserError(f"{self.where}.eval_fraction: holding out {config.eval_fraction} of {len(cut)} rows "
                                 "leaves none to train on")
         # rows become prompts when first handed out (a chat template needs the model's tokenizer)
         self.rows, self.held_out_rows = rows, held_out[:config.eval_max]
         # a held-out file may have a layout of its own
         self.eval_answer_key = config.answer_key or (self._default_answer_key(held_out[0]) if held_out else None)
-        self.rows = self._usable_rows(self.rows, "task.path", held_out=False)
+        self.rows = self._usable_rows(self.rows, f"{self.where}.path", held_out=False)
         if self.held_out_rows:
             self.held_out_rows = self._usable_rows(self.held_out_rows, "the held-out rows", held_out=True)
         self._passed_over: set[int] = set()  # rows the chat template refused when handed out
@@ -116,10 +119,10 @@ class DatasetTask(Task):
             self.held_out_rows = self.held_out_rows.take(
                 [i for i, r in enumerate(self.held_out_rows) if self._fits(r, held_out=True)])
             if not self.rows and self._template_error is not None:
-                raise UserError(f"task.path: no row of {config.path} can be a prompt for this model (the "
+                raise UserError(f"{self.where}.path: no row of {config.path} can be a prompt for this model (the "
                                 f"first: {self._template_error})")
             if not self.rows:
-                raise UserError(f"task.max_prompt_tokens: every prompt of {config.path} is longer than "
+                raise UserError(f"{self.where}.max_prompt_tokens: every prompt of {config.path} is longer than "
                                 f"{config.max_prompt_tokens} tokens")
             if len(self.rows) < before:  # said once, here: the run then goes on with the rest
                 print(f"task: {before - len(self.rows)} of {before} prompts are longer than "
@@ -215,14 +218,14 @@ class DatasetTask(Task):
         """A row as a ``Prompt`` (``uid``: set when it is handed out; ``held_out``: a row of the
         evaluation set, whose answer may sit elsewhere)."""
         if self.config.prompt_key not in row:
-            raise UserError(f"task.prompt_key: a row has no field {self.config.prompt_key!r} "
+            raise UserError(f"{self.where}.prompt_key: a row has no field {self.config.prompt_key!r} "
                             f"(it has {', '.join(sorted(row))})")
         value = row[self.config.prompt_key]
         key = self.eval_answer_key if held_out else self.answer_key
         try:
             answer = dig(row, key) if key else None
         except KeyError:
-            raise UserError(f"task.answer_key: a row has no field {key!r} (it has {', '.join(sorted(row))})") from None
+            raise UserError(f"{self.where}.answer_key: a row has no field {key!r} (it has {', '.join(sorted(row))})") from None
         columns = dict(row)  # the prompt too, as written (a TRL reward gets chat prompts as messages)
         messages = self._messages(value)
         if messages is not None:
@@ -234,7 +237,7 @@ class DatasetTask(Task):
             return Prompt(uid=uid, text=content_as_text.unguard(text, contents), answer=answer,
                           token_ids=list(ids), columns=columns)
         if not isinstance(value, str):
-            raise UserError(f"task.prompt_key: a row's {self.config.prompt_key!r} is neither a string nor a list "
+            raise UserError(f"{self.where}.prompt_key: a row's {self.config.prompt_key!r} is neither a string nor a list "
                             f"of {{role, content}} messages (got {type(value).__name__})")
         return Prompt(uid=uid, text=value, answer=answer, columns=columns)
 
@@ -244,13 +247,13 @@ class DatasetTask(Task):
         if self._tokenizer is None:
             if not self.config.model_path:
                 raise UserError("task: chat prompts need the model's tokenizer; add a [model] table "
-                                "(or set task.model_path)")
+                                f"(or set {self.where}.model_path)")
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
             if self._tokenizer.chat_template is None:
                 raise UserError(f"task: the tokenizer of {self.config.model_path} has no chat template, and the "
-                                "dataset's prompts are chat messages (or task.system_prompt is set)")
+                                f"dataset's prompts are chat messages (or {self.where}.system_prompt is set)")
         return self._tokenizer
 
     def _length(self, prompt: Prompt) -> int:
@@ -287,7 +290,7 @@ class DatasetTask(Task):
                 try:
                     self._prompts[index] = self._fitting_prompt(
                         self.rows[index], hint=": its positions less engine.max_new_tokens; set "
-                                               "task.max_prompt_tokens to drop such rows at the start")
+                                               f"{self.where}.max_prompt_tokens to drop such rows at the start")
                     self._rendered_any = True
                     if len(self._prompts) > PROMPTS_KEPT:
                         self._prompts.popitem(last=False)
@@ -301,7 +304,7 @@ class DatasetTask(Task):
                     if not self._rendered_any and self._refused >= REFUSED_BEFORE_ANY:
                         # not one row has rendered: the template or its settings refuse them all,
                         # and a warning per row of a large file would be all the run says
-                        raise UserError(f"task.path: none of the first {len(self._passed_over)} rows of "
+                        raise UserError(f"{self.where}.path: none of the first {len(self._passed_over)} rows of "
                                         f"{self.config.path} can be a prompt for this model ({error})") from None
                     if len(self._passed_over) <= WARNED_ROWS:
                         more = (f"; further such rows are passed over without a warning each"
@@ -311,7 +314,7 @@ class DatasetTask(Task):
                     continue
             self._prompts.move_to_end(index)
             return self._prompts[index]
-        raise UserError(f"task.path: no row of {self.config.path} can be a prompt for this model "
+        raise UserError(f"{self.where}.path: no row of {self.config.path} can be a prompt for this model "
                         f"(the last: {first_error})")
 
     # -- the Task contract ----------------------------------------------------------------------
@@ -329,8 +332,8 @@ class DatasetTask(Task):
             epoch, at = divmod(step * n + i, len(self.rows))
             if self.config.epochs is not None and epoch >= self.config.epochs:
                 last = self.config.epochs * len(self.rows) // n
-                raise UserError(f"task.epochs: {self.config.epochs} epoch(s) of {len(self.rows)} prompts end after "
-                                f"step {last} at {n} prompts per step; set run.steps <= {last} or raise task.epochs")
+                raise UserError(f"{self.where}.epochs: {self.config.epochs} epoch(s) of {len(self.rows)} prompts end after "
+                                f"step {last} at {n} prompts per step; set run.steps <= {last} or raise {self.where}.epochs")
             row = self._row(self._order(epoch), at)
             out.append(Prompt(uid=f"{step}-{i:03d}", text=row.text, answer=row.answer, token_ids=row.token_ids,
                               columns=row.columns))
