@@ -292,3 +292,26 @@ def test_a_models_config_that_is_hostile_is_one_line_and_read_within_bounds(caps
         (model / "config.json").write_text(text)
         code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", f"model.path={json.dumps(str(model))}")
         assert code == 2 and f"model.path: {model / 'config.json'}" in one_line_error(err) and said in err, err[-300:]
+
+
+def test_a_tilde_in_a_path_is_the_users_home_everywhere(tmp_path, tiny_model, monkeypatch):
+    # RecipePath fields expanded it; model.path looked for recipes/~/..., plugin modules under
+    # the recipe's folder, and run.out_dir made a folder named ~ in the current one
+    import shutil
+
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+    from tests.helpers import write_tiny_recipe
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    shutil.copytree(tiny_model, home / "models" / "tiny")
+    (home / "plug.py").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "elsewhere").mkdir()
+    recipe = write_tiny_recipe(tmp_path / "elsewhere", tiny_model, more='\n[plugins]\nmodules = ["~/plug.py"]\n')
+    loaded = load_recipe(recipe, ['model.path="~/models/tiny"', 'run.out_dir="~/runs"'])
+    assert loaded.model_path() == home / "models" / "tiny"
+    assert loaded.recipe.run.out_dir == str(home / "runs")
+    resolved = resolve(loaded)  # (the plugin module is found in the home folder)
+    assert any("plug.py" in name for name, _ in resolved.registry.pm.list_name_plugin())

@@ -113,7 +113,7 @@ def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str], origins: dic
 
 def load_local_module(path: str | Path, base: Path) -> Any:
     """Import a plugin module from a file path (relative to ``base``, the recipe's folder)."""
-    file = (base / path).resolve()
+    file = (base / Path(path).expanduser()).resolve()
     if not file.is_file():
         raise UserError(f"plugins.modules: file {str(path)!r} not found (looked at {file})")
     spec = importlib.util.spec_from_file_location(f"streamrl_local_{file.stem}", file)
@@ -160,7 +160,7 @@ def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Reg
     _load_entrypoints(pm, disabled, origins)
     seen: set[Path] = set()
     for path in local_modules:
-        file = (base / path).resolve()
+        file = (base / Path(path).expanduser()).resolve()
         if file in seen:  # (named twice, perhaps by two spellings of its path: loaded once)
             continue
         seen.add(file)

@@ -50,7 +50,7 @@ class RunConfig(Strict):
     (the task's prompt stream, a ranker, ...), torch's generators on every worker (engine
     sampling, trainer) and in this process."""
     out_dir: str = "runs"
-    """Folder (relative to the current directory) where run folders are created."""
+    """Folder (relative to the current directory; ``~`` the user's home) where run folders are created."""
     checkpoint_every: int = Field(50, ge=0)
     """Write a checkpoint (trainer and controller state) every this many steps, and always when
     the run ends or is stopped (Ctrl-C, SIGTERM). 0: only then. ``streamrl recipe resume RUN``
@@ -73,6 +73,11 @@ class RunConfig(Strict):
     """With ``[[learners]]``: the learner whose weights the generate pool serves (default: the
     first), or ``"initial"`` -- the starting model serves the whole run and every learner learns
     off-policy from it."""
+
+    @field_validator("out_dir")
+    @classmethod
+    def _home(cls, out_dir: str) -> str:
+        return str(Path(out_dir).expanduser())
 
     @field_validator("name")
     @classmethod
@@ -355,7 +360,7 @@ class LoadedRecipe:
         if self.recipe.model is None:
             return None
         path = self.recipe.model.path
-        local = (self.base / path).resolve()
+        local = (self.base / Path(path).expanduser()).resolve()  # (~ is the user's home, as in every other path)
         # a Hub id only when nothing of the path is there: "models/tiny" with a models/ folder
         # next to the recipe is a missing local model, and says so
         hub = is_hub_id(path) and not local.exists() and not (self.base / path.split("/")[0]).exists()
