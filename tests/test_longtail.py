@@ -210,6 +210,10 @@ def test_a_dask_priority_is_clamped_and_a_nan_priority_is_refused_in_one_line():
 
     assert dask_priority(1e19) == DASK_PRIORITY_LIMIT and dask_priority(float("inf")) == DASK_PRIORITY_LIMIT
     assert dask_priority(-float("inf")) == -DASK_PRIORITY_LIMIT and dask_priority(12.7) == 12
+    # a long estimate stays below a weight load's: the load goes first on a busy worker
+    from streamrl.flow.weights import LOAD_PRIORITY
+
+    assert dask_priority(5e6) < LOAD_PRIORITY
     from streamrl.api import Assignment
     from streamrl.errors import UserError
     from streamrl.flow.dispatch import placement

@@ -18,7 +18,7 @@ from distributed import Future, as_completed
 
 from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
-from streamrl.on_worker import task_functions
+from streamrl.on_worker import task_functions, weight_tasks
 from streamrl.flow.topology import Topology
 from streamrl.recipe.recipe import Recipe
 from streamrl.sample import Prompt
@@ -112,15 +112,17 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
     return scored
 
 
-#: Largest Dask priority :func:`dask_priority` hands on.
-DASK_PRIORITY_LIMIT = 2 ** 31 - 1
+#: Largest Dask priority :func:`dask_priority` hands on: below a weight load's, which must go
+#: ahead of generation on a worker whose threads are all busy (a length estimate can be any size).
+DASK_PRIORITY_LIMIT = weight_tasks.LOAD_PRIORITY - 1
 
 
 def dask_priority(priority: float) -> int:
-    """A scheduler's priority as Dask takes it: an integer, clamped to 32 bits. A length
-    estimate can be any size (infinity: first of all), and Dask sends a task's priority negated
-    to its worker, where one outside 64 bits does not serialize and the task never runs; the
-    engine still gets the exact priority to order its queue."""
+    """A scheduler's priority as Dask takes it: an integer, clamped to
+    :data:`DASK_PRIORITY_LIMIT`. A length estimate can be any size (infinity: first of all), and
+    Dask sends a task's priority negated to its worker, where one outside 64 bits does not
+    serialize and the task never runs; above a weight load's it would queue the load behind it.
+    The engine still gets the exact priority to order its queue."""
     return int(max(-DASK_PRIORITY_LIMIT, min(DASK_PRIORITY_LIMIT, priority)))
 
 
