@@ -135,6 +135,9 @@ def test_search_tries_every_split_and_ranks_by_the_objective():
     assert costs == sorted(costs, reverse=True)
     p = by_cost[0][0]
     assert costs[0] == pytest.approx(p.samples_per_s * 3600 / (p.generate * 1.0 + p.train * 3.0))
+    # a trainer of one worker (not data-parallel): no split the run would refuse is offered
+    alone = allocate.search(prof, 6, ["async"], 1, 4, 1, (1.0, 3.0), "throughput", lambda workers: workers == 1)
+    assert [(p.generate, p.train) for p, _ in alone] == [(5, 1)]
 
 
 def test_split_overrides_apply_the_choice(tiny_recipe):

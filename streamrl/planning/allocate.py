@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -57,11 +58,14 @@ def split_overrides(resolved, pred: Prediction) -> list[str]:
 
 
 def search(profile: StageProfile, devices: int, modes: list[str], max_staleness: int, steps: int, warmup: int,
-           cost: tuple[float, float], objective: str) -> list[tuple[Prediction, float]]:
-    """Every split (at least one device each side), mode and bound, best first:
-    ``[(prediction, samples per cost unit)]``."""
+           cost: tuple[float, float], objective: str,
+           trains_on: Callable[[int], bool] = lambda workers: True) -> list[tuple[Prediction, float]]:
+    """Every split (at least one device each side, a train pool the trainer ``trains_on``), mode
+    and bound, best first: ``[(prediction, samples per cost unit)]``."""
     rows = []
     for g in range(1, devices):
+        if not trains_on(devices - g):  # (a trainer of one worker, or one that cannot shard: refused by the run)
+            continue
         for mode in modes:
             for k in (range(1, max_staleness + 1) if mode == "async" else [0]):
                 pred = predict(profile, g, devices - g, mode, k, steps, warmup)
@@ -122,7 +126,12 @@ def plan(file: str, overrides: list[str], devices: int | None, modes: list[str],
     if devices < 2:
         raise UserError("--devices must be >= 2 (one to generate, one to train)")
     cost = costs(resolved)
-    rows = search(prof, devices, modes, max_staleness, steps, warmup, cost, objective)
+    rr, can = resolved.recipe, resolved.trainer.capabilities()
+    rows = search(prof, devices, modes, max_staleness, steps, warmup, cost, objective,
+                  lambda workers: not can.refuses(rr.trainer.name, workers, rr.trainer.strategy))
+    if not rows:  # (every split but one train worker would be refused, and one leaves none to generate)
+        raise UserError(f"--devices {devices}: no split of them is one trainer {rr.trainer.name!r} trains on "
+                        f"({can.refuses(rr.trainer.name, devices - 1, rr.trainer.strategy)})")
     r = resolved.recipe.run
     best = rows[0][0]
     base_k = r.max_staleness if best.mode == "async" else 0
