@@ -426,6 +426,23 @@ def test_an_empty_prompt_without_a_bos_token_is_refused_and_the_slot_loop_goes_o
         engine.close()
 
 
+@pytest.mark.parametrize("batching, reproducible", [("static", False), ("continuous", False), ("slots", True)])
+def test_an_empty_prompt_without_a_bos_token_is_refused_by_every_engine(tiny_model, tmp_path, batching, reproducible):
+    # the static batch of it had width 0, the continuous one was handed [], and mixed with other
+    # prompts it decoded from nothing into a sample the trainer's batch could not hold
+    from streamrl.engines.hf import HFEngine
+
+    without_bos(tiny_model, tmp_path / "no-bos")
+    engine = HFEngine(HFEngineConfig(batching=batching, reproducible=reproducible, max_new_tokens=4, profile=False))
+    engine.load(str(tmp_path / "no-bos"))
+    try:
+        with pytest.raises(ValueError, match="prompt e0 has no tokens; a prompt needs at least one"):
+            engine.generate(Prompt(uid="e0", text=""), 2)
+        assert len(engine.generate(Prompt(uid="p1", text="1+2="), 2)) == 2  # (and the engine goes on)
+    finally:
+        engine.close()
+
+
 def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_naming_it():
     from streamrl.errors import RunStopped
     from streamrl.on_worker.task_functions import checked_groups

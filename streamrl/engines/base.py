@@ -119,8 +119,14 @@ class TransformersEngine(Engine):
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """What the engine feeds for ``prompt``: its ``token_ids`` when the task tokenized it (a
-        chat template applied, its special tokens in place), else :meth:`encode` of its text."""
-        return list(prompt.token_ids) if prompt.token_ids is not None else self.encode(prompt.text)
+        chat template applied, its special tokens in place), else :meth:`encode` of its text.
+        ``ValueError`` naming it when that is no token at all (an empty text on a tokenizer
+        without a BOS token): there is no last token to sample the first one from, and the
+        trainer's batch of it would have no position to score its response from."""
+        ids = list(prompt.token_ids) if prompt.token_ids is not None else self.encode(prompt.text)
+        if not ids:
+            raise ValueError(f"hf engine: prompt {prompt.uid} has no tokens; a prompt needs at least one")
+        return ids
 
     def generate_greedy(self, prompts: list[Prompt]) -> list[Group]:
         """One greedy (argmax) response per prompt, for held-out evaluation: the prompts decoded
