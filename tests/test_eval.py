@@ -46,6 +46,10 @@ def test_evaluations_land_in_the_records_at_the_start_every_n_steps_and_after_th
     versions = [e["eval/policy_version"] for r in records
                 for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
     assert versions == [0, 1, 2, 3, 4, 5]  # every evaluation recorded once, in order
+    # and the versions the engines decoded it with: the one asked for, or a later one come first
+    evals = [e for r in records for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
+    assert all(e["eval/policy_version"] <= e["eval/decoded_version_min"] <= e["eval/decoded_version_max"] <= 5
+               for e in evals)
     last = records[-1]
     assert last["eval/policy_version"] == 5 and last["eval/prompts"] == 6  # the last one is waited for
     assert 0.0 <= last["eval/pass@1"] <= last["eval/pass@2"] <= 1.0 and last["eval/response_len_mean"] > 0

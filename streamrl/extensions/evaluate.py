@@ -8,7 +8,9 @@ goes first and evaluation fills the generate pool's idle time. (Once started, an
 task holds its slot, and greedy decoding pauses the engine's loop while it runs; what that
 costs a run is in docs/benchmarks.md.) An evaluation
 that fails is reported in the record (``eval_error``) and training goes on. Its result is merged into the record
-of the step during which it finished (``eval/policy_version`` says which policy it measured).
+of the step during which it finished (``eval/policy_version`` says which policy it was asked of;
+``eval/decoded_version_min`` and ``..._max`` which policies the engines decoded it with: in
+``async`` and ``stream`` runs a later version's load may come in first).
 Evaluations run at the start, every ``eval.every`` steps and after the last step; the last one
 is waited for.
 
@@ -55,7 +57,7 @@ def eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 
 def eval_summary(groups: list[Group]) -> list[dict]:
     """Reward pool: what the controller needs of each scored group (not the samples)."""
     return [{"rewards": [float(s.reward or 0.0) for s in g], "lengths": [len(s.response_ids) for s in g],
-             "info": [s.reward_info for s in g]} for g in groups]
+             "info": [s.reward_info for s in g], "versions": [s.policy_version for s in g]} for g in groups]
 
 
 def metrics(summaries: list[dict], k: int, pass_reward: float = 1.0) -> dict:
@@ -154,7 +156,12 @@ class Evaluator:
         except Exception as exc:  # an evaluation that failed is reported in the record; training goes on
             self.client.cancel(futures)
             return {"eval/policy_version": version, "eval_error": f"{type(exc).__name__}: {exc}"[:500]}
-        return {"eval/policy_version": version, **metrics(summaries, self.cfg.samples, self.cfg.pass_reward)}
+        # the policy the engines decoded with: loads go ahead of evaluation's tasks, so in async
+        # and stream runs a later version may have come in first -- said, not hidden under ``version``
+        decoded = [v for g in summaries for v in g.get("versions", ())]
+        return {"eval/policy_version": version, **metrics(summaries, self.cfg.samples, self.cfg.pass_reward),
+                **({"eval/decoded_version_min": min(decoded), "eval/decoded_version_max": max(decoded)}
+                   if decoded else {})}
 
 
 def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluator | None:
