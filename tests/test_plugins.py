@@ -70,6 +70,17 @@ def test_missing_local_module(tmp_path):
         build_registry(["./nope.py"], tmp_path)
 
 
+def test_a_local_module_past_the_size_of_code_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    # (a data file named where code was meant: read, compiled, then shipped to every worker)
+    from streamrl.plugins import registry
+
+    monkeypatch.setattr(registry, "MAX_SOURCE_BYTES", 1000)
+    (tmp_path / "big.py").write_text("# " + "x" * 2000 + "\n")
+    with pytest.raises(UserError, match=r"^plugins.modules: 'big.py' has 2003 bytes; a Python file of code is at "
+                                        r"most 1000$"):
+        build_registry(["big.py"], tmp_path)
+
+
 def test_a_register_hook_that_raises_is_reported_and_skipped(tmp_path):
     (tmp_path / "bad.py").write_text(textwrap.dedent('''
         from streamrl.api import hookimpl

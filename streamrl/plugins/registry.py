@@ -23,6 +23,7 @@ import pluggy
 from streamrl.plugins import hookspecs
 from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
+from streamrl.recipe.user_files import MAX_SOURCE_BYTES
 from streamrl.telemetry.text import message_line
 
 __all__ = ["KINDS", "Component", "Registry", "build_registry", "load_local_module"]
@@ -116,6 +117,10 @@ def load_local_module(path: str | Path, base: Path) -> Any:
     file = (base / Path(path).expanduser()).resolve()
     if not file.is_file():
         raise UserError(f"plugins.modules: file {str(path)!r} not found (looked at {file})")
+    size = file.stat().st_size
+    if size > MAX_SOURCE_BYTES:  # (its code travels to every worker by value: a file named by mistake)
+        raise UserError(f"plugins.modules: {str(path)!r} has {size} bytes; a Python file of code is at most "
+                        f"{MAX_SOURCE_BYTES}")
     spec = importlib.util.spec_from_file_location(f"streamrl_local_{file.stem}", file)
     if spec is None:  # (Python imports a file by its suffix: no loader for "plugin" or "plugin.txt")
         raise UserError(f"plugins.modules: {str(path)!r} is not a Python file; expected a path ending in .py")
