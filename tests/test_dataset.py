@@ -261,6 +261,11 @@ def test_model_init_makes_a_chat_model_for_a_chat_dataset(tmp_path, verl_parquet
 def test_a_split_of_one_file_and_a_fraction_that_leaves_nothing_are_one_line(verl_parquet, tmp_path):
     with pytest.raises(UserError, match="task.eval_split: .* is one file, one split"):
         DatasetTask(DatasetConfig(path=verl_parquet, eval_split="test"))
+    # a split asked of one file was ignored: the whole file trained on, or held out
+    with pytest.raises(UserError, match=r"task.split: .* is one file, one split; a split \('test'\) is chosen"):
+        DatasetTask(DatasetConfig(path=verl_parquet, split="test"))
+    with pytest.raises(UserError, match="task.eval_split: .* is one file, one split; leave eval_split out"):
+        DatasetTask(DatasetConfig(path=verl_parquet, eval_path=verl_parquet, eval_split="test"))
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(UserError, match="task.eval_fraction: .* leaves none to train on"):

@@ -76,6 +76,9 @@ class DatasetTask(Task):
         """The recipe table its settings come from, as its errors name it (``task``, or an agent
         task's ``task.data``)."""
         self._tokenizer = None
+        if config.split != "train" and Path(config.path).is_file():  # (said, not ignored: it trained on the file)
+            raise UserError(f"{self.where}.split: {config.path} is one file, one split; a split ({config.split!r}) "
+                            "is chosen from a saved DatasetDict or a hub dataset")
         rows = load_rows(config.path, config.split, f"{self.where}.path")
         if not rows:
             raise UserError(f"{self.where}.path: {config.path} has no rows")
@@ -87,6 +90,9 @@ class DatasetTask(Task):
         if config.eval_split and not config.eval_path and Path(config.path).is_file():
             raise UserError(f"{self.where}.eval_split: {config.path} is one file, one split; hold rows out with "
                             "eval_fraction, or name a held-out file with eval_path")
+        if config.eval_split not in (None, "train") and config.eval_path and Path(config.eval_path).is_file():
+            raise UserError(f"{self.where}.eval_split: {config.eval_path} is one file, one split; leave eval_split "
+                            "out to hold out the whole file")
         if config.eval_path or config.eval_split:
             held_out = load_rows(config.eval_path or config.path, config.eval_split or "train",
                                  f"{self.where}.eval_path" if config.eval_path else f"{self.where}.eval_split")
