@@ -443,6 +443,21 @@ def test_an_empty_prompt_without_a_bos_token_is_refused_by_every_engine(tiny_mod
         engine.close()
 
 
+@pytest.mark.parametrize("batching", ["static", "slots"])
+def test_the_latency_profile_runs_on_a_model_whose_eos_is_its_last_token(tiny_model, batching):
+    # (GPT-2's EOS is its last id: the profile's filler token, EOS + 1, was past the embedding)
+    from streamrl.engines.hf import HFEngine
+
+    engine = HFEngine(HFEngineConfig(batching=batching, max_new_tokens=4, profile=False))
+    engine.load(str(tiny_model))
+    try:
+        engine.tokenizer.eos_token_id = engine.model.get_input_embeddings().num_embeddings - 1
+        points = engine._profile(batches=(1, 2), steps=2)
+        assert len(points) == 1 and points[0][1] > 0
+    finally:
+        engine.close()
+
+
 def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_naming_it():
     from streamrl.errors import RunStopped
     from streamrl.on_worker.task_functions import checked_groups

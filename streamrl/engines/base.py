@@ -82,7 +82,11 @@ class TransformersEngine(Engine):
         takes requests, so it drives the engine itself. The first batch size is a warm-up and
         is not kept.
         """
-        ids = self.encode("")[:1] + [self.tokenizer.eos_token_id + 1] * (prompt - 1)
+        # (a token that is no EOS, and inside the vocabulary: GPT-2's EOS is its last id)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else -1
+        filler = (eos + 1) % vocab
+        ids = self.encode("")[:1] + [filler] * (prompt - 1)
         points = []
         for i, b in enumerate(batches):
             t0 = time.perf_counter()
