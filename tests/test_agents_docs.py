@@ -91,6 +91,24 @@ def test_the_docs_environment_runs_through_streamrls_rollout_of_it(url):
     assert env.step({"role": "assistant", "content": " 3901 "}) == ([], 1.0, True)
 
 
+def test_an_environment_whose_step_gives_text_as_its_reward_fails_that_rollout(url):
+    # float() read "0.5" as a reward: text is not one (a user's function returning it is refused too)
+    class Texty:
+        tools = None
+
+        def reset(self, row):
+            return [{"role": "user", "content": "1+1="}]
+
+        def step(self, message):
+            return [], "0.5", True
+
+        def close(self):
+            pass
+
+    with pytest.raises(TypeError, match=r"step\(\) gave a reward of type str; expected a number"):
+        asyncio.run(run(lambda client: environment_rollout(client, dict(ROW), Texty, 2, 4))(url))
+
+
 def replace_tables(recipe: str, tables: str) -> str:
     """``recipe`` with each table that ``tables`` has taken out, and ``tables`` appended."""
     names = set(re.findall(r"^\[([^\]]+)\]", tables, re.M))

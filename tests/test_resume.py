@@ -414,3 +414,11 @@ def test_two_runs_of_one_name_started_in_the_same_second_get_a_folder_each(tmp_p
     first, second = RunFolder.create(loaded), RunFolder.create(loaded)
     assert first.path.name == f"{loaded.recipe.run.name}-20261203-120000"
     assert second.path.name == f"{loaded.recipe.run.name}-20261203-120000-2"
+    # an out_dir that is a dangling link (scratch space not mounted): one line, not a loop over names
+    (tmp_path / "gone").symlink_to(tmp_path / "not-mounted")
+    from streamrl.errors import UserError
+
+    dangling = load_recipe(write_tiny_recipe(tmp_path, tiny_model, name="recipe.toml"),
+                           [f"run.out_dir={json.dumps(str(tmp_path / 'gone'))}"])
+    with pytest.raises(UserError, match="run.out_dir: cannot create a run folder in"):
+        RunFolder.create(dangling)

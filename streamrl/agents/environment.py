@@ -27,6 +27,8 @@ async def environment_rollout(client, row: dict[str, Any], env_class, max_turns:
             message = reply.choices[0].message.model_dump(exclude_none=True)
             messages.append(message)
             new, reward, done = await _maybe(env.step(message))
+            if isinstance(reward, (str, bytes, bytearray)):  # (float() reads "0.5": text is not a reward)
+                raise TypeError(f"step() gave a reward of type {type(reward).__name__}; expected a number")
             total += float(reward)
             messages += list(new)
             if done:

@@ -196,11 +196,11 @@ def from_warmup(file: str, overrides: list[str], resolved, steps: int = 3) -> St
     def tokens(r) -> int:
         return sum(x["prompt_len"] + x["response_len"] for x in r["sample_log"])
 
-    groups: dict[str, Group] = {}
+    seen: dict[str, tuple[int, list[int]]] = {}  # group -> (prompt tokens, its samples' lengths)
     for r in records:
         for x in r["sample_log"]:
-            g = groups.setdefault(f'{r["step"]}/{x["uid"].rsplit("-", 1)[0]}', Group(prompt_tokens=x["prompt_len"], lengths=[]))
-            g.lengths.append(x["response_len"])
+            seen.setdefault(f'{r["step"]}/{x["uid"].rsplit("-", 1)[0]}', (x["prompt_len"], []))[1].append(x["response_len"])
+    groups = {key: Group(prompt_tokens=prompt, lengths=lengths) for key, (prompt, lengths) in seen.items()}
     t = resolved.recipe.trainer
     engine = resolved.engine.capabilities()
     return StageProfile(

@@ -48,7 +48,7 @@ def reward_value(value: Any, limit: float = REWARD_LIMIT) -> tuple[float, dict[s
         for key, extra in value.items():
             if len(info) >= MAX_REWARD_INFO:
                 break
-            if key == "score" or isinstance(extra, (str, bytes)):
+            if key == "score" or isinstance(extra, (str, bytes, bytearray)):
                 continue
             try:
                 number = float(extra)

@@ -76,15 +76,19 @@ class RunFolder:
         """``<run.out_dir>/<run.name>-<timestamp>`` with the resolved recipe in it."""
         r = loaded.recipe
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path, n = Path(r.run.out_dir) / f"{r.run.name}-{stamp}", 1
+        out = Path(r.run.out_dir)
+        path, n = out / f"{r.run.name}-{stamp}", 1
         try:
+            out.mkdir(parents=True, exist_ok=True)
             while True:  # (made, not looked for: two runs of one name started in the same second)
                 try:
-                    path.mkdir(parents=True)
+                    path.mkdir()
                     break
                 except FileExistsError:
+                    if n >= 1000:  # (not a race: something there refuses every name)
+                        raise
                     n += 1
-                    path = Path(r.run.out_dir) / f"{r.run.name}-{stamp}-{n}"
+                    path = out / f"{r.run.name}-{stamp}-{n}"
             os.chmod(path, OWNER_ONLY)  # (mkdir's mode is cut by the umask; chmod's is not)
             (path / "recipe.toml").write_text(to_toml(r))
         except OSError as exc:
