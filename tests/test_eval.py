@@ -76,6 +76,7 @@ def test_streamrl_eval_scores_a_model_and_a_run_folder_for_a_before_after_table(
     rows = json.loads(out.read_text())
     assert [r["model"] for r in rows] == [str(tiny_model), str(run_dir)]
     assert all(r["eval/prompts"] == 5 and 0.0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1.0 for r in rows)
+    assert not any("version" in key for r in rows for key in r)  # (one model each: no versions to tell apart)
     proc = streamrl("eval", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "neither a model folder" in proc.stderr and "Traceback" not in proc.stderr
 

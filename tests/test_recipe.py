@@ -315,3 +315,11 @@ def test_a_tilde_in_a_path_is_the_users_home_everywhere(tmp_path, tiny_model, mo
     assert loaded.recipe.run.out_dir == str(home / "runs")
     resolved = resolve(loaded)  # (the plugin module is found in the home folder)
     assert any("plug.py" in name for name, _ in resolved.registry.pm.list_name_plugin())
+    # a ~ that names no one: one line naming the field, not pathlib's RuntimeError
+    from streamrl.errors import UserError
+
+    for field in ("run.out_dir", "model.path"):
+        with pytest.raises(UserError, match=rf"{field}: cannot expand '~no_such_user_here/x'"):
+            load_recipe(recipe, [f'{field}="~no_such_user_here/x"']).model_path()
+    with pytest.raises(UserError, match=r"plugins.modules: cannot expand '~no_such_user_here/p.py'"):
+        resolve(load_recipe(recipe, ['plugins.modules=["~no_such_user_here/p.py"]']))

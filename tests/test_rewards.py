@@ -228,6 +228,12 @@ def test_a_valid_python_reward_resolves(tmp_path):
     assert [f[1:] for f in resolved.reward.config.chosen()] == [("scored_dict", "scored_dict", 1.0),
                                                                 ("contains_solution", "contains_solution", 0.5)]
     assert resolved.reward.config.functions[0].path == str(tmp_path / "rewards.py")
+    # a positional-only parameter with a default is left to it by a call by name: not refused
+    from streamrl.rewards.python import VERL, convention
+
+    def cached(_cache=None, /, data_source=None, solution_str="", ground_truth=None, extra_info=None):
+        return 1.0
+    assert convention(cached) == VERL
 
 
 def test_a_reward_file_is_read_in_the_encoding_its_coding_line_names(tmp_path):

@@ -9,8 +9,8 @@ task holds its slot, and greedy decoding pauses the engine's loop while it runs;
 costs a run is in docs/benchmarks.md.) An evaluation
 that fails is reported in the record (``eval_error``) and training goes on. Its result is merged into the record
 of the step during which it finished (``eval/policy_version`` says which policy it was asked of;
-``eval/decoded_version_min`` and ``..._max`` which policies the engines decoded it with: in
-``async`` and ``stream`` runs a later version's load may come in first).
+``eval/decoded_version_min`` and ``..._max`` the policy versions its responses began decoding
+under: in ``async`` and ``stream`` runs a later version's load may come in first).
 Evaluations run at the start, every ``eval.every`` steps and after the last step; the last one
 is waited for.
 
@@ -37,6 +37,7 @@ from streamrl.recipe.recipe import EvalConfig, Recipe
 from streamrl.sample import Group, Prompt
 from streamrl.telemetry import spans
 from streamrl.telemetry.names import REWARD_NAMES_KEPT
+from streamrl.telemetry.text import error_line
 
 #: Dask priority of evaluation's generate tasks: below training's (0 and up), so the generate
 #: pool runs them only when no training generation is waiting.
@@ -155,7 +156,7 @@ class Evaluator:
             summaries = [g for f in futures for g in f.result()]
         except Exception as exc:  # an evaluation that failed is reported in the record; training goes on
             self.client.cancel(futures)
-            return {"eval/policy_version": version, "eval_error": f"{type(exc).__name__}: {exc}"[:500]}
+            return {"eval/policy_version": version, "eval_error": error_line(exc, 500)}
         # the policy the engines decoded with: loads go ahead of evaluation's tasks, so in async
         # and stream runs a later version may have come in first -- said, not hidden under ``version``
         decoded = [v for g in summaries for v in g.get("versions", ())]

@@ -113,8 +113,9 @@ def generation(topo: Topology, recipe: Recipe, step: int, prompts: list[Prompt],
 
 
 #: Largest Dask priority :func:`dask_priority` hands on: below a weight load's, which must go
-#: ahead of generation on a worker whose threads are all busy (a length estimate can be any size).
-DASK_PRIORITY_LIMIT = weight_tasks.LOAD_PRIORITY - 1
+#: ahead of generation on a worker whose threads are all busy (a length estimate can be any size),
+#: and below a moved sample's continuation (``LOAD_PRIORITY - 1``), which has waited long enough.
+DASK_PRIORITY_LIMIT = weight_tasks.LOAD_PRIORITY - 2
 
 
 def dask_priority(priority: float) -> int:
@@ -149,18 +150,20 @@ def epochs(topo: Topology, recipe: Recipe, passes: int, step: int, scored: list[
            after: list[Future] | None, samples: int | None = None,
            ordered: bool = False) -> tuple[list[Future], list[list[Future]]]:
     """``passes`` passes over the step's groups (``algorithm.epochs``): the first as the mode
-    says (``stream``), the others over the whole batch in submission order once it is scored,
-    each after the last. Returns every rank's last optimizer step and each pass's train tasks.
+    says (``stream``), the others over the whole batch once it is scored, each after the last.
+    Returns every rank's last optimizer step and each pass's train tasks.
 
-    With several passes on several ranks, every pass trains the first pass's micro-batches on the
-    same ranks: what the first pass kept of a group (its advantages, a critic's values: see
+    On one rank the later passes take the groups in submission order. On several, every pass
+    trains the first pass's micro-batches (in its order) on the same ranks: what the first pass kept of a group (its advantages, a critic's values: see
     ``training/backward_pass.FirstPass``) is held by the rank that trained it, and a group
     another rank met anew in a later pass was counted again by a running normaliser and had its
     value clip bounded around the wrong values."""
     runs, chunks = [], None
+    several = passes > 1 and len(topo.train) > 1
     for epoch in range(passes):
-        after, trains, chunks = training(topo, recipe, step, scored, stream and epoch == 0, epoch, after, samples,
-                                         ordered, chunks=chunks, keep_places=passes > 1)
+        after, trains, made = training(topo, recipe, step, scored, stream and epoch == 0, epoch, after, samples,
+                                       ordered, chunks=chunks, keep_places=several)
+        chunks = made if several else None
         runs.append(trains)
     return after, runs
 

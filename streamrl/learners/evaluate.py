@@ -39,9 +39,10 @@ def learner_eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version
         # ``serve/remote_engines.refresh``)
         eng.load_weights(held.named_weights(), held.version + getattr(eng, "version_offset", 0))
         eng.trainer_version = held.version
-    if greedy:
-        return eng.generate_greedy(prompts)
-    return eng.generate_groups(prompts, n, [0.0] * len(prompts))
+    groups = eng.generate_greedy(prompts) if greedy else eng.generate_groups(prompts, n, [0.0] * len(prompts))
+    for s in (s for g in groups for s in g):  # (in the learner's numbering, as its evaluation is labelled)
+        s.policy_version = held.version
+    return groups
 
 
 def evaluator(client: Client, resolved, task, name: str, trainer: str, pin: dict, resource: str,

@@ -23,6 +23,7 @@ import pluggy
 from streamrl.plugins import hookspecs
 from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
+from streamrl.recipe.recipe import home
 from streamrl.recipe.user_files import MAX_SOURCE_BYTES
 from streamrl.telemetry.text import message_line
 
@@ -112,9 +113,17 @@ def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str], origins: dic
                           f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
 
 
+def _local_file(path: str | Path, base: Path) -> Path:
+    # (relative to the recipe's folder; ~ the user's home)
+    try:
+        return (base / home(str(path))).resolve()
+    except ValueError as exc:
+        raise UserError(f"plugins.modules: {exc}") from None
+
+
 def load_local_module(path: str | Path, base: Path) -> Any:
     """Import a plugin module from a file path (relative to ``base``, the recipe's folder)."""
-    file = (base / Path(path).expanduser()).resolve()
+    file = _local_file(path, base)
     if not file.is_file():
         raise UserError(f"plugins.modules: file {str(path)!r} not found (looked at {file})")
     size = file.stat().st_size
@@ -165,7 +174,7 @@ def build_registry(local_modules: list[str] = (), base: Path = Path(".")) -> Reg
     _load_entrypoints(pm, disabled, origins)
     seen: set[Path] = set()
     for path in local_modules:
-        file = (base / Path(path).expanduser()).resolve()
+        file = _local_file(path, base)
         if file in seen:  # (named twice, perhaps by two spellings of its path: loaded once)
             continue
         seen.add(file)

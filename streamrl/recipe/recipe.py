@@ -33,7 +33,8 @@ from streamrl.recipe.toml_input import check_finite, read_toml, read_value
 class RunConfig(Strict):
     name: str = "run"
     """Name of the run; the run folder is ``<out_dir>/<name>-<timestamp>``: one folder name (1 to
-    100 characters, no ``/``, ``\\`` or NUL), so the run stays inside ``out_dir``."""
+    100 printable characters, no ``/``, ``\\`` or NUL), so the run stays inside ``out_dir`` and
+    shows on the terminal as written."""
     mode: Literal["stream", "batch", "async", "colocated"] = "stream"
     """``stream``: samples flow into micro-batches as they finish (StreamRL). ``batch``: the trainer
     waits for the whole batch first (the disaggregated baseline). Both give the same update.
@@ -77,7 +78,7 @@ class RunConfig(Strict):
     @field_validator("out_dir")
     @classmethod
     def _home(cls, out_dir: str) -> str:
-        return str(Path(out_dir).expanduser())
+        return str(home(out_dir))
 
     @field_validator("name")
     @classmethod
@@ -253,15 +254,24 @@ def _recipe_dir(info: ValidationInfo) -> Path | None:
     return (info.context or {}).get("recipe_dir")
 
 
+def home(value: str) -> Path:
+    """``value`` as a path, a leading ``~`` the user's home (``ValueError`` where there is none to
+    say: ``~someone`` of no such user, ``~`` without ``HOME``)."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError as exc:  # (pathlib's way of saying it: a validator's ValueError is one line)
+        raise ValueError(f"cannot expand {value!r}: {exc}") from None
+
+
 def _against_recipe(value: str, info: ValidationInfo) -> str:
     base = _recipe_dir(info)
-    path = Path(value).expanduser()
+    path = home(value)
     return str(path if path.is_absolute() or base is None else (base / path).resolve())
 
 
 def _local_if_there(value: str, info: ValidationInfo) -> str:
     base = _recipe_dir(info)
-    path = Path(value).expanduser()
+    path = home(value)
     if path.is_absolute() or base is None:
         return str(path)
     return str((base / path).resolve()) if (base / path).exists() else value
@@ -360,7 +370,10 @@ class LoadedRecipe:
         if self.recipe.model is None:
             return None
         path = self.recipe.model.path
-        local = (self.base / Path(path).expanduser()).resolve()  # (~ is the user's home, as in every other path)
+        try:
+            local = (self.base / home(path)).resolve()  # (~ is the user's home, as in every other path)
+        except ValueError as exc:
+            raise UserError(f"model.path: {exc}") from None
         # a Hub id only when nothing of the path is there: "models/tiny" with a models/ folder
         # next to the recipe is a missing local model, and says so
         hub = is_hub_id(path) and not local.exists() and not (self.base / path.split("/")[0]).exists()

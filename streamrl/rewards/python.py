@@ -74,7 +74,9 @@ def convention(fn: Callable) -> str:
              and p.kind is not inspect.Parameter.VAR_POSITIONAL]
     required = [p.name for p in params.values() if p.default is inspect.Parameter.empty
                 and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
-    positional = [p.name for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    # (a required one: one with a default is left to its default by a call by name)
+    positional = [p.name for p in params.values()
+                  if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty]
     if positional and ("solution_str" in names or names[:2] == ["prompts", "completions"]):
         # (verl's and TRL's conventions pass every argument by name: each call would fail)
         raise ValueError(f"takes {', '.join(positional)} positionally only (before '/'); verl's and TRL's "

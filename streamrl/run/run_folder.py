@@ -26,6 +26,7 @@ from streamrl.errors import NonFiniteStep, RunStopped, RunWarning, UserError
 from streamrl.checkpoints import folders
 from streamrl.recipe.recipe import LoadedRecipe, load_recipe, to_toml
 from streamrl.telemetry.metrics import MetricsLog
+from streamrl.telemetry.text import message_line
 
 STATUS = "status.json"
 LOCK = ".lock"
@@ -222,10 +223,10 @@ class RunFolder:
             except UserError:  # (the sink's own one line: a tracker without an account)
                 self.close()
                 raise
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # (a plugin's sys.exit() is its failure, not the command's end)
                 self.close()
                 raise UserError(f"metrics: the {type(sink).__name__} sink could not start: {type(exc).__name__}: "
-                                f"{str(exc)[:300]}") from None
+                                f"{message_line(exc)}") from None
             self.sinks.append(sink)
 
     @property
@@ -244,9 +245,9 @@ class RunFolder:
         for sink in self.sinks:
             try:
                 sink.close()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 warnings.warn(f"metrics: the {type(sink).__name__} sink failed to close: {type(exc).__name__}: "
-                              f"{str(exc)[:300]}", RunWarning, stacklevel=2)
+                              f"{message_line(exc)}", RunWarning, stacklevel=2)
         self.sinks = []
 
 

@@ -326,7 +326,7 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
             try:
                 controller.close()
             except Exception as exc:  # noqa: BLE001 -- the run's own outcome is what must show
-                warn(f"closing the run's step extensions failed: {type(exc).__name__}: {str(exc)[:300]}")
+                warn(f"closing the run's step extensions failed: {type(exc).__name__}: {message_line(exc)}")
         folder.close()
         trace_file = _close_trace(trace, warn)
         stopped = lifecycle.stop_meanwhile(dask_cluster, client)

@@ -65,7 +65,8 @@ def score(targets: list[str], recipe: str | None, overrides: list[str], out: str
             evaluator = ctl.extension(HeldOutEvaluation).evaluator  # (r.eval is set above)
             evaluator.submit(0)
             (result,) = evaluator.finish()
-            result.pop("eval/policy_version")
+            for key in ("eval/policy_version", "eval/decoded_version_min", "eval/decoded_version_max"):
+                result.pop(key, None)  # (one model, scored as it is: no versions to tell apart)
             rows.append({"model": target, **result})
     finally:
         lifecycle.stop(dask_cluster, client)

@@ -28,6 +28,7 @@ from distributed import Client
 
 from streamrl.cluster import lifecycle
 from streamrl.errors import RunStopped
+from streamrl.telemetry.text import message_line
 
 #: The signal that carries the timer's news to the main thread (nothing else of streamrl uses it).
 SIGNAL = signal.SIGUSR1
@@ -66,7 +67,7 @@ def _running(client: Client, most: int) -> str:
         busy = [f"{_key(key)} on {names.get(addr, addr)}" for addr, keys in client.processing().items()
                 for key in keys]
     except Exception as exc:  # (the scheduler itself may be what stopped answering)
-        return f"the scheduler did not say ({type(exc).__name__}: {exc})"
+        return f"the scheduler did not say ({type(exc).__name__}: {message_line(exc, 200)})"
     if not busy:
         return "no task is running (the step waits on something outside its tasks)"
     return ", ".join(busy[:most]) + (f" and {len(busy) - most} more" if len(busy) > most else "")

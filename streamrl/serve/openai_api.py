@@ -91,7 +91,7 @@ class Endpoint:
         # takes that thread, not every other client's requests and streams.
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamrl-tokenize")
         self.parse_lock = threading.Lock()
-        """Held while a reply is parsed for tool calls (``responses.Format.parse``, off the loop):
+        """Held while a reply is parsed for tool calls (``response_bodies.Format.parse``, off the loop):
         the parser sees one reply at a time."""
 
     def host_counts(self) -> dict[str, Any]:

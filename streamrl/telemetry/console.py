@@ -25,8 +25,6 @@ from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
 from streamrl.telemetry.learner_figures import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
 from streamrl.telemetry.text import one_line, printable
 
-#: Dask event topic the workers' warnings travel on
-
 
 def eval_score(m: dict) -> tuple[str, float] | None:
     """The evaluation figure a step's record carries (pass@1, else the mean reward), if any."""
