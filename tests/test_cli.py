@@ -194,6 +194,14 @@ def test_model_init_mistakes_and_a_checkpoint_named_oddly_are_one_line(tmp_path,
     with pytest.raises(SystemExit) as exited:
         main(["model", "init", "--task", "addition", "--out", str(tmp_path / "m"), "--seed", str(2**64)])
     assert exited.value.code == 2 and "expected a seed from 0 below 2**32" in capsys.readouterr().err
+    # an --out that cannot be written, and a negative count, said before minutes of warm start
+    (tmp_path / "a-file").write_text("")
+    for args, said in ((["--out", str(tmp_path / "a-file")], "is a file; expected a folder to write"),
+                       (["--out", str(tmp_path / "a-file" / "below")], "cannot be written"),
+                       (["--out", str(tmp_path / "m"), "--warmstart-steps", "-5"], "expected 0 or more, got '-5'")):
+        with pytest.raises(SystemExit) as exited:
+            main(["model", "init", "--task", "addition", *args])
+        assert exited.value.code == 2 and said in capsys.readouterr().err, args
     from streamrl.checkpoints import folders
     from streamrl.errors import UserError
 

@@ -12,6 +12,35 @@ import argparse
 from streamrl.bench import commands as bench_commands
 
 
+def _steps(text: str) -> int:
+    """A count of steps: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text!r}")
+    return value
+
+
+def _out_folder(text: str) -> str:
+    """A folder a command writes at its end: checked before it runs (minutes of training are not
+    lost to a path that is a file or cannot be written). ``~`` expanded."""
+    import os
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; expected a folder to write")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({existing} is not a folder this user can "
+                                         "write in)")
+    return str(path)
+
+
 def _seed(text: str) -> int:
     """A seed: a whole number from 0 below 2**32, as a recipe's ``run.seed`` (torch refuses more)."""
     try:
@@ -91,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
                            ).add_subparsers(dest="cmd", required=True)
     init = model.add_parser("init", help="create a tiny model + tokenizer for a task, with a supervised warm start")
     init.add_argument("--task", default="addition", help="task component name")
-    init.add_argument("--out", required=True, help="output folder")
-    init.add_argument("--warmstart-steps", type=int, default=800,
+    init.add_argument("--out", required=True, type=_out_folder, help="output folder")
+    init.add_argument("--warmstart-steps", type=_steps, default=800,
                       help="supervised AdamW steps (0: none); 800 gives ~65%% greedy accuracy on addition, leaving room for RL")
     init.add_argument("--seed", type=_seed, default=0)
     init.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
