@@ -27,6 +27,8 @@ from tests.helpers import read_records, start, streamrl, until, with_learners
     ('[[learners]]\nname = "a"\ntrainer = { prompts_per_step = 2 }\n', "learners[0].trainer.prompts_per_step: the batch shape"),
     ('[[learners]]\nname = "a"\nalgorithm = { clip = 0.1 }\n', "learners[0].algorithm.name: required key missing"),
     ('[[learners]]\nname = "Bad-Name"\n', "learners.0.name: String should match pattern"),
+    # the engine's name for the served policy's adapter: a learner named so took its slot
+    ('[[learners]]\nname = "policy"\n', "learners.0.name: 'policy' is a name streamrl gives to something else"),
 ])
 def test_a_bad_learners_table_is_one_line_naming_it(tiny_recipe, extra, message):
     path = tiny_recipe.with_name("bad.toml")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: The serve value that keeps the starting model on the generate pool for the whole run.
 INITIAL = "initial"
@@ -33,13 +33,20 @@ STREAM_KEYS = ("name", "prompts_per_step", "samples_per_prompt", "groups_per_mic
                "strategy")
 
 
+#: Names a learner cannot take: the engine's name for the served policy's adapter (a learner
+#: named so had its adapter loaded over the policy's, every step), ``run.serve``'s for the
+#: starting model, and peft's for an adapter given no name.
+RESERVED_NAMES = ("policy", "initial", "default")
+
+
 class LearnerConfig(BaseModel):
     """One ``[[learners]]`` table."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_]{0,31}$")
     """The learner's name: lower-case letters, digits and ``_`` (it names its worker,
-    ``learner-<name>``, its metrics, checkpoints and saved policy)."""
+    ``learner-<name>``, its metrics, checkpoints and saved policy); not one of
+    :data:`RESERVED_NAMES`."""
     algorithm: dict[str, Any] | None = None
     """Its algorithm, a table like ``[algorithm]`` (``name`` and options); none: the recipe's."""
     trainer: dict[str, Any] = {}
@@ -63,6 +70,15 @@ class LearnerConfig(BaseModel):
     share the CPUs, and the served learner's training is the step loop's critical path: a learner
     that is not served runs on the CPU the stream leaves (measured in docs/learners.md). 0: the
     same priority as the stream's workers."""
+
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_NAMES:
+            raise ValueError(f"{name!r} is a name streamrl gives to something else; choose another (not one of "
+                             f"{', '.join(RESERVED_NAMES)})")
+        return name
 
 
 def check(learners: list[LearnerConfig], serve: str) -> None:
