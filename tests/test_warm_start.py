@@ -42,6 +42,16 @@ def test_auto_starts_warm_only_the_embedded_clusters_workers_without_an_env_of_t
     assert warm_start.wanted(recipe_with(tiny_recipe, "cluster.worker_start=warm"))
 
 
+def test_a_factory_run_after_a_warm_one_in_the_process_starts_its_workers_spawned(tiny_recipe):
+    # a warm run set Dask's start method for the process; a later factory's LocalCluster forked
+    # its Nannies from that run's server, with its environment
+    import dask
+
+    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
+        assert not warm_start.begin(recipe_with(tiny_recipe, "cluster.factory=distributed.LocalCluster"))
+        assert dask.config.get("distributed.worker.multiprocessing-method") == "spawn"
+
+
 def test_a_bad_worker_start_is_one_line(tiny_recipe):
     from streamrl.errors import UserError
 

@@ -81,13 +81,12 @@ def begin(recipe: Recipe) -> bool:
     the main thread, as early as the recipe is known: the server's imports then overlap this
     process's."""
     c = recipe.cluster
-    if c.address or c.factory:
-        return False  # (workers started by someone else)
-    imports = preload(recipe)  # (what the run's workers import: a moment to list, from the recipe alone)
-    if not wanted(recipe):
-        # (a warm run before this one, in this process, set Dask's start method for the process)
+    if c.address or c.factory or not wanted(recipe):
+        # (a warm run before this one, in this process, set Dask's start method for the process:
+        # a factory's LocalCluster would fork its Nannies from that run's server)
         dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
-        return False
+        return False  # (workers started by someone else, or cold)
+    imports = preload(recipe)  # (what the run's workers import: a moment to list, from the recipe alone)
     from distributed import utils as dask_utils
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
