@@ -174,8 +174,10 @@ class StopRequest:
             for signum in taken:
                 if self.signal is None:
                     self._handle(signum, None)  # the first: a stop request, said now
-                else:
-                    self._now = True  # the second: the main thread raises KeyboardInterrupt
+                elif not self._now:
+                    self._now = True  # the second: the main thread raises KeyboardInterrupt, once
+                    # (interrupt_main writes the wakeup fd as a signal does: read here again, it
+                    # interrupted the main thread for ever, its cleanup included)
                     _thread.interrupt_main(signal.SIGINT)
 
     def uninstall(self) -> None:
