@@ -364,3 +364,31 @@ def test_the_watchers_rates_as_environment_variables_are_what_dask_reads_back():
     for key in ("distributed.admin.tick.interval", "distributed.admin.system-monitor.interval",
                 "distributed.worker.memory.monitor-interval", "distributed.worker.profile.interval"):
         assert dask.config.get(key, config=read) == dask.config.get(key, config=WATCHERS), key
+
+
+@pytest.mark.slow
+def test_a_stop_while_a_factorys_workers_are_awaited_ends_the_start_and_closes_the_cluster(
+        labelled_elsewhere, tiny_recipe, tmp_path):
+    # signals were ignored for the whole start: Ctrl-C or a batch system's SIGTERM while the jobs
+    # waited in the queue did nothing for up to cluster.startup_timeout (30 minutes in the docs),
+    # then SIGKILL came and the jobs were left behind. Only the processes' own start ignores them.
+    import signal
+
+    from tests.helpers import sets, start, stop
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = start("recipe", "run", str(tiny_recipe), *sets(f"run.out_dir={tmp_path / 'runs'}", "cluster.dashboard=false",
+                                                          "cluster.factory=fixed:make_cluster",
+                                                          "cluster.startup_timeout=600"), env=env)
+    try:
+        deadline = time.time() + 120
+        while not list((tmp_path / "runs").glob("*/status.json")) and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(5)  # (in the wait for the reward pool's worker, which never comes)
+        for _ in range(2):  # the first asks for a stop, the second stops now
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(1)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    finally:
+        stop(proc)

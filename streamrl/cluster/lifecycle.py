@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager, nullcontext
 
 import dask
 from distributed import Client, Scheduler, SpecCluster
@@ -36,10 +37,14 @@ from streamrl.recipe.recipe import Recipe
 log = logging.getLogger(__name__)
 
 
-def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client]:
+def start(recipe: Recipe, verbose: bool = False,
+          spawning: Callable[[], ContextManager] = nullcontext) -> tuple[Cluster | None, Client]:
     """Start the run's cluster (the embedded one, or ``cluster.factory``'s) or connect to
     ``cluster.address``; wait for every pool and check that its workers can load what the recipe
-    runs there. Returns the cluster streamrl started (None for one it did not) and a client."""
+    runs there. Returns the cluster streamrl started (None for one it did not) and a client.
+    ``spawning``: held while a factory's cluster starts its processes (the run ignores stop
+    signals then, as the processes inherit), not while it waits for the pools' workers (a batch
+    queue's, for as long as ``cluster.startup_timeout``: a stop then closes the cluster)."""
     level = quiet_dask(verbose)
     c = recipe.cluster
     # glibc's malloc settings for every worker a Nanny in this process spawns (see PRE_SPAWN_ENV),
@@ -68,10 +73,11 @@ def start(recipe: Recipe, verbose: bool = False) -> tuple[Cluster | None, Client
         elif c.factory:
             from streamrl.cluster import factories  # imports the factory's library only now
 
-            cluster = factories.create(recipe)
-            labelled = factories.labellable(cluster)
-            if labelled:
-                factories.label(cluster, recipe)
+            with spawning():
+                cluster = factories.create(recipe)
+                labelled = factories.labellable(cluster)
+                if labelled:
+                    factories.label(cluster, recipe)
             client = Client(cluster)
             # (side learners' workers: waited for only where streamrl starts them; elsewhere
             # placing a learner says at once which worker is missing and how to start it)

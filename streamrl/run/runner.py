@@ -261,8 +261,11 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
         # the cluster's processes inherit the ignore, and a signal meanwhile waits for the
         # handler (``run/stopping.py``); connecting to cluster.address starts none, so a stop
         # signal meanwhile ends the command at once
-        with stop.deferred(hold=not r.cluster.factory) if not r.cluster.address else nullcontext():
-            dask_cluster, client = lifecycle.start(r, verbose)
+        if r.cluster.factory:  # (its processes start with the signals ignored; its wait for them is stoppable)
+            dask_cluster, client = lifecycle.start(r, verbose, spawning=lambda: stop.deferred(hold=False))
+        else:
+            with stop.deferred() if not r.cluster.address else nullcontext():
+                dask_cluster, client = lifecycle.start(r, verbose)
         stop.install()
         warnings_log.attach(client)
         if not verbose:  # a worker's loss and restart: streamrl's own line says what matters
