@@ -437,3 +437,52 @@ def test_a_side_learner_whose_state_cannot_be_loaded_on_resume_fails_alone(tiny_
     assert [r["step"] for r in read_records(run)] == [0, 1, 2, 3]
     assert last["learners"]["rloo"]["state"] == "failed" and last["learners"]["grpo"]["state"] == "training"
     assert (run / "policy" / "grpo" / "config.json").exists()
+
+
+def test_a_learner_removed_and_added_again_under_its_name_is_served_anew():
+    # (the run's calls stood in for: what is registered, started, stopped and told the endpoint)
+    # its engine's plugin went with the removal, but the name stayed registered: the new one's
+    # server could not start ("no 'streamrl-engine-x' on this worker"); and one removed and added
+    # between two looks kept the old one's server
+    from types import SimpleNamespace
+
+    from streamrl.learners.served import ServedVariants
+    from streamrl.serve import remote_engines
+
+    did = []
+
+    class Client:
+        def register_plugin(self, plugin):
+            did.append(("register", plugin.name))
+
+        def submit(self, fn, *args, **kwargs):
+            did.append((fn.__name__, args[0] if args else None))
+            return SimpleNamespace(result=lambda timeout=None: ("http://127.0.0.1:1", "key"))
+
+    resolved = SimpleNamespace(engine=None, model_path=None, recipe=SimpleNamespace(run=SimpleNamespace(seed=0)))
+    context = SimpleNamespace(client=Client(), resolved=resolved, recipe=SimpleNamespace(
+        cluster=SimpleNamespace(startup_timeout=5)))
+    variants = ServedVariants(context, SimpleNamespace(model_name="policy"))
+    variants._endpoint = lambda fn, *args: did.append((fn.__name__, args[0]))
+    variants._adapter_room = lambda lr: False
+
+    def learner():
+        return SimpleNamespace(name="x", state="training", evaluator=None, joined_at=0, last_step=None,
+                               view=SimpleNamespace(train_pin={}), plan=SimpleNamespace(resident="t-x", worker=""))
+
+    first = learner()
+    learners = {"x": first}
+    variants._fanout = lambda: SimpleNamespace(learners=learners)
+    variants._sync()
+    first.state = "removed"
+    variants._sync()
+    learners["x"] = second = learner()  # added again under its name
+    variants._sync()
+    starts = [d for d in did if d[0] == remote_engines.start.__name__]
+    assert [d[0] for d in did].count("register") == 2 and len(starts) == 2
+    assert variants.serving["x"] is second
+    did.clear()
+    learners["x"] = learner()  # removed and added again between two looks: the old server goes first
+    variants._sync()
+    names = [d[0] for d in did]
+    assert names.index("remove_variant") < names.index(remote_engines.start.__name__) and "stop" in names

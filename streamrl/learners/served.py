@@ -67,6 +67,9 @@ class ServedVariants(StepExtension):
         """The run's :class:`~streamrl.serve.extension.ServedTraffic` (its endpoint's worker)."""
         self.served: dict[str, str] = {}
         """Learner name -> the model its policy answers."""
+        self.serving: dict[str, object] = {}
+        """Learner name -> the learner it was served for (one removed and added again under its
+        name is another, served anew)."""
         self._registered: set[str] = set()
         self._refreshing: dict[str, list] = {}  # learner name -> its weight loads not seen finished
         self._failed: set[str] = set()  # learners whose engine could not take their weights (said once)
@@ -79,7 +82,7 @@ class ServedVariants(StepExtension):
 
     def placed(self, context) -> None:
         """The served learner's alias, and a variant for each side learner."""
-        self.served, self._registered = {}, set()
+        self.served, self.serving, self._registered = {}, {}, set()
         main = context.resolved.learners[0]
         if len(context.resolved.learners) > 1 and main.served:
             self._endpoint(endpoint.alias, remote_engines.variant_model(self.traffic.model_name, main.name))
@@ -159,8 +162,11 @@ class ServedVariants(StepExtension):
         lines = []
         for name, lr in fanout.learners.items():
             # (a failed learner learns no more, and its worker may be gone with its token server:
-            # its variant goes as a removed one's does, rather than answer 500s or stale weights)
-            if lr.state in ("removed", "failed") and name in self.served:
+            # its variant goes as a removed one's does, rather than answer 500s or stale weights;
+            # so does one removed and added again between two looks, whose server is the old one's)
+            old = self.serving.get(name, lr)
+            if name in self.served and (lr.state in ("removed", "failed") or old is not lr):
+                self.serving.pop(name, None)
                 self._endpoint(endpoint.remove_variant, self.served.pop(name))
                 if name in self.on_adapters:
                     self.on_adapters.discard(name)
@@ -177,10 +183,12 @@ class ServedVariants(StepExtension):
                         except Exception:  # noqa: BLE001 -- that worker is gone: its engine with it
                             pass
                 else:
-                    self._stop_server(lr)
+                    self._stop_server(old)
+                    # (its engine's plugin went with it: one added again under its name registers anew)
+                    self._registered.discard(engine_resident(name))
                 lines.append(f"variant {name!r}: no longer served (the learner "
-                             f"{'left' if lr.state == 'removed' else 'failed'})")
-            elif lr.state == "training" and name not in self.served:
+                             f"{'failed' if old.state == 'failed' else 'left'})")
+            if lr.state == "training" and name not in self.served:
                 model = self._start(lr)
                 if model:
                     lines.append(f"variant {model!r}: served ({name}'s policy)")
@@ -230,7 +238,7 @@ class ServedVariants(StepExtension):
             warnings.warn(RunWarning(f"variant {model!r} is not served: {type(exc).__name__}: {exc}"), stacklevel=2)
             return None
         self.on_adapters.add(name)
-        self.served[name] = model
+        self.served[name], self.serving[name] = model, lr
         return model
 
     def _start(self, lr) -> str | None:
@@ -253,7 +261,7 @@ class ServedVariants(StepExtension):
         except Exception as exc:  # noqa: BLE001 -- a variant not served is reported; the run and the others go on
             warnings.warn(RunWarning(f"variant {model!r} is not served: {type(exc).__name__}: {exc}"), stacklevel=2)
             return None
-        self.served[name] = model
+        self.served[name], self.serving[name] = model, lr
         return model
 
     def _stop_server(self, lr) -> None:
