@@ -142,3 +142,34 @@ def test_side_learners_on_one_worker_share_the_base_and_learn_as_they_would_alon
         want = naive_token_logprobs(alone["a"].model.eval(), ids, torch.ones_like(ids))
         assert torch.allclose(naive_token_logprobs(adapted, ids, torch.ones_like(ids)), want, atol=1e-5)
         assert torch.allclose(naive_token_logprobs(merged, ids, torch.ones_like(ids)), want, atol=1e-5)
+
+
+def test_an_adapted_embedding_is_in_the_merged_policy_and_one_tied_to_the_head_is_refused(tiny_model, tmp_path):
+    # its adapter is in lora_embedding_A/B, not lora_A: the merged weights left its delta out
+    # (the engines decoded another policy than the trainer's), and its learner never trained it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with pytest.raises(ValueError, match="trainer.lora.targets: embed_tokens is tied to the output head"):
+        lora_trainer(tiny_model, targets=["q_proj", "embed_tokens"])
+    untied = tmp_path / "untied"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(untied)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(untied)
+    trainer = lora_trainer(untied, targets=["q_proj", "embed_tokens"])
+    assert any("lora_embedding_A" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    groups = make_groups(trainer)
+    for _ in range(3):
+        trainer.micro_batch(groups, 1.0 / sum(len(g) for g in groups))
+        trainer.step()
+    plain = AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32)
+    merged = merged_weights(trainer.model)
+    assert not torch.equal(merged["model.embed_tokens.weight"], plain.model.embed_tokens.weight)  # (it learned)
+    plain.load_state_dict(merged, strict=False)
+    samples = [s for g in groups for s in g]
+    ids, attn, resp, _ = pad_batch(samples, trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours = naive_token_logprobs(trainer.model.eval(), ids, attn)
+        theirs = naive_token_logprobs(plain.eval(), ids, attn)
+    assert torch.allclose(ours[resp > 0], theirs[resp > 0], atol=1e-5)

@@ -45,9 +45,17 @@ def add_adapter(model: torch.nn.Module, config: LoraConfig, name: str = ADAPTER)
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, _peft_config(config), adapter_name=name)
+        peft = get_peft_model(model, _peft_config(config), adapter_name=name)
     except ValueError as e:  # no module of that name: the user's targets
         raise ValueError(f"trainer.lora.targets: {e}") from None
+    if getattr(model.config, "tie_word_embeddings", False):
+        from peft.tuners.lora import LoraLayer
+
+        tied = [n for n, m in peft.named_modules() if isinstance(m, LoraLayer) and name in m.lora_embedding_A]
+        if tied:  # (the merged policy is one weight for both: it cannot be the input's alone plus a delta)
+            raise ValueError(f"trainer.lora.targets: {tied[0].split('.')[-1]} is tied to the output head in this "
+                             "model, so its adapter cannot be merged into the policy; leave it out of the targets")
+    return peft
 
 
 class SharedBase:
@@ -161,7 +169,9 @@ def linear_only(model: torch.nn.Module, adapter: str = ADAPTER) -> bool:
 
 def own_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
     """Adapter ``name``'s parameters in ``model`` (what its learner's AdamW steps)."""
-    return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n]
+    # (an adapted embedding's are lora_embedding_A/B.<name>, peft's parameters without a sub-module)
+    return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n
+            or n.endswith((f".lora_embedding_A.{name}", f".lora_embedding_B.{name}"))]
 
 
 def base_name(name: str) -> str:
@@ -176,8 +186,9 @@ def merged_weights(model: torch.nn.Module, adapter: str = ADAPTER) -> dict[str, 
     ``adapter``'s delta, the adapters' own parameters left out. The base weights are not changed."""
     from peft.tuners.lora import LoraLayer
 
+    # (an adapted embedding keeps its adapter in lora_embedding_A/B, not lora_A: its delta too)
     deltas = {name: module.get_delta_weight(adapter) for name, module in model.named_modules()
-              if isinstance(module, LoraLayer) and adapter in module.lora_A}
+              if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A)}
     out = {}
     for name, p in model.named_parameters():
         if ".lora_" in name:
