@@ -486,3 +486,35 @@ def test_a_learner_removed_and_added_again_under_its_name_is_served_anew():
     variants._sync()
     names = [d[0] for d in did]
     assert names.index("remove_variant") < names.index(remote_engines.start.__name__) and "stop" in names
+
+
+def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoint_is_written(tmp_path):
+    # (the run's calls stood in for) only a restarted worker was that learner's loss: a save that
+    # failed otherwise (its GPU out of memory, its disk full) failed the whole checkpoint, and the run
+    from types import SimpleNamespace
+
+    from streamrl.learners import runtime
+
+    failed = []
+
+    class Client:
+        def submit(self, *args, **kwargs):
+            def result():
+                raise OSError(28, "No space left on device")
+            return SimpleNamespace(result=result)
+
+    def learner(name):
+        lr = SimpleNamespace(name=name, state="training", plan=SimpleNamespace(resident=f"t-{name}", table={"name": name}),
+                             view=SimpleNamespace(incarnations={}, train_pin={}))
+        lr.summary = lambda: {"state": lr.state, "steps_trained": 3}
+        return lr
+
+    def fail(lr, step, exc):
+        lr.state = "failed"
+        failed.append((lr.name, step, type(exc).__name__))
+
+    fanout = SimpleNamespace(client=Client(), learners={"a": learner("a")}, drain=lambda: None, fail=fail)
+    runtime.checkpoint(fanout, 5, None)(tmp_path)
+    saved = json.loads((tmp_path / runtime.STATE).read_text())
+    assert failed == [("a", 4, "OSError")] and saved["learners"]["a"]["has_state"] is False
+    assert not (tmp_path / "learners" / "a").exists()

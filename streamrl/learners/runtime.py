@@ -176,7 +176,8 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
                     fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
                                          trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
                     saved = True
-                except ResidentLost as exc:  # its worker restarted since its last step: that learner's loss, not the run's
+                except Exception as exc:  # noqa: BLE001 -- its worker restarted since its last step, or its
+                    # save failed (out of memory, its disk): that learner's loss, not the run's checkpoint's
                     fanout.fail(lr, next_step - 1, exc)
                     shutil.rmtree(target, ignore_errors=True)
             if not saved and previous is not None and (previous / "learners" / lr.name).is_dir():
