@@ -518,3 +518,25 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
     saved = json.loads((tmp_path / runtime.STATE).read_text())
     assert failed == [("a", 4, "OSError")] and saved["learners"]["a"]["has_state"] is False
     assert not (tmp_path / "learners" / "a").exists()
+
+
+def test_a_variant_the_endpoint_cannot_take_off_is_said_and_the_run_goes_on():
+    # (the run's calls stood in for) a busy or gone endpoint worker: its timeout ended the run
+    from types import SimpleNamespace
+
+    from streamrl.errors import RunWarning
+    from streamrl.learners.served import ServedVariants
+
+    variants = ServedVariants(SimpleNamespace(), SimpleNamespace(model_name="policy"))
+
+    def endpoint(fn, *args):
+        raise TimeoutError("no answer in 30 s")
+
+    variants._endpoint = endpoint
+    variants._stop_server = lambda lr: None
+    lr = SimpleNamespace(name="x", state="removed")
+    variants._fanout = lambda: SimpleNamespace(learners={"x": lr})
+    variants.served, variants.serving = {"x": "policy@x"}, {"x": lr}
+    with pytest.warns(RunWarning, match="variant 'policy@x' could not be taken off the endpoint"):
+        lines = variants._sync()
+    assert lines == ["variant 'x': no longer served (the learner left)"] and not variants.served

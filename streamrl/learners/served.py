@@ -122,13 +122,19 @@ class ServedVariants(StepExtension):
         fanout = self._fanout()
         for name in self.served:
             lr = fanout.learners[name]
-            if name in self.on_adapters:
-                for load in self._push_adapter(lr, trained_through(lr)):
-                    load.result()
-                continue
-            self.context.client.submit(remote_engines.refresh, engine_resident(name), lr.plan.resident, trained_through(lr),
-                                   pure=False, key=f"variant-refresh-{name}-resume-{time.time_ns()}",
-                                   **lr.view.train_pin).result()
+            try:
+                if name in self.on_adapters:
+                    for load in self._push_adapter(lr, trained_through(lr)):
+                        load.result(timeout=self.context.recipe.cluster.startup_timeout)
+                    continue
+                self.context.client.submit(remote_engines.refresh, engine_resident(name), lr.plan.resident,
+                                           trained_through(lr), pure=False,
+                                           key=f"variant-refresh-{name}-resume-{time.time_ns()}",
+                                           **lr.view.train_pin).result(timeout=self.context.recipe.cluster.startup_timeout)
+            except Exception as exc:  # noqa: BLE001 -- a variant that cannot take its weights is said; the run goes on
+                warnings.warn(RunWarning(f"variant {self.served[name]!r} could not take learner {name!r}'s restored "
+                                         f"weights ({type(exc).__name__}: {exc}); it serves the weights it has"),
+                              stacklevel=2)
 
     def close(self) -> None:
         """Stop the learners' token servers (the endpoint stops with the run)."""
@@ -167,7 +173,12 @@ class ServedVariants(StepExtension):
             old = self.serving.get(name, lr)
             if name in self.served and (lr.state in ("removed", "failed") or old is not lr):
                 self.serving.pop(name, None)
-                self._endpoint(endpoint.remove_variant, self.served.pop(name))
+                model = self.served.pop(name)
+                try:
+                    self._endpoint(endpoint.remove_variant, model)
+                except Exception as exc:  # noqa: BLE001 -- the endpoint's worker busy or gone: said, the run goes on
+                    warnings.warn(RunWarning(f"variant {model!r} could not be taken off the endpoint "
+                                             f"({type(exc).__name__}: {exc})"), stacklevel=2)
                 if name in self.on_adapters:
                     self.on_adapters.discard(name)
                     # its loads still on their way land first: one landing after the unload
