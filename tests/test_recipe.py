@@ -246,6 +246,9 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
         "run.step_timeout_s=inf": "run.step_timeout_s: expected a finite number (got inf)",
         'run.name="../../elsewhere"': "run.name: expected one folder name",
         'run.name="x\\u001b[2J"': "run.name: expected one folder name: 1 to 100 printable characters",
+        # GPU ids CUDA cannot read hide every GPU; one listed twice, or too few, give a worker one twice
+        'pools.train.cuda_visible_devices=["gpu0"]': "pools.train.cuda_visible_devices: 'gpu0' is not a GPU id",
+        'pools.train.cuda_visible_devices=["0","0"]': "pools.train.cuda_visible_devices: GPU '0' is listed twice",
         "run.seed=-1": "run.seed: expected greater than or equal to 0",
         "run.steps=1" + "0" * 5000: "an integer longer than 4,300 digits",
         "task.x=" + "[" * 3000 + "]" * 3000: "arrays nested too deeply",
@@ -253,6 +256,9 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
     for override, said in cases.items():
         code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", override)
         assert code == 2 and said in one_line_error(err), (override, err[-500:])
+    code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'pools.train.cuda_visible_devices=["0"]',
+                           "--set", "pools.train.gpus_per_worker=2")
+    assert code == 2 and "gpus_per_worker (2) is more than cuda_visible_devices lists (1)" in one_line_error(err)
     for name, text in {"deep.toml": "x = " + "[" * 3000 + "]" * 3000, "long.toml": "x = 1" + "0" * 5000,
                        "big.toml": "# " + "x" * (1 << 20)}.items():
         (tmp_path / name).write_text(text)

@@ -159,6 +159,27 @@ class PoolConfig(Strict):
     """Relative price of one of this pool's devices per unit time (e.g. per hour). ``streamrl
     plan`` and the benchmarks report samples per cost unit with it."""
 
+    @field_validator("cuda_visible_devices")
+    @classmethod
+    def _gpu_ids(cls, ids: list[str]) -> list[str]:
+        # (an id CUDA does not read hides every GPU: with device = "auto" the pool ran on the CPU)
+        wrong = [i for i in ids if not (i.isdigit() or i.startswith(("GPU-", "MIG-")))]
+        if wrong:
+            raise ValueError(f"{wrong[0]!r} is not a GPU id; expected an index (\"0\") or a UUID (\"GPU-...\", "
+                             "\"MIG-...\") as nvidia-smi -L lists them")
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ValueError(f"GPU {twice[0]!r} is listed twice; list each once (pools may share one by each "
+                             "listing it)")
+        return ids
+
+    @model_validator(mode="after")
+    def _enough_gpus(self):
+        if self.cuda_visible_devices and self.gpus_per_worker > len(self.cuda_visible_devices):
+            raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) is more than cuda_visible_devices lists "
+                             f"({len(self.cuda_visible_devices)}): a worker would be given one GPU twice")
+        return self
+
 
 class ElasticConfig(Strict):
     """``[pools.generate] elastic = { min = 1, max = 3 }``: the controller grows and shrinks the
