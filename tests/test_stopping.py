@@ -1,5 +1,6 @@
-"""Stop signals while the embedded cluster starts (``run/stopping.py``), in this process: the
-first is a stop request, a second stops at once -- one interrupt, not a stream of them."""
+"""Stopping, in this process: signals while the embedded cluster starts (``run/stopping.py``) --
+the first is a stop request, a second stops at once, one interrupt and not a stream of them --
+and the end of a run, whose wait for its clean-up of the cluster is bounded."""
 
 from __future__ import annotations
 
@@ -42,3 +43,27 @@ def test_a_second_signal_while_the_cluster_starts_interrupts_the_main_thread_onc
     finally:
         stop.uninstall()
     assert len(calls) == 1 and raised == 2 and stop.signal == signal.SIGINT and said
+
+
+def test_the_end_of_a_run_waits_for_its_clean_up_of_the_cluster_within_a_bound(monkeypatch, caplog):
+    # a cluster someone else runs, whose worker hangs in a plugin's teardown: the removal of
+    # streamrl's plugins waited for it, and Ctrl-C was only noted meanwhile, for ever
+    import threading
+    import time
+
+    from streamrl.cluster import lifecycle
+
+    hung = threading.Event()
+    monkeypatch.setattr(lifecycle, "release", lambda client: hung.wait(600))
+
+    class Client:
+        id = "c"
+
+        def close(self):
+            pass
+
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="streamrl.cluster.lifecycle"):
+        lifecycle.stop_meanwhile(None, Client(), timeout=0.5)()
+    hung.set()
+    assert time.monotonic() - t0 < 10 and "did not finish within 0 s" in caplog.text

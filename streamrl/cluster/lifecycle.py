@@ -212,8 +212,17 @@ def stop(cluster: Cluster | None, client: Client | None, timeout: float = 10.0) 
         log.warning("the cluster did not close within %.0f s; its processes end with this one", CLOSE_TIMEOUT)
 
 
-def stop_meanwhile(cluster: Cluster | None, client: Client | None) -> Callable[[], None]:
-    """Start :func:`stop` in a thread and return what waits for it to be done.
+#: Seconds the end of a run waits for its clean-up of the cluster (:func:`stop_meanwhile`): a
+#: cluster someone else runs answers the removal of streamrl's plugins from every worker, and one
+#: whose worker hangs in its plugin's teardown (a step that hung) never does.
+STOP_TIMEOUT = CLOSE_TIMEOUT + 60.0
+
+
+def stop_meanwhile(cluster: Cluster | None, client: Client | None,
+                   timeout: float | None = None) -> Callable[[], None]:
+    """Start :func:`stop` in a thread and return what waits for it to be done (at most
+    ``timeout`` seconds, :data:`STOP_TIMEOUT` by default: then it is said, and the command
+    ends without it).
 
     At a run's end the workers' exits take about as long as the report takes to draw, and
     neither needs the other, so they overlap; an error of the shutdown is raised by the wait, in
@@ -232,7 +241,12 @@ def stop_meanwhile(cluster: Cluster | None, client: Client | None) -> Callable[[
     thread.start()
 
     def wait():
-        thread.join()
+        limit = STOP_TIMEOUT if timeout is None else timeout
+        thread.join(limit)
+        if thread.is_alive():
+            log.warning("the cluster's clean-up did not finish within %.0f s; the command ends without it "
+                        "(a worker may hold streamrl's engine or trainer until it restarts)", limit)
+            return
         if failed:
             raise failed[0]
 
