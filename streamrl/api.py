@@ -107,7 +107,7 @@ def close_component(obj: Any) -> None:
         close()
 
 
-from streamrl.recipe.recipe import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
+from streamrl.recipe.paths import PathOrHubId, RecipePath  # noqa: E402  (config field types for paths)
 from streamrl.algorithms.clipped import ClippedConfig, ClippedSurrogate
 from streamrl.contracts.agents import Environment, ToolParser
 from streamrl.contracts.dispatch import Assignment, DispatchContext, Ranker, Scheduler

@@ -23,7 +23,7 @@ import pluggy
 from streamrl.plugins import hookspecs
 from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
-from streamrl.recipe.recipe import home
+from streamrl.recipe.paths import home
 from streamrl.recipe.user_files import MAX_SOURCE_BYTES
 from streamrl.telemetry.text import message_line
 

@@ -13,17 +13,17 @@ folder ``run.out_dir`` is relative to the current directory.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import tomli_w
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig, check as check_learners
+from streamrl.recipe.paths import home, is_hub_id
 from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
@@ -95,12 +95,6 @@ class ModelConfig(Strict):
     or a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``) when nothing of that name is next to
     the recipe. Workers run offline (``HF_HUB_OFFLINE=1``) and load a Hub model from the local
     Hugging Face cache: download it once first (``huggingface-cli download <id>``)."""
-
-
-def is_hub_id(text: str) -> bool:
-    """``org/name``: what a Hub model or dataset id looks like (a relative path may too; callers
-    look for a local folder first)."""
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None and not text.startswith(".")
 
 
 class PluginsConfig(Strict):
@@ -248,42 +242,6 @@ def _describe(err: dict) -> str:
     if not loc:  # a check over the whole recipe: its message names the field
         return msg
     return f"{loc}: {msg} (got {err.get('input')!r})"
-
-
-def _recipe_dir(info: ValidationInfo) -> Path | None:
-    return (info.context or {}).get("recipe_dir")
-
-
-def home(value: str) -> Path:
-    """``value`` as a path, a leading ``~`` the user's home (``ValueError`` where there is none to
-    say: ``~someone`` of no such user, ``~`` without ``HOME``)."""
-    try:
-        return Path(value).expanduser()
-    except RuntimeError as exc:  # (pathlib's way of saying it: a validator's ValueError is one line)
-        raise ValueError(f"cannot expand {value!r}: {exc}") from None
-
-
-def _against_recipe(value: str, info: ValidationInfo) -> str:
-    base = _recipe_dir(info)
-    path = home(value)
-    return str(path if path.is_absolute() or base is None else (base / path).resolve())
-
-
-def _local_if_there(value: str, info: ValidationInfo) -> str:
-    base = _recipe_dir(info)
-    path = home(value)
-    if path.is_absolute() or base is None:
-        return str(path)
-    return str((base / path).resolve()) if (base / path).exists() else value
-
-
-RecipePath = Annotated[str, AfterValidator(_against_recipe)]
-"""A config field holding a path to a local file or folder: relative paths are resolved against
-the recipe's folder (like ``model.path``), whatever the working directory."""
-
-PathOrHubId = Annotated[str, AfterValidator(_local_if_there)]
-"""A config field holding a local path or a Hugging Face Hub id: a relative path that exists
-next to the recipe becomes absolute; anything else is kept as written (a hub id)."""
 
 
 def with_run_defaults(config: type[BaseModel], section: dict, seed: int, model_path: Path | None,
