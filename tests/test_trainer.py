@@ -86,7 +86,8 @@ def test_gae_spreads_the_final_reward_over_the_response_tokens():
 def test_ppo_trainer_fits_its_critic_and_reports_it(tiny_model):
     from streamrl.algorithms.ppo import PPO, PPOConfig
 
-    trainer = HFTrainer(HFTrainerConfig(lr=1e-3, critic_lr=3e-3),
+    # (weight decay and a learning-rate warm-up: the critic's warm-up moves neither the policy nor its schedule)
+    trainer = HFTrainer(HFTrainerConfig(lr=1e-3, critic_lr=3e-3, weight_decay=0.1, warmup_steps=3),
                         TrainerContext(str(tiny_model), PPO(PPOConfig(critic_warmup_steps=2)), EngineCapabilities(temperature=1.0)))
     groups = make_groups(trainer)
     for g, group in enumerate(groups):  # a return the critic can learn: it depends on the prompt
@@ -97,8 +98,9 @@ def test_ppo_trainer_fits_its_critic_and_reports_it(tiny_model):
     for _ in range(8):
         stats = trainer.micro_batch(groups, 1.0 / 24)
         losses.append(stats["value_loss_sum"] / stats["samples"])
-        if trainer.version == 1:  # still warming up the critic: the policy has not moved
+        if trainer.version in (1, 2):  # the critic warmed up: the policy has not moved, nor its schedule
             assert all(torch.equal(before[n], p) for n, p in trainer.named_weights().items())
+            assert trainer.lr_schedule.last_epoch == 0 and not trainer.optimizer.state
         out = trainer.step()
         assert out["critic_grad_norm"] > 0
     assert losses[-1] < 0.5 * losses[0], losses  # the critic learns the returns

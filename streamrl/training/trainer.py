@@ -208,8 +208,11 @@ class HFTrainer(Trainer):
         elif learned:
             self.finite.applied()
             before = weight_norm(self.stepped.parameters())
-            self.optimizer.step()
-            self.lr_schedule.step()
+            # critic warm-up: the critic learns and the policy stays put -- its zero gradients
+            # stepped AdamW all the same (weight decay, Adam's step count) and its schedule
+            if not (self.critic is not None and self.version < self.algorithm.critic_warmup_steps):
+                self.optimizer.step()
+                self.lr_schedule.step()
             if self.critic is not None:
                 self.critic.apply()
             self.masters.copy_back()
