@@ -330,6 +330,8 @@ def test_behaviour_kl_anchors_the_trained_policy_to_the_behaviour_one():
     new = torch.tensor([[0.0, 1.0, -1.0]], requires_grad=True)  # ratios 1, e, 1/e to the behaviour
     algo = GRPO(GRPOConfig(behaviour_kl=0.5))
     assert not algo.zero_advantage_no_gradient and GRPO(GRPOConfig()).zero_advantage_no_gradient
+    # M2PO's mask is chosen over all the micro-batch's tokens: none of them may be left out
+    assert not GRPO(GRPOConfig(off_policy={"correction": "m2po"})).zero_advantage_no_gradient
     loss, stats = algo.loss(new, old, None, adv, mask)
     k3 = [0.0, torch.e - 2.0, torch.e ** -1]  # e^d - d - 1
     assert loss.item() == pytest.approx(0.5 * sum(k3) / 3, rel=1e-5)

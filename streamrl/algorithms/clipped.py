@@ -86,8 +86,11 @@ class ClippedSurrogate(Algorithm):
         self.config = config
         self.needs_reference = config.kl_coef > 0
         # without a KL term the loss is advantage * (a function of the ratio): zero advantage,
-        # zero gradient, so the trainer may skip such samples
-        self.zero_advantage_no_gradient = config.kl_coef == 0 and config.behaviour_kl == 0
+        # zero gradient, so the trainer may skip such samples -- unless the correction looks
+        # across the micro-batch's tokens (M2PO's mask is chosen over all of them: leaving some
+        # out changes which tokens of the others are masked)
+        self.zero_advantage_no_gradient = (config.kl_coef == 0 and config.behaviour_kl == 0
+                                           and config.off_policy.correction != "m2po")
         self.epochs = config.epochs
 
     def loss(self, new, old, ref, adv, mask):
