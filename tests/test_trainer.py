@@ -269,3 +269,26 @@ def test_later_epochs_train_the_first_passs_advantages_and_count_each_group_once
     on = mask > 0
     assert torch.equal(old1[on], v1[on]) and torch.equal(old2[on], v1[on])  # epoch 2 clips around epoch 1's values
     assert (v2[on] - v1[on]).abs().max() > 0.01  # (the critic moved past the clip: the clip binds)
+
+
+def test_the_models_own_dropout_is_off_in_training_so_its_log_probs_are_the_engines(tiny_model, tmp_path):
+    # a model configured with dropout (GPT-2, OPT, Phi: 0.1) trained with it on: its log-probs of
+    # the weights that sampled were noise away from the engine's, a ratio off 1 on-policy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from streamrl.training.logprobs import naive_token_logprobs
+
+    dropped = tmp_path / "dropout"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config.attention_dropout = 0.5
+    model.save_pretrained(dropped)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(dropped)
+    trainer = HFTrainer(HFTrainerConfig(precision="fp32"), TrainerContext(str(dropped), GRPO(GRPOConfig()),
+                                                                           EngineCapabilities(temperature=1.0)))
+    assert trainer.model.training
+    samples = [s for g in make_groups(trainer) for s in g]
+    ids, attn, resp, _ = pad_batch(samples, trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        first, second = (naive_token_logprobs(trainer.model, ids, attn) for _ in range(2))
+        evaluated = naive_token_logprobs(model.eval(), ids, attn)
+    assert torch.equal(first, second) and torch.allclose(first[resp > 0], evaluated[resp > 0], atol=1e-5)

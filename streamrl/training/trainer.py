@@ -39,6 +39,19 @@ from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
 token_logprobs = naive_token_logprobs  # the plain computation, for checks against an engine
 
 
+def without_dropout(model: torch.nn.Module) -> None:
+    """Turn the model's own dropout off (as TRL does by default), LoRA's ``trainer.lora.dropout``
+    left as set: the engines sample without it, so with it on (GPT-2, OPT, Phi: 0.1) the
+    trainer's log-probs of the very weights that sampled are noise away from the engine's -- a
+    ratio off 1 on-policy, tokens clipped for nothing, a KL to the reference at step 0."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and "lora_dropout" not in name:
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout"):  # (attention's own, read as a float in its forward)
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+
+
 def _taking_turns(method):
     """A method of a trainer over a base it shares with other learners runs on its turn: the
     base held and its adapter the active one (``training/lora.py``'s ``SharedBase.turn``)."""
@@ -87,6 +100,7 @@ class HFTrainer(Trainer):
         else:
             self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
         self.model.train()
+        without_dropout(self.model)
         prepared = self.lora is not None and self.lora.prepared  # (a shared base: by its first learner)
         if config.kernels == "liger" and not prepared:
             use_liger_kernels(self.model, self.device)
