@@ -247,6 +247,14 @@ def check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
                         f'"{plan.algorithm.component.name}", which learns from the differences between a prompt\'s samples '
                         f"(a group baseline, or a preference pair): a sample alone gets advantage 0 and nothing is "
                         f"learned; use {need} or more (8 is usual)")
+    # an algorithm with running statistics (REINFORCE++'s normaliser) keeps them per trainer: on
+    # several ranks each would normalise its own groups with its own, and a checkpoint keeps rank 0's
+    ranks = r.pools.train.workers if r.pools.train is not None and not r.cluster.address else 1
+    stateful = isinstance(built, Algorithm) and type(built).state_dict is not Algorithm.state_dict
+    if stateful and ranks > 1 and out.learners and plan is out.learners[0]:
+        raise UserError(f"pools.train.workers: {ranks} with {field} = \"{plan.algorithm.component.name}\", whose running "
+                        "statistics are each trainer's own (every rank would normalise with its own, and a "
+                        "checkpoint keeps one); use one train worker")
     # Dr. GRPO divides every sample's token sum by L_max, the generation budget: another
     # constant scales the whole loss (the learning rate against the gradient clip) without a word
     budget = out.engine.capabilities().max_new_tokens
