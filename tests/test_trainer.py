@@ -180,7 +180,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_update(tiny_model):
     assert all(torch.equal(a[0][n], b[0][n]) and torch.equal(a[1][n], b[1][n]) for n in a[1])
 
 
-def test_a_step_that_trained_no_sample_moves_nothing_and_counts_as_a_version(tiny_model):
+def test_a_step_that_trained_no_sample_moves_nothing_and_counts_as_a_version(tiny_model, tmp_path):
     # (a serving run stopped before any rewarded traffic came): weights, AdamW and the schedule stay
     trainer = HFTrainer(HFTrainerConfig(lr=1e-2, warmup_steps=4),
                         TrainerContext(str(tiny_model), GRPO(GRPOConfig()), EngineCapabilities(temperature=1.0)))
@@ -190,11 +190,23 @@ def test_a_step_that_trained_no_sample_moves_nothing_and_counts_as_a_version(tin
     assert out["version"] == 1 and trainer.version == 1
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert trainer.lr_schedule.get_last_lr() == lr_before and not trainer.optimizer.state
+    # a checkpoint written now leaves AdamW as it is, and a resume from it has it so too: DCP's
+    # reading of an optimizer that never stepped stepped it, and the first update was the second's
+    trainer.save_checkpoint(str(tmp_path / "ckpt"))
+    assert not trainer.optimizer.state
+    resumed = HFTrainer(HFTrainerConfig(lr=1e-2, warmup_steps=4),
+                        TrainerContext(str(tiny_model), GRPO(GRPOConfig()), EngineCapabilities(temperature=1.0)))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert not resumed.optimizer.state
+    groups = make_groups(resumed)
+    resumed.micro_batch(groups, 1.0 / sum(len(g) for g in groups))
+    resumed.step()
     groups = make_groups(trainer)  # and a step that trains moves them as ever
     trainer.micro_batch(groups, 1.0 / sum(len(g) for g in groups))
     trainer.step()
     assert trainer.lr_schedule.get_last_lr() != lr_before
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert all(torch.equal(p, dict(resumed.model.named_parameters())[n]) for n, p in trainer.model.named_parameters())
 
 
 @pytest.mark.parametrize("wrong", [lambda r: r[:-1], lambda r: [], lambda r: r + [0.5], lambda r: None,

@@ -163,8 +163,14 @@ def save(trainer, path: str) -> None:
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state = {}
+    # An optimizer that has not stepped yet has no state, and DCP's get_state_dict makes some by
+    # stepping it at learning rate 0: Adam's count at 1, so the first real update ran with the
+    # second's bias correction. Its state is given back empty, and a resume empties it too.
+    unused = [name for name, (_, optimizer) in _modules(trainer).items() if not optimizer.state]
     for name, (module, optimizer) in _modules(trainer).items():
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
+    for name in unused:
+        _modules(trainer)[name][1].state.clear()
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
         warnings.simplefilter("ignore")
         # no_dist: the ranks of a data-parallel train pool hold identical state; rank 0 writes it
@@ -172,7 +178,8 @@ def save(trainer, path: str) -> None:
     if _rank() == 0:  # (unsharded, the only rank asked to write)
         torch.save({"version": trainer.version, "lr_schedule": trainer.lr_schedule.state_dict(),
                     "algorithm": trainer.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(), "nonfinite_in_a_row": trainer.finite.in_a_row},
+                    "python_rng": random.getstate(), "nonfinite_in_a_row": trainer.finite.in_a_row,
+                    "optimizers_unused": unused},
                    folder / "trainer.pt")
 
 
@@ -202,6 +209,9 @@ def load(trainer, path: str) -> None:
     torch.set_rng_state(extra["torch_rng"])
     random.setstate(extra["python_rng"])
     trainer.finite.in_a_row = extra.get("nonfinite_in_a_row", 0)  # (absent from older checkpoints)
+    for name in extra.get("optimizers_unused", ()):  # (saved before its first step: as it was, empty)
+        if name in modules:
+            modules[name][1].state.clear()
     _recipe_learning_rates(trainer)
 
 
