@@ -238,3 +238,16 @@ def test_a_dask_priority_is_clamped_and_a_nan_priority_is_refused_in_one_line():
                         ([Assignment(0, "a", 0.0, 5)], "the samples 5; expected a tuple of sample numbers")]:
         with pytest.raises(UserError, match=re.escape(said)):
             placement(wrong, ["a"], 2, prompts=2)
+
+
+def test_a_step_that_brought_no_samples_leaves_nothing_kept_for_it():
+    # (a stop ends a step with none): its prompts, the ranker's scores and the scheduler's
+    # metrics stayed for the rest of the run, one entry a step
+    from types import SimpleNamespace
+
+    from streamrl.flow.dispatch import Dispatcher
+
+    dispatcher = Dispatcher(None, SimpleNamespace(rank=None), 8, None)
+    dispatcher.step_prompts[3], dispatcher.predicted[3], dispatcher.scheduler_metrics[3] = [object()], [1.0], {}
+    assert dispatcher.learn(3, []) == {}
+    assert 3 not in dispatcher.step_prompts and 3 not in dispatcher.predicted and 3 not in dispatcher.scheduler_metrics

@@ -144,7 +144,11 @@ class Dispatcher:
         recall for the estimate each group gives of itself when its first sample finishes, the
         scheduler's metrics)."""
         if step not in self.step_prompts or not sample_log:
-            return {}  # the step's samples were not the task's prompts (served traffic): nothing placed
+            # the step's samples were not the task's prompts (served traffic), or there were none
+            # (a stop): nothing to learn, and what was kept for it goes (a long run kept it all)
+            for kept in (self.step_prompts, self.predicted, self.scheduler_metrics):
+                kept.pop(step, None)
+            return {}
         by_prompt: dict[str, list[int]] = {}
         for x in sample_log:
             by_prompt.setdefault(x["uid"].rsplit("-", 1)[0], []).append(x["response_len"])
