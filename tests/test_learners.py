@@ -542,3 +542,24 @@ def test_a_variant_the_endpoint_cannot_take_off_is_said_and_the_run_goes_on():
     with pytest.warns(RunWarning, match="variant 'policy@x' could not be taken off the endpoint"):
         lines = variants._sync()
     assert lines == ["variant 'x': no longer served (the learner left)"] and not variants.served
+
+
+def test_a_resumed_side_learner_records_no_evaluation_of_the_policy_it_was_placed_with(tmp_path):
+    # (the run's calls stood in for) placing it evaluated its starting policy, unordered with the
+    # checkpoint's state loaded after: the base model's figures were recorded as the learner's
+    from types import SimpleNamespace
+
+    from streamrl.learners import runtime
+
+    cancelled = []
+    evaluator = SimpleNamespace(cancel=lambda: cancelled.append(True))
+    lr = SimpleNamespace(name="a", state="training", evaluator=evaluator, plan=SimpleNamespace(resident="t-a"),
+                         view=SimpleNamespace(train_pin={}), **{k: 0 for k in runtime.COUNTS})
+    fanout = SimpleNamespace(learners={"a": lr}, task=None)
+    client = SimpleNamespace(submit=lambda *args, **kwargs: SimpleNamespace(result=lambda: None))
+    checkpoint = tmp_path / "step-000004"
+    checkpoint.mkdir()
+    (checkpoint / runtime.STATE).write_text(json.dumps({"next_step": 4, "learners": {"a": {
+        "table": {"name": "a"}, "has_state": True, "summary": {"state": "training", "steps_trained": 4}}}}))
+    assert runtime.resume(fanout, client, None, None, checkpoint) is fanout
+    assert cancelled == [True] and lr.steps_trained == 4

@@ -247,6 +247,10 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
         summary = entry["summary"]
         for key in COUNTS:
             setattr(lr, key, summary.get(key, getattr(lr, key)))
+        if lr.evaluator is not None and (entry["has_state"] or summary.get("state") in ("failed", "removed")):
+            # its placing evaluated its starting policy, unordered with the state loaded below: the
+            # base's figures (or the trained weights as version 0) would be recorded as the learner's
+            lr.evaluator.cancel()
         if summary.get("state") in ("failed", "removed"):
             lr.state, lr.failure = summary["state"], summary.get("failure")
         if entry["has_state"] and lr.state == "training":
