@@ -563,3 +563,38 @@ def test_a_resumed_side_learner_records_no_evaluation_of_the_policy_it_was_place
         "table": {"name": "a"}, "has_state": True, "summary": {"state": "training", "steps_trained": 4}}}}))
     assert runtime.resume(fanout, client, None, None, checkpoint) is fanout
     assert cancelled == [True] and lr.steps_trained == 4
+
+
+def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line(tiny_recipe, tmp_path, monkeypatch):
+    # (the run's calls stood in for) `learners add --resume` with a state it cannot load raised
+    # after placing it: its trainer, evaluation engine and evaluation stayed on their worker
+    from types import SimpleNamespace
+
+    from streamrl.learners import control, runtime
+
+    resolved = resolve(load_recipe(with_learners(tiny_recipe)))
+    saved = tmp_path / "checkpoints" / "step-000003"
+    (saved / "learners" / "rloo").mkdir(parents=True)
+    (saved / runtime.STATE).write_text(json.dumps({"next_step": 3, "learners": {"rloo": {
+        "table": {"name": "rloo", "algorithm": {"name": "rloo"}}, "has_state": True, "summary": {}}}}))
+    (saved / "controller.json").write_text("{}")
+    monkeypatch.setattr("streamrl.checkpoints.folders.latest", lambda run_dir: saved)
+    monkeypatch.setattr(runtime, "ensure_worker", lambda *args: None)
+    cancelled, released = [], []
+    placed = SimpleNamespace(name="rloo", evaluator=SimpleNamespace(cancel=lambda: cancelled.append(True)),
+                             plan=SimpleNamespace(resident="trainer-rloo", worker="learner-rloo"),
+                             view=SimpleNamespace(train_pin={}), state="training")
+    monkeypatch.setattr(runtime, "place_one", lambda *args, **kwargs: placed)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("size mismatch for lora_A.default.weight\nmore lines")
+
+    client = SimpleNamespace(submit=lambda *args, **kwargs: SimpleNamespace(result=refused),
+                             unregister_worker_plugin=released.append)
+    run = SimpleNamespace(resolved=resolved, topology=SimpleNamespace(pins={}, can_grow=False), client=client,
+                          task=None)
+    side = SimpleNamespace(context=run, fanout=None, add=lambda learner: pytest.fail("it was added"))
+    with pytest.raises(UserError, match=r"^learner 'rloo': its state in step-000003 could not be loaded "
+                                        r"\(RuntimeError: size mismatch for lora_A.default.weight\)$"):
+        control.add(side, tmp_path, 3, {"table": {"name": "rloo"}, "resume": True})
+    assert cancelled == [True] and released == ["trainer-rloo", "streamrl-engine-rloo"]

@@ -26,6 +26,7 @@ from pathlib import Path
 from distributed import Client, Queue, Variable
 
 from streamrl.errors import UserError
+from streamrl.telemetry.text import error_line
 
 #: The Dask queue requests travel on (one run per scheduler at a time).
 REQUESTS = "streamrl-learners-control"
@@ -260,8 +261,13 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
                                 task=fanout.task if fanout is not None and fanout.task is not None else run.task,
                                 model_path=start_model)
     if resume_from is not None:
-        run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
-                                 **learner.view.train_pin).result()
+        try:
+            run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
+                              **learner.view.train_pin).result()
+        except Exception as exc:  # (a state another model or algorithm wrote): placed for nothing, let go
+            _let_go(side, learner, fanout)
+            raise UserError(f"learner {name!r}: its state in {latest.name} could not be loaded "
+                            f"({error_line(exc, 200, first_line=True)})") from None
         # its counts go on from those of the state it resumes (the checkpoint's, not the ones it
         # had when it left: the steps it trained after that checkpoint are lost with their state)
         counts = runtime.saved_counts(latest, name)
@@ -274,6 +280,26 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     origin = f"its state in {resume_from.parent.parent.name}" if resume_from is not None else where
     return f"learner {name!r} ({plan.algorithm.component.name}) added on worker {worker}, from {origin}; " \
            f"it trains from step {step + 1}"
+
+
+def _let_go(side, lr, fanout) -> None:
+    """Release what placing learner ``lr`` took -- its evaluation, its trainer and evaluation
+    engine on their worker, and (embedded cluster) the worker when no other learner trains there."""
+    from streamrl.learners.evaluate import engine_resident
+
+    run = side.context
+    if lr.evaluator is not None:
+        lr.evaluator.cancel()
+    for resident_name in (lr.plan.resident, engine_resident(lr.name)):
+        try:
+            run.client.unregister_worker_plugin(resident_name)
+        except Exception:
+            pass  # (not registered: no [eval])
+    others = fanout.learners.values() if fanout is not None else ()
+    shared = any(other.plan.worker == lr.plan.worker and other.state != "removed" for other in others
+                 if other is not lr)
+    if run.topology.can_grow and not shared and lr.plan.worker in (run.topology.spec_cluster.worker_spec or {}):
+        run.topology.stop_worker(lr.plan.worker)  # (a worker other learners still train on stays)
 
 
 def remove(side, run_dir: Path, name: str) -> str:
@@ -290,18 +316,6 @@ def remove(side, run_dir: Path, name: str) -> str:
         fanout.drain()
     saved = fanout.save_policies(run_dir / "policy", only=[name])
     lr.state = "removed"
-    if lr.evaluator is not None:
-        lr.evaluator.cancel()
-    from streamrl.learners.evaluate import engine_resident
-
-    for resident_name in (lr.plan.resident, engine_resident(name)):
-        try:
-            run.client.unregister_worker_plugin(resident_name)
-        except Exception:
-            pass  # (not registered: no [eval])
-    shared = any(other.plan.worker == lr.plan.worker and other.state != "removed"
-                 for other in fanout.learners.values() if other is not lr)
-    if run.topology.can_grow and not shared and lr.plan.worker in (run.topology.spec_cluster.worker_spec or {}):
-        run.topology.stop_worker(lr.plan.worker)  # (a worker other learners still train on stays)
+    _let_go(side, lr, fanout)
     where = saved.get(name)
     return f"learner {name!r} removed after {lr.steps_trained} steps" + (f"; its policy is in {where}" if where else "")
