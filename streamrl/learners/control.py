@@ -242,7 +242,9 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
                             f"({latest.name if latest else 'none yet'}) to resume from")
         resume_from = saved
         if not request["table"].get("algorithm") and (latest / runtime.STATE).exists():
-            table = json.loads((latest / runtime.STATE).read_text())["learners"][name]["table"]
+            # (its table as it was; a learners.json that does not list it: the one asked for)
+            entry = json.loads((latest / runtime.STATE).read_text()).get("learners", {}).get(name)
+            table = entry["table"] if isinstance(entry, dict) and isinstance(entry.get("table"), dict) else table
     plan = learner_plan(resolved, name, table, served=False)
     check_algorithm(resolved, plan)  # (its epochs, and groups big enough for it, as a recipe's learner)
     plan.added = True
