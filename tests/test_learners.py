@@ -598,3 +598,7 @@ def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line
                                         r"\(RuntimeError: size mismatch for lora_A.default.weight\)$"):
         control.add(side, tmp_path, 3, {"table": {"name": "rloo"}, "resume": True})
     assert cancelled == [True] and released == ["trainer-rloo", "streamrl-engine-rloo"]
+    # a learners.json that does not list it (a KeyError before): the table asked for, the same line
+    (saved / runtime.STATE).write_text(json.dumps({"next_step": 3, "learners": {}}))
+    with pytest.raises(UserError, match=r"^learner 'rloo': its state in step-000003 could not be loaded"):
+        control.add(side, tmp_path, 3, {"table": {"name": "rloo"}, "resume": True})
