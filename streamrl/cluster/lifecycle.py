@@ -37,14 +37,15 @@ from streamrl.recipe.recipe import Recipe
 log = logging.getLogger(__name__)
 
 
-def start(recipe: Recipe, verbose: bool = False,
-          spawning: Callable[[], ContextManager] = nullcontext) -> tuple[Cluster | None, Client]:
+def start(recipe: Recipe, verbose: bool = False, spawning: Callable[[], ContextManager] = nullcontext,
+          stopping: Callable[[], bool] = lambda: False) -> tuple[Cluster | None, Client]:
     """Start the run's cluster (the embedded one, or ``cluster.factory``'s) or connect to
     ``cluster.address``; wait for every pool and check that its workers can load what the recipe
     runs there. Returns the cluster streamrl started (None for one it did not) and a client.
     ``spawning``: held while a factory's cluster starts its processes (the run ignores stop
     signals then, as the processes inherit), not while it waits for the pools' workers (a batch
-    queue's, for as long as ``cluster.startup_timeout``: a stop then closes the cluster)."""
+    queue's, for as long as ``cluster.startup_timeout``): ``stopping()`` true then (a stop
+    signal came) ends the start, and the cluster is closed."""
     level = quiet_dask(verbose)
     c = recipe.cluster
     # glibc's malloc settings for every worker a Nanny in this process spawns (see PRE_SPAWN_ENV),
@@ -83,7 +84,8 @@ def start(recipe: Recipe, verbose: bool = False,
             # placing a learner says at once which worker is missing and how to start it)
             wait_for_pools(client, recipe, "" if labelled else
                            f" (cluster.factory {c.factory}: streamrl cannot label this cluster's workers, so they "
-                           "must offer the pools' resources themselves; see docs/deploy.md)", learners=labelled)
+                           "must offer the pools' resources themselves; see docs/deploy.md)", learners=labelled,
+                           stopping=stopping)
         else:
             host = c.host
             warm_start.begin(recipe)  # (started already by the command, as early as it could)
@@ -253,11 +255,13 @@ def stop_meanwhile(cluster: Cluster | None, client: Client | None,
     return wait
 
 
-def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool = False) -> None:
+def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool = False,
+                   stopping: Callable[[], bool] = lambda: False) -> None:
     """Wait up to ``cluster.startup_timeout`` until every pool has the workers its
     ``[pools.<name>] workers`` asks for, and with ``learners`` every side learner its worker (a
     factory's workers come up in their own time: a batch job waits in its queue); ``why`` ends
-    the timeout's message."""
+    the timeout's message. ``stopping()`` true (a stop signal came): ``KeyboardInterrupt`` at
+    once -- a batch system sends one SIGTERM, then SIGKILL."""
     want = {pool: getattr(recipe.pools, pool).workers for pool in [*REQUIRED_POOLS, "rank", "agent"]
             if getattr(recipe.pools, pool) is not None}
     side = side_learner_names(recipe) if learners else []
@@ -269,6 +273,8 @@ def wait_for_pools(client: Client, recipe: Recipe, why: str = "", learners: bool
         short = {p: len(have.get(p, {})) for p, n in want.items() if len(have.get(p, {})) < n}
         if not short:
             return
+        if stopping():
+            raise KeyboardInterrupt
         if time.monotonic() > deadline:
             counts = ", ".join(f"{'learner workers (learner-<name>)' if p == LEARN else p} {n} of {want[p]}"
                                for p, n in short.items())

@@ -262,7 +262,8 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
         # handler (``run/stopping.py``); connecting to cluster.address starts none, so a stop
         # signal meanwhile ends the command at once
         if r.cluster.factory:  # (its processes start with the signals ignored; its wait for them is stoppable)
-            dask_cluster, client = lifecycle.start(r, verbose, spawning=lambda: stop.deferred(hold=False))
+            dask_cluster, client = lifecycle.start(r, verbose, spawning=lambda: stop.deferred(hold=False),
+                                                   stopping=lambda: stop.signal is not None)
         else:
             with stop.deferred() if not r.cluster.address else nullcontext():
                 dask_cluster, client = lifecycle.start(r, verbose)
