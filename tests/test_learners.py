@@ -580,10 +580,14 @@ def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line
     (saved / "controller.json").write_text("{}")
     monkeypatch.setattr("streamrl.checkpoints.folders.latest", lambda run_dir: saved)
     monkeypatch.setattr(runtime, "ensure_worker", lambda *args: None)
+    from dataclasses import make_dataclass
+
     cancelled, released = [], []
-    placed = SimpleNamespace(name="rloo", evaluator=SimpleNamespace(cancel=lambda: cancelled.append(True)),
-                             plan=SimpleNamespace(resident="trainer-rloo", worker="learner-rloo"),
-                             view=SimpleNamespace(train_pin={}), state="training")
+    Placed = make_dataclass("Placed", ["name", "evaluator", "plan", "view", "state",
+                                       *[(k, object, 0) for k in runtime.COUNTS]])
+    placed = Placed("rloo", SimpleNamespace(cancel=lambda: cancelled.append(True)),
+                    SimpleNamespace(resident="trainer-rloo", worker="learner-rloo", algorithm=SimpleNamespace(
+                        component=SimpleNamespace(name="rloo"))), SimpleNamespace(train_pin={}), "training")
     monkeypatch.setattr(runtime, "place_one", lambda *args, **kwargs: placed)
 
     def refused(*args, **kwargs):
@@ -602,3 +606,10 @@ def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line
     (saved / runtime.STATE).write_text(json.dumps({"next_step": 3, "learners": {}}))
     with pytest.raises(UserError, match=r"^learner 'rloo': its state in step-000003 could not be loaded"):
         control.add(side, tmp_path, 3, {"table": {"name": "rloo"}, "resume": True})
+    # a state that loads: the evaluation of the policy it was placed with is dropped, as on a resume
+    cancelled.clear()
+    added = []
+    client.submit = lambda *args, **kwargs: SimpleNamespace(result=lambda: None)
+    side.add = added.append
+    assert "added on worker" in control.add(side, tmp_path, 3, {"table": {"name": "rloo"}, "resume": True})
+    assert cancelled == [True] and [lr.name for lr in added] == ["rloo"]

@@ -270,6 +270,8 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
             _let_go(side, learner, fanout)
             raise UserError(f"learner {name!r}: its state in {latest.name} could not be loaded "
                             f"({error_line(exc, 200, first_line=True)})") from None
+        if learner.evaluator is not None:  # (placing evaluated its starting policy, unordered with the load)
+            learner.evaluator.cancel()
         # its counts go on from those of the state it resumes (the checkpoint's, not the ones it
         # had when it left: the steps it trained after that checkpoint are lost with their state)
         counts = runtime.saved_counts(latest, name)
