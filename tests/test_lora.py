@@ -149,8 +149,10 @@ def test_an_adapted_embedding_is_in_the_merged_policy_and_one_tied_to_the_head_i
     # (the engines decoded another policy than the trainer's), and its learner never trained it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with pytest.raises(ValueError, match="trainer.lora.targets: embed_tokens is tied to the output head"):
+    with pytest.raises(ValueError, match="trainer.lora.targets: embed_tokens shares its weight with the other end"):
         lora_trainer(tiny_model, targets=["q_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match="trainer.lora.targets: lm_head shares its weight with the other end"):
+        lora_trainer(tiny_model, targets=["q_proj", "lm_head"])  # (the other side of the one tensor)
     untied = tmp_path / "untied"
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     model.config.tie_word_embeddings = False

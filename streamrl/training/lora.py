@@ -51,10 +51,16 @@ def add_adapter(model: torch.nn.Module, config: LoraConfig, name: str = ADAPTER)
     if getattr(model.config, "tie_word_embeddings", False):
         from peft.tuners.lora import LoraLayer
 
-        tied = [n for n, m in peft.named_modules() if isinstance(m, LoraLayer) and name in m.lora_embedding_A]
-        if tied:  # (the merged policy is one weight for both: it cannot be the input's alone plus a delta)
-            raise ValueError(f"trainer.lora.targets: {tied[0].split('.')[-1]} is tied to the output head in this "
-                             "model, so its adapter cannot be merged into the policy; leave it out of the targets")
+        # the embedding and the output head are one tensor: an adapter on either side cannot be
+        # merged into it (the merged policy is one weight for both; the head's delta was dropped)
+        embedding = model.get_input_embeddings()
+        shared = (embedding.get_base_layer() if isinstance(embedding, LoraLayer) else embedding).weight
+        tied = [n for n, m in peft.named_modules() if isinstance(m, LoraLayer)
+                and (name in m.lora_embedding_A or m.get_base_layer().weight is shared)]
+        if tied:
+            raise ValueError(f"trainer.lora.targets: {tied[0].split('.')[-1]} shares its weight with the other end "
+                             "of this model (tie_word_embeddings: the input embedding and the output head are one "
+                             "tensor), so its adapter cannot be merged into the policy; leave it out of the targets")
     return peft
 
 
