@@ -304,3 +304,10 @@ def test_the_models_own_dropout_is_off_in_training_so_its_log_probs_are_the_engi
         first, second = (naive_token_logprobs(trainer.model, ids, attn) for _ in range(2))
         evaluated = naive_token_logprobs(model.eval(), ids, attn)
     assert torch.equal(first, second) and torch.allclose(first[resp > 0], evaluated[resp > 0], atol=1e-5)
+    from streamrl.algorithms.ppo import PPO, PPOConfig  # (and a critic's values, without noise either)
+
+    critic = HFTrainer(HFTrainerConfig(precision="fp32"), TrainerContext(str(dropped), PPO(PPOConfig()),
+                                                                          EngineCapabilities(temperature=1.0))).critic
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.head.weight)  # (its head starts at zero: every value 0, dropout or not)
+        assert critic.training and torch.equal(critic.values(ids, attn), critic.values(ids, attn))

@@ -47,7 +47,8 @@ def without_dropout(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout) and "lora_dropout" not in name:
             module.p = 0.0
-        for attr in ("attention_dropout", "dropout"):  # (attention's own, read as a float in its forward)
+        # (attention's own and a few architectures' others, read as floats in their forward)
+        for attr in ("attention_dropout", "dropout", "hidden_dropout", "activation_dropout"):
             if isinstance(getattr(module, attr, None), float):
                 setattr(module, attr, 0.0)
 
@@ -118,6 +119,7 @@ class HFTrainer(Trainer):
         self.critic = None
         if self.algorithm.needs_critic:
             self.critic = Critic(context.model_path, config.critic_lr, built_on)
+            without_dropout(self.critic)  # (its values, against the first pass's, without noise either)
         # the policy's (and reference's) token log-probs, as modules: the unit fsdp shards
         self.policy = TokenLogprobs(self.model)
         self.reference_policy = TokenLogprobs(self.reference) if self.reference is not None else None
