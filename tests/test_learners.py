@@ -476,8 +476,10 @@ def test_a_learner_removed_and_added_again_under_its_name_is_served_anew():
     learners = {"x": first}
     variants._fanout = lambda: SimpleNamespace(learners=learners)
     variants._sync()
+    variants._failed.add("x")  # (its engine could not take its weights once: said once)
     first.state = "removed"
     variants._sync()
+    assert "x" not in variants._failed  # (one added again under its name has its own said)
     learners["x"] = second = learner()  # added again under its name
     variants._sync()
     starts = [d for d in did if d[0] == remote_engines.start.__name__]

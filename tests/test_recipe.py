@@ -259,7 +259,7 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
     # REINFORCE++'s running normaliser is each trainer's: several ranks would each keep their own
     code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'algorithm.name="reinforce_pp"',
                            "--set", "pools.train.workers=2")
-    assert code == 2 and "pools.train.workers: 2 with algorithm = \"reinforce_pp\", whose running statistics" in \
+    assert code == 2 and "pools.train.workers: 2 with algorithm.name = \"reinforce_pp\", whose running statistics" in \
         one_line_error(err)
     code, _, err = run_cli(capsys, "recipe", "validate", str(tiny_recipe), "--set", 'pools.train.cuda_visible_devices=["0"]',
                            "--set", "pools.train.gpus_per_worker=2")

@@ -173,6 +173,7 @@ class ServedVariants(StepExtension):
             old = self.serving.get(name, lr)
             if name in self.served and (lr.state in ("removed", "failed") or old is not lr):
                 self.serving.pop(name, None)
+                self._failed.discard(name)  # (one added again under its name has its own failures said)
                 model = self.served.pop(name)
                 try:
                     self._endpoint(endpoint.remove_variant, model)

@@ -252,7 +252,7 @@ def check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
     ranks = r.pools.train.workers if r.pools.train is not None and not r.cluster.address else 1
     stateful = isinstance(built, Algorithm) and type(built).state_dict is not Algorithm.state_dict
     if stateful and ranks > 1 and out.learners and plan is out.learners[0]:
-        raise UserError(f"pools.train.workers: {ranks} with {field} = \"{plan.algorithm.component.name}\", whose running "
+        raise UserError(f"pools.train.workers: {ranks} with {field}.name = \"{plan.algorithm.component.name}\", whose running "
                         "statistics are each trainer's own (every rank would normalise with its own, and a "
                         "checkpoint keeps one); use one train worker")
     # Dr. GRPO divides every sample's token sum by L_max, the generation budget: another
