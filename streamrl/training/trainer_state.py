@@ -166,11 +166,12 @@ def save(trainer, path: str) -> None:
     # An optimizer that has not stepped yet has no state, and DCP's get_state_dict makes some by
     # stepping it at learning rate 0: Adam's count at 1, so the first real update ran with the
     # second's bias correction. Its state is given back empty, and a resume empties it too.
-    unused = [name for name, (_, optimizer) in _modules(trainer).items() if not optimizer.state]
-    for name, (module, optimizer) in _modules(trainer).items():
+    modules = _modules(trainer)
+    unused = [name for name, (_, optimizer) in modules.items() if not optimizer.state]
+    for name, (module, optimizer) in modules.items():
         state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
     for name in unused:
-        _modules(trainer)[name][1].state.clear()
+        modules[name][1].state.clear()
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
         warnings.simplefilter("ignore")
         # no_dist: the ranks of a data-parallel train pool hold identical state; rank 0 writes it
