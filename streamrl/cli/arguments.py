@@ -27,9 +27,13 @@ def _out_folder(text: str) -> str:
     """A folder a command writes at its end: checked before it runs (minutes of training are not
     lost to a path that is a file or cannot be written). ``~`` expanded."""
     import os
-    from pathlib import Path
 
-    path = Path(text).expanduser()
+    from streamrl.recipe.paths import home
+
+    try:
+        path = home(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; expected a folder to write")
     existing = path

@@ -143,21 +143,21 @@ class Dispatcher:
         fields (``generate_makespan_s``, ``ranker_recall``, ``first_sample_recall``: the same
         recall for the estimate each group gives of itself when its first sample finishes, the
         scheduler's metrics)."""
-        if step not in self.step_prompts or not sample_log:
+        # what was kept for the step goes, whatever comes of it (a long run kept it all)
+        prompts, predicted = self.step_prompts.pop(step, None), self.predicted.pop(step, None)
+        placed_metrics = self.scheduler_metrics.pop(step, {})
+        if prompts is None or not sample_log:
             # the step's samples were not the task's prompts (served traffic), or there were none
-            # (a stop): nothing to learn, and what was kept for it goes (a long run kept it all)
-            for kept in (self.step_prompts, self.predicted, self.scheduler_metrics):
-                kept.pop(step, None)
+            # (a stop): nothing to learn
             return {}
         by_prompt: dict[str, list[int]] = {}
         for x in sample_log:
             by_prompt.setdefault(x["uid"].rsplit("-", 1)[0], []).append(x["response_len"])
-        prompts = self.step_prompts.pop(step)
         lengths = [by_prompt.get(p.uid, []) for p in prompts]
         self.observed_lengths = (self.observed_lengths + [x["response_len"] for x in sample_log])[-8192:]
         self.prompt_tokens = sum(x["prompt_len"] for x in sample_log) / max(len(sample_log), 1)
         out = {"generate_makespan_s": max(x["gen_end"] for x in sample_log) - min(x["submitted"] for x in sample_log)}
-        out.update(self.scheduler_metrics.pop(step, {}))
+        out.update(placed_metrics)
         actual = [sum(math.log(max(n, 1)) for n in ls) / max(len(ls), 1) for ls in lengths]
         # the estimate a group gives of itself once its first sample is done: that sample's length
         first: dict[str, tuple[float, int]] = {}
@@ -176,8 +176,8 @@ class Dispatcher:
                 self.observe_failed = True
                 warnings.warn(f"scheduler: observe() raised {type(exc).__name__}: {exc}; its lessons are "
                               "skipped from now on", RunWarning, stacklevel=2)
-        if step in self.predicted:  # a step placed without the ranker's scores teaches it nothing
-            out["ranker_recall"] = top_recall(self.predicted.pop(step), actual, 0.2)
+        if predicted is not None:  # a step placed without the ranker's scores teaches it nothing
+            out["ranker_recall"] = top_recall(predicted, actual, 0.2)
             self._check_lesson()
             self.last_observe = self.client.submit(
                 ranker_tasks.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",

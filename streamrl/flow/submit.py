@@ -205,7 +205,7 @@ def training(topo: Topology, recipe: Recipe, step: int, scored: list[Future], st
     # trainer under its own name; its keys say whose they are
     res, held, tag = topo.train_resource, topo.trainer_resident, topo.key_tag
     chained = sharded or ordered  # each rank runs its tasks in the order given
-    pinned = chained or keep_places or chunks is not None  # each task on the rank round-robin names
+    pinned = chained or keep_places  # each task on the rank round-robin names
     given: list[list[Future]] = []  # each train task's chunk of scored futures
     turns: dict[str, Future] = {}  # chained: each rank's last train task (the rounds' order)
 

@@ -267,7 +267,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
             run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,
                               **learner.view.train_pin).result()
         except Exception as exc:  # (a state another model or algorithm wrote): placed for nothing, let go
-            _let_go(side, learner, fanout)
+            _let_go(side, learner)
             raise UserError(f"learner {name!r}: its state in {latest.name} could not be loaded "
                             f"({error_line(exc, 200, first_line=True)})") from None
         if learner.evaluator is not None:  # (placing evaluated its starting policy, unordered with the load)
@@ -286,12 +286,12 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
            f"it trains from step {step + 1}"
 
 
-def _let_go(side, lr, fanout) -> None:
+def _let_go(side, lr) -> None:
     """Release what placing learner ``lr`` took -- its evaluation, its trainer and evaluation
     engine on their worker, and (embedded cluster) the worker when no other learner trains there."""
     from streamrl.learners.evaluate import engine_resident
 
-    run = side.context
+    run, fanout = side.context, side.fanout
     if lr.evaluator is not None:
         lr.evaluator.cancel()
     for resident_name in (lr.plan.resident, engine_resident(lr.name)):
@@ -320,6 +320,6 @@ def remove(side, run_dir: Path, name: str) -> str:
         fanout.drain()
     saved = fanout.save_policies(run_dir / "policy", only=[name])
     lr.state = "removed"
-    _let_go(side, lr, fanout)
+    _let_go(side, lr)
     where = saved.get(name)
     return f"learner {name!r} removed after {lr.steps_trained} steps" + (f"; its policy is in {where}" if where else "")

@@ -176,13 +176,11 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
                     fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
                                          trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
                     saved = True
-                except ResidentLost as exc:  # its worker restarted since its last step: that learner's loss
-                    fanout.fail(lr, next_step - 1, exc)
-                    shutil.rmtree(target, ignore_errors=True)
                 except OSError:  # (the run's folder full, the scheduler gone: the checkpoint's failure, said so)
                     raise
-                except Exception as exc:  # noqa: BLE001 -- its own save failed (its GPU out of memory, a
-                    # plugin trainer's bug): that learner's loss, not the run's checkpoint's
+                except Exception as exc:  # noqa: BLE001 -- its worker restarted since its last step
+                    # (ResidentLost), or its own save failed (its GPU out of memory, a plugin trainer's
+                    # bug): that learner's loss, not the run's checkpoint's
                     fanout.fail(lr, next_step - 1, exc)
                     shutil.rmtree(target, ignore_errors=True)
             if not saved and previous is not None and (previous / "learners" / lr.name).is_dir():

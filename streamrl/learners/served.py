@@ -32,6 +32,7 @@ from streamrl.learners.extension import SideLearners
 from streamrl.on_worker import task_functions, weight_tasks
 from streamrl.on_worker.resident import ENGINE, Resident, resident
 from streamrl.serve import endpoint, remote_engines
+from streamrl.telemetry.text import error_line
 
 
 def trained_through(lr) -> int:
@@ -133,7 +134,7 @@ class ServedVariants(StepExtension):
                                            **lr.view.train_pin).result(timeout=self.context.recipe.cluster.startup_timeout)
             except Exception as exc:  # noqa: BLE001 -- a variant that cannot take its weights is said; the run goes on
                 warnings.warn(RunWarning(f"variant {self.served[name]!r} could not take learner {name!r}'s restored "
-                                         f"weights ({type(exc).__name__}: {exc}); it serves the weights it has"),
+                                         f"weights ({error_line(exc, 300)}); it serves the weights it has"),
                               stacklevel=2)
 
     def close(self) -> None:
@@ -179,7 +180,7 @@ class ServedVariants(StepExtension):
                     self._endpoint(endpoint.remove_variant, model)
                 except Exception as exc:  # noqa: BLE001 -- the endpoint's worker busy or gone: said, the run goes on
                     warnings.warn(RunWarning(f"variant {model!r} could not be taken off the endpoint "
-                                             f"({type(exc).__name__}: {exc})"), stacklevel=2)
+                                             f"({error_line(exc, 300)})"), stacklevel=2)
                 if name in self.on_adapters:
                     self.on_adapters.discard(name)
                     # its loads still on their way land first: one landing after the unload
