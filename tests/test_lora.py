@@ -22,6 +22,17 @@ def lora_trainer(model, **lora) -> HFTrainer:
                      device="cpu")
 
 
+def assert_merged_gives_the_trainers_logprobs(trainer, plain, merged, groups) -> None:
+    """``merged`` loaded into the plain model ``plain`` gives the trainer's own log-probs of ``groups``."""
+    plain.load_state_dict(merged, strict=False)
+    samples = [s for g in groups for s in g]
+    ids, attn, resp, _ = pad_batch(samples, trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours = naive_token_logprobs(trainer.model.eval(), ids, attn)
+        theirs = naive_token_logprobs(plain.eval(), ids, attn)
+    assert torch.allclose(ours[resp > 0], theirs[resp > 0], atol=1e-5)
+
+
 def test_only_the_adapter_learns_and_the_merged_weights_are_the_policy(tiny_model):
     from transformers import AutoModelForCausalLM
 
@@ -42,13 +53,7 @@ def test_only_the_adapter_learns_and_the_merged_weights_are_the_policy(tiny_mode
     assert set(merged) == {n for n, _ in plain.named_parameters()}  # the plain model's names, tied once
     assert any(not torch.equal(merged[n], base_before[n]) for n in merged)
     # loaded into a plain model, the merged weights give the trainer's own log-probs
-    plain.load_state_dict(merged, strict=False)
-    samples = [s for g in groups for s in g]
-    ids, attn, resp, _ = pad_batch(samples, trainer.tokenizer.pad_token_id)
-    with torch.no_grad():
-        ours = naive_token_logprobs(trainer.model.eval(), ids, attn)
-        theirs = naive_token_logprobs(plain.eval(), ids, attn)
-    assert torch.allclose(ours[resp > 0], theirs[resp > 0], atol=1e-5)
+    assert_merged_gives_the_trainers_logprobs(trainer, plain, merged, groups)
     assert merged_weights(trainer.model).keys() == merged.keys()
 
 
@@ -168,10 +173,4 @@ def test_an_adapted_embedding_is_in_the_merged_policy_and_one_tied_to_the_head_i
     plain = AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32)
     merged = merged_weights(trainer.model)
     assert not torch.equal(merged["model.embed_tokens.weight"], plain.model.embed_tokens.weight)  # (it learned)
-    plain.load_state_dict(merged, strict=False)
-    samples = [s for g in groups for s in g]
-    ids, attn, resp, _ = pad_batch(samples, trainer.tokenizer.pad_token_id)
-    with torch.no_grad():
-        ours = naive_token_logprobs(trainer.model.eval(), ids, attn)
-        theirs = naive_token_logprobs(plain.eval(), ids, attn)
-    assert torch.allclose(ours[resp > 0], theirs[resp > 0], atol=1e-5)
+    assert_merged_gives_the_trainers_logprobs(trainer, plain, merged, groups)

@@ -104,12 +104,17 @@ def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
                                                 "(expected status.json and recipe.toml in it)"]
 
 
+def a_checkpoint(run: Path) -> None:
+    """A step-2 checkpoint in ``run`` as a sim trainer's run writes it (what a resume reads)."""
+    (run / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
+    (run / "checkpoints" / "step-000002" / "controller.json").write_text(
+        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
+
+
 def test_resume_refuses_a_run_that_is_still_going(tmp_path):
     (tmp_path / "recipe.toml").write_text("")
-    (tmp_path / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
-    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
-        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))  # (what a checkpoint holds)
+    a_checkpoint(tmp_path)
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "recipe_file": "x"}))
     proc = streamrl("recipe", "resume", str(tmp_path))
     assert proc.returncode == 2
@@ -126,10 +131,7 @@ def test_a_pid_written_on_another_host_does_not_say_the_run_is_going_here(tmp_pa
     from streamrl.run.run_folder import RunFolder
 
     write_tiny_recipe(tmp_path, tiny_model, name="recipe.toml")
-    (tmp_path / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
-    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
-        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
+    a_checkpoint(tmp_path)
     for host, going in (("another-node", False), (socket.gethostname(), True)):
         (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid(), "host": host,
                                                           "recipe_file": str(tmp_path / "recipe.toml")}))
@@ -147,10 +149,7 @@ def test_a_second_command_on_a_run_folder_in_use_is_one_line(tmp_path, tiny_mode
     import fcntl
 
     write_tiny_recipe(tmp_path, tiny_model, name="recipe.toml")
-    (tmp_path / "checkpoints" / "step-000002" / "trainer").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000002" / "trainer" / "sim_trainer.json").write_text('{"version": 2}')
-    (tmp_path / "checkpoints" / "step-000002" / "controller.json").write_text(
-        json.dumps({"next_step": 2, "policy_version": 2, "records": 2}))
+    a_checkpoint(tmp_path)
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "pid": 4_000_000, "host": "elsewhere",
                                                       "recipe_file": str(tmp_path / "recipe.toml")}))
     with open(tmp_path / ".lock", "w") as held:
