@@ -80,7 +80,7 @@ def main() -> int:
                                        max_new_tokens=args.tokens, profile=False, adapters=args.adapters + 1,
                                        cuda_graph=True))
     engine.load(args.model, device=args.device)
-    engine.decoder.eos_id.fill_(-1)  # every request decodes all its tokens
+    engine.decoder.stop_ids.fill_(-1)  # every request decodes all its tokens
     names = [f"a{k}" for k in range(args.adapters)]
     publications = [random_adapter(engine.model, args.rank, k) for k in range(args.adapters)]
     full_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())

@@ -90,7 +90,7 @@ def pace(engine, requests: int, new_tokens: int, steps: int, device: str, profil
     """:func:`decoder_pace` of one decoder (``fused``: its sampling kernels if it can)."""
     t0 = time.perf_counter()
     decoder = SlotDecoder(engine.model, requests, PROMPT_TOKENS + new_tokens, new_tokens,
-                          engine.config.temperature, -1, graphs=engine.config.cuda_graph and device == "cuda",
+                          engine.config.temperature, (), graphs=engine.config.cuda_graph and device == "cuda",
                           fused=fused, prefill_graphs=engine.config.prefill_graphs)
     sync(device)
     built_s = time.perf_counter() - t0
@@ -261,7 +261,7 @@ def measure(model: str, requests: int, new_tokens: int, steps: int, device: str,
     engine.load(model, device=device)
     load_s = time.time() - t0
     try:
-        engine.decoder.eos_id.fill_(-1)  # every response decodes new_tokens tokens
+        engine.decoder.stop_ids.fill_(-1)  # every response decodes new_tokens tokens
         prompts = [Prompt(uid=f"p{i}", text=f"{i}+{i * 3}=", answer="") for i in range(n_prompts)]
         engine.generate_groups(prompts, 8, [0.0] * n_prompts)  # warm
         spans = Spans(engine.decoder)

@@ -127,7 +127,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).eval()
-    decoder = SlotDecoder(model, args.slots, 32 + args.max_new_tokens, args.max_new_tokens, 1.0, eos_id=0,
+    decoder = SlotDecoder(model, args.slots, 32 + args.max_new_tokens, args.max_new_tokens, 1.0, stop_ids=[0],
                           graphs=False)
     server = Server(args.slots)
     rows = []

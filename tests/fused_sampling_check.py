@@ -67,7 +67,7 @@ def in_the_slot_decoder(model_dir: str) -> dict:
     prompt = [1, 5, 9, 13, 2]
 
     def run(fused: bool, greedy: bool) -> tuple[list[int], list[float]]:
-        dec = SlotDecoder(model, slots=2, context=24, max_new_tokens=6, temperature=0.8, eos_id=-1, graphs=False)
+        dec = SlotDecoder(model, slots=2, context=24, max_new_tokens=6, temperature=0.8, stop_ids=(), graphs=False)
         if fused:  # (a CPU decoder never picks the kernels itself: they are for a GPU)
             dec.fused, dec._fused_sample, dec._seed = True, fs.sample, fs.new_seed("cpu")
         dec.prefill([(0, prompt, 6, greedy)])

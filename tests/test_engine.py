@@ -253,7 +253,7 @@ def test_static_decode_prefills_each_distinct_prompt_once_and_every_row_continue
                                     with_kwargs=True)
     a, b = [1, 5, 6, 7], [1, 8, 9]  # two prompts of different lengths, interleaved, 3 samples each
     prompts = [a, b, a, b, a, b]
-    out = decode_batch(model, prompts, 6, 1.0, eos_id=2, generator=torch.Generator().manual_seed(0))
+    out = decode_batch(model, prompts, 6, 1.0, stop_ids=[2], generator=torch.Generator().manual_seed(0))
     assert batches[0] == (2, 4)  # the prefill: one row per distinct prompt
     assert all(shape == (6, 1) for shape in batches[1:])  # decode steps: one row per sample
     for prompt, (tokens, logprobs) in zip(prompts, out):  # each row continued its own prompt's cache

@@ -48,7 +48,7 @@ def test_a_cpu_decoder_samples_with_torch_ops(tmp_path):
                                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=128),
                  dtype="float32")
     m = AutoModelForCausalLM.from_pretrained(str(model)).eval()
-    dec = SlotDecoder(m, slots=2, context=8, max_new_tokens=4, temperature=1.0, eos_id=-1, graphs=False, fused=True)
+    dec = SlotDecoder(m, slots=2, context=8, max_new_tokens=4, temperature=1.0, stop_ids=(), graphs=False, fused=True)
     assert dec.fused is False
     dec.prefill([(0, [1, 2], 4, False)])
     dec.step(1)

@@ -82,7 +82,7 @@ def test_the_slot_engine_decodes_requests_for_different_adapters_in_one_step_eac
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     engine = HFEngine(HFEngineConfig(batching="slots", profile=False, slots=8, max_new_tokens=10))
     engine.load(str(tiny_model), device="cpu")
-    engine.decoder.eos_id.fill_(-1)  # every response runs its 10 tokens: they share steps
+    engine.decoder.stop_ids.fill_(-1)  # every response runs its 10 tokens: they share steps
     mixed = []
     real_step = engine.decoder.step
 

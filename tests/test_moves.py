@@ -39,7 +39,7 @@ def test_a_sample_moved_mid_response_is_finished_by_the_other_engine_with_its_to
     pool = ThreadPoolExecutor(2)
     try:
         for e in (source, target):
-            e.decoder.eos_id.fill_(-1)  # every response runs to 40 tokens: the move lands mid-way
+            e.decoder.stop_ids.fill_(-1)  # every response runs to 40 tokens: the move lands mid-way
         with torch.no_grad():  # the target holds a newer policy
             target.load_weights({n: p * 1.5 for n, p in target.model.named_parameters()}, 1)
         handed = []
@@ -95,7 +95,7 @@ def test_a_sample_ended_but_not_yet_handed_back_is_not_moved(tiny_model):
     # running meanwhile; taken out then, it was continued past its end (or failed at its limit)
     engine = slot_engine(tiny_model, max_new_tokens=3, slots=2, finished_every=10_000)
     try:
-        engine.decoder.eos_id.fill_(-1)  # (it ends at its limit, 3 tokens)
+        engine.decoder.stop_ids.fill_(-1)  # (it ends at its limit, 3 tokens)
         out = []
         asker = threading.Thread(target=lambda: out.append(engine.generate_movable(
             Prompt(uid="e", text="1+2=", answer=""), [0], 0.0, lambda partial: pytest.fail("an ended sample moved"))))

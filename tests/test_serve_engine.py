@@ -20,7 +20,7 @@ def engine(tiny_model):
     e = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=16, max_new_tokens=6,
                                   temperature=1.0, profile=False))
     e.load(str(tiny_model))
-    e.decoder.eos_id.fill_(-1)  # every request runs to its token limit: the test needs its length
+    e.decoder.stop_ids.fill_(-1)  # every request runs to its token limit: the test needs its length
     try:
         yield e
     finally:

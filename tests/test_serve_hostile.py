@@ -474,7 +474,7 @@ def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4000,
                                        temperature=1.0, profile=False))
     engine.load(str(tiny_model))
-    engine.decoder.eos_id.fill_(-1)  # (no early end: only the cancel ends it before 4,000 tokens)
+    engine.decoder.stop_ids.fill_(-1)  # (no early end: only the cancel ends it before 4,000 tokens)
     api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
     try:
         with endpoint_in_process(api) as url:
@@ -496,7 +496,7 @@ def test_a_client_that_goes_away_while_its_request_waits_for_a_slot_cancels_it_a
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=1, max_prompt_tokens=32, max_new_tokens=4000,
                                        temperature=1.0, profile=False))
     engine.load(str(tiny_model))
-    engine.decoder.eos_id.fill_(-1)  # (the first reply holds the one slot for 4,000 tokens)
+    engine.decoder.stop_ids.fill_(-1)  # (the first reply holds the one slot for 4,000 tokens)
     api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
     try:
         with endpoint_in_process(api) as url:

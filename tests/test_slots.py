@@ -87,7 +87,7 @@ def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it
     from streamrl.engines.slot_prefill import PromptForward
 
     model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
-    dec = SlotDecoder(model, slots=4, context=32, max_new_tokens=12, temperature=1.0, eos_id=-1, graphs=False)
+    dec = SlotDecoder(model, slots=4, context=32, max_new_tokens=12, temperature=1.0, stop_ids=(), graphs=False)
     if prefill == "buckets":
         dec.prompts = PromptForward(dec, static=True, graphs=False)
         assert dec.prompts.buckets == [(1, 16), (2, 16), (1, 32), (4, 16), (2, 32), (4, 32)]
@@ -110,9 +110,9 @@ def test_a_request_joins_a_freed_slot_while_others_decode_and_each_decodes_as_it
             ended[s if s != 1 else "c"] = out
     for prompt, key, n in [(a, 0, 12), (c, "c", 7)]:
         tokens, logprobs = ended[key]
-        ((want, want_lp),) = decode_batch(model, [prompt], n, 1.0, eos_id=-1, greedy=True)
+        ((want, want_lp),) = decode_batch(model, [prompt], n, 1.0, stop_ids=(), greedy=True)
         assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
-    ((want, _),) = decode_batch(model, [b], 3, 1.0, eos_id=-1, greedy=True)
+    ((want, _),) = decode_batch(model, [b], 3, 1.0, stop_ids=(), greedy=True)
     assert ended[1][0] == want
     if prefill == "buckets":
         assert bodies == [(2, 16), (1, 16)]  # both prefills padded to a bucket
@@ -126,7 +126,7 @@ def test_a_prefill_padded_to_a_bigger_bucket_decodes_each_slot_as_the_reference(
     from streamrl.engines.slot_prefill import PromptForward
 
     model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
-    dec = SlotDecoder(model, slots=4, context=80, max_new_tokens=6, temperature=1.0, eos_id=-1, graphs=False)
+    dec = SlotDecoder(model, slots=4, context=80, max_new_tokens=6, temperature=1.0, stop_ids=(), graphs=False)
     dec.prompts = PromptForward(dec, static=True, graphs=False)
     bodies = []
     real = dec.prompts._body
@@ -139,13 +139,13 @@ def test_a_prefill_padded_to_a_bigger_bucket_decodes_each_slot_as_the_reference(
     done = [int(x) for x in dec.finished_slots(4)]
     assert done == [0, 1, 2, 3]
     for (tokens, logprobs), prompt in zip(dec.release(done), (a, b, c, a)):
-        ((want, want_lp),) = decode_batch(model, [prompt], 6, 1.0, eos_id=-1, greedy=True)
+        ((want, want_lp),) = decode_batch(model, [prompt], 6, 1.0, stop_ids=(), greedy=True)
         assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
 
 
 def test_a_weight_load_mid_generation_drops_nothing_and_the_next_steps_use_the_new_weights(tiny_model):
     engine = slot_engine(tiny_model, max_new_tokens=50, slots=2)
-    engine.decoder.eos_id.fill_(-1)  # every response runs to 50 tokens: the load lands mid-way
+    engine.decoder.stop_ids.fill_(-1)  # every response runs to 50 tokens: the load lands mid-way
     at_load = []
     paused = engine._weights_paused
 
@@ -200,7 +200,7 @@ def test_an_ended_request_stops_decoding_and_stays_finished_until_it_is_released
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(qwen_model)).eval()
-    dec = SlotDecoder(model, slots=2, context=32, max_new_tokens=6, temperature=1.0, eos_id=-1, graphs=False)
+    dec = SlotDecoder(model, slots=2, context=32, max_new_tokens=6, temperature=1.0, stop_ids=(), graphs=False)
     a, b = [1, 5, 9, 13, 2], [1, 7, 3]
     dec.prefill([(0, a, 6, True), (1, b, 3, True)])
     for _ in range(3):  # b ends at its third token, two steps in; a step goes by unread
@@ -210,7 +210,7 @@ def test_an_ended_request_stops_decoding_and_stays_finished_until_it_is_released
         dec.step(2)
     assert [int(s) for s in dec.finished_slots(2)] == [0, 1] and not dec.active[:2].any()
     for (tokens, logprobs), prompt, n in zip(dec.release([0, 1]), [a, b], [6, 3]):
-        ((want, want_lp),) = decode_batch(model, [prompt], n, 1.0, eos_id=-1, greedy=True)
+        ((want, want_lp),) = decode_batch(model, [prompt], n, 1.0, stop_ids=(), greedy=True)
         assert tokens == want and torch.allclose(torch.tensor(logprobs), torch.tensor(want_lp), atol=1e-4)
 
 
@@ -241,7 +241,7 @@ def test_requests_that_arrive_while_others_decode_are_admitted_at_the_next_look(
     # with engine.finished_every = 4, waiting requests join at the turns that look for ended ones
     # (or at once when nothing runs): groups that trickle in share a prefill between two steps
     engine = slot_engine(tiny_model, max_new_tokens=12, slots=8, finished_every=4)
-    engine.decoder.eos_id.fill_(-1)  # every response decodes its 12 tokens
+    engine.decoder.stop_ids.fill_(-1)  # every response decodes its 12 tokens
     admits, held, go, out = [], threading.Event(), threading.Event(), {}
     real_prefill, real_step = engine.decoder.prefill, engine.decoder.step
 

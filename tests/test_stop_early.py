@@ -30,7 +30,7 @@ def test_the_slot_engine_ends_a_response_the_reward_calls_hopeless(tiny_model):
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=8, max_prompt_tokens=16, max_new_tokens=12,
                                        temperature=1.0, profile=False, stop_early_every=2))
     engine.load(str(tiny_model))
-    engine.decoder.eos_id.fill_(-1)  # no response ends by itself: only the limit or the watch
+    engine.decoder.stop_ids.fill_(-1)  # no response ends by itself: only the limit or the watch
     watch = StopAtThree()
     # (the engine samples from torch's global generator: seeded, the draws do not depend on the
     # tests this process ran before -- unseeded, a response that kept sampling the end-of-sequence
@@ -63,7 +63,7 @@ def test_a_served_response_the_reward_calls_hopeless_ends_there_and_is_counted(t
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=8, max_prompt_tokens=16, max_new_tokens=12,
                                        temperature=1.0, profile=False, stop_early_every=2))
     engine.load(str(tiny_model))
-    engine.decoder.eos_id.fill_(-1)  # no response ends by itself: only the limit or the watch
+    engine.decoder.stop_ids.fill_(-1)  # no response ends by itself: only the limit or the watch
     watch = StopAtThree()
     # (the engine samples from torch's global generator: seeded, the draws do not depend on the
     # tests this process ran before -- unseeded, a response that kept sampling the end-of-sequence

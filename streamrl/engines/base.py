@@ -21,6 +21,7 @@ from streamrl.errors import WeightShapeMismatch
 from streamrl.engines.hf_config import HFEngineConfig
 from streamrl.engines.decode import decode_batch
 from streamrl.engines.request_queue import RequestQueue, await_response
+from streamrl.engines.stop_tokens import stop_ids
 from streamrl.sample import Group, Prompt, Sample
 
 
@@ -39,6 +40,9 @@ class TransformersEngine(Engine):
         """The transformers model, set by :meth:`load`."""
         self.tokenizer = None
         """Its tokenizer, set by :meth:`load`."""
+        self.stop_ids: tuple[int, ...] = ()
+        """The tokens that end a response: the tokenizer's EOS and the model's generation config's
+        (``engines/stop_tokens.py``), set by :meth:`load`."""
         self.adapters: AdapterBank | None = None
         """The LoRA adapters it holds over the base weights (``engine.adapters`` of them; None
         with 0), set by :meth:`load`: a LoRA learner's publication loads into :data:`POLICY`."""
@@ -62,6 +66,7 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
+        self.stop_ids = stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         if self.config.kernels == "liger":  # (before the loop's decoder takes the modules' functions)
             from streamrl.training.kernels import use_liger_kernels
 
@@ -82,10 +87,9 @@ class TransformersEngine(Engine):
         takes requests, so it drives the engine itself. The first batch size is a warm-up and
         is not kept.
         """
-        # (a token that is no EOS, and inside the vocabulary: GPT-2's EOS is its last id)
+        # (a token that ends nothing, inside the vocabulary: GPT-2's EOS is its last id)
         vocab = self.model.get_input_embeddings().num_embeddings
-        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else -1
-        filler = (eos + 1) % vocab
+        filler = next(t for t in range(vocab) if t not in self.stop_ids)
         ids = self.encode("")[:1] + [filler] * (prompt - 1)
         points = []
         for i, b in enumerate(batches):
@@ -140,7 +144,7 @@ class TransformersEngine(Engine):
         # runs, so two forwards at once (this and continuous batching's loop) corrupt each other
         with self._model_lock, self._weights_paused():
             start, version = time.time(), self.version
-            out = decode_batch(self.model, ids, self.config.max_new_tokens, 1.0, self.tokenizer.eos_token_id,
+            out = decode_batch(self.model, ids, self.config.max_new_tokens, 1.0, self.stop_ids,
                                pad_id=self.tokenizer.pad_token_id or 0, greedy=True)
         end = time.time()
         return [[self.make_sample(p, i, f"{p.uid}-0", tokens, logprobs, version, start, end)]

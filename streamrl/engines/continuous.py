@@ -39,7 +39,7 @@ class ContinuousEngine(TransformersEngine):
 
         gen = GenerationConfig(
             do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0,
-            max_new_tokens=self.config.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
+            max_new_tokens=self.config.max_new_tokens, eos_token_id=list(self.stop_ids) or -1,
             pad_token_id=self.tokenizer.pad_token_id,
         )
         fraction = self.config.kv_memory_fraction

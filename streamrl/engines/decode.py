@@ -7,8 +7,12 @@ only real tokens, so a padded row sees the positions (and hence the logits) it w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import transformers
+
+from streamrl.engines.stop_tokens import first_stop
 
 #: The name a causal LM's forward takes its KV cache by, and its output gives it back by:
 #: ``cache`` from transformers 5.24 on (``past_key_values`` is deprecated there and goes in 5.40),
@@ -17,12 +21,12 @@ CACHE = "cache" if tuple(int(x) for x in transformers.__version__.split(".")[:2]
 
 
 @torch.no_grad()
-def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_id: int,
-                 pad_id: int = 0, generator: torch.Generator | None = None,
+def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                 stop_ids: Sequence[int], pad_id: int = 0, generator: torch.Generator | None = None,
                  stop_at_eos: bool = True, greedy: bool = False) -> list[tuple[list[int], list[float]]]:
-    """Sample one response per prompt: ``[(tokens, logprobs)]``, each ending at its first EOS
-    (included) or after ``max_new_tokens``. Logprobs are of the tempered distribution, as the
-    trainer computes them. ``generator`` (a CPU generator) makes the draws reproducible;
+    """Sample one response per prompt: ``[(tokens, logprobs)]``, each ending at its first token
+    of ``stop_ids`` (included; ``engines/stop_tokens.py``) or after ``max_new_tokens``. Logprobs
+    are of the tempered distribution, as the trainer computes them. ``generator`` (a CPU generator) makes the draws reproducible;
     ``stop_at_eos=False`` decodes every row to ``max_new_tokens`` (latency profiles);
     ``greedy``: the most likely token at every step instead of a draw (evaluation)."""
     device = next(model.parameters()).device
@@ -41,6 +45,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
         rows = torch.tensor(row_of, device=device)
         past.reorder_cache(rows)
         logits, attn, pos = logits[rows], attn[rows], pos[rows]
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     tokens, logps = [], []
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
@@ -53,7 +58,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
             nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1).to(device)
         tokens.append(nxt)
         logps.append(lp.gather(1, nxt[:, None].to(lp.device)).squeeze(1))
-        done |= nxt == eos_id
+        done |= (nxt[:, None] == stops).any(-1)
         if stop_at_eos and bool(done.all()):
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
@@ -63,6 +68,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     tok, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
     responses = []
     for row, lrow in zip(tok, lps):
-        end = row.index(eos_id) + 1 if stop_at_eos and eos_id in row else len(row)  # cut after the first EOS
+        first = first_stop(row, stop_ids) if stop_at_eos else None
+        end = len(row) if first is None else first + 1  # cut after the first stop token
         responses.append((row[:end], lrow[:end]))
     return responses

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Sequence
 
 import torch
 
@@ -27,12 +28,12 @@ def group_generator(seed: int, uid: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(uid.encode()))
 
 
-def sample_group(model, ids: list[int], n: int, max_new_tokens: int, temperature: float, eos_id: int,
-                 generator: torch.Generator) -> list[tuple[list[int], list[float]]]:
+def sample_group(model, ids: list[int], n: int, max_new_tokens: int, temperature: float,
+                 stop_ids: Sequence[int], generator: torch.Generator) -> list[tuple[list[int], list[float]]]:
     """``n`` sampled responses to the prompt ``ids``: ``[(tokens, logprobs)]``, each ending at
-    its first EOS (included) or after ``max_new_tokens``. Logprobs are of the tempered
+    its first token of ``stop_ids`` (included) or after ``max_new_tokens``. Logprobs are of the tempered
     distribution, as the trainer computes them."""
-    return decode_batch(model, [ids] * n, max_new_tokens, temperature, eos_id, generator=generator)
+    return decode_batch(model, [ids] * n, max_new_tokens, temperature, stop_ids, generator=generator)
 
 
 class SeededEngine(TransformersEngine):
@@ -49,7 +50,7 @@ class SeededEngine(TransformersEngine):
         with self._model_lock:
             start, version = time.time(), self.version
             out = sample_group(self.model, ids, n, self.config.max_new_tokens, self.config.temperature,
-                               self.tokenizer.eos_token_id, group_generator(self.config.seed or 0, prompt.uid))
+                               self.stop_ids, group_generator(self.config.seed or 0, prompt.uid))
             end = time.time()
         return [self.make_sample(prompt, ids, f"{prompt.uid}-{k}", tokens, logprobs, version, start, end)
                 for k, (tokens, logprobs) in enumerate(out)]

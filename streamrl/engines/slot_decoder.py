@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -71,7 +72,7 @@ class SlotDecoder:
     Not thread-safe: one loop thread drives it (``engines/slots.py``)."""
 
     def __init__(self, model, slots: int, context: int, max_new_tokens: int, temperature: float,
-                 eos_id: int, graphs: bool, adapters=None, fused: bool = True, prefill_graphs: bool = True):
+                 stop_ids: Sequence[int], graphs: bool, adapters=None, fused: bool = True, prefill_graphs: bool = True):
         check_supported(model)
         self.model, self.slots, self.context = model, slots, context
         self.adapters = adapters
@@ -104,9 +105,10 @@ class SlotDecoder:
         self.finished = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.out_tokens = torch.zeros(slots, max_new_tokens, dtype=torch.long, device=dev)
         self.out_logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=dev)
-        self.eos_id = torch.tensor(eos_id, device=dev)
-        """The end-of-sequence token, a tensor so a latency profile can turn it off (-1) under a
-        captured graph."""
+        # (-1, no token, stands for none: a model without an EOS decodes to its limits)
+        self.stop_ids = torch.tensor(list(stop_ids) or [-1], dtype=torch.long, device=dev)
+        """The tokens that end a response (``engines/stop_tokens.py``), a tensor so a latency
+        profile can turn them off (-1) under a captured graph."""
         self.fused_error: str | None = None
         """Why the fused kernels were asked for and not used (they failed at their first call)."""
         self.fused = False
@@ -204,9 +206,14 @@ class SlotDecoder:
         self.position[:b] = (pos + step).clamp(max=self.context - 1)
         # an ended request stops decoding here and stays finished until it is released: the
         # loop may read the flags only every few steps (engine.finished_every)
-        done = act & ((nxt == self.eos_id) | (self.generated[:b] >= self.limit[:b]))
+        done = act & (self._stops(nxt) | (self.generated[:b] >= self.limit[:b]))
         self.finished[:b] |= done
         self.active[:b] = act & ~done
+
+    def _stops(self, tokens: torch.Tensor) -> torch.Tensor:
+        # (a comparison against the few stop ids, not torch.isin: the same kernels every call,
+        # which a captured graph needs)
+        return (tokens[:, None] == self.stop_ids).any(-1)
 
     def _sample(self, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next tokens and their log-probs under the tempered distribution (as the trainer
@@ -304,7 +311,7 @@ class SlotDecoder:
         self.adapter[slots] = adapters[rows]
         self.out_tokens[slots, 0] = nxt
         self.out_logprobs[slots, 0] = lp
-        done = (nxt == self.eos_id) | (limits <= 1)
+        done = self._stops(nxt) | (limits <= 1)
         self.finished[slots] = done
         self.active[slots] = ~done
 

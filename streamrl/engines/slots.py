@@ -89,7 +89,7 @@ class SlotEngine(TransformersEngine):
     def _start(self, device: str) -> None:
         c = self.config
         self.decoder = SlotDecoder(self.model, c.slots, c.max_prompt_tokens + c.max_new_tokens, c.max_new_tokens,
-                                   c.temperature, self.tokenizer.eos_token_id,
+                                   c.temperature, self.stop_ids,
                                    graphs=c.cuda_graph and device == "cuda", adapters=self.adapters,
                                    fused=c.fused_sampling, prefill_graphs=c.prefill_graphs)
         self.latency_points = self._profile() if c.profile else []
@@ -319,8 +319,8 @@ class SlotEngine(TransformersEngine):
         # before the loop starts: drive the decoder directly, every request decoding ``steps``
         # tokens whatever it draws (no EOS: the limit ends them)
         batch = min(batch, self.config.slots)
-        eos = int(self.decoder.eos_id)
-        self.decoder.eos_id.fill_(-1)
+        stops = self.decoder.stop_ids.clone()
+        self.decoder.stop_ids.fill_(-1)
         try:
             self.decoder.prefill([(s, ids, min(steps, self.config.max_new_tokens), False) for s in range(batch)])
             b = self.decoder.size_for(batch - 1)
@@ -328,7 +328,7 @@ class SlotEngine(TransformersEngine):
                 self.decoder.step(b)
             self.decoder.finished_slots(b)  # waits for the device, so the time is the steps'
         finally:
-            self.decoder.eos_id.fill_(eos)
+            self.decoder.stop_ids.copy_(stops)
             self.decoder.reset()
 
     @contextmanager

@@ -41,7 +41,7 @@ class StaticEngine(TransformersEngine):
         self._loop.start()
 
     def _profile_batch(self, ids: list[int], batch: int, steps: int, tag: str) -> None:
-        decode_batch(self.model, [ids] * batch, steps, self.config.temperature, self.tokenizer.eos_token_id,
+        decode_batch(self.model, [ids] * batch, steps, self.config.temperature, self.stop_ids,
                      stop_at_eos=False)
 
     def _batches(self, torch_threads: int) -> None:
@@ -56,7 +56,7 @@ class StaticEngine(TransformersEngine):
                 with self._model_lock:  # the version that really generated the batch
                     version = self.version
                     out = decode_batch(self.model, [ids for _, ids in batch], self.config.max_new_tokens,
-                                       self.config.temperature, self.tokenizer.eos_token_id,
+                                       self.config.temperature, self.stop_ids,
                                        self.tokenizer.pad_token_id or 0)
                 responses = [Response(tokens, logprobs, version=version) for tokens, logprobs in out]
             except Exception as e:  # every request of the batch fails; the loop goes on

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.chat.decoding import plain_text
+from streamrl.engines.stop_tokens import of_engine
 from streamrl.sample import Group, Prompt, Sample
 
 
@@ -145,6 +146,8 @@ class Completion:
     def __init__(self, engine, tokenizer, cid: str, prompt_ids: list[int], params: Params,
                  keep: frozenset[int] | None = None):
         self.engine, self.tokenizer, self.cid = engine, tokenizer, cid
+        self.stops = frozenset(of_engine(engine))
+        """The tokens that end a choice as a stop (``engines/stop_tokens.py``)."""
         self.keep = keep or frozenset()
         """Special tokens the choices' text keeps (a tool parser's markers); others are dropped."""
         self.prompt_ids, self.params = prompt_ids, params
@@ -237,10 +240,9 @@ class Completion:
                 continue
             if c.finish_reason is None:
                 response = future.result()
-                eos = self.tokenizer.eos_token_id
                 if getattr(response, "stopped_early", False):
                     c.finish_reason, c.stopped_early = "stop", True
-                elif response.tokens and response.tokens[-1] == eos:
+                elif response.tokens and response.tokens[-1] in self.stops:
                     c.finish_reason = "stop"
                 else:
                     c.finish_reason = "cancelled" if self.cancelled else "length"

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse
 
 from streamrl.chat import content_as_text
 from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize, render
+from streamrl.engines.stop_tokens import of_engine
 from streamrl.serve.completion import Params, token_ids
 from streamrl.recipe.serve import ServeConfig
 from streamrl.rewards.scoring import REWARD_LIMIT
@@ -73,7 +74,7 @@ class Endpoint:
         its text."""
         self.worker = ""
         """The name of the Dask worker serving (set by ``endpoint.start``)."""
-        self.trajectories = Trajectories(self.tokenizer, self.encode_chat)
+        self.trajectories = Trajectories(self.tokenizer, self.encode_chat, of_engine(engine))
         self.pending = 0  # choices asked and not ended (serve.max_pending)
         self.admitted_bytes = 0
         """Bytes of the request bodies being read, parsed or tokenized now (as each declared, or

@@ -24,10 +24,11 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from streamrl.chat import content_as_text
 from streamrl.chat.messages import message_key, render
+from streamrl.engines.stop_tokens import stop_ids
 
 #: The header that ties a call to an agent's rollout (its value: the rollout's id; HTTP header
 #: names are case-insensitive). The agent's client sends it, the endpoint reads it.
@@ -81,7 +82,8 @@ class Segment:
     """The last call's messages and the reply, canonical (rendering around the placeholder)."""
     tools: str = ""
     calls: int = 0
-    ended_by_eos: bool = False
+    ended_with: int | None = None
+    """The stop token that ended the last call's reply (None: it ran to its limit or a stop string)."""
     busy: bool = False
     """A call of this segment is decoding (a parallel call cannot continue it)."""
 
@@ -106,11 +108,13 @@ class Trajectories:
     """The rollouts in flight on this endpoint (thread-safe: the HTTP server's event loop adds,
     a rollout's end takes)."""
 
-    def __init__(self, tokenizer, encode: Callable[[str, dict[str, str]], list[int]]):
+    def __init__(self, tokenizer, encode: Callable[[str, dict[str, str]], list[int]], stops: Iterable[int] | None = None):
         self.tokenizer = tokenizer
+        self.stops = frozenset(stop_ids(tokenizer) if stops is None else stops)
+        """The engine's stop tokens (``engines/stop_tokens.py``; None: the tokenizer's EOS): a reply
+        ending with one ended its turn."""
         # (chat text, guarded contents) -> token ids, as the endpoint tokenizes a rendered prompt
         self.encode = encode
-        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self._lock = threading.Lock()
         self._rollouts: dict[str, Rollout] = {}
         self._finished: OrderedDict[str, str | None] = OrderedDict()
@@ -216,10 +220,11 @@ class Trajectories:
         # token carries: the generated tokens stand for it)
         if not found or gap.strip():
             return None  # the template writes the reply's turn in a way tokens cannot be kept for
-        if seg.ended_by_eos and self.eos_text and after.lstrip(" ").startswith(self.eos_text):
+        end = self.tokenizer.decode([seg.ended_with]) if seg.ended_with is not None else ""
+        if end and after.lstrip(" ").startswith(end):
             # the model's own end of turn stands for the template's (and a space the template
             # writes before it, after a reply it trims)
-            after = after.lstrip(" ")[len(self.eos_text):]
+            after = after.lstrip(" ")[len(end):]
         # (the text goes on a sequence: no BOS in front of it, whatever the tokenizer adds to a prompt)
         return seg.context() + content_as_text.encode(self.tokenizer, after, contents)
 
@@ -239,7 +244,7 @@ class Trajectories:
             seg.versions += [fill] * len(gap) + list(versions)
             seg.messages = messages + [reply]
             seg.history = [message_key(m) for m in seg.messages]
-            seg.ended_by_eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_token_id
+            seg.ended_with = tokens[-1] if tokens and tokens[-1] in self.stops else None
             seg.calls += 1
             seg.busy = False
             rollout.tool_calls += len(reply.get("tool_calls", []))
