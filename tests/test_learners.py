@@ -296,6 +296,15 @@ def test_a_learner_added_trains_from_the_next_step_and_one_removed_leaves_the_ot
     assert os.path.isdir(run_dir / "checkpoints")
 
 
+@pytest.mark.parametrize("value", [0.5, 1.0])
+def test_a_dual_clip_that_would_do_nothing_is_refused(value):
+    from streamrl.algorithms.grpo import GRPOConfig
+
+    with pytest.raises(ValueError, match="dual_clip"):
+        GRPOConfig(dual_clip=value)
+    assert GRPOConfig(dual_clip=0).dual_clip == 0 and GRPOConfig(dual_clip=1.5).dual_clip == 1.5
+
+
 def test_dual_clip_bounds_what_a_token_far_likelier_than_its_behaviour_policy_pulls():
     """Off-policy, a learner's ratio to the behaviour policy can be far above 1; with a negative
     advantage the plain clipped surrogate then pulls with the whole ratio, dual-clip with c * |A|."""

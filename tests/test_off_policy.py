@@ -227,10 +227,17 @@ def test_a_token_far_off_its_behaviour_policy_keeps_the_loss_and_every_gradient_
             (grad,) = torch.autograd.grad(per_sample.sum(), new)
             assert torch.isfinite(per_sample).all() and torch.isfinite(grad).all(), (kl_coef, behaviour_kl, m, grad)
             assert all(torch.isfinite(v).all() for k, v in stats.items() if k != TOKEN_FLAGS)
-        if kl_coef:  # (the KL term still pulls a token far below its reference: its gradient, about 1, kept)
+        if kl_coef:  # the KL term still pulls a token far below its reference up towards it, with
+            # the pull it has at the bound (e^20 - 1 per nat, over the sample's 3 tokens)
             per_sample, _ = algo.loss(new, old, ref, torch.tensor([0.0]), torch.ones_like(mask))
             (grad,) = torch.autograd.grad(per_sample.sum(), new)
-            assert grad[0, 2].item() == pytest.approx(kl_coef / 3, rel=1e-3)
+            assert grad[0, 2].item() == pytest.approx(-kl_coef * math.expm1(20.0) / 3, rel=1e-3)
+        if behaviour_kl:  # the anchor pulls a token far likelier than when it was sampled down
+            far = torch.tensor([[-0.1, -0.5, -70.0]], requires_grad=True)
+            per_sample, _ = algo.loss(far, torch.tensor([[-0.1, -0.5, -99.0]]), None, torch.tensor([0.0]),
+                                      torch.ones_like(mask))
+            (grad,) = torch.autograd.grad(per_sample.sum(), far)
+            assert grad[0, 2].item() == pytest.approx(behaviour_kl * math.expm1(20.0) / 3, rel=1e-3)
         # and the tokens within reach are untouched by the bound: t=1's gradient is the plain one
         plain = GRPO(GRPOConfig(clip=0.2, off_policy={"correction": correction}))
         per_sample, _ = plain.loss(new[:, 1:2], old[:, 1:2], None, torch.tensor([adv]), mask[:, 1:2])

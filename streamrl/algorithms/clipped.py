@@ -27,6 +27,19 @@ from streamrl.algorithms.off_policy import LOG_RATIO_BOUND, TOKEN_FLAGS, OffPoli
 from streamrl.contracts.learning import Algorithm
 
 
+
+def k3(d):
+    """The k3 estimate ``e^d - d - 1`` of a KL from log-ratios ``d``, continued past
+    :data:`LOG_RATIO_BOUND` by its tangent there. ``e^d`` past float32's range is an infinity whose
+    backward is NaN; bounding ``d`` inside the exp alone would leave ``-d``'s gradient, which
+    points the other way (the penalty would push a token already far off further off). The
+    tangent keeps the pull's direction, at its size at the bound."""
+    import torch
+
+    b = d.clamp(max=LOG_RATIO_BOUND)
+    e = torch.exp(b)
+    return e - b - 1 + (e - 1) * (d - b)
+
 class ClippedConfig(BaseModel):
     """The clipped surrogate's options, shared by the algorithms built on it."""
 
@@ -65,6 +78,8 @@ class ClippedConfig(BaseModel):
 
     @model_validator(mode="after")
     def _short_form(self):
+        if 0 < self.dual_clip <= 1:  # (the bound c * |A| would sit below the clipped surrogate: it would do nothing)
+            raise ValueError(f"dual_clip = {self.dual_clip}: expected 0 (off) or a value above 1")
         if self.off_policy_cap > 0:
             if self.off_policy.correction not in ("none", "tis"):
                 raise ValueError("give off_policy_cap or [algorithm.off_policy], not both")
@@ -106,13 +121,11 @@ class ClippedSurrogate(Algorithm):
         per_token = -surrogate * behaviour_weight
         kl = torch.zeros_like(new)
         if ref is not None:
-            d = ref - new  # (bounded inside the exp only: e^d past float32 is NaN gradients, and -d keeps its pull)
-            kl = torch.exp(d.clamp(max=LOG_RATIO_BOUND)) - d - 1
+            kl = k3(ref - new)
             per_token = per_token + self.config.kl_coef * kl
         anchor = torch.zeros_like(new)
         if self.config.behaviour_kl > 0:  # k3 of KL(behaviour || new) on the behaviour's samples
-            d = new - old
-            anchor = torch.exp(d.clamp(max=LOG_RATIO_BOUND)) - d - 1
+            anchor = k3(new - old)
             per_token = per_token + self.config.behaviour_kl * anchor
         n_tokens = mask.sum(-1).clamp(min=1)
         # (where, not a product: a padded position's value may be anything, and inf * 0 is NaN)
