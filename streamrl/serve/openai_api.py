@@ -300,17 +300,17 @@ def make_app(endpoint: Endpoint) -> FastAPI:
             if problem is not None:
                 raise APIError(400, problem, param="tool_choice")
             tools = req.tool_list()
+            # everything the template writes counts, not the contents alone: a tool call's arguments
+            # or a tool's schema of megabytes is refused as fast as a content of as many characters;
+            # and each message as at least one token, however empty (thousands of them are refused
+            # before the template writes them all out, or the walk below reads them)
+            endpoint.check_characters(sum(len(m["content"]) + sum(len(json.dumps(v)) for k, v in m.items()
+                                                                  if k not in ("content", "role")) for m in messages)
+                                      + (len(json.dumps(tools)) if tools else 0), "messages", len(messages))
             control = content_as_text.control_outside_content(endpoint.tokenizer, messages, tools)
             if control is not None:  # (the template would write it as the control token itself)
                 raise APIError(400, f"Invalid value for '{control[0]}': it holds {control[1]!r}, a control token of "
                                     "this model; only a message's content may hold one (as text).", param=control[0])
-            # everything the template writes counts, not the contents alone: a tool call's arguments
-            # or a tool's schema of megabytes is refused as fast as a content of as many characters;
-            # and each message as at least one token, however empty (thousands of them are refused
-            # before the template writes them all out)
-            endpoint.check_characters(sum(len(m["content"]) + sum(len(json.dumps(v)) for k, v in m.items()
-                                                                  if k not in ("content", "role")) for m in messages)
-                                      + (len(json.dumps(tools)) if tools else 0), "messages", len(messages))
             if rollout is None:
                 endpoint.served(req.model)  # (the cheap refusals first: 404, 400s, 429)
                 endpoint.params(req, None)
