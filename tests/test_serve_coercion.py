@@ -67,6 +67,44 @@ def test_a_field_sent_as_another_json_type_is_a_400_naming_it(served, path, body
     assert (after["requests"], after["feedback"]) == (before["requests"], before["feedback"])
 
 
+@pytest.mark.parametrize("path, more, param", [
+    ("/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/chat/completions", {"presence_penalty": -1.0}, "presence_penalty"),
+    ("/chat/completions", {"logit_bias": {"17": 100}}, "logit_bias"),
+    ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/completions", {"best_of": 3}, "best_of"),
+    ("/completions", {"suffix": " and then"}, "suffix"),
+    ("/completions", {"stop": "x" * 513}, "stop"),
+    ("/chat/completions", {"stop": ["ok", "y" * 513]}, "stop.1"),
+])
+def test_an_option_that_would_change_what_is_sampled_is_refused_not_ignored(served, path, more, param):
+    # (accepted and silently ignored before: a client asking for JSON output or a penalty got a
+    # reply that had none of it, as if it had)
+    _, url = served
+    body = {**(COMPLETION if path == "/completions" else CHAT), **more}
+    err = refused(httpx.post(url + path, json=body, timeout=30))
+    assert err["param"] == param, err
+    # at their defaults, as clients send them, they are taken
+    defaults = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+                "best_of": 1, "suffix": "", "stop": "x" * 512}
+    base = COMPLETION if path == "/completions" else CHAT
+    r = httpx.post(url + path, json={**base, param.split(".")[0]: defaults[param.split(".")[0]]}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_unknown_fields_are_dropped_as_the_body_is_read(served):
+    from streamrl.serve.request_bodies import ChatRequest
+
+    req = ChatRequest.model_validate({**CHAT, "x_unknown": [{}] * 1000, "user": "u1",
+                                      "messages": [{"role": "user", "content": "1+2=", "x": [{}] * 1000}]})
+    assert not req.model_extra
+    # a message's own unknown keys go once the messages are read into their canonical shape
+    canonical = served[0].messages(req)
+    assert req.messages is canonical and "x" not in canonical[0]
+    r = httpx.post(f"{served[1]}/chat/completions", json={**CHAT, "x_unknown": [{}] * 1000}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+
+
 def test_the_json_forms_clients_send_are_still_taken(served):
     _, url = served
     # an integer for a float (JSON clients send 1 for 1.0), the policy's own temperature

@@ -205,9 +205,13 @@ class Endpoint:
         """The request's messages in the canonical shape (``chat/messages.py``); a 400 naming the
         first bad one."""
         try:
-            return normalize(req.messages)
+            canonical = normalize(req.messages)
         except MessageError as e:
             raise APIError(400, str(e), param=e.param) from None
+        # the raw messages go: what a client put in them besides the canonical fields (kept,
+        # megabytes of it, for as long as the request ran) is no longer counted anywhere
+        req.messages = canonical
+        return canonical
 
     def encode_chat(self, text: str, contents: dict[str, str] | None = None) -> list[int]:
         """Rendered chat text as token ids: the template wrote the control tokens, and the

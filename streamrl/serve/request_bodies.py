@@ -32,6 +32,10 @@ MAX_ANSWER_CHARS = 65_536
 #: hundreds; many thousands, however short, only cost the template and the tokenizer.
 MAX_MESSAGES = 4096
 
+#: Most characters of one stop sequence: a streamed reply holds back as many as its longest
+#: stop's, less one (a stop of a megabyte held every character back until the reply's end).
+MAX_STOP_CHARS = 512
+
 #: A body larger than this is parsed and checked in a thread, off the event loop that streams
 #: every other client's tokens; a small one is quicker to parse than to hand over.
 PARSE_OFF_LOOP_BYTES = 64 * 1024
@@ -82,19 +86,21 @@ class RefusalLog:
 class StreamOptions(BaseModel):
     """``stream_options``: whether a stream ends with the usage chunk."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
-    """The fields both completion endpoints share (others are accepted and ignored, as
-    OpenAI's clients send some this endpoint has no use for).
+    """The fields both completion endpoints share. Others are accepted and dropped as the body
+    is read (OpenAI's clients send some this endpoint has no use for; kept, a body of a few MB of
+    unknown keys held tens of MB for as long as its request ran); those that would change what
+    the policy samples are refused unless at their defaults (:meth:`_not_served`).
 
     Strict, as OpenAI's API is: a field takes its own JSON type, not one that could be read as
     it (``"max_tokens": "3"``, ``"stream": "yes"``, ``"n": true`` are 400s naming the field);
     a float field still takes a JSON integer (``"temperature": 1``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(max_length=256)
     """The served model's name (256 characters at most: an error that names it stays short)."""
     max_tokens: int | None = Field(None, ge=1)
@@ -104,8 +110,20 @@ class Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     # (a list of the body stops at its first bad item, ``fail_fast``: a list of a million bad items
     # otherwise made a million errors, seconds of the event loop's time to build and sort)
-    stop: str | Annotated[list[str], Field(max_length=4, fail_fast=True)] | None = None
-    """Up to 4 sequences, as OpenAI's API takes: the reply ends where one appears."""
+    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+           | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=4, fail_fast=True)]
+           | None) = None
+    """Up to 4 sequences, as OpenAI's API takes: the reply ends where one appears. Each at most
+    ``MAX_STOP_CHARS`` characters: a streamed reply holds back as many characters as its longest
+    stop, less one, in case one is coming."""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI's options that change what is sampled: refused unless at their defaults (0, 0,
+    empty, ``{"type": "text"}``), since the learners train on the policy's own distribution and
+    the endpoint serves nothing else -- a client asking for JSON output or a penalty hears so
+    rather than getting a reply that ignores it."""
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -115,6 +133,16 @@ class Sampling(BaseModel):
     session: str | None = Field(None, min_length=1, max_length=256)
     """streamrl's own: a conversation or user session this request belongs to; one ``POST
     /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
+
+    @field_validator("frequency_penalty", "presence_penalty", "logit_bias", "response_format")
+    @classmethod
+    def _not_served(cls, value, info):
+        defaults = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+                    "response_format": ({"type": "text"},)}
+        if value is not None and value not in defaults[info.field_name]:
+            raise ValueError(f"{info.field_name} is not served: replies are sampled from the policy as it is (the "
+                             "learners train on its own distribution); leave it out")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -136,7 +164,7 @@ class Sampling(BaseModel):
 class ToolFunction(BaseModel):
     """A tool's ``function``: what a chat template shows the model of it."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str = Field(pattern=r"^[\w.:-]{1,64}$")
     """Letters, digits, ``_ . : -``, at most 64 (OpenAI's rule, with ``.`` and ``:`` as namespaced
     tools use): a chat template pastes the name into the prompt as it is."""
@@ -148,7 +176,7 @@ class ToolFunction(BaseModel):
 class Tool(BaseModel):
     """One of a chat request's ``tools``, in OpenAI's format: a function the model may call."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["function"]
     function: ToolFunction
 
@@ -186,6 +214,9 @@ class ChatRequest(Sampling):
                 return f"Invalid value for 'tool_choice': no function named {name[:64]!r} among the tools."
         if choice != "none" and not self.tools:
             return "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified."
+        if choice not in ("none", "auto"):  # ('required' or a named function)
+            return ("tool_choice 'required' or a named function is not served: a reply is parsed for the calls "
+                    "the model makes, never forced to make one; use 'auto' or 'none'.")
         return None
 
     def tool_list(self) -> list[dict[str, Any]] | None:
@@ -199,6 +230,10 @@ class CompletionRequest(Sampling):
     prompt: str | Annotated[list[int], Field(fail_fast=True)]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    """1 or left out: the endpoint samples ``n`` choices and returns them all, it does not rank."""
+    suffix: str | None = Field(None, max_length=0)
+    """Left out (or empty): insertion after a suffix is not served."""
 
 
 class Feedback(BaseModel):
