@@ -353,7 +353,10 @@ def test_a_tool_parser_that_raises_is_that_requests_openai_error_counted_and_the
             with pytest.raises(openai.APIError) as streamed:  # mid-stream: an error event, in OpenAI's shape
                 list(client.chat.completions.create(**ask, stream=True))
             assert "RaisingParser failed" in str(streamed.value)
-            assert api.traffic.snapshot()["tool_parser_errors"] == 2
+            counts = api.traffic.snapshot()
+            assert counts["tool_parser_errors"] == 2
+            # the client got an error and no reply: neither request's choices wait for a reward
+            assert counts["waiting_for_reward"] == 0 and counts["ready"] == 0
             plain = client.chat.completions.create(**{**ask, "tools": None})  # no tools: no parser, answered
             assert plain.choices[0].message.content is not None
         # a call's arguments given as a mapping reach the client as OpenAI's JSON text
@@ -1002,6 +1005,51 @@ def test_a_tool_choice_openai_refuses_is_400_naming_it(served, more, says):
     assert err["param"] == "tool_choice" and says in err["message"], err
     ok = chat(url, "1+1=", tools=[TOOL], tool_choice="auto")
     assert ok.status_code == 200 and chat(url, "1+1=", tool_choice="none").status_code == 200
+
+
+def test_a_stream_read_slowly_gives_its_places_back_once_the_engine_is_done(served):
+    # a client reading a trickle (a byte every few seconds) held its places in serve.max_pending
+    # until it read the last one: four such streams of n = 64 held all 256 for hours. Driven at
+    # the ASGI level with a client that is still there and has not taken the first chunk yet
+    import asyncio
+
+    from streamrl.serve.openai_api import make_app
+
+    api, _ = served
+    app = make_app(api)
+    before = api.pending
+    body = json.dumps({"model": "policy", "prompt": "1+1=", "max_tokens": 4, "n": 3, "stream": True}).encode()
+    seen = []
+
+    async def one_request():
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        connected = asyncio.Event()  # (never set: the client stays)
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await connected.wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                await asyncio.sleep(3600)  # (the client's window: full, the write waits)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                    (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        task = asyncio.create_task(app(scope, receive, send))
+        for _ in range(200):  # up to 10 s for the engine to decode 3 x 4 tokens
+            await asyncio.sleep(0.05)
+            seen.append(api.pending)
+            if api.pending == before:
+                break
+        assert not task.done()  # (the response is still being written)
+        task.cancel()
+
+    asyncio.run(one_request())
+    assert seen[-1] == before, seen
 
 
 def test_a_stream_whose_client_left_before_its_first_chunk_gives_its_places_back(served):

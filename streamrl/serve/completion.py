@@ -161,12 +161,20 @@ class Completion:
         self._batched = bool(getattr(engine, "flushes_token_callbacks", False))
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = params.n
+        self._decoding, self._decoding_lock = params.n, threading.Lock()
+        self._loop = asyncio.get_running_loop()
+        self.on_decoded = None
+        """Called on the event loop once the engine is done with every choice (decoded, failed or
+        cancelled), whether or not the client has read them yet: the places the request holds
+        in the engine go back then, not when a slow reader gets to its last byte."""
         self.cancelled = False
         """Whether :meth:`cancel` stopped the request (its choices are not trained)."""
         self.turn = None
         """The agent rollout's call this request is (``responses.Turn``), or None."""
         self.ended = False
         """Whether the endpoint has handed the request's end on (``responses.finished``)."""
+        self.released = False
+        """Whether its places in ``serve.max_pending`` went back (``responses.release``)."""
         self.working = None
         """While it decodes in this process: the work counted for this worker until it ends
         (``telemetry/bubbles.py``: its busy clock, and the elastic pool's retirement)."""
@@ -192,6 +200,14 @@ class Completion:
     def _done(self, index: int):
         def done(future):  # (the engine's loop thread, or a cancelling one)
             self._inbox.post(self._queue, ("done", index, future))
+            with self._decoding_lock:
+                self._decoding -= 1
+                last = self._decoding == 0
+            if last and self.on_decoded is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self.on_decoded)
+                except RuntimeError:  # (the server's loop closed meanwhile)
+                    pass
         return done
 
     def waiting(self) -> bool:

@@ -42,6 +42,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     completion.turn = turn
     endpoint.pending += params.n
     endpoint.running[id(engine)] = endpoint.running.get(id(engine), 0) + params.n
+    completion.on_decoded = lambda: release(endpoint, completion)
     model = endpoint.model_name if turn is not None else req.model
     endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n, trained=not params.greedy)
     try:
@@ -70,13 +71,16 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
             pass
         for c in completion.choices:
             await fmt.parse(c)
+        return fmt.whole(completion)  # (before finished: a parser's 500 is raised here)
+    except APIError:  # the tool parser failed on a reply: the client gets no id to reward,
+        completion.cancel()  # and the learners none of its choices
+        raise
     except Exception as e:  # noqa: BLE001 -- the engine failed this request: a 500 in OpenAI's shape
         completion.cancel()  # (its other choices stop decoding too)
         raise APIError(500, failure(endpoint, e), kind="server_error") from None
     finally:
         watch.cancel()
         finished(endpoint, completion, fmt)
-    return fmt.whole(completion)
 
 
 #: Seconds between two looks at whether the client of a whole (not streamed) reply went away.
@@ -140,6 +144,7 @@ async def stream(endpoint, completion: Completion, fmt: "Format", req: Sampling)
             yield sse(fmt.usage_chunk(completion))
         yield "data: [DONE]\n\n"
     except APIError as e:  # (the tool parser failed on the finished reply)
+        completion.cancel()  # (the client got an error, not a reply: none of it is trained on)
         endpoint.refusals.say(f"POST (stream) -> {e.status} {e.message}")
         yield "".join(out) + sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
     except Exception as e:  # noqa: BLE001 -- mid-stream there is no status to change: an error event
@@ -162,6 +167,19 @@ def failure(endpoint, exc: BaseException) -> str:
 _ADDRESS = re.compile(r"\b(?:https?|tcp|tls)://\S+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
 
 
+def release(endpoint, completion: Completion) -> None:
+    """The engine is done with the request (or it never started): its places in
+    ``serve.max_pending`` and its engine's count go back, and its work ends. Once per request;
+    :func:`finished` calls it too, for a request the engine never had."""
+    if completion.released:
+        return
+    completion.released = True
+    if completion.working:
+        bubbles.end_work(completion.working)
+    endpoint.pending -= completion.params.n
+    endpoint.running[id(completion.engine)] = endpoint.running.get(id(completion.engine), 0) - completion.params.n
+
+
 def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
     """The request ended: free its place and hand its choices to the learners (not a cancelled
     one, nor a greedy one, which is not a sample of the policy); a rollout's call joins its
@@ -169,10 +187,7 @@ def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
     if completion.ended:
         return
     completion.ended = True
-    if completion.working:
-        bubbles.end_work(completion.working)
-    endpoint.pending -= completion.params.n
-    endpoint.running[id(completion.engine)] = endpoint.running.get(id(completion.engine), 0) - completion.params.n
+    release(endpoint, completion)
     turn = completion.turn
     if turn is not None:
         c = completion.choices[0]
