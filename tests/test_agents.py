@@ -358,7 +358,17 @@ def test_a_streamed_tool_call_comes_as_openai_streams_it_and_the_trajectory_cont
     assert traj["splits"] == 0 and traj["calls"] == 2 and len(traj["segments"]) == 1
     with pytest.raises(openai.APIStatusError) as late:  # the rollout is over: a late call is refused
         client.chat.completions.create(model="p", messages=messages, tools=TOOLS, max_tokens=8)
-    assert late.value.status_code == 409
+    assert late.value.status_code == 409 and late.value.code == "rollout_finished"
+    # a template or tokenizer that refuses a rollout's messages is a 400, not "finished"
+    api, _ = served
+    real = api.trajectories.prompt
+    api.trajectories.prompt = lambda *a, **k: (_ for _ in ()).throw(ValueError("the template says no"))
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            rollout_client(url, rid + "-new").chat.completions.create(model="p", messages=messages, max_tokens=8)
+    finally:
+        api.trajectories.prompt = real
+    assert refused.value.param == "messages" and "the template says no" in refused.value.message
 
 
 def test_a_steps_quoted_failure_is_a_raised_error_before_a_timeout_before_a_rollout_without_calls():

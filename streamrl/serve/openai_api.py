@@ -45,7 +45,8 @@ from streamrl.serve.request_bodies import (APIError, ChatRequest, CompletionRequ
 from streamrl.serve.responses import Turn, respond
 from streamrl.serve.traffic import STOPPING, Traffic
 from streamrl.telemetry.thread_cpu import cpu_seconds
-from streamrl.serve.trajectories import ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, RolloutLimit, Trajectories
+from streamrl.serve.trajectories import (ROLLOUT_HEADER, ROLLOUT_KEY_HEADER, RolloutFinished, RolloutLimit,
+                                        Trajectories)
 
 #: Seconds an engine on another worker that failed to answer is passed over (``engine_for``).
 UNHEALTHY_S = 10.0
@@ -336,8 +337,11 @@ def make_app(endpoint: Endpoint) -> FastAPI:
                     raise APIError(400, str(e), param=e.param) from None
                 except RolloutLimit as e:
                     raise APIError(400, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_limit") from None
-                except ValueError as e:
+                except RolloutFinished as e:
                     raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
+                except ValueError as e:  # (the template or tokenizer refused these messages: not the rollout's state)
+                    raise APIError(400, f"The messages could not be rendered as a prompt: {str(e)[:300]}",
+                                   param="messages") from None
         if rollout is None:
             return await respond(endpoint, request, req, ids, chat=True)
         turn = Turn(rollout, segment, messages, ids)

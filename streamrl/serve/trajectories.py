@@ -60,6 +60,10 @@ class RolloutLimit(ValueError):
     """A rollout's call past :data:`MAX_CALLS` or :data:`MAX_SEGMENTS`."""
 
 
+class RolloutFinished(ValueError):
+    """A call of a rollout that was finished (its trajectory handed over) or dropped."""
+
+
 #: Stands in for a reply's text when the template renders a conversation around it (no
 #: template writes this, so where it lands tells what the template adds after a reply).
 PLACEHOLDER = "\u2063streamrl-reply\u2063"
@@ -156,7 +160,7 @@ class Trajectories:
         with self._lock:
             if self._rollouts.get(rollout_id) is not rollout:
                 self._refuse_call(rollout_id, rollout)
-                raise ValueError(f"rollout {rollout_id!r} is finished: its trajectory was handed over")
+                raise RolloutFinished(f"rollout {rollout_id!r} is finished: its trajectory was handed over")
             if len(rollout.segments) >= MAX_SEGMENTS:
                 self._refuse_call(rollout_id, rollout)
                 raise RolloutLimit(f"rollout {rollout_id!r} has {MAX_SEGMENTS} segments, the most one rollout may "
@@ -184,7 +188,7 @@ class Trajectories:
         self._sweep()  # (first: a call of a rollout that went stale is refused with the rest)
         if rollout_id in self._finished:
             why = self._finished[rollout_id] or "its trajectory was handed over"
-            raise ValueError(f"rollout {rollout_id!r} is finished: {why}")
+            raise RolloutFinished(f"rollout {rollout_id!r} is finished: {why}")
         rollout = self._rollouts.get(rollout_id)
         if rollout is None:
             while len(self._rollouts) >= MAX_ROLLOUTS:  # (an agent that makes up rollout ids)
