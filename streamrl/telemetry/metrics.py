@@ -9,6 +9,7 @@ crash, and reading stops with a one-line error naming the file and the line.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -27,14 +28,35 @@ class MetricsLog:
         steps after the checkpoint are run again)."""
         self.records = read(self.path)[:n] if self.path.exists() else []
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in self.records))
+        tmp.write_text("".join(json_line(rec) for rec in self.records))
         tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         """Append one record and flush it to disk."""
         self.records.append(record)
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_line(record))
+
+
+def json_line(record: dict) -> str:
+    """``record`` as one line of strict JSON: a float that is not finite (a skipped step's NaN
+    loss, an infinite log-ratio) is ``null``. Python writes ``NaN`` and ``Infinity``, which no
+    strict reader takes (``JSON.parse``, Go's, serde's, jq): one such value made the whole file
+    unreadable to them."""
+    try:
+        return json.dumps(record, allow_nan=False) + "\n"
+    except ValueError:  # (rare: the walk below only for a record that holds one)
+        return json.dumps(_finite(record), allow_nan=False) + "\n"
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def read(path: str | Path) -> list[dict]:
