@@ -244,3 +244,14 @@ def test_an_int_past_a_floats_range_is_left_out_not_the_end_of_the_sink():
     # (math.isfinite(10**400) raises OverflowError: the sink that met it was dropped for the run)
     assert tracker_metrics({"reward_mean": 0.5, "plugin": {"huge": 10**400, "ok": 2}, "big": -(10**400)}) == {
         "reward/mean": 0.5, "plugin/ok": 2.0}
+
+
+@pytest.mark.parametrize("name", ["../escaped.csv", "/tmp/abs.csv", "metrics.jsonl", "sub/m.csv", ".csv", "a.csv/"])
+def test_the_csv_sinks_file_is_a_bare_csv_name_in_the_run_folder(name):
+    from pydantic import ValidationError
+
+    from streamrl.telemetry.csv_sink import CSVSinkConfig
+
+    with pytest.raises(ValidationError, match="file"):
+        CSVSinkConfig(file=name)
+    assert CSVSinkConfig(file="learner-b.metrics.csv").file == "learner-b.metrics.csv"

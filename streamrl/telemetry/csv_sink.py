@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import MetricSink
 from streamrl.telemetry.metrics import read
@@ -13,8 +13,10 @@ from streamrl.telemetry.metrics import read
 
 class CSVSinkConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    file: str = "metrics.csv"
-    """File name inside the run folder."""
+    file: str = Field("metrics.csv", pattern=r"^\w[\w.-]{0,123}\.csv$")
+    """File name inside the run folder: a bare name ending in ``.csv`` (a path could write outside
+    the folder, and a name of the folder's own files -- ``metrics.jsonl`` -- would empty them as
+    the sink opens)."""
 
 
 class CSVSink(MetricSink):
