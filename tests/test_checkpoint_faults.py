@@ -408,6 +408,23 @@ def test_a_checkpoint_write_sweeps_the_unfinished_writes_a_killed_run_left(tmp_p
     assert sorted(p.name for p in folders.folder(tmp_path).iterdir()) == ["step-000002", "step-000004"]
 
 
+def test_a_checkpoint_is_on_disk_before_an_older_one_is_removed(tmp_path, scheduler_only, monkeypatch):
+    # (without fsync a power cut after retention found the new checkpoint's files empty and
+    # nothing older to resume from)
+    fake_checkpoint(tmp_path, 2)
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    made = folders.write(scheduler_only, [], None, tmp_path, 4, 4, 4, keep=1, files={"dispatch.json": b"{}"})
+    tmp = str(folders.folder(tmp_path) / ".tmp-step-000004")
+    assert {f"{tmp}/{p.name}" for p in made.iterdir()} | {tmp} <= set(synced)
+    assert str(folders.folder(tmp_path)) in synced  # (the rename)
+    assert [p.name for p in folders.folder(tmp_path).iterdir()] == ["step-000004"]
+
+
 def test_what_a_resume_reads_must_be_a_listed_bounded_file(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 2)
     assert integrity.verify(ckpt) is None

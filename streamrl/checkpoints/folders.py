@@ -211,6 +211,7 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         (tmp / "controller.json").write_text(json.dumps(
             {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
         listed = write_manifest(tmp)
+        sync_tree(tmp)
     except BaseException as exc:
         try:  # (a second Ctrl-C mid-write: no rank goes on writing into what is removed)
             client.cancel(saves)
@@ -222,10 +223,33 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         raise
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
     os.replace(tmp, final)
+    _sync(final.parent)  # (the rename itself on disk before an older checkpoint goes)
     integrity.verified(final, listed)  # just hashed: no need to again
     for old in _all(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def sync_tree(root: Path) -> None:
+    """Every file and folder under ``root`` (and ``root``) on disk, not only in the page cache:
+    retention removes the older checkpoints right after the new one is renamed into place, and
+    a power cut then found the new one's files empty with nothing older left to resume from."""
+    for here, _, names in os.walk(root):
+        for name in names:
+            _sync(Path(here) / name)
+        _sync(Path(here))
+
+
+def _sync(path: Path) -> None:
+    # (a read-only descriptor: fsync flushes a file's or a folder's data whoever wrote it)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # (a file system that cannot sync: nothing to do)
+            raise
+    finally:
+        os.close(fd)
 
 
 def read(checkpoint: Path) -> dict:
