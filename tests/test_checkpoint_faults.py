@@ -425,6 +425,20 @@ def test_a_checkpoint_is_on_disk_before_an_older_one_is_removed(tmp_path, schedu
     assert [p.name for p in folders.folder(tmp_path).iterdir()] == ["step-000004"]
 
 
+def test_a_checkpoint_that_lost_its_manifest_is_damaged_not_taken_for_an_old_one(tmp_path, scheduler_only):
+    def trainer(folder):
+        (folder / "trainer").mkdir()
+        (folder / "trainer" / "weights.bin").write_bytes(b"x" * 100)
+    made = folders.write(scheduler_only, [], None, tmp_path, 4, 4, 4, keep=2, also=trainer)
+    assert integrity.verify(made) is None
+    (made / integrity.MANIFEST).unlink()  # (a copy of the run folder cut short before its last file)
+    assert integrity.verify(made) == "manifest.json is missing (the checkpoint was written with one: a copy cut short?)"
+    # one from before manifests (no such mark in its controller.json) is still checked by reading it
+    controller = json.loads((made / "controller.json").read_text())
+    (made / "controller.json").write_text(json.dumps({k: v for k, v in controller.items() if k != "manifest"}))
+    assert integrity.verify(made) is None
+
+
 def test_what_a_resume_reads_must_be_a_listed_bounded_file(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 2)
     assert integrity.verify(ckpt) is None

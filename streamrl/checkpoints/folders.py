@@ -209,7 +209,9 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         if also is not None:
             also(tmp)
         (tmp / "controller.json").write_text(json.dumps(
-            {"next_step": next_step, "policy_version": version, "records": records}, indent=2))
+            # ("manifest": a checkpoint found without its manifest was cut short, not written by
+            # a streamrl from before manifests, which is read and checked without one)
+            {"next_step": next_step, "policy_version": version, "records": records, "manifest": True}, indent=2))
         listed = write_manifest(tmp)
         sync_tree(tmp)
     except BaseException as exc:

@@ -213,6 +213,8 @@ def _verify_legacy(ckpt: Path) -> str | None:
     problem = json_problem(ckpt)
     if problem:
         return problem
+    if json.loads((ckpt / "controller.json").read_text()).get("manifest") is True:
+        return f"{MANIFEST} is missing (the checkpoint was written with one: a copy cut short?)"
     trainer = ckpt / "trainer"
     if not trainer.is_dir() or not any(trainer.iterdir()):
         # (an interrupted copy: without it a resume would blame the trainer's set-up rather than
