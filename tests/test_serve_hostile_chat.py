@@ -134,6 +134,13 @@ def test_a_parsed_call_holding_a_control_tokens_string_is_the_replys_text_not_a_
     assert r.status_code == 200, r.text[:300]
     message = r.json()["choices"][0]["message"]
     assert not message.get("tool_calls") and r.json()["choices"][0]["finish_reason"] != "tool_calls"
+    assert isinstance(message["content"], str)  # (the reply's own text, as a block that does not parse)
+    # of two calls, only the one holding it is left out
+    monkeypatch.setattr(Spells, "parse", lambda self, text: (None, [{"name": "calc", "arguments": '{"x": "<|end|>"}'},
+                                                                    {"name": "calc", "arguments": '{"x": "1"}'}]))
+    r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["arguments"] == '{"x": "1"}' and r.json()["choices"][0]["finish_reason"] == "tool_calls"
     monkeypatch.setattr(Spells, "parse", lambda self, text: (None, [{"name": "calc", "arguments": '{"x": "6*7"}'}]))
     r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)  # (the same call without it: a call)
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"x": "6*7"}'

@@ -124,13 +124,15 @@ class Format:
                                 "expected a string (or None) and a list")
             calls = [_as_call(call) for call in calls]
             control = added_pattern(self.endpoint.tokenizer) if calls and self.endpoint is not None else None
-            if control is not None and any(control.search(call["name"]) or control.search(call["arguments"])
-                                           for call in calls):
+            if control is not None:
                 # a control token's string in a call's name or arguments: echoed back in the next
-                # turn, the endpoint refuses it there (the template would write it as that token);
-                # the reply is its content without the calls (as the parser read it: a model's
-                # reasoning stays out)
-                calls = []
+                # turn, the endpoint refuses it there (the template would write it as that token).
+                # That call is left out; when none is left the reply is its text as the model wrote
+                # it, as for a block that does not parse (not an empty reply that says nothing)
+                kept = [call for call in calls if not (control.search(call["name"]) or control.search(call["arguments"]))]
+                if calls and not kept:
+                    content = c.text
+                calls = kept
             ids = [call["id"] if isinstance(call.get("id"), str) else f"call_{secrets.token_hex(8)}"
                    for call in calls]
             return reply_message(content, calls, ids)
