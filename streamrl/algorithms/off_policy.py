@@ -54,8 +54,9 @@ CORRECTIONS = ("none", "tis", "decoupled", "icepop", "geo_reject", "m2po")
 #: clipped, truncated, masked) for the trainer's diagnostics, not a statistic to sum
 TOKEN_FLAGS = "token_flags"
 
-#: how far (in nats) a log-ratio is taken before its exp: past it the clip already holds the
-#: token, and e^89 is a float32 infinity whose backward is NaN
+#: how far (in nats) a log-ratio is taken before its exp: e^89 is a float32 infinity whose
+#: backward is NaN (past the bound a ratio's gradient is 0: the clip holds a token of positive
+#: advantage there anyway; for a negative one it acts as a dual clip at e^20)
 LOG_RATIO_BOUND = 20.0
 
 #: the band each masking correction keeps when the recipe names none
@@ -104,7 +105,9 @@ def ratio_and_weight(config: OffPolicyConfig, new, old, mask):
     if kind in ("none", "m2po"):
         # (clamped before the exp: a token 89 nats likelier than its behaviour policy made it
         # gives an infinite ratio, and its backward 0 * inf = NaN in every gradient -- even where
-        # the clip or the mask leaves the token out. e^20 is far outside any clip range.)
+        # the clip or the mask leaves the token out. e^20 is far outside any clip range: with a
+        # positive advantage the clip holds such a token anyway; with a negative one the bound
+        # stops its pull there, as a dual clip at e^20 would.)
         ratio = torch.exp((new - old).clamp(max=LOG_RATIO_BOUND))  # (below: e^-89 is 0, its gradient 0)
         if kind == "none":
             return ratio, torch.ones_like(new), {"truncated": no, "masked": no}
