@@ -65,6 +65,14 @@ def test_a_handle_from_another_host_is_missed_and_sent_again_as_bytes_of_the_new
     assert version == 4 and sorted(transfer._sent) == [3, 4]
     got = transfer.receive(payload, version)
     assert torch.equal(got["a.weight"], (weights()["a.weight"] * 4))
+    # every other worker that misses the same version gets the same bytes, made once
+    made = []
+    real = transfer._bytes
+    transfer._bytes = lambda *a: made.append(1) or real(*a)
+    assert transfer.resend(3) == (payload, 4) and transfer.resend(4)[0] is payload and made == []
+    transfer._sent[5] = pack({n: t * 5 for n, t in weights().items()}, None)  # (a newer version: made anew)
+    payload5, version = transfer.resend(5)
+    assert version == 5 and made == [1] and payload5 != payload
 
 
 @pytest.mark.slow

@@ -82,6 +82,9 @@ class CudaIpcTransfer(Transfer):
     def __init__(self, config: CudaIpcConfig):
         self.config = config
         self._sent: OrderedDict[int, tuple[object, list]] = OrderedDict()  # version -> (buffer, layout)
+        # the bytes of the newest version resent: every worker that cannot open the handle asks for
+        # them (engines on another host, all of them at each version), and each copy is the model
+        self._resent: tuple[int, bytes] | None = None
 
     def send(self, weights, version: int):
         """The IPC handle of the weights packed into one GPU buffer, or safetensors bytes when
@@ -139,7 +142,9 @@ class CudaIpcTransfer(Transfer):
         if not self._sent:
             raise RuntimeError("cuda_ipc: nothing was sent through CUDA IPC, so nothing can be sent again")
         newest = max(self._sent)
-        return self._bytes(*self._sent[newest]), newest
+        if self._resent is None or self._resent[0] != newest:
+            self._resent = (newest, self._bytes(*self._sent[newest]))
+        return self._resent[1], newest
 
     @staticmethod
     def _bytes(flat, layout) -> bytes:
