@@ -251,3 +251,11 @@ def test_a_step_that_brought_no_samples_leaves_nothing_kept_for_it():
     dispatcher.step_prompts[3], dispatcher.predicted[3], dispatcher.scheduler_metrics[3] = [object()], [1.0], {}
     assert dispatcher.learn(3, []) == {}
     assert 3 not in dispatcher.step_prompts and 3 not in dispatcher.predicted and 3 not in dispatcher.scheduler_metrics
+
+
+def test_a_profile_whose_weights_leave_no_kv_cache_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="weight_bytes = 8e\\+10 leaves no KV cache"):
+        Profile(weight_bytes=80e9, memory_bytes=80e9)
+    assert latency.kv_capacity_tokens(Profile(weight_bytes=1e9, memory_bytes=2e9)) > 0

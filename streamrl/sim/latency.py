@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Profile(BaseModel):
@@ -45,6 +45,16 @@ class Profile(BaseModel):
     """Share of peak FLOP/s training achieves (MFU)."""
     weight_sync_gbps: float = Field(400.0, gt=0)
     """Bandwidth of the trainer -> generator weight broadcast, Gbit/s."""
+
+    @model_validator(mode="after")
+    def _weights_fit(self):
+        # (a negative KV capacity ran every simulated instance one request at a time, and the
+        # planner with it, without a word)
+        if kv_capacity_tokens(self) < 1:
+            raise ValueError(f"weight_bytes = {self.weight_bytes:.4g} leaves no KV cache in 0.9 x memory_bytes = "
+                             f"{0.9 * self.memory_bytes:.4g}; expected weights that fit with room for a token's "
+                             f"kv_bytes_per_token = {self.kv_bytes_per_token:.4g}")
+        return self
 
 
 def kv_capacity_tokens(p: Profile) -> int:
