@@ -174,3 +174,44 @@ def test_an_adapted_embedding_is_in_the_merged_policy_and_one_tied_to_the_head_i
     merged = merged_weights(trainer.model)
     assert not torch.equal(merged["model.embed_tokens.weight"], plain.model.embed_tokens.weight)  # (it learned)
     assert_merged_gives_the_trainers_logprobs(trainer, plain, merged, groups)
+
+
+def test_a_lora_learners_state_resumes_whether_its_base_is_shared_or_its_own(tiny_model, tmp_path):
+    # a side learner's adapter is named after it on a shared base and "default" on a base of its
+    # own; a checkpoint names it one way, so `learners add --resume` and a resume with another
+    # placement load it (its checkpoint held the other learners' adapters too, and loading it
+    # where the names differed failed)
+    from streamrl.training import trainer_state
+    from streamrl.training.lora import own_parameters
+    from streamrl.training.trainer_state import read_metadata
+
+    def trainer(learner: str, rank: int = 4) -> HFTrainer:
+        config = HFTrainerConfig(lr=5e-2, precision="fp32", lora={"rank": rank, "alpha": 2.0 * rank})
+        return HFTrainer(config, TrainerContext(str(tiny_model), GRPO(GRPOConfig()),
+                                                EngineCapabilities(temperature=1.0), learner=learner), device="cpu")
+
+    def same_adapter(x: HFTrainer, y: HFTrainer) -> bool:
+        return all(torch.allclose(p, q, atol=1e-6) for p, q in zip(own_parameters(x.model, x.lora.name),
+                                                                    own_parameters(y.model, y.lora.name)))
+
+    a, b = trainer("a"), trainer("b", 8)
+    for t, seed in ((a, 1), (b, 2)):
+        t.micro_batch(make_groups(t, seed=seed), 1.0 / 24)
+        t.step()
+    trainer_state.save(a, str(tmp_path / "a"))
+    saved = set(read_metadata(tmp_path / "a" / "dcp").state_dict_metadata)
+    assert not any(".lora_A.b." in k or ".lora_A.a." in k for k in saved)  # b's is not a's state; a's is "default"
+    assert any(".lora_A.default." in k for k in saved)
+    alone = trainer("")
+    trainer_state.load(alone, str(tmp_path / "a"))
+    assert same_adapter(a, alone)
+    groups = make_groups(alone, seed=3)  # (AdamW's moments came too: the next step is the same)
+    for t in (a, alone):
+        t.micro_batch(groups, 1.0 / 24)
+        t.step()
+    assert same_adapter(a, alone)
+    # and back: a state saved on a base of its own resumes on a shared one
+    trainer_state.save(alone, str(tmp_path / "alone"))
+    c = trainer("c")
+    trainer_state.load(c, str(tmp_path / "alone"))
+    assert same_adapter(alone, c)

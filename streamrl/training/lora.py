@@ -17,6 +17,7 @@ as it loads any other. The run's ``policy/`` holds both the merged model and the
 
 from __future__ import annotations
 
+import re
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -178,6 +179,25 @@ def own_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter
     # (an adapted embedding's are lora_embedding_A/B.<name>, peft's parameters without a sub-module)
     return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n
             or n.endswith((f".lora_embedding_A.{name}", f".lora_embedding_B.{name}"))]
+
+
+#: an adapter's parameter in peft's names: ``<layer>.lora_A.<adapter>.weight``,
+#: ``<embedding>.lora_embedding_A.<adapter>``, ``<layer>.lora_magnitude_vector.<adapter>.weight``
+_ADAPTER_PART = re.compile(r"(?<=\.)(lora_[A-Za-z_]+)\.([^.]+)(?=\.|$)")
+
+
+def checkpoint_name(name: str, adapter: str) -> str | None:
+    """Parameter ``name`` of a LoRA learner whose adapter is ``adapter``, as its checkpoint names
+    it: its own adapter's under peft's default name -- a side learner's adapter is named after
+    it on a base shared with other learners, ``default`` on a base of its own, and its state
+    resumes into either -- and None for another learner's adapter on the shared base (its
+    state, not this learner's). Anything else as it is."""
+    found = _ADAPTER_PART.search(name)
+    if found is None:
+        return name
+    if found.group(2) != adapter:
+        return None
+    return name[:found.start(2)] + ADAPTER + name[found.end(2):]
 
 
 def base_name(name: str) -> str:

@@ -135,6 +135,44 @@ def _modules(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]
     return out
 
 
+def _as_saved(trainer, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
+    """A module's state dicts (``get_state_dict``'s) under the names its checkpoint uses: a
+    LoRA learner's adapter under one name wherever it trains, and the other learners' adapters
+    on a shared base left out (``training/lora.py``'s :func:`checkpoint_name`)."""
+    if trainer.lora is None:
+        return model_state, optim_state
+    from streamrl.training.lora import checkpoint_name
+
+    def named(fqn):
+        return checkpoint_name(fqn, trainer.lora.name)
+    model = {named(k): v for k, v in model_state.items() if named(k) is not None}
+    optim = {**optim_state,
+             "state": {named(k): v for k, v in optim_state.get("state", {}).items() if named(k) is not None},
+             "param_groups": [{**g, "params": [named(p) for p in g["params"] if named(p) is not None]}
+                              for g in optim_state.get("param_groups", [])]}
+    return model, optim
+
+
+def _as_held(trainer, saved: tuple[dict, dict], held: tuple[dict, dict]) -> tuple[dict, dict]:
+    """The state dicts loaded under the checkpoint's names (:func:`_as_saved`) back under the
+    module's own, for ``set_state_dict``; what the checkpoint does not hold of this module (the
+    other learners' adapters) as the module holds it now."""
+    if trainer.lora is None:
+        return saved
+    from streamrl.training.lora import checkpoint_name
+
+    def named(fqn):
+        return checkpoint_name(fqn, trainer.lora.name)
+    (model_saved, optim_saved), (model_held, optim_held) = saved, held
+    model = {k: model_saved[named(k)] if named(k) is not None else v for k, v in model_held.items()}
+    state = {k: optim_saved["state"][named(k)] if named(k) is not None and named(k) in optim_saved["state"] else v
+             for k, v in optim_held.get("state", {}).items()}
+    # (the hyper-parameters as loaded, each group's parameters under the module's names)
+    groups = [{**loaded, "params": mine["params"]}
+              for loaded, mine in zip(optim_saved.get("param_groups", []), optim_held.get("param_groups", []))]
+    return model, {**optim_held, "state": state, "param_groups": groups}
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -169,7 +207,8 @@ def save(trainer, path: str) -> None:
     modules = _modules(trainer)
     unused = [name for name, (_, optimizer) in modules.items() if not optimizer.state]
     for name, (module, optimizer) in modules.items():
-        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
+        state[f"{name}.model"], state[f"{name}.optim"] = _as_saved(
+            trainer, *get_state_dict(module, optimizer, options=_options(trainer)))
     for name in unused:
         modules[name][1].state.clear()
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
@@ -191,18 +230,20 @@ def load(trainer, path: str) -> None:
     if not (folder / "dcp" / ".metadata").is_file():
         # (said here: DCP's loader logs a traceback for each place it looks, then fails anyway)
         raise FileNotFoundError(f"{folder.name}/dcp/.metadata is missing: not a trainer's saved state")
-    state = {}
+    state, held = {}, {}
     modules = _modules(trainer)
     for name, (module, optimizer) in modules.items():
-        state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(module, optimizer, options=_options(trainer))
+        held[name] = get_state_dict(module, optimizer, options=_options(trainer))
+        state[f"{name}.model"], state[f"{name}.optim"] = _as_saved(trainer, *held[name])
     _same_dtypes(state, folder / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _unwrapped(lambda: dcp.load(state, storage_reader=SafeReader(str(folder / "dcp")), planner=SafePlanner(),
                                     no_dist=not trainer.sharded))
     for name, (module, optimizer) in modules.items():
-        set_state_dict(module, optimizer, model_state_dict=state[f"{name}.model"],
-                       optim_state_dict=state[f"{name}.optim"], options=_options(trainer))
+        model_state, optim_state = _as_held(trainer, (state[f"{name}.model"], state[f"{name}.optim"]), held[name])
+        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=_options(trainer))
     extra = torch.load(folder / "trainer.pt", weights_only=True)  # (tensors and plain values only)
     trainer.version = extra["version"]
     trainer.lr_schedule.load_state_dict(extra["lr_schedule"])
