@@ -311,3 +311,17 @@ def test_the_models_own_dropout_is_off_in_training_so_its_log_probs_are_the_engi
     with torch.no_grad():
         torch.nn.init.normal_(critic.head.weight)  # (its head starts at zero: every value 0, dropout or not)
         assert critic.training and torch.equal(critic.values(ids, attn), critic.values(ids, attn))
+
+
+def test_the_reference_models_forward_is_told_done_so_a_sharded_one_lets_its_weights_go(tiny_model):
+    # FSDP keeps a root's weights gathered after a forward for the backward it expects; the frozen
+    # reference's never comes, and its whole weights stayed gathered on every rank (the policy's
+    # probe already said so; the reference did not)
+    config = HFTrainerConfig(lr=1e-3, precision="fp32")
+    trainer = HFTrainer(config, TrainerContext(str(tiny_model), GRPO(GRPOConfig(kl_coef=0.1)),
+                                               EngineCapabilities(temperature=1.0)), device="cpu")
+    assert trainer.reference_policy is not None
+    done = []
+    trainer.strategy.forward_only_done = done.append
+    trainer.micro_batch(make_groups(trainer), 1.0 / 24)
+    assert trainer.reference_policy in done and trainer.policy not in done

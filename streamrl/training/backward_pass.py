@@ -213,6 +213,9 @@ def policy_logprobs(trainer, ids, attn, resp):
         if trainer.reference is not None:
             with torch.no_grad():
                 ref = trainer.reference_policy(ids, attn, trainer.temperature, chunk, resp, trainer.config.logprob_kernels)
+            # (sharded: FSDP keeps the root's weights gathered after a forward, for a backward that
+            # never comes to the frozen reference -- a whole copy of them held until the next pass)
+            trainer.strategy.forward_only_done(trainer.reference_policy)
     return new, ref
 
 def empty(trainer, like=None) -> dict:
