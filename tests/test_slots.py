@@ -354,3 +354,29 @@ def test_a_prompt_longer_than_a_slot_fails_naming_the_field_and_other_architectu
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match=r"decodes Llama and Qwen2 models; this model is 'gpt2'"):
         check_supported(gpt2)
+
+
+def test_a_weight_load_mid_response_gives_a_task_samples_tokens_their_versions(tiny_model):
+    # a task's sample decoding across a weight load: its first tokens are the old policy's, the
+    # rest the new one's (was: every token stamped with the version it was asked under, which the
+    # trainer's token-staleness diagnostics then counted as older than they were)
+    engine = slot_engine(tiny_model, max_new_tokens=40, slots=2, temperature=1.0)
+    engine.decoder.stop_ids.fill_(-1)  # every response runs its 40 tokens: the load lands mid-way
+    try:
+        out = {}
+        asker = threading.Thread(target=lambda: out.setdefault("group", engine.generate(Prompt(uid="p", text="1+2="), 2)))
+        asker.start()
+        assert until(lambda: int(engine.decoder.generated.max()) >= 3, 30, every=0.001)
+        new = {n: p.detach() + 0.01 for n, p in engine.model.named_parameters()}
+        engine.load_weights(new, 1)
+        asker.join(60)
+        for sample in out["group"]:
+            versions = sample.token_versions
+            assert len(versions) == len(sample.response_ids) == 40
+            k = versions.index(1)
+            assert 3 <= k < 40 and versions == [0] * k + [1] * (40 - k) and sample.policy_version == 0
+        # a sample decoded under one version alone carries none: its policy_version says it
+        (alone,) = engine.generate(Prompt(uid="q", text="1+2="), 1)
+        assert alone.token_versions == [] and alone.policy_version == 1
+    finally:
+        engine.close()

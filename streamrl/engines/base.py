@@ -20,7 +20,7 @@ from streamrl.engines.adapters import POLICY, AdapterBank
 from streamrl.errors import WeightShapeMismatch
 from streamrl.engines.hf_config import HFEngineConfig
 from streamrl.engines.decode import decode_batch
-from streamrl.engines.request_queue import RequestQueue, await_response
+from streamrl.engines.request_queue import RequestQueue, Response, await_response
 from streamrl.engines.stop_tokens import stop_ids
 from streamrl.sample import Group, Prompt, Sample
 
@@ -174,14 +174,21 @@ class TransformersEngine(Engine):
 
     def _collect(self, prompt: Prompt, ids: list[int], futures: list[tuple[str, Future]], version: int,
                  start: float) -> Group:
-        group = []
-        for rid, fut in futures:
-            out = await_response(rid, fut, self.config.request_timeout)
-            group.append(self.make_sample(prompt, ids, rid, out.tokens, out.logprobs,
-                                      version if out.version is None else out.version, start, time.time()))
-            if out.stopped_early:
-                group[-1].times["stopped_early"] = 1.0
-        return group
+        return [self.sample_of(prompt, ids, rid, await_response(rid, fut, self.config.request_timeout), version,
+                               start, time.time()) for rid, fut in futures]
+
+    def sample_of(self, prompt: Prompt, ids: list[int], rid: str, out: Response, version: int, start: float,
+                  end: float) -> Sample:
+        """:meth:`make_sample` of a finished request: under the version that began it where the
+        loop knows it (else ``version``, the one it was asked under), each token's version where a
+        weight load came mid-response (the slot loop), and whether the watch ended it early."""
+        sample = self.make_sample(prompt, ids, rid, out.tokens, out.logprobs,
+                                  version if out.version is None else out.version, start, end)
+        if out.token_versions:
+            sample.token_versions = list(out.token_versions)
+        if out.stopped_early:
+            sample.times["stopped_early"] = 1.0
+        return sample
 
     def response_text(self, tokens: list[int]) -> str:
         """``tokens`` as text, special tokens left out (:func:`plain_text`)."""

@@ -64,8 +64,8 @@ class SampleMoves:
                 rid = pending.pop(f)
                 out = await_response(rid, f, 0)
                 if out.moved:
-                    partial = e.make_sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, time.time())
-                    partial.token_versions = [version] * len(out.tokens)
+                    partial = e.sample_of(prompt, ids, rid, out, version, start, time.time())
+                    partial.token_versions = partial.token_versions or [partial.policy_version] * len(out.tokens)
                     partial.times["moved"] = partial.times["gen_end"]
                     handed[rid] = on_moved(partial)
                 else:
@@ -76,9 +76,7 @@ class SampleMoves:
                 group.append(handed[rid].result())
                 continue
             out, end = ended[rid]
-            group.append(e.make_sample(prompt, ids, rid, out.tokens, out.logprobs, version, start, end))
-            if out.stopped_early:
-                group[-1].times["stopped_early"] = 1.0
+            group.append(e.sample_of(prompt, ids, rid, out, version, start, end))
         return group
 
     def requests_now(self) -> RequestsNow:

@@ -57,6 +57,10 @@ class Request:
     """Tokens already handed to :attr:`on_tokens` (and stamped with a version)."""
     versions: list[int] = field(default_factory=list)
     """The policy version of each token so far, when :attr:`streamed`."""
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    """Not streamed: ``(tokens decoded before it, version)`` where a policy began decoding the
+    response -- at its admission, and at each weight load while it held a slot -- which
+    :func:`token_versions` spells out per token when it ends."""
     ended_early: bool = False
     """The watch ended it: its response says ``stopped_early``."""
     moving: bool = False
@@ -98,3 +102,14 @@ class SlotTable:
     def slot_of(self, rid: str) -> int | None:
         """The slot request ``rid`` decodes in, or None."""
         return next((s for s, r in self.running.items() if r.rid == rid), None)
+
+
+def token_versions(marks: list[tuple[int, int]], tokens: int) -> list[int] | None:
+    """The version of each of a response's ``tokens`` from its :attr:`Request.marks`; None when
+    one version decoded them all (the sample's ``policy_version`` says it)."""
+    if len({version for _, version in marks}) <= 1:
+        return None
+    out = []
+    for (at, version), (until, _) in zip(marks, marks[1:] + [(tokens, None)]):
+        out += [version] * max(0, min(until, tokens) - len(out))
+    return out

@@ -40,7 +40,7 @@ from streamrl.engines.base import HFEngineConfig, TransformersEngine
 from streamrl.engines.request_queue import Response, await_response
 from streamrl.engines.slot_decoder import SlotDecoder, Start
 from streamrl.engines.slot_moves import SampleMoves
-from streamrl.engines.slot_requests import Request, SlotTable
+from streamrl.engines.slot_requests import Request, SlotTable, token_versions
 from streamrl.engines.slot_streams import TokenStreams
 from streamrl.engines.slot_watch import EarlyStopWatch
 from streamrl.contracts.generation import RequestsNow
@@ -181,6 +181,8 @@ class SlotEngine(TransformersEngine):
         starts = []
         for request, ids in self._incoming:
             slot = self.table.place(request)
+            if not request.streamed:
+                request.marks = [(0, self._version_of(request.adapter))]
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
             adapter = self.adapters.slot(request.adapter) if self.adapters is not None else 0
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
@@ -225,7 +227,9 @@ class SlotEngine(TransformersEngine):
             moved = taken_out and r.moving and slot not in ended
             if not moved:
                 self.moves.ended(r, len(tokens))
-            self._queue.finish(r.rid, Response(tokens, logprobs, token_versions=r.versions if r.streamed else None,
+            versions = r.versions if r.streamed else token_versions(r.marks, len(tokens))
+            first = None if r.streamed or not r.marks else r.marks[0][1]  # (the version that began it)
+            self._queue.finish(r.rid, Response(tokens, logprobs, version=first, token_versions=versions,
                                                stopped_early=r.ended_early, moved=moved))
 
     # -- responses ended early, served requests, moved samples: the collaborators -----------------
@@ -338,8 +342,21 @@ class SlotEngine(TransformersEngine):
         try:
             with self._turn:
                 yield
+                self._mark_versions()
         finally:
             self._pause.clear()
+
+    def _mark_versions(self) -> None:
+        # (the loop waits: a task's request holding a slot goes on under the weights just loaded,
+        # from the tokens it has; a streamed one stamps each token as it is handed over)
+        held = [(slot, r) for slot, r in self.table.running.items() if not r.streamed and r.marks]
+        if not held:
+            return
+        counts = self.decoder.generated[torch.tensor([slot for slot, _ in held], device=self.decoder.device)].tolist()
+        for (_, r), n in zip(held, counts):
+            version = self._version_of(r.adapter)
+            if version != r.marks[-1][1]:
+                r.marks.append((int(n), version))
 
     def _stop(self) -> None:
         self._wake.set()
