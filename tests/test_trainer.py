@@ -325,3 +325,26 @@ def test_the_reference_models_forward_is_told_done_so_a_sharded_one_lets_its_wei
     trainer.strategy.forward_only_done = done.append
     trainer.micro_batch(make_groups(trainer), 1.0 / 24)
     assert trainer.reference_policy in done and trainer.policy not in done
+
+
+def test_a_tokenizer_without_a_pad_token_trains(tiny_model, tmp_path):
+    # GPT-2's, Llama 3's and Mistral's tokenizers name no pad token: the engines decoded with
+    # them, and the trainer's first batch failed (torch.full of None); the masks come from the
+    # rows' lengths, so any token pads
+    import json
+    import shutil
+
+    folder = tmp_path / "no-pad"
+    shutil.copytree(tiny_model, folder)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config.pop("pad_token", None)
+            path.write_text(json.dumps(config))
+    trainer = new_trainer(folder)
+    assert trainer.tokenizer.pad_token_id is None
+    groups = make_groups(trainer)
+    trainer.micro_batch(groups, 1.0 / 24)
+    stats = trainer.step()
+    assert trainer.version == 1 and stats is not None

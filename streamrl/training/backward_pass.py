@@ -20,7 +20,7 @@ from streamrl.algorithms.off_policy import TOKEN_FLAGS
 from streamrl.errors import RunStopped
 from streamrl.sample import Group, Sample
 from streamrl.training.critic import critic_stats
-from streamrl.training.logprobs import pad_batch
+from streamrl.training.logprobs import pad_batch, pad_token
 from streamrl.training.off_policy_stats import bucket_sums, token_versions
 from streamrl.telemetry.text import message_line
 
@@ -152,7 +152,7 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
             samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
     skipped = counted["samples"] - len(samples)
     trainer.probe = samples[0]
-    ids, attn, resp, old = pad_batch(samples, trainer.tokenizer.pad_token_id)
+    ids, attn, resp, old = pad_batch(samples, pad_token(trainer.tokenizer))
     ids, attn, resp, old = (t.to(trainer.device) for t in (ids, attn, resp, old))
     stats: dict = {}
     critic_loss = 0.0
@@ -224,7 +224,7 @@ def empty(trainer, like=None) -> dict:
     # the ranks' collectives and adds exactly zero to every gradient. ``like``: a sample to
     # copy the shape of (else one pad token of prompt and response).
     t0 = time.perf_counter()
-    pad = trainer.tokenizer.pad_token_id
+    pad = pad_token(trainer.tokenizer)
     prompt, response = (like.prompt_ids, like.response_ids) if like is not None else ([pad], [pad])
     dummy = Sample(uid="pad", prompt=None, prompt_ids=prompt, response_ids=response,
                    logprobs=[0.0] * len(response), reward=0.0)

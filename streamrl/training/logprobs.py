@@ -19,6 +19,16 @@ from torch.utils.checkpoint import checkpoint
 from streamrl.training.head_logprobs import head_logprobs
 
 
+def pad_token(tokenizer) -> int:
+    """The id a batch is padded with: the tokenizer's pad token, else its EOS, else 0. Many
+    tokenizers name no pad token (GPT-2's, Llama 3's, Mistral's); the masks are built from the
+    rows' lengths, never from this id, so any token will do."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
 def pad_batch(samples, pad_id: int):
     """Right-padded ``input_ids``, ``attention_mask`` and a mask of response-token positions.
 

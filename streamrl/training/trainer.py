@@ -30,7 +30,7 @@ from streamrl.training import hf_config
 from streamrl.training.hf_config import HFTrainerConfig
 from streamrl.training.finite import FiniteGuard, all_finite, weight_norm
 from streamrl.training.kernels import compile_layers, use_liger_kernels
-from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch
+from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch, pad_token
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
 from streamrl.training.weights_bytes import weights_from_bytes, weights_to_bytes
@@ -275,7 +275,7 @@ class HFTrainer(Trainer):
         """The updated policy's log-probabilities of this step's :attr:`probe` are finite (a
         rank that trained nothing probes a pad token: sharded, every rank's forward takes part)."""
         like, self.probe = self.probe, None
-        pad = self.tokenizer.pad_token_id
+        pad = pad_token(self.tokenizer)
         if like is None:
             like = Sample(uid="probe", prompt=None, prompt_ids=[pad], response_ids=[pad], logprobs=[0.0])
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch([like], pad))
@@ -314,7 +314,7 @@ class HFTrainer(Trainer):
     def logprobs(self, group: Group) -> list[list[float]]:
         """Recomputed logprobs of each response's tokens under the current weights (for checks)."""
         self.strategy.alone("logprobs are not recomputed")
-        ids, attn, resp, _ = pad_batch(group, self.tokenizer.pad_token_id)
+        ids, attn, resp, _ = pad_batch(group, pad_token(self.tokenizer))
         lp = token_logprobs(self.model, ids.to(self.device), attn.to(self.device), self.temperature).cpu()
         return [lp[i][resp[i] > 0].tolist() for i in range(len(group))]
 
