@@ -35,8 +35,9 @@ def byte_alphabet() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def write_tiny_gguf(path, architecture: str = "llama", seed: int = 0) -> None:
-    """A 2-layer Llama with a 262-token vocabulary, in GGUF."""
+def write_tiny_gguf(path, architecture: str = "llama", seed: int = 0, eot: int | None = None) -> None:
+    """A 2-layer Llama with a 262-token vocabulary, in GGUF (``eot``: an end-of-turn token id
+    beside its EOS, as Llama 3's files name one)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), architecture)
@@ -59,6 +60,8 @@ def write_tiny_gguf(path, architecture: str = "llama", seed: int = 0) -> None:
     w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])  # the last three are control tokens
     w.add_bos_token_id(len(tokens) - 1)
     w.add_eos_token_id(len(tokens) - 2)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     w.add_chat_template(CHAT_TEMPLATE)
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
@@ -138,6 +141,21 @@ def test_a_gguf_file_becomes_a_model_folder_with_the_same_outputs_that_trains_an
     code, _, err = run_cli(capsys, "model", "import", tmp_path / "tiny.gguf", "--out", tmp_path / "bf16")
     assert code == 0, err
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_gguf_files_end_of_turn_token_ends_responses_as_its_eos_does(tmp_path, capsys):
+    from transformers import GenerationConfig
+
+    write_tiny_gguf(tmp_path / "eot.gguf", eot=259)  # (a token beside its EOS, <|im_end|> = 260)
+    out = tmp_path / "imported"
+    code, _, err = run_cli(capsys, "model", "import", tmp_path / "eot.gguf", "--out", out)
+    assert code == 0, err
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [260, 259]
+    # one without: its EOS alone, as before
+    write_tiny_gguf(tmp_path / "plain.gguf")
+    code, _, err = run_cli(capsys, "model", "import", tmp_path / "plain.gguf", "--out", tmp_path / "plain")
+    assert code == 0, err
+    assert GenerationConfig.from_pretrained(tmp_path / "plain").eos_token_id == 260
 
 
 def test_what_cannot_be_imported_is_one_line_and_leaves_nothing(tmp_path, capsys):

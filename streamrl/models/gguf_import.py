@@ -31,6 +31,11 @@ MAGIC = b"GGUF"
 #: every bit of the dequantized weights.
 DTYPES = ("bfloat16", "float32")
 
+#: Where a GGUF file names the tokens that end a turn besides its EOS (Llama 3's ``<|eot_id|>``
+#: beside ``<|end_of_text|>``, Gemma's ``<end_of_turn>``). transformers' reader takes the EOS
+#: alone into the generation config, and a response would run past its turn to the token limit.
+TURN_END_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
 #: The file streamrl writes beside the weights to say where they came from.
 PROVENANCE = "streamrl-import.json"
 
@@ -45,8 +50,9 @@ def sha256_of(path: Path) -> str:
 
 
 def read_header(path: Path) -> dict:
-    """``{"architecture", "quantization", "name"}`` from the file's metadata; one line when the
-    file is missing, is not a GGUF file, or its header cannot be read."""
+    """``{"architecture", "quantization", "name", "turn_ends"}`` from the file's metadata
+    (``turn_ends``: its end-of-turn and end-of-message token ids); one line when the file is
+    missing, is not a GGUF file, or its header cannot be read."""
     if not path.is_file():
         raise UserError(f"{path}: no such file (expected a .gguf model file)")
     try:
@@ -64,6 +70,7 @@ def read_header(path: Path) -> dict:
         arch = fields["general.architecture"].contents()
         kind = fields["general.file_type"].contents() if "general.file_type" in fields else None
         name = fields["general.name"].contents() if "general.name" in fields else ""
+        turn_ends = [fields[key].contents() for key in TURN_END_KEYS if key in fields]
     except Exception as exc:  # a truncated or damaged file: whatever the reader tripped on
         raise UserError(f"{path}: its GGUF header cannot be read ({type(exc).__name__}: "
                         f"{message_line(exc, 200)}); the file may be damaged or cut short") from None
@@ -71,7 +78,8 @@ def read_header(path: Path) -> dict:
         quantization = gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_") if kind is not None else "unknown"
     except (ValueError, TypeError):  # a number no llama.cpp release knows, or not a number at all
         quantization = f"file type {str(kind)[:40]}"
-    return {"architecture": str(arch), "quantization": quantization, "name": str(name)}
+    turn_ends = [int(i) for i in turn_ends if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+    return {"architecture": str(arch), "quantization": quantization, "name": str(name), "turn_ends": turn_ends}
 
 
 def needs_packages() -> None:
@@ -118,6 +126,11 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "bfloat16", sour
             raise UserError(f"{path}: transformers cannot read this {header['architecture']!r} GGUF model "
                             f"({type(exc).__name__}: {message_line(exc, 240)})") from None
     model.generation_config = loaded.generation_config
+    eos = model.generation_config.eos_token_id
+    ends = [eos] if isinstance(eos, int) else list(eos or [])
+    more = [i for i in header["turn_ends"] if i not in ends and i < len(tokenizer)]
+    if more:  # (every token that ends a response, as a Hub folder's generation_config lists them)
+        model.generation_config.eos_token_id = ends + more
     model.to(getattr(torch, dtype))
     del loaded
     parameters = sum(p.numel() for p in model.parameters())
