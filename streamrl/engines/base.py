@@ -22,6 +22,7 @@ from streamrl.engines.hf_config import HFEngineConfig
 from streamrl.engines.decode import decode_batch
 from streamrl.engines.request_queue import RequestQueue, Response, await_response
 from streamrl.engines.stop_tokens import stop_ids
+from streamrl.models.tokenizers import encode_text, load_tokenizer
 from streamrl.sample import Group, Prompt, Sample
 
 
@@ -57,13 +58,13 @@ class TransformersEngine(Engine):
     def load(self, model_path: str | None, device: str | None = None) -> None:
         """Load model + tokenizer with ``from_pretrained`` onto ``device`` (default: the pool's,
         ``streamrl.devices.worker_device``) and start the generation loop."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         from streamrl.devices import worker_device
 
         device = device or worker_device()
         dtype = self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
         self.stop_ids = stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
@@ -120,10 +121,9 @@ class TransformersEngine(Engine):
         return self._closed.is_set()
 
     def encode(self, text: str) -> list[int]:
-        """Prompt token ids as the engine feeds them: BOS, then the text (the text alone for a
-        tokenizer without a BOS token, as Qwen2.5's is)."""
-        bos = self.tokenizer.bos_token_id
-        return ([] if bos is None else [bos]) + self.tokenizer(text, add_special_tokens=False).input_ids
+        """Prompt token ids of plain text as the engine feeds them: as the model's tokenizer
+        encodes it, a BOS in front where it adds one (``models/tokenizers.py``)."""
+        return encode_text(self.tokenizer, text)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """What the engine feeds for ``prompt``: its ``token_ids`` when the task tokenized it (a

@@ -40,6 +40,7 @@ from streamrl.api import Prompt, Task
 from streamrl.chat import content_as_text
 from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize, template_messages
 from streamrl.errors import RunWarning, UserError
+from streamrl.models.tokenizers import encode_text, load_tokenizer
 from streamrl.tasks.dataset_config import DatasetConfig
 from streamrl.tasks.dataset_files import Rows, dig, is_chat, load_rows
 
@@ -254,9 +255,8 @@ class DatasetTask(Task):
             if not self.config.model_path:
                 raise UserError("task: chat prompts need the model's tokenizer; add a [model] table "
                                 f"(or set {self.where}.model_path)")
-            from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+            self._tokenizer = load_tokenizer(self.config.model_path)
             if self._tokenizer.chat_template is None:
                 raise UserError(f"task: the tokenizer of {self.config.model_path} has no chat template, and the "
                                 f"dataset's prompts are chat messages (or {self.where}.system_prompt is set)")
@@ -265,7 +265,7 @@ class DatasetTask(Task):
     def _length(self, prompt: Prompt) -> int:
         if prompt.token_ids is not None:
             return len(prompt.token_ids)
-        return len(self.tokenizer(prompt.text, add_special_tokens=False).input_ids) + 1  # (+ BOS)
+        return len(encode_text(self.tokenizer, prompt.text))  # (as the engine encodes it: a BOS where it adds one)
 
     def _fitting_prompt(self, row: dict, uid: str = "", held_out: bool = False, hint: str = "") -> Prompt:
         """``row`` as a prompt, rendered once; ValueError (``hint`` added) where it is longer than

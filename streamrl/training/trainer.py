@@ -30,6 +30,7 @@ from streamrl.training import hf_config
 from streamrl.training.hf_config import HFTrainerConfig
 from streamrl.training.finite import FiniteGuard, all_finite, weight_norm
 from streamrl.training.kernels import compile_layers, use_liger_kernels
+from streamrl.models.tokenizers import load_tokenizer
 from streamrl.training.logprobs import TokenLogprobs, naive_token_logprobs, pad_batch, pad_token
 from streamrl.training.precision import precision_for
 from streamrl.training.strategy import Replicated, Strategy
@@ -76,7 +77,7 @@ class HFTrainer(Trainer):
         return hf_config.capabilities(config)
 
     def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.config = config
         self.algorithm = context.algorithm
@@ -87,7 +88,7 @@ class HFTrainer(Trainer):
         self.strategy: Strategy = fsdp.FSDP(self.device) if context.sharded else Replicated()
         built_on = self.strategy.build_device(self.device)
         torch.manual_seed(context.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        self.tokenizer = load_tokenizer(context.model_path)  # (saved with the policy: as the engines encode)
         self.lora = None
         """With ``trainer.lora``: the LoRA policy (``training/lora.py``'s ``LoraPolicy``): its
         adapter's name, the base it may share with the worker's other learners, and whether a
