@@ -210,6 +210,10 @@ def test_a_prompt_longer_than_the_slot_engine_takes_is_left_out_with_the_data(tm
     assert task.config.max_prompt_tokens == 64  # the recipe's own, kept
     task = resolve(load_recipe(tmp_path / "r.toml", ['engine.batching="continuous"'])).task
     assert task.config.max_prompt_tokens is None  # an engine without a fixed limit sets none
+    # slots longer than the model's 64 positions: the limit is what they leave beside the response
+    task = resolve(load_recipe(tmp_path / "r.toml", ['engine.batching="slots"', "engine.max_prompt_tokens=512",
+                                                     "engine.max_new_tokens=40"])).task
+    assert task.config.max_prompt_tokens == 64 - 40
 
 
 def test_a_prompt_longer_than_the_model_takes_is_passed_over_when_no_limit_is_set(tmp_path, tiny_model):

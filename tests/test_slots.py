@@ -351,6 +351,16 @@ def test_a_prompt_longer_than_a_slot_fails_naming_the_field_and_other_architectu
         assert len(engine.generate(Prompt(uid="ok", text="1+2="), 1)[0].response_ids) >= 1
     finally:
         engine.close()
+    # a slot longer than the model's 64 positions: a prompt past what they leave beside the
+    # response is refused too (it would decode where the model never was)
+    engine = slot_engine(tiny_model, max_new_tokens=54, max_prompt_tokens=512)
+    try:
+        with pytest.raises(ValueError, match=r"prompt long has 14 tokens, more than the 10 the model's 64 positions "
+                                             r"leave beside engine.max_new_tokens = 54"):
+            engine.generate(Prompt(uid="long", text="123456+789012"), 1)
+        assert engine.generate(Prompt(uid="ok", text="1+2="), 1)[0].prompt_ids
+    finally:
+        engine.close()
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match=r"decodes Llama and Qwen2 models; this model is 'gpt2'"):
         check_supported(gpt2)

@@ -59,6 +59,9 @@ class SlotEngine(TransformersEngine):
         super().__init__(config)
         self.decoder: SlotDecoder | None = None
         """The slot decoder, built by :meth:`load`."""
+        self.positions: int | None = None
+        """The model's positions (``max_position_embeddings``), set by :meth:`load`: a prompt
+        longer than they leave beside ``max_new_tokens`` is refused (None: the model does not say)."""
         self._loop: threading.Thread | None = None
         self._turn = threading.Lock()  # held by the loop for one turn; a weight load takes it between turns
         self._pause = threading.Event()  # a weight load wants the next turn
@@ -88,6 +91,8 @@ class SlotEngine(TransformersEngine):
 
     def _start(self, device: str) -> None:
         c = self.config
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.positions = positions if isinstance(positions, int) and positions > 0 else None
         self.decoder = SlotDecoder(self.model, c.slots, c.max_prompt_tokens + c.max_new_tokens, c.max_new_tokens,
                                    c.temperature, self.stop_ids,
                                    graphs=c.cuda_graph and device == "cuda", adapters=self.adapters,
@@ -318,6 +323,11 @@ class SlotEngine(TransformersEngine):
         if len(ids) > self.config.max_prompt_tokens:
             raise ValueError(f"hf engine: {what} has {len(ids)} tokens, more than engine.max_prompt_tokens "
                              f"= {self.config.max_prompt_tokens} (a slot holds max_prompt_tokens + max_new_tokens)")
+        room = self.positions - self.config.max_new_tokens if self.positions else None
+        if room is not None and len(ids) > room:
+            raise ValueError(f"hf engine: {what} has {len(ids)} tokens, more than the {max(room, 0)} the model's "
+                             f"{self.positions} positions leave beside engine.max_new_tokens = "
+                             f"{self.config.max_new_tokens}")
 
     def _profile_batch(self, ids: list[int], batch: int, steps: int, tag: str) -> None:
         # before the loop starts: drive the decoder directly, every request decoding ``steps``

@@ -163,8 +163,14 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
             can = chosen[path].capabilities()
             prompt_limit = can.max_prompt_tokens
             found_positions = model_positions(model) if model is not None and model.is_absolute() else None
-            if prompt_limit is None and found_positions and isinstance(can.max_new_tokens, int):
-                positions = found_positions[1] - can.max_new_tokens if found_positions[1] > can.max_new_tokens else None
+            if found_positions and isinstance(can.max_new_tokens, int) and found_positions[1] > can.max_new_tokens:
+                room = found_positions[1] - can.max_new_tokens
+                if prompt_limit is None:
+                    positions = room
+                elif isinstance(prompt_limit, int) and room < prompt_limit:
+                    # (a slot of max_prompt_tokens + max_new_tokens past the model's positions: a
+                    # prompt longer than they leave would decode where the model never was)
+                    prompt_limit = room
     check_pools(r)
     sinks = [chosen.pop(path) for path, kind, _ in named if kind == "metric_sink"]
     out = Resolved(loaded, registry, sinks=sinks, **{section: chosen.get(section) for section in SECTIONS})
