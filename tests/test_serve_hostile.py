@@ -29,6 +29,19 @@ BODY_TIMEOUT_S = 3.0  # serve.body_timeout_s here
 
 
 @pytest.fixture(scope="module")
+def long_model(tiny_model, tmp_path_factory):
+    """The tiny model with room for replies of thousands of tokens (its positions are rotary: 8192
+    of them compute as 64 do), for replies that only a cancel ends."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("long") / "tiny-long"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    return folder
+
+
+@pytest.fixture(scope="module")
 def served(tiny_model):
     with slot_endpoint(tiny_model, serve=ServeConfig(port=0, max_body_bytes=LIMIT, body_timeout_s=BODY_TIMEOUT_S)) as served:
         yield served
@@ -471,12 +484,12 @@ def test_a_name_or_id_of_tens_of_kb_is_refused_without_being_said_back(served, p
         assert error_of(r, 413)["code"] == "request_too_large" and "4096 bytes" in r.text
 
 
-def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
+def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(long_model):
     # a request without stream: the route looks for the client between decode steps; under
     # Starlette's BaseHTTPMiddleware it never saw it leave, and the reply decoded to its end
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=32, max_new_tokens=4000,
                                        temperature=1.0, profile=False))
-    engine.load(str(tiny_model))
+    engine.load(str(long_model))
     engine.decoder.stop_ids.fill_(-1)  # (no early end: only the cancel ends it before 4,000 tokens)
     api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
     try:
@@ -493,12 +506,12 @@ def test_a_client_that_goes_away_before_a_whole_reply_cancels_it(tiny_model):
         engine.close()
 
 
-def test_a_client_that_goes_away_while_its_request_waits_for_a_slot_cancels_it_at_once(tiny_model):
+def test_a_client_that_goes_away_while_its_request_waits_for_a_slot_cancels_it_at_once(long_model):
     # its route looked for the client only when tokens came: one queued behind long replies (or
     # sent to a replica gone silent) kept its place in serve.max_pending until then
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=1, max_prompt_tokens=32, max_new_tokens=4000,
                                        temperature=1.0, profile=False))
-    engine.load(str(tiny_model))
+    engine.load(str(long_model))
     engine.decoder.stop_ids.fill_(-1)  # (the first reply holds the one slot for 4,000 tokens)
     api = Endpoint(engine, ServeConfig(port=0), Traffic(60.0), "policy")
     try:
