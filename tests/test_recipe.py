@@ -292,12 +292,12 @@ def test_a_models_config_that_is_hostile_is_one_line_and_read_within_bounds(caps
     # RecursionError traceback, and one past any size was read whole
     import json
 
-    from streamrl.plugins import resolve as resolving
+    from streamrl.plugins import model_folder
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"")
-    monkeypatch.setattr(resolving, "MAX_CONFIG_BYTES", 1 << 16)
+    monkeypatch.setattr(model_folder, "MAX_CONFIG_BYTES", 1 << 16)
     for text, said in (("[" * 30_000 + "]" * 30_000, "cannot be read (RecursionError)"),
                        (json.dumps({"pad": "x" * (1 << 17)}), "a model's config.json is at most 65536")):
         (model / "config.json").write_text(text)

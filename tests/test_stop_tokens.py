@@ -78,3 +78,29 @@ def test_a_served_reply_ending_at_the_generation_configs_eos_finishes_as_a_stop(
     (choice,) = out.choices
     assert choice.finish_reason == "stop"
     assert out.model_extra["streamrl"]["choices"][0]["token_ids"] == greedy[:k + 1]
+
+
+def test_a_model_that_samples_otherwise_than_the_engine_is_said_once_at_resolve(tiny_model, tmp_path):
+    import warnings
+
+    from streamrl.errors import RunWarning
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+    from tests.helpers import TINY_RECIPE
+
+    folder = tmp_path / "qwen-like"
+    shutil.copytree(tiny_model, folder)
+    (tmp_path / "r.toml").write_text(TINY_RECIPE.format(out=tmp_path / "runs", model=folder))
+
+    def said() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resolve(load_recipe(tmp_path / "r.toml"))
+        return [str(w.message) for w in caught if issubclass(w.category, RunWarning) and "samples at" in str(w.message)]
+    assert said() == []
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_token_id": 2}))
+    (line,) = said()
+    assert "samples at temperature 0.7, top_p 0.8, top_k 20; the engine samples at engine.temperature = 1" in line
+    (folder / "generation_config.json").write_text("[" * 100_000)  # (a damaged file: nothing said, nothing raised)
+    assert said() == []

@@ -3,7 +3,6 @@ validated, giving a :class:`Resolved` that the controller builds from. Needs no 
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from streamrl.api import Algorithm, Component, EngineCapabilities, TrainerCapabi
 from streamrl.algorithms.dr_grpo import DrGRPO
 from streamrl.errors import RunWarning, UserError
 from streamrl.models.fetch import KNOWN
+from streamrl.plugins.model_folder import check_positions, model_positions, say_sampling
 from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 from streamrl.recipe.serve import ServeConfig
@@ -200,7 +200,8 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
             raise UserError(f"model.path: {path} has a config.json but no weights "
                             "(expected model.safetensors or pytorch_model.bin)")
         if out.engine.capabilities().needs_model:
-            _check_positions(out, path)
+            check_positions(out, path)
+            say_sampling(out, path)
     return out
 
 
@@ -272,10 +273,6 @@ def check_algorithm(out: Resolved, plan: LearnerPlan) -> None:
                       stacklevel=2)
 
 
-#: Where a model's config.json says how many positions (prompt and response together) it has.
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
 def _check_engine_can(out: Resolved) -> None:
     """What the run asks of its engine, checked against what the engine declares
     (:class:`~streamrl.api.EngineCapabilities`) before any cluster starts: an endpoint (``[serve]``,
@@ -310,65 +307,3 @@ def _check_trainer_can(out: Resolved) -> None:
     refused = out.trainer.capabilities().refuses(r.trainer.name, r.pools.train.workers, r.trainer.strategy)
     if refused:
         raise UserError(refused)
-
-
-#: Bytes of a model's ``config.json`` read at most (a real one is a few KB).
-MAX_CONFIG_BYTES = 4 * 2**20
-
-
-def model_config(model: Path) -> object:
-    """The parsed ``config.json`` of the model folder ``model`` (``ValueError``: a phrase saying
-    why it cannot be read). A regular file of bounded size, read before it is parsed: a FIFO
-    there waited for ever, a link to /dev/zero filled the memory, JSON nested without end raised
-    a RecursionError."""
-    path = model / "config.json"
-    try:
-        if not path.is_file():
-            raise ValueError("is not a file" if path.exists() else "is missing")
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ValueError(f"has {size} bytes; a model's config.json is at most {MAX_CONFIG_BYTES}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"cannot be read ({type(exc).__name__})") from None
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"cannot be read ({type(exc).__name__})") from None
-
-
-def model_positions(model: Path, config: dict | None = None) -> tuple[str, int] | None:
-    """``(key, positions)``: how many positions (prompt and response together) the model at
-    ``model`` has, and the ``config.json`` key that says so; None where it cannot say (no
-    readable config, no such key). ``config``: the file's contents, when read already."""
-    if config is None:
-        try:
-            config = model_config(model)
-        except ValueError:
-            return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config")
-    if isinstance(text, dict):  # (a multimodal model's language part)
-        config = {**config, **text}
-    key = next((k for k in POSITION_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
-    return None if key is None else (key, config[key])
-
-
-def _check_positions(out: Resolved, model: Path) -> None:
-    """``max_new_tokens`` of the engine must leave room for a prompt in the model's positions
-    (beyond them a model with learned positions fails, and one with rotary ones goes where it
-    was never trained)."""
-    wanted = out.engine.capabilities().max_new_tokens
-    try:
-        config = model_config(model)
-    except ValueError as exc:
-        raise UserError(f"model.path: {model / 'config.json'} {exc}") from None
-    found = model_positions(model, config)
-    if not isinstance(wanted, int) or found is None:
-        return
-    key, limit = found
-    if wanted >= limit:
-        raise UserError(f"engine.max_new_tokens: {wanted} does not fit the model's {limit} positions "
-                        f"({key} in {model / 'config.json'}), which the prompt and the response share; "
-                        f"use less than {limit}")
