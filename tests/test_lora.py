@@ -215,3 +215,16 @@ def test_a_lora_learners_state_resumes_whether_its_base_is_shared_or_its_own(tin
     c = trainer("c")
     trainer_state.load(c, str(tmp_path / "alone"))
     assert same_adapter(alone, c)
+    # a checkpoint written before (every adapter under its own name) still resumes where it was written
+    real = trainer_state._adapter
+    trainer_state._adapter = lambda trainer, saved_keys=None: None
+    try:
+        trainer_state.save(a, str(tmp_path / "before"))
+    finally:
+        trainer_state._adapter = real
+    assert any(".lora_A.a." in k for k in read_metadata(tmp_path / "before" / "dcp").state_dict_metadata)
+    trained = [p.detach().clone() for p in own_parameters(a.model, "a")]
+    again = trainer("a")  # (placed anew on the worker: its adapter replaced by a fresh one)
+    assert not all(torch.equal(p, q) for p, q in zip(trained, own_parameters(again.model, "a")))
+    trainer_state.load(again, str(tmp_path / "before"))
+    assert all(torch.equal(p, q) for p, q in zip(trained, own_parameters(again.model, "a")))

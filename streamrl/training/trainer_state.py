@@ -135,16 +135,33 @@ def _modules(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]
     return out
 
 
-def _as_saved(trainer, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
-    """A module's state dicts (``get_state_dict``'s) under the names its checkpoint uses: a
-    LoRA learner's adapter under one name wherever it trains, and the other learners' adapters
-    on a shared base left out (``training/lora.py``'s :func:`checkpoint_name`)."""
+def _adapter(trainer, saved_keys=None) -> str | None:
+    """The adapter whose parameters a LoRA learner's checkpoint names under peft's default name
+    (:func:`_as_saved`); None for a trainer without one, and for a checkpoint written before
+    checkpoints named it so (``saved_keys``: its keys; they hold the learner's own name), which
+    is read under the names it was written with."""
     if trainer.lora is None:
+        return None
+    from streamrl.training.lora import ADAPTER, checkpoint_name
+
+    name = trainer.lora.name
+    if saved_keys is not None and name != ADAPTER:
+        own = (k for k in saved_keys if ".lora_" in k and checkpoint_name(k, name) not in (None, k))
+        if next(own, None) is not None:
+            return None
+    return name
+
+
+def _as_saved(adapter: str | None, model_state: dict, optim_state: dict) -> tuple[dict, dict]:
+    """A module's state dicts (``get_state_dict``'s) under the names its checkpoint uses: a
+    LoRA learner's ``adapter`` under one name wherever it trains, and the other learners' adapters
+    on a shared base left out (``training/lora.py``'s :func:`checkpoint_name`; None: as they are)."""
+    if adapter is None:
         return model_state, optim_state
     from streamrl.training.lora import checkpoint_name
 
     def named(fqn):
-        return checkpoint_name(fqn, trainer.lora.name)
+        return checkpoint_name(fqn, adapter)
     model = {named(k): v for k, v in model_state.items() if named(k) is not None}
     optim = {**optim_state,
              "state": {named(k): v for k, v in optim_state.get("state", {}).items() if named(k) is not None},
@@ -153,16 +170,16 @@ def _as_saved(trainer, model_state: dict, optim_state: dict) -> tuple[dict, dict
     return model, optim
 
 
-def _as_held(trainer, saved: tuple[dict, dict], held: tuple[dict, dict]) -> tuple[dict, dict]:
+def _as_held(adapter: str | None, saved: tuple[dict, dict], held: tuple[dict, dict]) -> tuple[dict, dict]:
     """The state dicts loaded under the checkpoint's names (:func:`_as_saved`) back under the
     module's own, for ``set_state_dict``; what the checkpoint does not hold of this module (the
     other learners' adapters) as the module holds it now."""
-    if trainer.lora is None:
+    if adapter is None:
         return saved
     from streamrl.training.lora import checkpoint_name
 
     def named(fqn):
-        return checkpoint_name(fqn, trainer.lora.name)
+        return checkpoint_name(fqn, adapter)
     (model_saved, optim_saved), (model_held, optim_held) = saved, held
     model = {k: model_saved[named(k)] if named(k) is not None else v for k, v in model_held.items()}
     state = {k: optim_saved["state"][named(k)] if named(k) is not None and named(k) in optim_saved["state"] else v
@@ -208,7 +225,7 @@ def save(trainer, path: str) -> None:
     unused = [name for name, (_, optimizer) in modules.items() if not optimizer.state]
     for name, (module, optimizer) in modules.items():
         state[f"{name}.model"], state[f"{name}.optim"] = _as_saved(
-            trainer, *get_state_dict(module, optimizer, options=_options(trainer)))
+            _adapter(trainer), *get_state_dict(module, optimizer, options=_options(trainer)))
     for name in unused:
         modules[name][1].state.clear()
     with warnings.catch_warnings():  # one process and no process group: DCP says so, loudly
@@ -232,16 +249,17 @@ def load(trainer, path: str) -> None:
         raise FileNotFoundError(f"{folder.name}/dcp/.metadata is missing: not a trainer's saved state")
     state, held = {}, {}
     modules = _modules(trainer)
+    adapter = _adapter(trainer, read_metadata(folder / "dcp").state_dict_metadata)
     for name, (module, optimizer) in modules.items():
         held[name] = get_state_dict(module, optimizer, options=_options(trainer))
-        state[f"{name}.model"], state[f"{name}.optim"] = _as_saved(trainer, *held[name])
+        state[f"{name}.model"], state[f"{name}.optim"] = _as_saved(adapter, *held[name])
     _same_dtypes(state, folder / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _unwrapped(lambda: dcp.load(state, storage_reader=SafeReader(str(folder / "dcp")), planner=SafePlanner(),
                                     no_dist=not trainer.sharded))
     for name, (module, optimizer) in modules.items():
-        model_state, optim_state = _as_held(trainer, (state[f"{name}.model"], state[f"{name}.optim"]), held[name])
+        model_state, optim_state = _as_held(adapter, (state[f"{name}.model"], state[f"{name}.optim"]), held[name])
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                        options=_options(trainer))
     extra = torch.load(folder / "trainer.pt", weights_only=True)  # (tensors and plain values only)
