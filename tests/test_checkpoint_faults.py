@@ -423,6 +423,17 @@ def test_a_checkpoint_is_on_disk_before_an_older_one_is_removed(tmp_path, schedu
     assert {f"{tmp}/{p.name}" for p in made.iterdir()} | {tmp} <= set(synced)
     assert str(folders.folder(tmp_path)) in synced  # (the rename)
     assert [p.name for p in folders.folder(tmp_path).iterdir()] == ["step-000004"]
+    # a folder that cannot be synced: the checkpoint stands, the one before it is kept, one warning
+
+    def failing(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(folders.folder(tmp_path)):
+            raise OSError(5, "Input/output error")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.warns(RunWarning, match="step-000006: the checkpoints folder could not be synced to disk "
+                                        r"\(Input/output error\); the older checkpoints are kept"):
+        folders.write(scheduler_only, [], None, tmp_path, 6, 6, 6, keep=1, files={"dispatch.json": b"{}"})
+    assert [p.name for p in sorted(folders.folder(tmp_path).iterdir())] == ["step-000004", "step-000006"]
 
 
 def test_a_checkpoint_that_lost_its_manifest_is_damaged_not_taken_for_an_old_one(tmp_path, scheduler_only):

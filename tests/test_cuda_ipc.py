@@ -73,6 +73,8 @@ def test_a_handle_from_another_host_is_missed_and_sent_again_as_bytes_of_the_new
     transfer._sent[5] = pack({n: t * 5 for n, t in weights().items()}, None)  # (a newer version: made anew)
     payload5, version = transfer.resend(5)
     assert version == 5 and made == [1] and payload5 != payload
+    transfer.send({}, 6)  # (the next version sent: the bytes kept for a resend go)
+    assert transfer._resent is None
 
 
 @pytest.mark.slow

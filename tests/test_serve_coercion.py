@@ -75,6 +75,9 @@ def test_a_field_sent_as_another_json_type_is_a_400_naming_it(served, path, body
     ("/completions", {"best_of": 3}, "best_of"),
     ("/completions", {"suffix": " and then"}, "suffix"),
     ("/completions", {"stop": "x" * 513}, "stop"),
+    ("/completions", {"top_k": 20}, "top_k"),
+    ("/chat/completions", {"min_p": 0.05}, "min_p"),
+    ("/chat/completions", {"repetition_penalty": 1.05}, "repetition_penalty"),
     ("/chat/completions", {"stop": ["ok", "y" * 513]}, "stop.1"),
 ])
 def test_an_option_that_would_change_what_is_sampled_is_refused_not_ignored(served, path, more, param):
@@ -86,7 +89,7 @@ def test_an_option_that_would_change_what_is_sampled_is_refused_not_ignored(serv
     assert err["param"] == param, err
     # at their defaults, as clients send them, they are taken
     defaults = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
-                "best_of": 1, "suffix": "", "stop": "x" * 512}
+                "best_of": 1, "suffix": "", "stop": "x" * 512, "top_k": -1, "min_p": 0, "repetition_penalty": 1}
     base = COMPLETION if path == "/completions" else CHAT
     r = httpx.post(url + path, json={**base, param.split(".")[0]: defaults[param.split(".")[0]]}, timeout=30)
     assert r.status_code == 200, r.text[:300]

@@ -104,3 +104,16 @@ def test_a_model_that_samples_otherwise_than_the_engine_is_said_once_at_resolve(
     assert "samples at temperature 0.7, top_p 0.8, top_k 20; the engine samples at engine.temperature = 1" in line
     (folder / "generation_config.json").write_text("[" * 100_000)  # (a damaged file: nothing said, nothing raised)
     assert said() == []
+
+
+def test_a_replica_and_a_learners_variant_end_responses_as_their_engine_does():
+    from types import SimpleNamespace
+
+    from streamrl.serve.adapter_routes import OnAdapter
+    from streamrl.serve.remote_engines import RemoteEngine
+
+    # (the local engine's face the endpoint reads: a stand-in for a loaded slot engine)
+    local = SimpleNamespace(config=None, tokenizer=None, encode=None, version=3, stop_ids=(2, 7))
+    remote = RemoteEngine(local, "http://127.0.0.1:1", "key", "generate-1")
+    assert remote.stop_ids == (2, 7) and OnAdapter(remote, "b").stop_ids == (2, 7)
+    assert OnAdapter(local, "b").stop_ids == (2, 7)

@@ -225,8 +225,14 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         raise
     shutil.rmtree(final, ignore_errors=True)  # a resumed run writing the same step again
     os.replace(tmp, final)
-    _sync(final.parent)  # (the rename itself on disk before an older checkpoint goes)
     integrity.verified(final, listed)  # just hashed: no need to again
+    try:
+        _sync(final.parent)  # (the rename itself on disk before an older checkpoint goes)
+    except OSError as exc:
+        warnings.warn(RunWarning(f"checkpoint {final.name}: the checkpoints folder could not be synced to disk "
+                                 f"({exc.strerror or type(exc).__name__}); the older checkpoints are kept"),
+                      stacklevel=2)
+        return final
     for old in _all(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -248,7 +254,7 @@ def _sync(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # (a file system that cannot sync: nothing to do)
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):  # (a file system that cannot sync)
             raise
     finally:
         os.close(fd)

@@ -14,18 +14,32 @@ from pathlib import Path
 #: What ``streamrl model init`` writes beside a model it made (``run/model_init.py``).
 MADE_HERE = "streamrl_init.json"
 
+#: The special tokens of streamrl's character tokenizers (``tasks/tiny.py``): a policy folder a
+#: run saved from a tiny model, before its tokenizer said it adds BOS, is known by them.
+CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>")
+
 
 def load_tokenizer(model_path: str):
     """``AutoTokenizer.from_pretrained(model_path)``; for a tiny model streamrl made (its
-    :data:`MADE_HERE` beside it) one that adds BOS, as its model learned -- saved again (a
-    trained policy's folder), it says so itself."""
+    :data:`MADE_HERE` beside it, or its character tokenizer's specials: a policy trained from
+    one) one that adds BOS, as its model learned -- saved again, it says so itself."""
     from transformers import AutoTokenizer
 
-    made_here = (Path(model_path) / MADE_HERE).is_file()
-    return AutoTokenizer.from_pretrained(model_path, **({"add_bos_token": True} if made_here else {}))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    specials = (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token)
+    if (Path(model_path) / MADE_HERE).is_file() or specials == CHAR_SPECIALS:
+        tokenizer.add_bos_token = True
+    return tokenizer
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """``text`` as its tokenizer encodes it, special tokens where it adds them (a BOS in front,
-    for tokenizers that add one)."""
-    return tokenizer(text).input_ids
+    """``text`` as its tokenizer encodes it, with the BOS in front where it adds one -- and no
+    other special token it adds (an EOS at the end, as ``add_eos_token`` does, would end the
+    prompt)."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    bos = tokenizer.bos_token_id
+    if bos is None or ids[:1] == [bos]:
+        return ids
+    probe = "a"  # (whether it adds BOS is the tokenizer's setting, not the text's)
+    adds = tokenizer(probe).input_ids[:1] == [bos] != tokenizer(probe, add_special_tokens=False).input_ids[:1]
+    return [bos] + ids if adds else ids

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from streamrl.engines.stop_tokens import of_engine
+
 
 class OnAdapter:
     """``engine`` (a local slot engine, or a replica's :class:`~streamrl.serve.remote_engines.RemoteEngine`)
@@ -23,6 +25,8 @@ class OnAdapter:
     def __init__(self, engine, adapter: str):
         self.engine, self.adapter = engine, adapter
         self.config, self.tokenizer, self.encode = engine.config, engine.tokenizer, engine.encode
+        self.stop_ids = of_engine(engine)
+        """The tokens that end its responses (its engine's)."""
         self.worker = getattr(engine, "worker", "")  # (a local engine has none: the endpoint's own worker)
         """The worker it decodes on."""
 

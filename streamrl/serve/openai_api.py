@@ -247,8 +247,8 @@ class Endpoint:
         else:
             ids = self.engine.encode("") + content_as_text.text_ids(self.tokenizer, req.prompt)  # (BOS, if any)
         if not ids:  # (a model without a BOS token: an empty text is no tokens at all)
-            raise APIError(400, "The prompt is empty, and this model has no beginning-of-text token to start from; "
-                                "send some text.", param="prompt")
+            raise APIError(400, "The prompt is empty, and this model's tokenizer puts no token in front of a text to "
+                                "start from; send some text.", param="prompt")
         return ids
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from distributed import get_worker
 
+from streamrl.engines.stop_tokens import of_engine
 from streamrl.on_worker.resident import resident
 from streamrl.serve.http_server import start_in_thread
 from streamrl.telemetry import bubbles
@@ -202,6 +203,8 @@ class RemoteEngine:
 
     def __init__(self, local, url: str, key: str, worker: str, what: str = ""):
         self.config, self.tokenizer, self.encode = local.config, local.tokenizer, local.encode
+        self.stop_ids = of_engine(local)
+        """The tokens that end its responses (the same model's as the local engine's)."""
         self.url, self.key = url, key
         self.worker = worker
         """The worker it decodes on (its samples say they were made there)."""

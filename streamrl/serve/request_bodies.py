@@ -120,10 +120,13 @@ class Sampling(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    """OpenAI's options that change what is sampled: refused unless at their defaults (0, 0,
-    empty, ``{"type": "text"}``), since the learners train on the policy's own distribution and
-    the endpoint serves nothing else -- a client asking for JSON output or a penalty hears so
-    rather than getting a reply that ignores it."""
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    """Options that change what is sampled (OpenAI's, and the last three vLLM's): refused unless
+    at their defaults (0, 0, empty, ``{"type": "text"}``, -1 or 0, 0, 1), since the learners
+    train on the policy's own distribution and the endpoint serves nothing else -- a client
+    asking for JSON output or a penalty hears so rather than getting a reply that ignores it."""
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -134,11 +137,12 @@ class Sampling(BaseModel):
     """streamrl's own: a conversation or user session this request belongs to; one ``POST
     /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
 
-    @field_validator("frequency_penalty", "presence_penalty", "logit_bias", "response_format")
+    @field_validator("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p",
+                     "repetition_penalty")
     @classmethod
     def _not_served(cls, value, info):
         defaults = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-                    "response_format": ({"type": "text"},)}
+                    "response_format": ({"type": "text"},), "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,)}
         if value is not None and value not in defaults[info.field_name]:
             raise ValueError(f"{info.field_name} is not served: replies are sampled from the policy as it is (the "
                              "learners train on its own distribution); leave it out")
@@ -162,9 +166,11 @@ class Sampling(BaseModel):
 
 
 class ToolFunction(BaseModel):
-    """A tool's ``function``: what a chat template shows the model of it."""
+    """A tool's ``function``: what a chat template shows the model of it (its other fields --
+    ``strict``, as OpenAI's Agents SDK sends -- kept for the template: they count in the
+    request's size like the rest)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = Field(pattern=r"^[\w.:-]{1,64}$")
     """Letters, digits, ``_ . : -``, at most 64 (OpenAI's rule, with ``.`` and ``:`` as namespaced
     tools use): a chat template pastes the name into the prompt as it is."""
@@ -176,7 +182,7 @@ class ToolFunction(BaseModel):
 class Tool(BaseModel):
     """One of a chat request's ``tools``, in OpenAI's format: a function the model may call."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: ToolFunction
 
@@ -192,7 +198,10 @@ class ChatRequest(Sampling):
     """Functions the model may call, in OpenAI's format; shown to the model by its chat template
     (checked here: a template reads ``tools[i].function.name`` and fails on a tool without it)."""
     tool_choice: str | dict[str, Any] | None = None
-    """``"none"``: the reply is not parsed for tool calls; anything else parses it."""
+    """``"none"``: the reply is not parsed for tool calls; anything else parses it. ``"required"``
+    and a named function are taken as ``"auto"``: the reply is parsed for the calls the model
+    makes, never forced to make one (forcing would decode from another distribution than the
+    policy's, the one the learners train on); agent frameworks send them by default."""
 
 
     def tool_choice_problem(self) -> str | None:
@@ -214,9 +223,6 @@ class ChatRequest(Sampling):
                 return f"Invalid value for 'tool_choice': no function named {name[:64]!r} among the tools."
         if choice != "none" and not self.tools:
             return "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified."
-        if choice not in ("none", "auto"):  # ('required' or a named function)
-            return ("tool_choice 'required' or a named function is not served: a reply is parsed for the calls "
-                    "the model makes, never forced to make one; use 'auto' or 'none'.")
         return None
 
     def tool_list(self) -> list[dict[str, Any]] | None:

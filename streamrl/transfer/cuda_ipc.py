@@ -89,6 +89,7 @@ class CudaIpcTransfer(Transfer):
     def send(self, weights, version: int):
         """The IPC handle of the weights packed into one GPU buffer, or safetensors bytes when
         they are on the CPU (nothing to share); no weights (a simulated trainer), no bytes."""
+        self._resent = None  # (a newer version: the older one's bytes go, a whole model's worth)
         if not weights:
             return b""
         import torch
