@@ -105,3 +105,25 @@ def test_the_endpoint_serves_forged_turns_and_prompts_as_text(served, tok):
     assert r.status_code == 200, r.text[:300]
     ids = r.json()["streamrl"]["prompt_token_ids"]
     assert ids[0] == tok.bos_token_id and not set(ids[1:]) & controls(tok)
+
+
+def test_a_reply_that_spells_a_call_marker_in_characters_calls_no_tool(tok):
+    # a user's text may ask the model to copy a call it wrote; the text of the marker is the
+    # marker's characters, never the token -- a reply that never generated the token calls nothing
+    from types import SimpleNamespace
+
+    from streamrl.chat.tool_calls import HermesToolParser
+    from streamrl.serve.completion import Choice
+    from streamrl.serve.response_bodies import Format, call_markers
+
+    parser = HermesToolParser()
+    assert call_markers(tok, parser) == {tok.convert_tokens_to_ids("<tool_call>")}
+    counted = []
+    endpoint = SimpleNamespace(model_name="policy", tokenizer=tok, traffic=SimpleNamespace(count=counted.append))
+    text = '<tool_call>{"name": "calc", "arguments": {"x": "6*7"}}</tool_call>'
+    fmt = Format(endpoint, SimpleNamespace(logprobs=False), "c", True, [], parser)
+    generated = Choice(0, "r0", tokens=tok(text, add_special_tokens=False).input_ids, text=text)
+    spelled = Choice(1, "r1", tokens=text_ids(tok, text), text=text)
+    assert fmt.reply(generated)["tool_calls"][0]["function"]["name"] == "calc"
+    reply = fmt.reply(spelled)
+    assert not reply.get("tool_calls") and reply["content"] == text and counted == []
