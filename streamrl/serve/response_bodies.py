@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from streamrl.chat.content_as_text import added_pattern
+from streamrl.chat.decoding import token_bytes
 from streamrl.chat.messages import reply_message
 from streamrl.serve.completion import Completion
 from streamrl.serve.request_bodies import APIError, Sampling
@@ -62,8 +63,8 @@ class Format:
         tok = self.endpoint.tokenizer
         pieces = [tok.decode([t]) for t in tokens]
         if self.chat:
-            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                                for p, lp in zip(pieces, logprobs)]}
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(raw), "top_logprobs": []}
+                                for p, raw, lp in zip(pieces, token_bytes(tok, tokens), logprobs)]}
         return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
 
     def usage(self, completion: Completion) -> dict:
