@@ -239,7 +239,8 @@ def _train_groups(*bundles: list[Group], scale: float, micro_batch_tokens: int =
     # Shortest groups first: a micro-batch is padded to its longest sequence, so neighbours of
     # similar length waste little (on lengths that span two orders of magnitude, submission
     # order trained much slower: docs/benchmarks.md). Order does not change the accumulated
-    # gradient.
+    # gradient of an algorithm without running state (REINFORCE++'s normaliser is updated group
+    # by group, so its advantages follow the order; M2PO's mask is chosen per micro-batch).
     order = sorted(range(len(groups)), key=lambda i: max(len(s.prompt_ids) + len(s.response_ids) for s in groups[i]))
     cuts = [[order[j] for j in idx] for idx in
             pack([group_tokens(groups[i]) for i in order], micro_batch_tokens, groups_per_micro_batch)]
