@@ -62,6 +62,8 @@ import glob
 import json
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -133,8 +135,17 @@ class Check:
         tmp.write_text(json.dumps(self.result, indent=2))
         os.replace(tmp, self.args.out)
 
-    def run(self, name: str, cmd: list[str], timeout: float) -> dict:
-        """Run one phase's command with a time limit; its exit status, seconds and log's tail."""
+    def run(self, name: str, cmd: list[str], timeout: float, outputs: tuple[Path, ...] = ()) -> dict:
+        """Run one phase's command with a time limit; its exit status, seconds and log's tail.
+        ``outputs``: the files (or folders) it writes, removed first, so that a phase that fails,
+        runs out of time or is skipped leaves nothing of an earlier call for its figures. The
+        whole process group goes when it ends (a timed-out phase's cluster, workers and
+        endpoint kept the GPU and their ports through the later phases)."""
+        for path in outputs:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         left = self.args.budget_s - (time.monotonic() - self.t0)
         if left < 20:
             row = {"ok": False, "skipped": f"budget spent ({self.args.budget_s:.0f} s)"}
@@ -145,11 +156,17 @@ class Check:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
             try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    timeout=min(timeout, left), start_new_session=True).returncode
+                rc = proc.wait(timeout=min(timeout, left))
             except subprocess.TimeoutExpired:
                 rc = "timeout"
+            finally:
+                try:  # (its own session: the phase's every process, whatever it left running)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
         text = log.read_text(errors="replace")
         row = {"ok": rc == 0, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
                "log_tail": text[-3000:] if rc != 0 else text[-1200:]}
@@ -194,7 +211,7 @@ class Check:
                 "run.checkpoint_every=0", "cluster.dashboard_port=0",
                 *device_overrides(self.args.device), *s["recipe"], *extra]
         row = self.run(name, streamrl("recipe", "run", RECIPE, "--plain", "--no-report", *sets(over)),
-                       self.args.recipe_timeout)
+                       self.args.recipe_timeout, outputs=(runs,))
         found = sorted(glob.glob(str(runs / "*" / "metrics.jsonl")), key=os.path.getmtime)
         if not found:
             return
@@ -209,7 +226,10 @@ class Check:
             # come in runs of short ones, their samples decoded ahead, and one that waits)
             row["later_mean_s"] = step / len(later)
             row["weight_sync_share"] = sum(r["weight_sync_s"] for r in later) / step if step else None
-            row["tokens_per_s"] = sum(r["tokens_per_s"] for r in later) / len(later)
+            # (tokens over seconds, not the mean of each step's rate: a run of short steps whose
+            # samples were decoded ahead would count each as fast)
+            tokens = sum(r["tokens_per_s"] * r["step_s"] for r in later if r.get("tokens_per_s") is not None)
+            row["tokens_per_s"] = tokens / step if step else None
         self.save()
 
     def recipe_baseline(self, model: str) -> None:
@@ -248,7 +268,7 @@ class Check:
                                                           "trainer.samples_per_prompt=8"]),
                                                    *[x for v in variants for x in ("--variant", v)],
                                                    "--steps", str(s["engine_steps"]), "--warmup", "1",
-                                                   "--out", str(out)), 2 * self.args.engine_timeout)
+                                                   "--out", str(out)), 2 * self.args.engine_timeout, outputs=(out,))
             if out.exists():
                 row["variants"] = [{k: v for k, v in r.items() if k != "steps"} for r in json.loads(out.read_text())]
                 self.save()
@@ -276,7 +296,8 @@ class Check:
                                                     "--response-tokens", str(s["trainer_response"]),
                                                     "--steps", str(s["trainer_steps"]), "--warmup", "1",
                                                     "--out", str(out), *extra),
-                           self.args.trainer_timeout)
+                           self.args.trainer_timeout,
+                           outputs=(out, *(self.work.glob("trainer-profile-*.txt") if extra else ())))
             if out.exists():
                 row["variants"] = [{k: v for k, v in r.items() if k != "steps"} for r in json.loads(out.read_text())]
                 rows.extend(row["variants"])
@@ -296,7 +317,7 @@ class Check:
                "--tokens", str(tokens), "--out", str(out), "--big-chunk", "4096", "--big-chunk", "8192"]
         if small:
             cmd += ["--hidden", "64", "--dtype", "float32", "--repeats", "1"]
-        row = self.run("head", cmd, self.args.trainer_timeout)
+        row = self.run("head", cmd, self.args.trainer_timeout, outputs=(out,))
         if out.exists():
             row["ways"] = json.loads(out.read_text())
             self.save()
@@ -330,7 +351,7 @@ class Check:
         row = self.run("longtail", streamrl("bench", "skew", str(ROOT / "recipes" / "longtail-cpu.toml"), *sets(over),
                                             "--variants", "fcfs,longtail-learned,longtail-learned +moves",
                                             "--steps", steps, "--warmup", warmup, "--out", str(out)),
-                       self.args.longtail_timeout)
+                       self.args.longtail_timeout, outputs=(out,))
         if out.exists():
             found = json.loads(out.read_text())["variants"]
             row["skew"] = {name: {k: r.get(k) for k in ("generate_makespan_s", "speedup_generate", "samples_per_s",
@@ -346,7 +367,7 @@ class Check:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "adapter_decode.py"), model, "--device", self.args.device,
                "--requests", "8" if small else "256", "--tokens", "16" if small else "128",
                "--repeats", "1" if small else "3", "--out", str(out)]
-        row = self.run("lora", cmd, self.args.engine_timeout * 2)
+        row = self.run("lora", cmd, self.args.engine_timeout * 2, outputs=(out,))
         if out.exists():
             found = json.loads(out.read_text())
             row["result"] = {k: v for k, v in found.items() if k != "all"}
@@ -369,7 +390,8 @@ class Check:
                    self.args.device, "--requests", ",".join(map(str, counts)), "--new-tokens", "8" if small else "256",
                    "--steps", "4" if small else "100", *extra, "--out", str(out),
                    *(["--profile-dir", str(self.work / "decode-profile")] if name == "inprocess" else [])]
-            row = self.run(name, cmd, self.args.engine_timeout * 3)
+            row = self.run(name, cmd, self.args.engine_timeout * 3,
+                           outputs=(out, *([self.work / "decode-profile"] if name == "inprocess" else [])))
             if out.exists():
                 row["rows"] = json.loads(out.read_text())
                 profiles = sorted((self.work / "decode-profile").glob("decode-profile-*.txt"))
@@ -391,6 +413,8 @@ class Check:
         cmd = [sys.executable, self.args.anchor, self.args.device, *(["--small"] if self.args.small else []),
                "--batches", ",".join(map(str, counts))]
         row = self.run("anchor", cmd, self.args.engine_timeout * 3)
+        if row.get("skipped"):  # (its log is an earlier call's, or none)
+            return
         lines = [json.loads(line) for line in (self.work / "anchor.log").read_text().splitlines()
                  if line.startswith("{")]
         steps = [r for r in lines if r.get("what") == "decode_step"]
@@ -426,7 +450,7 @@ class Check:
         row = self.run("serve", streamrl("bench", "serve", str(ROOT / "recipes" / "serve.toml"), *sets(over),
                                          "--clients", clients, "--seconds", seconds, "--repeats", repeats,
                                          "--n", "4", "--client-processes", procs, "--out", str(out)),
-                       self.args.serve_timeout)
+                       self.args.serve_timeout, outputs=(out,))
         if out.exists():
             found = json.loads(out.read_text())
             row["ratios"], row["training_steps"] = found["ratios"], found["training_steps"]
@@ -440,7 +464,7 @@ class Check:
         over = [f"model.path=\"{model}\"", *device_overrides(self.args.device)]
         row = self.run("transfer", streamrl("bench", "transfer", RECIPE, *sets(over), "--transfers", "cuda_ipc,dask",
                                             "--repeats", str(s["transfer_repeats"]), "--out", str(out)),
-                       self.args.transfer_timeout)
+                       self.args.transfer_timeout, outputs=(out,))
         if out.exists():
             row["result"] = json.loads(out.read_text())
             self.save()

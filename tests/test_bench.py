@@ -417,3 +417,42 @@ def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_pat
                               "--against", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and missing.stderr.strip() == \
         f"worker_start: --against {tmp_path / 'none'}: no virtualenv at {tmp_path / 'none' / '.venv'}"
+
+
+def test_a_gpu_check_phase_leaves_no_process_and_no_earlier_calls_figures(tmp_path):
+    # a phase that ran out of time was killed alone: its cluster, workers and endpoint kept the
+    # GPU through the later phases; and a phase that failed or was skipped had its figures read
+    # from an earlier call's files in the reused work folder
+    import importlib.util
+    import time
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path / "check.json"), budget_s=600.0,
+                           device="cpu", small=True)
+    check = gpu_check.Check(args)
+    stale = check.work / "engine-8.json"
+    stale.write_text("[]")
+    row = check.run("engine-8", [sys.executable, "-c", "raise SystemExit(3)"], 30, outputs=(stale,))
+    assert row["rc"] == 3 and not stale.exists()
+    child = tmp_path / "child.pid"
+    spawner = ("import subprocess, sys, time\n"
+               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+               f"open({str(child)!r}, 'w').write(str(p.pid))\n"
+               "time.sleep(120)\n")
+    t0 = time.monotonic()
+    row = check.run("serve", [sys.executable, "-c", spawner], 3)
+    assert row["rc"] == "timeout" and time.monotonic() - t0 < 30
+    pid = int(child.read_text())
+
+    def gone() -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"  # (a zombie waiting for init)
+        except FileNotFoundError:
+            return True
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(), f"the phase's child {pid} outlived it"
