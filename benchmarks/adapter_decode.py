@@ -6,9 +6,11 @@ adapter's hand-over costs.
 
 One engine (``engine.batching = "slots"``, CUDA graphs on a GPU), ``--requests`` requests of
 ``--tokens`` new tokens each (end-of-sequence off, so every request decodes them all), run three
-ways, ``--repeats`` times each, interleaved:
+ways, ``--repeats`` times each (``base``'s first, the others interleaved):
 
-- ``base``: the engine holds no adapter (no hook on any layer: the plain model);
+- ``base``: the engine holds no adapter (no hook on any layer: the plain model), measured before
+  any is loaded (a loaded adapter's hooks stay on the model; ``hooked_base`` is the base through
+  them);
 - ``one``: every request decodes with one adapter (the served LoRA policy);
 - ``mixed``: the requests spread round-robin over ``--adapters`` adapters, decoded in the same
   steps (the per-row gather and two batched products per adapted layer).
@@ -75,6 +77,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats: {args.repeats}; expected 1 or more")
     engine = SlotEngine(HFEngineConfig(batching="slots", slots=args.requests, max_prompt_tokens=16,
                                        # (+1: the served policy's index, reserved)
                                        max_new_tokens=args.tokens, profile=False, adapters=args.adapters + 1,
@@ -87,8 +91,10 @@ def main() -> int:
     adapter_bytes = sum(t.numel() * t.element_size() for t in publications[0].values())
     decode(engine, args.requests, min(8, args.tokens), [])  # warm-up: the base, before any hook
     rates: dict[str, list[float]] = {"base": [], "one": [], "mixed": []}
+    # the base alone, every repeat before any adapter is loaded: once one is, its hooks stay on
+    # the model and a request without an adapter goes through them (that is hooked_base below)
+    rates["base"] = [decode(engine, args.requests, args.tokens, []) for _ in range(args.repeats)]
     for _ in range(args.repeats):
-        rates["base"].append(decode(engine, args.requests, args.tokens, []))
         if not engine.adapters.versions:  # the adapters loaded once, timed (the first load allocates the stacks)
             loads = []
             for name, pub in zip(names, publications):

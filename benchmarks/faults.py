@@ -35,11 +35,25 @@ from collections import Counter
 from pathlib import Path
 
 
-def start(recipe: str, out: Path, steps: int, sets: list[str]) -> subprocess.Popen:
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    """``args`` running, its stderr into the file ``log`` (a pipe read only at the end filled
+    with the cluster's words about the killed workers, and the run blocked writing to it)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, text=True)
+    proc.log = log
+    return proc
+
+
+def err_of(proc) -> str:
+    """What a finished run said on stderr."""
+    return proc.err if isinstance(proc, _Done) else proc.log.read_text(errors="replace")
+
+
+def start(recipe: str, out: Path, steps: int, sets: list[str], log: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "streamrl", "recipe", "run", recipe, "--set", f"run.steps={steps}",
             "--set", "cluster.dashboard_port=0", "--set", f'run.out_dir="{out}"']
     args += [a for s in sets for a in ("--set", s)]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return launch(args, log)
 
 
 def running(out: Path, proc) -> bool:
@@ -81,17 +95,19 @@ def resume_if_stopped(proc: subprocess.Popen, run_dir: Path, resumes: list[dict]
     """After a kill that may stop the run (a train worker): wait up to ``wait_s`` for it to
     stop; if it stopped with the one line that names the resume command, resume it (noted in
     ``resumes``: the line and the checkpoint's step); else go on with it as it is."""
+    if isinstance(proc, _Done):
+        return proc
     try:
-        _, err = proc.communicate(timeout=wait_s)
+        proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         return proc  # still running: the kill did not stop it (yet)
+    err = err_of(proc)
     last = err.strip().splitlines()[-1] if err.strip() else ""
     if proc.returncode == 0 or "streamrl recipe resume" not in last:
-        proc.stderr = None  # (already read)
         return _Done(proc.returncode, err)
     resumes.append({"line": last, "from_step": steps_done(run_dir.parent)})
-    return subprocess.Popen([sys.executable, "-m", "streamrl", "recipe", "resume", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return launch([sys.executable, "-m", "streamrl", "recipe", "resume", str(run_dir)],
+                  proc.log.with_name(f"resume-{len(resumes)}.log"))
 
 
 class _Done:
@@ -103,18 +119,21 @@ class _Done:
     def poll(self) -> int:
         return self.returncode
 
-    def communicate(self, timeout=None) -> tuple[None, str]:
-        return None, self.err
+    def wait(self, timeout=None) -> int:
+        return self.returncode
 
 
-def audit(run_dir: Path, samples_per_prompt: int, max_staleness: int) -> dict:
-    """Lost, duplicated and stale samples, by id, over the whole run."""
+def audit(run_dir: Path, samples_per_prompt: int, max_staleness: int, prompts_per_step: int) -> dict:
+    """Lost, duplicated and stale samples, by id, over the whole run: a group's missing samples,
+    and every sample of a group missing from a step whole."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ids = Counter(x["uid"] for r in records for x in r["sample_log"])
     per_prompt = Counter(uid.rsplit("-", 1)[0] for uid in ids)
     prompts = {x["uid"].rsplit("-", 1)[0] for r in records for x in r["sample_log"]}
+    whole = sum(max(prompts_per_step - len({x["uid"].rsplit("-", 1)[0] for x in r["sample_log"]}), 0)
+                for r in records)
     return {"steps_completed": len(records), "samples": sum(ids.values()),
-            "lost": sum(max(samples_per_prompt - per_prompt[p], 0) for p in prompts),
+            "lost": sum(max(samples_per_prompt - per_prompt[p], 0) for p in prompts) + whole * samples_per_prompt,
             "duplicated": sum(n - 1 for n in ids.values() if n > 1),
             "stale": sum(1 for r in records for x in r["sample_log"] if r["step"] - x["version"] > max_staleness)}
 
@@ -128,13 +147,19 @@ def drill(recipe: str, steps: int, kills: int, sets: list[str], seed: int,
     r = load_recipe(recipe, sets).recipe
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
+        out, logs = Path(tmp) / "runs", Path(tmp) / "logs"
+        logs.mkdir()
         t0 = time.time()
-        proc = start(recipe, out, steps, sets)
+        proc = start(recipe, out, steps, sets, logs / "run.log")
         at = sorted(rng.sample(range(1, steps - 1), kills)) if kills else []
         killed, resumes = [], []
+        deadline = t0 + DEADLINE_S_PER_STEP * steps + 600
         for when in at:
             while (steps_done(out) < when or not running(out, proc)) and proc.poll() is None:
+                if time.time() > deadline:
+                    proc.kill()
+                    raise SystemExit(f"faults: the run made no progress past step {steps_done(out)} in "
+                                     f"{deadline - t0:.0f} s; its log: {err_of(proc)[-2000:]}")
                 time.sleep(0.05)
             if proc.poll() is not None:
                 break
@@ -143,17 +168,28 @@ def drill(recipe: str, steps: int, kills: int, sets: list[str], seed: int,
                            "worker": kill_random_worker(next(out.iterdir()), rng, pools, together)})
             if any(n.startswith("train-") for n in killed[-1]["worker"].split(",")):  # the trainer's state is gone
                 proc = resume_if_stopped(proc, next(out.iterdir()), resumes)
-        run_dir = next(out.iterdir(), None)
+        run_dir = next(out.iterdir(), None) if out.exists() else None
         if run_dir is not None:
             proc = resume_if_stopped(proc, run_dir, resumes)
-        _, err = proc.communicate()
+        try:
+            proc.wait(timeout=max(60.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        err = err_of(proc)
         wall = time.time() - t0
         result = {"returncode": proc.returncode, "wall_s": round(wall, 1), "killed": killed, "resumes": resumes}
         if proc.returncode != 0:
             result["error"] = err.strip().splitlines()[-1] if err.strip() else ""
             return result
         staleness = r.run.max_staleness if r.run.mode == "async" else 0
-        return {**result, **audit(next(out.iterdir()), r.trainer.samples_per_prompt, staleness)}
+        return {**result, **audit(next(out.iterdir()), r.trainer.samples_per_prompt, staleness,
+                                  r.trainer.prompts_per_step)}
+
+
+#: Seconds a drill's run may take a step before it is given up on (a run that hangs is a finding
+#: too, not a drill that waits for ever).
+DEADLINE_S_PER_STEP = 60
 
 
 def main() -> None:
@@ -168,6 +204,9 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true", help="also run once without kills")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
+    if args.kills > max(args.steps - 2, 0):
+        ap.error(f"--kills {args.kills}: at most --steps - 2 = {max(args.steps - 2, 0)} (one kill a step, "
+                 "after the first and before the last)")
     pools = tuple(p.strip() for p in args.pools.split(",") if p.strip())
     out = {"recipe": args.recipe, "steps": args.steps, "sets": args.sets, "pools": list(pools)}
     if args.baseline:

@@ -265,7 +265,8 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
                   f"time to first token p50 {ratios['ttft_p50_ms']}, inter-token p99 {ratios['itl_p99_ms']}; "
                   f"{steps} training steps ran")
     result = {"rows": rows, "ratios": ratios, "training_steps": steps}
-    if all_models:  # each variant's time to first token over the served policy's, median over phases
+    if all_models and all("models" in r for r in rows):  # each variant's time to first token over the
+        # served policy's, median over phases (one model listed: no rows by model, nothing to compare)
         served = info["model"]
         per = {}
         for m in models:

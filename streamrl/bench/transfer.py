@@ -28,12 +28,19 @@ def memcpy_rate(repeats: int = 5) -> tuple[float, float]:
     """Train worker: ``(bytes, seconds)`` of the fastest clone of the trainer's weights."""
     from streamrl.on_worker.resident import TRAINER, resident
 
+    import torch
+
     weights = resident(TRAINER).named_weights()
     size = sum(t.numel() * t.element_size() for t in weights.values())
+    # (a GPU's copies are queued, not done, when clone returns: the clock waits for them)
+    cuda = any(t.is_cuda for t in weights.values())
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         copies = {n: t.clone() for n, t in weights.items()}
+        sync()
         best = min(best, time.perf_counter() - t0)
         del copies
     return size, best
