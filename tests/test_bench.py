@@ -456,3 +456,13 @@ def test_a_gpu_check_phase_leaves_no_process_and_no_earlier_calls_figures(tmp_pa
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(), f"the phase's child {pid} outlived it"
+
+
+def test_bench_trainer_refuses_a_variant_without_liger_after_one_with_it(tiny_recipe):
+    # (Liger patches transformers' modules for the whole process: the later variant would have
+    # been measured with its kernels, under a label that says it had none)
+    proc = streamrl("bench", "trainer", str(tiny_recipe), "--variant", 'liger:trainer.kernels="liger"',
+                    "--variant", 'torch:trainer.kernels="torch"', "--samples", "8", "--steps", "1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "variant 'torch' (trainer.kernels = 'torch') comes after 'liger' (liger)" in lines[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from streamrl.errors import UserError
 from streamrl.run import runner
 from streamrl.on_worker.microbatch import group_tokens, pack
 from streamrl.flow.placement import trainer_context
@@ -152,7 +153,19 @@ def bench(file: str, overrides: list[str], variants: list[str], samples: int, pr
     from streamrl.bench.engine import parse_variant
 
     results = []
-    for label, extra in [parse_variant(v) for v in variants] or [("recipe", [])]:
+    parsed = [parse_variant(v) for v in variants] or [("recipe", [])]
+    # Liger's kernels patch transformers' module classes for the whole process: a variant without
+    # them measured after one with them would run them anyway, under its own label
+    liger = None
+    for label, extra in parsed:
+        kernels = getattr(runner.resolve(load_recipe(file, [*overrides, *extra])).trainer.config, "kernels", "torch")
+        if kernels == "liger":
+            liger = liger or label
+        elif liger is not None:
+            raise UserError(f"bench trainer: variant {label!r} (trainer.kernels = {kernels!r}) comes after {liger!r} "
+                            "(liger): Liger's kernels patch transformers' modules for the whole process, so it would "
+                            "be measured with them; put the variants without them first")
+    for label, extra in parsed:
         profile_out = None
         if profile_dir:
             Path(profile_dir).mkdir(parents=True, exist_ok=True)
