@@ -194,6 +194,30 @@ def _measure_part(args: tuple) -> dict:
     return Load(url, models, key, clients, seconds, n, feedback, first_seed=first_seed).measure()
 
 
+def _steps(metrics: Path) -> int:
+    """Steps the endpoint's run has trained so far (lines of its ``metrics.jsonl``)."""
+    try:
+        return len(metrics.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+#: Seconds without a step that say the endpoint's trainer is idle, and the most a phase waits for it.
+QUIET_S, QUIET_LIMIT_S = 3.0, 120.0
+
+
+def _quiet(metrics: Path, proc) -> None:
+    """Wait until the run trains no more steps (what the last phase's feedback asked for is
+    done), :data:`QUIET_LIMIT_S` at most; an "off" phase measures an endpoint that does not learn."""
+    t0 = last = time.monotonic()
+    seen = _steps(metrics)
+    while time.monotonic() - last < QUIET_S and time.monotonic() - t0 < QUIET_LIMIT_S and proc.poll() is None:
+        time.sleep(0.25)
+        now = _steps(metrics)
+        if now != seen:
+            seen, last = now, time.monotonic()
+
+
 def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats: int, n: int,
           out: str | None, all_models: bool = False, client_processes: int = 1) -> dict:
     """Start the endpoint, run the phases (off, on, alternating), print the table; the rows
@@ -226,17 +250,20 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
                           f"{seconds:.0f} s a phase, n = {n})")
             models = _models(info["url"], key) if all_models else info["model"]
             rows = []
+            metrics = Path(info["run_dir"]) / "metrics.jsonl"
             for i in range(repeats):
                 for learning in ((False, True) if i % 2 == 0 else (True, False)):
-                    before = _host(info["url"], key)
+                    if not learning:  # (the feedback an "on" phase left still trains: off means none does)
+                        _quiet(metrics, proc)
+                    before, steps_before = _host(info["url"], key), _steps(metrics)
                     row = {"pass": i + 1, "learning": "on" if learning else "off",
                            **Load(info["url"], models, key, clients, seconds, n, learning,
                                   processes=client_processes).run()}
                     row.update(per_token(before, _host(info["url"], key), row["tokens"]))
+                    row["steps_trained"] = _steps(metrics) - steps_before
                     rows.append(row)
                     console.print(row)
-            steps = len((Path(info["run_dir"]) / "metrics.jsonl").read_text().splitlines()) \
-                if (Path(info["run_dir"]) / "metrics.jsonl").exists() else 0
+            steps = _steps(metrics)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
