@@ -30,6 +30,16 @@ def test_summarize_leaves_out_the_warm_up_and_pools_busy_time():
     assert row["idle"]["train"] == pytest.approx(1 - 3.0 / 4.0)
 
 
+def test_a_colocated_variant_pays_for_each_device_once():
+    # generate instances on the training devices: G + T - 1 of them plus the train worker's, on
+    # G + T devices -- charged as generate plus train devices, it cost about twice what it used
+    records = [{**record(k, 2.0, 16, 1.0, 1.0), "generate_workers": 7} for k in range(3)]
+    split = summarize_run(records, warmup=1, time_scale=None, device_costs=(1.0, 1.0, 8))
+    shared = summarize_run(records, warmup=1, time_scale=None, device_costs=(1.0, 1.0, 8), colocated=True)
+    assert split["samples_per_cost_hour"] == pytest.approx(32 / ((7 + 8) * 4.0) * 3600)
+    assert shared["samples_per_cost_hour"] == pytest.approx(32 / (8 * 4.0) * 3600)
+
+
 def test_variants_that_would_start_the_same_cluster_share_one_and_the_others_start_their_own():
     from streamrl.bench.variants import shared_layout
     from streamrl.recipe.recipe import load_recipe

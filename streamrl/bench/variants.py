@@ -55,11 +55,12 @@ def costs(resolved) -> tuple[float, float]:
 
 
 def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
-                  device_costs: tuple[float, float, int] | None = None) -> dict:
+                  device_costs: tuple[float, float, int] | None = None, colocated: bool = False) -> dict:
     """One row of the comparison from a run's ``metrics.jsonl`` records. ``device_costs``: the
     variant's cost per generate and per train device and its train devices, for
     ``samples_per_cost_hour`` (samples per hour of devices costing 1 each; simulated recipes:
-    per simulated hour)."""
+    per simulated hour). ``colocated``: generation and training share the devices, each counted
+    once (the train devices, every generate instance on one of them)."""
     rs = records[warmup:] or records
     window = sum(r["accounting_window_s"] for r in rs)
     samples = sum(r["samples"] for r in rs)
@@ -89,8 +90,11 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
     row["weight_sync_share"] = sum(r.get("weight_sync_s", 0.0) for r in rs) / window if window else 0.0
     if device_costs is not None:
         gen_cost, train_cost, train_devices = device_costs
-        cost_s = sum((r["generate_workers"] * gen_cost + train_devices * train_cost) * r["accounting_window_s"]
-                     for r in rs)
+        if colocated:
+            cost_s = sum(max(train_devices, r["generate_workers"]) * train_cost * r["accounting_window_s"] for r in rs)
+        else:
+            cost_s = sum((r["generate_workers"] * gen_cost + train_devices * train_cost) * r["accounting_window_s"]
+                         for r in rs)
         row["samples_per_cost_hour"] = samples * (time_scale or 1.0) / cost_s * 3600 if cost_s else 0.0
     return row
 
@@ -132,7 +136,8 @@ def run_variants(file: str, overrides: list[str], variants: dict[str, list[str]]
             run_dir = runner.run(loaded, console=Console(file=io.StringIO()), resolved=resolved, report=False)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             rows[name] = summarize_run(records[:warmup + steps], warmup, time_scale,
-                                        (*costs(resolved), recipe_split(resolved)[1]))
+                                        (*costs(resolved), recipe_split(resolved)[1]),
+                                        colocated=loaded.recipe.run.mode == "colocated")
             rows[name]["drain_steps"] = drain
             rows[name]["run_dir"] = str(run_dir)
             rows[name]["shared_cluster"] = name in sharing
