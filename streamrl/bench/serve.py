@@ -124,6 +124,7 @@ class Load:
         return sum(p["hung"] for p in parts), max(p["wall"] for p in parts)
 
     def _client(self, client, stop: float, seed: int) -> None:
+        import httpx
         import openai
 
         rng = random.Random(seed)
@@ -157,7 +158,7 @@ class Load:
                     self.refused += 1
                 time.sleep(0.2)
                 continue
-            except openai.APIError:
+            except (openai.APIError, httpx.HTTPError, OSError):  # (a stream cut mid-way is httpx's own error)
                 with self._lock:
                     self.failed += 1
                 continue
