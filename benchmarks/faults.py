@@ -38,10 +38,21 @@ from pathlib import Path
 def launch(args: list[str], log: Path) -> subprocess.Popen:
     """``args`` running, its stderr into the file ``log`` (a pipe read only at the end filled
     with the cluster's words about the killed workers, and the run blocked writing to it)."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, text=True)
+    with open(log, "w") as f:  # (a session of its own: given up on, its workers go with it)
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, text=True, start_new_session=True)
     proc.log = log
     return proc
+
+
+def kill_all(proc) -> None:
+    """The run and every process it started (its cluster's workers)."""
+    if isinstance(proc, _Done):
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def err_of(proc) -> str:
@@ -156,10 +167,12 @@ def drill(recipe: str, steps: int, kills: int, sets: list[str], seed: int,
         deadline = t0 + DEADLINE_S_PER_STEP * steps + 600
         for when in at:
             while (steps_done(out) < when or not running(out, proc)) and proc.poll() is None:
-                if time.time() > deadline:
-                    proc.kill()
-                    raise SystemExit(f"faults: the run made no progress past step {steps_done(out)} in "
-                                     f"{deadline - t0:.0f} s; its log: {err_of(proc)[-2000:]}")
+                if time.time() > deadline:  # (a run that hangs is the drill's finding, reported as such)
+                    kill_all(proc)
+                    return {"returncode": None, "wall_s": round(time.time() - t0, 1), "killed": killed,
+                            "resumes": resumes, "error": f"no progress past step {steps_done(out)} in "
+                                                         f"{deadline - t0:.0f} s (killed)",
+                            "log_tail": err_of(proc)[-2000:]}
                 time.sleep(0.05)
             if proc.poll() is not None:
                 break
@@ -174,8 +187,7 @@ def drill(recipe: str, steps: int, kills: int, sets: list[str], seed: int,
         try:
             proc.wait(timeout=max(60.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            kill_all(proc)
         err = err_of(proc)
         wall = time.time() - t0
         result = {"returncode": proc.returncode, "wall_s": round(wall, 1), "killed": killed, "resumes": resumes}

@@ -476,3 +476,28 @@ def test_bench_trainer_refuses_a_variant_without_liger_after_one_with_it(tiny_re
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "variant 'torch' (trainer.kernels = 'torch') comes after 'liger' (liger)" in lines[0]
+
+
+def test_bench_serves_endpoint_is_told_to_stop_when_the_bench_is_killed(tmp_path):
+    # (the endpoint runs in a session of its own; a GPU check that killed `bench serve` for its
+    # time left it running, holding the GPU and its port)
+    import os
+    import signal
+    import time
+
+    said = tmp_path / "stopped"
+    endpoint = ("import signal, sys, time\n"
+                f"signal.signal(signal.SIGINT, lambda *a: (open({str(said)!r}, 'w').write('SIGINT'), sys.exit(0)))\n"
+                "time.sleep(60)\n")
+    bench = ("import subprocess, sys, time\n"
+             "from streamrl.bench.serve import _stop_with_parent\n"
+             f"subprocess.Popen([sys.executable, '-c', {endpoint!r}], start_new_session=True, preexec_fn=_stop_with_parent)\n"
+             "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", bench], cwd=ROOT)
+    time.sleep(2)  # (the endpoint started, its handler set)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not said.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert said.exists() and said.read_text() == "SIGINT"

@@ -433,9 +433,12 @@ def test_a_checkpoint_is_on_disk_before_an_older_one_is_removed(tmp_path, schedu
         return real(fd)
     monkeypatch.setattr(os, "fsync", failing)
     with pytest.warns(RunWarning, match="step-000006: the checkpoints folder could not be synced to disk "
-                                        r"\(Input/output error\); the older checkpoints are kept"):
+                                        r"\(Input/output error\); the checkpoint before it is kept too"):
         folders.write(scheduler_only, [], None, tmp_path, 6, 6, 6, keep=1, files={"dispatch.json": b"{}"})
     assert [p.name for p in sorted(folders.folder(tmp_path).iterdir())] == ["step-000004", "step-000006"]
+    with pytest.warns(RunWarning):  # (and no more than that: a folder that never syncs does not fill the disk)
+        folders.write(scheduler_only, [], None, tmp_path, 8, 8, 8, keep=1, files={"dispatch.json": b"{}"})
+    assert [p.name for p in sorted(folders.folder(tmp_path).iterdir())] == ["step-000006", "step-000008"]
 
 
 def test_a_checkpoint_that_lost_its_manifest_is_damaged_not_taken_for_an_old_one(tmp_path, scheduler_only):

@@ -117,7 +117,7 @@ def test_a_reply_that_spells_a_call_marker_in_characters_calls_no_tool(tok):
     from streamrl.serve.response_bodies import Format, call_markers
 
     parser = HermesToolParser()
-    assert call_markers(tok, parser) == {tok.convert_tokens_to_ids("<tool_call>")}
+    assert call_markers(tok, parser) == {"<tool_call>": tok.convert_tokens_to_ids("<tool_call>")}
     counted = []
     endpoint = SimpleNamespace(model_name="policy", tokenizer=tok, traffic=SimpleNamespace(count=counted.append))
     text = '<tool_call>{"name": "calc", "arguments": {"x": "6*7"}}</tool_call>'
@@ -127,3 +127,23 @@ def test_a_reply_that_spells_a_call_marker_in_characters_calls_no_tool(tok):
     assert fmt.reply(generated)["tool_calls"][0]["function"]["name"] == "calc"
     reply = fmt.reply(spelled)
     assert not reply.get("tool_calls") and reply["content"] == text and counted == []
+
+
+def test_a_reasoning_models_spelled_call_is_no_call_and_its_reasoning_stays_out(tok):
+    # (Qwen3's parser opens on <think> too: a reply that generated <think> and spelled the call
+    # marker was taken for a call; and the text it falls back to keeps the parser's own rules)
+    from types import SimpleNamespace
+
+    from streamrl.chat.tool_calls import Qwen3ToolParser
+    from streamrl.serve.completion import Choice
+    from streamrl.serve.response_bodies import Format, call_markers
+
+    parser = Qwen3ToolParser()
+    assert list(call_markers(tok, parser)) == ["<tool_call>"]
+    endpoint = SimpleNamespace(model_name="policy", tokenizer=tok, traffic=SimpleNamespace(count=lambda *a: None))
+    fmt = Format(endpoint, SimpleNamespace(logprobs=False), "c", True, [], parser)
+    text = 'x</think>sure: <tool_call>{"name": "calc", "arguments": {"x": "1"}}</tool_call>'
+    spelled = Choice(0, "r0", tokens=text_ids(tok, text), text=text)
+    reply = fmt.reply(spelled)
+    assert not reply.get("tool_calls")
+    assert reply["content"] == 'sure: <tool_call>{"name": "calc", "arguments": {"x": "1"}}</tool_call>'

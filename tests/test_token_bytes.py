@@ -31,6 +31,10 @@ def byte_fallback() -> PreTrainedTokenizerFast:
 
 
 def test_each_tokens_bytes_are_its_own_and_join_to_the_text():
+    added = byte_level()
+    added.add_tokens(["<|end|>", "é!"])  # (an added token is its text, whatever its characters)
+    ids = added("hé!<|end|>", add_special_tokens=False).input_ids
+    assert b"".join(token_bytes(added, ids)) == "hé!<|end|>".encode("utf-8")
     for tok in (byte_level(), byte_fallback()):
         ids = tok(TEXT, add_special_tokens=False).input_ids
         pieces = token_bytes(tok, ids)

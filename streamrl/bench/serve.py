@@ -195,6 +195,19 @@ def _measure_part(args: tuple) -> dict:
     return Load(url, models, key, clients, seconds, n, feedback, first_seed=first_seed).measure()
 
 
+def _stop_with_parent() -> None:
+    """In the endpoint's process before it starts (Linux): when this bench's process ends however
+    it ends -- killed for its time by a GPU check -- the endpoint gets SIGINT and stops its run,
+    as at a Ctrl-C. In a session of its own, nothing else would stop it, and it held the GPU and
+    its port for good."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # (1: PR_SET_PDEATHSIG)
+    except (OSError, AttributeError):  # (no prctl: not Linux)
+        pass
+
+
 def _steps(metrics: Path) -> int:
     """Steps the endpoint's run has trained so far (lines of its ``metrics.jsonl``)."""
     try:
@@ -203,16 +216,28 @@ def _steps(metrics: Path) -> int:
         return 0
 
 
-#: Seconds without a step that say the endpoint's trainer is idle, and the most a phase waits for it.
+#: Seconds without a step that say the endpoint's trainer is idle (at least; 1.5 x its slowest
+#: recent step where that is longer), and the most a phase waits for it.
 QUIET_S, QUIET_LIMIT_S = 3.0, 120.0
+
+
+def _quiet_window(metrics: Path) -> float:
+    """How long no step must come to call the trainer idle: :data:`QUIET_S`, or 1.5 x the
+    slowest of its last few steps (a GPU step with a weight sync takes longer than 3 s)."""
+    try:
+        recent = [json.loads(line).get("step_s") for line in metrics.read_text().splitlines()[-3:]]
+    except (OSError, ValueError):
+        recent = []
+    slowest = max((s for s in recent if isinstance(s, (int, float))), default=0.0)
+    return max(QUIET_S, 1.5 * slowest)
 
 
 def _quiet(metrics: Path, proc) -> None:
     """Wait until the run trains no more steps (what the last phase's feedback asked for is
     done), :data:`QUIET_LIMIT_S` at most; an "off" phase measures an endpoint that does not learn."""
     t0 = last = time.monotonic()
-    seen = _steps(metrics)
-    while time.monotonic() - last < QUIET_S and time.monotonic() - t0 < QUIET_LIMIT_S and proc.poll() is None:
+    seen, window = _steps(metrics), _quiet_window(metrics)
+    while time.monotonic() - last < window and time.monotonic() - t0 < QUIET_LIMIT_S and proc.poll() is None:
         time.sleep(0.25)
         now = _steps(metrics)
         if now != seen:
@@ -244,7 +269,7 @@ def bench(file: str, overrides: list[str], clients: int, seconds: float, repeats
         # (a session of its own: a Ctrl-C at the terminal reaches this command alone, which stops
         # the endpoint with one signal -- a second one, the terminal's, means "stop at once")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_stop_with_parent)
         try:
             info = _wait_for_endpoint(runs, proc, Path(tmp) / "serve.log")
             console.print(f"endpoint {info['url']} ({clients} clients in {client_processes} process(es) x "

@@ -101,15 +101,16 @@ def profile_step(trainer, groups, cuts, n: int, device: str, path: str) -> None:
 
 
 def measure(file: str, overrides: list[str], samples: int, prompt: int, response: int, steps: int, warmup: int,
-            profile_out: str | None = None) -> dict:
+            profile_out: str | None = None, resolved=None) -> dict:
     """Build the trainer and time ``warmup + steps`` optimizer steps on one synthetic batch
-    (then, with ``profile_out``, profile one more step into that file)."""
+    (then, with ``profile_out``, profile one more step into that file). ``resolved``: the
+    recipe with ``overrides`` resolved already."""
     import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    loaded = load_recipe(file, overrides)
-    resolved = runner.resolve(loaded)
+    loaded = load_recipe(file, overrides) if resolved is None else resolved.loaded
+    resolved = resolved or runner.resolve(loaded)
     r = loaded.recipe
     t = r.trainer
     trainer = resolved.trainer.build(trainer_context(resolved))
@@ -157,20 +158,22 @@ def bench(file: str, overrides: list[str], variants: list[str], samples: int, pr
     # Liger's kernels patch transformers' module classes for the whole process: a variant without
     # them measured after one with them would run them anyway, under its own label
     liger = None
-    for label, extra in parsed:
-        kernels = getattr(runner.resolve(load_recipe(file, [*overrides, *extra])).trainer.config, "kernels", "torch")
+    resolved = [runner.resolve(load_recipe(file, [*overrides, *extra])) for _, extra in parsed]  # (once each)
+    for (label, _), each in zip(parsed, resolved):
+        kernels = getattr(each.trainer.config, "kernels", "torch")
         if kernels == "liger":
             liger = liger or label
         elif liger is not None:
             raise UserError(f"bench trainer: variant {label!r} (trainer.kernels = {kernels!r}) comes after {liger!r} "
                             "(liger): Liger's kernels patch transformers' modules for the whole process, so it would "
                             "be measured with them; put the variants without them first")
-    for label, extra in parsed:
+    for (label, extra), each in zip(parsed, resolved):
         profile_out = None
         if profile_dir:
             Path(profile_dir).mkdir(parents=True, exist_ok=True)
             profile_out = str(Path(profile_dir) / f"trainer-profile-{label}.txt")
-        row = measure(file, [*overrides, *extra], samples, prompt, response, steps, warmup, profile_out)
+        row = measure(file, [*overrides, *extra], samples, prompt, response, steps, warmup, profile_out,
+                      resolved=each)
         results.append({"variant": label, **row})
     table = Table(title=f"trainer, {file}: {samples} samples x {prompt}+{response} tokens per step")
     for col in ("variant", "device", "precision", "params", "micro-batches", "s/step", "tokens/s", "MFU", "peak GiB"):

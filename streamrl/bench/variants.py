@@ -59,8 +59,8 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
     """One row of the comparison from a run's ``metrics.jsonl`` records. ``device_costs``: the
     variant's cost per generate and per train device and its train devices, for
     ``samples_per_cost_hour`` (samples per hour of devices costing 1 each; simulated recipes:
-    per simulated hour). ``colocated``: generation and training share the devices, each counted
-    once (the train devices, every generate instance on one of them)."""
+    per simulated hour). ``colocated``: generation and training share the train devices, each
+    counted once (generate instances beyond them on devices of their own)."""
     rs = records[warmup:] or records
     window = sum(r["accounting_window_s"] for r in rs)
     samples = sum(r["samples"] for r in rs)
@@ -90,8 +90,9 @@ def summarize_run(records: list[dict], warmup: int, time_scale: float | None,
     row["weight_sync_share"] = sum(r.get("weight_sync_s", 0.0) for r in rs) / window if window else 0.0
     if device_costs is not None:
         gen_cost, train_cost, train_devices = device_costs
-        if colocated:
-            cost_s = sum(max(train_devices, r["generate_workers"]) * train_cost * r["accounting_window_s"] for r in rs)
+        if colocated:  # (generate instances beyond the train devices: generate devices of their own)
+            cost_s = sum((max(r["generate_workers"] - train_devices, 0) * gen_cost + train_devices * train_cost)
+                         * r["accounting_window_s"] for r in rs)
         else:
             cost_s = sum((r["generate_workers"] * gen_cost + train_devices * train_cost) * r["accounting_window_s"]
                          for r in rs)

@@ -26,9 +26,13 @@ def token_bytes(tokenizer, tokens: list[int]) -> list[bytes]:
     byte fallback's ``<0xNN>`` as that byte (and ``▁`` as a space), and any other as its text."""
     names = tokenizer.convert_ids_to_tokens(list(tokens))
     decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+    # (an added token is written as its text, not in the byte alphabet: "<|im_end|>", "é")
+    added = {i: text for text, i in tokenizer.get_added_vocab().items()}
     out = []
     for token, name in zip(tokens, names):
-        if isinstance(name, str) and "ByteLevel" in decoder and all(ch in _byte_alphabet() for ch in name):
+        if token in added:
+            out.append(added[token].encode("utf-8"))
+        elif isinstance(name, str) and "ByteLevel" in decoder and all(ch in _byte_alphabet() for ch in name):
             out.append(bytes(_byte_alphabet()[ch] for ch in name))
         elif isinstance(name, str) and "ByteFallback" in decoder and _BYTE_TOKEN.fullmatch(name):
             out.append(bytes([int(name[3:5], 16)]))

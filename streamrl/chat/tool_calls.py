@@ -75,6 +75,7 @@ class Qwen3ToolParser(HermesToolParser):
 
     # the reasoning is held back from a streamed reply as call markup is
     start = ("<think>", "<tool_call>")
+    call_start = "<tool_call>"
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         """The reply after its reasoning (as Qwen3's template splits it: what follows the last

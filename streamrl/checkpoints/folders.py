@@ -230,9 +230,9 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         _sync(final.parent)  # (the rename itself on disk before an older checkpoint goes)
     except OSError as exc:
         warnings.warn(RunWarning(f"checkpoint {final.name}: the checkpoints folder could not be synced to disk "
-                                 f"({exc.strerror or type(exc).__name__}); the older checkpoints are kept"),
+                                 f"({exc.strerror or type(exc).__name__}); the checkpoint before it is kept too"),
                       stacklevel=2)
-        return final
+        keep += 1  # (one more than asked, not every one: a folder that never syncs would fill the disk)
     for old in _all(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

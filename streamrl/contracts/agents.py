@@ -22,6 +22,12 @@ class ToolParser:
     for :meth:`parse`, as OpenAI's API never streams call markup as content. Empty: the text
     streams as written."""
 
+    call_start: str | tuple[str, ...] | None = None
+    """The text that opens a tool call itself, where :attr:`start` also holds others (Qwen3's
+    ``<think>`` opens its reasoning); None: :attr:`start`. Where it is one token of the model, a
+    reply calls a tool only if it generated that token (the same characters spelled out, as a
+    user's text may ask the model to copy, are content)."""
+
     keep_tokens: tuple[str, ...] = ()
     """Special tokens the format writes its calls with (Mistral's ``[TOOL_CALLS]``): a reply's
     text keeps them for :meth:`parse`, where every other special token is dropped from it."""

@@ -40,6 +40,16 @@ def encode_text(tokenizer, text: str) -> list[int]:
     bos = tokenizer.bos_token_id
     if bos is None or ids[:1] == [bos]:
         return ids
-    probe = "a"  # (whether it adds BOS is the tokenizer's setting, not the text's)
-    adds = tokenizer(probe).input_ids[:1] == [bos] != tokenizer(probe, add_special_tokens=False).input_ids[:1]
-    return [bos] + ids if adds else ids
+    return [bos] + ids if adds_bos(tokenizer) else ids
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts its BOS in front of a text (its setting, not the text's: asked
+    once, of a probe, and kept on the tokenizer -- a prompt's encoding needs it every time)."""
+    known = getattr(tokenizer, "_streamrl_adds_bos", None)
+    if known is None or known[0] != getattr(tokenizer, "add_bos_token", None):
+        probe, bos = "a", tokenizer.bos_token_id
+        adds = tokenizer(probe).input_ids[:1] == [bos] != tokenizer(probe, add_special_tokens=False).input_ids[:1]
+        known = (getattr(tokenizer, "add_bos_token", None), adds)
+        tokenizer._streamrl_adds_bos = known
+    return known[1]

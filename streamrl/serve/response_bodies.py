@@ -28,17 +28,21 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def call_markers(tokenizer, tool_parser) -> frozenset[int]:
-    """The ids of the tool parser's ``start`` markers that are one added token of ``tokenizer``
-    (Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``): a reply whose calls the parser found
-    calls a tool only if it generated one of them."""
-    start = getattr(tool_parser, "start", ())
+def call_markers(tokenizer, tool_parser) -> dict[str, int]:
+    """The tool parser's call markers (its ``call_start``, else its ``start``) that are one added
+    token of ``tokenizer`` (Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``), with their ids:
+    a reply whose calls the parser found calls a tool only if it generated one of them."""
+    start = getattr(tool_parser, "call_start", None) or getattr(tool_parser, "start", ())
     starts = start if isinstance(start, (tuple, list)) else (start,)
     try:
         added = tokenizer.get_added_vocab()
     except Exception:  # noqa: BLE001 -- a tokenizer without added tokens to say: no marker to hold to
-        return frozenset()
-    return frozenset(added[s] for s in starts if isinstance(s, str) and s in added)
+        return {}
+    return {s: added[s] for s in starts if isinstance(s, str) and s in added}
+
+
+#: Stands in for call marker ``k`` spelled out in characters while such a reply is parsed again.
+_SPELLED = "\ue000streamrl-spelled-marker-{}\ue001"
 
 
 class Format:
@@ -50,7 +54,7 @@ class Format:
         self.model = model or endpoint.model_name
         self.tool_parser = tool_parser
         self._markers = (call_markers(endpoint.tokenizer, tool_parser)
-                         if tool_parser is not None and endpoint is not None else frozenset())
+                         if tool_parser is not None and endpoint is not None else {})
         self._replies: dict[int, dict] = {}
         self._sent: dict[int, str] = {}  # per choice, the content streamed so far (tool parsing on)
         self.created = int(time.time())
@@ -139,11 +143,22 @@ class Format:
                 raise TypeError(f"parse() gave {type(content).__name__} content and {type(calls).__name__} calls; "
                                 "expected a string (or None) and a list")
             calls = [_as_call(call) for call in calls]
-            if calls and self._markers and self._markers.isdisjoint(c.tokens):
+            if calls and self._markers and set(self._markers.values()).isdisjoint(c.tokens):
                 # the parser's marker is one token of this model, and the reply never generated it:
                 # it spelled the marker out in characters (as a user's text may have asked it to
-                # copy a call it wrote) -- text, not a call
-                content, calls = c.text, []
+                # copy a call it wrote) -- text, not a call. The reply is parsed again with the
+                # spelled markers hidden, for the content the parser gives a reply without calls
+                # (a reasoning model's reasoning left out as ever)
+                hidden = c.text
+                for k, marker in enumerate(self._markers):
+                    hidden = hidden.replace(marker, _SPELLED.format(k))
+                content, _ = self.tool_parser.parse(hidden)
+                if isinstance(content, str):
+                    for k, marker in enumerate(self._markers):
+                        content = content.replace(_SPELLED.format(k), marker)
+                else:
+                    content = None
+                calls = []
             control = added_pattern(self.endpoint.tokenizer) if calls and self.endpoint is not None else None
             if control is not None:
                 # a control token's string in a call's name or arguments: echoed back in the next
