@@ -634,7 +634,7 @@ def endpoint_in_process(api, **protocol):
     port, served in a thread of this process as a run serves it (``protocol``: the bounds of
     ``http_server.bounded_protocol`` to change); yields its base URL (``.../v1``)."""
     from streamrl.serve.http_server import bounded_protocol, start_in_thread
-    from streamrl.serve.openai_api import make_app
+    from streamrl.serve.routes import make_app
 
     server, thread, port = start_in_thread(make_app(api), "127.0.0.1", 0, "test-endpoint",
                                            protocol=bounded_protocol(**protocol))

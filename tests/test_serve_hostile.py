@@ -1026,7 +1026,7 @@ def test_a_stream_read_slowly_gives_its_places_back_once_the_engine_is_done(serv
     # the ASGI level with a client that is still there and has not taken the first chunk yet
     import asyncio
 
-    from streamrl.serve.openai_api import make_app
+    from streamrl.serve.routes import make_app
 
     api, _ = served
     app = make_app(api)
@@ -1072,7 +1072,7 @@ def test_a_stream_whose_client_left_before_its_first_chunk_gives_its_places_back
     # ASGI level, as uvicorn calls the app, with a send that has not sent the response's start yet
     import asyncio
 
-    from streamrl.serve.openai_api import make_app
+    from streamrl.serve.routes import make_app
 
     api, _ = served
     app = make_app(api)

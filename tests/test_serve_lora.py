@@ -19,7 +19,8 @@ from streamrl.engines.slots import SlotEngine
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.adapter_routes import OnAdapter
 from streamrl.serve.http_server import start_in_thread
-from streamrl.serve.openai_api import Endpoint, make_app
+from streamrl.serve.openai_api import Endpoint
+from streamrl.serve.routes import make_app
 from streamrl.serve.traffic import Traffic
 from streamrl.training.logprobs import naive_token_logprobs
 from tests.helpers import TINY_RECIPE, read_records, served_at, start_serving, stop_serving

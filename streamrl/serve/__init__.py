@@ -1,5 +1,5 @@
 """Serve and learn: the OpenAI-compatible endpoint on a generate worker (``openai_api.py``, its
-request bodies and errors ``request_bodies.py``, its answers ``responses.py`` and their bodies
+routes ``routes.py``, its request bodies and errors ``request_bodies.py``, its answers ``responses.py`` and their bodies
 ``response_bodies.py``; run there by ``endpoint.py``), one request's choices in the engine (``completion.py``), the served
 completions waiting for rewards and steps (``traffic.py``), and the step extension that makes
 them a run's samples (``extension.py``), an agent's calls joined into one token-faithful

@@ -41,7 +41,8 @@ def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollo
     answers 503 until :func:`go_live` (the run adds the models it will list first);
     ``reward_limit``: the run's ``reward.limit``, past which feedback is refused. Raises naming
     the setting when the engine cannot stream (not the slot decoder) or the port cannot be bound."""
-    from streamrl.serve.openai_api import Endpoint, make_app
+    from streamrl.serve.openai_api import Endpoint
+    from streamrl.serve.routes import make_app
 
     stop()  # a run that starts over on this worker serves anew
     cfg = ServeConfig.model_validate(config)

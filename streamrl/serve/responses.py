@@ -19,8 +19,8 @@ from streamrl.serve.request_bodies import APIError, Sampling
 from streamrl.serve.response_bodies import Format, sse
 from streamrl.telemetry import bubbles
 
-# ``endpoint`` below is the ``openai_api.Endpoint`` the request came to (not imported here: that
-# module imports this one)
+# ``endpoint`` below is the ``openai_api.Endpoint`` the request came to (not imported here: the
+# routes that call this import both)
 
 class Turn:
     """A call of an agent's rollout: where its reply goes when it ends (the rollout's
