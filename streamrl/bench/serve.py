@@ -235,11 +235,16 @@ def _quiet_window(metrics: Path) -> float:
 def _quiet(metrics: Path, proc) -> None:
     """Wait until the run trains no more steps (what the last phase's feedback asked for is
     done), :data:`QUIET_LIMIT_S` at most; an "off" phase measures an endpoint that does not learn."""
+    def size() -> int:  # (a step appends a line: its size says so without reading megabytes of records)
+        try:
+            return metrics.stat().st_size
+        except OSError:
+            return 0
     t0 = last = time.monotonic()
-    seen, window = _steps(metrics), _quiet_window(metrics)
+    seen, window = size(), _quiet_window(metrics)
     while time.monotonic() - last < window and time.monotonic() - t0 < QUIET_LIMIT_S and proc.poll() is None:
         time.sleep(0.25)
-        now = _steps(metrics)
+        now = size()
         if now != seen:
             seen, last = now, time.monotonic()
 

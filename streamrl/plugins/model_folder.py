@@ -71,16 +71,10 @@ def say_sampling(out, model: Path) -> None:
         return
     temperature = out.engine.capabilities().temperature
 
-    def number(key):
-        value = config.get(key)
-        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    differs = []
-    if number("temperature") is not None and abs(number("temperature") - temperature) > 1e-6:
-        differs.append(f"temperature {number('temperature'):g}")
-    if number("top_p") is not None and number("top_p") < 1:
-        differs.append(f"top_p {number('top_p'):g}")
-    if number("top_k") is not None and number("top_k") > 0:
-        differs.append(f"top_k {number('top_k'):g}")
+    said = {k: v for k in ("temperature", "top_p", "top_k")
+            if isinstance(v := config.get(k), (int, float)) and not isinstance(v, bool)}
+    unlike = {"temperature": lambda v: abs(v - temperature) > 1e-6, "top_p": lambda v: v < 1, "top_k": lambda v: v > 0}
+    differs = [f"{k} {v:g}" for k, v in said.items() if unlike[k](v)]
     if differs:
         warnings.warn(RunWarning(f"model.path: {model / 'generation_config.json'} samples at {', '.join(differs)}; the "
                                  f"engine samples at engine.temperature = {temperature:g} over the whole vocabulary, "

@@ -19,6 +19,7 @@ with one that does not load so.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import random
@@ -158,16 +159,21 @@ def _as_saved(adapter: str | None, model_state: dict, optim_state: dict) -> tupl
     on a shared base left out (``training/lora.py``'s :func:`checkpoint_name`; None: as they are)."""
     if adapter is None:
         return model_state, optim_state
-    from streamrl.training.lora import checkpoint_name
-
-    def named(fqn):
-        return checkpoint_name(fqn, adapter)
-    model = {named(k): v for k, v in model_state.items() if named(k) is not None}
+    name = _saved_names(adapter)
+    model = {name(k): v for k, v in model_state.items() if name(k) is not None}
     optim = {**optim_state,
-             "state": {named(k): v for k, v in optim_state.get("state", {}).items() if named(k) is not None},
-             "param_groups": [{**g, "params": [named(p) for p in g["params"] if named(p) is not None]}
+             "state": {name(k): v for k, v in optim_state.get("state", {}).items() if name(k) is not None},
+             "param_groups": [{**g, "params": [name(p) for p in g["params"] if name(p) is not None]}
                               for g in optim_state.get("param_groups", [])]}
     return model, optim
+
+
+def _saved_names(adapter: str):
+    """A parameter's name in the checkpoint (None: not this learner's), worked out once per name
+    (a module's and its optimizer's dicts name the same parameters)."""
+    from streamrl.training.lora import checkpoint_name
+
+    return functools.cache(lambda fqn: checkpoint_name(fqn, adapter))
 
 
 def _as_held(adapter: str | None, saved: tuple[dict, dict], held: tuple[dict, dict]) -> tuple[dict, dict]:
@@ -176,13 +182,10 @@ def _as_held(adapter: str | None, saved: tuple[dict, dict], held: tuple[dict, di
     other learners' adapters) as the module holds it now."""
     if adapter is None:
         return saved
-    from streamrl.training.lora import checkpoint_name
-
-    def named(fqn):
-        return checkpoint_name(fqn, adapter)
     (model_saved, optim_saved), (model_held, optim_held) = saved, held
-    model = {k: model_saved[named(k)] if named(k) is not None else v for k, v in model_held.items()}
-    state = {k: optim_saved["state"][named(k)] if named(k) is not None and named(k) in optim_saved["state"] else v
+    name = _saved_names(adapter)
+    model = {k: model_saved[name(k)] if name(k) is not None else v for k, v in model_held.items()}
+    state = {k: optim_saved["state"][name(k)] if name(k) is not None and name(k) in optim_saved["state"] else v
              for k, v in optim_held.get("state", {}).items()}
     # (the hyper-parameters as loaded, each group's parameters under the module's names)
     groups = [{**loaded, "params": mine["params"]}
