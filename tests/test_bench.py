@@ -498,6 +498,7 @@ def test_bench_serves_endpoint_is_told_to_stop_when_the_bench_is_killed(tmp_path
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while not said.exists() and time.monotonic() < deadline:
+    # (the file is there before its words are: waited for until they are)
+    while not (said.exists() and said.read_text() == "SIGINT") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert said.exists() and said.read_text() == "SIGINT"
