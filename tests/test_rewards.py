@@ -159,6 +159,29 @@ def test_a_trl_batch_that_fails_is_retried_one_completion_at_a_time():
     assert [s.reward for s in g] == [1.0, 1.0] and not any("reward_error" in s.times for s in g)
 
 
+def test_a_verl_function_that_hangs_on_one_response_is_called_once_for_it_within_its_own_limit(tmp_path):
+    # verl's functions score one response at a time: the group is not one call under the
+    # group's allowance (a hung response would hold all of it, then be called again alone)
+    (tmp_path / "hangs.py").write_text(
+        "import threading\nRELEASE = threading.Event()\nCALLS = []\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    CALLS.append(solution_str)\n"
+        "    if solution_str == 'hang':\n        RELEASE.wait(30)\n"
+        "    return float(solution_str == ground_truth)\n")
+    config = validate_section(PythonRewardConfig, {"path": "hangs.py"}, "reward", recipe_dir=tmp_path)
+    reward = PythonReward(config)
+    fn = reward.functions[0].fn
+    assert not reward.scores_groups()
+    try:
+        g = score_group(reward, group(VERL_ROW, "42", "hang", "7"), timeout_s=0.3)
+    finally:
+        fn.__globals__["RELEASE"].set()
+    assert [s.reward for s in g] == [1.0, 0.0, 0.0]
+    assert g[1].reward_error.startswith("RewardTimeout: reward.score_timeout_s:")
+    assert fn.__globals__["CALLS"] == ["42", "hang", "7"]
+    assert python_reward(path="python_rewards.py", function="wrong_length").scores_groups()
+
+
 def test_a_reward_whose_batch_method_raises_is_scored_one_response_at_a_time():
     class Batched(Reward):
         def score(self, prompt, response):

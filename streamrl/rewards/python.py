@@ -274,6 +274,13 @@ class PythonReward(Reward):
         # rebuilt from the config (which carries the files' text), never from the loaded modules
         return PythonReward, (self.config,)
 
+    def scores_groups(self) -> bool:
+        """Whether a group is scored in one call: only when a TRL function (which takes the
+        whole list) is among the functions. verl's and plain functions score one response at a
+        time, so streamrl calls them response by response, each within ``reward.score_timeout_s``:
+        one that loops costs its own allowance once, not the group's and then its own again."""
+        return any(f.convention == TRL for f in self.functions)
+
     def score(self, prompt: Prompt, response: str) -> dict[str, float]:
         """The weighted sum of the functions' scores, with the named values beside it."""
         (value,) = self.score_group([prompt], [response])
