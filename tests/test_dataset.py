@@ -270,6 +270,19 @@ def test_a_split_of_one_file_and_a_fraction_that_leaves_nothing_are_one_line(ver
         DatasetTask(DatasetConfig(path=verl_parquet, split="test"))
     with pytest.raises(UserError, match="task.eval_split: .* is one file, one split; leave eval_split out"):
         DatasetTask(DatasetConfig(path=verl_parquet, eval_path=verl_parquet, eval_split="test"))
+    # so is a folder of one saved Dataset (Dataset.save_to_disk, not a DatasetDict's): its rows
+    # were held out as the evaluation split and trained on as well
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)]).save_to_disk(saved)
+    with pytest.raises(UserError, match="task.eval_split: .*saved is one saved Dataset, one split; hold rows out"):
+        DatasetTask(DatasetConfig(path=str(saved), eval_split="test"))
+    with pytest.raises(UserError, match=r"task.split: .*saved is one saved Dataset, one split; a split \('test'\)"):
+        DatasetTask(DatasetConfig(path=str(saved), split="test"))
+    with pytest.raises(UserError, match="task.eval_split: .*saved is one saved Dataset, one split; leave eval_split"):
+        DatasetTask(DatasetConfig(path=verl_parquet, eval_path=str(saved), eval_split="test"))
+    assert len(DatasetTask(DatasetConfig(path=str(saved), eval_path=str(saved))).eval_prompts()) == 4
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(UserError, match="task.eval_fraction: .* leaves none to train on"):

@@ -33,7 +33,6 @@ import random
 import sys
 import warnings
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 from streamrl.api import Prompt, Task
@@ -42,7 +41,7 @@ from streamrl.chat.messages import MAX_CHARS_PER_TOKEN, MessageError, normalize,
 from streamrl.errors import RunWarning, UserError
 from streamrl.models.tokenizers import encode_text, load_tokenizer
 from streamrl.tasks.dataset_config import DatasetConfig
-from streamrl.tasks.dataset_files import Rows, dig, is_chat, load_rows
+from streamrl.tasks.dataset_files import Rows, dig, is_chat, load_rows, one_split
 
 #: Columns taken as the answer when ``answer_key`` is not set, after verl's ground truth.
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
@@ -77,8 +76,9 @@ class DatasetTask(Task):
         """The recipe table its settings come from, as its errors name it (``task``, or an agent
         task's ``task.data``)."""
         self._tokenizer = None
-        if config.split != "train" and Path(config.path).is_file():  # (said, not ignored: it trained on the file)
-            raise UserError(f"{self.where}.split: {config.path} is one file, one split; a split ({config.split!r}) "
+        alone = one_split(config.path)
+        if config.split != "train" and alone:  # (said, not ignored: it trained on the file)
+            raise UserError(f"{self.where}.split: {config.path} is {alone}, one split; a split ({config.split!r}) "
                             "is chosen from a saved DatasetDict or a hub dataset")
         rows = load_rows(config.path, config.split, f"{self.where}.path")
         if not rows:
@@ -88,12 +88,12 @@ class DatasetTask(Task):
                             f"(they have {', '.join(sorted(rows[0]))})")
         self.answer_key = config.answer_key or self._default_answer_key(rows[0])
         held_out: Rows = rows.take([])
-        if config.eval_split and not config.eval_path and Path(config.path).is_file():
-            raise UserError(f"{self.where}.eval_split: {config.path} is one file, one split; hold rows out with "
+        if config.eval_split and not config.eval_path and alone:
+            raise UserError(f"{self.where}.eval_split: {config.path} is {alone}, one split; hold rows out with "
                             "eval_fraction, or name a held-out file with eval_path")
-        if config.eval_split not in (None, "train") and config.eval_path and Path(config.eval_path).is_file():
-            raise UserError(f"{self.where}.eval_split: {config.eval_path} is one file, one split; leave eval_split "
-                            "out to hold out the whole file")
+        if config.eval_split not in (None, "train") and one_split(config.eval_path):
+            raise UserError(f"{self.where}.eval_split: {config.eval_path} is {one_split(config.eval_path)}, one split; "
+                            "leave eval_split out to hold out the whole file")
         if config.eval_path or config.eval_split:
             held_out = load_rows(config.eval_path or config.path, config.eval_split or "train",
                                  f"{self.where}.eval_path" if config.eval_path else f"{self.where}.eval_split")

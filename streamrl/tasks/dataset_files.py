@@ -60,6 +60,23 @@ class Rows(Sequence):
         return Rows(self.table, kept if self.positions is None else [self.positions[k] for k in kept])
 
 
+def one_split(path: str | None) -> str | None:
+    """What ``path`` is when it holds one split alone, as errors say it ("one file", "one saved
+    Dataset": ``Dataset.save_to_disk`` rather than a ``DatasetDict``'s), else None: a split or an
+    evaluation split cannot be chosen from it (it would be the same rows)."""
+    if path is None:
+        return None
+    local = Path(path)
+    try:
+        if local.is_file():
+            return "one file"
+        if local.is_dir() and (local / "state.json").is_file() and not (local / "dataset_dict.json").exists():
+            return "one saved Dataset"
+    except (OSError, ValueError):  # (a name the system refuses: load_rows says so, naming the field)
+        return None
+    return None
+
+
 def load_rows(path: str, split: str, field: str) -> Rows:
     """The rows of ``split`` of the dataset at ``path`` (see :class:`DatasetConfig`), read as
     dicts when asked for (:class:`Rows`); ``field`` is the recipe field named in errors."""
