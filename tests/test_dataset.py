@@ -189,6 +189,49 @@ def test_a_path_in_the_recipe_is_resolved_against_the_recipes_folder(tmp_path, t
     assert resolved.task.build().prompts(0, 1)[0].answer == "2"
 
 
+def test_a_relative_path_missing_beside_the_recipe_is_not_read_from_the_working_directory(tmp_path, tiny_model,
+                                                                                         monkeypatch):
+    from streamrl.plugins.resolve import resolve
+    from streamrl.recipe.recipe import load_recipe
+    from tests.helpers import TINY_RECIPE
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    # the same name in the working directory: another file, not the recipe's
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "9+9=", "answer": "18"}) + "\n")
+    text = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
+    text = text.replace('[task]\nname = "addition"', '[task]\nname = "dataset"\npath = "train.jsonl"')
+    (folder / "r.toml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    config = resolve(load_recipe(folder / "r.toml")).task.config
+    assert config.path == str(folder / "train.jsonl")
+    with pytest.raises(UserError, match=r"task.path: cannot read .*project/train.jsonl \(no such file or folder next"):
+        DatasetTask(config)
+    # what looks like a hub id and is not beside the recipe is kept as written
+    for hub in ("openai/gsm8k", "gsm8k"):
+        assert resolve(load_recipe(folder / "r.toml", [f'task.path="{hub}"'])).task.config.path == hub
+
+
+def test_a_symlink_loop_in_a_recipes_path_is_one_line_naming_the_field(tmp_path, tiny_model, capsys):
+    from streamrl.cli import main
+    from tests.helpers import TINY_RECIPE
+
+    (tmp_path / "loop.py").symlink_to(tmp_path / "loop.py")
+    base = TINY_RECIPE.format(out=tmp_path / "runs", model=tiny_model)
+    (tmp_path / "r.toml").write_text(base)
+    cases = {"reward.path": ['reward.name="python"', 'reward.path="loop.py"'],
+             "model.path": ['model.path="loop.py"'],
+             "plugins.modules": ['plugins.modules=["loop.py"]'],
+             "task.path": ['task.name="dataset"', 'task.path="loop.py"']}
+    for field, sets in cases.items():
+        args = ["recipe", "validate", str(tmp_path / "r.toml")]
+        for s in sets:
+            args += ["--set", s]
+        assert main(args) != 0, field
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and field in err and "loop.py" in err, (field, err)
+
+
 def test_a_prompt_longer_than_the_slot_engine_takes_is_left_out_with_the_data(tmp_path, tiny_model, capsys):
     # the slot engine refuses a prompt longer than its slots (engine.max_prompt_tokens): such a
     # row is left out when the task is built, not a failed step mid-run

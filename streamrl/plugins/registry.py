@@ -23,7 +23,7 @@ import pluggy
 from streamrl.plugins import hookspecs
 from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
-from streamrl.recipe.paths import home
+from streamrl.recipe.paths import home, resolved
 from streamrl.recipe.user_files import MAX_SOURCE_BYTES
 from streamrl.telemetry.text import message_line
 
@@ -116,7 +116,7 @@ def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str], origins: dic
 def _local_file(path: str | Path, base: Path) -> Path:
     # (relative to the recipe's folder; ~ the user's home)
     try:
-        return (base / home(str(path))).resolve()
+        return resolved(base / home(str(path)))
     except ValueError as exc:
         raise UserError(f"plugins.modules: {exc}") from None
 

@@ -29,10 +29,20 @@ def home(value: str) -> Path:
         raise ValueError(f"cannot expand {value!r}: {exc}") from None
 
 
+def resolved(path: Path) -> Path:
+    """``path`` made absolute with its links followed (``ValueError`` naming it where it cannot
+    be: a symlink loop, a name the system refuses; pathlib raises ``RuntimeError`` or
+    ``OSError`` for those, a traceback for a user's typo)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:
+        raise ValueError(f"cannot resolve {str(path)!r}: {exc}") from None
+
+
 def _against_recipe(value: str, info: ValidationInfo) -> str:
     base = _recipe_dir(info)
     path = home(value)
-    return str(path if path.is_absolute() or base is None else (base / path).resolve())
+    return str(path if path.is_absolute() or base is None else resolved(base / path))
 
 
 def _local_if_there(value: str, info: ValidationInfo) -> str:
@@ -40,7 +50,18 @@ def _local_if_there(value: str, info: ValidationInfo) -> str:
     path = home(value)
     if path.is_absolute() or base is None:
         return str(path)
-    return str((base / path).resolve()) if (base / path).exists() else value
+    if (base / path).exists() or not _hub_like(value):
+        # (a file name that is not next to the recipe stays the recipe's: read from the working
+        # directory instead, a run would depend on where it was started, and train on the wrong
+        # file without a word; the reader names the missing path)
+        return str(resolved(base / path))
+    return value
+
+
+def _hub_like(value: str) -> bool:
+    # ``org/name``, or a bare name of the hub's canonical sets and models (``gsm8k``, ``gpt2``);
+    # ``data.jsonl``, ``./x``, ``../data/train.parquet`` are paths
+    return is_hub_id(value) or re.fullmatch(r"[A-Za-z0-9][\w-]*", value) is not None
 
 
 RecipePath = Annotated[str, AfterValidator(_against_recipe)]
@@ -49,4 +70,5 @@ the recipe's folder (like ``model.path``), whatever the working directory."""
 
 PathOrHubId = Annotated[str, AfterValidator(_local_if_there)]
 """A config field holding a local path or a Hugging Face Hub id: a relative path that exists
-next to the recipe becomes absolute; anything else is kept as written (a hub id)."""
+next to the recipe becomes absolute, as does one that does not look like a hub id (``org/name``
+or a bare name); a hub id not found next to the recipe is kept as written."""

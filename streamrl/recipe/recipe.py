@@ -23,7 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from streamrl.errors import UserError
 from streamrl.recipe.learners import LearnerConfig, check as check_learners
-from streamrl.recipe.paths import home, is_hub_id
+from streamrl.recipe.paths import home, is_hub_id, resolved
 from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
 from streamrl.recipe.strict import Strict
@@ -329,7 +329,7 @@ class LoadedRecipe:
             return None
         path = self.recipe.model.path
         try:
-            local = (self.base / home(path)).resolve()  # (~ is the user's home, as in every other path)
+            local = resolved(self.base / home(path))  # (~ is the user's home, as in every other path)
         except ValueError as exc:
             raise UserError(f"model.path: {exc}") from None
         # a Hub id only when nothing of the path is there: "models/tiny" with a models/ folder
