@@ -68,8 +68,9 @@ def test_loss_is_the_dpo_loss_of_the_pair_on_the_chosen_sample(ls):
     assert per_sample.shape == (2,)
     assert per_sample[0].item() == pytest.approx(expected, rel=1e-6)
     assert per_sample[1].item() == 0.0
-    assert stats["reward_margin_sum"].item() == pytest.approx(d)
-    assert stats["pair_accuracy_sum"].item() == 1.0 and stats["pairs_sum"].item() == 1.0
+    # (twice the pair's: a step divides by the samples trained, the pair's two)
+    assert stats["reward_margin_sum"].item() == pytest.approx(2 * d)
+    assert stats["pair_accuracy_sum"].item() == 2.0 and stats["pairs_sum"].item() == 1.0
     assert not any(v.requires_grad for v in stats.values())
 
 
@@ -192,8 +193,8 @@ def test_hf_trainer_learns_the_preferred_response_against_a_fixed_reference():
     # the loss's log-ratio to the reference is the growth of the margin: the reference is where
     # the policy started, and every pair is now ahead of it
     final = trainer.micro_batch(groups, scale=1.0 / total)
-    assert final["pair_accuracy_sum"] == 4.0
-    assert final["reward_margin_sum"] == pytest.approx(0.5 * sum(a - b for a, b in zip(after, before)), rel=1e-3)
+    assert final["pair_accuracy_sum"] == 8.0  # (twice the pairs': see above)
+    assert final["reward_margin_sum"] == pytest.approx(sum(a - b for a, b in zip(after, before)), rel=1e-3)
     for n, p in trainer.reference.named_parameters():
         assert torch.equal(p, ref_before[n]), n
     # a group whose rewards are all equal has no pair; the empty pass (a rank with nothing to

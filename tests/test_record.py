@@ -28,6 +28,20 @@ def test_record_averages_the_algorithms_own_stats_and_defaults_missing_ones():
     assert list(rec)[-1] == "sample_log"
 
 
+def test_the_algorithms_stats_are_means_over_the_samples_trained_not_those_skipped():
+    # half the samples in flat groups (left out of the backward pass): the behaviour weight of
+    # the trained ones is 1, not 0.5; a task whose samples were all skipped adds only to skipped
+    step = StepStats.of({"version": 5, "grad_norm": 1.0, "seconds": 0.5})
+    rec = summarize(4, 5, [micro(4, behaviour_weight_sum=2.0, clip_frac_sum=0.5, skipped_sum=2, stopped_early_sum=1),
+                           micro(4, skipped_sum=4)], step, t0=0.0, t_trained=8.0, t_end=10.0).as_dict()
+    assert rec["behaviour_weight"] == pytest.approx(1.0) and rec["clip_frac"] == pytest.approx(0.25)
+    assert rec["skipped"] == pytest.approx(0.75) and rec["stopped_early"] == pytest.approx(0.125)
+    everything_skipped = summarize(4, 5, [micro(2, skipped_sum=2)], step, t0=0.0, t_trained=8.0, t_end=10.0).as_dict()
+    assert everything_skipped["skipped"] == 1.0 and everything_skipped["behaviour_weight"] == 1.0
+    out = last_epoch_stats([micro(4, clip_frac_sum=0.5, skipped_sum=2)], epochs=2)
+    assert out["last_epoch_clip_frac"] == pytest.approx(0.25)
+
+
 def test_last_epoch_stats_are_per_sample_means_of_the_last_pass():
     out = last_epoch_stats([micro(2, clip_frac_sum=0.5, loss_sum=1.0), micro(2, loss_sum=3.0)], epochs=3)
     assert out == {"epochs": 3, "last_epoch_clip_frac": pytest.approx(0.125), "last_epoch_loss": pytest.approx(1.0)}

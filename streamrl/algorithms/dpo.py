@@ -87,9 +87,11 @@ class DPO(Algorithm):
             pair_loss = pair_loss - self.config.nll_coef * (new[chosen] * mask[chosen]).sum(-1) / n_chosen
         per_sample = torch.zeros_like(z).index_put((chosen,), pair_loss)
         with torch.no_grad():
+            # (a step divides each sum by the samples it trained, two per pair: twice the
+            # pairs' sums read as per-pair means)
             stats = {
-                "reward_margin_sum": margin.sum(),
-                "pair_accuracy_sum": (z[chosen] > z[rejected]).float().sum(),
+                "reward_margin_sum": 2 * margin.sum(),
+                "pair_accuracy_sum": 2 * (z[chosen] > z[rejected]).float().sum(),
                 "pairs_sum": torch.tensor(float(len(chosen)), device=z.device),
             }
         return per_sample, stats

@@ -128,13 +128,23 @@ def plain(value, depth: int = 0):
         return f"<{type(value).__name__}: str() raised {type(exc).__name__}>"
 
 
+#: Statistics counted over every sample of a step; the others (the algorithm's ``clip_frac``,
+#: ``kl``, ...) are computed over the samples the backward pass took.
+OVER_ALL_SAMPLES = ("skipped", "stopped_early")
+
+
 def algorithm_stats(micro: list[TrainTaskStats], samples: int) -> dict[str, float]:
-    """Every statistic the train tasks summed (:attr:`TrainTaskStats.sums`), as a per-sample mean."""
+    """Every statistic the train tasks summed (:attr:`TrainTaskStats.sums`), as a per-sample mean:
+    :data:`OVER_ALL_SAMPLES` over the step's ``samples``, the rest over the samples trained (those
+    not ``skipped``: a GRPO group of equal rewards never reaches the loss, and counting it would
+    read a behaviour weight of 1 as 0.5 when half the groups were flat)."""
     sums: dict[str, float] = {}
     for m in micro:
         for k, v in m.sums.items():
             sums[k] = sums.get(k, 0.0) + v
-    out = {k: v / samples for k, v in sums.items()}
+    trained = samples - sums.get("skipped", 0.0)
+    out = {k: v / max(samples, 1) if k in OVER_ALL_SAMPLES else v / trained
+           for k, v in sums.items() if k in OVER_ALL_SAMPLES or trained > 0}
     return {**DEFAULT_STATS, **out}
 
 
@@ -195,5 +205,6 @@ def last_epoch_stats(micro: list[TrainTaskStats], epochs: int) -> dict[str, floa
     """With ``algorithm.epochs > 1``: how far the last pass (its train tasks' stats ``micro``)
     moved from the generating policy (its loss and clip fraction per sample)."""
     n = max(sum(m.samples for m in micro), 1)  # (a step of no samples: one a stop ended)
-    return {"epochs": epochs, "last_epoch_clip_frac": sum(m.sums.get("clip_frac", 0.0) for m in micro) / n,
+    trained = max(n - sum(m.sums.get("skipped", 0.0) for m in micro), 1)  # (as algorithm_stats)
+    return {"epochs": epochs, "last_epoch_clip_frac": sum(m.sums.get("clip_frac", 0.0) for m in micro) / trained,
             "last_epoch_loss": sum(m.loss_sum for m in micro) / n}
