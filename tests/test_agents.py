@@ -31,6 +31,18 @@ KEY = "the-runs-rollout-key"
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 
 
+@pytest.fixture
+def learning(served):
+    """``served`` as a serving run's endpoint: it learns from outside traffic (an agent run's
+    learns from its rollouts only)."""
+    api, url = served
+    api.learns_from_traffic = True
+    try:
+        yield api, url
+    finally:
+        api.learns_from_traffic = False
+
+
 @pytest.fixture(scope="module")
 def served():
     """The calculator model behind a real endpoint on a free loopback port."""
@@ -70,10 +82,16 @@ def test_a_client_without_the_runs_rollout_key_cannot_join_or_finish_a_rollout(s
         r = httpx.post(f"{url}/streamrl/rollouts/intruder/finish", headers={"X-Streamrl-Rollout-Key": key}, timeout=30)
         assert r.status_code == 403 and r.json()["error"]["code"] == "rollout_forbidden"
     assert len(api.trajectories._rollouts) == before  # nothing of it was kept
-    # the same request without the header is an ordinary one
-    ok = openai.OpenAI(base_url=url, api_key="x", max_retries=0).chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
+    # the same request without the header is an ordinary one: answered, but never kept for a
+    # step (an agent run's steps take none: it would wait for the run's whole life), and
+    # feedback naming it is refused at once
+    outside = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    waiting, ready = api.traffic.waiting(), len(api.traffic._ready)
+    ok = outside.chat.completions.create(model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
     assert ok.choices[0].message is not None
+    assert (api.traffic.waiting(), len(api.traffic._ready)) == (waiting, ready)
+    r = httpx.post(f"{url}/feedback", json={"id": ok.id, "reward": 1.0}, timeout=30)
+    assert r.status_code == 400 and "learns from its own rollouts only" in r.json()["error"]["message"], r.text
 
 
 def test_the_hermes_parser_turns_blocks_into_calls_and_leaves_broken_ones_as_text():
@@ -239,10 +257,10 @@ def test_new_weights_between_two_calls_keep_the_trajectory_and_mark_each_tokens_
     assert seg["logprobs"][:n1] == first.model_extra["streamrl"]["choices"][0]["logprobs"]  # the behaviour kept
 
 
-def test_feedback_by_session_rewards_every_waiting_completion_of_it(served):
+def test_feedback_by_session_rewards_every_waiting_completion_of_it(learning):
     import httpx
 
-    api, url = served
+    api, url = learning
     client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
     before = api.traffic.snapshot()["rewarded"]
     for q in ("What is 11*11?", "And 12*12?"):
@@ -260,11 +278,11 @@ def test_feedback_by_session_rewards_every_waiting_completion_of_it(served):
         "give exactly one of 'id' (a completion) and 'session'."
 
 
-def test_a_reward_that_is_not_a_finite_bounded_number_is_refused_and_never_trained(served):
+def test_a_reward_that_is_not_a_finite_bounded_number_is_refused_and_never_trained(learning):
     # One such value among a batch's once overflowed the step's loss and ended the run.
     import httpx
 
-    api, url = served
+    api, url = learning
     client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
     cid = client.completions.create(model="policy", prompt="12*12=", max_tokens=4).id
     before = api.traffic.snapshot()["rewarded"]

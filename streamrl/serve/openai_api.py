@@ -59,6 +59,10 @@ class Endpoint:
         self.rollout_key = rollout_key
         """The secret an agent's call must send in ``X-Streamrl-Rollout-Key`` (empty: this
         endpoint takes no agent calls, as a ``streamrl serve`` endpoint)."""
+        self.learns_from_traffic = not rollout_key
+        """Whether requests other than the run's rollouts become samples: not on an agent run's
+        endpoint (its steps train on its rollouts and take no served traffic, which would be
+        kept, unrewarded or rewarded, for the run's whole life); they are answered all the same."""
         self.tokenizer = engine.tokenizer
         self.tool_parser = tool_parser
         self.refusals = RefusalLog()
@@ -192,7 +196,8 @@ class Endpoint:
         if self.pending + req.n > self.config.max_pending:
             raise busy(self.traffic, f"{self.pending} completions are running or queued "
                                      f"(serve.max_pending = {self.config.max_pending})")
-        waits = self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
+        waits = (self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
+                 and self.learns_from_traffic)
         if waits and self.traffic.waiting() >= self.config.max_waiting:
             raise busy(self.traffic, f"{self.config.max_waiting} completions wait for their feedback "
                                      "(serve.max_waiting)")

@@ -44,7 +44,8 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     endpoint.running[id(engine)] = endpoint.running.get(id(engine), 0) + params.n
     completion.on_decoded = lambda: release(endpoint, completion)
     model = endpoint.model_name if turn is not None else req.model
-    endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n, trained=not params.greedy)
+    endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n, trained=not params.greedy,
+                             learned=turn is not None or endpoint.learns_from_traffic)
     try:
         completion.start()
     except BaseException as e:
@@ -213,7 +214,7 @@ def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
         endpoint.traffic.count("cancelled")
         endpoint.traffic.dropped(completion.cid)
         return
-    if completion.params.greedy:
+    if completion.params.greedy or not endpoint.learns_from_traffic:  # (nothing to learn from: not kept)
         endpoint.traffic.dropped(completion.cid)
         return
     early = sum(c.stopped_early for c in completion.choices)

@@ -85,15 +85,16 @@ class Traffic:
         self._stopped = False
 
     def started(self, completion_id: str, session: str | None = None, model: str = "", n: int | None = None,
-                trained: bool = True) -> None:
+                trained: bool = True, learned: bool = True) -> None:
         """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from
         now on. ``model``: the one that answers it (its figures are kept apart); ``n``: its
         choices (feedback that comes before its end names one of them); ``trained``: False for a
         greedy one, not a sample of the policy (feedback naming it is refused at once, not
-        accepted and then dropped)."""
+        accepted and then dropped); ``learned``: False on an endpoint that learns from no outside
+        traffic (an agent run's, whose learners train on its own rollouts): answered, never kept."""
         with self._lock:
-            self._state[completion_id] = "running" if trained else "untrained"
-            if not trained:
+            self._state[completion_id] = "running" if trained and learned else "untrained" if not trained else "outside"
+            if not trained or not learned:
                 session = None
             if n is not None:
                 self._choices[completion_id] = n
@@ -127,7 +128,8 @@ class Traffic:
     def dropped(self, completion_id: str) -> None:
         """Request ``completion_id`` ended without samples to learn from (cancelled, greedy)."""
         with self._lock:
-            self._end(completion_id, "untrained" if self._state.get(completion_id) == "untrained" else "dropped")
+            state = self._state.get(completion_id)
+            self._end(completion_id, state if state in ("untrained", "outside") else "dropped")
             self._early.pop(completion_id, None)
             self._choices.pop(completion_id, None)
 
@@ -175,6 +177,9 @@ class Traffic:
             if state == "untrained":
                 return (f"completion {completion_id!r} was greedy (temperature 0): not a sample of the policy, "
                         "it is not trained on")
+            if state == "outside":
+                return (f"completion {completion_id!r} was answered by an agent run's endpoint, which learns from "
+                        "its own rollouts only: it is not trained on")
             if state == "joined":
                 return (f"completion {completion_id!r} is a call of an agent's rollout: its reward is the "
                         "rollout's, which the run's agent returns")
@@ -324,7 +329,7 @@ class Traffic:
         self._ended.append(completion_id)
         while len(self._ended) > REMEMBERED:
             old = self._ended.popleft()
-            if self._state.get(old) in ("rewarded", "dropped", "joined", "untrained"):
+            if self._state.get(old) in ("rewarded", "dropped", "joined", "untrained", "outside"):
                 del self._state[old]
                 self._model.pop(old, None)
 
