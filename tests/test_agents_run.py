@@ -222,3 +222,35 @@ def test_one_abusive_rollout_a_step_leaves_the_others_and_the_run_going(tmp_path
         assert 0.0 <= r["reward_mean"] <= 1.0
     assert any("1e+308" in (r.get("agent/first_error") or "") for r in records), [r.get("agent/first_error") for r in records]
     assert "Traceback" not in run.proc.stdout + run.proc.stderr
+
+
+def test_a_restarted_generate_worker_gets_a_new_endpoint_and_the_rollouts_go_on(tmp_path):
+    # kill -9 of the one generate worker mid-run: its nanny brings it back, the next step's
+    # rollouts go to a new endpoint there, on the newest policy (not to the dead one's address,
+    # every rollout failing from then on)
+    from tests.helpers import kill_worker, read_records, sets, start_serving, wait_for_steps
+
+    out, log = tmp_path / "runs", tmp_path / "run.log"
+    proc = start_serving("recipe", "run", str(AGENT_RECIPE), "--no-report",
+                         *sets("run.steps=10", *SMALL, f'run.out_dir="{out}"', "cluster.dashboard=false",
+                               "task.rollout_timeout_s=20"), log=log)
+    try:
+        run_dir = wait_for_steps(proc, out, 2, timeout=300)
+        killed_after = len(read_records(run_dir, partial=True))
+        version = read_records(run_dir, partial=True)[-1]["policy_version"]
+        kill_worker(run_dir, "generate-0")
+        assert proc.wait(timeout=360) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    records = read_records(run_dir)
+    assert [r["step"] for r in records] == list(range(10)), text[-3000:]
+    assert killed_after < 10
+    assert "generate worker generate-0 was restarted; its endpoint is http://127.0.0.1:" in text, text[-3000:]
+    # the rollouts in flight at the kill failed (counted); the last step trained on rollouts the
+    # restarted worker's engine decoded, at the policy it had caught up to or newer
+    last = records[-1]
+    assert last["samples"] > 0 and last["turns_mean"] > 0.5 and last["agent/errors"] == 0, last
+    assert min(x["version"] for x in last["sample_log"]) >= version, last["sample_log"]
+    assert "Traceback" not in text

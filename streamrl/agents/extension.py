@@ -18,6 +18,7 @@ from pathlib import Path
 from distributed import Future
 
 from streamrl.agents.rollout import EVENT_TOPIC, first_error, run_group
+from streamrl.cluster import lifecycle
 from streamrl.errors import UserError
 from streamrl.contracts.step_extension import StepExtension
 from streamrl.flow import submit
@@ -27,6 +28,10 @@ from streamrl.serve import endpoint
 
 #: Seconds a step's record waits for its groups' counts (``record``).
 EVENT_WAIT_S = 2.0
+
+#: Seconds an endpoint may take to start on a generate worker (a restarted one first loads the
+#: newest weights: the catch-up's own waits, and some).
+ENDPOINT_START_S = 300
 
 
 class AgentRollouts(StepExtension):
@@ -45,7 +50,11 @@ class AgentRollouts(StepExtension):
         self.pool = "agent" if r.pools.agent is not None else "reward"
         self.topology = context.topology
         self.urls: list[str] = []
-        self.pins: list[dict] = []
+        """The endpoints this step's rollouts go to, one per generate worker that is up."""
+        self.served: dict[str, tuple[str, str]] = {}
+        """``worker: (address, url)``: where each generate worker's endpoint was started (a
+        worker back at another address was restarted, its endpoint gone with its process)."""
+        self._failing: set[str] = set()  # workers whose endpoint could not be started (said once)
         # the run's own rollouts prove themselves with it: the endpoints take no agent call without
         self.rollout_key = secrets.token_urlsafe(24)
         self.seen: set[str] = set()
@@ -56,21 +65,62 @@ class AgentRollouts(StepExtension):
 
     def placed(self, context) -> None:
         """Start an endpoint on every generate worker."""
-        self.urls, self.pins = [], []
+        self.served = {}
+        up = self._up()
         for name in sorted(self.topology.generate):
-            pin = self.topology.pins[name]
             try:
-                url = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
-                                         endpoint.ship(self.tool_parser), self.rollout_key,
-                                         reward_limit=self.recipe.reward.limit, pure=False,
-                                         key=f"agent-endpoint-{name}-{time.time_ns()}", **pin).result()
+                self.served[name] = (up.get(name, ""), self._start(name, 0))
             except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix
                 raise UserError(str(e)) from None
-            self.urls.append(url)
-            self.pins.append(pin)
+        self.urls = [url for _, url in self.served.values()]
+
+    def _up(self) -> dict[str, str]:
+        return {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
+
+    def _start(self, name: str, min_version: int) -> str:
+        return self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
+                                  endpoint.ship(self.tool_parser), self.rollout_key,
+                                  reward_limit=self.recipe.reward.limit, min_version=min_version, pure=False,
+                                  key=f"agent-endpoint-{name}-{time.time_ns()}",
+                                  **self.topology.pins[name]).result(timeout=ENDPOINT_START_S)
+
+    def _reconcile(self, min_version: int) -> None:
+        """Before a step's rollouts: an endpoint on each generate worker that is up. A worker its
+        nanny restarted (back at another address) lost its endpoint with its process: a new one
+        starts there once its engine holds ``min_version``; a worker not up, or whose endpoint
+        cannot start, gets no rollouts this step (said once); one that left the pool is
+        forgotten."""
+        try:
+            up = self._up()
+        except Exception:  # noqa: BLE001 -- the scheduler did not answer: the endpoints as they were
+            return
+        pool = sorted(self.topology.generate)
+        for name in set(self.served) - set(pool):
+            del self.served[name]
+        for name in pool:
+            address = up.get(name)
+            if address is None or self.served.get(name, ("",))[0] == address:
+                continue  # down (its nanny is bringing it back), or served as it is
+            try:
+                url = self._start(name, min_version)
+            except Exception as e:  # noqa: BLE001 -- no rollouts there for now; the next step tries again
+                if name not in self._failing:
+                    self._failing.add(name)
+                    self._lines.append(f"agent rollouts: the endpoint on generate worker {name} could not start "
+                                       f"({type(e).__name__}: {str(e)[:200]}); trying again each step")
+                continue
+            self._failing.discard(name)
+            restarted = name in self.served
+            self.served[name] = (address, url)
+            if restarted:
+                self._lines.append(f"agent rollouts: generate worker {name} was restarted; its endpoint is {url}, "
+                                   f"with policy v{min_version} or newer")
+        urls = [url for name, (address, url) in sorted(self.served.items()) if up.get(name) == address]
+        # (none up: the endpoints as they were; the rollouts fail, counted, until one is back)
+        self.urls = urls or self.urls
 
     def started(self, run_dir: Path) -> list[str]:
-        """The endpoints' addresses, for the console (an outside agent may use them too)."""
+        """The endpoints' addresses, for the console (an outside client may use them too: answered, not trained on)."""
         return [f"agent rollouts on the {self.pool} pool against {len(self.urls)} endpoint(s): {', '.join(self.urls)}"]
 
     def samples(self, step: int, min_version: int) -> list[Future]:
@@ -78,6 +128,7 @@ class AgentRollouts(StepExtension):
         t = self.recipe.trainer
         prompts = self.task.prompts(step, t.prompts_per_step)
         submit.check_prompts("agent", step, prompts, t.prompts_per_step, self.seen)
+        self._reconcile(min_version)
         n, out = t.samples_per_prompt, []
         for i, prompt in enumerate(prompts):
             out.append(self.client.submit(run_group, prompt, n, self.urls, self.spec, self.config.api_key, step,
@@ -137,10 +188,10 @@ class AgentRollouts(StepExtension):
 
     def close(self) -> None:
         """Stop the endpoints."""
-        for pin in self.pins:
+        for name in self.served:
             try:
                 self.client.submit(endpoint.stop, pure=False, key=f"agent-endpoint-stop-{time.time_ns()}",
-                                   **pin).result(timeout=30)
+                                   **self.topology.pins[name]).result(timeout=30)
             except Exception:  # noqa: BLE001 -- the worker may be gone already: nothing left to stop
                 pass
-        self.pins = []
+        self.served = {}

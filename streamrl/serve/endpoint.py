@@ -34,12 +34,15 @@ def ship(tool_parser) -> bytes | None:
 
 
 def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollout_key: str = "",
-          ready: bool = True, reward_limit: float = REWARD_LIMIT) -> str:
+          ready: bool = True, reward_limit: float = REWARD_LIMIT, min_version: int = 0) -> str:
     """Generate worker: serve the engine at ``serve.host:serve.port``; returns the base URL.
     ``tool_parser``: the built ``serve.tool_parser`` (:func:`ship`); ``rollout_key``: the secret
     the run's agent rollouts send (empty: no agent calls are taken); ``ready`` False: the API
     answers 503 until :func:`go_live` (the run adds the models it will list first);
-    ``reward_limit``: the run's ``reward.limit``, past which feedback is refused. Raises naming
+    ``reward_limit``: the run's ``reward.limit``, past which feedback is refused; ``min_version``:
+    the policy every engine of the run holds by now (a worker its nanny restarted holds the base
+    weights: it loads the newest published ones first, so it never answers with an older
+    policy). Raises naming
     the setting when the engine cannot stream (not the slot decoder) or the port cannot be bound."""
     from streamrl.serve.openai_api import Endpoint
     from streamrl.serve.routes import make_app
@@ -55,6 +58,10 @@ def start(config: dict, model_name: str, tool_parser: bytes | None = None, rollo
             raise ValueError(f"serve.tool_parser: the parser cannot be loaded on worker {get_worker().name} "
                              f"({type(e).__name__}: {e}); install its package on every generate worker") from None
     engine = resident(ENGINE)
+    if getattr(engine, "version", min_version) < min_version:
+        from streamrl.on_worker.weight_tasks import catch_up
+
+        catch_up(engine, min_version)
     if not hasattr(engine, "stream"):
         raise ValueError('streamrl serve needs engine.batching = "slots" (the engine that streams each decode '
                          f"step's tokens); this engine is {type(engine).__name__}")
