@@ -43,6 +43,12 @@ class NonFiniteStep(RunStopped):
     """The loss or a gradient of a step was not finite (NaN or inf): the update was not applied."""
 
 
+class UpdateBroke(NonFiniteStep):
+    """An update was applied and left the weights unusable (not finite, moved past
+    ``trainer.max_weight_change``, log-probabilities not finite): the trainer's weights in memory
+    are the broken ones; its last checkpoint holds the last good state."""
+
+
 class RewardFailed(RunStopped):
     """The reward raised (or gave no number) for every sample of a step: a reward that always
     fails is a bug, not a learning signal, and training on its zeros would be silent."""

@@ -108,9 +108,20 @@ class Dies(GRPO):
         return super().loss(*args)
 
 
+class Explodes(GRPO):
+    def __init__(self, config):
+        super().__init__(config)
+        self.zero_advantage_no_gradient = False
+
+    def loss(self, new, old, ref, adv, mask):
+        per_sample, stats = super().loss(new, old, ref, adv, mask)
+        return per_sample + (new * mask).sum(-1), stats  # (a gradient whatever the rewards)
+
+
 @hookimpl
 def register_algorithms():
-    return [Component("algorithm", "raises", GRPOConfig, Raises), Component("algorithm", "dies", GRPOConfig, Dies)]
+    return [Component("algorithm", "raises", GRPOConfig, Raises), Component("algorithm", "dies", GRPOConfig, Dies),
+            Component("algorithm", "explodes", GRPOConfig, Explodes)]
 '''
 
 
@@ -124,6 +135,8 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
     (tiny_recipe.parent / "faulty.py").write_text(FAULTY)
     more = ('\n[[learners]]\nname = "raises"\nalgorithm = { name = "raises" }\n'
             '\n[[learners]]\nname = "dies"\nalgorithm = { name = "dies" }\n'
+            # (an update that moves its weights far past trainer.max_weight_change: applied, broken)
+            '\n[[learners]]\nname = "explodes"\nalgorithm = { name = "explodes" }\ntrainer = { lr = 100.0 }\n'
             '\n[plugins]\nmodules = ["faulty.py"]\n')
     path = with_learners(tiny_recipe, more)
     res = streamrl("recipe", "run", str(path), "--plain", "--no-report", "--set", "run.steps=4",
@@ -154,6 +167,10 @@ def test_learners_share_the_stream_and_a_failing_or_killed_one_leaves_the_others
         assert (run_dir / "policy" / name / "config.json").exists(), name
     # but not the killed one's: its restarted worker holds the base weights, which are not its policy
     assert not (run_dir / "policy" / "dies").exists() and "learner 'dies': policy not saved (ResidentLost" in res.stderr
+    # nor the one whose failed update broke its weights: they are not a policy
+    assert final["explodes"]["state"] == "failed" and "UpdateBroke" in final["explodes"]["failure"], final["explodes"]
+    assert not (run_dir / "policy" / "explodes").exists()
+    assert "learner 'explodes': policy not saved (its failed update broke the weights" in res.stderr
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from distributed import Client, Future, wait
 
-from streamrl.errors import RunWarning
+from streamrl.errors import RunWarning, UpdateBroke
 from streamrl.flow import submit
 from streamrl.on_worker import task_functions
 from streamrl.extensions.evaluate import Evaluator
@@ -78,6 +78,9 @@ class SideLearner:
     state: str = "training"
     """``training``, ``failed`` or ``removed``."""
     failure: str | None = None
+    broken: bool = False
+    """It failed with an update applied that broke its weights (:class:`UpdateBroke`): what its
+    worker holds is not its policy (not saved as one; its last checkpoint is)."""
     inflight: list[InFlight] = field(default_factory=list)
     steps_trained: int = 0
     skipped_steps: int = 0
@@ -206,6 +209,7 @@ class Fanout:
         """Mark ``lr`` failed (one line, naming it), drop its queued steps; the others go on."""
         # (its first line, printable: the text may quote a user's reward or the model's output)
         lr.state, lr.failure = "failed", f"step {step}: {error_line(exc, 290, first_line=True)}"
+        lr.broken = isinstance(exc, UpdateBroke)
         self.client.cancel([f for e in lr.inflight for f in (*e.last, *e.trains)])
         lr.inflight.clear()
         if lr.evaluator is not None:
@@ -238,11 +242,16 @@ class Fanout:
 
     def save_policies(self, out: Path, only: list[str] | None = None) -> dict[str, str]:
         """Write each learner's policy (or those named in ``only``) to ``out/<name>`` (failed ones
-        too: their last good weights; removed ones were saved when they left);
-        ``{name: folder}`` of those written."""
+        too: their last good weights, unless the failed update broke them; removed ones were
+        saved when they left); ``{name: folder}`` of those written."""
         saved = {}
         for lr in self.learners.values():
             if (only is not None and lr.name not in only) or (only is None and lr.state == "removed"):
+                continue
+            if lr.broken:
+                warnings.warn(RunWarning(f"learner {lr.name!r}: policy not saved (its failed update broke the "
+                                         "weights its worker holds; its last checkpoint holds its last good state)"),
+                              stacklevel=2)
                 continue
             target = out / lr.name
             try:

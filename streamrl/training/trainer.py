@@ -22,7 +22,7 @@ import torch
 from streamrl.api import Trainer, TrainerCapabilities, TrainerContext
 from streamrl.contracts.learning import TrainerFootprint
 from streamrl.devices import worker_device
-from streamrl.errors import NonFiniteStep, RunFailed
+from streamrl.errors import RunFailed, UpdateBroke
 from streamrl.sample import Group, Sample
 from streamrl.training import backward_pass, fsdp
 from streamrl.training.critic import Critic
@@ -249,7 +249,7 @@ class HFTrainer(Trainer):
             elif not self._probe_finite():
                 broken = "made the policy's log-probabilities not finite"
             if self.strategy.any_rank(broken is not None, self.device):
-                raise NonFiniteStep(f"{self._step_name()}: the update {broken or 'was not sane on another rank'} "
+                raise UpdateBroke(f"{self._step_name()}: the update {broken or 'was not sane on another rank'} "
                                     f"(trainer.lr = {self.config.lr:g}); nothing of this step was published or "
                                     f"checkpointed; lower trainer.lr or check the algorithm "
                                     f"({type(self.algorithm).__name__})")
