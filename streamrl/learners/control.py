@@ -317,7 +317,7 @@ def remove(side, run_dir: Path, name: str) -> str:
         raise UserError(f"no learner {name!r} to remove (side learners: {known})")
     lr = fanout.learners[name]
     if lr.state == "training":
-        fanout.drain()
+        fanout.drain(only=[name])  # (its own steps: another learner's slow queue is not its removal's)
     saved = fanout.save_policies(run_dir / "policy", only=[name])
     lr.state = "removed"
     _let_go(side, lr)

@@ -30,6 +30,7 @@ from streamrl.flow import submit
 from streamrl.on_worker import task_functions
 from streamrl.extensions.evaluate import Evaluator
 from streamrl.plugins.resolve import LearnerPlan
+from streamrl.cluster import lifecycle
 from streamrl.cluster.pool_workers import LEARN
 from streamrl.recipe.recipe import Recipe
 from streamrl.telemetry.record import algorithm_stats
@@ -94,6 +95,8 @@ class SideLearner:
     trained: list = field(default_factory=list)
     """``[step, samples, crc32 of its sorted sample uids]`` of each step trained since the last
     record (``metrics.jsonl`` ``learners.<name>.trained``: none lost, none twice)."""
+    gone_since: float | None = None
+    """When its worker was first seen gone (None: up at the last look)."""
     evaluator: Evaluator | None = None
     """Its policy on the held-out prompts (``learners/evaluate.py``), None without ``[eval]``."""
     evaluated: dict = field(default_factory=dict)
@@ -124,6 +127,15 @@ class SideLearner:
             self.evaluator.submit(version, after=after)
 
 
+#: Seconds a side learner's worker may be gone (its nanny restarting it, a cluster that lends it
+#: back) before the learner is failed: its tasks are pinned there and would wait for it for good,
+#: and a pacing stream, a checkpoint or a removal with them.
+LOST_AFTER_S = 120.0
+
+#: Seconds between two looks at a side learner's worker while the controller waits for its steps.
+LOOK_EVERY_S = 5.0
+
+
 class Fanout:
     """The side learners of a run: hands them each step's groups and reads what they did."""
 
@@ -144,6 +156,7 @@ class Fanout:
     def hand_over(self, step: int, scored: list[Future]) -> None:
         """Give step ``step``'s scored-group futures to every learner still training (see the
         module docstring for a full queue)."""
+        self.look(step)
         for lr in self.training():
             self._harvest(lr)
             if lr.state != "training":
@@ -152,8 +165,7 @@ class Fanout:
                 if lr.plan.when_full == "skip":
                     lr.skipped_steps += 1
                     continue
-                wait([lr.inflight[0].last[0]])  # pace: the stream waits for this learner
-                self._harvest(lr)
+                self._wait_for([lr], step, one=True)  # pace: the stream waits for this learner's oldest step
                 if lr.state != "training":
                     continue
             # after its last step (none trained twice, none out of order); a chain of steps only
@@ -217,15 +229,51 @@ class Fanout:
         warnings.warn(RunWarning(f"learner {lr.name!r} failed at {lr.failure}; generation and the other learners "
                                  f"go on (its last checkpoint and policy stay)"), stacklevel=2)
 
-    def drain(self, timeout: float = 600.0) -> None:
-        """Wait for every queued step of every learner (the end of the run, a checkpoint), then
-        read them."""
-        pending = [e.last[0] for lr in self.training() for e in lr.inflight]
-        if pending:
+    def look(self, step: int) -> None:
+        """Fail each learner still training whose worker has been gone for :data:`LOST_AFTER_S`
+        (``step``: the stream's step, for its failure line)."""
+        if not self.training():
+            return
+        try:
+            up = {str(info.get("name")) for info in lifecycle.workers(self.client).values()}
+        except Exception:  # noqa: BLE001 -- the scheduler did not answer: look again later
+            return
+        now = time.time()
+        for lr in self.training():
+            if lr.plan.worker in up:
+                lr.gone_since = None
+                continue
+            lr.gone_since = lr.gone_since or now
+            if now - lr.gone_since >= LOST_AFTER_S:
+                self.fail(lr, step, RuntimeError(f"its worker {lr.plan.worker} has been gone for "
+                                                 f"{now - lr.gone_since:.0f}s"))
+
+    def _wait_for(self, learners: list[SideLearner], step: int, timeout: float | None = None,
+                  one: bool = False) -> None:
+        # until every queued step of each is done (``one``: its oldest), each that lost its
+        # worker failed (looked at every LOOK_EVERY_S), or ``timeout`` passes
+        deadline = None if timeout is None else time.time() + timeout
+        first = {lr.name: lr.inflight[0] for lr in learners if lr.inflight}
+        while True:
+            pending = [lr.inflight[0].last[0] for lr in learners if lr.state == "training" and lr.inflight
+                       and not (one and lr.inflight[0] is not first.get(lr.name))]
+            if not pending or (deadline is not None and time.time() >= deadline):
+                break
             try:
-                wait(pending, timeout=timeout)
+                wait(pending, timeout=LOOK_EVERY_S if deadline is None else
+                     max(0.0, min(LOOK_EVERY_S, deadline - time.time())))
             except TimeoutError:
-                pass  # read what finished; the rest stays queued (a learner whose worker is gone)
+                pass
+            for lr in learners:
+                self._harvest(lr)
+            self.look(step)
+
+    def drain(self, timeout: float = 600.0, only: list[str] | None = None) -> None:
+        """Wait for every queued step of every learner (or those named in ``only``) (the end of
+        the run, a checkpoint, a removal), then read them; a learner whose worker is gone for
+        good is failed instead of waited for."""
+        chosen = [lr for lr in self.training() if only is None or lr.name in only]
+        self._wait_for(chosen, max((lr.inflight[-1].step for lr in chosen if lr.inflight), default=0), timeout)
         for lr in self.learners.values():
             self._harvest(lr)  # (what they trained stays for the next record)
 

@@ -160,6 +160,10 @@ def record(fanout: Fanout, resolved, step_record) -> dict[str, dict]:
     return out
 
 
+#: Seconds a side learner's trainer may take to save its state into a checkpoint.
+SAVE_S = 600.0
+
+
 def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
     """The ``also`` of ``checkpoints.write``: each side learner's trainer into
     ``learners/<name>/`` and their states into ``learners.json``. A learner that failed keeps the
@@ -174,8 +178,12 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             if lr.state == "training":
                 try:
                     fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
-                                         trainer_id=lr.view.incarnations, pure=False, **lr.view.train_pin).result()
+                                         trainer_id=lr.view.incarnations, pure=False,
+                                         **lr.view.train_pin).result(timeout=SAVE_S)
                     saved = True
+                except TimeoutError:  # (its worker gone, or stuck: that learner's loss, not the checkpoint's)
+                    fanout.fail(lr, next_step - 1, TimeoutError(f"its checkpoint was not saved within {SAVE_S:g}s"))
+                    shutil.rmtree(target, ignore_errors=True)
                 except OSError:  # (the run's folder full, the scheduler gone: the checkpoint's failure, said so)
                     raise
                 except Exception as exc:  # noqa: BLE001 -- its worker restarted since its last step
