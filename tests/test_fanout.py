@@ -60,3 +60,19 @@ def test_a_learner_whose_worker_is_gone_for_good_is_failed_not_waited_for(monkey
         with pytest.warns(RunWarning, match="learner 'gone2' failed"):
             fan.drain(timeout=30)
         assert lr2.state == "failed"
+
+
+def test_a_step_its_starting_weights_already_hold_is_not_handed_to_a_learner_added_from_them():
+    # ``learners add`` from the served policy in async mode: the next step's training may have
+    # run before the policy was saved, and the learner joins after it (steps before its
+    # joined_at are in its weights: trained again, they would count twice)
+    from streamrl.learners.fanout import SideLearner
+
+    fan = Fanout(SimpleNamespace(), SimpleNamespace())  # (no scheduler to ask: the look is skipped)
+    lr = SideLearner(plan=SimpleNamespace(name="late", worker="learner-late", queue=2, when_full="skip"),
+                     view=None, joined_at=5)
+    fan.add(lr)
+    fan.hand_over(4, [object()])
+    assert not lr.inflight and lr.skipped_steps == 0
+    with pytest.raises(AttributeError):  # (step 5 is its: submitted, here to a learner with no view)
+        fan.hand_over(5, [object()])

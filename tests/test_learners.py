@@ -532,7 +532,7 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
 
     class Client:
         def submit(self, *args, **kwargs):
-            def result():
+            def result(timeout=None):
                 raise raised[0]
             return SimpleNamespace(result=result)
 
@@ -551,10 +551,16 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
     saved = json.loads((tmp_path / runtime.STATE).read_text())
     assert failed == [("a", 4, "RuntimeError")] and saved["learners"]["a"]["has_state"] is False
     assert not (tmp_path / "learners" / "a").exists()
+    # a save that does not come back (its worker gone: the task waits for it) is that learner's
+    # loss too, not the checkpoint's (a TimeoutError is an OSError, as a full disk is)
+    raised[0], fanout.learners["a"].state = TimeoutError(), "training"
+    (tmp_path / "late").mkdir()
+    runtime.checkpoint(fanout, 6, None)(tmp_path / "late")
+    assert failed[-1] == ("a", 5, "TimeoutError") and not (tmp_path / "late" / "learners" / "a").exists()
     raised[0], fanout.learners["a"].state = OSError(28, "No space left on device"), "training"
     (tmp_path / "next").mkdir()
     with pytest.raises(OSError, match="No space left"):
-        runtime.checkpoint(fanout, 6, None)(tmp_path / "next")
+        runtime.checkpoint(fanout, 7, None)(tmp_path / "next")
 
 
 def test_a_variant_the_endpoint_cannot_take_off_is_said_and_the_run_goes_on():

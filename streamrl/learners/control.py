@@ -252,14 +252,18 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     runtime.ensure_worker(run.client, topo, resolved.recipe, worker)
     start = request.get("start", "served")
     start_model = None
+    joined_at = step
     if start == "served" and resume_from is None:
-        # the served policy as it is now, after the last step: saved, and the new trainer built from it
+        # the served policy as it is now, after the last step: saved, and the new trainer built
+        # from it. In async mode the next step's training may have run first (it is submitted
+        # as its groups come, before this): the steps its weights hold are not handed to it again
         folder = run_dir / "learners" / f"start-{name}"
-        run.client.submit(task_functions.save_policy, str(folder), after=run.last_optimizer_step,
-                                 trainer_id=topo.incarnations, key=f"save-start-{name}-{time.time_ns()}",
-                                 **topo.train_pin).result()
+        version = run.client.submit(task_functions.save_policy_now, str(folder), after=run.last_optimizer_step,
+                                    trainer_id=topo.incarnations, key=f"save-start-{name}-{time.time_ns()}",
+                                    **topo.train_pin).result()
+        joined_at = max(step, version // max(1, resolved.algorithm.build().epochs))  # (optimizer steps per step)
         start_model = str(folder)
-    learner = runtime.place_one(run.client, resolved, plan, topo.pins, joined_at=step,
+    learner = runtime.place_one(run.client, resolved, plan, topo.pins, joined_at=joined_at,
                                 task=fanout.task if fanout is not None and fanout.task is not None else run.task,
                                 model_path=start_model)
     if resume_from is not None:
@@ -283,7 +287,7 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
     where = {"served": "the served policy's current weights", "initial": "the initial model"}.get(start, start)
     origin = f"its state in {resume_from.parent.parent.name}" if resume_from is not None else where
     return f"learner {name!r} ({plan.algorithm.component.name}) added on worker {worker}, from {origin}; " \
-           f"it trains from step {step + 1}"
+           f"it trains from step {learner.joined_at + 1}"
 
 
 def _let_go(side, lr) -> None:

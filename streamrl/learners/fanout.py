@@ -159,7 +159,7 @@ class Fanout:
         self.look(step)
         for lr in self.training():
             self._harvest(lr)
-            if lr.state != "training":
+            if lr.state != "training" or step < lr.joined_at:  # (started from weights that hold this step)
                 continue
             if len(lr.inflight) >= lr.plan.queue:
                 if lr.plan.when_full == "skip":

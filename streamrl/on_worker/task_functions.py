@@ -352,6 +352,17 @@ def save_policy(out: str, after=None, trainer_id: str | dict | None = None, trai
     return resident(trainer).save(out)
 
 
+def save_policy_now(out: str, after=None, trainer_id: str | dict | None = None, trainer: str = TRAINER) -> int:
+    """Train pool: write the current policy as a transformers model folder; returns the
+    trainer's version (optimizer steps) it holds, read with it: the next step's training may
+    already run before it (``async``), so which steps the folder includes is known only here."""
+    expect(trainer, trainer_id)
+    held = resident(trainer)
+    version = held.version
+    held.save(out)
+    return version
+
+
 def engine_latency():
     """Generate pool: the engine's decode-step latency function, or None without a profile."""
     return resident(ENGINE).decode_latency()
