@@ -149,6 +149,29 @@ def test_side_learners_on_one_worker_share_the_base_and_learn_as_they_would_alon
         assert torch.allclose(naive_token_logprobs(merged, ids, torch.ones_like(ids)), want, atol=1e-5)
 
 
+def test_a_learner_whose_update_broke_its_adapter_does_not_fail_the_others_on_its_base(tiny_model):
+    # the checks after a step (finite weights, the change of their norm) are of the learner's own
+    # adapter: a NaN another learner's failed update left in its adapter is not this one's
+    from streamrl.errors import UpdateBroke
+    from streamrl.training.lora import own_parameters
+
+    def trainer(learner: str, lr: float) -> HFTrainer:
+        config = HFTrainerConfig(lr=lr, precision="fp32", lora={"rank": 4, "alpha": 8.0})
+        return HFTrainer(config, TrainerContext(str(tiny_model), GRPO(GRPOConfig()),
+                                                EngineCapabilities(temperature=1.0), learner=learner), device="cpu")
+
+    a, b = trainer("a", 5e-2), trainer("b", 1e4)
+    groups = make_groups(a, seed=1)
+    b.micro_batch(groups, 1.0 / 24)
+    with pytest.raises(UpdateBroke, match="changed the weights' norm"):
+        b.step()  # (applied: its adapter is broken in the shared model)
+    with torch.no_grad():
+        own_parameters(b.model, b.lora.name)[0].fill_(float("nan"))
+    a.micro_batch(groups, 1.0 / 24)
+    a.step()  # a's own adapter is sane: it steps
+    assert all(torch.isfinite(p).all() for p in own_parameters(a.model, a.lora.name))
+
+
 def test_an_adapted_embedding_is_in_the_merged_policy_and_one_tied_to_the_head_is_refused(tiny_model, tmp_path):
     # its adapter is in lora_embedding_A/B, not lora_A: the merged weights left its delta out
     # (the engines decoded another policy than the trainer's), and its learner never trained it

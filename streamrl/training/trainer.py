@@ -145,14 +145,20 @@ class HFTrainer(Trainer):
         if self.config.compile:
             compile_layers(model)
 
-    def _build_optimizer(self) -> None:
-        # AdamW over the policy's parameters as they are now (sharded: over the shards; bf16-params:
-        # over the float32 masters), and its linear warm-up
-        params = self.stepped.parameters()
-        if self.lora is not None and self.lora.shared is not None:  # its own adapter's: the others' are stepped by their learners
+    def own_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this trainer steps, and checks after a step: the policy's (sharded: its
+        shards; bf16-params: the float32 masters), or on a base several LoRA learners share its
+        own adapter's alone (the others' are their learners': one learner's broken adapter must
+        not fail the others' checks)."""
+        if self.lora is not None and self.lora.shared is not None:
             from streamrl.training.lora import own_parameters
 
-            params = own_parameters(self.model, self.lora.name)
+            return own_parameters(self.model, self.lora.name)
+        return list(self.stepped.parameters())
+
+    def _build_optimizer(self) -> None:
+        # AdamW over the policy's parameters as they are now, and its linear warm-up
+        params = self.own_parameters()
         self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         warmup = self.config.warmup_steps
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1)))
@@ -224,7 +230,8 @@ class HFTrainer(Trainer):
             out["nonfinite_skipped"] = 1
         elif learned:
             self.finite.applied()
-            before = weight_norm(self.stepped.parameters())
+            checked = self.own_parameters()
+            before = weight_norm(checked)
             # critic warm-up: the critic learns and the policy stays put -- its zero gradients
             # stepped AdamW all the same (weight decay, Adam's step count) and its schedule
             if not (self.critic is not None and self.version < self.algorithm.critic_warmup_steps):
@@ -240,8 +247,8 @@ class HFTrainer(Trainer):
             # (a pass over the weights) and the new policy's log-probabilities of one sample (a
             # forward pass of one sequence) first.
             broken = None
-            after = weight_norm(self.stepped.parameters()) if before > 0 else 0.0
-            if not all_finite(self.stepped.parameters()):
+            after = weight_norm(checked) if before > 0 else 0.0
+            if not all_finite(checked):
                 broken = "made the weights not finite"
             elif before > 0 and abs(after - before) > self.config.max_weight_change * before:
                 broken = (f"changed the weights' norm from {before:.4g} to {after:.4g}, more than "
@@ -334,7 +341,7 @@ class HFTrainer(Trainer):
         trainer_state.load(self, path)
         # a checkpoint written before steps that are not finite were refused may hold NaN
         # weights: they must not be published to the engines after a resume
-        if self.strategy.any_rank(not all_finite(self.stepped.parameters()), self.device):
+        if self.strategy.any_rank(not all_finite(self.own_parameters()), self.device):
             raise RunFailed(f"checkpoint {Path(path).parent.name}: its weights are not finite (NaN or inf); "
                             f"move {Path(path).parent} aside to resume from the checkpoint before it")
         self.masters.copy_back()  # (bf16-params: the checkpoint holds the float32 masters)
