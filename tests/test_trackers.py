@@ -28,6 +28,7 @@ name = "tensorboard"
 name = "wandb"
 mode = "offline"
 tags = ["test"]
+run_name = "grpo-sweep-1"
 
 [[metrics]]
 name = "mlflow"
@@ -111,7 +112,7 @@ def test_wandb_offline_run_read_back_by_wandb(run):
     assert proc.returncode == 0, proc.stderr
     entries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     (start,) = [e["run"] for e in entries if e["type"] == "run"]
-    assert start["display_name"] == run["dir"].name and start["project"] == "streamrl" and start["tags"] == ["test"]
+    assert start["display_name"] == "grpo-sweep-1" and start["project"] == "streamrl" and start["tags"] == ["test"]
     assert start["config"]["update"]["trainer"]["lr"] == 1e-3
     history = {e["history"]["step"].get("num", 0): e["history"]["item"] for e in entries if e["type"] == "history"}
     assert sorted(history) == [0, 1, 2]
@@ -169,6 +170,12 @@ def test_every_field_of_a_step_record_has_a_name_in_the_docs():
     docs = (ROOT / "docs" / "metrics.md").read_text()
     assert [n for n in NAMES.values() if f"`{n}`" not in docs] == []
     assert [f for f in NAMES if f"`{f}`" not in docs] == []
+    # and every row of the docs' table is what trackers get: its field's name (or the field itself)
+    import re
+
+    rows = re.findall(r"^\| `([^`<]+)` \|.*\| `([^`<]+)` \|$", docs, flags=re.M)
+    assert len(rows) > 30
+    assert [(n, f) for n, f in rows if n != f and NAMES.get(f) != n] == []
 
 
 @pytest.mark.parametrize("sink, module", [("tensorboard", "tensorboard"), ("wandb", "wandb"),

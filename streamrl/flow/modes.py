@@ -6,7 +6,7 @@ the new version (wait for them, or let them overlap the next step).
 
 * ``batch``     -- generate the step's groups, wait until all are scored, then train.
 * ``colocated`` -- the same stage order; the train workers also hold an engine and take generate
-  tasks (``cluster.worker_spec``), so every worker generates, then trains (the verl-like baseline).
+  tasks (``cluster/pool_workers.worker_spec``), so every worker generates, then trains (the verl-like baseline).
 * ``stream``    -- train each scored group as soon as it is ready (StreamRL); wait for the loads.
 * ``async``     -- as ``stream``, and generation of later steps is admitted while the trainer
   trains, at most ``run.max_staleness`` versions behind (``flow/admission.py``); loads overlap.

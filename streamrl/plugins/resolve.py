@@ -191,7 +191,11 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
                             'add a [model] table with path = "<folder of a transformers model>"')
         if not (path / "config.json").is_file():
             shown = os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+            from streamrl.tasks.arch import ARCHS
+
+            arch = next((a for a in sorted(ARCHS, key=len, reverse=True) if path.name.startswith(a)), None)
             how = (f"get it with: streamrl model fetch {path.name} --out {shown}" if path.name in KNOWN else
+                   f"make it with: streamrl model init --arch {arch} --random --out {shown}" if arch else
                    f"make one with: streamrl model init --task {r.task.name} --out {shown}, or with a known "
                    "architecture's shapes: --arch qwen2.5-0.5b --random; a GGUF file: streamrl model import FILE --out DIR")
             raise UserError(f"model.path: no transformers model at {path} ({how})")

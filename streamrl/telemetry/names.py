@@ -28,6 +28,7 @@ NAMES = {
     "kl": "actor/kl",
     "behaviour_weight": "actor/behaviour_weight",
     "skipped": "actor/skipped_frac",
+    "nonfinite_skipped": "actor/nonfinite_skipped",
     "epochs": "actor/epochs",
     "last_epoch_clip_frac": "actor/last_epoch_clip_frac",
     "last_epoch_loss": "actor/last_epoch_loss",

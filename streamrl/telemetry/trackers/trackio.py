@@ -17,8 +17,9 @@ class TrackioConfig(TrackerConfig):
     sink, packages = "trackio", ("trackio",)
     project: str = "streamrl"
     """Trackio project."""
-    name: str | None = None
-    """Run name; default: the run folder's name (``addition-grpo-20250101-120000``)."""
+    run_name: str | None = None
+    """Run name; default: the run folder's name (``addition-grpo-20250101-120000``). (Not
+    ``name``: in a ``[[metrics]]`` table that is the sink's.)"""
     group: str | None = None
     """Group the run belongs to."""
     space_id: str | None = None
@@ -41,7 +42,7 @@ class TrackioSink(TrackerSink):
         # trackio prints half a dozen lines of set-up (and of finishing) to stdout, between
         # streamrl's own; where the data is, is in the docs
         with contextlib.redirect_stdout(io.StringIO()):
-            self.run = trackio.init(project=c.project, name=c.name or Path(run_dir).name, group=c.group,
+            self.run = trackio.init(project=c.project, name=c.run_name or Path(run_dir).name, group=c.group,
                                     space_id=c.space_id, config=run_recipe(run_dir), embed=False)
 
     def log(self, metrics: dict[str, float], step: int, wall_time: float) -> None:

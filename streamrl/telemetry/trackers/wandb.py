@@ -18,8 +18,9 @@ class WandbConfig(TrackerConfig):
     """W&B project; default: ``WANDB_PROJECT`` if set, else ``streamrl``."""
     entity: str | None = None
     """Team or user the run belongs to; default: ``WANDB_ENTITY`` if set, else your default entity."""
-    name: str | None = None
-    """Run name; default: the run folder's name (``addition-grpo-20250101-120000``)."""
+    run_name: str | None = None
+    """Run name; default: the run folder's name (``addition-grpo-20250101-120000``). (Not
+    ``name``: in a ``[[metrics]]`` table that is the sink's.)"""
     group: str | None = None
     """Group the run belongs to (e.g. the runs of one sweep)."""
     tags: list[str] = []
@@ -51,7 +52,7 @@ class WandbSink(TrackerSink):
         settings = wandb.Settings(quiet=True, console="off")
         try:
             self.run = wandb.init(project=c.project or os.environ.get("WANDB_PROJECT") or "streamrl",
-                                  entity=c.entity, name=c.name or Path(run_dir).name, group=c.group,
+                                  entity=c.entity, name=c.run_name or Path(run_dir).name, group=c.group,
                                   tags=c.tags or None, mode=c.mode, dir=str(folder), config=run_recipe(run_dir),
                                   settings=settings)
         except wandb.errors.Error as exc:  # not logged in, no network, no such entity: the user's to fix
