@@ -206,3 +206,27 @@ def test_a_bad_adapter_or_a_failed_grow_leaves_the_bank_as_it_was_and_an_unloade
         assert bank.versions == {POLICY: 2, "a": 1}
     finally:
         engine.close()
+
+
+def test_rows_of_several_adapters_are_scaled_as_one_adapters_rows_are_in_bf16():
+    # the gather path (every GPU batch, a CPU batch of several adapters) scaled by alpha / rank
+    # rounded to bf16 first: 16 / 12 moved a third of the outputs off those of the path a single
+    # adapter takes, which is the trainer's (peft's) arithmetic
+    from streamrl.engines.adapters import AdapterBank
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    bank = AdapterBank(torch.nn.Sequential(lin), 2)
+    rank = 12
+    bank.layers["0"] = {"A": torch.randn(3, rank, 64, dtype=torch.bfloat16),
+                        "B": torch.randn(3, 48, rank, dtype=torch.bfloat16),
+                        "scale": torch.tensor([0.0, 16 / 12, 16 / 12], dtype=torch.float32)}
+    hook = bank._hook("0")
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
+    out = lin(x)
+    with bank.rows(torch.tensor([1, 2])):
+        mixed = hook(lin, (x,), out)
+    for i, k in enumerate([1, 2]):
+        with bank.rows(k):
+            alone = hook(lin, (x[i:i + 1],), out[i:i + 1])
+        assert torch.equal(mixed[i], alone[0]), i

@@ -122,7 +122,9 @@ class AdapterBank:
             flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
             a, b = stacks["A"][rows], stacks["B"][rows]  # [rows, rank, in], [rows, out, rank]
             delta = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2))
-            delta = delta * stacks["scale"][rows][:, None, None].to(delta.dtype)
+            # (scaled in float32, as the trainer's alpha / rank is: rounded to bf16 first, a scale
+            # such as 16 / 12 moved the engine's log-probs off the trainer's)
+            delta = (delta.float() * stacks["scale"][rows][:, None, None]).to(out.dtype)
             return out + delta.reshape(out.shape)
         return add_adapter
 
