@@ -530,15 +530,21 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
 
     raised = [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")]
 
+    submitted = []
+
     class Client:
         def submit(self, *args, **kwargs):
+            submitted.append(kwargs)
+
             def result(timeout=None):
                 raise raised[0]
             return SimpleNamespace(result=result)
 
     def learner(name):
+        # (a step still queued: a drain that timed out; the save goes after it)
         lr = SimpleNamespace(name=name, state="training", plan=SimpleNamespace(resident=f"t-{name}", table={"name": name}),
-                             view=SimpleNamespace(incarnations={}, train_pin={}))
+                             view=SimpleNamespace(incarnations={}, train_pin={}),
+                             inflight=[SimpleNamespace(last=["its-last-optimizer-step"])])
         lr.summary = lambda: {"state": lr.state, "steps_trained": 3}
         return lr
 
@@ -550,6 +556,7 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
     runtime.checkpoint(fanout, 5, None)(tmp_path)
     saved = json.loads((tmp_path / runtime.STATE).read_text())
     assert failed == [("a", 4, "RuntimeError")] and saved["learners"]["a"]["has_state"] is False
+    assert submitted[0]["after"] == ["its-last-optimizer-step"]
     assert not (tmp_path / "learners" / "a").exists()
     # a save that does not come back (its worker gone: the task waits for it) is that learner's
     # loss too, not the checkpoint's (a TimeoutError is an OSError, as a full disk is)

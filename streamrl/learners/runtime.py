@@ -177,8 +177,11 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             saved = False
             if lr.state == "training":
                 try:
-                    fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), trainer=lr.plan.resident,
-                                         trainer_id=lr.view.incarnations, pure=False,
+                    # (after its queued steps: a drain that timed out leaves some, and a save
+                    # between two of them, or during one, is a state no resume should start from)
+                    queued = lr.inflight[-1].last if lr.inflight else None
+                    fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), after=queued,
+                                         trainer=lr.plan.resident, trainer_id=lr.view.incarnations, pure=False,
                                          **lr.view.train_pin).result(timeout=SAVE_S)
                     saved = True
                 except TimeoutError:  # (its worker gone, or stuck: that learner's loss, not the checkpoint's)
