@@ -613,6 +613,41 @@ def test_a_resumed_side_learner_records_no_evaluation_of_the_policy_it_was_place
     assert cancelled == [True] and lr.steps_trained == 4
 
 
+def test_a_resume_places_again_the_learners_added_while_running_not_those_taken_out_of_the_recipe(
+        tmp_path, monkeypatch):
+    # (the run's calls stood in for) a checkpoint's learner that is not in the recipe was placed
+    # again whatever it was: one the user took out of [[learners]] came back. One added with
+    # `learners add` is placed again, in a fan-out that trains in the run's order and evaluates
+    from types import SimpleNamespace
+
+    from streamrl.errors import RunWarning
+    from streamrl.learners import runtime
+
+    placed = []
+
+    def place_one(client, resolved, plan, pins, joined_at, task=None):
+        placed.append((plan.name, task))
+        return SimpleNamespace(name=plan.name, evaluator=None, state="training", **{k: 0 for k in runtime.COUNTS})
+
+    monkeypatch.setattr(runtime, "place_one", place_one)
+    monkeypatch.setattr(runtime, "ensure_worker", lambda *args: None)
+    monkeypatch.setattr("streamrl.plugins.resolve.learner_plan",
+                        lambda resolved, name, table, served: SimpleNamespace(name=name, worker=f"learner-{name}"))
+    client = SimpleNamespace(submit=lambda *args, **kwargs: SimpleNamespace(result=lambda: None))
+    checkpoint = tmp_path / "step-000004"
+    checkpoint.mkdir()
+    summary = {"state": "training", "steps_trained": 4}
+    (checkpoint / runtime.STATE).write_text(json.dumps({"next_step": 4, "learners": {
+        "gone": {"table": {"name": "gone"}, "has_state": True, "summary": summary, "added": False},
+        "late": {"table": {"name": "late"}, "has_state": False, "summary": summary, "added": True}}}))
+    resolved = SimpleNamespace(recipe=SimpleNamespace())
+    task = object()
+    with pytest.warns(RunWarning, match="learner 'gone' of the checkpoint is no longer in the recipe"):
+        fanout = runtime.resume(None, client, resolved, SimpleNamespace(pins={}), checkpoint, True, task)
+    assert placed == [("late", task)] and list(fanout.learners) == ["late"]
+    assert fanout.repeatable is True and fanout.task is task
+
+
 def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line(tiny_recipe, tmp_path, monkeypatch):
     # (the run's calls stood in for) `learners add --resume` with a state it cannot load raised
     # after placing it: its trainer, evaluation engine and evaluation stayed on their worker

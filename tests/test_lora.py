@@ -238,6 +238,26 @@ def test_a_lora_learners_state_resumes_whether_its_base_is_shared_or_its_own(tin
     c = trainer("c")
     trainer_state.load(c, str(tmp_path / "alone"))
     assert same_adapter(alone, c)
+    # a state of the adapter alone (its learner published its adapter to engines holding
+    # adapters) resumes into one placed to publish merged weights (`learners add --resume` of a
+    # recipe learner): the base is the same model folder's
+    def publishing(learner: str, adapters: int) -> HFTrainer:
+        config = HFTrainerConfig(lr=5e-2, precision="fp32", lora={"rank": 4, "alpha": 8.0})
+        return HFTrainer(config, TrainerContext(str(tiny_model), GRPO(GRPOConfig()),
+                                                EngineCapabilities(temperature=1.0, adapters=adapters),
+                                                learner=learner), device="cpu")
+
+    d = publishing("d", 2)
+    assert d.lora.publishes_adapter
+    d.micro_batch(make_groups(d, seed=4), 1.0 / 24)
+    d.step()
+    trainer_state.save(d, str(tmp_path / "d"))
+    assert "policy.model.model.layers.0.self_attn.q_proj.base_layer.weight" not in \
+        read_metadata(tmp_path / "d" / "dcp").state_dict_metadata  # (the adapter alone)
+    added = publishing("", 0)
+    assert not added.lora.publishes_adapter
+    trainer_state.load(added, str(tmp_path / "d"))
+    assert same_adapter(d, added)
     # a checkpoint written before (every adapter under its own name) still resumes where it was written
     real = trainer_state._adapter
     trainer_state._adapter = lambda trainer, saved_keys=None: None

@@ -55,7 +55,7 @@ class SideLearners(StepExtension):
     def resume(self, checkpoint: Path) -> None:
         """Restore every side learner of ``checkpoint`` (those added while running placed again)."""
         c = self.context
-        self.fanout = runtime.resume(self.fanout, c.client, c.resolved, c.topology, checkpoint)
+        self.fanout = runtime.resume(self.fanout, c.client, c.resolved, c.topology, checkpoint, c.repeatable, c.task)
 
     def add(self, learner) -> None:
         """A learner placed while the run goes on (``streamrl learners add``) takes the stream

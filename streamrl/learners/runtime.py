@@ -200,7 +200,8 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             summary = lr.summary()
             if saved and lr.state != "training":  # (the state copied is the one before: so are its counts)
                 summary = {**summary, **_counts(_saved_summary(previous, lr.name))}
-            states[lr.name] = {"table": lr.plan.table, "summary": summary, "has_state": saved}
+            states[lr.name] = {"table": lr.plan.table, "summary": summary, "has_state": saved,
+                               "added": bool(lr.plan.added)}
         (folder / STATE).write_text(json.dumps({"next_step": next_step, "learners": states}, indent=1))
     return write
 
@@ -227,10 +228,12 @@ def saved_counts(checkpoint: Path, name: str) -> dict:
     return _counts(_saved_summary(checkpoint, name))
 
 
-def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Path) -> Fanout | None:
+def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Path, repeatable: bool = False,
+           task=None) -> Fanout | None:
     """Restore every side learner of ``checkpoint`` (those added during the run are placed
-    again first) into its freshly built trainer; returns the fan-out (new when the recipe had
-    none but the run had added some)."""
+    again first; one of the recipe's that the recipe no longer has is not) into its freshly
+    built trainer; returns the fan-out (new when the recipe had none but the run had added
+    some: ``repeatable`` and ``task`` as the run's, so it trains in order and evaluates)."""
     path = checkpoint / STATE
     if not path.exists():
         return fanout
@@ -242,12 +245,17 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
         if fanout is None or name not in fanout.learners:
             if entry["summary"].get("state") == "removed":
                 continue  # (left the run before this checkpoint: nothing to place)
+            if entry.get("added") is False:  # (the recipe's, taken out of it since: the user's choice)
+                warnings.warn(RunWarning(f"learner {name!r} of the checkpoint is no longer in the recipe's "
+                                         "[[learners]]: not resumed (`streamrl learners add --resume` brings it "
+                                         "back)"), stacklevel=2)
+                continue
             try:
                 plan = learner_plan(resolved, name, entry["table"], served=False)
                 plan.added = True
                 ensure_worker(client, topo, resolved.recipe, plan.worker)
                 learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
-                                    task=fanout.task if fanout is not None else None)
+                                    task=fanout.task if fanout is not None else task)
             except ResidentLost:
                 raise
             except Exception as exc:  # (its table no longer resolves here: a plugin gone) -- the others go on
@@ -255,7 +263,9 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
                                          f"{error_line(exc, 290, first_line=True)}; the run goes on without it"),
                               stacklevel=2)
                 continue
-            fanout = fanout or Fanout(client, resolved.recipe, [], False)
+            if fanout is None:
+                fanout = Fanout(client, resolved.recipe, [], repeatable)
+                fanout.task = task
             fanout.add(learner)
         lr = fanout.learners[name]
         summary = entry["summary"]

@@ -119,13 +119,25 @@ def _dcp():
     return dcp, get_state_dict, set_state_dict
 
 
-def _options(trainer):
+def _options(trainer, saved_keys=None):
     """What of the modules a checkpoint holds: everything, but for a LoRA learner whose base is
     the engines' (it publishes its adapter alone) only what it trains: the adapter and its AdamW
-    state, the frozen base weights being the model folder's."""
+    state, the frozen base weights being the model folder's. Loading (``saved_keys``: the
+    checkpoint's), a LoRA learner takes what the checkpoint holds: its adapter alone when the
+    learner that wrote it published its adapter and this one publishes merged weights (a recipe
+    learner resumed by ``learners add --resume``, placed as added ones are), the base from the
+    same model folder either way."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     lora = trainer.lora is not None and trainer.lora.publishes_adapter
+    if trainer.lora is not None and saved_keys is not None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # (the base's weights are those a state of every parameter has and one of the trained
+        # ones has not: any of them saved, the checkpoint holds the base)
+        every = get_model_state_dict(trainer.stepped, options=StateDictOptions(ignore_frozen_params=False))
+        trained = get_model_state_dict(trainer.stepped, options=StateDictOptions(ignore_frozen_params=True))
+        lora = not any(f"policy.model.{k}" in saved_keys for k in every.keys() - trained.keys())
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)  # (strict: every key, frozen ones too)
 
 
@@ -252,9 +264,11 @@ def load(trainer, path: str) -> None:
         raise FileNotFoundError(f"{folder.name}/dcp/.metadata is missing: not a trainer's saved state")
     state, held = {}, {}
     modules = _modules(trainer)
-    adapter = _adapter(trainer, read_metadata(folder / "dcp").state_dict_metadata)
+    saved_keys = read_metadata(folder / "dcp").state_dict_metadata
+    adapter = _adapter(trainer, saved_keys)
+    options = _options(trainer, saved_keys)
     for name, (module, optimizer) in modules.items():
-        held[name] = get_state_dict(module, optimizer, options=_options(trainer))
+        held[name] = get_state_dict(module, optimizer, options=options)
         state[f"{name}.model"], state[f"{name}.optim"] = _as_saved(adapter, *held[name])
     _same_dtypes(state, folder / "dcp")
     with warnings.catch_warnings():
@@ -264,7 +278,7 @@ def load(trainer, path: str) -> None:
     for name, (module, optimizer) in modules.items():
         model_state, optim_state = _as_held(adapter, (state[f"{name}.model"], state[f"{name}.optim"]), held[name])
         set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=_options(trainer))
+                       options=options)
     extra = torch.load(folder / "trainer.pt", weights_only=True)  # (tensors and plain values only)
     trainer.version = extra["version"]
     trainer.lr_schedule.load_state_dict(extra["lr_schedule"])
