@@ -625,8 +625,8 @@ def test_a_resume_places_again_the_learners_added_while_running_not_those_taken_
 
     placed = []
 
-    def place_one(client, resolved, plan, pins, joined_at, task=None):
-        placed.append((plan.name, task))
+    def place_one(client, resolved, plan, pins, joined_at, task=None, model_path=None):
+        placed.append((plan.name, task, model_path))
         return SimpleNamespace(name=plan.name, evaluator=None, state="training", **{k: 0 for k in runtime.COUNTS})
 
     monkeypatch.setattr(runtime, "place_one", place_one)
@@ -637,14 +637,26 @@ def test_a_resume_places_again_the_learners_added_while_running_not_those_taken_
     checkpoint = tmp_path / "step-000004"
     checkpoint.mkdir()
     summary = {"state": "training", "steps_trained": 4}
+    # (added from the served policy: built again from the policy saved then, its reference too;
+    # one whose folder is gone is not placed, said in one line)
+    start = tmp_path / "learners" / "start-late"
+    start.mkdir(parents=True)
+    (start / "config.json").write_text("{}")
     (checkpoint / runtime.STATE).write_text(json.dumps({"next_step": 4, "learners": {
         "gone": {"table": {"name": "gone"}, "has_state": True, "summary": summary, "added": False},
-        "late": {"table": {"name": "late"}, "has_state": False, "summary": summary, "added": True}}}))
+        "late": {"table": {"name": "late"}, "has_state": False, "summary": summary, "added": True,
+                 "start": str(start)},
+        "lost": {"table": {"name": "lost"}, "has_state": False, "summary": summary, "added": True,
+                 "start": str(tmp_path / "nowhere")}}}))
     resolved = SimpleNamespace(recipe=SimpleNamespace())
     task = object()
-    with pytest.warns(RunWarning, match="learner 'gone' of the checkpoint is no longer in the recipe"):
+    with pytest.warns(RunWarning) as said:
         fanout = runtime.resume(None, client, resolved, SimpleNamespace(pins={}), checkpoint, True, task)
-    assert placed == [("late", task)] and list(fanout.learners) == ["late"]
+    said = [str(w.message) for w in said]
+    assert any("learner 'gone' of the checkpoint is no longer in the recipe" in w for w in said), said
+    assert any("learner 'lost' (added during the run) cannot be placed again: UserError: it was built from" in w
+               for w in said), said
+    assert placed == [("late", task, str(start))] and list(fanout.learners) == ["late"]
     assert fanout.repeatable is True and fanout.task is task
 
 
@@ -666,7 +678,7 @@ def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line
     from dataclasses import make_dataclass
 
     cancelled, released = [], []
-    Placed = make_dataclass("Placed", ["name", "evaluator", "plan", "view", "state",
+    Placed = make_dataclass("Placed", ["name", "evaluator", "plan", "view", "state", ("start", object, None),
                                        *[(k, object, 0) for k in runtime.COUNTS]])
     placed = Placed("rloo", SimpleNamespace(cancel=lambda: cancelled.append(True)),
                     SimpleNamespace(resident="trainer-rloo", worker="learner-rloo", algorithm=SimpleNamespace(

@@ -263,9 +263,16 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
                                     **topo.train_pin).result()
         joined_at = max(step, version // max(1, resolved.algorithm.build().epochs))  # (optimizer steps per step)
         start_model = str(folder)
+    if resume_from is not None and (latest / runtime.STATE).exists():  # (built from what it was built from)
+        entry = json.loads((latest / runtime.STATE).read_text()).get("learners", {}).get(name)
+        try:
+            start_model = runtime.started_from(entry if isinstance(entry, dict) else {}).get("model_path")
+        except UserError as e:
+            raise UserError(f"learner {name!r}: {e}") from None
     learner = runtime.place_one(run.client, resolved, plan, topo.pins, joined_at=joined_at,
                                 task=fanout.task if fanout is not None and fanout.task is not None else run.task,
                                 model_path=start_model)
+    learner = replace(learner, start=start_model)
     if resume_from is not None:
         try:
             run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,

@@ -201,7 +201,7 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
             if saved and lr.state != "training":  # (the state copied is the one before: so are its counts)
                 summary = {**summary, **_counts(_saved_summary(previous, lr.name))}
             states[lr.name] = {"table": lr.plan.table, "summary": summary, "has_state": saved,
-                               "added": bool(lr.plan.added)}
+                               "added": bool(lr.plan.added), "start": lr.start}
         (folder / STATE).write_text(json.dumps({"next_step": next_step, "learners": states}, indent=1))
     return write
 
@@ -226,6 +226,18 @@ def _counts(summary: dict) -> dict:
 def saved_counts(checkpoint: Path, name: str) -> dict:
     """The counts of learner ``name`` that go with its state in ``checkpoint``."""
     return _counts(_saved_summary(checkpoint, name))
+
+
+def started_from(entry: dict) -> dict:
+    """``place_one``'s ``model_path`` for a checkpoint's learner (its ``learners.json`` entry):
+    the folder it was built from when that was not the recipe's model (its reference policy is
+    that folder's: built from the recipe's, a KL or DPO learner's objective would change)."""
+    start = entry.get("start")
+    if not start:
+        return {}
+    if not (Path(start) / "config.json").is_file():
+        raise UserError(f"it was built from {start}, which is gone (its reference policy with it)")
+    return {"model_path": start}
 
 
 def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Path, repeatable: bool = False,
@@ -255,7 +267,7 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
                 plan.added = True
                 ensure_worker(client, topo, resolved.recipe, plan.worker)
                 learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
-                                    task=fanout.task if fanout is not None else task)
+                                    task=fanout.task if fanout is not None else task, **started_from(entry))
             except ResidentLost:
                 raise
             except Exception as exc:  # (its table no longer resolves here: a plugin gone) -- the others go on
