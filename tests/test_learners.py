@@ -679,6 +679,7 @@ def test_a_learner_whose_state_cannot_be_loaded_when_added_is_let_go_in_one_line
 
     cancelled, released = [], []
     Placed = make_dataclass("Placed", ["name", "evaluator", "plan", "view", "state", ("start", object, None),
+                                       ("joined_at", object, 3),
                                        *[(k, object, 0) for k in runtime.COUNTS]])
     placed = Placed("rloo", SimpleNamespace(cancel=lambda: cancelled.append(True)),
                     SimpleNamespace(resident="trainer-rloo", worker="learner-rloo", algorithm=SimpleNamespace(
