@@ -219,6 +219,37 @@ def test_score_group_cuts_off_a_late_batch_and_late_or_exiting_responses_alone()
     assert [("reward_error" in s.times) for s in group] == [False, True, True, False]
 
 
+def test_a_score_group_that_yields_its_scores_is_held_to_the_deadline_as_it_is_read():
+    from streamrl.api import Reward
+    from streamrl.rewards.scoring import score_group
+    from streamrl.sample import Prompt, Sample
+
+    release = threading.Event()
+
+    class Lazy(Reward):
+        def score_group(self, prompts, responses):  # a generator: the work happens as it is read
+            for r in responses:
+                if r == "hang":
+                    release.wait(30)
+                yield 1.0
+
+        def score(self, prompt, response):
+            if response == "hang":
+                release.wait(30)
+            return 1.0
+
+    prompt = Prompt(uid="p", text="1+1=", answer="2")
+    group = [Sample(uid=f"p-{i}", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0], response_text=text)
+             for i, text in enumerate(["ok", "hang"])]
+    t0 = time.monotonic()
+    try:
+        score_group(Lazy(), group, timeout_s=0.2)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 20  # (read outside the deadline, it waited for the hung one)
+    assert [s.reward for s in group] == [1.0, 0.0] and "reward_error" in group[1].times
+
+
 def test_a_reward_with_score_only_is_scored_one_response_at_a_time_with_or_without_a_limit():
     # a plugin's reward need not subclass Reward: score() alone is enough
     from streamrl.rewards.scoring import score_group

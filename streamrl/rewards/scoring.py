@@ -167,9 +167,9 @@ def score_group(reward: Reward, group: Group, timeout_s: float | None = None, li
     # (a reward that does not subclass Reward may have score() only: scored one by one)
     if isinstance(reward, Reward) and (not timeout_s or reward.scores_groups()):
         try:
-            values = list(call_with_deadline(reward.score_group, prompts, responses,
-                                             timeout_s=timeout_s and timeout_s * len(group),
-                                             what="score_group"))
+            # (listed within the deadline: a score_group that returns a generator scores as it is read)
+            values = call_with_deadline(lambda p, r: list(reward.score_group(p, r)), prompts, responses,
+                                        timeout_s=timeout_s and timeout_s * len(group), what="score_group")
             if len(values) != len(group):
                 raise ValueError(f"score_group gave {len(values)} scores for {len(group)} responses")
         except KeyboardInterrupt:
