@@ -246,6 +246,7 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
         "run.step_timeout_s=inf": "run.step_timeout_s: expected a finite number (got inf)",
         'run.name="../../elsewhere"': "run.name: expected one folder name",
         'run.name="x\\u001b[2J"': "run.name: expected one folder name: 1 to 100 printable characters",
+        'run.out_dir="runs\\u0000x"': "run.out_dir: expected a folder path, without NUL",
         # GPU ids CUDA cannot read hide every GPU; one listed twice, or too few, give a worker one twice
         'pools.train.cuda_visible_devices=["gpu0"]': "pools.train.cuda_visible_devices: 'gpu0' is not a GPU id",
         'pools.train.cuda_visible_devices=["0","0"]': "pools.train.cuda_visible_devices: GPU '0' is listed twice",

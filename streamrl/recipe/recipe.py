@@ -78,6 +78,8 @@ class RunConfig(Strict):
     @field_validator("out_dir")
     @classmethod
     def _home(cls, out_dir: str) -> str:
+        if "\0" in out_dir:  # (the system refuses the name only once the cluster is up: a traceback)
+            raise ValueError("expected a folder path, without NUL")
         return str(home(out_dir))
 
     @field_validator("name")
