@@ -191,6 +191,15 @@ def test_model_init_mistakes_and_a_checkpoint_named_oddly_are_one_line(tmp_path,
                  "--set", "hidden_size=x"])
     assert code == 2 and "the model cannot be made (StrictDataclassFieldValidationError" in one_line_error(
         capsys.readouterr().err)
+    # its --set as a recipe's table takes them: no inf or nan, a task's own checks one line
+    for args, said in ((["--arch", "qwen2.5-0.5b", "--random", "--set", "rope_theta=nan"],
+                        "rope_theta: expected a finite number (got nan)"),
+                       (["--task", "countdown", "--set", "median=inf"], "median: expected a finite number (got inf)"),
+                       (["--task", "countdown", "--set", "low=50", "--set", "high=10"],
+                        "--task countdown (--set): high (10) must be at least low (50)")):
+        code = main(["model", "init", *args, "--out", str(tmp_path / "m"), "--warmstart-steps", "0"])
+        assert code == 2 and said in one_line_error(capsys.readouterr().err), args
+    assert not (tmp_path / "m").exists()
     with pytest.raises(SystemExit) as exited:
         main(["model", "init", "--task", "addition", "--out", str(tmp_path / "m"), "--seed", str(2**64)])
     assert exited.value.code == 2 and "expected a seed from 0 below 2**32" in capsys.readouterr().err

@@ -131,13 +131,15 @@ def cmd_model(args) -> int:
 
     if args.arch is not None:
         from streamrl.recipe.recipe import parse_override
+        from streamrl.recipe.toml_input import check_finite
         from streamrl.tasks.arch import random_model
 
         if not args.random:
             raise UserError("--arch: pass --random too (the weights are random; a trained checkpoint comes from "
                             "a hub through model.path)")
-        random_model(args.arch, args.out, {".".join(k): v for k, v in map(parse_override, args.overrides)},
-                     args.dtype, args.seed, args.init_device)
+        shape = {".".join(k): v for k, v in map(parse_override, args.overrides)}
+        check_finite(shape)  # (rope_theta = nan made a model that could only say NaN)
+        random_model(args.arch, args.out, shape, args.dtype, args.seed, args.init_device)
         return 0
 
     init_model(args.task, args.out, args.warmstart_steps, args.seed, args.overrides)

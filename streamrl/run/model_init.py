@@ -15,17 +15,17 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
     from transformers.utils import logging as hf_logging
 
     from streamrl.plugins.registry import build_registry
-    from streamrl.recipe.recipe import parse_override, with_run_defaults
+    from streamrl.recipe.recipe import apply_overrides, with_run_defaults
+    from streamrl.recipe.toml_input import check_finite
     from streamrl.tasks.tiny import char_tokenizer, save, tiny_llama
     from streamrl.training.warmstart import greedy_accuracy, warm_start
 
     hf_logging.disable_progress_bar()
-    options = {}
-    for item in overrides:
-        keys, value = parse_override(item)
-        options[".".join(keys)] = value
+    # (as a recipe's [task] table: a dotted key reaches into a nested option, inf and nan refused)
+    options = apply_overrides({}, list(overrides))
+    check_finite(options)
     component = build_registry().get("task", task_name, "--task")
-    task = component.build(options, "task")
+    task = _built(component, options, task_name)
     if not task.alphabet:
         raise UserError(f"--task {task_name}: this task cannot build a tiny model (it has no alphabet)")
     torch.manual_seed(seed)
@@ -33,7 +33,7 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
     if "model_path" in component.config.model_fields and "model_path" not in options:
         # a task that reads the model's tokenizer (chat templates) reads the one made here
         tokenizer.save_pretrained(out)
-        task = component.build(with_run_defaults(component.config, options, seed, Path(out)), "task")
+        task = _built(component, with_run_defaults(component.config, options, seed, Path(out)), task_name)
     # context: BOS + prompt + response + EOS, rounded up (tasks without lengths keep the default)
     longest = task.max_response_chars()
     positions = max(64, -(-(task.max_prompt_chars() + longest + 2) // 32) * 32)
@@ -48,3 +48,15 @@ def init_model(task_name: str, out: str, warmstart_steps: int, seed: int = 0, ov
         json.dump(report, f, indent=2)
     print(json.dumps(report))
     return report
+
+
+def _built(component, options: dict, task_name: str):
+    # the task's own checks of its options (a range whose low end is above its high end) are
+    # the user's to fix: one line naming --task, not a traceback
+    try:
+        return component.build(options, "task")
+    except UserError:
+        raise
+    except (ValueError, TypeError, OverflowError) as e:
+        raise UserError(f"--task {task_name} (--set): {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
