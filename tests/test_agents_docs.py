@@ -109,6 +109,27 @@ def test_an_environment_whose_step_gives_text_as_its_reward_fails_that_rollout(u
         asyncio.run(run(lambda client: environment_rollout(client, dict(ROW), Texty, 2, 4))(url))
 
 
+def test_an_episode_that_outgrows_the_engines_prompt_ends_there_with_the_rewards_it_earned(url):
+    # each step hands back a long observation: the conversation passes engine.max_prompt_tokens
+    # (128) within a few turns, and the endpoint's 400 ended the rollout, its rewards lost
+    class Chatty:
+        tools = None
+        turns = 0
+
+        def reset(self, row):
+            return [{"role": "user", "content": "1+1="}]
+
+        def step(self, message):
+            Chatty.turns += 1
+            return [{"role": "user", "content": "more " * 20}], 0.25, False
+
+        def close(self):
+            pass
+
+    total = asyncio.run(run(lambda client: environment_rollout(client, dict(ROW), Chatty, 50, 4))(url))
+    assert 1 <= Chatty.turns < 50 and total == 0.25 * Chatty.turns
+
+
 def replace_tables(recipe: str, tables: str) -> str:
     """``recipe`` with each table that ``tables`` has taken out, and ``tables`` appended."""
     names = set(re.findall(r"^\[([^\]]+)\]", tables, re.M))
