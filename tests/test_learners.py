@@ -542,7 +542,8 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
 
     def learner(name):
         # (a step still queued: a drain that timed out; the save goes after it)
-        lr = SimpleNamespace(name=name, state="training", plan=SimpleNamespace(resident=f"t-{name}", table={"name": name}),
+        lr = SimpleNamespace(name=name, state="training", start=None,
+                             plan=SimpleNamespace(resident=f"t-{name}", table={"name": name}, added=False),
                              view=SimpleNamespace(incarnations={}, train_pin={}),
                              inflight=[SimpleNamespace(last=["its-last-optimizer-step"])])
         lr.summary = lambda: {"state": lr.state, "steps_trained": 3}
