@@ -142,7 +142,12 @@ def test_a_rollouts_calls_join_one_trajectory_with_the_engines_tokens_and_logpro
     for k, m in enumerate(seg["loss_mask"]):
         if m:
             assert abs(lp[k].item() - seg["logprobs"][k]) < 1e-4, k
-    assert finish(url, "r-join")["segments"] == []  # handed over once
+    # asked again (its first answer timed out on the way back): the same trajectory, not an empty
+    # one that lost the rollout; a call of it after the hand-over is still refused
+    assert finish(url, "r-join") == traj
+    with pytest.raises(openai.ConflictError):
+        rollout_client(url, "r-join").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
     # a call's reward is its rollout's: feedback naming the call is refused, and the call is ended
     # in the traffic's tables (not kept as running for the whole run)
     import httpx
@@ -595,3 +600,27 @@ def test_a_rollout_stuck_past_its_timeout_is_counted_and_past_the_bound_the_work
     thread.join(5)
     rollout.stuck()
     assert thread not in rollout._STUCK  # (one that ends is counted no more)
+
+
+def test_a_trajectory_whose_answer_timed_out_is_asked_for_again(monkeypatch):
+    # (httpx's own test transport stands in for a slow endpoint) the first answer never came back:
+    # asked again, the endpoint gives the same trajectory (above), and the rollout is not lost
+    import httpx
+
+    from streamrl.agents import rollout
+
+    asked = []
+
+    def handler(request):
+        asked.append(str(request.url))
+        if len(asked) == 1:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(200, json={"segments": [], "calls": 3, "tool_calls": 1, "splits": 0})
+
+    monkeypatch.setattr(rollout, "_HTTP", httpx.Client(transport=httpx.MockTransport(handler)))
+    traj = rollout._finish("http://127.0.0.1:9/v1", "", "r-late", KEY)
+    assert traj["calls"] == 3 and asked == ["http://127.0.0.1:9/v1/streamrl/rollouts/r-late/finish"] * 2
+    monkeypatch.setattr(rollout, "_HTTP", httpx.Client(transport=httpx.MockTransport(
+        lambda request: (_ for _ in ()).throw(httpx.ReadTimeout("timed out", request=request)))))
+    with pytest.raises(httpx.ReadTimeout):
+        rollout._finish("http://127.0.0.1:9/v1", "", "r-gone", KEY)

@@ -304,10 +304,17 @@ def transient_failure(e: BaseException) -> bool:
     return isinstance(e, openai.APIStatusError) and (e.status_code == 429 or e.status_code >= 500)
 
 
-def _finish(url: str, api_key: str, rid: str, rollout_key: str) -> dict:
-    """The rollout's trajectory, taken from the endpoint that served it."""
+def _finish(url: str, api_key: str, rid: str, rollout_key: str, tries: int = 3) -> dict:
+    """The rollout's trajectory, taken from the endpoint that served it; asked again when the
+    answer timed out on its way (the endpoint gives the same one again for a while)."""
     headers = {ROLLOUT_KEY_HEADER: rollout_key, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    r = _HTTP.post(f"{url}/streamrl/rollouts/{rid}/finish", headers=headers)
+    for attempt in range(tries):
+        try:
+            r = _HTTP.post(f"{url}/streamrl/rollouts/{rid}/finish", headers=headers)
+            break
+        except httpx.TimeoutException:
+            if attempt == tries - 1:
+                raise
     r.raise_for_status()
     return r.json()
 

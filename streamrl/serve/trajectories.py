@@ -46,6 +46,11 @@ STALE_ROLLOUT_S = 3600.0
 #: Finished rollouts remembered, so that a late call of one is refused rather than begun anew.
 FINISHED_KEPT = 100_000
 
+#: Handed-over trajectories kept for a client that asks again (its first answer timed out on the
+#: way): at most this many, the newest, each for :data:`HANDED_OVER_S` seconds.
+HANDED_OVER_KEPT = 256
+HANDED_OVER_S = 120.0
+
 #: The most calls one rollout may make, and segments (forks, rewritten histories) it may have: an
 #: agent that loops without end is refused past them, not kept until memory runs out.
 MAX_CALLS = 1024
@@ -123,6 +128,9 @@ class Trajectories:
         self._rollouts: dict[str, Rollout] = {}
         self._finished: OrderedDict[str, str | None] = OrderedDict()
         """Rollouts over (None: finished; else why it was dropped): a late call of one is refused."""
+        self._handed: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        """The newest trajectories handed over, with when: asked again, the same answer (the
+        rollout's success is not lost to a reply that timed out on its way back)."""
         self.dropped_stale = 0
         """Rollouts dropped for going :data:`STALE_ROLLOUT_S` without a call (never finished)."""
 
@@ -268,8 +276,14 @@ class Trajectories:
                 rollout.segments.remove(seg)
 
     def finish(self, rollout_id: str) -> dict[str, Any]:
-        """The rollout is over: its segments (those with a reply) and counts, removed from here."""
+        """The rollout is over: its segments (those with a reply) and counts, removed from here
+        (asked again within :data:`HANDED_OVER_S`, the same answer)."""
+        now = time.time()
         with self._lock:
+            while self._handed and now - next(iter(self._handed.values()))[0] > HANDED_OVER_S:
+                self._handed.popitem(last=False)
+            if rollout_id in self._handed:
+                return self._handed[rollout_id][1]
             rollout = self._rollouts.pop(rollout_id, None)
             self._finished[rollout_id] = None
             while len(self._finished) > FINISHED_KEPT:
@@ -280,8 +294,13 @@ class Trajectories:
                      "logprobs": s.logprobs, "policy_versions": s.versions, "calls": s.calls,
                      "text": self.tokenizer.decode(s.response_ids, skip_special_tokens=False)}
                     for s in rollout.segments if s.calls]
-        return {"segments": segments, "calls": rollout.calls, "tool_calls": rollout.tool_calls,
-                "splits": rollout.splits}
+        out = {"segments": segments, "calls": rollout.calls, "tool_calls": rollout.tool_calls,
+               "splits": rollout.splits}
+        with self._lock:
+            self._handed[rollout_id] = (now, out)
+            while len(self._handed) > HANDED_OVER_KEPT:
+                self._handed.popitem(last=False)
+        return out
 
     def _sweep(self) -> None:
         # (under the lock) rollouts nobody will finish: their agent worker died, or gave up on them
