@@ -76,3 +76,21 @@ def test_a_step_its_starting_weights_already_hold_is_not_handed_to_a_learner_add
     assert not lr.inflight and lr.skipped_steps == 0
     with pytest.raises(AttributeError):  # (step 5 is its: submitted, here to a learner with no view)
         fan.hand_over(5, [object()])
+
+
+def test_a_learner_added_again_under_its_name_reports_what_the_one_before_trained_since_the_last_record():
+    # (`learners add --resume` of a failed learner between two records): its rows of steps
+    # trained and its evaluations not recorded yet went with the entry it replaced
+    from streamrl.learners.fanout import SideLearner
+
+    def learner(**fields):
+        return SideLearner(plan=SimpleNamespace(name="b", worker="learner-b", queue=2, when_full="skip",
+                                                served=False, algorithm=SimpleNamespace(
+                                                    component=SimpleNamespace(name="rloo"))),
+                           view=None, **fields)
+
+    fan = Fanout(SimpleNamespace(), SimpleNamespace())
+    fan.add(learner(state="failed", trained=[[3, 16, 123]], unrecorded=[{"eval/pass@1": 0.5}]))
+    fan.add(learner())
+    (row,) = fan.harvest()["b"]["trained"]
+    assert row == [3, 16, 123] and fan.learners["b"].state == "training"

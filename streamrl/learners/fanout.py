@@ -149,7 +149,14 @@ class Fanout:
         """The run's task object, once the run has one (learners added later evaluate on it)."""
 
     def add(self, learner: SideLearner) -> None:
-        """A learner placed while the run goes on takes part from the next step handed over."""
+        """A learner placed while the run goes on takes part from the next step handed over (one
+        that replaces a failed or removed learner of its name reports what that one trained and
+        evaluated since the last record, in the next record: none of it unsaid)."""
+        old = self.learners.get(learner.name)
+        if old is not None and old is not learner:
+            self._harvest(old)
+            learner.trained = old.trained + learner.trained
+            learner.unrecorded = old.unrecorded + learner.unrecorded
         self.learners[learner.name] = learner
 
     def training(self) -> list[SideLearner]:
