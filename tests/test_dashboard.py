@@ -263,7 +263,9 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
 @pytest.mark.parametrize("odd", [{"busy": [1]}, {"eval": []}, {"eval": "reward_mean"}, {"steps": "x"},
                                  {"version": "<b>x</b>"}, {"staleness": [1]}, {"steps": True}, {"step": True},
                                  {"busy": {"generate": "x"}}, {"eval": {"pass@1": None}}, {"reward": 10**400},
-                                 {"busy": None}, {"eval": None}])
+                                 {"busy": None}, {"eval": None},
+                                 # a pool name is a column in a tooltip template: HTML there runs
+                                 {"busy": {"a}<img src=x onerror=alert(1)>{b": 0.5}}])
 def test_a_message_of_another_shape_is_skipped_and_the_next_step_still_shows(odd, caplog):
     good = dashboard.summarize(record(1), dashboard._Run(id="a", name="<i>run</i>", steps=10))
     bad = {**dashboard.summarize(record(0), dashboard._Run(id="a", steps=10)), **odd}
@@ -290,3 +292,17 @@ def test_every_field_of_the_header_is_escaped():
     header = page._header_html()
     assert not any(tag in header for tag in ("<script>", "<b>m", "<img", "<u>", "<i>"))
     assert "&lt;img src=x&gt;" in header and "&lt;u&gt;s&lt;/u&gt;" in header and "1 step " in header
+
+
+def test_pools_past_the_pages_limit_are_not_drawn():
+    # (the topic is public) a thousand messages of new pool names made a line, a column and a
+    # tooltip row each, in every browser session
+    from streamrl.telemetry.dashboard_app import MAX_POOLS
+
+    msgs = [{**dashboard.summarize(record(i), dashboard._Run(id="a", steps=10)),
+             "busy": {f"pool{i}_{j}": 0.5 for j in range(8)}} for i in range(20)]
+    scheduler = type("Scheduler", (), {"get_events": lambda self, topic: list(enumerate(msgs, 1))})()
+    page = StreamrlPage(scheduler)
+    page.update()
+    assert len(page.pools) == MAX_POOLS and len([k for k in page.steps.data if k.startswith("busy_")]) == MAX_POOLS
+    assert page.steps.data["step"] == list(range(20))

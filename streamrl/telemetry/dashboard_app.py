@@ -25,6 +25,7 @@ from __future__ import annotations
 import html
 import logging
 import math
+import re
 import time
 
 from streamrl.telemetry.dashboard_guard import guard_host
@@ -124,6 +125,12 @@ def _num(value) -> float:
 #: the most pools (``busy``) and evaluation figures (``eval``) a summary may carry: each pool is
 #: a line of the busy figure, so a message naming thousands would bury the page
 MAX_SUMMARY_ENTRIES = 64
+#: the most pools the page draws, over every message it reads (each is a line, a column and a
+#: tooltip row in every browser session)
+MAX_POOLS = 32
+#: what a pool's name may hold: it becomes a column name inside a Bokeh tooltip template, which
+#: reads what is not a placeholder as HTML
+POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: the most characters of the run's name or mode the header shows
 MAX_HEADER_TEXT = 120
 
@@ -154,7 +161,9 @@ def valid(msg) -> bool:
         return False
     if not all(_int_or_none(msg.get(key)) for key in ("version", "staleness", "steps")):
         return False
-    return all(msg.get(key) is None or _numbers(msg[key], texts) for key, texts in (("busy", ()), ("eval", ("error",))))
+    if not all(msg.get(key) is None or _numbers(msg[key], texts) for key, texts in (("busy", ()), ("eval", ("error",)))):
+        return False
+    return all(POOL_NAME.fullmatch(pool) for pool in msg.get("busy") or {})
 
 
 class StreamrlPage:
@@ -275,8 +284,9 @@ class StreamrlPage:
         if not self.eval_shown and self._eval_columns(added)["step"]:
             self._add_evals()
         pools = [p for m in added for p in m.get("busy") or {} if p not in self.pools]
+        pools = list(dict.fromkeys(pools))[:max(0, MAX_POOLS - len(self.pools))]  # (the rest are not drawn)
         if pools:
-            for p in dict.fromkeys(pools):
+            for p in pools:
                 self._add_pool(p)
             redraw = True
         if redraw:
