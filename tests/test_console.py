@@ -35,6 +35,11 @@ def test_a_plain_line_names_every_figure_and_says_when_generation_overlapped():
     # a held-out evaluation that failed says why (the step's line alone repeated itself)
     failed = step_line(record(2, eval_error="EvalTimeout: no answer\x1b[2J [bold]x[/]"), steps=10)
     assert "eval failed (EvalTimeout: no answer\\x1b[2J \\[bold]x\\[/])" in failed
+    # an elastic pool's news holds an exception's text: shown as text (markup in it ended the
+    # console's display for the run)
+    elastic = step_line(record(2, generate_workers=2, elastic="could not add: [/scratch/w]\nline"), steps=10)
+    Console(file=io.StringIO()).print(elastic)
+    assert "could not add: \\[/scratch/w]\\nline" in elastic
 
 
 def test_the_live_display_shows_progress_and_the_latest_figures_on_a_terminal():

@@ -225,3 +225,21 @@ def test_several_runs_get_one_learners_plot_each(tmp_path):
     assert (tmp_path / "out" / "plots" / "learners-1.png").is_file()
     assert (tmp_path / "out" / "plots" / "learners-2.png").is_file()
     assert text.count("| grpo | grpo | training | 11 / 1 |") == 2
+
+
+def test_a_run_folders_learner_names_and_failures_are_shown_as_text_on_one_line(tmp_path, capsys):
+    # (a run folder copied from elsewhere) what its files say reaches the terminal as text: no
+    # escape sequence, no line of its own
+    from streamrl.cli import main
+
+    hostile = {"\x1b[2Jx": {"state": "failed", "algorithm": "grpo\nforged line", "failure": "step 3: \x1b]0;owned\x07"
+                                                                                          + "y" * 5000}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "learners": hostile}) + "\n")
+    assert main(["learners", "list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\nforged line" not in out
+    assert len(out.splitlines()) == 3 and max(map(len, out.splitlines())) < 600
+    records = made_up_records()
+    records[-1]["learners"] = {"\x1b[2Jx": {**records[-1]["learners"]["dpo"], "algorithm": "a\x1b[31mb"}}
+    text = rendered(records, {"run folder": tmp_path, "policy": "policy"})
+    assert "\x1b[2J" not in text and "\x1b[31m" not in text

@@ -181,7 +181,7 @@ def cmd_learners(args) -> int:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         for row in rows:
             if row.get("failure"):
-                print(f"{row['name']}: failed at {row['failure']}")
+                print(f"{_cell(row['name'])}: failed at {_cell(row['failure'], 300)}")
         return 0
     if args.cmd == "add":
         table = apply_overrides({"name": args.name}, args.overrides)
@@ -192,12 +192,15 @@ def cmd_learners(args) -> int:
     return 0
 
 
-def _cell(value) -> str:
+def _cell(value, limit: int = 80) -> str:
+    # (a run folder's files may come from anywhere: what they say is shown as text, on one line)
+    from streamrl.telemetry.text import one_line
+
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.3f}"
-    return str(value)
+    return one_line(str(value), limit)
 
 
 def cmd_report(args) -> int:
@@ -216,8 +219,9 @@ def cmd_plugins(args) -> int:
     for comp in sorted(reg.entries, key=lambda c: (kinds.index(c.kind), c.name)):
         dist, version = reg.origins.get(comp.plugin, ("?", ""))
         twice = len(reg.components[comp.kind][comp.name]) > 1
-        rows.append((comp.kind, comp.name + (" (registered twice)" if twice else ""), comp.plugin, dist,
-                     version or "-"))
+        # (a plugin's names are its own: shown as text, on one line)
+        rows.append((comp.kind, _cell(comp.name) + (" (registered twice)" if twice else ""), _cell(comp.plugin),
+                     _cell(dist), _cell(version or "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])

@@ -58,7 +58,8 @@ def step_line(m: dict, steps: int) -> str:
             + f"training {m['train_s']:.2f}s, weight sync {m['weight_sync_s']:.3f}s)  busy {busy(m)}"
             f"  staleness {m['staleness_max']}  v{m['policy_version']}"
             # an elastic pool: how many generated, and what changed after the step
-            + (f"  generate workers {m['generate_workers']} {m['elastic']}".rstrip() if "elastic" in m else "")
+            + (f"  generate workers {m['generate_workers']} {escape(one_line(str(m['elastic']), 300))}".rstrip()
+               if "elastic" in m else "")
             # a reward that raises or returns NaN scores 0 and is counted; say so where it is seen
             + (f"  [yellow]reward errors {m['reward_errors']}/{m['samples']}"
                + (f" ({escape(str(m['reward_error_first'])[:120])})" if m.get("reward_error_first") else "") + "[/]"
@@ -273,7 +274,7 @@ def learners_summary(records: list[dict], final: dict | None = None):
     state, steps trained / skipped, train reward of the last ten steps it trained, held-out
     reward first -> newest (vN: N steps trained); a failed learner's reason under the table."""
     rows = learner_figures(records, final)
-    cells = [[escape(c) for c in learner_cells(row)] for row in rows]
+    cells = [[escape(one_line(c, 200)) for c in learner_cells(row)] for row in rows]
     t = Fitted(box=None, padding=(0, 2), collapse_padding=True, pad_edge=False, header_style="dim")
     for i, col in enumerate(LEARNER_COLUMNS):
         t.add_column(col.format(arrow="->"), justify="right" if i in (3, 4) else "left", overflow="fold")
@@ -283,6 +284,7 @@ def learners_summary(records: list[dict], final: dict | None = None):
         elif row["state"] != "training":
             line[2] = f"[dim]{line[2]}[/]"
         t.add_row(*line)
-    failures = [Text(f"{row['name']} failed at {row['failure']}", style="red") for row in rows if row["failure"]]
+    failures = [Text(f"{one_line(str(row['name']), 80)} failed at {one_line(str(row['failure']), 300)}", style="red")
+                for row in rows if row["failure"]]
     return Group(Text.from_markup("[bold]learners[/]", style="table.title"),
                  Padding(Group(t, *failures), (0, 0, 0, 2), expand=False))
