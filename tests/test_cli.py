@@ -89,7 +89,8 @@ def test_shipped_recipe_validates(recipe, tiny_model, capsys):
     err = capsys.readouterr().err
     if recipe == "gpu-qwen-gsm8k.toml":  # its data comes from a hub: validate reads the task's files and says so
         # (test_own_data validates it with local stand-ins)
-        assert code == 2 and "task.path: cannot read ../data/gsm8k/train.parquet" in one_line_error(err)
+        line = one_line_error(err)
+        assert code == 2 and f"task.path: cannot read {ROOT / 'data' / 'gsm8k' / 'train.parquet'}" in line, line
         return
     assert code == 0, err
 
