@@ -242,3 +242,44 @@ def test_a_scratch_folder_another_process_removed_first_is_no_error_shown_and_ot
     assert drop_vanished_scratch in logging.getLogger("distributed.diskutils").filters
     assert not drop_vanished_scratch(record("[Errno 2] No such file or directory: '/tmp/dask-scratch-space/w'"))
     assert drop_vanished_scratch(record("[Errno 13] Permission denied: '/tmp/dask-scratch-space/w'"))
+
+
+@pytest.mark.slow
+def test_a_generate_worker_killed_while_it_generates_in_a_repeatable_run_catches_up_at_once(tiny_recipe, tmp_path):
+    # a repeatable run submits a step's training, and the export of the next weights after it,
+    # before the step's groups are generated: the restarted worker's catch-up waited for that
+    # export, which waited for its own generation (240 s, then the run failed)
+    import os
+    import signal
+
+    from distributed import Client
+
+    from streamrl.cluster import lifecycle
+
+    proc = start_run(tiny_recipe, tmp_path, "run.mode=stream", "engine.reproducible=true",
+                     "trainer.prompts_per_step=32", "trainer.samples_per_prompt=8", "pools.generate.groups_per_task=32",
+                     steps=10)
+    try:
+        run_dir = wait_for_steps(proc, tmp_path, 3)
+        scheduler = json.loads((run_dir / "status.json").read_text())["scheduler"]
+        killed = False
+        with Client(scheduler, timeout=10) as client:
+            (address,) = [a for a, w in lifecycle.workers(client).items() if w["name"] == "generate-0"]
+            deadline = time.time() + 60
+            while not killed and time.time() < deadline and proc.poll() is None:
+                if any("generate" in str(k) for k in client.processing(workers=[address]).get(address, ())):
+                    os.kill(client.run(os.getpid, workers=[address])[address], signal.SIGKILL)
+                    killed = True
+                time.sleep(0.005)
+        assert killed, "no generate task was seen running"
+        t0 = time.time()
+        _, err = proc.communicate(timeout=300)
+        took = time.time() - t0
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert took < 100, took  # (a nanny's restart and the catch-up: seconds; the wait was 240 s)
+    recs = read_records(run_dir)
+    assert [r["step"] for r in recs] == list(range(10))
+    check_every_sample_trained_once(recs, prompts=32, n=8)
+    assert all(x["version"] == r["step"] for r in recs for x in r["sample_log"])  # the version it was admitted under

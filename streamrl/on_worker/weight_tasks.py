@@ -66,16 +66,42 @@ _LOAD_LOCK = threading.Lock()
 CATCH_UP_TIMEOUT = 120.0
 
 
+def export_held(version: int) -> object | None:
+    """Train pool: the transfer's payload of the trainer's current weights for one generate worker
+    when they are policy ``version`` (its optimizer steps so far are that version's), else None."""
+    trainer = resident(TRAINER)
+    epochs = max(1, int(getattr(getattr(trainer, "algorithm", None), "epochs", 1) or 1))
+    with _EXPORTING:
+        if trainer.version != version * epochs:
+            return None
+        resident(TRANSFER).receivers = 1
+        return resident(TRANSFER).send(trainer.named_weights(), version)
+
+
 def catch_up(engine, min_version: int) -> None:
     """A generate worker restarted by its nanny holds a fresh engine at the base weights: load the
-    newest published weights (``weights.LATEST``) before generating with it."""
+    newest published weights (``weights.LATEST``) before generating with it.
+
+    The newest publication's export may wait for the very step this worker's generation belongs
+    to (a repeatable run submits a step's training, and the export after it, before its groups
+    are generated): when that export is not done and is newer than ``min_version``, the train
+    worker's current weights are exported for this worker alone if they are ``min_version``'s,
+    rather than waited for until the wait times out."""
     from distributed import Variable, worker_client
 
     with worker_client() as client:  # leaves the worker's thread pool while it waits
         payload_future = Variable(LATEST, client=client).get(timeout=CATCH_UP_TIMEOUT)
         version = int(re.search(r"export-weights-(\d+)", str(payload_future.key)).group(1))
         sender = Variable(LATEST_SENDER, client=client).get(timeout=CATCH_UP_TIMEOUT)
-        payload = _published(client, payload_future, version, sender)
+        payload = None
+        if version > min_version and not payload_future.done():
+            payload = client.submit(export_held, min_version, key=f"export-held-{min_version}-"
+                                    f"{get_worker().name}-{time.time_ns()}", priority=LOAD_PRIORITY, pure=False,
+                                    **sender["pin"]).result(timeout=CATCH_UP_TIMEOUT)
+            if payload is not None:
+                version = min_version
+        if payload is None:
+            payload = _published(client, payload_future, version, sender)
     # the same receive, lock and version check as a publication (a collective's group is likely
     # over or full by now: then the train worker sends to this worker alone)
     load_weights(payload, version, resend_at=sender["pin"])
