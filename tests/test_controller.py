@@ -216,11 +216,12 @@ def test_async_resume_regenerates_what_was_in_flight_and_trains_each_step_once(c
 def test_a_weight_load_that_never_finishes_ends_in_one_line_not_a_hang(client):
     import time
 
-    from streamrl.errors import RunFailed
+    from streamrl.errors import RunStopped
     from streamrl.flow.weights import wait_loaded
 
+    # (RunStopped: the run's line names the checkpoint it can go on from, and the resume command)
     stuck = client.submit(time.sleep, 3, key="load-weights-7-generate-0", resources={"generate": 1})
-    with pytest.raises(RunFailed, match="weight load load-weights-7-generate-0 did not finish within 0 s"):
+    with pytest.raises(RunStopped, match="weight load load-weights-7-generate-0 did not finish within 0 s"):
         wait_loaded([stuck], timeout=0.3)
     client.cancel(stuck)
 

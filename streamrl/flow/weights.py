@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from distributed import Client, Future, Variable, wait
 
-from streamrl.errors import RunFailed, RunStopped
+from streamrl.errors import RunStopped
 from streamrl.on_worker import weight_tasks
 from streamrl.on_worker.resident import ResidentLost
 from streamrl.telemetry import spans
@@ -90,13 +90,14 @@ LOAD_TIMEOUT = 600.0
 
 def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
     """Block until every generate worker has loaded the published weights (raise if one failed,
-    and :class:`RunFailed` naming the load if one has not finished within ``timeout``)."""
+    and :class:`~streamrl.errors.RunStopped` naming the load if one has not finished within ``timeout``)."""
     try:
         wait(loads, timeout=timeout)
     except TimeoutError:
         pending = [f for f in loads if not f.done()]
         keys = sorted(spans.key_text(f.key) for f in pending) or ["?"]
-        raise RunFailed(f"weight load {keys[0]} did not finish within {timeout:.0f} s (is that generate "
+        # (RunStopped: the run folder adds the checkpoint it can go on from, and the command)
+        raise RunStopped(f"weight load {keys[0]} did not finish within {timeout:.0f} s (is that generate "
                         "worker alive? see the dashboard)") from None
     for f in loads:
         try:
@@ -104,4 +105,4 @@ def wait_loaded(loads: list[Future], timeout: float = LOAD_TIMEOUT) -> None:
         except (ResidentLost, RunStopped):  # the trainer restarted, or refused the step: that is the news
             raise
         except Exception as exc:  # e.g. a broadcast that timed out: say which load, in one line
-            raise RunFailed(f"weight load {spans.key_text(f.key)} failed: {exc}") from None
+            raise RunStopped(f"weight load {spans.key_text(f.key)} failed: {exc}") from None

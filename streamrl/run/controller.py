@@ -29,7 +29,7 @@ from distributed import Client, Future, SpecCluster, wait
 
 from streamrl.flow import modes, placement, submit
 from streamrl.checkpoints import folders
-from streamrl.errors import Interrupted, RunFailed, RunWarning, UserError
+from streamrl.errors import Interrupted, RunFailed, RunStopped, RunWarning, UserError
 from streamrl.contracts.step_extension import RunContext, StepExtension
 from streamrl.flow.feed import Feed
 from streamrl.plugins.resolve import Resolved
@@ -122,7 +122,7 @@ class Controller:
         except (UserError, RunFailed):
             raise
         except Exception as exc:  # the task's code (a plugin's, a dataset's), not streamrl's: one line
-            raise RunFailed(f"task {self.recipe.task.name!r}: prompts() for step {step + 1} raised "
+            raise RunStopped(f"task {self.recipe.task.name!r}: prompts() for step {step + 1} raised "
                             f"{type(exc).__name__}: {_text(exc)}") from None
         submit.check_prompts(self.recipe.task.name, step, prompts, t.prompts_per_step, self.seen_uids)
         with self.lock:
@@ -346,7 +346,7 @@ def _called(ext: StepExtension, moment: str, *args):
         kind = type(ext)
         if kind.__module__.split(".")[0] == "streamrl":
             raise
-        raise RunFailed(f"step extension {kind.__qualname__} (module {kind.__module__}): {moment}() raised "
+        raise RunStopped(f"step extension {kind.__qualname__} (module {kind.__module__}): {moment}() raised "
                         f"{type(exc).__name__}: {_text(exc)}; the run stopped (a step extension is part of "
                         "the step loop)") from None
 
