@@ -131,7 +131,8 @@ class Controller:
 
         def submitted(name: str | None, gen: Future) -> None:
             self._call("pinned", name, gen)
-            if self.repeatable:  # the next version's loads wait for it
+            if self.repeatable and self.context.publishes:  # the next version's loads wait for it
+                # (nothing published: no load to wait, and no publication to let them go)
                 self.generating.setdefault(version, []).append(gen)
 
         scored = submit.generation(self.topology, self.recipe, step, prompts, placed, version, submitted,
@@ -155,7 +156,8 @@ class Controller:
         early, self.next_training = self.next_training, None
         if early is not None and early.step == step:
             last, passes = early.result()
-            scored = self.next_training_groups
+            # (taken: held past its step, a lost reward worker's groups were made and scored again)
+            scored, self.next_training_groups = self.next_training_groups, []
         else:
             scored = self.mode.scored(self.generate, step)
             last, passes = submit.epochs(self.topology, self.recipe, self.epochs, step, scored,
