@@ -397,3 +397,15 @@ def test_the_groups_a_feed_handed_to_the_trainer_are_let_go_once_their_step_took
     assert ctl.next_training is not None and ctl.next_training_groups  # (step 1's, fed early)
     ctl.step(1, start_next_training=False)
     assert ctl.next_training_groups == []
+
+
+def test_the_rankers_lessons_do_not_keep_each_other_in_the_scheduler(client):
+    # each lesson was made the next one's dependency, done or not: Dask keeps a task that has a
+    # dependent, so the scheduler held every step's lesson, its prompts with it, for the whole run
+    run_steps(client, ['scheduler={name="skew"}', 'ranker={name="learned"}'], steps=6)
+
+    def lessons(dask_scheduler):
+        return sorted(str(k) for k in dask_scheduler.tasks if str(k).startswith("observe-"))
+
+    held = client.run_on_scheduler(lessons)
+    assert len(held) <= 2, held

@@ -71,7 +71,7 @@ class Dispatcher:
         workers = list(self.topology.generate)
         if self.rank_worker is not None and (self.scheduler is None or self._needs_scores(workers, ctx)):
             try:
-                ranked = self.client.submit(ranker_tasks.rank_prompts, prompts, after=self.last_observe,
+                ranked = self.client.submit(ranker_tasks.rank_prompts, prompts, after=self._pending_lesson(),
                                             key=f"rank-{step}", **self._on_ranker()).result(timeout=RANKER_WAIT_S)
             except RunStopped:  # (the step's deadline)
                 raise
@@ -180,9 +180,16 @@ class Dispatcher:
             out["ranker_recall"] = top_recall(predicted, actual, 0.2)
             self._check_lesson()
             self.last_observe = self.client.submit(
-                ranker_tasks.observe_lengths, prompts, lengths, after=self.last_observe, key=f"observe-{step}",
+                ranker_tasks.observe_lengths, prompts, lengths, after=self._pending_lesson(), key=f"observe-{step}",
                 **self._on_ranker())
         return out
+
+    def _pending_lesson(self) -> Future | None:
+        """The last lesson while it runs, for the next ranker task to wait for; None once done:
+        a finished lesson made a dependency would keep every lesson before it in the scheduler
+        (each the next's dependency), the whole run's prompts, replayed whole if the worker died."""
+        last = self.last_observe
+        return last if last is not None and not last.done() else None
 
     def finish(self) -> None:
         """Wait for the ranker's last lesson."""
