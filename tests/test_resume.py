@@ -86,6 +86,7 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
     proc = streamrl("recipe", "resume", str(folder))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from step-{resumed_at:06d}" in proc.stderr, (state, err[-2000:], proc.stderr[-2000:])
+    assert "resumed with other settings" not in proc.stderr
     assert json.loads((folder / "status.json").read_text())["state"] == "completed"
     recs = read_records(folder)
     assert [r["step"] for r in recs] == list(range(12)) and [r["policy_version"] for r in recs] == list(range(1, 13))
@@ -95,6 +96,19 @@ def test_a_stopped_or_killed_run_resumes_to_where_an_uninterrupted_run_ends(stra
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     # and the runs were the same all along: same rewards every step
     assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in read_records(oracle)]
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_which_prompts_a_step_gets_says_so(straight, tmp_path):
+    # a step's prompts are drawn from the task's stream by step, prompts per step and seed: a
+    # resume with others trains some prompts again and skips others, without a word before
+    _, oracle = straight
+    folder = tmp_path / oracle.name
+    shutil.copytree(oracle, folder)
+    proc = streamrl("recipe", "resume", str(folder), *sets("run.steps=13", "trainer.prompts_per_step=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "resumed with other settings" in line]
+    assert said and "(trainer.prompts_per_step: 4 -> 2): the prompts of step 13 on are not those" in said[0], said
 
 
 def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):

@@ -182,11 +182,13 @@ def _failed_write(exc: Exception, final: Path, run_dir: Path) -> CheckpointFaile
 
 def write(client: Client, train_pins: list[dict], after: Future | None, run_dir: Path, next_step: int,
           version: int, records: int, keep: int, trainer_id: str | dict | None = None,
-          files: dict[str, bytes] | None = None, also: Callable[[Path], None] | None = None) -> Path:
+          files: dict[str, bytes] | None = None, also: Callable[[Path], None] | None = None,
+          prompt_order: dict | None = None) -> Path:
     """Write the checkpoint taken after step ``next_step - 1``; returns its folder. The trainer's
     part is written by the ranks in ``train_pins`` together (rank 0 alone unless sharded);
     ``files`` (name: bytes) go beside it (the dispatcher's and ranker's state); ``also(folder)``
-    writes more into it (the other learners' states); ``manifest.json`` last. A write that fails on the file system (a full disk) raises
+    writes more into it (the other learners' states); ``prompt_order``: the recipe's settings
+    that decide which prompts each step gets (a resume with others says so); ``manifest.json`` last. A write that fails on the file system (a full disk) raises
     :class:`~streamrl.errors.CheckpointFailed` once the partial folder is removed."""
     final = folder(run_dir) / f"{PREFIX}{next_step:06d}"
     tmp = folder(run_dir) / f".tmp-{PREFIX}{next_step:06d}"
@@ -211,7 +213,8 @@ def write(client: Client, train_pins: list[dict], after: Future | None, run_dir:
         (tmp / "controller.json").write_text(json.dumps(
             # ("manifest": a checkpoint found without its manifest was cut short, not written by
             # a streamrl from before manifests, which is read and checked without one)
-            {"next_step": next_step, "policy_version": version, "records": records, "manifest": True}, indent=2))
+            {"next_step": next_step, "policy_version": version, "records": records, "manifest": True,
+             **({"prompt_order": prompt_order} if prompt_order is not None else {})}, indent=2))
         listed = write_manifest(tmp)
         sync_tree(tmp)
     except BaseException as exc:
@@ -283,3 +286,27 @@ def restore_trainer(client: Client, train_pins: list[dict], checkpoint: Path) ->
                         f"{text[:300]}); was the run resumed with another trainer set-up (trainer.strategy, "
                         f"pools.train.workers, the algorithm)? Resume with the run's own, or move "
                         f"{checkpoint} aside to resume from the checkpoint before it") from None
+
+
+def prompt_order(recipe) -> dict:
+    """The recipe's settings that decide which prompts each step gets: the task's table, the
+    prompts a step takes, the run's seed (a task's stream is drawn from them by step)."""
+    return {"task": json.loads(json.dumps(recipe.task.model_dump(), default=str)),
+            "prompts_per_step": recipe.trainer.prompts_per_step, "seed": recipe.run.seed}
+
+
+def order_changes(saved: dict | None, now: dict) -> list[str]:
+    """What differs between the prompt order a checkpoint was written under (``saved``; None: a
+    checkpoint of an older streamrl, nothing to compare) and the resumed recipe's (``now``), as
+    ``field: was -> is``."""
+    if not saved:
+        return []
+    out = []
+    for key in ("prompts_per_step", "seed"):
+        if saved.get(key) != now.get(key):
+            out.append(f"{'trainer.' if key == 'prompts_per_step' else 'run.'}{key}: {saved.get(key)} -> {now.get(key)}")
+    was, is_ = saved.get("task") or {}, now.get("task") or {}
+    for key in sorted(set(was) | set(is_)):
+        if was.get(key) != is_.get(key):
+            out.append(f"task.{key}: {str(was.get(key))[:60]} -> {str(is_.get(key))[:60]}")
+    return out

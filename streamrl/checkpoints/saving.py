@@ -20,7 +20,8 @@ def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
     also = ctl.checkpoint_writer(next_step, folders.latest(run_dir))  # (the step extensions' state)
     return folders.write(ctl.client, ctl.topology.writers(), ctl.last_step, run_dir, next_step,
                              ctl.version, records, ctl.recipe.run.keep_checkpoints,
-                             ctl.topology.incarnations, files=files, also=also)
+                             ctl.topology.incarnations, files=files, also=also,
+                             prompt_order=folders.prompt_order(ctl.recipe))
 
 
 def policy(ctl, out: Path) -> str:

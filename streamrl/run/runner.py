@@ -252,6 +252,11 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
                         "pass --set run.steps=N with a larger N to go on")
     t_start = time.time()
     warn = lambda text: warning(console, text)  # noqa: E731
+    changed = folders.order_changes(resumed.get("prompt_order"), folders.prompt_order(r)) if resumed else []
+    if changed:  # (said, not refused: a user may mean it; the prompts after it are not those the run had)
+        warn(f"resumed with other settings than those {checkpoint.name} was written under ({'; '.join(changed)}): "
+             f"the prompts of step {resumed['next_step'] + 1} on are not those the run would have had (some may "
+             "be trained again, some never)")
     stop = StopRequest(warn)
     warnings_log = WarningsLog(folder.path / "warnings.log")
     dask_cluster = client = trace = watchdog = controller = None
