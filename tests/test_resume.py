@@ -111,6 +111,33 @@ def test_a_resume_that_changes_which_prompts_a_step_gets_says_so(straight, tmp_p
     assert said and "(trainer.prompts_per_step: 4 -> 2): the prompts of step 13 on are not those" in said[0], said
 
 
+@pytest.mark.slow
+def test_a_run_whose_policy_save_was_cut_short_is_resumed_to_write_it(straight, tmp_path):
+    # every step ran and the last checkpoint was written, then the save of the policy was cut
+    # short (a killed train worker, a second Ctrl-C): the resume its line names was refused
+    # ("the run already has 12 steps") and the half-written policy stayed where it is read
+    _, oracle = straight
+    folder = tmp_path / oracle.name
+    shutil.copytree(oracle, folder)
+    shutil.rmtree(folder / "policy")
+    (folder / "policy").mkdir()
+    (folder / "policy" / "config.json").write_text("{")  # (half of what a save writes)
+    status = json.loads((folder / "status.json").read_text())
+    (folder / "status.json").write_text(json.dumps({**status, "state": "failed"}))
+    proc = streamrl("recipe", "resume", str(folder))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((folder / "status.json").read_text())["state"] == "completed"
+    a = load_file(oracle / "policy" / "model.safetensors")
+    b = load_file(folder / "policy" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((folder / "policy" / "config.json").read_text())["model_type"]
+    assert [r["step"] for r in read_records(folder)] == list(range(12))
+    assert not list(folder.glob(".tmp-*"))
+    # a completed run is still refused
+    again = streamrl("recipe", "resume", str(folder))
+    assert again.returncode == 2 and "run.steps: the run already has 12 steps" in again.stderr
+
+
 def test_resume_of_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     proc = streamrl("recipe", "resume", str(tmp_path))
     assert proc.returncode == 2

@@ -5,6 +5,8 @@ says when."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -28,12 +30,28 @@ def policy(ctl, out: Path) -> str:
     """Write the trained policy of ``ctl`` to ``out`` (after the ranker's last lesson and the
     step extensions' finish: the elastic pool's last change, the side learners' policies in
     ``out/<name>``); returns the folder: ``out``, or ``out/<main learner>`` when the recipe has
-    ``[[learners]]``."""
+    ``[[learners]]``.
+
+    Written whole into a folder beside ``out``, then renamed to it: a save cut short (a killed
+    worker, a second Ctrl-C) leaves no half-written model where one is read (``streamrl eval``
+    would score it), and a resume writes it again from the last checkpoint. What ``out`` held
+    (the policy of a learner removed while the run went on) is kept."""
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     ctl.dispatcher.finish()
-    ctl.finish(out)
-    out = out / ctl.resolved.learners[0].name if ctl.recipe.learners else out
+    ctl.finish(tmp)
+    name = ctl.resolved.learners[0].name if ctl.recipe.learners else None
     stamp = time.time_ns()  # (a fresh key: a finished save of another run must not answer for this one)
-    return ctl.client.gather([
-        ctl.client.submit(task_functions.save_policy, str(out), after=ctl.last_step,
+    ctl.client.gather([
+        ctl.client.submit(task_functions.save_policy, str(tmp / name if name else tmp), after=ctl.last_step,
                           trainer_id=ctl.topology.incarnations, key=f"save-policy-{stamp}-{i}", **pin)
-        for i, pin in enumerate(ctl.topology.writers())])[0]
+        for i, pin in enumerate(ctl.topology.writers())])
+    if out.is_dir():
+        for kept in out.iterdir() if name else ():  # (a removed learner's policy, saved when it left)
+            if kept.is_dir() and not (tmp / kept.name).exists():
+                os.replace(kept, tmp / kept.name)
+        shutil.rmtree(out)
+    folders.sync_tree(tmp)
+    os.replace(tmp, out)
+    return str(out / name if name else out)

@@ -247,7 +247,11 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
     if resume_dir:  # the newest usable checkpoint, or the one ``--from`` names
         checkpoint = folders.named(folder.path, from_checkpoint) if from_checkpoint else folder.latest_checkpoint()
     resumed = folders.read(checkpoint) if checkpoint is not None else None
-    if resumed is not None and resumed["next_step"] >= r.run.steps:
+    # every step ran and the trained policy was not written (a save cut short): the resume
+    # restores the trainer and writes it
+    only_policy = (resumed is not None and resumed["next_step"] == r.run.steps
+                   and folder.status().get("state") != "completed")
+    if resumed is not None and resumed["next_step"] >= r.run.steps and not only_policy:
         raise UserError(f"run.steps: the run already has {resumed['next_step']} steps; "
                         "pass --set run.steps=N with a larger N to go on")
     t_start = time.time()
