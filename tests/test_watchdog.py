@@ -106,3 +106,30 @@ def test_a_scheduler_that_never_answers_does_not_hold_the_deadline_back(monkeypa
         assert time.perf_counter() - t0 < 10
     finally:
         dog.uninstall()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_has_a_deadline_of_its_own_not_what_its_step_left(tiny_recipe, monkeypatch):
+    # a step that took most of run.step_timeout_s, then its checkpoint: the step's deadline fired
+    # in the checkpoint (a stop asked for lost every step since the one before)
+    from streamrl.checkpoints import saving
+    from streamrl.recipe.recipe import load_recipe
+    from streamrl.run import runner
+    from streamrl.run.controller import Controller
+    from tests.helpers import read_records
+
+    step, write = Controller.step, saving.checkpoint
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(2.0)
+        return step(self, *args, **kwargs)
+
+    def slow_checkpoint(*args, **kwargs):
+        time.sleep(2.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(Controller, "step", slow_step)
+    monkeypatch.setattr(saving, "checkpoint", slow_checkpoint)
+    folder = runner.run(load_recipe(tiny_recipe, ["run.steps=2", "run.checkpoint_every=1", "run.step_timeout_s=3",
+                                                  "run.report=false"]), plain=True)
+    assert [r["step"] for r in read_records(folder)] == [0, 1]

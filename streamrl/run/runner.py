@@ -87,16 +87,18 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             for line in controller.between_steps(done, folder.path):  # e.g. ``streamrl learners add|remove``
                 console_line(line)
             stop.stop_now_if_asked_twice()
-            if stop.requested and controller.training_ahead:
-                continue  # the next step is already training: stop after it
-            # a run stops only on a checkpoint it wrote after the stop was asked for: a signal
-            # that comes later is seen at the next step
-            stopping = stop.requested and done < r.run.steps
-            if stopping or checkpoint_after(done):
-                with span("checkpoint"):
-                    saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
-                stopping = stop.requested and done < r.run.steps  # (asked while it was written: stop on it)
-                folder.mark("interrupted" if stopping else "running", step=done, checkpoint=str(saved))
+        if stop.requested and controller.training_ahead:
+            continue  # the next step is already training: stop after it
+        # a run stops only on a checkpoint it wrote after the stop was asked for: a signal
+        # that comes later is seen at the next step
+        stopping = stop.requested and done < r.run.steps
+        if stopping or checkpoint_after(done):
+            # (a deadline of its own: a step that ended near its deadline must not fail in the
+            # checkpoint after it, a stop asked for losing every step since the last one)
+            with watchdog.watching(f"the checkpoint after step {done}", r.run.step_timeout_s), span("checkpoint"):
+                saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
+            stopping = stop.requested and done < r.run.steps  # (asked while it was written: stop on it)
+            folder.mark("interrupted" if stopping else "running", step=done, checkpoint=str(saved))
         stop.stop_now_if_asked_twice()  # (a second signal lost while the checkpoint was written)
         if stopping:
             raise Interrupted(f"stopped after step {done} of {r.run.steps}; checkpoint {saved.name} written. "
