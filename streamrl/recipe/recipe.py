@@ -59,7 +59,7 @@ class RunConfig(Strict):
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints a run folder keeps."""
     step_timeout_s: float = Field(1800.0, ge=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
-    """The most seconds one step (with the checkpoint after it) may take before the run stops in
+    """The most seconds one step, and the checkpoint after it (each its own), may take before the run stops in
     one line naming the tasks still running and their workers (a plugin's hung call, a stalled
     disk): the backstop behind each part's own deadline (``reward.score_timeout_s``,
     ``transfer.timeout_s``, ``engine.request_timeout``). The first step gets twice as long (models
