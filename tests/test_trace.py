@@ -253,3 +253,25 @@ def test_a_resumed_run_appends_its_tasks_and_rewrites_the_whole_trace(run):
     # both clusters' model loads are there, before and after the line
     loads = sorted(e["ts"] for e in trace.slices("task", "load-trainer"))
     assert len(loads) == 2 and loads[0] < resumed["ts"] < loads[1]
+
+
+def test_an_agents_trajectory_text_is_on_its_generate_slice_alone_and_sample_bytes_are_bounded(tmp_path, monkeypatch):
+    # copied onto each of a sample's slices, 400 characters of emoji (12 bytes each as JSON)
+    # made a trace of gigabytes over a run; a byte limit stops the sample slices, marked
+    from streamrl.telemetry import trace as trace_module
+
+    records = hand_made(tmp_path)
+    for x in records[0]["sample_log"]:
+        x.update(text="\U0001F600" * 400, turns=3, tool_calls=1)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    trace = Trace(write_trace(tmp_path))
+    check_well_formed(trace)
+    with_text = [e for e in trace.events if "text" in e.get("args", {})]
+    assert {e["name"] for e in with_text} == {"generate"} and len(with_text) == 2
+    assert all(e["args"]["turns"] == 3 for e in with_text)
+    monkeypatch.setattr(trace_module, "MAX_SAMPLE_BYTES", 1)
+    second = {**records[0], "step": 1, "time": records[0]["time"] + 10}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(second) + "\n")
+    capped = Trace(write_trace(tmp_path))
+    assert {e["args"]["step"] for e in capped.slices("sample", "generate")} == {0}
+    assert any(e.get("name") == "sample slices stop here" for e in capped.events)

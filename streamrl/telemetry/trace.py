@@ -38,9 +38,11 @@ RPC_TIMEOUT = 10.0
 #: scheduler and the controller share, at the step boundary where both are busiest
 REQUEST_EVERY_S = 5.0
 
-#: per-sample slices written at most (about 200 bytes each): a trace much larger than this no
-#: longer opens in a browser; past it, tasks, steps and counters go on, and a marker says so
+#: per-sample slices written at most (about 200 bytes each), and their bytes at most (an agent's
+#: slice carries its trajectory's text): a trace much larger than this no longer opens in a
+#: browser; past either, tasks, steps and counters go on, and a marker says so
 MAX_SAMPLE_EVENTS = 1_000_000
+MAX_SAMPLE_BYTES = 300_000_000
 
 
 class TraceRecorder:
@@ -166,16 +168,20 @@ def write_trace(run_dir: Path, other: dict | None = None) -> Path | None:
     run_dir = Path(run_dir)
     tracks, index = Tracks(), TaskIndex()
     out_path, tmp = run_dir / TRACE, run_dir / (TRACE + ".tmp")
-    written = samples = 0
+    written = samples = sample_bytes = 0
     with open(tmp, "w", encoding="utf-8") as out:
         other = {"run": run_dir.name, "source": "streamrl", **(other or {})}
         out.write('{"displayTimeUnit": "ms", "otherData": %s,\n"traceEvents": [\n' % json.dumps(other))
 
-        def emit(events: list[dict]) -> None:
+        def emit(events: list[dict]) -> int:
             nonlocal written
+            size = 0
             for e in events:
-                out.write((",\n" if written else "") + json.dumps(e, separators=(",", ":")))
+                text = json.dumps(e, separators=(",", ":"))
+                out.write((",\n" if written else "") + text)
                 written += 1
+                size += len(text)
+            return size
 
         tracks.thread(tracks.process("controller", 0), "steps")  # the controller first, as pid 1
         reserve_task_lanes(tracks, (t for t in _lines(run_dir / TASKS) if t.get("worker")))
@@ -192,13 +198,13 @@ def write_trace(run_dir: Path, other: dict | None = None) -> Path | None:
             if capped:
                 continue
             events = sample_events(record, tracks, index)
-            if samples + len(events) > MAX_SAMPLE_EVENTS:
+            if samples + len(events) > MAX_SAMPLE_EVENTS or sample_bytes > MAX_SAMPLE_BYTES:
                 capped = True
                 emit([marker("sample slices stop here", record["time"] - record.get("step_s", 0.0), tracks,
-                             {"max_sample_events": MAX_SAMPLE_EVENTS})])
+                             {"max_sample_events": MAX_SAMPLE_EVENTS, "max_sample_bytes": MAX_SAMPLE_BYTES})])
                 continue
             samples += len(events)
-            emit(events)
+            sample_bytes += emit(events)
         if not written:
             out.close()
             tmp.unlink()

@@ -216,13 +216,15 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
     ``generate`` on its generate worker, ``score`` on the reward worker whose task scored it (its
     task's start to ``reward_end``), ``wait`` (scored, waiting for its train task) and ``train``
     (its train task's start to ``trained``) on the train worker that trained it. An agent's
-    trajectory also carries its turns, tool calls and text."""
+    trajectory's ``generate`` slice also carries its turns, tool calls and text."""
     step, out = record["step"], []
     log = sorted(record.get("sample_log", ()), key=lambda x: x.get("submitted") or x.get("gen_start", 0.0))
     for x in log:
         args = {"uid": x["uid"], "step": step, "version": x.get("version"), "staleness": x.get("staleness"),
-                "prompt_len": x.get("prompt_len"), "response_len": x.get("response_len"),
-                **{k: x[k] for k in ("turns", "tool_calls", "text") if k in x}}  # (an agent's trajectory)
+                "prompt_len": x.get("prompt_len"), "response_len": x.get("response_len")}
+        # (an agent's trajectory, on its generate slice alone: copied onto each of its five
+        # slices, a trajectory's text, escaped as JSON, made a trace of gigabytes)
+        trajectory = {**args, **{k: x[k] for k in ("turns", "tool_calls", "text") if k in x}}
         gen_start, gen_end = x.get("gen_start"), x.get("gen_end")
         worker = x.get("worker") or "generate"
         if gen_start is not None and gen_end is not None:
@@ -234,7 +236,7 @@ def sample_events(record: dict, tracks: Tracks, index: TaskIndex) -> list[dict]:
             tid = tracks.place(pid, f"{worker} samples", min(queued, gen_start), gen_end)
             if queued < gen_start:
                 out.append(slice_event("queued", "sample", pid, tid, queued, gen_start, args))
-            out.append(slice_event("generate", "sample", pid, tid, gen_start, gen_end, args))
+            out.append(slice_event("generate", "sample", pid, tid, gen_start, gen_end, trajectory))
         reward_end = x.get("reward_end")
         if reward_end is not None and gen_end is not None:
             # (into the frame of Dask's task slices, where the reward task is found by this time:
