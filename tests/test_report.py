@@ -356,6 +356,22 @@ def test_names_states_and_folders_in_report_md_are_text_on_one_line_and_bounded(
     assert max(len(line) for line in table.splitlines()) < 600
 
 
+def test_a_run_folders_pool_names_are_text_in_report_md_and_their_number_is_bounded(tmp_path, capsys):
+    # (a copied or edited metrics.jsonl) a pool's name went into the table's header as it was;
+    # a lone surrogate in it made the report's write raise; each pool was a column and a subplot
+    run = made_up_run(tmp_path / "run", steps=3)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        r["pools"] = {**r["pools"], "<img src=x onerror=alert(1)>|\n# x\ud800": {"busy_s": 1.0, "idle_s": 1.0},
+                      **{f"p{i}": {"busy_s": 1.0, "idle_s": 0.0} for i in range(60)}}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = write_report([run]).read_text()
+    assert "<img" not in text and "\n# x" not in text and "plot failed" not in capsys.readouterr().err
+    header = next(line for line in text.splitlines() if line.startswith("| run |"))
+    assert "idle &lt;img src=x onerror=alert(1)&gt;\\|" in header
+    assert header.count("idle ") <= 16
+
+
 def test_a_run_name_with_dollars_or_a_leading_underscore_is_drawn_as_written(tmp_path, capsys, monkeypatch):
     run = made_up_run(tmp_path / "run", steps=5, name=r"_grpo$\\foo$")
     report = write_report([run])

@@ -13,6 +13,7 @@ matplotlib and numpy are imported by the caller's first use of this module, neve
 
 from __future__ import annotations
 
+
 import math
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import AutoLocator, MaxNLocator
 
 from streamrl.telemetry import timeline as tl
+from streamrl.telemetry.text import one_line
 
 Series = list[tuple[str, list[dict]]]
 
@@ -205,7 +207,9 @@ def throughput(series: Series, path: Path) -> bool:
 def idle(series: Series, path: Path) -> bool:
     """Each pool's idle ratio per step, as the workers' busy clocks measured it (``pools``)."""
     series = _labelled(series)
-    pools = list(dict.fromkeys(p for _, records in series for r in records for p in r.get("pools", {})))
+    # (a run folder's files may name any number of pools: the first few are drawn)
+    pools = list(dict.fromkeys(p for _, records in series for r in records
+                               for p in (r.get("pools") if isinstance(r.get("pools"), dict) else {})))[:16]
     if not pools:
         return False
     fig, axes = _figure((3.6 * len(pools) + 0.6, 3.4), cols=len(pools), sharey=True)
@@ -213,8 +217,8 @@ def idle(series: Series, path: Path) -> bool:
         for i, (label, records) in enumerate(series):
             y = np.array([r.get("pools", {}).get(pool, {}).get("idle_ratio", np.nan) for r in records], dtype=float)
             _trend(ax, _steps(records), 100 * y, f"C{i}", label)
-        ax.set(title=f"{pool} pool", xlabel="step")
-        ax.title.set_fontsize(10)
+        ax.set_xlabel("step")
+        ax.set_title(f"{one_line(str(pool), 40)} pool", fontsize=10, parse_math=False)  # (its name as text)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("idle, % of worker time")
@@ -312,11 +316,11 @@ def clocks(records: list[dict]) -> str:
     """The pools' busy share over ``records`` as the workers' busy clocks measured it (a line to
     check the drawn bars against), or "" without ``pools``."""
     parts = []
-    for pool in dict.fromkeys(p for r in records for p in r.get("pools", {})):
+    for pool in list(dict.fromkeys(p for r in records for p in r.get("pools", {})))[:16]:
         busy = sum(r["pools"].get(pool, {}).get("busy_s", 0.0) for r in records)
         free = sum(r["pools"].get(pool, {}).get("idle_s", 0.0) for r in records)
         if busy + free > 0:
-            parts.append(f"{pool} {busy / (busy + free):.0%}")
+            parts.append(f"{one_line(str(pool), 40)} {busy / (busy + free):.0%}")  # (a name as text)
     return "\nbusy as measured on the workers (pool average): " + ", ".join(parts) if parts else ""
 
 
@@ -354,7 +358,7 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
             ax.axvspan(a, b, color="0.93", zorder=0)
         ax.text((a + b) / 2, len(names) - 0.45, f"step {timed[k].get('step', k) + 1}", ha="center",
                 va="bottom", fontsize=8, color="0.35")
-    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_yticks(range(len(names)), [one_line(str(n), 40) for n in names], fontsize=8)  # (workers' names as text)
     ax.set_ylim(len(names) - 0.05, -0.6)  # (inverted: the first row on top, room for the labels below)
     ax.set_xlim(0, t1 - t0)
     ax.text(1.005, 1.0, "busy", transform=ax.transAxes, va="bottom", fontsize=8)

@@ -258,9 +258,9 @@ def summary_table(runs: list[Run]) -> str:
     """The markdown table of the runs: recipe name, mode, steps, reward first -> last (mean of the
     first and last ten steps, as the run's last console line; a quarter of a shorter run),
     samples/s, run time, idle per pool."""
-    pools = list(dict.fromkeys(p for run in runs for r in run.records for p in r.get("pools", {})))
+    pools = list(dict.fromkeys(p for run in runs for r in run.records for p in _pools(r)))[:MAX_POOLS]
     head = ["run", "mode", "steps", "state", "reward first → last", "samples/s", "run time",
-            *(f"idle {p}" for p in pools), "folder"]
+            *(f"idle {md_text(p, 40)}" for p in pools), "folder"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         recs = run.records
@@ -293,6 +293,15 @@ MAX_PATH_CELL = 4096
 #: markdown's characters that would start markup in a cell or a heading (a link, emphasis, code,
 #: the cell's end), each escaped with a backslash
 _MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]|~"})
+
+
+#: The most pools the report's table and plot show (a run folder's files may say anything).
+MAX_POOLS = 16
+
+
+def _pools(record: dict) -> list[str]:
+    pools = record.get("pools")
+    return [p for p in pools if isinstance(p, str)] if isinstance(pools, dict) else []
 
 
 def md_text(value, limit: int = MAX_CELL) -> str:
