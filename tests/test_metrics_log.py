@@ -43,3 +43,14 @@ def test_the_report_reads_a_step_whose_loss_was_not_finite(tmp_path):
     assert len(run.records) == 3 and run.records[1]["loss"] is None
     with pytest.raises(ValueError):
         strict('{"loss": NaN}')
+
+
+def test_a_lone_surrogate_is_written_as_a_replacement_character_and_a_pair_as_itself(tmp_path):
+    # (a tool's or a model's broken text) "\ud800" alone is no character: serde and other strict
+    # readers refuse the line; the trace's events the same
+    from streamrl.telemetry.metrics import json_line
+
+    line = json_line({"step": 0, "sample_log": [{"text": "a\ud800b\udc00", "emoji": "😀", "note": "\\ud800 as typed"}]})
+    (x,) = strict(line)["sample_log"]
+    assert x == {"text": "a\ufffdb\ufffd", "emoji": "😀", "note": "\\ud800 as typed"}
+    assert all(v.encode("utf-8") for v in x.values())  # (a lone surrogate does not encode)

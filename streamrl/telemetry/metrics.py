@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -44,18 +45,37 @@ def json_line(record: dict) -> str:
     strict reader takes (``JSON.parse``, Go's, serde's, jq): one such value made the whole file
     unreadable to them."""
     try:
-        return json.dumps(record, allow_nan=False) + "\n"
+        line = json.dumps(record, allow_nan=False)
     except ValueError:  # (rare: the walk below only for a record that holds one)
-        return json.dumps(_finite(record), allow_nan=False) + "\n"
+        return json.dumps(strict(record), allow_nan=False) + "\n"
+    if strict_needed(line):
+        # (a lone surrogate -- a tool's or a model's broken text -- is written as an escape that
+        # strict readers refuse, serde's among them: as U+FFFD instead)
+        return json.dumps(strict(record), allow_nan=False) + "\n"
+    return line + "\n"
 
 
-def _finite(value):
+def strict_needed(line: str) -> bool:
+    """Whether JSON text ``line`` (written ASCII) holds an escaped lone surrogate: then its value
+    is written again through :func:`strict`."""
+    return _LONE_SURROGATE.search(line) is not None
+
+
+# an escaped surrogate without its other half (a pair is how JSON writes a character past U+FFFF)
+_LONE_SURROGATE = re.compile(r"\\ud[89ab][0-9a-f]{2}(?!\\ud[c-f][0-9a-f]{2})|(?<!\\ud[89ab][0-9a-f]{2})\\ud[c-f][0-9a-f]{2}")
+
+
+def strict(value):
+    """``value`` with every float that is not finite as None and every lone surrogate in its
+    text as U+FFFD: what strict JSON readers take."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {strict(k) if isinstance(k, str) else k: strict(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [strict(v) for v in value]
     return value
 
 

@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from streamrl.telemetry.metrics import strict, strict_needed
 from streamrl.telemetry.trace_events import (TaskIndex, Tracks, marker, reserve_task_lanes, sample_events, step_events,
                                              task_events)
 
@@ -178,6 +179,8 @@ def write_trace(run_dir: Path, other: dict | None = None) -> Path | None:
             size = 0
             for e in events:
                 text = json.dumps(e, separators=(",", ":"))
+                if strict_needed(text):  # (an agent's broken text: strict readers refuse a lone surrogate)
+                    text = json.dumps(strict(e), separators=(",", ":"))
                 out.write((",\n" if written else "") + text)
                 written += 1
                 size += len(text)
