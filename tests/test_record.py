@@ -71,3 +71,15 @@ def test_flat_groups_is_the_share_of_multi_sample_groups_whose_rewards_were_all_
     assert summarize(4, 5, [a, b], step, t0=0.0, t_trained=8.0, t_end=10.0).flat_groups == 1.0
     a.groups = a.flat_groups = b.groups = b.flat_groups = 0  # groups of one sample: nothing to say
     assert summarize(4, 5, [a, b], step, t0=0.0, t_trained=8.0, t_end=10.0).flat_groups is None
+
+
+def test_a_plugins_text_in_a_record_is_bounded():
+    # (an algorithm's or an extension's 10 MB string went whole into every metrics line)
+    step = StepStats.of({"version": 5, "grad_norm": 1.0, "seconds": 0.5})
+    rec = summarize(4, 5, [micro(2)], step, t0=0.0, t_trained=8.0, t_end=10.0)
+    rec.extra["note"] = "x" * 10_000_000
+    rec.extra["table"] = {"k" * 10_000: "y" * 5000}
+    d = rec.as_dict()
+    assert len(d["note"]) == 4096 and d["note"].endswith("…")
+    ((key, value),) = d["table"].items()
+    assert len(key) == 256 and len(value) == 4096

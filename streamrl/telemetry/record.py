@@ -103,15 +103,21 @@ class StepRecord:
         return sorted({*self.stats, *self.rewards, *self.extra} & own)
 
 
+#: The most characters of a text, and of a name, a plugin's part of a record keeps.
+MAX_TEXT, MAX_NAME = 4096, 256
+
+
 def plain(value, depth: int = 0):
     """``value`` as JSON can hold it: numbers, text, lists and objects as they are; a number of
     numpy's or torch's as a Python number; anything else (or nested past 32 levels) as its
     text. What a plugin adds to a record must not stop the run when the record is written."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, str):  # (a plugin's 10 MB text went whole into every line, the csv and the trace)
+        return value if len(value) <= MAX_TEXT else value[:MAX_TEXT - 1] + "…"
+    if value is None or isinstance(value, (bool, int, float)):
         return value
     if depth < 32:
         if isinstance(value, dict):
-            return {str(k): plain(v, depth + 1) for k, v in value.items()}
+            return {str(k)[:MAX_NAME]: plain(v, depth + 1) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [plain(v, depth + 1) for v in value]
         item = getattr(value, "item", None)  # (a one-element array or tensor: its number)
@@ -123,7 +129,7 @@ def plain(value, depth: int = 0):
             except Exception:  # noqa: BLE001 -- more than one element: its text below
                 pass
     try:
-        return str(value)[:4096]
+        return str(value)[:MAX_TEXT]
     except Exception as exc:  # noqa: BLE001 -- a __str__ that raises
         return f"<{type(value).__name__}: str() raised {type(exc).__name__}>"
 
