@@ -247,6 +247,19 @@ def test_the_csv_sink_of_a_resumed_run_keeps_the_steps_before_its_checkpoint(tmp
     assert [(r["step"], r["loss"]) for r in rows] == [("0", "0.0"), ("1", "0.1"), ("2", "0.25")]
 
 
+def test_the_csv_sink_leaves_the_sample_log_out_and_writes_a_lone_surrogate_escaped(tmp_path):
+    import csv
+
+    from streamrl.telemetry.csv_sink import CSVSink, CSVSinkConfig
+
+    sink = CSVSink(CSVSinkConfig())
+    sink.open(tmp_path)
+    sink.write({"step": 0, "note": "broken \ud800 text", "sample_log": [{"text": "x" * 100_000}]})
+    sink.close()
+    (row,) = list(csv.DictReader((tmp_path / "metrics.csv").open(encoding="utf-8")))
+    assert row == {"step": "0", "note": "broken \\ud800 text"}
+
+
 def test_an_int_past_a_floats_range_is_left_out_not_the_end_of_the_sink():
     # (math.isfinite(10**400) raises OverflowError: the sink that met it was dropped for the run)
     assert tracker_metrics({"reward_mean": 0.5, "plugin": {"huge": 10**400, "ok": 2}, "big": -(10**400)}) == {

@@ -26,7 +26,7 @@ from pathlib import Path
 from distributed import Client, Queue, Variable
 
 from streamrl.errors import UserError
-from streamrl.telemetry.text import error_line
+from streamrl.telemetry.text import error_line, one_line
 
 #: The Dask queue requests travel on (one run per scheduler at a time).
 REQUESTS = "streamrl-learners-control"
@@ -187,7 +187,8 @@ def serve(side, run_dir: Path, step: int) -> list[str]:
             reply = {"ok": True, "message": message}
         except Exception as exc:
             text = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
-            reply = {"ok": False, "message": text.splitlines()[0] if text else type(exc).__name__}
+            # (the request's own values may be in it: a name of megabytes, an escape sequence)
+            reply = {"ok": False, "message": one_line(text.splitlines()[0], 300) if text else type(exc).__name__}
         lines.append(reply["message"])
         Variable(f"{REQUESTS}-{rid}", client=client).set(reply)
     return lines

@@ -31,7 +31,9 @@ class CSVSink(MetricSink):
         """Create the file in ``run_dir``, with the rows of the steps the run already has: a
         resumed run's ``metrics.jsonl`` holds the steps up to its checkpoint (those after it
         are run again), and the file is written anew from them, not emptied."""
-        self._file = (Path(run_dir) / self.config.file).open("w", newline="")
+        # (a plugin's text may hold a lone surrogate: written escaped, not a failed sink)
+        self._file = (Path(run_dir) / self.config.file).open("w", newline="", encoding="utf-8",
+                                                             errors="backslashreplace")
         kept = Path(run_dir) / "metrics.jsonl"
         if kept.exists():
             for record in read(kept):
@@ -40,7 +42,10 @@ class CSVSink(MetricSink):
     def write(self, record: dict) -> None:
         """Append one step's record (keys unseen in the first record are ignored)."""
         if self._writer is None:
-            self._writer = csv.DictWriter(self._file, fieldnames=list(record), extrasaction="ignore")
+            # (the per-sample log is no column: a Python repr of every sample, model text included,
+            # past a spreadsheet's cell limit)
+            self._writer = csv.DictWriter(self._file, fieldnames=[k for k in record if k != "sample_log"],
+                                          extrasaction="ignore")
             self._writer.writeheader()
         self._writer.writerow(record)
         self._file.flush()
