@@ -624,3 +624,23 @@ def test_a_trajectory_whose_answer_timed_out_is_asked_for_again(monkeypatch):
         lambda request: (_ for _ in ()).throw(httpx.ReadTimeout("timed out", request=request)))))
     with pytest.raises(httpx.ReadTimeout):
         rollout._finish("http://127.0.0.1:9/v1", "", "r-gone", KEY)
+
+
+def test_the_runs_rollouts_queue_past_max_pending_and_other_requests_are_refused(served):
+    # (a run whose agent pool holds more rollouts than serve.max_pending) each rollout past it got
+    # a 429, then failed after the client's two retries, and was trained at reward 0
+    api, url = served
+    config = api.config
+    api.config = config.model_copy(update={"max_pending": 1})
+    api.pending += 1  # (one completion running already: the endpoint is full)
+    try:
+        reply = rollout_client(url, "r-queued").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
+        assert reply.choices[0].message is not None
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=url, api_key="x", max_retries=0).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "6*7"}], max_tokens=2)
+    finally:
+        api.pending -= 1
+        api.config = config
+    finish(url, "r-queued")

@@ -97,7 +97,8 @@ class ServeConfig(Strict):
     hold its connection, and a task of the serving worker, for as long as it liked."""
     max_pending: int = Field(256, ge=1)
     """Completions asked for but not finished, across all requests; a request that would go
-    past it is answered ``429`` with ``Retry-After`` instead of queueing without bound."""
+    past it is answered ``429`` with ``Retry-After`` instead of queueing without bound. An agent
+    run's own rollout calls are never refused for it (they queue: the agent pool bounds them)."""
     max_waiting: int = Field(4096, ge=1)
     """Finished completions waiting for their feedback, at most (``reward = "feedback"``); past
     it a request is answered ``429`` with ``Retry-After`` until feedback, or

@@ -193,7 +193,9 @@ class Endpoint:
         if req.n > self.config.max_pending:  # (a 429 would be retried for ever: no wait makes room for it)
             raise APIError(400, f"n {req.n} is more than this endpoint runs at once: at most "
                                 f"{self.config.max_pending} (serve.max_pending).", param="n")
-        if self.pending + req.n > self.config.max_pending:
+        # (the run's own rollouts queue instead: their number is bounded by the agent pool, and a
+        # rollout refused for load failed, trained as the policy's failure)
+        if self.pending + req.n > self.config.max_pending and not rollout:
             raise busy(self.traffic, f"{self.pending} completions are running or queued "
                                      f"(serve.max_pending = {self.config.max_pending})")
         waits = (self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
