@@ -644,3 +644,34 @@ def test_the_runs_rollouts_queue_past_max_pending_and_other_requests_are_refused
         api.pending -= 1
         api.config = config
     finish(url, "r-queued")
+
+
+def test_a_hand_over_asked_again_while_the_first_is_built_gets_the_same_trajectory(served, monkeypatch):
+    # the client asks again when its first answer timed out, which is when that answer is still
+    # being built: the second ask found the rollout gone and nothing kept, and got an empty one
+    import threading
+    import time
+
+    api, url = served
+    two_turns(url, "r-race")
+    store = api.trajectories
+    decode = store.tokenizer.decode
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(store.tokenizer_real, name)
+
+        def decode(self, *args, **kwargs):
+            time.sleep(0.5)
+            return decode(*args, **kwargs)
+
+    monkeypatch.setattr(store, "tokenizer_real", store.tokenizer, raising=False)
+    monkeypatch.setattr(store, "tokenizer", Slow())
+    first = []
+    thread = threading.Thread(target=lambda: first.append(store.finish("r-race")))
+    thread.start()
+    time.sleep(0.1)
+    second = store.finish("r-race")
+    thread.join()
+    assert second == first[0] and second["calls"] == 2 and second["segments"]
+    assert store.finish("r-race")["segments"] == []  # (answered again once: then forgotten)

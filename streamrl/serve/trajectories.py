@@ -128,9 +128,10 @@ class Trajectories:
         self._rollouts: dict[str, Rollout] = {}
         self._finished: OrderedDict[str, str | None] = OrderedDict()
         """Rollouts over (None: finished; else why it was dropped): a late call of one is refused."""
-        self._handed: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
-        """The newest trajectories handed over, with when: asked again, the same answer (the
-        rollout's success is not lost to a reply that timed out on its way back)."""
+        self._handed: OrderedDict[str, tuple[float, threading.Event, list]] = OrderedDict()
+        """The newest trajectories handed over: when, set once the answer is built, and the
+        answer (asked again -- the first reply timed out on its way back -- the same answer, once:
+        the rollout's success is not lost; asked while the first is still built, it waits)."""
         self.dropped_stale = 0
         """Rollouts dropped for going :data:`STALE_ROLLOUT_S` without a call (never finished)."""
 
@@ -280,31 +281,44 @@ class Trajectories:
         (asked again within :data:`HANDED_OVER_S`, the same answer)."""
         now = time.time()
         with self._lock:
-            while self._handed and now - next(iter(self._handed.values()))[0] > HANDED_OVER_S:
-                self._handed.popitem(last=False)
-            if rollout_id in self._handed:
-                return self._handed[rollout_id][1]
-            rollout = self._rollouts.pop(rollout_id, None)
-            self._finished[rollout_id] = None
-            while len(self._finished) > FINISHED_KEPT:
-                self._finished.popitem(last=False)
+            self._forget_handed(now)
+            again = self._handed.pop(rollout_id, None)  # (asked again: answered once more, then forgotten)
+            if again is None:
+                rollout = self._rollouts.pop(rollout_id, None)
+                self._finished[rollout_id] = None
+                while len(self._finished) > FINISHED_KEPT:
+                    self._finished.popitem(last=False)
+                built, answer = threading.Event(), []
+                if rollout is not None:
+                    self._handed[rollout_id] = (now, built, answer)
+                    while len(self._handed) > HANDED_OVER_KEPT:
+                        self._handed.popitem(last=False)
+        if again is not None:
+            _, built, answer = again
+            built.wait(HANDED_OVER_S)  # (the first answer is still being built)
+            return answer[0] if answer else {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
         if rollout is None:
             return {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
-        segments = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
-                     "logprobs": s.logprobs, "policy_versions": s.versions, "calls": s.calls,
-                     "text": self.tokenizer.decode(s.response_ids, skip_special_tokens=False)}
-                    for s in rollout.segments if s.calls]
-        out = {"segments": segments, "calls": rollout.calls, "tool_calls": rollout.tool_calls,
-               "splits": rollout.splits}
-        with self._lock:
-            self._handed[rollout_id] = (now, out)
-            while len(self._handed) > HANDED_OVER_KEPT:
-                self._handed.popitem(last=False)
-        return out
+        try:
+            segments = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
+                         "logprobs": s.logprobs, "policy_versions": s.versions, "calls": s.calls,
+                         "text": self.tokenizer.decode(s.response_ids, skip_special_tokens=False)}
+                        for s in rollout.segments if s.calls]
+            answer.append({"segments": segments, "calls": rollout.calls, "tool_calls": rollout.tool_calls,
+                           "splits": rollout.splits})
+        finally:
+            built.set()
+        return answer[0]
+
+    def _forget_handed(self, now: float) -> None:
+        # (under the lock) answers kept past HANDED_OVER_S: no retry comes that late
+        while self._handed and now - next(iter(self._handed.values()))[0] > HANDED_OVER_S:
+            self._handed.popitem(last=False)
 
     def _sweep(self) -> None:
         # (under the lock) rollouts nobody will finish: their agent worker died, or gave up on them
         now = time.time()
+        self._forget_handed(now)
         for rid in [rid for rid, r in self._rollouts.items() if now - r.active > STALE_ROLLOUT_S]:
             del self._rollouts[rid]
             self.dropped_stale += 1
