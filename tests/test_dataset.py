@@ -207,9 +207,14 @@ def test_a_relative_path_missing_beside_the_recipe_is_not_read_from_the_working_
     assert config.path == str(folder / "train.jsonl")
     with pytest.raises(UserError, match=r"task.path: cannot read .*project/train.jsonl \(no such file or folder next"):
         DatasetTask(config)
-    # what looks like a hub id and is not beside the recipe is kept as written
+    # what looks like a hub id and is not beside the recipe is kept as written; a file's name in
+    # a folder (README's own data/train.parquet) or a folder beside the recipe is the recipe's
     for hub in ("openai/gsm8k", "gsm8k"):
         assert resolve(load_recipe(folder / "r.toml", [f'task.path="{hub}"'])).task.config.path == hub
+    (folder / "sets").mkdir()
+    for local in ("data/train.parquet", "data/train.jsonl", "sets/missing"):
+        path = resolve(load_recipe(folder / "r.toml", [f'task.path="{local}"'])).task.config.path
+        assert path == str(folder / local), (local, path)
 
 
 def test_a_symlink_loop_in_a_recipes_path_is_one_line_naming_the_field(tmp_path, tiny_model, capsys):

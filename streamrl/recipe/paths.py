@@ -50,7 +50,7 @@ def _local_if_there(value: str, info: ValidationInfo) -> str:
     path = home(value)
     if path.is_absolute() or base is None:
         return str(path)
-    if (base / path).exists() or not _hub_like(value):
+    if (base / path).exists() or not _hub_like(value) or (base / path.parts[0]).is_dir():
         # (a file name that is not next to the recipe stays the recipe's: read from the working
         # directory instead, a run would depend on where it was started, and train on the wrong
         # file without a word; the reader names the missing path)
@@ -58,9 +58,15 @@ def _local_if_there(value: str, info: ValidationInfo) -> str:
     return value
 
 
+#: What a data or model file's name ends with: a value ending so is a path, never a hub id.
+FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".arrow", ".txt", ".gguf", ".safetensors", ".py", ".toml")
+
+
 def _hub_like(value: str) -> bool:
     # ``org/name``, or a bare name of the hub's canonical sets and models (``gsm8k``, ``gpt2``);
-    # ``data.jsonl``, ``./x``, ``../data/train.parquet`` are paths
+    # ``data.jsonl``, ``./x``, ``data/train.parquet``, ``../data/train.parquet`` are paths
+    if value.lower().endswith(FILE_SUFFIXES):
+        return False
     return is_hub_id(value) or re.fullmatch(r"[A-Za-z0-9][\w-]*", value) is not None
 
 
