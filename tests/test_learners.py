@@ -635,20 +635,21 @@ def test_a_resume_places_again_the_learners_added_while_running_not_those_taken_
     monkeypatch.setattr("streamrl.plugins.resolve.learner_plan",
                         lambda resolved, name, table, served: SimpleNamespace(name=name, worker=f"learner-{name}"))
     client = SimpleNamespace(submit=lambda *args, **kwargs: SimpleNamespace(result=lambda: None))
-    checkpoint = tmp_path / "step-000004"
-    checkpoint.mkdir()
+    checkpoint = tmp_path / "checkpoints" / "step-000004"
+    checkpoint.mkdir(parents=True)
     summary = {"state": "training", "steps_trained": 4}
-    # (added from the served policy: built again from the policy saved then, its reference too;
-    # one whose folder is gone is not placed, said in one line)
-    start = tmp_path / "learners" / "start-late"
+    # (added from the served policy: built again from the policy saved then, its reference too,
+    # found in the run folder wherever it is now, and said again in the next checkpoint; one
+    # whose folder is gone is not placed, said in one line)
+    start = tmp_path / "learners" / "start-late-2"
     start.mkdir(parents=True)
     (start / "config.json").write_text("{}")
     (checkpoint / runtime.STATE).write_text(json.dumps({"next_step": 4, "learners": {
         "gone": {"table": {"name": "gone"}, "has_state": True, "summary": summary, "added": False},
         "late": {"table": {"name": "late"}, "has_state": False, "summary": summary, "added": True,
-                 "start": str(start)},
+                 "start": "learners/start-late-2"},
         "lost": {"table": {"name": "lost"}, "has_state": False, "summary": summary, "added": True,
-                 "start": str(tmp_path / "nowhere")}}}))
+                 "start": "learners/nowhere"}}}))
     resolved = SimpleNamespace(recipe=SimpleNamespace())
     task = object()
     with pytest.warns(RunWarning) as said:
@@ -658,6 +659,7 @@ def test_a_resume_places_again_the_learners_added_while_running_not_those_taken_
     assert any("learner 'lost' (added during the run) cannot be placed again: UserError: it was built from" in w
                for w in said), said
     assert placed == [("late", task, str(start))] and list(fanout.learners) == ["late"]
+    assert fanout.learners["late"].start == "learners/start-late-2"
     assert fanout.repeatable is True and fanout.task is task
 
 

@@ -7,7 +7,7 @@ step boundary (:func:`serve`), so a learner added joins at the next step and one
 before it. ``list`` needs no channel: it reads the run folder's newest record.
 
 An added learner starts from the served policy's current weights (saved into the run folder,
-``learners/start-<name>/``, and loaded from there, so any trainer that can ``save`` and be built
+``learners/start-<name>-<step>/``, and loaded from there, so any trainer that can ``save`` and be built
 from a model folder can be copied), from the initial model (``--from initial``), or from its own
 state in the newest checkpoint (``--resume``: a learner that failed or was removed). With the
 embedded cluster streamrl starts its worker (``learner-<name>``); on a cluster you run, start one
@@ -258,22 +258,29 @@ def add(side, run_dir: Path, step: int, request: dict) -> str:
         # the served policy as it is now, after the last step: saved, and the new trainer built
         # from it. In async mode the next step's training may have run first (it is submitted
         # as its groups come, before this): the steps its weights hold are not handed to it again
-        folder = run_dir / "learners" / f"start-{name}"
+        # (named for its step too: a learner added again under its name must not overwrite the
+        # folder an older checkpoint's learner was built from)
+        start_folder = f"learners/start-{name}-{step}"
+        folder = run_dir / start_folder
         version = run.client.submit(task_functions.save_policy_now, str(folder), after=run.last_optimizer_step,
                                     trainer_id=topo.incarnations, key=f"save-start-{name}-{time.time_ns()}",
                                     **topo.train_pin).result()
         joined_at = max(step, version // max(1, resolved.algorithm.build().epochs))  # (optimizer steps per step)
         start_model = str(folder)
+    else:
+        start_folder = None
     if resume_from is not None and (latest / runtime.STATE).exists():  # (built from what it was built from)
         entry = json.loads((latest / runtime.STATE).read_text()).get("learners", {}).get(name)
+        entry = entry if isinstance(entry, dict) else {}
         try:
-            start_model = runtime.started_from(entry if isinstance(entry, dict) else {}).get("model_path")
+            start_model = runtime.started_from(entry, run_dir).get("model_path")
         except UserError as e:
             raise UserError(f"learner {name!r}: {e}") from None
+        start_folder = entry.get("start") if start_model else None
     learner = runtime.place_one(run.client, resolved, plan, topo.pins, joined_at=joined_at,
                                 task=fanout.task if fanout is not None and fanout.task is not None else run.task,
                                 model_path=start_model)
-    learner = replace(learner, start=start_model)
+    learner = replace(learner, start=start_folder)
     if resume_from is not None:
         try:
             run.client.submit(task_functions.load_trainer_checkpoint, str(resume_from), plan.resident, pure=False,

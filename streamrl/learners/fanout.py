@@ -93,8 +93,9 @@ class SideLearner:
     joined_at: int = 0
     """The first step handed to it."""
     start: str | None = None
-    """The model folder it was built from when not the recipe's (``learners add`` from the served
-    policy: a policy saved then, also its reference): a resume builds it from the same one."""
+    """The model folder it was built from when not the recipe's, relative to the run folder
+    (``learners add`` from the served policy: a policy saved then, also its reference): a resume
+    builds it from the same one."""
     trained: list = field(default_factory=list)
     """``[step, samples, crc32 of its sorted sample uids]`` of each step trained since the last
     record (``metrics.jsonl`` ``learners.<name>.trained``: none lost, none twice)."""

@@ -228,16 +228,18 @@ def saved_counts(checkpoint: Path, name: str) -> dict:
     return _counts(_saved_summary(checkpoint, name))
 
 
-def started_from(entry: dict) -> dict:
+def started_from(entry: dict, run_dir: Path) -> dict:
     """``place_one``'s ``model_path`` for a checkpoint's learner (its ``learners.json`` entry):
     the folder it was built from when that was not the recipe's model (its reference policy is
-    that folder's: built from the recipe's, a KL or DPO learner's objective would change)."""
+    that folder's: built from the recipe's, a KL or DPO learner's objective would change),
+    relative to the run folder ``run_dir`` (a folder moved elsewhere keeps it)."""
     start = entry.get("start")
     if not start:
         return {}
-    if not (Path(start) / "config.json").is_file():
-        raise UserError(f"it was built from {start}, which is gone (its reference policy with it)")
-    return {"model_path": start}
+    folder = run_dir / start
+    if not (folder / "config.json").is_file():
+        raise UserError(f"it was built from {folder}, which is gone (its reference policy with it)")
+    return {"model_path": str(folder)}
 
 
 def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Path, repeatable: bool = False,
@@ -267,7 +269,9 @@ def resume(fanout: Fanout | None, client: Client, resolved, topo, checkpoint: Pa
                 plan.added = True
                 ensure_worker(client, topo, resolved.recipe, plan.worker)
                 learner = place_one(client, resolved, plan, topo.pins, entry["summary"].get("joined_at", 0),
-                                    task=fanout.task if fanout is not None else task, **started_from(entry))
+                                    task=fanout.task if fanout is not None else task,
+                                    **started_from(entry, checkpoint.parent.parent))
+                learner.start = entry.get("start")  # (and the next checkpoint says so again)
             except ResidentLost:
                 raise
             except Exception as exc:  # (its table no longer resolves here: a plugin gone) -- the others go on
