@@ -4,6 +4,7 @@ themselves are tests/test_learners.py's."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -44,6 +45,9 @@ def test_a_learner_whose_worker_is_gone_for_good_is_failed_not_waited_for(monkey
                                             "has been gone for"):
             fan.hand_over(4, [here])  # (a pacing learner whose queue is full: waited for, until found gone)
         assert lr.state == "failed" and not lr.inflight and never.cancelled()
+        # nothing is asked of that worker again: its policy is not waited for at the end
+        with pytest.warns(RunWarning, match="learner 'gone': policy not saved \\(its worker learner-gone is gone"):
+            assert fan.save_policies(Path("/nonexistent"), only=["gone"]) == {}
         # one whose worker is up is left training, however long it looks
         (up,) = [str(w["name"]) for w in client.scheduler_info()["workers"].values()]
         kept = SideLearner(plan=SimpleNamespace(name="kept", worker=up, queue=2, when_full="pace"), view=None)

@@ -553,18 +553,27 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
         lr.state = "failed"
         failed.append((lr.name, step, type(exc).__name__))
 
-    fanout = SimpleNamespace(client=Client(), learners={"a": learner("a")}, drain=lambda: None, fail=fail)
+    looks, cancelled = [], []
+
+    def look(step):  # (the fan-out's look at the learners' workers: the third finds it gone)
+        looks.append(step)
+        if len(looks) == 3:
+            fail(fanout.learners["a"], step, RuntimeError("its worker learner-a has been gone for 120s"))
+
+    fanout = SimpleNamespace(client=Client(), learners={"a": learner("a")}, drain=lambda: None, fail=fail, look=look)
+    fanout.client.cancel = cancelled.extend
     runtime.checkpoint(fanout, 5, None)(tmp_path)
     saved = json.loads((tmp_path / runtime.STATE).read_text())
     assert failed == [("a", 4, "RuntimeError")] and saved["learners"]["a"]["has_state"] is False
     assert submitted[0]["after"] == ["its-last-optimizer-step"]
     assert not (tmp_path / "learners" / "a").exists()
-    # a save that does not come back (its worker gone: the task waits for it) is that learner's
-    # loss too, not the checkpoint's (a TimeoutError is an OSError, as a full disk is)
+    # a save that does not come back is waited for while its worker is up (a slow disk), and let
+    # go once the worker is found gone for good: that learner's loss, not the checkpoint's
     raised[0], fanout.learners["a"].state = TimeoutError(), "training"
     (tmp_path / "late").mkdir()
     runtime.checkpoint(fanout, 6, None)(tmp_path / "late")
-    assert failed[-1] == ("a", 5, "TimeoutError") and not (tmp_path / "late" / "learners" / "a").exists()
+    assert looks == [5, 5, 5] and len(cancelled) == 1
+    assert failed[-1] == ("a", 5, "RuntimeError") and not (tmp_path / "late" / "learners" / "a").exists()
     raised[0], fanout.learners["a"].state = OSError(28, "No space left on device"), "training"
     (tmp_path / "next").mkdir()
     with pytest.raises(OSError, match="No space left"):

@@ -82,6 +82,8 @@ class SideLearner:
     broken: bool = False
     """It failed with an update applied that broke its weights (:class:`UpdateBroke`): what its
     worker holds is not its policy (not saved as one; its last checkpoint is)."""
+    lost: bool = False
+    """It failed for its worker, gone for good: nothing is asked of that worker any more."""
     inflight: list[InFlight] = field(default_factory=list)
     steps_trained: int = 0
     skipped_steps: int = 0
@@ -256,6 +258,7 @@ class Fanout:
                 continue
             lr.gone_since = lr.gone_since or now
             if now - lr.gone_since >= LOST_AFTER_S:
+                lr.lost = True
                 self.fail(lr, step, RuntimeError(f"its worker {lr.plan.worker} has been gone for "
                                                  f"{now - lr.gone_since:.0f}s"))
 
@@ -307,10 +310,11 @@ class Fanout:
         for lr in self.learners.values():
             if (only is not None and lr.name not in only) or (only is None and lr.state == "removed"):
                 continue
-            if lr.broken:
-                warnings.warn(RunWarning(f"learner {lr.name!r}: policy not saved (its failed update broke the "
-                                         "weights its worker holds; its last checkpoint holds its last good state)"),
-                              stacklevel=2)
+            if lr.broken or lr.lost:
+                why = ("its failed update broke the weights its worker holds" if lr.broken else
+                       f"its worker {lr.plan.worker} is gone")
+                warnings.warn(RunWarning(f"learner {lr.name!r}: policy not saved ({why}; its last checkpoint holds "
+                                         "its last good state)"), stacklevel=2)
                 continue
             target = out / lr.name
             try:

@@ -27,7 +27,7 @@ from streamrl.cluster.pool_workers import LEARN
 from streamrl.learners import evaluate
 from streamrl.plugins.resolve import LearnerPlan
 from streamrl.recipe.recipe import Recipe
-from streamrl.learners.fanout import Fanout, LearnerView, SideLearner
+from streamrl.learners.fanout import LOOK_EVERY_S, Fanout, LearnerView, SideLearner
 from streamrl.telemetry.text import error_line
 
 STATE = "learners.json"
@@ -160,8 +160,19 @@ def record(fanout: Fanout, resolved, step_record) -> dict[str, dict]:
     return out
 
 
-#: Seconds a side learner's trainer may take to save its state into a checkpoint.
-SAVE_S = 600.0
+def _saved(fanout: Fanout, lr, saving, step: int) -> bool:
+    """Wait for side learner ``lr``'s save as long as its worker is up (a large learner on a slow
+    disk takes what it takes; the checkpoint's own deadline is the backstop); False when its
+    worker was gone for good meanwhile (:meth:`Fanout.look` failed it)."""
+    while True:
+        try:
+            saving.result(timeout=LOOK_EVERY_S)
+            return True
+        except TimeoutError:
+            fanout.look(step)
+            if lr.state != "training":
+                fanout.client.cancel([saving])
+                return False
 
 
 def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
@@ -180,13 +191,12 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
                     # (after its queued steps: a drain that timed out leaves some, and a save
                     # between two of them, or during one, is a state no resume should start from)
                     queued = lr.inflight[-1].last if lr.inflight else None
-                    fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), after=queued,
-                                         trainer=lr.plan.resident, trainer_id=lr.view.incarnations, pure=False,
-                                         **lr.view.train_pin).result(timeout=SAVE_S)
-                    saved = True
-                except TimeoutError:  # (its worker gone, or stuck: that learner's loss, not the checkpoint's)
-                    fanout.fail(lr, next_step - 1, TimeoutError(f"its checkpoint was not saved within {SAVE_S:g}s"))
-                    shutil.rmtree(target, ignore_errors=True)
+                    saving = fanout.client.submit(task_functions.save_trainer_checkpoint, str(target), after=queued,
+                                                  trainer=lr.plan.resident, trainer_id=lr.view.incarnations,
+                                                  pure=False, **lr.view.train_pin)
+                    saved = _saved(fanout, lr, saving, next_step - 1)
+                    if not saved:  # (its worker gone for good: failed by the look, the save let go)
+                        shutil.rmtree(target, ignore_errors=True)
                 except OSError:  # (the run's folder full, the scheduler gone: the checkpoint's failure, said so)
                     raise
                 except Exception as exc:  # noqa: BLE001 -- its worker restarted since its last step
