@@ -478,3 +478,35 @@ def test_what_a_resume_reads_must_be_a_listed_bounded_file(tmp_path):
     assert integrity.verify(legacy) == "trainer/ is missing or empty"
     best, warned = newest_usable(tmp_path)
     assert best == ckpt and warned[0].startswith("checkpoint step-000003 is not usable: trainer/ is missing")
+
+
+def test_the_policy_is_written_whole_then_renamed_keeping_removed_learners_policies(tmp_path):
+    # (the run's calls stood in for) a recipe without [[learners]] whose added learner was
+    # removed: its policy, saved as it left, was deleted with the old policy folder
+    from types import SimpleNamespace
+
+    from streamrl.checkpoints import saving
+
+    out = tmp_path / "policy"
+    (out / "removed").mkdir(parents=True)
+    (out / "removed" / "config.json").write_text('{"kept": true}')
+    (out / "critic").mkdir()
+    (out / "critic" / "config.json").write_text("{}")  # (a stale part of the main policy: not kept)
+    (out / "config.json").write_text("{")  # (half of a save cut short)
+    written = []
+
+    def submit(fn, path, **kwargs):
+        assert ".tmp-policy" in path  # (never into the folder that is read)
+        (Path(path) / "config.json").write_text('{"model_type": "llama"}')
+        written.append(path)
+        return path
+
+    ctl = SimpleNamespace(dispatcher=SimpleNamespace(finish=lambda: None), finish=lambda folder: None,
+                          resolved=SimpleNamespace(learners=[SimpleNamespace(name="main")]),
+                          recipe=SimpleNamespace(learners=[]), last_step=None,
+                          client=SimpleNamespace(submit=submit, gather=lambda futures: futures),
+                          topology=SimpleNamespace(incarnations={}, writers=lambda: [{}]))
+    assert saving.policy(ctl, out) == str(out)
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
+    assert json.loads((out / "removed" / "config.json").read_text()) == {"kept": True}
+    assert not (out / "critic").exists() and not list(tmp_path.glob(".tmp-*")) and len(written) == 1

@@ -103,7 +103,10 @@ def test_a_missing_local_model_is_one_line_and_a_hub_id_is_left_to_the_hub(tmp_p
     with pytest.raises(UserError, match="model.path: no transformers model at .*model init --task addition"):
         resolve(load_recipe(file, ['model.path="models/missing"']))
     # a folder named after a known architecture is made with its shapes, not as a tiny task model
-    with pytest.raises(UserError, match=r"make it with: streamrl model init --arch qwen2.5-0.5b --random --out"):
+    with pytest.raises(UserError, match=r"random weights and its shapes: streamrl model init --arch qwen2.5-0.5b "
+                                        r"--random --out"):
         resolve(load_recipe(file, ['model.path="models/qwen2.5-0.5b-random"']))
+    with pytest.raises(UserError, match=r"model init --task addition"):  # (a trained model's name: no random weights)
+        resolve(load_recipe(file, ['model.path="models/qwen2.5-0.5b-instruct"']))
     resolved = resolve(load_recipe(file, ['model.path="Qwen/Qwen2.5-0.5B-Instruct"']))
     assert resolved.model_path == "Qwen/Qwen2.5-0.5B-Instruct"

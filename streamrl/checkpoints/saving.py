@@ -26,6 +26,10 @@ def checkpoint(ctl, run_dir: Path, next_step: int, records: int) -> Path:
                              prompt_order=folders.prompt_order(ctl.recipe))
 
 
+#: Folders a trainer writes inside its policy folder (its critic, a LoRA learner's adapter).
+OWN_FOLDERS = ("critic", "adapter")
+
+
 def policy(ctl, out: Path) -> str:
     """Write the trained policy of ``ctl`` to ``out`` (after the ranker's last lesson and the
     step extensions' finish: the elastic pool's last change, the side learners' policies in
@@ -48,8 +52,11 @@ def policy(ctl, out: Path) -> str:
                           trainer_id=ctl.topology.incarnations, key=f"save-policy-{stamp}-{i}", **pin)
         for i, pin in enumerate(ctl.topology.writers())])
     if out.is_dir():
-        for kept in out.iterdir() if name else ():  # (a removed learner's policy, saved when it left)
-            if kept.is_dir() and not (tmp / kept.name).exists():
+        # a learner's policy saved when it was removed (a folder holding a model); the main
+        # policy's own files and folders are this save's
+        for kept in out.iterdir():
+            if kept.is_dir() and (kept / "config.json").is_file() and not (tmp / kept.name).exists() \
+                    and kept.name not in OWN_FOLDERS:
                 os.replace(kept, tmp / kept.name)
         shutil.rmtree(out)
     folders.sync_tree(tmp)

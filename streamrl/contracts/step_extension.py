@@ -170,7 +170,9 @@ class StepExtension:
         stop waiting for the outside world, so the step ends with what it has."""
 
     def finish(self, policy_dir: Path) -> None:
-        """The last step is done; the policy is saved to ``policy_dir`` next."""
+        """The last step is done; the policy is saved to ``policy_dir`` next (a folder beside the
+        run's ``policy/``, renamed to it once every save into it is done: write into it, but keep
+        no path to it)."""
 
     def close(self) -> None:
         """The run ends, however it ends: cancel what was submitted ahead."""

@@ -193,9 +193,11 @@ def resolve(loaded: LoadedRecipe) -> Resolved:
             shown = os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
             from streamrl.tasks.arch import ARCHS
 
-            arch = next((a for a in sorted(ARCHS, key=len, reverse=True) if path.name.startswith(a)), None)
+            # (only a folder named for the shapes alone: "qwen2.5-0.5b-instruct" is a trained model)
+            arch = next((a for a in ARCHS if path.name in (a, f"{a}-random")), None)
             how = (f"get it with: streamrl model fetch {path.name} --out {shown}" if path.name in KNOWN else
-                   f"make it with: streamrl model init --arch {arch} --random --out {shown}" if arch else
+                   f"make one with random weights and its shapes: streamrl model init --arch {arch} --random "
+                   f"--out {shown}" if arch else
                    f"make one with: streamrl model init --task {r.task.name} --out {shown}, or with a known "
                    "architecture's shapes: --arch qwen2.5-0.5b --random; a GGUF file: streamrl model import FILE --out DIR")
             raise UserError(f"model.path: no transformers model at {path} ({how})")
