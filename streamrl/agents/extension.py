@@ -30,8 +30,8 @@ from streamrl.serve import endpoint
 EVENT_WAIT_S = 2.0
 
 #: Seconds an endpoint may take to start on a generate worker (a restarted one first loads the
-#: newest weights: the catch-up's own waits, and some).
-ENDPOINT_START_S = 300
+#: newest weights: the catch-up's own waits -- two of 120 s at most -- and the load).
+ENDPOINT_START_S = 600
 
 
 class AgentRollouts(StepExtension):
@@ -78,11 +78,15 @@ class AgentRollouts(StepExtension):
         return {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
 
     def _start(self, name: str, min_version: int) -> str:
-        return self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
-                                  endpoint.ship(self.tool_parser), self.rollout_key,
-                                  reward_limit=self.recipe.reward.limit, min_version=min_version, pure=False,
-                                  key=f"agent-endpoint-{name}-{time.time_ns()}",
-                                  **self.topology.pins[name]).result(timeout=ENDPOINT_START_S)
+        started = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
+                                     endpoint.ship(self.tool_parser), self.rollout_key,
+                                     reward_limit=self.recipe.reward.limit, min_version=min_version, pure=False,
+                                     key=f"agent-endpoint-{name}-{time.time_ns()}", **self.topology.pins[name])
+        try:
+            return started.result(timeout=ENDPOINT_START_S)
+        except BaseException:
+            self.client.cancel([started])  # (not left to start later, beside the next try's endpoint)
+            raise
 
     def _reconcile(self, min_version: int) -> None:
         """Before a step's rollouts: an endpoint on each generate worker that is up. A worker its
