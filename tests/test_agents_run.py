@@ -70,7 +70,8 @@ def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_r
     assert max(r["turns_mean"] for r in records) > 1.0
     # the trace shows the trajectories: a reply that called the tool, its result, the answer
     trace = json.loads((run.dir / "trace.json").read_text())
-    texts = [e["args"]["text"] for e in trace["traceEvents"] if e.get("name") == "train" and "text" in e.get("args", {})]
+    texts = [e["args"]["text"] for e in trace["traceEvents"]
+             if e.get("name") == "generate" and "text" in e.get("args", {})]
     assert any("<tool_call>" in t and "<|tool|>" in t for t in texts)
     out = run.proc.stdout + run.proc.stderr
     assert "RolloutTimeout" in out or "exploded" in out  # named on the console
