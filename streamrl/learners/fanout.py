@@ -169,7 +169,8 @@ class Fanout:
     def hand_over(self, step: int, scored: list[Future]) -> None:
         """Give step ``step``'s scored-group futures to every learner still training (see the
         module docstring for a full queue)."""
-        self.look(step)
+        if any(len(lr.inflight) >= lr.plan.queue for lr in self.training()):
+            self.look(step)  # (a learner whose worker is gone fills its queue: only then is it asked after)
         for lr in self.training():
             self._harvest(lr)
             if lr.state != "training" or step < lr.joined_at:  # (started from weights that hold this step)
