@@ -66,16 +66,13 @@ class AgentRollouts(StepExtension):
     def placed(self, context) -> None:
         """Start an endpoint on every generate worker."""
         self.served = {}
-        up = self._up()
+        up = lifecycle.addresses(self.client)
         for name in sorted(self.topology.generate):
             try:
                 self.served[name] = (up.get(name, ""), self._start(name, 0))
             except ValueError as e:  # a setting the endpoint cannot work with: the user's to fix
                 raise UserError(str(e)) from None
         self.urls = [url for _, url in self.served.values()]
-
-    def _up(self) -> dict[str, str]:
-        return {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
 
     def _start(self, name: str, min_version: int) -> str:
         started = self.client.submit(endpoint.start, self.config.model_dump(), self.model_name,
@@ -95,7 +92,7 @@ class AgentRollouts(StepExtension):
         cannot start, gets no rollouts this step (said once); one that left the pool is
         forgotten."""
         try:
-            up = self._up()
+            up = lifecycle.addresses(self.client)
         except Exception:  # noqa: BLE001 -- the scheduler did not answer: the endpoints as they were
             return
         pool = sorted(self.topology.generate)

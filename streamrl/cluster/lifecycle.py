@@ -28,7 +28,7 @@ from streamrl.cluster.attach import (EXPECTED_SCHEDULER, check_scheduler_address
                                      name_pins, release)
 from streamrl.errors import UserError
 from streamrl.cluster.pool_workers import (LEARN, PIN, PRE_SPAWN_ENV, WATCHERS, WORKER_MEMORY, side_learner_names,
-                                           worker_spec, workers)
+                                           worker_spec, workers, addresses)  # noqa: F401  (addresses: said from here)
 from streamrl.cluster.quiet import QuickExit, QuietShutdown, QuietTaskErrors, drop_cut_short_restart, quiet_dask
 from streamrl.cluster import warm_start
 from streamrl.recipe.pools import REQUIRED_POOLS

@@ -270,3 +270,9 @@ def workers(client: "Client") -> dict[str, dict]:
     per-worker details, and a refresh that lands between its fetch and its return hands back no
     workers at all (seen in CI)."""
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def addresses(client: "Client") -> dict[str, str]:
+    """``{worker name: address}`` of every worker up now (:func:`workers`): a worker back at
+    another address was restarted; one missing is down."""
+    return {str(info.get("name")): addr for addr, info in workers(client).items()}

@@ -96,7 +96,7 @@ class Topology:
         """:meth:`generate_pins` without the workers not up now (killed, their nanny not done
         restarting them): a publication's collective must not count on a member that is not
         coming. A worker left out catches up when it is back (``weight_tasks.catch_up``)."""
-        up = {str(info.get("name")) for info in lifecycle.workers(self.client).values()}
+        up = lifecycle.addresses(self.client)
         return {name: pin for name, pin in self.generate_pins().items() if name in up}
 
     def writers(self) -> list[dict]:
@@ -182,12 +182,9 @@ class Topology:
     def replaced(self, pool: str) -> list[str]:
         """Workers of ``pool`` that are gone or were restarted (at another address) since the
         run placed its work on them, as the scheduler sees them now."""
-        now = {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
+        now = lifecycle.addresses(self.client)
         return sorted(name for name, addr in self.pools.get(pool, {}).items() if now.get(name) != addr)
 
     def address(self, name: str) -> str | None:
         """The current address of worker ``name`` (None: not up)."""
-        for addr, info in lifecycle.workers(self.client).items():
-            if str(info.get("name")) == name:
-                return addr
-        return None
+        return lifecycle.addresses(self.client).get(name)

@@ -249,7 +249,7 @@ class Fanout:
         if not self.training():
             return
         try:
-            up = {str(info.get("name")) for info in lifecycle.workers(self.client).values()}
+            up = lifecycle.addresses(self.client)
         except Exception:  # noqa: BLE001 -- the scheduler did not answer: look again later
             return
         now = time.time()

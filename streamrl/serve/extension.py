@@ -141,7 +141,7 @@ class ServedTraffic(StepExtension):
                     self._unchecked = True
 
     def _reconcile_replicas(self) -> None:
-        up = {str(info.get("name")): addr for addr, info in lifecycle.workers(self.client).items()}
+        up = lifecycle.addresses(self.client)
         pool = set(self.topology.generate) - {self.worker}  # (a copy: the controller changes it between steps)
         for worker in sorted(set(self.replicas) - pool):  # left the pool (an elastic pool retires it)
             self.client.submit(endpoint.remove_replica, worker, pure=False,
