@@ -119,17 +119,25 @@ def test_a_checkpoint_has_a_deadline_of_its_own_not_what_its_step_left(tiny_reci
     from tests.helpers import read_records
 
     step, write = Controller.step, saving.checkpoint
+    slowed = {"step": 0, "checkpoint": 0}
 
+    # only the second step (the first has twice the deadline) and its checkpoint are slow, each
+    # well inside the deadline alone (4 s and 5 s of 8) and past it together: wide margins, as a
+    # loaded machine slows the rest of a step too
     def slow_step(self, *args, **kwargs):
-        time.sleep(2.0)
+        slowed["step"] += 1
+        if slowed["step"] == 2:
+            time.sleep(4.0)
         return step(self, *args, **kwargs)
 
     def slow_checkpoint(*args, **kwargs):
-        time.sleep(2.0)
+        slowed["checkpoint"] += 1
+        if slowed["checkpoint"] == 2:
+            time.sleep(5.0)
         return write(*args, **kwargs)
 
     monkeypatch.setattr(Controller, "step", slow_step)
     monkeypatch.setattr(saving, "checkpoint", slow_checkpoint)
-    folder = runner.run(load_recipe(tiny_recipe, ["run.steps=2", "run.checkpoint_every=1", "run.step_timeout_s=3",
+    folder = runner.run(load_recipe(tiny_recipe, ["run.steps=2", "run.checkpoint_every=1", "run.step_timeout_s=8",
                                                   "run.report=false"]), plain=True)
     assert [r["step"] for r in read_records(folder)] == [0, 1]
