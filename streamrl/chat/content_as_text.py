@@ -107,8 +107,9 @@ def unguard(text: str, contents: dict[str, str]) -> str:
 
 def control_outside_content(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[str, str] | None:
     """``(field, string)``: the first field of the (canonical) ``messages`` other than a
-    ``content``, or of ``tools``, whose text holds the string of one of the tokenizer's added
-    tokens, as ``messages.2.tool_calls.0.function.name``; None when there is none."""
+    ``content``, or of ``tools``, whose text (or one of whose keys) holds the string of one of
+    the tokenizer's added tokens, as ``messages.2.tool_calls.0.function.name``; None when there
+    is none."""
     pattern = added_pattern(tokenizer)
     if pattern is None:
         return None
@@ -126,6 +127,12 @@ def control_outside_content(tokenizer, messages: list[dict[str, Any]], tools: li
             if found is not None:
                 return where, found.group(0)
         elif isinstance(value, dict):
+            # its keys too: a template that writes a tool as JSON writes a schema's keys as they
+            # are (named as the object that holds such a key)
+            for k in value:
+                found = pattern.search(k) if isinstance(k, str) else None
+                if found is not None:
+                    return where, found.group(0)
             stack += [(f"{where}.{k}", v) for k, v in reversed(value.items())]
         elif isinstance(value, list):
             stack += [(f"{where}.{k}", value[k]) for k in range(len(value) - 1, -1, -1)]
