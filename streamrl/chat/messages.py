@@ -31,17 +31,22 @@ class MessageError(ValueError):
 
 
 def text_of(content: Any, where: str) -> str:
-    """A message's ``content`` as text: a string, the text parts of a list, or "" for null."""
+    """A message's ``content`` as text: a string, the text of a list of text parts (an
+    assistant's refusal part is its text), or "" for null. Any other part (an image, audio, a
+    bare string) is refused: dropped, the turn was answered and trained on as if it said nothing."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type", "text") != "text":
-                continue  # (images and other parts: not for a text model)
-            text = part.get("text", "")
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            if kind not in ("text", "refusal"):
+                said = f"a {kind!r} part" if isinstance(kind, str) else f"a {type(part).__name__}"
+                raise MessageError(f"{where}.content.{k} must be a text part ({{'type': 'text', 'text': ...}}); "
+                                   f"got {said[:80]}, and this model reads text only.", f"{where}.content.{k}")
+            text = part.get(kind, "")
             if not isinstance(text, str):
-                raise MessageError(f"{where}.content.{k}.text must be a string.", f"{where}.content.{k}.text")
+                raise MessageError(f"{where}.content.{k}.{kind} must be a string.", f"{where}.content.{k}.{kind}")
             texts.append(text)
         return "".join(texts)
     raise MessageError(f"{where}.content must be a string, a list of content parts or null.", f"{where}.content")

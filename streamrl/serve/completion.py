@@ -100,6 +100,9 @@ class Params:
     greedy: bool = False
     stop: list[str] = field(default_factory=list)
     answer: Any = None
+    kept: bool = True
+    """Kept to learn from once it ends (False: ``serve.max_waiting`` samples waited for feedback
+    as it came; it is answered all the same)."""
 
 
 @dataclass

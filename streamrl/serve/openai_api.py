@@ -200,10 +200,10 @@ class Endpoint:
                                      f"(serve.max_pending = {self.config.max_pending})")
         waits = (self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
                  and self.learns_from_traffic)
-        if waits and self.traffic.waiting() >= self.config.max_waiting:
-            raise busy(self.traffic, f"{self.config.max_waiting} completions wait for their feedback "
-                                     "(serve.max_waiting)")
-        return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer)
+        # past serve.max_waiting samples waiting for feedback a request is answered and not kept:
+        # refused, one client that never sends feedback kept every other client's requests out
+        kept = not waits or self.traffic.waiting() + req.n <= self.config.max_waiting
+        return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer, kept=kept)
 
     def messages(self, req: ChatRequest) -> list[dict[str, Any]]:
         """The request's messages in the canonical shape (``chat/messages.py``); a 400 naming the

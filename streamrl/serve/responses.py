@@ -45,7 +45,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     completion.on_decoded = lambda: release(endpoint, completion)
     model = endpoint.model_name if turn is not None else req.model
     endpoint.traffic.started(cid, getattr(req, "session", None), model, params.n, trained=not params.greedy,
-                             learned=turn is not None or endpoint.learns_from_traffic)
+                             learned=turn is not None or endpoint.learns_from_traffic, kept=params.kept)
     try:
         completion.start()
     except BaseException as e:
@@ -214,7 +214,7 @@ def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
         endpoint.traffic.count("cancelled")
         endpoint.traffic.dropped(completion.cid)
         return
-    if completion.params.greedy or not endpoint.learns_from_traffic:  # (nothing to learn from: not kept)
+    if completion.params.greedy or not endpoint.learns_from_traffic or not completion.params.kept:  # (not kept)
         endpoint.traffic.dropped(completion.cid)
         return
     early = sum(c.stopped_early for c in completion.choices)

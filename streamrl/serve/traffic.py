@@ -76,25 +76,32 @@ class Traffic:
         self._sessions: OrderedDict[str, list[str]] = OrderedDict()  # session -> its completions' ids, oldest first
         self._model: dict[str, str] = {}  # completion id -> the model that answered it
         self._choices: dict[str, int] = {}  # completion id -> its n, while it runs
+        self._waiting_samples = 0  # the samples of the groups in _waiting (serve.max_waiting counts these)
         self.models: dict[str, ModelTally] = {}
         """Per served model (``model`` of the requests), what it answered and earned."""
         self.counts: dict[str, int] = {"requests": 0, "completions": 0, "rewarded": 0, "unrewarded_dropped": 0,
                                        "stale_dropped": 0, "refused": 0, "cancelled": 0, "feedback": 0,
-                                       "stopped_early": 0, "restored": 0, "invalid": 0, "server_errors": 0}
+                                       "stopped_early": 0, "restored": 0, "invalid": 0, "server_errors": 0,
+                                       "unkept": 0}
         """Totals since the endpoint started (``serve/<name>`` in the step's record)."""
         self._stopped = False
 
     def started(self, completion_id: str, session: str | None = None, model: str = "", n: int | None = None,
-                trained: bool = True, learned: bool = True) -> None:
+                trained: bool = True, learned: bool = True, kept: bool = True) -> None:
         """A request was accepted: feedback may name ``completion_id`` (or its ``session``) from
         now on. ``model``: the one that answers it (its figures are kept apart); ``n``: its
         choices (feedback that comes before its end names one of them); ``trained``: False for a
         greedy one, not a sample of the policy (feedback naming it is refused at once, not
         accepted and then dropped); ``learned``: False on an endpoint that learns from no outside
-        traffic (an agent run's, whose learners train on its own rollouts): answered, never kept."""
+        traffic (an agent run's, whose learners train on its own rollouts): answered, never kept;
+        ``kept``: False when ``serve.max_waiting`` samples waited for feedback as it came
+        (answered, not kept: counted as ``unkept``)."""
         with self._lock:
-            self._state[completion_id] = "running" if trained and learned else "untrained" if not trained else "outside"
-            if not trained or not learned:
+            self._state[completion_id] = ("untrained" if not trained else "outside" if not learned
+                                          else "unkept" if not kept else "running")
+            if self._state[completion_id] == "unkept":
+                self.counts["unkept"] += n or 1
+            if self._state[completion_id] != "running":
                 session = None
             if n is not None:
                 self._choices[completion_id] = n
@@ -129,7 +136,7 @@ class Traffic:
         """Request ``completion_id`` ended without samples to learn from (cancelled, greedy)."""
         with self._lock:
             state = self._state.get(completion_id)
-            self._end(completion_id, state if state in ("untrained", "outside") else "dropped")
+            self._end(completion_id, state if state in ("untrained", "outside", "unkept") else "dropped")
             self._early.pop(completion_id, None)
             self._choices.pop(completion_id, None)
 
@@ -158,6 +165,7 @@ class Traffic:
             else:
                 self._state[completion_id] = "waiting"
                 self._waiting[completion_id] = Waiting(group)
+                self._waiting_samples += len(group)
                 for index, reward in self._early.pop(completion_id, {}).items():
                     self._apply(completion_id, index, reward)
             self._lock.notify_all()
@@ -177,6 +185,9 @@ class Traffic:
             if state == "untrained":
                 return (f"completion {completion_id!r} was greedy (temperature 0): not a sample of the policy, "
                         "it is not trained on")
+            if state == "unkept":
+                return (f"completion {completion_id!r} was answered while serve.max_waiting samples waited for "
+                        "their feedback: it was not kept to learn from")
             if state == "outside":
                 return (f"completion {completion_id!r} was answered by an agent run's endpoint, which learns from "
                         "its own rollouts only: it is not trained on")
@@ -252,6 +263,7 @@ class Traffic:
             s.reward = float(reward)
         if all(s.reward is not None for s in group):
             del self._waiting[completion_id]
+            self._waiting_samples -= len(group)
             self._end(completion_id, "rewarded")
             self._ready.append(group)
             self.counts["rewarded"] += len(group)
@@ -308,10 +320,11 @@ class Traffic:
         return taken
 
     def waiting(self) -> int:
-        """Finished completions waiting for their feedback now (those past the timeout dropped first)."""
+        """Samples (finished choices) waiting for their feedback now (those past the timeout
+        dropped first)."""
         with self._lock:
             self._expire()
-            return len(self._waiting)
+            return self._waiting_samples
 
     def _expire(self) -> None:
         now = time.time()
@@ -320,6 +333,7 @@ class Traffic:
             if now - w.finished < self.feedback_timeout_s:
                 break
             del self._waiting[cid]
+            self._waiting_samples -= len(w.group)
             self._end(cid, "dropped")
             self.counts["unrewarded_dropped"] += len(w.group)
 
@@ -329,7 +343,7 @@ class Traffic:
         self._ended.append(completion_id)
         while len(self._ended) > REMEMBERED:
             old = self._ended.popleft()
-            if self._state.get(old) in ("rewarded", "dropped", "joined", "untrained", "outside"):
+            if self._state.get(old) in ("rewarded", "dropped", "joined", "untrained", "outside", "unkept"):
                 del self._state[old]
                 self._model.pop(old, None)
 
@@ -378,7 +392,7 @@ class Traffic:
         model's figures (``variants``: :meth:`ModelTally.report`)."""
         with self._lock:
             self._expire()
-            return {**self.counts, "waiting_for_reward": sum(len(w.group) for w in self._waiting.values()),
+            return {**self.counts, "waiting_for_reward": self._waiting_samples,
                     "ready": sum(len(g) for g in self._ready),
                     "variants": {m: t.report() for m, t in self.models.items()}}
 
