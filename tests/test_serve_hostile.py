@@ -480,6 +480,29 @@ def test_an_endpoint_that_serves_for_months_remembers_a_bounded_number_of_ended_
     assert traffic.snapshot()["rewarded"] == 1001
 
 
+def test_a_session_whose_first_completion_stays_open_holds_a_bounded_list_of_ids(monkeypatch):
+    # its head open (a stream read slowly, or no feedback yet), the ended ids behind it were kept,
+    # one a request, for as long as it was: millions, then popped one by one from a list's front
+    from streamrl.sample import Prompt, Sample
+    from streamrl.serve import traffic as traffic_module
+
+    monkeypatch.setattr(traffic_module, "SESSION_COMPLETIONS", 50)
+    traffic = Traffic(3600.0)
+    traffic.started("head", session="s", model="policy", n=1)  # running, and stays so
+    for i in range(2000):
+        traffic.started(f"c{i}", session="s", model="policy", n=1)
+        traffic.dropped(f"c{i}")  # (cancelled: ended)
+    assert len(traffic._sessions["s"]) <= 51
+    for i in range(60):  # open ones past the bound: the oldest are let go, the newest kept
+        traffic.started(f"o{i}", session="s", model="policy", n=1)
+    ids = list(traffic._sessions["s"])
+    assert len(ids) == 50 and ids[-1] == "o59" and "head" not in ids
+    prompt = Prompt(uid="o59", text="1+2=")
+    traffic.finished("o59", [Sample(uid="o59-0", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0])])
+    assert traffic.session_feedback("s", 1.0) == (50, None)
+    assert traffic.feedback("head", None, 1.0) is None  # (by its id, it is reached still)
+
+
 @pytest.mark.parametrize("path, field", [("/chat/completions", "model"), ("/feedback", "id"), ("/feedback", "session")])
 def test_a_name_or_id_of_tens_of_kb_is_refused_without_being_said_back(served, path, field):
     _, url = served

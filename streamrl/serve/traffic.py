@@ -55,6 +55,13 @@ REMEMBERED = 65_536
 #: Sessions the endpoint remembers (the least recently used beyond are forgotten).
 REMEMBERED_SESSIONS = 65_536
 
+#: Completions one session holds for its feedback, at most: past it its oldest are let go
+#: (feedback by id still reaches them). Without it a session whose first completion stayed open
+#: grew by one id a request, for as long as that one did.
+SESSION_COMPLETIONS = 1024
+
+_OPEN = ("running", "waiting")
+
 
 class Traffic:
     """Finished served groups: waiting for rewards, then ready for a step. Thread-safe: the HTTP
@@ -73,7 +80,7 @@ class Traffic:
         self._takers: set[int] = set()  # the steps whose takes wait now (served lowest first)
         self._state: dict[str, str] = {}  # completion id -> running | waiting | rewarded | dropped
         self._ended: deque[str] = deque()  # ids rewarded or dropped, oldest first (at most REMEMBERED)
-        self._sessions: OrderedDict[str, list[str]] = OrderedDict()  # session -> its completions' ids, oldest first
+        self._sessions: OrderedDict[str, deque[str]] = OrderedDict()  # session -> its completions' ids, oldest first
         self._model: dict[str, str] = {}  # completion id -> the model that answered it
         self._choices: dict[str, int] = {}  # completion id -> its n, while it runs
         self._waiting_samples = 0  # the samples of the groups in _waiting (serve.max_waiting counts these)
@@ -109,11 +116,15 @@ class Traffic:
             self._model[completion_id] = model
             self.models.setdefault(model, ModelTally()).requests += 1
             if session is not None:
-                ids = self._sessions.setdefault(session, [])
+                ids = self._sessions.setdefault(session, deque())
                 self._sessions.move_to_end(session)
-                while ids and self._state.get(ids[0]) not in ("running", "waiting"):
-                    ids.pop(0)  # (ended: no feedback reaches it any more)
+                while ids and self._state.get(ids[0]) not in _OPEN:
+                    ids.popleft()  # (ended: no feedback reaches it any more)
                 ids.append(completion_id)
+                if len(ids) > SESSION_COMPLETIONS:  # (those ended behind an open one go, then the oldest)
+                    ids = self._sessions[session] = deque(c for c in ids if self._state.get(c) in _OPEN)
+                    while len(ids) > SESSION_COMPLETIONS:
+                        ids.popleft()
                 if len(self._sessions) > REMEMBERED_SESSIONS:
                     self._sessions.popitem(last=False)
 
@@ -219,15 +230,16 @@ class Traffic:
             ids = self._sessions.get(session)
             if ids is None:
                 return 0, f"no completion with session {session!r}"
-            open_ids = [cid for cid in ids if self._state.get(cid) in ("running", "waiting")]
+            open_ids = [cid for cid in ids if self._state.get(cid) in _OPEN]
             if not open_ids:
                 return 0, f"every completion of session {session!r} is already rewarded or dropped"
             # the session's reward goes to every choice not rewarded yet: a reward a choice has
             # already (its own feedback, or an earlier round's) stands, as one reward per choice does
             reached = [cid for cid in open_ids if self._fill(cid, reward)]
             # (a session's later completions start a new round of feedback)
-            self._sessions[session] = [cid for cid in ids if self._state.get(cid) in ("running", "waiting")
-                                       and cid not in open_ids]
+            reached_before = set(open_ids)
+            self._sessions[session] = deque(cid for cid in ids if self._state.get(cid) in _OPEN
+                                            and cid not in reached_before)
             if not reached:
                 return 0, f"every choice of session {session!r}'s completions is already rewarded"
             self.counts["feedback"] += 1
