@@ -848,8 +848,8 @@ def test_samples_waiting_for_feedback_past_max_waiting_are_answered_and_not_kept
     # a 429 there let one client that never sends feedback keep every other client out for the
     # feedback timeout; and the bound counted requests, each up to 64 samples
     api, url = served
-    monkeypatch.setattr(api.traffic, "feedback_timeout_s", 3600.0)  # (none of the module's earlier ones expires meanwhile)
-    monkeypatch.setattr(api.config, "max_waiting", api.traffic.waiting() + 2)
+    monkeypatch.setattr(api, "traffic", Traffic(3600.0))
+    monkeypatch.setattr(api.config, "max_waiting", 2)
     ask = partial(httpx.post, f"{url}/completions", timeout=30)
     body = {"model": "policy", "prompt": "1+1=", "max_tokens": 2}
     before = api.traffic.snapshot()
@@ -866,8 +866,26 @@ def test_samples_waiting_for_feedback_past_max_waiting_are_answered_and_not_kept
     greedy = httpx.post(f"{url}/completions", json={**body, "temperature": 0}, timeout=30)
     assert greedy.status_code == 200
     assert httpx.post(f"{url}/feedback", json={"id": first.json()["id"], "reward": 1.0}, timeout=30).status_code == 200
-    kept = ask(json=body)  # its feedback made room
+    assert ask(json=body).status_code == 200 and api.traffic.snapshot()["unkept"] == 5  # (rewarded, held for a step)
+    assert len(api.traffic.take(0, 2, 0, 0.0)) == 1
+    kept = ask(json=body)  # the step that took it made room
     assert httpx.post(f"{url}/feedback", json={"id": kept.json()["id"], "reward": 1.0}, timeout=30).status_code == 200
+
+
+def test_traffic_rewarded_by_the_recipe_faster_than_the_steps_take_it_is_held_to_max_waiting(served, monkeypatch):
+    # (ready at once, it grew without bound while the steps stalled, and every checkpoint held it)
+    api, url = served
+    monkeypatch.setattr(api, "traffic", Traffic(60.0))
+    monkeypatch.setattr(api.config, "reward", "recipe")
+    monkeypatch.setattr(api.config, "max_waiting", 3)
+    body = {"model": "policy", "prompt": "1+1=", "max_tokens": 2}
+    for n in (2, 1, 1, 2):
+        assert httpx.post(f"{url}/completions", json={**body, "n": n}, timeout=30).status_code == 200
+    stats = api.traffic.snapshot()
+    assert stats["ready"] == 3 and stats["unkept"] == 3, stats
+    assert len(api.traffic.take(0, 3, 0, 0.0)) == 2  # a step took them: room again
+    assert httpx.post(f"{url}/completions", json=body, timeout=30).status_code == 200
+    assert api.traffic.snapshot()["ready"] == 1
 
 
 def test_an_engine_that_fails_to_start_a_request_gives_back_its_places_and_n_past_them_is_400(served, monkeypatch):

@@ -100,12 +100,12 @@ class ServeConfig(Strict):
     past it is answered ``429`` with ``Retry-After`` instead of queueing without bound. An agent
     run's own rollout calls are never refused for it (they queue: the agent pool bounds them)."""
     max_waiting: int = Field(4096, ge=1)
-    """Samples (finished choices) waiting for their feedback, at most (``reward = "feedback"``);
-    a request that would go past it is answered but not kept to learn from (``serve/unkept``;
-    feedback naming it is refused) until feedback, or :attr:`feedback_timeout_s`, frees room.
-    Each holds its prompt and its tokens: clients that never send feedback would otherwise fill
-    the worker's memory within the timeout (and refusing the requests instead let one such
-    client keep every other client out)."""
+    """Samples (finished choices) held to learn from, at most: waiting for their feedback, or
+    rewarded and waiting for a step. A request that would go past it is answered but not kept
+    (``serve/unkept``; feedback naming it is refused) until a step, or
+    :attr:`feedback_timeout_s`, frees room. Each holds its prompt and its tokens: clients that
+    never send feedback, or traffic faster than the steps, would otherwise fill the worker's
+    memory (and refusing the requests instead let one such client keep every other client out)."""
 
     @model_validator(mode="after")
     def _key_off_loopback(self):

@@ -198,11 +198,11 @@ class Endpoint:
         if self.pending + req.n > self.config.max_pending and not rollout:
             raise busy(self.traffic, f"{self.pending} completions are running or queued "
                                      f"(serve.max_pending = {self.config.max_pending})")
-        waits = (self.config.reward == "feedback" and not rollout and req.temperature != 0  # (greedy: never trained)
-                 and self.learns_from_traffic)
-        # past serve.max_waiting samples waiting for feedback a request is answered and not kept:
-        # refused, one client that never sends feedback kept every other client's requests out
-        kept = not waits or self.traffic.waiting() + req.n <= self.config.max_waiting
+        learned = not rollout and req.temperature != 0 and self.learns_from_traffic  # (greedy: never trained)
+        # past serve.max_waiting samples held (waiting for feedback, or for a step) a request is
+        # answered and not kept: refused, one client that never sends feedback kept every other
+        # client's requests out; kept, traffic faster than the steps filled the worker's memory
+        kept = not learned or self.traffic.held() + req.n <= self.config.max_waiting
         return Params(max_tokens=limit, n=req.n, greedy=req.temperature == 0, stop=stop, answer=req.answer, kept=kept)
 
     def messages(self, req: ChatRequest) -> list[dict[str, Any]]:

@@ -197,8 +197,8 @@ class Traffic:
                 return (f"completion {completion_id!r} was greedy (temperature 0): not a sample of the policy, "
                         "it is not trained on")
             if state == "unkept":
-                return (f"completion {completion_id!r} was answered while serve.max_waiting samples waited for "
-                        "their feedback: it was not kept to learn from")
+                return (f"completion {completion_id!r} was answered while serve.max_waiting samples were held "
+                        "to learn from: it was not kept")
             if state == "outside":
                 return (f"completion {completion_id!r} was answered by an agent run's endpoint, which learns from "
                         "its own rollouts only: it is not trained on")
@@ -337,6 +337,13 @@ class Traffic:
         with self._lock:
             self._expire()
             return self._waiting_samples
+
+    def held(self) -> int:
+        """Samples held to learn from now: waiting for their feedback, or rewarded and waiting
+        for a step (``serve.max_waiting`` bounds them)."""
+        with self._lock:
+            self._expire()
+            return self._waiting_samples + sum(len(g) for g in self._ready)
 
     def _expire(self) -> None:
         now = time.time()
