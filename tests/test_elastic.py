@@ -114,7 +114,7 @@ def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
     """Thresholds that shrink as soon as the 2 workers were half idle (and never grow):
     2 -> 1 in async mode, with groups of later steps already queued when the worker
     is retired; nothing is lost or trained twice, and it takes no work afterwards."""
-    steps = 16
+    steps = 20  # (room for a late drain on a loaded machine: tiny steps, seconds more)
     proc = streamrl("recipe", "run", str(tiny_recipe), "--set", f"run.steps={steps}", "--set", "run.mode=async",
                     "--set", "run.max_staleness=2", "--set", "pools.generate.workers=2",
                     "--set", "pools.generate.elastic={min=1,max=2,grow_when_train_idle=1.0,"
@@ -139,3 +139,79 @@ def test_a_retired_worker_hands_back_its_groups(tiny_recipe, tmp_path):
 
 
 W3 = ROOT / "recipes" / "paper-7b-20k.toml"
+
+
+def test_an_added_worker_given_its_slots_keeps_them_through_a_restart_by_its_nanny():
+    # an elastic worker starts with 0 generate slots and is offered its own once it joined: on
+    # the worker alone, its nanny brought a crashed process back with 0 and groups pinned to it
+    # could never run
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    from streamrl.extensions.elastic import offer_slots
+    from streamrl.flow.topology import Topology
+
+    workers = {name: {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {pool: 1 - added}}}
+               for name, pool, added in (("train-0", "train", 0), ("generate-1", "generate", 1))}
+    with SpecCluster(scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}},
+                     workers=workers) as cluster, Client(cluster) as client:
+        topo = Topology(client, {"generate": {}, "train": {}}, spec_cluster=cluster)
+
+        def slots() -> float:
+            (info,) = [w for w in client.scheduler_info(n_workers=-1)["workers"].values() if w["name"] == "generate-1"]
+            return info["resources"]["generate"]
+
+        assert slots() == 0
+        offer_slots(topo, "generate-1", topo.address("generate-1"), 2)
+        assert slots() == 2
+        client.restart_workers(["generate-1"])
+        assert slots() == 2
+
+
+def test_a_worker_that_could_not_join_holds_the_pool_from_growing_for_hold_steps():
+    # (asked for again the next step: a process start and a model load every step, each failing
+    # the same way)
+    from types import SimpleNamespace
+
+    from streamrl.extensions.elastic import ElasticPool
+
+    class Topo:  # the pool's side of the topology, without a cluster
+        client, generate, started, stopped = None, ["generate-0"], [], []
+
+        def next_generate_index(self):
+            return 1
+
+        def start_worker(self, name, spec):
+            self.started.append(name)
+
+        def stop_worker(self, name):
+            self.stopped.append(name)
+
+        def address(self, name):
+            return None
+
+        def account(self, name, addr):
+            pass
+
+    class Failed:  # a weight load that failed
+        status = "error"
+
+        def done(self):
+            return True
+
+        def exception(self):
+            return RuntimeError("out of memory")
+
+    recipe = load_recipe(ROOT / "recipes" / "ppo.toml", ["run.steps=100"]).recipe
+    cfg = ElasticConfig(min=1, max=3, hold_steps=4, cooldown_steps=0)
+    pool = ElasticPool(Topo(), recipe, cfg, 30, placed=False, ahead=True)
+    pool.joining = ("generate-1", 1, Failed())
+    pool.before_publish(2)
+    assert pool.topo.stopped == ["generate-1"] and "failed to join" in pool.take_events()
+    # steps where the trainer waits on a saturated pool: it would grow at once
+    saturated = SimpleNamespace(tokens_per_s=100.0, step=3, accounting_window_s=10.0, generate_s=10.0,
+                                pools={"generate": {"busy_s": 10.0}, "train": {"idle_ratio": 0.9}})
+    for _ in range(cfg.hold_steps - 1):
+        pool.after_record(saturated, 3)
+    assert pool.topo.started == []
+    pool.after_record(saturated, 3)
+    assert len(pool.topo.started) == 1  # (held for hold_steps, then asked for again)

@@ -103,6 +103,15 @@ async def _offer(slots: int, dask_worker=None) -> int:
     return slots
 
 
+def offer_slots(topo: Topology, name: str, addr: str | None, slots: int) -> None:
+    """Generate worker ``name`` (at ``addr``) offers ``slots`` generate slots now and after a
+    restart by its nanny (a worker added with 0 and then given its slots came back with 0:
+    groups pinned to it could never run)."""
+    topo.keep_resources(name, generate=slots)
+    if addr:
+        topo.client.run(_offer, slots, workers=[addr], on_error="ignore")  # lost: handled as any loss
+
+
 def _executing(dask_worker=None) -> int:
     """Runs on a worker (``client.run``): how many tasks it is executing now, and served requests
     it decodes (an endpoint's replica: no task carries them)."""
@@ -177,9 +186,8 @@ class ElasticPool:
             if fut.status != "finished":
                 self._failed(name, fut)
                 return
-        slots = self.recipe.pools.generate.threads
         addr = self.topo.address(name)
-        self.client.run(_offer, slots, workers=[addr], on_error="ignore")  # lost: handled as any loss
+        offer_slots(self.topo, name, addr, self.recipe.pools.generate.threads)
         self.topo.add_generate(name)
         self.activated[name] = addr  # counted in the pool's accounting from the next step on
         self.probe = (name, self.baseline, len(self.rates) + 1)  # the step now ending had the old size
@@ -206,6 +214,7 @@ class ElasticPool:
             self.events.append(f"!{self.starting} did not start within cluster.startup_timeout")
             self.topo.drop(self.starting)
             self.starting = None
+            self._gave_up()
         self.rates.append(record.tokens_per_s)
         self.hold = max(0, self.hold - 1)
         busy = self.starting or self.joining or self.draining
@@ -289,6 +298,13 @@ class ElasticPool:
         """A worker that could not join is reported in the record and retired; the run goes on."""
         self.events.append(f"!{name} failed to join: {type(fut.exception()).__name__}: {fut.exception()}")
         self.topo.stop_worker(name)
+        self._gave_up()
+
+    def _gave_up(self) -> None:
+        # a worker that could not start or join is not asked for again at once: every step
+        # would start a process and load a model, and fail the same way
+        self.hold = self.cfg.hold_steps
+        self.quiet = self.cfg.cooldown_steps
 
     def _drain(self, why: str = "") -> None:
         name = max(self.topo.generate, key=lambda n: int(n.rsplit("-", 1)[1]))  # the newest
@@ -298,7 +314,7 @@ class ElasticPool:
             # generate tasks go to any worker with a free slot: stop new ones coming here; those
             # queued here go back to the others when it retires, as soon as it runs nothing.
             # (Groups a scheduler pinned here keep their slots and run out first.)
-            self.client.run(_offer, 0, workers=[addr], on_error="ignore")
+            offer_slots(self.topo, name, addr, 0)
         # in the background: a later step may need a group queued here, so waiting for the next
         # step boundary could wait for ever
         thread = threading.Thread(target=self._retire_when_done, args=(name, addr, self.pinned.pop(name, [])),

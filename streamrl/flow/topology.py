@@ -140,6 +140,22 @@ class Topology:
         self.spec_cluster.worker_spec[name] = spec
         self.spec_cluster.scale(len(self.spec_cluster.worker_spec))
 
+    def keep_resources(self, name: str, **resources: float) -> None:
+        """Worker ``name`` offers ``resources`` through a restart too: its nanny starts the new
+        process from what it was given at its start, which a change made on the worker alone
+        (``set_resources``) is not -- an added generate worker came back with 0 slots."""
+        spec = self.spec_cluster.worker_spec.get(name)
+        if spec is not None:
+            options = spec.setdefault("options", {})
+            options["resources"] = {**(options.get("resources") or {}), **resources}
+        nanny = self.spec_cluster.workers.get(name)
+        if nanny is not None and isinstance(getattr(nanny, "resources", None), dict):
+            nanny.resources = {**nanny.resources, **resources}
+            # (the nanny keeps its process's arguments from the first start, and restarts with them)
+            kwargs = getattr(getattr(nanny, "process", None), "worker_kwargs", None)
+            if isinstance(kwargs, dict):
+                kwargs["resources"] = nanny.resources
+
     def stop_worker(self, name: str) -> None:
         """Retire worker ``name`` now (results only it holds are copied elsewhere first) and
         :meth:`drop` it."""

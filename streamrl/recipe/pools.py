@@ -208,7 +208,8 @@ class ElasticConfig(Strict):
     Retired only when the steps clearly show it: the gain plus 1.5 standard errors of it (from
     the steps' own spread) below this share. -1: never retired for this."""
     hold_steps: int = Field(10, ge=0)
-    """Steps without growing after a worker that did not pay (``min_gain``)."""
+    """Steps without growing after a worker that did not pay (``min_gain``), or could not start
+    or join (each try a process start and a model load)."""
     cooldown_steps: int = Field(1, ge=0)
     """Steps to watch after a worker joined or left before deciding again: the step in which the
     pool changed mixes two sizes."""
