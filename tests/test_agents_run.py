@@ -31,8 +31,9 @@ async def flaky(client, row):
     if (prompt, k) == ("000", "0"):
         await rollout(client, row)
         _time.sleep(60)  # a tool that hangs without ever awaiting: only its own thread is held
-    if (prompt, k) == ("000", "1"):
-        await rollout(client, row)
+    if (prompt, k) == ("000", "1"):  # (one short call, then the error: no full rollout to time out first)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
+                                             max_tokens=4)
         raise ValueError("the tool exploded")
     if (step, prompt, k) == ("1", "001", "2"):  # sys.exit() in agent code: that rollout's error, no traceback
         raise SystemExit(3)
@@ -51,7 +52,7 @@ def run_agent(tmp_path, source: str, function: str, *settings: str):
 def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_rollouts_are_contained(tmp_path):
     # 4 steps: a step has one or two multi-turn samples of its 15 or so, and none at times (3 steps
     # without one were seen once on a loaded machine)
-    run = run_agent(tmp_path, FLAKY, "flaky", "run.steps=4", "task.rollout_timeout_s=12")
+    run = run_agent(tmp_path, FLAKY, "flaky", "run.steps=4", "task.rollout_timeout_s=16")
     records = run.records
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     seen = set()
@@ -160,8 +161,8 @@ def test_steps_whose_every_rollout_timed_out_train_on_and_only_three_in_a_row_st
     agent.write_text(STARVED)
     proc = streamrl("recipe", "run", str(AGENT_RECIPE), "--plain", "--no-report",
                     *sets("run.steps=6", "run.mode=batch", *SMALL, f'task.path="{agent}"', 'task.function="starved"',
-                          # (10 s: a healthy rollout of step 0 took over 5 s on a loaded machine)
-                          "task.rollout_timeout_s=10", f'run.out_dir="{tmp_path / "runs"}"',
+                          # (20 s: a healthy rollout of step 0 took over 5 s on a loaded machine)
+                          "task.rollout_timeout_s=20", f'run.out_dir="{tmp_path / "runs"}"',
                           "cluster.dashboard=false"), timeout=420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]

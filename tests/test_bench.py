@@ -485,16 +485,20 @@ def test_bench_serves_endpoint_is_told_to_stop_when_the_bench_is_killed(tmp_path
     import signal
     import time
 
-    said = tmp_path / "stopped"
+    said, ready = tmp_path / "stopped", tmp_path / "ready"
     endpoint = ("import signal, sys, time\n"
                 f"signal.signal(signal.SIGINT, lambda *a: (open({str(said)!r}, 'w').write('SIGINT'), sys.exit(0)))\n"
+                f"open({str(ready)!r}, 'w').close()\n"
                 "time.sleep(60)\n")
     bench = ("import subprocess, sys, time\n"
              "from streamrl.bench.serve import _stop_with_parent\n"
              f"subprocess.Popen([sys.executable, '-c', {endpoint!r}], start_new_session=True, preexec_fn=_stop_with_parent)\n"
              "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", bench], cwd=ROOT)
-    time.sleep(2)  # (the endpoint started, its handler set)
+    deadline = time.monotonic() + 60  # (the endpoint started, its handler set: a loaded machine takes seconds)
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), "the endpoint never started"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10

@@ -230,9 +230,16 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
         seen["url"] = real_install(client, **kw)
         return seen["url"]
 
+    def no_waiting(*args, **kwargs):
+        raise AssertionError("publish waited on the cluster")
+
     def publish(client, rec):
         t = time.perf_counter()
-        real_publish(client, rec)
+        client.sync = no_waiting  # (the instance's: every blocking call of the client goes through it)
+        try:
+            real_publish(client, rec)
+        finally:
+            del client.sync
         seen["cost"].append(time.perf_counter() - t)
         if rec["step"] == steps - 1:  # the last step: the cluster is still up
             seen["events"] = events(client, steps)
@@ -255,8 +262,9 @@ def test_a_real_run_shows_on_the_page_while_it_runs(tiny_recipe, monkeypatch, re
     assert sorted(k for k in seen["page"]["steps"] if k.startswith("busy_")) == [
         "busy_generate", "busy_reward", "busy_train"]
     assert f"{steps} steps" in seen["page"]["header"]
-    # publish returns at once: the send happens on the client's loop (measured: ~10 us a step)
-    assert statistics.median(seen["cost"]) < 0.005
+    # publish returns at once: the send happens on the client's loop, never waited for (measured:
+    # ~10 us a step; the bound leaves room for a loaded machine's GIL)
+    assert statistics.median(seen["cost"]) < 0.05
     assert not [w for w in recwarn if "streamrl page" in str(w.message)]
 
 

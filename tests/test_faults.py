@@ -91,7 +91,8 @@ def test_a_killed_train_worker_stops_the_run_in_one_line_and_resume_finishes_it(
     # 10-12 s. Before, the catch-up waited out its timeout twice: 252 s). Alone, 0.75: the
     # workers start warm (forked with the libraries loaded), so the start is shorter than it was
     # with spawned ones, when the bound was half of it.
-    assert stopped < (3.0 if together else 0.75) * started, (stopped, started)
+    # (with a floor of 20 s: the other xdist worker's load can fall on the stop alone)
+    assert stopped < max((3.0 if together else 0.75) * started, 20.0), (stopped, started)
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     # Dask's words about the losses and restarts go to warnings.log (the generate and reward

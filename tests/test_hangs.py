@@ -125,11 +125,11 @@ def test_a_step_that_hangs_on_a_live_worker_stops_the_run_at_run_step_timeout_s_
     recipe = with_plugin(tiny_recipe, "hangs_later", HANGING_ALGORITHM, extra='\n[algorithm]\nname = "hangs_later"\n')
     t0 = time.perf_counter()
     proc = streamrl("recipe", "run", str(recipe), "--set", "run.steps=4", "--set", "run.checkpoint_every=1",
-                    "--set", "run.mode=batch", "--set", "run.step_timeout_s=6", "--plain", "--no-report")
+                    "--set", "run.mode=batch", "--set", "run.step_timeout_s=15", "--plain", "--no-report")
     took = time.perf_counter() - t0
     last = last_error_line(proc, 1)
     (run_dir,) = (tiny_recipe.parent / "runs").iterdir()
-    assert re.fullmatch(r"streamrl: error: step 2 did not finish within 6 s \(run.step_timeout_s\); still running: "
+    assert re.fullmatch(r"streamrl: error: step 2 did not finish within 15 s \(run.step_timeout_s\); still running: "
                         r"train-1 \S+ on train-0(, .*)?; the last checkpoint is step-000001 \(resume with: "
                         rf"streamrl recipe resume {re.escape(str(run_dir))}, --set to change the recipe\)", last), last
     state = json.loads((run_dir / "status.json").read_text())
@@ -210,7 +210,7 @@ def test_score_group_cuts_off_a_late_batch_and_late_or_exiting_responses_alone()
     group = [Sample(uid=f"p-{i}", prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[0.0], response_text=text)
              for i, text in enumerate(["ok", "hang", "exit", "ok"])]
     try:
-        score_group(Batched(), group, timeout_s=0.2)
+        score_group(Batched(), group, timeout_s=1.0)  # (room for a thread hand-off on a loaded machine)
     finally:
         release.set()  # lets the abandoned calls end
     assert [s.reward for s in group] == [1.0, 0.0, 0.0, 1.0]
@@ -243,7 +243,7 @@ def test_a_score_group_that_yields_its_scores_is_held_to_the_deadline_as_it_is_r
              for i, text in enumerate(["ok", "hang"])]
     t0 = time.monotonic()
     try:
-        score_group(Lazy(), group, timeout_s=0.2)
+        score_group(Lazy(), group, timeout_s=1.0)
     finally:
         release.set()
     assert time.monotonic() - t0 < 20  # (read outside the deadline, it waited for the hung one)

@@ -25,9 +25,9 @@ def test_a_wait_that_outlasts_the_deadline_is_interrupted_and_one_that_ends_in_t
         assert time.perf_counter() - t0 < 10
         assert str(caught.value).startswith("step 3 did not finish within 0.3 s (run.step_timeout_s); "
                                             "still running: the scheduler did not say")
-        with dog.watching("step 4"):
+        with dog.watching("step 4", limit_s=1.0):  # (in time, with room for a loaded machine)
             time.sleep(0.05)
-        time.sleep(0.5)  # its timer was cancelled: nothing comes
+        time.sleep(1.5)  # its timer was cancelled: nothing comes
         signal.pthread_kill(threading.main_thread().ident, SIGNAL)  # a late signal: handled, ignored
         time.sleep(0.05)
         with dog.watching("step 5", limit_s=0):  # 0: no deadline
@@ -62,7 +62,7 @@ def test_a_deadline_swallowed_by_a_catch_all_comes_again_until_it_ends_the_body(
                     threading.Event().wait(30)
                 except StepTimeout:
                     pass
-        with dog.watching("step 9"):  # a later body in time is left alone
+        with dog.watching("step 9", limit_s=1.0):  # a later body in time is left alone
             time.sleep(0.05)
         assert dog._pending is None and dog._armed is None  # (nothing left to signal again)
         # the handler put back while a body still runs past its deadline (the runner's own
