@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 import threading
 import time
@@ -53,6 +54,37 @@ def test_task_walks_the_dataset_in_epochs():
     task = LongTailSimTask(LongTailSimConfig(dataset_size=10))
     ids = [p.answer["prompt_id"] for s in range(5) for p in task.prompts(s, 4)]
     assert sorted(ids[:10]) == list(range(10)) and sorted(ids[10:20]) == list(range(10))
+
+
+def test_task_shuffles_an_epoch_once_and_gives_the_same_prompts_as_before(monkeypatch):
+    # (shuffled again for every prompt: most of the controller's time in a step of 64)
+    task = LongTailSimTask(LongTailSimConfig(dataset_size=100, seed=3))
+    shuffles = []
+    shuffle = random.Random.shuffle
+    monkeypatch.setattr(random.Random, "shuffle", lambda self, x: shuffles.append(1) or shuffle(self, x))
+    ids = [p.answer["prompt_id"] for s in range(3) for p in task.prompts(s, 64)]  # (192 prompts: two epochs)
+    assert len(shuffles) == 2  # (once an epoch: it was once a prompt, 192)
+    expected = []
+    for j in range(192):
+        epoch, pos = divmod(j, 100)
+        order = list(range(100))
+        shuffle(random.Random(3 * 7919 + epoch), order)
+        expected.append(order[pos])
+    assert ids == expected
+
+
+@pytest.mark.parametrize("trace, said", [("4000\n0\n", "line 2 ('0') is not an output length"),
+                                         ("12\nabc\n", "line 2 ('abc') is not an output length"),
+                                         ("\n\n", "holds no output lengths")])
+def test_a_trace_that_is_not_output_lengths_is_one_line_naming_the_file_and_line(tmp_path, trace, said):
+    path = tmp_path / "lengths.txt"
+    path.write_text(trace)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        LongTailSimConfig(trace=str(path))
+    with pytest.raises(ValueError, match=re.escape("min_len (99) must be <= cap (98)")):
+        LongTailSimConfig(min_len=99, cap=98)
+    with pytest.raises(ValueError):
+        LongTailSimConfig(median=float("inf"))
 
 
 def test_sim_length_reward():

@@ -117,8 +117,9 @@ class Rollout:
         return [Rollout._done_so_far(b, r) for b in batches for r in b.running if r.payload.group == group]
 
     def _move(self, batches, clocks, policy: LongTailPolicy, t: float, version: int) -> int:
-        view = [[Running(id(r), r.payload.group, self._done_so_far(b, r), r.payload.prompt_tokens)
-                 for r in b.running] for b in batches]
+        # (a sample moves at most once, as the engines' samples do: a moved one is not movable)
+        view = [[Running(id(r), r.payload.group, self._done_so_far(b, r), r.payload.prompt_tokens,
+                         movable=not r.payload.segments) for r in b.running] for b in batches]
         moves = policy.moves(view)
         by_key = {id(r): (i, r) for i, b in enumerate(batches) for r in b.running}
         for m in moves:

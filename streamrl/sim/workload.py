@@ -29,8 +29,36 @@ LEVELS = ["trivial", "basic", "easy", "simple", "light", "plain", "modest", "med
           "involved", "hard", "tough", "gnarly", "brutal", "fiendish", "monstrous"]
 
 
+#: A trace file larger than this is refused before it is read (a user's file: a wrong path to
+#: gigabytes would be read whole, twice).
+MAX_TRACE_BYTES = 64 * 1024 * 1024
+
+
+def read_trace(path: Path) -> list[float]:
+    """The output lengths of trace file ``path``, one per line; ValueError naming the file and
+    the first line that is not a length (a number > 0: its log is a prompt's median), or an empty file."""
+    size = path.stat().st_size
+    if size > MAX_TRACE_BYTES:
+        raise ValueError(f"trace file {path} has {size} bytes; at most {MAX_TRACE_BYTES} are read")
+    out = []
+    for k, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = float(line)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"trace file {path}: line {k} ({line.strip()[:40]!r}) is not an output length "
+                             "(a number > 0)")
+        out.append(value)
+    if not out:
+        raise ValueError(f"trace file {path} holds no output lengths (one per line)")
+    return out
+
+
 class LongTailSimConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
     median: float = Field(4000, gt=0)
     """Median output length, tokens."""
     p90: float = Field(11000, gt=0)
@@ -66,8 +94,12 @@ class LongTailSimConfig(BaseModel):
             raise ValueError("prompt_tokens_max must be >= prompt_tokens_min")
         if any(scale <= 0 for _, scale in self.length_phases):
             raise ValueError("length_phases: every scale must be > 0")
+        if self.min_len > self.cap:
+            raise ValueError(f"min_len ({self.min_len}) must be <= cap ({self.cap})")
         if self.trace and not Path(self.trace).is_file():
             raise ValueError(f"trace file {self.trace} not found")
+        if self.trace:
+            read_trace(Path(self.trace))
         return self
 
 
@@ -80,7 +112,8 @@ class LongTailSimTask(Task):
         self.sigma_prompt = sigma * math.sqrt(c.prompt_share)
         self.sigma_sample = sigma * math.sqrt(1 - c.prompt_share)
         rng = random.Random(c.seed)
-        trace = [float(x) for x in Path(c.trace).read_text().split()] if c.trace else None
+        trace = read_trace(Path(c.trace)) if c.trace else None
+        self._orders: dict[int, list[int]] = {}  # epoch -> the dataset's order in it
         self.dataset = []
         for i in range(c.dataset_size):
             mu = math.log(rng.choice(trace)) if trace else rng.gauss(math.log(c.median), self.sigma_prompt)
@@ -89,6 +122,18 @@ class LongTailSimTask(Task):
             level = LEVELS[min(len(LEVELS) - 1, max(0, round(z * 3) + len(LEVELS) // 2))]
             text = f"q{i} {rng.choice(['algebra', 'geometry', 'counting', 'proof', 'code'])} {level}"
             self.dataset.append((i, mu, tokens, text))
+
+    def _order(self, epoch: int) -> list[int]:
+        # the dataset's order in ``epoch``, shuffled once (shuffled again for every prompt, it
+        # was most of the controller's time a step); the latest two epochs kept (a step may span two)
+        cache = self._orders
+        if epoch not in cache:
+            order = list(range(len(self.dataset)))
+            random.Random(self.config.seed * 7919 + epoch).shuffle(order)
+            cache[epoch] = order
+            for old in sorted(cache)[:-2]:
+                del cache[old]
+        return cache[epoch]
 
     def scale(self, step: int) -> float:
         """The length scale of ``step`` (``length_phases``)."""
@@ -104,9 +149,7 @@ class LongTailSimTask(Task):
         out = []
         for j in range(step * n, step * n + n):
             epoch, pos = divmod(j, size)
-            order = list(range(size))
-            random.Random(c.seed * 7919 + epoch).shuffle(order)
-            i, mu, tokens, text = self.dataset[order[pos]]
+            i, mu, tokens, text = self.dataset[self._order(epoch)[pos]]
             out.append(Prompt(uid=f"{step}-{j - step * n:03d}", text=text, answer={
                 "prompt_id": i, "prompt_tokens": tokens, "log_median": mu + math.log(self.scale(step)),
                 "sigma": self.sigma_sample,
