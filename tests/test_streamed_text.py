@@ -108,3 +108,40 @@ def test_a_streamed_reply_with_a_stop_that_never_comes_sends_its_whole_text_by_i
         stream = client.completions.create(model="policy", prompt="12+34=", max_tokens=4, temperature=0,
                                            stop=["never here"], stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == whole.choices[0].text != ""
+
+
+def test_a_reply_that_ends_on_a_cut_character_keeps_the_characters_before_it():
+    # "é" whole, then the first byte of "東" in the same event, then the reply ends (max_tokens):
+    # the event waited for the cut character's end, which never came, and "é" was lost with it --
+    # from the client's text and the text the reward scored
+    import asyncio
+    from concurrent.futures import Future
+
+    tok = byte_level()
+    # (GPT-2's bytes as characters: the printable ones as they are, the others from 256 on)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(others)}}
+    byte = [tok.convert_tokens_to_ids(char[b]) for b in (0xC3, 0xA9, 0xE6)]
+    head = tok("ok ", add_special_tokens=False).input_ids
+
+    class Engine:  # (decodes the reply in two steps, then ends it at its length)
+        stop_ids = ()
+
+        def stream(self, rid, ids, max_new_tokens, on_tokens=None, greedy=False, prompt=None):
+            future = Future()
+            on_tokens(head + byte[:1], [-0.1] * (len(head) + 1), 1)
+            on_tokens(byte[1:], [-0.1, -0.1], 1)
+            future.set_result(SimpleNamespace(tokens=head + byte, stopped_early=False))
+            return future
+
+    async def reply():
+        completion = Completion(Engine(), tok, "cmpl-x", [1], Params(max_tokens=len(head) + 3))
+        completion.start()
+        return [e async for e in completion.events()], completion
+
+    events, completion = asyncio.run(reply())
+    sent = "".join(e.text for e in events)
+    assert sent == completion.choices[0].text == decode(tok, head + byte, frozenset()), (sent, completion.choices[0].text)
+    assert "é" in sent and events[-1].finish_reason == "length"
+    assert completion.samples()[0].response_text == sent

@@ -258,23 +258,30 @@ class Completion:
             if exc is not None:
                 continue
             if c.finish_reason is None:
+                # tokens not yet in the text (a character cut between them, waiting for its end
+                # that now never comes): decoded as they are, or the characters they completed
+                # before the cut one were lost with it -- from the client and the reward alike
+                tail = self._new_text(c, final=True) if c.read_at < len(c.tokens) else ""
                 response = future.result()
-                if getattr(response, "stopped_early", False):
+                if c.finish_reason is not None:  # (the tail held a stop sequence)
+                    pass
+                elif getattr(response, "stopped_early", False):
                     c.finish_reason, c.stopped_early = "stop", True
                 elif response.tokens and response.tokens[-1] in self.stops:
                     c.finish_reason = "stop"
                 else:
                     c.finish_reason = "cancelled" if self.cancelled else "length"
                 rest, c.sent = c.text[c.sent:], len(c.text)  # (a tail held back for a stop sequence that never came)
-                yield Event(index, rest, [], [], None, c.finish_reason)
+                yield Event(index, tail + rest, [], [], None, c.finish_reason)
 
-    def _new_text(self, c: Choice) -> str:
+    def _new_text(self, c: Choice, final: bool = False) -> str:
         # Only the tokens since the last new text, behind the few decoded before them (decoded
         # alike in both calls, so what they print differently alone cancels out): decoding the
         # whole choice at each step cost the event loop time quadratic in its length.
+        # ``final``: the choice ended, so a character cut between tokens waits for nothing.
         before = decode(self.tokenizer, c.tokens[c.prefix_at:c.read_at], self.keep)
         window = decode(self.tokenizer, c.tokens[c.prefix_at:], self.keep)
-        if window.endswith("\ufffd") and len(c.tokens) - c.read_at < MAX_CHARACTER_TOKENS:
+        if window.endswith("\ufffd") and len(c.tokens) - c.read_at < MAX_CHARACTER_TOKENS and not final:
             return ""  # a character cut between tokens: wait for its end
         c.prefix_at, c.read_at = c.read_at, len(c.tokens)
         full = c.text + window[len(before):]
