@@ -153,3 +153,41 @@ def test_a_reasoning_models_spelled_call_is_no_call_and_its_reasoning_stays_out(
     reply = fmt.reply(spelled)
     assert not reply.get("tool_calls")
     assert reply["content"] == 'sure: <tool_call>{"name": "calc", "arguments": {"x": "1"}}</tool_call>'
+
+
+def test_a_streamed_reply_with_tools_sends_what_its_whole_response_says(tok):
+    # with tools offered the content streamed came from the choice's text: a tail held back while
+    # it might begin a stop sequence went out (and then the stop came); the content after a call
+    # was lost when the parser stripped spaces sent before it; and a reply cut at its length
+    # streamed no calls, though its whole response has them
+    from types import SimpleNamespace
+
+    from streamrl.chat.tool_calls import HermesToolParser
+    from streamrl.serve.completion import Choice, Event
+    from streamrl.serve.response_bodies import Format
+
+    endpoint = SimpleNamespace(model_name="policy", tokenizer=tok, traffic=SimpleNamespace(count=lambda *a: None))
+
+    def streamed(choice: Choice, steps: list[tuple[str, int]], finish: str) -> tuple[str, list, str]:
+        fmt = Format(endpoint, SimpleNamespace(logprobs=False), "c", True, [], HermesToolParser())
+        content, calls = "", []
+        for text, sent in steps:  # (the choice's text and how much of it the choice let go)
+            choice.text, choice.sent = text, sent
+            content += fmt.chunk(Event(0, "", [1], [0.0], 1), choice=choice)["choices"][0]["delta"]["content"]
+        choice.finish_reason = finish
+        last = fmt.chunk(Event(0, "", [], [], None, finish), choice=choice)["choices"][0]
+        content += last["delta"]["content"]
+        calls = last["delta"].get("tool_calls", [])
+        return content, calls, last["finish_reason"]
+
+    # "fooEN": "EN" held (the stop "END" may come), then it came: the text is "foo"
+    content, calls, finish = streamed(Choice(0, "r0"), [("fo", 2), ("fooEN", 3), ("foo", 3)], "stop")
+    assert content == "foo" and calls == [] and finish == "stop"
+    call = '<tool_call>{"name": "calc", "arguments": {"x": "6*7"}}</tool_call>'
+    text = "  Sure. " + call + " Done."
+    generated = Choice(0, "r1", tokens=tok(text, add_special_tokens=False).input_ids)
+    content, calls, finish = streamed(generated, [("  Sure. ", 8), (text, len(text))], "stop")
+    assert content.strip().startswith("Sure.") and content.endswith("Done.") and finish == "tool_calls", content
+    cut = Choice(0, "r2", tokens=tok("ok " + call, add_special_tokens=False).input_ids)
+    content, calls, finish = streamed(cut, [("ok " + call, len("ok " + call))], "length")
+    assert [c["function"]["name"] for c in calls] == ["calc"] and finish == "length"

@@ -223,11 +223,12 @@ class Format:
         if self.tool_parser is not None and choice is not None:
             body["delta"]["content"] = self._content_delta(choice, bool(finish))
         if finish and self.tool_parser is not None and choice is not None:
-            # the reply's tool calls, parsed once it is whole, ride on its last chunk
+            # the reply's tool calls, parsed once it is whole, ride on its last chunk (one cut at
+            # its length has them too, as its whole response does; its finish stays "length")
             calls = self.reply(choice).get("tool_calls", [])
-            if calls and choice.finish_reason == "stop":
+            if calls:
                 body["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                finish = "tool_calls"
+            finish = self.finish_reason(choice)
         return {**self._base(obj), "choices": [{"index": ev.index, **body, "logprobs": lp,
                                                 "finish_reason": finish}],
                 "streamrl": {"index": ev.index, "token_ids": ev.tokens, "logprobs": ev.logprobs,
@@ -240,9 +241,13 @@ class Format:
         sent = self._sent.get(choice.index, "")
         if whole:
             content = self.reply(choice)["content"] or ""
-            delta = content[len(sent):] if content.startswith(sent) else ""
+            # (a parser strips its content: what was sent may have had spaces the content lacks;
+            # the rest after it still goes, not nothing)
+            seen = next((s for s in (sent, sent.lstrip(), sent.strip()) if content.startswith(s)), None)
+            delta = content[len(seen):] if seen is not None else ""
         else:
-            text, start = choice.text, getattr(self.tool_parser, "start", "")
+            # (not a tail the choice holds back while it may begin a stop sequence)
+            text, start = choice.text[:choice.sent], getattr(self.tool_parser, "start", "")
             starts = [start] if isinstance(start, str) else list(start)
             found = [at for at in (text.find(s) for s in starts if s) if at >= 0]
             if found:
