@@ -120,6 +120,11 @@ def test_the_json_forms_clients_send_are_still_taken(served):
                       json={**CHAT, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert r.status_code == 200 and events[-1] == "data: [DONE]" and '"usage"' in events[-2]
+    # null for an optional field, as OpenAI's API takes it: its default
+    r = httpx.post(f"{url}/chat/completions", json={**CHAT, "n": None, "stream": None, "logprobs": None}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text[:300]
+    r = httpx.post(f"{url}/completions", json={**COMPLETION, "echo": None, "logprobs": None}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
 
 
 def test_the_openai_client_gets_a_bad_request_error_naming_the_field(served):

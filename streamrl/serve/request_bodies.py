@@ -83,6 +83,10 @@ class RefusalLog:
         self.last, self.quiet = now, 0
 
 
+#: Fields with a default other than null that take null as that default (``"n": null``).
+NULL_IS_DEFAULT = ("n", "stream", "logprobs", "echo")
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: whether a stream ends with the usage chunk."""
 
@@ -136,6 +140,15 @@ class Sampling(BaseModel):
     session: str | None = Field(None, min_length=1, max_length=256)
     """streamrl's own: a conversation or user session this request belongs to; one ``POST
     /v1/feedback`` with ``session`` rewards all of the session's completions still waiting."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        # OpenAI's API takes null for its optional fields ("or null"), and some clients send it:
+        # the field's default, as left out (those whose default is null take it as it is)
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
+        return data
 
     @field_validator("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p",
                      "repetition_penalty")
