@@ -777,6 +777,9 @@ def test_bodies_being_read_past_the_admission_budget_are_429_until_room_is_made(
         until(lambda: api.admitted_bytes == 100, 10)
         r = post(content=body)
         assert error_of(r, 429)["code"] == "rate_limit_exceeded" and r.headers["retry-after"] == "1"
+        # feedback is not held up by slow completion bodies (it has a bound of its own, 4 KB)
+        fb = httpx.post(f"{url}/feedback", json={"id": "x" * 100, "reward": 1.0}, timeout=30)  # (past the 50 bytes left)
+        assert error_of(fb, 404)["param"] == "id"  # (read and answered: an unknown id)
         slow.shutdown(socket.SHUT_WR)  # (the client gives up: its request ends, its room given back)
         until(lambda: api.admitted_bytes == 0, 10)
     assert post(content=body).status_code == 200

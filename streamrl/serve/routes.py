@@ -144,8 +144,10 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         if endpoint.config.reward == "recipe":  # (it would be taken and never used)
             raise APIError(400, "This endpoint scores its completions with the recipe's reward (serve.reward = "
                                 "\"recipe\"); it takes no feedback.", code="feedback_not_taken")
-        with endpoint.admission() as room:  # (a feedback is a few hundred bytes: a body of megabytes is not one)
-            fb = await read_body(request, Feedback, endpoint.config, room, limit=FEEDBACK_BODY_BYTES)
+        # (a feedback is a few hundred bytes: a body of megabytes is not one. Not charged to the
+        # room for completion bodies: slow uploads that filled it made every feedback a 429 too,
+        # and 4 KB a connection, the connections bounded, holds little)
+        fb = await read_body(request, Feedback, endpoint.config, None, limit=FEEDBACK_BODY_BYTES)
         if abs(fb.reward) > endpoint.reward_limit:
             raise APIError(400, f"Invalid value for 'reward': {fb.reward:g} is past this run's reward.limit; rewards "
                                 f"must lie within [-{endpoint.reward_limit:g}, {endpoint.reward_limit:g}].", param="reward")
