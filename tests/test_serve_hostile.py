@@ -1178,3 +1178,27 @@ def test_a_stream_whose_client_left_before_its_first_chunk_gives_its_places_back
 
     asyncio.run(one_request())
     assert until(lambda: api.pending == before, 10, every=0.05)
+
+
+def test_a_whole_reply_is_built_and_encoded_off_the_event_loop(served, monkeypatch):
+    # (with logprobs every token is decoded: 64 long choices held every other stream for seconds)
+    import asyncio
+
+    from streamrl.serve.response_bodies import Format
+
+    api, url = served
+    whole, on_loop = Format.whole, []
+
+    def watched(self, completion):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # (no loop runs in this thread)
+            on_loop.append(False)
+        return whole(self, completion)
+
+    monkeypatch.setattr(Format, "whole", watched)
+    r = httpx.post(f"{url}/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": "1+1="}],
+                                                    "max_tokens": 2, "n": 2, "logprobs": True}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2 and r.json()["choices"][0]["logprobs"], r.text[:300]
+    assert on_loop == [False]

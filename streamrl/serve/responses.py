@@ -6,12 +6,13 @@ trajectory."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import secrets
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from streamrl.serve.completion import Completion
 from streamrl.serve.remote_engines import RemoteEngine
@@ -72,7 +73,10 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
             pass
         for c in completion.choices:
             await fmt.parse(c)
-        return fmt.whole(completion)  # (before finished: a parser's 500 is raised here)
+        # built and encoded off the event loop (before finished: a parser's 500 is raised here):
+        # 64 choices of thousands of tokens with their log-probs, each token decoded, held every
+        # other client's stream for seconds
+        return Response(await endpoint.off_loop(whole_body, fmt, completion), media_type="application/json")
     except APIError:  # the tool parser failed on a reply: the client gets no id to reward,
         completion.cancel()  # and the learners none of its choices
         raise
@@ -82,6 +86,11 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
     finally:
         watch.cancel()
         finished(endpoint, completion, fmt)
+
+
+def whole_body(fmt: Format, completion: Completion) -> bytes:
+    """The non-streamed response as the bytes sent (in the tokenizing thread)."""
+    return json.dumps(fmt.whole(completion), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 #: Seconds between two looks at whether the client of a whole (not streamed) reply went away.
