@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,3 +136,38 @@ def test_greedy_evaluation_on_the_default_continuous_engine_runs_end_to_end(gree
     evals = [e for r in records for e in r.get("eval_unrecorded", []) + ([r] if "eval/policy_version" in r else [])]
     assert [e["eval/policy_version"] for e in evals] == [0, 1, 2, 3] and not any("eval_error" in e for e in evals)
     assert all(e["eval/prompts"] == 4 and 0.0 <= e["eval/pass@1"] <= 1.0 for e in evals)
+
+
+def test_evaluations_a_checkpoint_still_ran_are_run_again_or_said_lost_after_a_resume(tmp_path):
+    # the default checkpoint_every = 50 and eval.every = 10: version 50's evaluation ran while
+    # the checkpoint after it was written, and a resumed run never evaluated it (nor said so)
+    from streamrl.checkpoints.integrity import json_problem
+    from streamrl.extensions.evaluate import EVAL_FILE, Evaluator, HeldOutEvaluation
+    from streamrl.recipe.recipe import EvalConfig
+
+    class Recorded(Evaluator):  # (no cluster: what is submitted is noted, and finishes at once)
+        def __init__(self):
+            super().__init__(None, [], EvalConfig(every=10), 1, greedy=False)
+            self.submitted = []
+
+        def submit(self, version, after=None):
+            self.submitted.append(version)
+            self.pending.append((version, []))
+            self.lost[version] = "(stands in for its metrics)"
+
+    running = HeldOutEvaluation(Recorded(), steps=100)
+    running.evaluator.pending = [(40, []), (50, [])]  # 40 finished, not recorded yet; 50 running
+    (tmp_path / "controller.json").write_text(json.dumps({"next_step": 50, "policy_version": 50, "records": 50}))
+    running.checkpoint(50, None)(tmp_path)
+    assert json.loads((tmp_path / EVAL_FILE).read_text()) == {"pending": [40, 50]} and json_problem(tmp_path) is None
+    resumed = HeldOutEvaluation(Recorded(), steps=100)
+    resumed.resume(tmp_path)
+    resumed.trained(50, [])
+    assert resumed.evaluator.submitted == [50]  # the policy the engines hold again: evaluated anew
+    record = SimpleNamespace(extra={})
+    resumed.record(50, record)
+    assert record.extra["eval/policy_version"] == 40 and "not evaluated: the run resumed" in record.extra["eval_error"]
+    resumed.trained(51, [])
+    assert resumed.evaluator.submitted == [50]  # (once)
+    (tmp_path / EVAL_FILE).write_text(json.dumps({"pending": ["x"]}))
+    assert "eval.json does not hold what a checkpoint writes there" in json_problem(tmp_path)

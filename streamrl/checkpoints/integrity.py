@@ -154,9 +154,17 @@ def _traffic_problem(d) -> str | None:
     return None
 
 
+def _eval_problem(d) -> str | None:
+    pending = d.get("pending") if isinstance(d, dict) else None
+    if not isinstance(pending, list) or not all(_count(v) for v in pending):
+        return "pending is not a list of policy versions"
+    return None
+
+
 #: What a resume reads from each JSON file of a checkpoint: what is wrong with the parsed value, or None.
 JSON_FILES = {"controller.json": _controller_problem, "dispatch.json": _dispatch_problem,
-              "learners.json": _learners_problem, "serve_traffic.json": _traffic_problem}
+              "learners.json": _learners_problem, "serve_traffic.json": _traffic_problem,
+              "eval.json": _eval_problem}
 
 
 def json_problem(ckpt: Path) -> str | None:

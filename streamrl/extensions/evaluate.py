@@ -12,7 +12,9 @@ of the step during which it finished (``eval/policy_version`` says which policy 
 ``eval/decoded_version_min`` and ``..._max`` the policy versions its responses began decoding
 under: in ``async`` and ``stream`` runs a later version's load may come in first).
 Evaluations run at the start, every ``eval.every`` steps and after the last step; the last one
-is waited for.
+is waited for. A checkpoint keeps the versions whose evaluation still ran
+(:data:`EVAL_FILE`): a resumed run evaluates the one its weights are again, and records the older
+ones as not evaluated (their weights are gone), not leaving them out unsaid.
 
 Metrics: ``eval/reward_mean`` (over every response), ``eval/pass@1`` (per prompt, the share of
 its ``k`` responses whose reward reaches ``eval.pass_reward``, averaged: the unbiased pass@1),
@@ -22,12 +24,15 @@ its ``k`` responses whose reward reaches ``eval.pass_reward``, averaged: the unb
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from distributed import Client, Future, wait
 
 from streamrl.api import Task
+from streamrl.checkpoints import folders
 from streamrl.errors import UserError
 from streamrl.flow import submit
 from streamrl.on_worker import task_functions, weight_tasks
@@ -42,6 +47,9 @@ from streamrl.telemetry.text import error_line
 #: Dask priority of evaluation's generate tasks: below training's (0 and up), so the generate
 #: pool runs them only when no training generation is waiting.
 EVAL_PRIORITY = -1
+
+#: The checkpoint's file of evaluations still running when it was written (``{"pending": [versions]}``).
+EVAL_FILE = "eval.json"
 
 def eval_groups(prompts: list[Prompt], n: int, greedy: bool, min_version: int = 0, after=None) -> list[Group]:
     """Generate pool: ``n`` responses to each prompt (``greedy``: one argmax response) from the
@@ -94,6 +102,7 @@ class Evaluator:
         self.prompts = prompts[:cfg.max_prompts]
         self.greedy = greedy and cfg.greedy and cfg.samples == 1
         self.pending: list[tuple[int, list[Future]]] = []  # (version, summary futures), oldest first
+        self.lost: dict[int, str] = {}  # versions in ``pending`` (without futures) that cannot be evaluated: why
         self.generate, self.tag, self.priority, self.options = generate, tag, priority, options
         self.where = where or {"resources": {"generate": 1}}
 
@@ -121,6 +130,11 @@ class Evaluator:
                                                     key=spans.step_key(f"eval-summary{self.tag}", version, rest),
                                                     resources={"reward": 1}, priority=EVAL_PRIORITY))
         self.pending.append((version, summaries))
+
+    def not_evaluated(self, version: int, why: str) -> None:
+        """Policy ``version``'s evaluation cannot run (``why``): recorded in its turn as its ``eval_error``."""
+        self.lost[version] = why
+        self.pending.append((version, []))
 
     def ready(self) -> dict:
         """The metrics of the oldest finished evaluation not handed back yet ({}: none)."""
@@ -152,6 +166,8 @@ class Evaluator:
 
     def _take(self) -> dict:
         version, futures = self.pending.pop(0)
+        if not futures and version in self.lost:
+            return {"eval/policy_version": version, "eval_error": self.lost.pop(version)}
         try:
             summaries = [g for f in futures for g in f.result()]
         except Exception as exc:  # an evaluation that failed is reported in the record; training goes on
@@ -191,11 +207,36 @@ class HeldOutEvaluation(StepExtension):
 
     def __init__(self, evaluator: Evaluator, steps: int):
         self.evaluator, self.steps = evaluator, steps
+        self.resumed: tuple[int, list[int]] | None = None  # (policy version, versions pending) of the checkpoint
 
     def trained(self, step: int, scored: list[Future]) -> None:
-        """Evaluate the initial policy (the ``before`` of before/after) beside the first step."""
+        """Evaluate the initial policy (the ``before`` of before/after) beside the first step;
+        after a resume, the evaluations its checkpoint still ran (the engines hold its weights now)."""
         if step == 0:
             self.evaluator.submit(0)
+        if self.resumed is not None:
+            version, pending = self.resumed
+            self.resumed = None
+            for v in pending:
+                if v == version:
+                    self.evaluator.submit(v)
+                else:
+                    self.evaluator.not_evaluated(v, f"not evaluated: the run resumed from a checkpoint written while "
+                                                    f"it ran, which holds policy {version}, not {v}")
+
+    def checkpoint(self, next_step: int, previous: Path | None):
+        """The versions whose evaluation still runs (or waits for its record) into the checkpoint."""
+        pending = [v for v, _ in self.evaluator.pending]
+
+        def write(folder: Path) -> None:
+            (folder / EVAL_FILE).write_text(json.dumps({"pending": pending}))
+        return write
+
+    def resume(self, checkpoint: Path) -> None:
+        """Read the evaluations the checkpoint still ran: submitted again with the next step."""
+        path = checkpoint / EVAL_FILE
+        pending = json.loads(path.read_text())["pending"] if path.is_file() else []
+        self.resumed = (folders.read(checkpoint)["policy_version"], pending) if pending else None
 
     def published(self, version: int, loads: list[Future]) -> None:
         """Evaluate ``version`` on the generate pool once it holds it, when it is due."""
