@@ -3,6 +3,7 @@ the placement and the simulated rollout (no cluster)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -205,6 +206,47 @@ def test_the_scheduler_learns_its_spreads_across_steps_and_not_from_placeholder_
     assert scheduler.policy.lengths.sigma == pytest.approx(0.35, abs=0.08)  # learned from the groups
     assert scheduler.policy.lengths.tau != LengthEstimateConfig().tau
     assert scheduler.policy.lengths.groups == {}  # every observed group closed
+
+
+def test_the_spreads_learned_survive_a_checkpoint_and_a_resumed_run_places_with_them(tmp_path):
+    # a resumed run placed from the starting spreads, not those its run had learned
+    from types import SimpleNamespace
+
+    from streamrl.checkpoints.integrity import json_problem
+    from streamrl.flow.dispatch import Dispatcher
+
+    task = LongTailSimTask(LongTailSimConfig(dataset_size=512))
+    scheduler, observed, workers = LongTail(LongTailConfig()), [], ["a", "b", "c", "d"]
+    for step in range(3):
+        prompts = task.prompts(step, 32)
+        scheduler.dispatch(prompts, [random.random() for _ in prompts], workers, DispatchContext(8, observed, 600.0, STEP))
+        lengths = [[int(math.exp(random.Random(f"{p.uid}-{k}").gauss(p.answer["log_median"], 0.35)))
+                    for k in range(8)] for p in prompts]
+        scheduler.observe(prompts, lengths)
+        observed += [n for ls in lengths for n in ls]
+    learned = scheduler.policy.lengths
+    assert learned.sigma != LengthEstimateConfig().sigma
+
+    def dispatcher(scheduler):  # (the checkpoint's side of a run's dispatcher: no ranker, no cluster)
+        d = Dispatcher.__new__(Dispatcher)
+        d.scheduler, d.rank_worker, d.scheduler_problems = scheduler, None, set()
+        d.observed_lengths, d.prompt_tokens = observed, 600.0
+        return d
+
+    for name, data in dispatcher(scheduler).checkpoint_files("t").items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "controller.json").write_text('{"next_step": 3, "policy_version": 3, "records": 3}')
+    assert json_problem(tmp_path) is None
+    fresh = LongTail(LongTailConfig())
+    dispatcher(fresh).restore(tmp_path)
+    prompts = task.prompts(3, 32)
+    fresh.dispatch(prompts, [0.5] * 32, workers, DispatchContext(8, observed, 600.0, STEP))
+    assert (fresh.policy.lengths.sigma, fresh.policy.lengths.tau) == (learned.sigma, learned.tau)
+    assert fresh.policy.lengths.state_dict()["within"] == learned.state_dict()["within"]
+    # a plugin's scheduler whose state cannot be written: said once, the checkpoint written all the same
+    broken = SimpleNamespace(state_dict=lambda: {"x": object()})
+    with pytest.warns(Warning, match="state_dict"):
+        assert "scheduler" not in json.loads(dispatcher(broken).checkpoint_files("t")["dispatch.json"])
 
 
 def test_a_dask_priority_is_clamped_and_a_nan_priority_is_refused_in_one_line():

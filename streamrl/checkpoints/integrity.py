@@ -121,6 +121,8 @@ def _dispatch_problem(d) -> str | None:
         return "observed_lengths is not a list of counts"
     if not isinstance(d.get("prompt_tokens"), (int, float)):
         return f"prompt_tokens is {d.get('prompt_tokens')!r}, not a number"
+    if "scheduler" in d and not isinstance(d["scheduler"], dict):
+        return "scheduler is not an object"
     return None
 
 

@@ -107,5 +107,14 @@ class Scheduler:
         """Optional: numbers about the last dispatch, merged into the step's metrics record."""
         return {}
 
+    def state_dict(self) -> dict:
+        """What the scheduler has learned across steps, for a checkpoint (JSON values). A
+        resumed run hands it to :meth:`load_state_dict` of a freshly built scheduler, so it
+        places as the uninterrupted run would have. Default: nothing to keep."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
     def close(self) -> None:
         """Release resources."""

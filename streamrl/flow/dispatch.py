@@ -229,8 +229,15 @@ class Dispatcher:
     def checkpoint_files(self, tag: str) -> dict[str, bytes]:
         """``dispatch.json`` (the lengths the scheduler has seen) and, with a ranker,
         ``ranker.pt`` (its state after the lessons submitted so far)."""
-        files = {"dispatch.json": json.dumps({"observed_lengths": self.observed_lengths,
-                                              "prompt_tokens": self.prompt_tokens}).encode()}
+        state = {"observed_lengths": self.observed_lengths, "prompt_tokens": self.prompt_tokens}
+        if self.scheduler is not None and hasattr(self.scheduler, "state_dict"):
+            try:  # (what a scheduler learned across steps: the longtail one's length spreads)
+                learned = self.scheduler.state_dict()
+                json.dumps(learned)
+                state["scheduler"] = learned
+            except Exception as exc:  # a plugin's mistake: the checkpoint is still written
+                self._scheduler_failed("state_dict()", _raised(exc), "a resumed run's scheduler learns again")
+        files = {"dispatch.json": json.dumps(state).encode()}
         if self.rank_worker is not None:
             try:
                 files["ranker.pt"] = self.client.submit(
@@ -251,6 +258,11 @@ class Dispatcher:
         if saved.exists():
             state = json.loads(saved.read_text())
             self.observed_lengths, self.prompt_tokens = state["observed_lengths"], state["prompt_tokens"]
+            if "scheduler" in state and self.scheduler is not None and hasattr(self.scheduler, "load_state_dict"):
+                try:
+                    self.scheduler.load_state_dict(state["scheduler"])
+                except Exception as exc:  # a plugin's mistake must not end a resume: it only places work
+                    self._scheduler_failed("load_state_dict()", _raised(exc), "it learns again from this run's samples")
         blob = checkpoint / "ranker.pt"
         if self.rank_worker is not None and blob.exists():
             self.last_observe = self.client.submit(

@@ -153,6 +153,16 @@ class GroupLengths:
             self.learn()
         return g
 
+    def state_dict(self) -> dict:
+        """The spreads learned so far and what they were learned from (a checkpoint's)."""
+        return {"sigma": self.sigma, "tau": self.tau, "within": list(self._within), "between": list(self._between)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`'s spreads (a resumed run's estimates go on from them)."""
+        self.sigma, self.tau = float(state["sigma"]), float(state["tau"])
+        self._within = [float(x) for x in state["within"]]
+        self._between = [float(x) for x in state["between"]]
+
     def learn(self) -> None:
         """Refit ``sigma`` (spread inside groups) and ``tau`` (groups around their prior) from the
         groups closed so far, once there are enough of them (most recent 4096 each)."""

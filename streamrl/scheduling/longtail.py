@@ -278,6 +278,20 @@ class LongTail(Scheduler):
         self.seen_online: dict[str, list[int]] = {}  # group -> lengths the mover reported mid-step
         # the mover's thread and the controller's (dispatch, observe) share the policy
         self.lock = threading.Lock()
+        self.restored: dict | None = None  # a checkpoint's learned spreads, for the policy once it exists
+
+    def state_dict(self) -> dict:
+        """The spreads its length estimates learned across steps (a resumed run places as the
+        uninterrupted one would have, not from the starting spreads)."""
+        with self.lock:
+            return {"lengths": self.policy.lengths.state_dict()} if self.policy is not None else dict(self.restored or {})
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`'s spreads."""
+        with self.lock:
+            self.restored = dict(state)
+            if self.policy is not None and "lengths" in state:
+                self.policy.lengths.load_state_dict(state["lengths"])
 
     def metrics(self) -> dict[str, float]:
         """``chunks``: generate tasks the last dispatch made."""
@@ -323,6 +337,8 @@ class LongTail(Scheduler):
             return [Assignment(i, workers[i % len(workers)], 0.0, every) for i in range(len(prompts))]
         if self.policy is None:  # the latency model is known from the first dispatch on
             self.policy = LongTailPolicy(self.config, ctx.step_latency or (lambda context: 1.0))
+            if self.restored and "lengths" in self.restored:
+                self.policy.lengths.load_state_dict(self.restored["lengths"])
         priors = prior_from_scores(scores, ctx.observed_lengths)
         specs = [GroupSpec(p.uid, ctx.samples_per_prompt, int(ctx.prompt_tokens), prior, bool(ctx.observed_lengths))
                  for p, prior in zip(prompts, priors)]
