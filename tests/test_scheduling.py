@@ -47,6 +47,23 @@ def test_skew_balances_predicted_work_lpt():
     assert by_worker == {"a": [0, 3], "b": [1, 2]}
 
 
+def test_tied_scores_are_placed_as_alike_not_by_their_place_in_the_list():
+    # every score 0.0 (no ranker, or one that failed): prompt 0 was estimated the P99 and the last
+    # the shortest, so largest-first packing gave the workers unequal counts of alike prompts, and
+    # a split sent the first by index to the long-tail instances
+    from streamrl.scheduling.estimates import prior_from_scores
+
+    observed = [int(math.exp(random.Random(k).gauss(6.0, 1.0))) for k in range(200)]
+    ctx = DispatchContext(8, observed_lengths=observed, prompt_tokens=10, step_latency=lambda c: 1e-3 + 1e-6 * c)
+    sched = Skew(SkewConfig())
+    out = sched.dispatch(prompts(64), [0.0] * 64, [f"g{i}" for i in range(4)], ctx)
+    counts = sorted(sum(a.worker == w for a in out) for w in ("g0", "g1", "g2", "g3"))
+    assert counts == [16] * 4 and sched.metrics()["long_tail_instances"] == 0
+    # partly tied: the tied ones share one prior, the others keep their rank's
+    priors = prior_from_scores([3.0, 1.0, 1.0, 1.0, 0.0], observed)
+    assert priors[1] == priors[2] == priors[3] and priors[0] > priors[1] > priors[4]
+
+
 def test_fcfs_is_round_robin_without_priorities():
     out = FCFS(FCFSConfig()).dispatch(prompts(5), [0] * 5, ["a", "b"], DispatchContext(1))
     assert [(a.worker, a.priority) for a in out] == [("a", 0), ("b", 0), ("a", 0), ("b", 0), ("a", 0)]

@@ -173,6 +173,19 @@ class GroupLengths:
             self.tau = max(math.sqrt(sum(self._between) / len(self._between)), 0.05)
 
 
+def tied_means(by_rank: list[float], ranked_scores: list[float] | None) -> list[float]:
+    """``by_rank`` with each run of equal ``ranked_scores`` (both in rank order) given the run's mean."""
+    if ranked_scores is None:
+        return by_rank
+    out, start = list(by_rank), 0
+    for r in range(1, len(by_rank) + 1):
+        if r == len(by_rank) or ranked_scores[r] != ranked_scores[start]:
+            mean = sum(by_rank[start:r]) / (r - start)
+            out[start:r] = [mean] * (r - start)
+            start = r
+    return out
+
+
 def prior_from_scores(scores: list[float], observed: list[int]) -> list[float]:
     """Prior log lengths for prompts from a ranker's ``scores`` (higher = longer; any scale):
     the prompt ranked ``r`` of ``n`` gets the log of the observed length quantile at that rank,
@@ -185,10 +198,13 @@ def prior_from_scores(scores: list[float], observed: list[int]) -> list[float]:
         return [sum(math.log(max(x, 1)) for x in observed) / len(observed)] * n
     s = sorted(observed)
     order = sorted(range(n), key=lambda i: (-scores[i], i))
+    by_rank = [math.log(max(s[min(len(s) - 1, max(0, math.ceil((1 - (r + 0.5) / n) * len(s)) - 1))], 1))
+               for r in range(n)]
+    # (tied scores share their ranks' mean: their order among themselves is only their place in the list)
+    by_rank = tied_means(by_rank, [scores[i] for i in order])
     out = [0.0] * n
     for r, i in enumerate(order):
-        q = 1 - (r + 0.5) / n
-        out[i] = math.log(max(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))], 1))
+        out[i] = by_rank[r]
     return out
 
 

@@ -22,6 +22,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.api import Assignment, DispatchContext, Scheduler
+from streamrl.scheduling.estimates import tied_means
 
 
 def makespan(n_requests: int, length: float, prompt_tokens: float, step_latency) -> float:
@@ -95,13 +96,15 @@ class SkewConfig(BaseModel):
     """Try a long-tail/regular split of the instances; false: only balance predicted work."""
 
 
-def rank_lengths(n: int, observed: list[int]) -> list[float]:
+def rank_lengths(n: int, observed: list[int], ranked_scores: list[float] | None = None) -> list[float]:
     """Length estimates for the prompts ranked 0 (longest predicted) .. n-1: the observed
     length quantile at each rank (scale-free: scores only need to order prompts). Equal
-    estimates when nothing was observed yet."""
+    estimates when nothing was observed yet; prompts whose scores tie (``ranked_scores``, in
+    rank order) share the mean of their ranks' estimates -- their order among themselves is
+    their place in the list, which says nothing of their lengths."""
     if not observed:
         return [1.0] * n
-    return [quantile(observed, 1 - (r + 0.5) / n) for r in range(n)]
+    return tied_means([quantile(observed, 1 - (r + 0.5) / n) for r in range(n)], ranked_scores)
 
 
 def balance(order: list[int], est: list[float], workers: list[str], prio: dict[int, float]) -> list[Assignment]:
@@ -157,11 +160,11 @@ class Skew(Scheduler):
                               quantile(ctx.observed_lengths, c.long_quantile),
                               quantile(ctx.observed_lengths, c.regular_quantile), ctx.prompt_tokens,
                               ctx.step_latency)
-        if not c.split:
+        if not c.split or len(set(scores)) <= 1:  # (every score alike: nothing tells the long-tail prompts)
             m = 0
         self.last_split = m
         if m == 0:  # no split: balance the predicted work over all instances
-            est = rank_lengths(len(order), ctx.observed_lengths)
+            est = rank_lengths(len(order), ctx.observed_lengths, [scores[i] for i in order])
             return balance(order, est, workers, prio)
         long_w, regular_w = workers[:m], workers[m:]
         out = [Assignment(i, long_w[r % m], prio[i]) for r, i in enumerate(long_idx)]
