@@ -102,6 +102,9 @@ def test_a_profile_with_empty_responses_is_replayed_and_one_without_groups_or_le
     for groups in ([], [{"prompt_tokens": 10, "lengths": []}], [{"prompt_tokens": 10, "lengths": [-1]}]):
         with pytest.raises(ValueError):  # (plan --profile: one line naming the file)
             StageProfile.model_validate({**prof, "groups": groups})
+    # a time of Infinity (JSON's own word in Python's reader) is no time: refused, not a traceback later
+    with pytest.raises(ValueError):
+        StageProfile.model_validate({**prof, "decode_c0_s": float("inf")})
 
 
 def test_predictions_order_the_modes_and_respond_to_the_split():
@@ -138,6 +141,8 @@ def test_search_tries_every_split_and_ranks_by_the_objective():
     # a trainer of one worker (not data-parallel): no split the run would refuse is offered
     alone = allocate.search(prof, 6, ["async"], 1, 4, 1, (1.0, 3.0), "throughput", lambda workers: workers == 1)
     assert [(p.generate, p.train) for p, _ in alone] == [(5, 1)]
+    # devices that cost nothing: samples per cost unit is infinite, which JSON writes as null
+    assert allocate._json_number(allocate.search(prof, 4, ["batch"], 0, 4, 1, (0.0, 0.0), "cost")[0][1]) is None
 
 
 def test_split_overrides_apply_the_choice(tiny_recipe):

@@ -36,6 +36,11 @@ def per_cost_hour(pred: Prediction, cost: tuple[float, float]) -> float:
     return pred.samples_per_s * 3600 / spend if spend else math.inf
 
 
+def _json_number(x: float) -> float | None:
+    # (devices that cost nothing make samples per cost unit infinite: null in JSON, which has no Infinity)
+    return x if math.isfinite(x) else None
+
+
 def split_overrides(resolved, pred: Prediction) -> list[str]:
     """``--set`` overrides that turn the recipe into ``pred``'s split, mode and bound. Async
     keeps ``max_staleness + 1`` steps of groups on the generate workers: each needs a thread."""
@@ -140,9 +145,9 @@ def plan(file: str, overrides: list[str], devices: int | None, modes: list[str],
     labels = list(range(len(shown) - 1)) + ["recipe"]
     result = {"recipe": str(file), "overrides": list(overrides), "devices": devices, "objective": objective,
               "simulated": prof.simulated, "time_scale": time_scale, "profile": prof.source,
-              "choices": [{**asdict(p), "per_cost_hour": pc, "overrides": split_overrides(resolved, p)}
+              "choices": [{**asdict(p), "per_cost_hour": _json_number(pc), "overrides": split_overrides(resolved, p)}
                           for p, pc in rows[:top]],
-              "recipe_split": {**asdict(base), "per_cost_hour": per_cost_hour(base, cost)}}
+              "recipe_split": {**asdict(base), "per_cost_hour": _json_number(per_cost_hour(base, cost))}}
     measured = None
     if check:
         variants = {"plan": split_overrides(resolved, best),

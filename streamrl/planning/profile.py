@@ -38,7 +38,7 @@ class Group(BaseModel):
 class StageProfile(BaseModel):
     """Per-device costs of a recipe's stages and its observed output lengths."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
     source: str
     """How the profile was obtained (``sim cost model`` or ``measured: ...``)."""
     simulated: bool = False
