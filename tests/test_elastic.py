@@ -215,3 +215,39 @@ def test_a_worker_that_could_not_join_holds_the_pool_from_growing_for_hold_steps
     assert pool.topo.started == []
     pool.after_record(saturated, 3)
     assert len(pool.topo.started) == 1  # (held for hold_steps, then asked for again)
+
+
+@pytest.mark.parametrize("publishes, loads", [(True, ["export_weights", "load_weights"]), (False, ["warm_up", "warm_up"])])
+def test_a_worker_added_to_a_run_that_serves_its_starting_model_joins_with_that_model(publishes, loads, monkeypatch):
+    # (run.serve = "initial": every engine keeps the starting model, and the added one was given
+    # the trainer's weights, serving the trained policy beside the others)
+    from types import SimpleNamespace
+
+    from streamrl.extensions.elastic import ElasticPool
+
+    submitted = []
+
+    class Client:
+        def submit(self, fn, *args, **kwargs):
+            submitted.append(fn.__name__)
+            return SimpleNamespace(done=lambda: True, status="finished")
+
+    class Topo:
+        client, generate, pins = Client(), ["generate-0"], {"generate-1": {}}
+        train_pin, incarnations = {}, {}
+
+        def next_generate_index(self):
+            return 1
+
+        def address(self, name):
+            return "tcp://127.0.0.1:1"
+
+        def refresh_pins(self):
+            pass
+
+    recipe = load_recipe(ROOT / "recipes" / "ppo.toml", ["run.steps=100"]).recipe
+    pool = ElasticPool(Topo(), recipe, ElasticConfig(min=1, max=3), 30, placed=False, ahead=True, publishes=publishes)
+    pool.starting = "generate-1"
+    monkeypatch.setattr("streamrl.extensions.elastic.wait", lambda futures, **kw: None)
+    pool.after_record(SimpleNamespace(tokens_per_s=1.0, step=3, pools={}), 4)
+    assert submitted == loads and pool.joining[0] == "generate-1"

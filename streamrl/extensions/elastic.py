@@ -140,13 +140,15 @@ class ElasticPool:
     """Grows and retires generate workers of one run; see the module docstring."""
 
     def __init__(self, topology: Topology, recipe: Recipe, cfg: ElasticConfig, log_level: int,
-                 placed: bool, ahead: bool):
+                 placed: bool, ahead: bool, publishes: bool = True):
         """``topology``: one that can grow (``Topology.can_grow``); ``placed``: a scheduler pins
         groups to workers; ``ahead``: generation runs ahead of training (``async``), so the
-        generate pool's use is judged over the whole step."""
+        generate pool's use is judged over the whole step; ``publishes``: False when the engines
+        keep the starting model (a run that serves it while learners train), so a worker added
+        joins with it too, not with the trainer's weights."""
         self.topo, self.recipe, self.cfg, self.log_level = topology, recipe, cfg, log_level
         self.client = topology.client
-        self.placed, self.ahead = placed, ahead
+        self.placed, self.ahead, self.publishes = placed, ahead, publishes
         self.next_index = topology.next_generate_index()
         self.starting: str | None = None  # its process is coming up
         self.started_at = 0.0
@@ -176,7 +178,7 @@ class ElasticPool:
         if fut.status != "finished":  # a worker that cannot load is reported and dropped
             self._failed(name, fut)
             return
-        if joined != version - 1:
+        if joined != version - 1 and self.publishes:
             # versions were published while it joined (a model load can take several steps):
             # bring it to the trainer's weights now; its engine is built, so this is one
             # export and one load, like a publication
@@ -281,7 +283,7 @@ class ElasticPool:
         client, topo = self.client, self.topo
         pin = topo.pins[name]
         tag = f"join-{name}-{time.time_ns()}"
-        if version == 0:  # the base weights: build the engine and the transfer end, nothing to load
+        if version == 0 or not self.publishes:  # the base weights: build the engine and the transfer end, nothing to load
             engine = client.submit(task_functions.warm_up, ENGINE, key=f"load-engine-{tag}", pure=False, **pin)
             fut = client.submit(task_functions.warm_up, TRANSFER, after=engine, key=f"load-transfer-{tag}",
                                 pure=False, **pin)
@@ -356,7 +358,8 @@ class ElasticGrowth(StepExtension):
         if self.pool is None:
             level = logging.getLogger("distributed.worker").getEffectiveLevel()
             self.pool = ElasticPool(context.topology, context.recipe, self.cfg, level,
-                                    placed=context.resolved.scheduler is not None, ahead=context.feeds_ahead)
+                                    placed=context.resolved.scheduler is not None, ahead=context.feeds_ahead,
+                                    publishes=context.publishes)
 
     def pinned(self, worker: str | None, future: Future) -> None:
         """A retired worker first runs out the tasks pinned to it."""
