@@ -175,7 +175,7 @@ def test_a_worker_that_could_not_join_holds_the_pool_from_growing_for_hold_steps
     from streamrl.extensions.elastic import ElasticPool
 
     class Topo:  # the pool's side of the topology, without a cluster
-        client, generate, started, stopped = None, ["generate-0"], [], []
+        client, generate, started, stopped, pools = None, ["generate-0"], [], [], {}
 
         def next_generate_index(self):
             return 1
@@ -234,7 +234,7 @@ def test_a_worker_added_to_a_run_that_serves_its_starting_model_joins_with_that_
 
     class Topo:
         client, generate, pins = Client(), ["generate-0"], {"generate-1": {}}
-        train_pin, incarnations = {}, {}
+        train_pin, incarnations, pools = {}, {}, {}
 
         def next_generate_index(self):
             return 1
@@ -251,3 +251,35 @@ def test_a_worker_added_to_a_run_that_serves_its_starting_model_joins_with_that_
     monkeypatch.setattr("streamrl.extensions.elastic.wait", lambda futures, **kw: None)
     pool.after_record(SimpleNamespace(tokens_per_s=1.0, step=3, pools={}), 4)
     assert submitted == loads and pool.joining[0] == "generate-1"
+
+
+def test_a_step_with_a_worker_drained_in_it_is_judged_over_the_workers_it_had(monkeypatch):
+    # its busy time summed over two workers, divided by the one left: half busy read as saturated,
+    # and with cooldown 0 the pool grew right back
+    from types import SimpleNamespace
+
+    from streamrl.extensions.elastic import ElasticPool
+
+    class Topo:
+        client, generate, started = None, ["generate-0"], []
+        pools = {"generate": {"generate-0": "a", "generate-1": "b"}}  # generate-1 drained during the step
+
+        def next_generate_index(self):
+            return 2
+
+        def start_worker(self, name, spec):
+            self.started.append(name)
+
+        def drop(self, name):
+            self.pools["generate"].pop(name, None)
+
+        def address(self, name):
+            return None
+
+    recipe = load_recipe(ROOT / "recipes" / "ppo.toml", ["run.steps=100"]).recipe
+    pool = ElasticPool(Topo(), recipe, ElasticConfig(min=1, max=3, cooldown_steps=0), 30, placed=False, ahead=True)
+    pool.draining = {"generate-1": SimpleNamespace(is_alive=lambda: False)}  # (its drain ended)
+    half = SimpleNamespace(tokens_per_s=100.0, step=3, accounting_window_s=10.0, generate_s=10.0,
+                           pools={"generate": {"busy_s": 10.0}, "train": {"idle_ratio": 0.9}})
+    pool.after_record(half, 4)
+    assert pool.topo.started == [] and "generate-1" not in pool.topo.pools["generate"]

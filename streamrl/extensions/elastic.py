@@ -199,6 +199,9 @@ class ElasticPool:
     def after_record(self, record, version: int) -> None:
         """At a step boundary, after its record (the trainer now holds policy ``version``): move
         the state machine on and decide."""
+        # the workers the record's busy time is summed over: those accounted during the step (a
+        # worker drained in it still was; one that joined is from the next step on)
+        accounted = len(self.topo.pools.get("generate", {})) or len(self.topo.generate)
         for name, addr in self.activated.items():
             self.topo.account(name, addr)
         self.activated = {}
@@ -238,7 +241,7 @@ class ElasticPool:
         if "generate" not in pools or "train" not in pools:
             return
         n = len(self.topo.generate)
-        busy = generation_busy(pools["generate"]["busy_s"], record.accounting_window_s, record.generate_s, n,
+        busy = generation_busy(pools["generate"]["busy_s"], record.accounting_window_s, record.generate_s, accounted,
                                ahead=self.ahead)
         change = decide(busy, pools["train"]["idle_ratio"], n, self.cfg)
         # a worker asked for now would join with too few steps left to pay for its start
