@@ -244,9 +244,11 @@ def test_the_spreads_learned_survive_a_checkpoint_and_a_resumed_run_places_with_
     assert (fresh.policy.lengths.sigma, fresh.policy.lengths.tau) == (learned.sigma, learned.tau)
     assert fresh.policy.lengths.state_dict()["within"] == learned.state_dict()["within"]
     # a plugin's scheduler whose state cannot be written: said once, the checkpoint written all the same
-    broken = SimpleNamespace(state_dict=lambda: {"x": object()})
-    with pytest.warns(Warning, match="state_dict"):
-        assert "scheduler" not in json.loads(dispatcher(broken).checkpoint_files("t")["dispatch.json"])
+    for broken in (SimpleNamespace(state_dict=lambda: {"x": object()}), SimpleNamespace(state_dict=lambda: None)):
+        with pytest.warns(Warning, match="state_dict"):  # (null kept, every checkpoint was refused on resume)
+            assert "scheduler" not in json.loads(dispatcher(broken).checkpoint_files("t")["dispatch.json"])
+    with pytest.raises(ValueError):  # a damaged state: refused as it is restored, not at the first dispatch
+        LongTail(LongTailConfig()).load_state_dict({"lengths": {"sigma": "x", "tau": 1, "within": [], "between": []}})
 
 
 def test_a_dask_priority_is_clamped_and_a_nan_priority_is_refused_in_one_line():

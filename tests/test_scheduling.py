@@ -117,6 +117,10 @@ def test_skew_split_sends_the_predicted_long_tail_to_its_own_instances():
     unsplit = Skew(SkewConfig(alpha=0.2, split=False))
     assert {a.worker for a in unsplit.dispatch(prompts(20), scores, workers, ctx) if a.index >= 16} == set(workers)
     assert unsplit.metrics()["long_tail_instances"] == 0
+    # scores tied across the long-tail boundary: nothing says which of the tied are long, no split
+    tied = [2.0] * 3 + [1.0] * 10 + [0.0] * 7
+    sched.dispatch(prompts(20), tied, workers, ctx)
+    assert sched.metrics()["long_tail_instances"] == 0
 
 
 def test_history_ranker_remembers_prompts_across_steps():

@@ -852,7 +852,7 @@ def test_samples_waiting_for_feedback_past_max_waiting_are_answered_and_not_kept
     # feedback timeout; and the bound counted requests, each up to 64 samples
     api, url = served
     monkeypatch.setattr(api, "traffic", Traffic(3600.0))
-    monkeypatch.setattr(api.config, "max_waiting", 2)
+    monkeypatch.setitem(api.config.__dict__, "max_waiting", 2)  # (past the recipe's check: samples_per_step + 64)
     ask = partial(httpx.post, f"{url}/completions", timeout=30)
     body = {"model": "policy", "prompt": "1+1=", "max_tokens": 2}
     before = api.traffic.snapshot()
@@ -879,8 +879,10 @@ def test_traffic_rewarded_by_the_recipe_faster_than_the_steps_take_it_is_held_to
     # (ready at once, it grew without bound while the steps stalled, and every checkpoint held it)
     api, url = served
     monkeypatch.setattr(api, "traffic", Traffic(60.0))
-    monkeypatch.setattr(api.config, "reward", "recipe")
-    monkeypatch.setattr(api.config, "max_waiting", 3)
+    # (both in the config's own dict: past the recipe's check of max_waiting against samples_per_step + 64,
+    # which a setattr of either would run, undone in any order)
+    monkeypatch.setitem(api.config.__dict__, "reward", "recipe")
+    monkeypatch.setitem(api.config.__dict__, "max_waiting", 3)
     body = {"model": "policy", "prompt": "1+1=", "max_tokens": 2}
     for n in (2, 1, 1, 2):
         assert httpx.post(f"{url}/completions", json={**body, "n": n}, timeout=30).status_code == 200
@@ -1202,3 +1204,12 @@ def test_a_whole_reply_is_built_and_encoded_off_the_event_loop(served, monkeypat
                                                     "max_tokens": 2, "n": 2, "logprobs": True}, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2 and r.json()["choices"][0]["logprobs"], r.text[:300]
     assert on_loop == [False]
+
+
+def test_max_waiting_must_leave_room_for_a_step():
+    # (samples_per_step at or past max_waiting: no step could fill, and training stopped, unsaid)
+    from streamrl.recipe.serve import ServeConfig
+
+    with pytest.raises(ValueError, match=r"serve.max_waiting \(100\) must be at least serve.samples_per_step \+ 64 \(164\)"):
+        ServeConfig(samples_per_step=100, max_waiting=100)
+    assert ServeConfig(samples_per_step=100, max_waiting=164).max_waiting == 164

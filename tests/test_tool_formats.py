@@ -176,9 +176,10 @@ def test_a_streamed_reply_sends_no_reasoning_or_call_markup_as_content(parser, p
     from streamrl.serve.response_bodies import Format
 
     fmt = Format(None, None, "c", True, [], parser, model="m")
-    choice, streamed = SimpleNamespace(index=0, text=""), []
+    choice, streamed = SimpleNamespace(index=0, text="", sent=0), []
     for k, piece in enumerate(pieces):
         choice.text += piece
+        choice.sent = len(choice.text)  # (no stop sequence: all of it let go)
         streamed.append(fmt._content_delta(choice, whole=k == len(pieces) - 1))
     assert "".join(streamed).strip() == content
     assert not any(marker in "".join(streamed) for marker in ("think", "TOOL", "tool_call", "{"))

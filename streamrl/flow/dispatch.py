@@ -233,6 +233,8 @@ class Dispatcher:
         if self.scheduler is not None and hasattr(self.scheduler, "state_dict"):
             try:  # (what a scheduler learned across steps: the longtail one's length spreads)
                 learned = self.scheduler.state_dict()
+                if not isinstance(learned, dict):
+                    raise TypeError(f"it gave a {type(learned).__name__}, not a dict")
                 json.dumps(learned)
                 state["scheduler"] = learned
             except Exception as exc:  # a plugin's mistake: the checkpoint is still written

@@ -108,6 +108,16 @@ class ServeConfig(Strict):
     memory (and refusing the requests instead let one such client keep every other client out)."""
 
     @model_validator(mode="after")
+    def _room_for_a_step(self):
+        # a step waits for samples_per_step rewarded samples, and those are held within
+        # max_waiting: with less room than that (and one request's 64) no step could ever fill
+        if self.max_waiting < self.samples_per_step + 64:
+            raise ValueError(f"serve.max_waiting ({self.max_waiting}) must be at least serve.samples_per_step + 64 "
+                             f"({self.samples_per_step + 64}): a step waits for samples_per_step rewarded samples, "
+                             "held within max_waiting (64: the most one request brings)")
+        return self
+
+    @model_validator(mode="after")
     def _key_off_loopback(self):
         if not is_loopback(self.host) and not self.api_key:
             raise ValueError(f"serve.host = {self.host!r} is not loopback: set serve.api_key too (clients then send "

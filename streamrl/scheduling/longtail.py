@@ -288,6 +288,8 @@ class LongTail(Scheduler):
 
     def load_state_dict(self, state: dict) -> None:
         """Take back :meth:`state_dict`'s spreads."""
+        if "lengths" in state:  # (checked now, not at the first dispatch: a bad one raises here, said once)
+            GroupLengths().load_state_dict(state["lengths"])
         with self.lock:
             self.restored = dict(state)
             if self.policy is not None and "lengths" in state:

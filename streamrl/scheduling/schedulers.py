@@ -160,7 +160,10 @@ class Skew(Scheduler):
                               quantile(ctx.observed_lengths, c.long_quantile),
                               quantile(ctx.observed_lengths, c.regular_quantile), ctx.prompt_tokens,
                               ctx.step_latency)
-        if not c.split or len(set(scores)) <= 1:  # (every score alike: nothing tells the long-tail prompts)
+        # (scores tied across the long-tail boundary: nothing tells which of them are long, and
+        # their order is only their place in the list)
+        straddles = 0 < n_long < len(order) and scores[order[n_long - 1]] == scores[order[n_long]]
+        if not c.split or straddles:
             m = 0
         self.last_split = m
         if m == 0:  # no split: balance the predicted work over all instances

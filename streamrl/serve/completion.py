@@ -101,8 +101,8 @@ class Params:
     stop: list[str] = field(default_factory=list)
     answer: Any = None
     kept: bool = True
-    """Kept to learn from once it ends (False: ``serve.max_waiting`` samples waited for feedback
-    as it came; it is answered all the same)."""
+    """Kept to learn from once it ends (False: ``serve.max_waiting`` samples were held to learn
+    from as it came; it is answered all the same)."""
 
 
 @dataclass

@@ -223,6 +223,8 @@ def finished(endpoint, completion: Completion, fmt: "Format | None") -> None:
         endpoint.traffic.count("cancelled")
         endpoint.traffic.dropped(completion.cid)
         return
+    if not completion.params.kept and not completion.params.greedy and endpoint.learns_from_traffic:
+        endpoint.traffic.count("unkept", len(completion.choices))  # (answered past serve.max_waiting)
     if completion.params.greedy or not endpoint.learns_from_traffic or not completion.params.kept:  # (not kept)
         endpoint.traffic.dropped(completion.cid)
         return
