@@ -75,8 +75,9 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
             await fmt.parse(c)
         # built and encoded off the event loop (before finished: a parser's 500 is raised here):
         # 64 choices of thousands of tokens with their log-probs, each token decoded, held every
-        # other client's stream for seconds
-        return Response(await endpoint.off_loop(whole_body, fmt, completion), media_type="application/json")
+        # other client's stream for seconds. Not in the tokenizing thread either: it would hold
+        # every new request's prompt meanwhile (the loop decoded beside that thread before too)
+        return Response(await asyncio.to_thread(whole_body, fmt, completion), media_type="application/json")
     except APIError:  # the tool parser failed on a reply: the client gets no id to reward,
         completion.cancel()  # and the learners none of its choices
         raise
@@ -89,7 +90,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
 
 
 def whole_body(fmt: Format, completion: Completion) -> bytes:
-    """The non-streamed response as the bytes sent (in the tokenizing thread)."""
+    """The non-streamed response as the bytes sent (in a thread of its own)."""
     return json.dumps(fmt.whole(completion), ensure_ascii=False, separators=(",", ":")).encode()
 
 
