@@ -19,7 +19,8 @@ from streamrl.sample import Group
 from streamrl.rewards.scoring import REWARD_LIMIT
 from streamrl.recipe.serve import ServeConfig
 from streamrl.serve.http_server import start_in_thread
-from streamrl.serve.traffic import Traffic, as_json, from_json
+from streamrl.serve.kept_groups import as_json, from_json
+from streamrl.serve.traffic import Traffic
 
 # the one endpoint of this worker process: (uvicorn server, its thread, the traffic store)
 _RUNNING: dict[str, tuple] = {}

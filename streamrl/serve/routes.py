@@ -17,7 +17,7 @@ from streamrl.serve.contained import RETRY_AFTER_S, Contained
 from streamrl.serve.openai_api import Endpoint
 from streamrl.serve.request_bodies import APIError, ChatRequest, CompletionRequest, Feedback, read_body
 from streamrl.serve.responses import Turn, respond
-from streamrl.serve.traffic import STOPPING
+from streamrl.serve.feedback_refusals import STOPPING
 from streamrl.serve.trajectories import ROLLOUT_HEADER, RolloutFinished, RolloutLimit
 
 

@@ -15,29 +15,14 @@ are not kept; at the run's last checkpoint they are counted, and feedback is ref
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from streamrl.sample import Group, Prompt, Sample
+from streamrl.sample import Group
+from streamrl.serve.feedback_refusals import STOPPING, Refusal, already
 from streamrl.serve.model_tally import ModelTally
-
-class Refusal(str):
-    """Why feedback was refused, in words, and the field of the feedback it is about
-    (``field``: ``id``, ``index`` or ``session``): the endpoint's error names that field."""
-
-    field: str
-
-    def __new__(cls, text: str, field: str = "id") -> "Refusal":
-        refusal = super().__new__(cls, text)
-        refusal.field = field
-        return refusal
-
-
-#: Why feedback is refused once the run's last checkpoint is written (a 503).
-STOPPING = "the run is stopping: its last checkpoint is written, so a reward sent now would never be trained"
 
 
 @dataclass
@@ -214,7 +199,7 @@ class Traffic:
                                    "index")
                 early = self._early.setdefault(completion_id, {})
                 if index in early or None in early or (index is None and early):
-                    return _already(completion_id, index)
+                    return already(completion_id, index)
                 early[index] = reward
                 return None
             return self._apply(completion_id, index, reward)
@@ -269,7 +254,7 @@ class Traffic:
             return Refusal(f"completion {completion_id!r} has {len(group)} choices; index {index} is out of range",
                            "index")
         if any(s.reward is not None for s in (group if index is None else [group[index]])):
-            return _already(completion_id, index)  # (one reward per choice: the first stands)
+            return already(completion_id, index)  # (one reward per choice: the first stands)
         for s in group if index is None else [group[index]]:
             s.reward = float(reward)
         if all(s.reward is not None for s in group):
@@ -413,24 +398,3 @@ class Traffic:
             return {**self.counts, "waiting_for_reward": self._waiting_samples,
                     "ready": sum(len(g) for g in self._ready),
                     "variants": {m: t.report() for m, t in self.models.items()}}
-
-
-def as_json(groups: list[Group]) -> list[list[dict]]:
-    """``groups`` as JSON-ready lists of dicts (a checkpoint unpickles nothing with full pickle)."""
-    return [[dataclasses.asdict(s) for s in g] for g in groups]
-
-
-def from_json(groups: list[list[dict]]) -> list[Group]:
-    """The groups :func:`as_json` wrote, each sharing one prompt as a served request's do."""
-    out = []
-    for g in groups:
-        prompt = Prompt(**g[0]["prompt"])
-        out.append([Sample(**{**s, "prompt": prompt}) for s in g])
-    return out
-
-
-def _already(completion_id: str, index: int | None) -> Refusal:
-    """Why feedback for a choice already rewarded is refused (the first reward stands)."""
-    if index is None:
-        return Refusal(f"completion {completion_id!r} has choices rewarded already; reward the others by index")
-    return Refusal(f"choice {index} of completion {completion_id!r} is already rewarded", "index")
