@@ -238,7 +238,9 @@ def _rewarded(traffic, cid: str, n: int = 2, rewards: dict | None = None):
 
 
 def test_a_checkpoint_keeps_the_rewarded_groups_no_step_trained_and_a_resume_takes_them_first():
-    from streamrl.serve.traffic import STOPPING, Traffic, as_json, from_json
+    from streamrl.serve.feedback_refusals import STOPPING
+    from streamrl.serve.kept_groups import as_json, from_json
+    from streamrl.serve.traffic import Traffic
 
     traffic = Traffic(60)
     a, b, c, d = (_rewarded(traffic, cid) for cid in "abcd")
