@@ -283,3 +283,24 @@ def test_a_step_with_a_worker_drained_in_it_is_judged_over_the_workers_it_had(mo
                            pools={"generate": {"busy_s": 10.0}, "train": {"idle_ratio": 0.9}})
     pool.after_record(half, 4)
     assert pool.topo.started == [] and "generate-1" not in pool.topo.pools["generate"]
+
+
+def test_a_worker_added_after_a_shrink_takes_the_free_gpu_not_the_one_its_number_wraps_to():
+    # cuda_visible_devices 0,1,2: generate-2 (GPU 2) retired, the next one is generate-3, whose
+    # number wrapped onto GPU 0, held by generate-0, while GPU 2 stood idle
+    from streamrl.extensions.elastic import ElasticPool
+
+    class Topo:
+        client, generate, pools, specs = None, ["generate-0", "generate-1"], {}, {}
+
+        def next_generate_index(self):
+            return 3
+
+        def start_worker(self, name, spec):
+            self.specs[name] = spec
+
+    recipe = load_recipe(ROOT / "recipes" / "ppo.toml", ['pools.generate.cuda_visible_devices=["0","1","2"]',
+                                                         "pools.generate.workers=2"]).recipe
+    pool = ElasticPool(Topo(), recipe, ElasticConfig(min=1, max=3), 30, placed=False, ahead=True)
+    pool._start()
+    assert pool.topo.specs["generate-3"]["options"]["env"]["CUDA_VISIBLE_DEVICES"] == "2"

@@ -209,16 +209,17 @@ def learner_worker_spec(recipe: Recipe, learner: str, log_level: int = logging.W
     return nanny_spec(recipe, "train", learner_worker(recipe, learner), log_level)
 
 
-def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None) -> dict:
+def pool_worker(recipe: Recipe, pool: str, i: int, slots: int | None = None, gpu_slot: int | None = None) -> dict:
     """What makes worker ``<pool>-<i>`` one of its pool, whatever starts it: ``name``,
     ``nthreads``, ``resources`` (``slots`` units of the pool's resource, default its threads; 0
     for a worker that must not take the pool's tasks yet) and ``env`` (the pool's settings, and
-    its GPUs when ``cuda_visible_devices`` lists some)."""
+    its GPUs when ``cuda_visible_devices`` lists some: those of ``gpu_slot``, default ``i`` -- a
+    worker added after others left takes a free one, not the one its name's number wraps to)."""
     cfg = getattr(recipe.pools, pool)
     env = {**WORKER_ENV, DEVICE_ENV: cfg.device, **cfg.env}
     if cfg.nice:
         env[NICE_ENV] = str(cfg.nice)
-    gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i)
+    gpus = gpu_ids(cfg.cuda_visible_devices, cfg.gpus_per_worker, i if gpu_slot is None else gpu_slot)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     name = f"{pool}-{i}"
@@ -250,9 +251,9 @@ def memory_limit(recipe: Recipe, pool: str) -> str | int:
 
 
 def pool_worker_spec(recipe: Recipe, pool: str, i: int, log_level: int = logging.WARNING,
-                     slots: int | None = None) -> dict:
+                     slots: int | None = None, gpu_slot: int | None = None) -> dict:
     """The embedded cluster's spec of worker ``<pool>-<i>`` (:func:`pool_worker`)."""
-    return nanny_spec(recipe, pool, pool_worker(recipe, pool, i, slots), log_level)
+    return nanny_spec(recipe, pool, pool_worker(recipe, pool, i, slots, gpu_slot), log_level)
 
 
 def nanny_spec(recipe: Recipe, pool: str, w: dict, log_level: int = logging.WARNING) -> dict:

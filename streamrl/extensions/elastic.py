@@ -162,6 +162,7 @@ class ElasticPool:
         self.probe: tuple[str, list[float], int] | None = None  # (worker added, baseline, first step with it)
         self.hold = 0  # steps left without growing (the last worker added did not pay)
         self.events: list[str] = []  # what changed since the last record
+        self.gpu_slots: dict[str, int] = {}  # worker added -> its place in cuda_visible_devices (else its number)
 
     # -- what the controller calls --------------------------------------------------------
     def track(self, name: str, fut: Future) -> None:
@@ -275,7 +276,13 @@ class ElasticPool:
     def _start(self) -> None:
         name = f"generate-{self.next_index}"
         self.next_index += 1
-        spec = pool_workers.pool_worker_spec(self.recipe, "generate", self.next_index - 1, self.log_level, slots=0)
+        # the GPUs no worker of the pool holds (names are never reused: one added after a
+        # shrink wrapped onto a GPU in use while another stood idle)
+        held = {self.gpu_slots.get(n, int(n.rsplit("-", 1)[1]))
+                for n in [*self.topo.generate, *self.draining, *([self.joining[0]] if self.joining else [])]}
+        slot = self.gpu_slots[name] = min(s for s in range(len(held) + 1) if s not in held)
+        spec = pool_workers.pool_worker_spec(self.recipe, "generate", self.next_index - 1, self.log_level, slots=0,
+                                             gpu_slot=slot)
         self.topo.start_worker(name, spec)
         self.starting, self.started_at = name, time.time()
         # the first step (model warm-up, empty caches) is no baseline when others exist
