@@ -1213,3 +1213,19 @@ def test_max_waiting_must_leave_room_for_a_step():
     with pytest.raises(ValueError, match=r"serve.max_waiting \(100\) must be at least serve.samples_per_step \+ 64 \(164\)"):
         ServeConfig(samples_per_step=100, max_waiting=100)
     assert ServeConfig(samples_per_step=100, max_waiting=164).max_waiting == 164
+
+
+def test_a_prompt_too_long_names_the_field_the_client_sent(served, monkeypatch):
+    # the token count's 400 named "messages" on /completions, and the engine's own refusal
+    # (a prompt past the model's positions) named "prompt" on /chat/completions
+    api, url = served
+    r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": [5] * 33, "max_tokens": 2}, timeout=30)
+    err = error_of(r, 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    monkeypatch.setattr(api.engine, "_check_ids", lambda what, ids: (_ for _ in ()).throw(
+        ValueError(f"hf engine: {what} has {len(ids)} tokens, more than the model's positions leave")))
+    assert error_of(chat(url, "1+1="), 400)["param"] == "messages"
+    r = httpx.post(f"{url}/completions", json={"model": "policy", "prompt": "1+1=", "max_tokens": 2}, timeout=30)
+    assert error_of(r, 400)["param"] == "prompt"
+    monkeypatch.undo()
+    assert chat(url, "1+1=").status_code == 200

@@ -185,8 +185,8 @@ class Endpoint:
                                 f"{c.max_new_tokens} (engine.max_new_tokens).", param=field)
         if prompt_ids is not None and len(prompt_ids) > c.max_prompt_tokens:
             raise APIError(400, f"The prompt has {len(prompt_ids)} tokens; this endpoint takes at most "
-                                f"{c.max_prompt_tokens} (engine.max_prompt_tokens).", param="messages",
-                           code="context_length_exceeded")
+                                f"{c.max_prompt_tokens} (engine.max_prompt_tokens).",
+                           param="messages" if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise APIError(400, "stop takes at most 4 non-empty strings.", param="stop")

@@ -57,7 +57,7 @@ async def respond(endpoint, request: Request, req: Sampling, ids: list[int], cha
         finally:
             finished(endpoint, completion, None)
         if isinstance(e, ValueError):  # the engine's own check (a prompt past its slots)
-            raise APIError(400, str(e), param="prompt") from None
+            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         if isinstance(e, Exception):
             raise APIError(500, failure(endpoint, e), kind="server_error") from None
         raise
