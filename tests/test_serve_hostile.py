@@ -692,6 +692,20 @@ def test_a_request_line_or_header_sent_without_end_is_431_and_a_large_body_is_no
     assert r.status_code == 200 and r.text == str(len(body))
 
 
+def test_bytes_that_are_not_http_are_400_in_the_apis_error_shape(bounded):
+    for garbage in (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,  # (a TLS hello)
+                    b"GET / HTTP/1.1\r\nhost x\r\n\r\n",  # (a header without its colon)
+                    b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: nine\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", bounded), timeout=10) as s:
+            s.sendall(garbage)
+            answer = answer_of(s)
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert b"content-type: application/json" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+
+
 def test_a_head_that_stalls_is_408_after_the_timeout_and_a_silent_connection_is_closed(bounded):
     for sent in (b"POST / HTTP/1.1\r\nhost: x\r\n", b""):
         start = time.time()  # (before connecting: the server's timer starts at its accept)

@@ -71,7 +71,8 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
     ``head_limit`` bytes is answered 431 and closed (and so is a chunked body whose framing and
     trailers, the bytes that are not its content, pass it); one not done within
     ``head_timeout_s`` is answered 408 and closed; a connection past ``connections`` open ones
-    is answered 503 and closed at once; and one whose client has read nothing of what waits for
+    is answered 503 and closed at once; bytes that are not HTTP/1.1 are answered 400 (each of
+    these in the API's error shape, not uvicorn's plain text); and one whose client has read nothing of what waits for
     it for ``write_timeout_s`` is cut."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -184,6 +185,11 @@ def bounded_protocol(head_limit: int = HEAD_LIMIT_BYTES, head_timeout_s: float =
             if self._in_head and not self.transport.is_closing():
                 self._refuse(408, "Request Timeout", f"the request's line and headers took longer than "
                              f"{head_timeout_s:g} s", "request_timeout")
+
+        def send_400_response(self, msg: str) -> None:
+            # bytes the parser cannot read as HTTP/1.1 (uvicorn's own answer is a line of plain
+            # text): the API's error shape, as every other refusal here
+            self._refuse(400, "Bad Request", "The request is not valid HTTP/1.1.", "invalid_http_request")
 
         def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
             self._stop_head_timer()
