@@ -472,3 +472,48 @@ def test_rows_too_long_for_the_model_are_passed_over_however_many_come_first(tmp
     assert task._order(0).index(200) > REFUSED_BEFORE_ANY  # (the one row that fits comes after that many)
     with pytest.warns(RunWarning, match="longer than the 8 tokens"):
         assert [p.answer for p in task.prompts(0, 2)] == ["2", "2"]
+
+
+def test_plain_prompts_are_counted_with_a_tokenizer_that_has_no_chat_template(tmp_path, trl_jsonl):
+    # a base model (no chat template) and plain-string prompts: counting their tokens needs the
+    # tokenizer, not its template; chat prompts through it are refused in one line
+    tok = char_tokenizer("0123456789+= ")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "base")
+    task = DatasetTask(DatasetConfig(path=trl_jsonl, model_path=str(tmp_path / "base"), max_prompt_tokens=5))
+    assert len(task) == 9 and {p.text for p in task.prompts(0, 9)} == {f"{i}+1=" for i in range(9)}
+    # "<bos>1+1=" is five tokens: a limit of four leaves every row out, said in one line
+    with pytest.raises(UserError, match="task.max_prompt_tokens: every prompt"):
+        DatasetTask(DatasetConfig(path=trl_jsonl, model_path=str(tmp_path / "base"), max_prompt_tokens=4))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
+    with pytest.raises(UserError, match="has no chat template, and the dataset's prompts are chat messages"):
+        DatasetTask(DatasetConfig(path=str(chat), model_path=str(tmp_path / "base"))).prompts(0, 1)
+
+
+def test_a_tokenizer_that_cannot_load_is_one_line_naming_model_path_not_every_row_refused(tmp_path, verl_parquet,
+                                                                                         monkeypatch):
+    import streamrl.tasks.dataset as dataset
+
+    (tmp_path / "weights-only").mkdir()
+    loads = []
+    real = dataset.load_tokenizer
+    monkeypatch.setattr(dataset, "load_tokenizer", lambda path: loads.append(path) or real(path))
+    for limit in (None, 9):
+        with pytest.raises(UserError, match=r"^task.model_path: cannot load a tokenizer from .*weights-only \("):
+            DatasetTask(DatasetConfig(path=verl_parquet, model_path=str(tmp_path / "weights-only"),
+                                      max_prompt_tokens=limit)).prompts(0, 4)
+    assert len(loads) == 2  # once per task: not once per row it was asked to render
+
+
+def test_rows_with_a_null_answer_or_no_messages_are_left_out_when_built(tmp_path, tokenizer, capsys):
+    import pandas as pd
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(3)]
+    rows += [{"prompt": [{"role": "user", "content": "5+1="}]}, {"prompt": [], "answer": "0"}]
+    path = tmp_path / "gaps.parquet"
+    pd.DataFrame(rows).to_parquet(path)  # (the row without an answer holds null there)
+    task = DatasetTask(DatasetConfig(path=str(path), model_path=tokenizer))
+    assert len(task) == 3 and {p.answer for p in task.prompts(0, 3)} == {"1", "2", "3"}
+    err = capsys.readouterr().err
+    assert "2 of 5 rows of task.path cannot be prompts and are left out (the first, 'answer' is null" in err, err

@@ -145,6 +145,8 @@ class DatasetTask(Task):
             return f"no field {key!r}"
         value = row[key]
         if is_chat(value):
+            if not len(value):  # (a template would render a conversation with no turn to answer)
+                return f"{key!r} is an empty list of messages"
             try:
                 normalize(value)
             except MessageError as exc:
@@ -156,7 +158,9 @@ class DatasetTask(Task):
             return f"{key!r} is empty"
         answer_key = self.eval_answer_key if held_out else self.answer_key
         try:
-            answer_key and dig(row, answer_key)
+            # (a column's table gives every row each column: a row without the answer has null)
+            if answer_key and dig(row, answer_key) is None:
+                return f"{answer_key!r} is null"
         except KeyError:
             return f"no field {answer_key!r}"
         return None
@@ -236,6 +240,9 @@ class DatasetTask(Task):
         columns = dict(row)  # the prompt too, as written (a TRL reward gets chat prompts as messages)
         messages = self._messages(value)
         if messages is not None:
+            if self.tokenizer.chat_template is None:
+                raise UserError(f"task: the tokenizer of {self.config.model_path} has no chat template, and the "
+                                f"dataset's prompts are chat messages (or {self.where}.system_prompt is set)")
             # content is text: a control token's string in a message does not become that token
             guarded, contents = content_as_text.guard(self.tokenizer, template_messages(normalize(messages)))
             text = self.tokenizer.apply_chat_template(guarded, add_generation_prompt=True, tokenize=False,
@@ -250,16 +257,17 @@ class DatasetTask(Task):
 
     @property
     def tokenizer(self):
-        """The model's tokenizer (loaded on first use: a plain-string dataset needs none)."""
+        """The model's tokenizer (loaded on first use: a plain-string dataset needs none, unless
+        its prompts are counted in tokens)."""
         if self._tokenizer is None:
             if not self.config.model_path:
                 raise UserError("task: chat prompts need the model's tokenizer; add a [model] table "
                                 f"(or set {self.where}.model_path)")
-
-            self._tokenizer = load_tokenizer(self.config.model_path)
-            if self._tokenizer.chat_template is None:
-                raise UserError(f"task: the tokenizer of {self.config.model_path} has no chat template, and the "
-                                f"dataset's prompts are chat messages (or {self.where}.system_prompt is set)")
+            try:
+                self._tokenizer = load_tokenizer(self.config.model_path)
+            except Exception as exc:  # (the run's, not a row's: said once, not counted per row)
+                raise UserError(f"{self.where}.model_path: cannot load a tokenizer from {self.config.model_path} "
+                                f"({type(exc).__name__}: {str(exc)[:200]})") from None
         return self._tokenizer
 
     def _length(self, prompt: Prompt) -> int:
