@@ -26,7 +26,7 @@ from streamrl.recipe.learners import LearnerConfig, check as check_learners
 from streamrl.recipe.paths import home, is_hub_id, resolved
 from streamrl.recipe.serve import ServeConfig
 from streamrl.recipe.pools import REQUIRED_POOLS, ClusterConfig, PoolsConfig
-from streamrl.recipe.strict import Strict
+from streamrl.recipe.strict import Strict, boolean_for_a_number
 from streamrl.recipe.toml_input import check_finite, read_toml, read_value
 
 
@@ -270,6 +270,9 @@ def with_run_defaults(config: type[BaseModel], section: dict, seed: int, model_p
 def validate_section(model: type[BaseModel], data: dict, path: str = "", recipe_dir: Path | None = None) -> BaseModel:
     """Validate ``data`` with ``model``; errors name the TOML path (``path.key``) in one line.
     ``recipe_dir``: the folder :data:`RecipePath` and :data:`PathOrHubId` fields resolve against."""
+    found = boolean_for_a_number(model, data, path)
+    if found:
+        raise UserError(f"{found}: expected a number, not a boolean")
     try:
         return model.model_validate(data, context={"recipe_dir": recipe_dir})
     except ValidationError as exc:
