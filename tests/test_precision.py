@@ -11,6 +11,7 @@ from streamrl.api import EngineCapabilities, TrainerContext
 from streamrl.engines.hf import HFEngine, HFEngineConfig
 from streamrl.sample import Prompt
 from streamrl.errors import UserError
+from streamrl.training import backward_pass
 from streamrl.training.head_logprobs import head_logprobs
 from streamrl.training.kernels import use_liger_kernels
 from streamrl.training.logprobs import naive_token_logprobs, token_logprobs
@@ -273,6 +274,10 @@ def test_a_micro_batch_that_runs_out_of_memory_is_one_line_with_its_size(tiny_mo
         t.micro_batch(groups, 1 / 8)
     msg = str(err.value)
     assert "\n" not in msg and "8 samples" in msg and "trainer.micro_batch_tokens" in msg
+    # a sharded rank's empty pass (no groups of its own) that runs out: the same one line
+    monkeypatch.setattr(backward_pass, "empty", oom)
+    with pytest.raises(RuntimeError, match=r"^trainer: an empty pass .* ran out of cpu memory; lower"):
+        t.micro_batch([], 1 / 8)
 
 
 @pytest.mark.slow  # inductor compiles the decoder layers (~30 s on 2 cores)

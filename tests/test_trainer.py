@@ -348,3 +348,24 @@ def test_a_tokenizer_without_a_pad_token_trains(tiny_model, tmp_path):
     trainer.micro_batch(groups, 1.0 / 24)
     stats = trainer.step()
     assert trainer.version == 1 and stats is not None
+
+
+def test_weight_decay_is_the_recipes_for_the_critic_too_and_on_a_resume(tiny_model, tmp_path):
+    from streamrl.algorithms.ppo import PPO, PPOConfig
+
+    def trainer(decay: float) -> HFTrainer:
+        return HFTrainer(HFTrainerConfig(lr=1e-3, weight_decay=decay),
+                         TrainerContext(str(tiny_model), PPO(PPOConfig()), EngineCapabilities(temperature=1.0)))
+
+    def decays(t: HFTrainer) -> set[float]:
+        return {g["weight_decay"] for o in (t.optimizer, t.critic.optimizer) for g in o.param_groups}
+
+    a = trainer(0.0)
+    assert decays(a) == {0.0}  # (torch's AdamW alone decays by 0.01)
+    a = trainer(0.1)
+    a.micro_batch(make_groups(a, n_groups=2), 1 / 8)
+    a.step()
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    b = trainer(0.0)  # resumed with --set trainer.weight_decay=0: the checkpoint's 0.1 is not kept
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert decays(b) == {0.0} and b.optimizer.state

@@ -16,7 +16,7 @@ import torch
 class Critic(torch.nn.Module):
     """Transformer backbone + linear value head, with its optimizer."""
 
-    def __init__(self, model_path: str, lr: float, device: str = "cpu"):
+    def __init__(self, model_path: str, lr: float, device: str = "cpu", weight_decay: float = 0.0):
         super().__init__()
         from transformers import AutoModel
 
@@ -25,7 +25,7 @@ class Critic(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
         self.to(device).train()
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr)
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
 
     def values(self, ids, attn):
         """Values ``[B, T-1]`` of the states before each next token."""

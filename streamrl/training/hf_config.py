@@ -33,7 +33,8 @@ class HFTrainerConfig(BaseModel):
     lr: float = Field(1e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """AdamW weight decay, of the policy and (``ppo``) of the critic; a resume takes the
+    recipe's, as it takes its learning rates."""
     warmup_steps: int = Field(0, ge=0)
     """Optimizer steps over which the learning rate rises linearly from ~0 to ``lr``. Adam's first
     steps move every weight by about ``lr`` whatever the gradient's size; a warm-up keeps noisy

@@ -119,7 +119,7 @@ class HFTrainer(Trainer):
                 use_liger_kernels(self.reference, self.device)
         self.critic = None
         if self.algorithm.needs_critic:
-            self.critic = Critic(context.model_path, config.critic_lr, built_on)
+            self.critic = Critic(context.model_path, config.critic_lr, built_on, config.weight_decay)
             without_dropout(self.critic)  # (its values, against the first pass's, without noise either)
         # the policy's (and reference's) token log-probs, as modules: the unit fsdp shards
         self.policy = TokenLogprobs(self.model)
@@ -177,7 +177,8 @@ class HFTrainer(Trainer):
         self.strategy.shard([(m, dtype) for m, dtype in units if m is not None], self.model)
         self._build_optimizer()
         if self.critic is not None:
-            self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr)
+            self.critic.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.config.critic_lr,
+                                                      weight_decay=self.config.weight_decay)
         self.sharded = True
 
     @_taking_turns
@@ -190,13 +191,16 @@ class HFTrainer(Trainer):
             return out
         except torch.OutOfMemoryError:
             samples = [s for g in groups for s in g]
-            longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            longest = max((len(s.prompt_ids) + len(s.response_ids) for s in samples), default=0)
             free = ""
             if self.device == "cuda":
                 free_b, total_b = torch.cuda.mem_get_info()
                 free = f"; {free_b / 2**30:.1f} of {total_b / 2**30:.1f} GiB free"
+            # (a sharded rank's empty pass, which only gathers the weights: no micro-batch to name)
+            what = f"a micro-batch of {len(samples)} samples x {longest} tokens (padded)" if samples else \
+                "an empty pass (gathering the sharded weights, no samples of its own)"
             raise RuntimeError(
-                f"trainer: a micro-batch of {len(samples)} samples x {longest} tokens (padded) ran out of "
+                f"trainer: {what} ran out of "
                 f"{self.device} memory{free}; lower trainer.micro_batch_tokens or groups_per_micro_batch, or set "
                 "trainer.activation_checkpointing = true (one group alone must fit)") from None
 

@@ -310,7 +310,7 @@ def _same_dtypes(state: dict, dcp_folder: Path) -> None:
 
 
 def _recipe_learning_rates(trainer) -> None:
-    """The learning rates of the recipe as resumed, not of the checkpoint: AdamW's param groups
+    """The learning rates (and weight decay) of the recipe as resumed, not of the checkpoint: AdamW's param groups
     and the schedule's base rates come back from the checkpoint, so ``--set trainer.lr=...`` on
     a resume (what a run stopped by a loss that was not finite is told to do) would be ignored.
     With the run's own recipe this changes nothing: the schedule gives the very same rate."""
@@ -319,7 +319,8 @@ def _recipe_learning_rates(trainer) -> None:
     rates = [base * fn(schedule.last_epoch) for base, fn in zip(schedule.base_lrs, schedule.lr_lambdas)]
     for group, lr in zip(trainer.optimizer.param_groups, rates):
         group["initial_lr"], group["lr"] = trainer.config.lr, lr
+        group["weight_decay"] = trainer.config.weight_decay
     schedule._last_lr = rates
     if trainer.critic is not None:
         for group in trainer.critic.optimizer.param_groups:
-            group["lr"] = trainer.config.critic_lr
+            group["lr"], group["weight_decay"] = trainer.config.critic_lr, trainer.config.weight_decay
