@@ -5,12 +5,14 @@ a run per correction whose samples really are stale."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from streamrl.algorithms.grpo import GRPO, GRPOConfig
 from streamrl.algorithms.off_policy import TOKEN_FLAGS
+from streamrl.errors import UserError
 from streamrl.sample import Sample
 from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket, record_fields
 from streamrl.telemetry.stats import TrainTaskStats
@@ -55,6 +57,22 @@ def test_the_short_form_is_tis():
     assert (cfg.off_policy.correction, cfg.off_policy.cap) == ("tis", 2.0)
     with pytest.raises(ValueError, match="not both"):
         GRPOConfig(off_policy_cap=2.0, off_policy={"correction": "icepop"})
+    with pytest.raises(ValueError, match="not both"):  # (tis too: its cap was silently the short form's)
+        GRPOConfig(off_policy_cap=2.0, off_policy={"correction": "tis", "cap": 5.0})
+    assert GRPOConfig(off_policy_cap=2.0, off_policy={"correction": "tis", "cap": 2.0}).off_policy.cap == 2.0
+
+
+@pytest.mark.parametrize("table, said", [
+    ({"correction": "icepop", "cap": 3.0}, "cap has no effect with correction 'icepop' (it reads low, high)"),
+    ({"correction": "tis", "low": 0.1}, "low has no effect with correction 'tis' (it reads cap)"),
+    ({"correction": "decoupled", "m2_threshold": 0.1}, "m2_threshold has no effect with correction 'decoupled'"),
+    ({"cap": 3.0}, "cap has no effect with correction 'none' (it reads none of them)"),
+])
+def test_a_setting_the_chosen_correction_does_not_read_is_refused_not_ignored(table, said):
+    from streamrl.recipe.recipe import validate_section
+
+    with pytest.raises(UserError, match=re.escape(said)):
+        validate_section(GRPOConfig, {"off_policy": table}, "algorithm")
 
 
 def test_decoupled_masks_the_tokens_over_the_cap():

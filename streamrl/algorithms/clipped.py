@@ -81,7 +81,9 @@ class ClippedConfig(BaseModel):
         if 0 < self.dual_clip <= 1:  # (the bound c * |A| would sit below the clipped surrogate: it would do nothing)
             raise ValueError(f"dual_clip = {self.dual_clip}: expected 0 (off) or a value above 1")
         if self.off_policy_cap > 0:
-            if self.off_policy.correction not in ("none", "tis"):
+            # (the table as the short form would write it is the same setting, not a second one)
+            if "off_policy" in self.model_fields_set and self.off_policy != OffPolicyConfig(
+                    correction="tis", cap=self.off_policy_cap):
                 raise ValueError("give off_policy_cap or [algorithm.off_policy], not both")
             self.off_policy = OffPolicyConfig(correction="tis", cap=self.off_policy_cap)
         if self.epochs > 1 and self.off_policy.correction not in ("none", "m2po"):

@@ -62,6 +62,11 @@ LOG_RATIO_BOUND = 20.0
 #: the band each masking correction keeps when the recipe names none
 DEFAULT_BANDS = {"icepop": (0.5, 5.0), "geo_reject": (0.5, 2.0)}
 
+#: the settings each correction reads (one given to a correction that does not read it is an
+#: error, not a setting silently without effect)
+READS = {"none": (), "tis": ("cap",), "decoupled": ("cap",), "icepop": ("low", "high"),
+         "geo_reject": ("low", "high"), "m2po": ("m2_threshold",)}
+
 
 class OffPolicyConfig(BaseModel):
     """``[algorithm.off_policy]``: how the loss treats tokens another policy generated."""
@@ -83,6 +88,11 @@ class OffPolicyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _band(self):
+        unread = [k for k in ("cap", "low", "high", "m2_threshold")
+                  if k in self.model_fields_set and k not in READS[self.correction]]
+        if unread:
+            reads = ", ".join(READS[self.correction]) or "none of them"
+            raise ValueError(f"{unread[0]} has no effect with correction {self.correction!r} (it reads {reads})")
         low, high = self.band()
         if low >= high:
             raise ValueError(f"low ({low:g}) must be below high ({high:g})")
