@@ -136,3 +136,26 @@ def test_dr_grpo_whose_l_max_is_not_the_generation_budget_is_warned_about():
     fits = streamrl("recipe", "validate", str(ROOT / "recipes" / "ppo.toml"), "--set",
                     'algorithm={name="dr_grpo", max_tokens=4}')
     assert fits.returncode == 0 and "dr_grpo" not in fits.stderr, fits.stderr
+
+
+def test_an_agents_rollout_split_into_segments_is_one_rollout_in_its_groups_baseline():
+    # rollout 0 split in two segments (uids 7-0 and 7-0.1, the rollout's reward on each), rollout
+    # 1 whole: the baseline is over rollouts, and every segment trains the rollout's advantage
+    from streamrl.algorithms.dpo import DPO, DPOConfig
+    from streamrl.algorithms.rloo import RLOO, RLOOConfig
+    from streamrl.sample import Prompt, Sample
+    from streamrl.training.backward_pass import advantages, rollouts
+
+    prompt = Prompt(uid="7", text="x")
+    group = [Sample(uid=uid, prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[-0.5], reward=r)
+             for uid, r in (("7-0", 1.0), ("7-0.1", 1.0), ("7-1", 0.0), ("7-2", 0.5))]
+    assert rollouts(group) == [[0, 1], [2], [3]]
+    assert advantages(RLOO(RLOOConfig()), group) == pytest.approx([0.75, 0.75, -0.75, 0.0])
+    grpo = advantages(GRPO(GRPOConfig()), group)
+    assert grpo[0] == grpo[1] > 0 > grpo[2] and grpo[3] == pytest.approx(0.0, abs=1e-6)
+    # DPO's pair: the chosen rollout's last segment (its answer) and the rejected rollout
+    assert advantages(DPO(DPOConfig()), group) == [0.0, 1.0, -1.0, 0.0]
+    # uids that only look like segments (no first segment in the group) are rollouts of their own
+    loose = [Sample(uid=u, prompt=prompt, prompt_ids=[1], response_ids=[2], logprobs=[-0.5], reward=r)
+             for u, r in (("a.1", 1.0), ("b.1", 0.0))]
+    assert rollouts(loose) == [[0], [1]]

@@ -42,6 +42,7 @@ class DPO(Algorithm):
     needs_reference = True  # the frozen initial policy: z_i is the log-ratio to it
     zero_advantage_no_gradient = True  # only the pair's two samples enter the loss
     min_group_size = 2  # a pair needs two samples of the prompt
+    pairs = True  # (one chosen and one rejected sample per group: a split rollout's last segment)
 
     def __init__(self, config: DPOConfig):
         self.config = config

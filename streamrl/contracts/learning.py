@@ -43,13 +43,20 @@ class Algorithm:
     group baseline (GRPO, RLOO, Dr. GRPO, REINFORCE++'s group mean): a sample alone in its group
     is its own baseline, its advantage is 0 and nothing is learned -- a recipe that asks for
     fewer is refused at validation."""
+    pairs: bool = False
+    """True when the loss pairs samples of a group by their advantages (DPO's chosen and
+    rejected): an agent's rollout split into several segments then takes part with its last
+    segment alone, the one that ends with its answer. False: every segment of a rollout
+    trains with the rollout's advantage."""
     epochs: int = 1
     """Optimizer steps per batch of samples. The first pass streams as groups are scored; later
     passes go over the whole batch again and see samples one more update old each time, so
     ``loss`` must stay valid off-policy (a clipped ratio to ``old`` is)."""
 
     def advantages(self, rewards: list[float]) -> list[float]:
-        """One advantage per sample of a group, from the group's rewards (same order)."""
+        """One advantage per rollout of a group, from the group's rewards (same order). An
+        agent's rollout split into segments is one rollout here, with one reward: its segments
+        are not baselines of each other."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:

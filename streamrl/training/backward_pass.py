@@ -82,21 +82,48 @@ def loss_result(algorithm, result, batch: int) -> tuple[torch.Tensor, dict]:
     return per_sample, dict(stats)
 
 
+def rollouts(group: Group) -> list[list[int]]:
+    """The positions of ``group``'s samples by rollout, in order. An agent's rollout split into
+    segments is one rollout: its segments' uids are the first one's with ``.1``, ``.2``, ...
+    after it (``agents/rollout.py``), each with the rollout's reward."""
+    out: list[list[int]] = []
+    first: dict[str, int] = {}
+    for i, s in enumerate(group):
+        base, dot, j = str(s.uid).rpartition(".")
+        if dot and j.isdigit() and base in first:
+            out[first[base]].append(i)
+        else:
+            first[str(s.uid)] = len(out)
+            out.append([i])
+    return out
+
+
 def advantages(algorithm, group: Group) -> list[float]:
     """The algorithm's advantages of ``group``: one number per sample, or the run stops in one
     line naming the algorithm. A list of another length would still make tensors of matching
     shapes -- samples paired with other samples' advantages, or a group left out as if its
-    advantages were zero -- and train on that without a word."""
-    given = called(algorithm, "advantages", [s.reward for s in group])
+    advantages were zero -- and train on that without a word. The algorithm is given one reward
+    per rollout (a split rollout counted once, not once per segment: in RLOO's or GRPO's
+    baseline its segments would otherwise be each other's), and its segments share the
+    rollout's advantage (with ``pairs``, its last segment alone)."""
+    parts = rollouts(group)
+    given = called(algorithm, "advantages", [group[p[0]].reward for p in parts])
     try:
         values = [float(a) for a in given]
     except (TypeError, ValueError):
         values = None
-    if values is None or len(values) != len(group):
+    if values is None or len(values) != len(parts):
         what = f"{len(values)} numbers" if values is not None else f"{type(given).__name__} {str(given)[:60]!r}"
+        of = f"{len(group)} samples" if len(parts) == len(group) else f"{len(parts)} rollouts ({len(group)} samples)"
         raise RunStopped(f"algorithm {type(algorithm).__name__}: advantages() gave {what} for a group of "
-                         f"{len(group)} samples; expected one number per sample, so nothing of this step was applied")
-    return values
+                         f"{of}; expected one number per {'sample' if len(parts) == len(group) else 'rollout'}, "
+                         "so nothing of this step was applied")
+    out = [0.0] * len(group)
+    last_only = getattr(algorithm, "pairs", False)
+    for part, value in zip(parts, values):
+        for i in part[-1:] if last_only else part:
+            out[i] = value
+    return out
 
 
 class FirstPass:
