@@ -460,7 +460,7 @@ def test_the_latency_profile_runs_on_a_model_whose_eos_is_its_last_token(tiny_mo
 
 def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_naming_it():
     from streamrl.errors import RunStopped
-    from streamrl.on_worker.task_functions import checked_groups
+    from streamrl.on_worker.engine_output import checked_groups
     from streamrl.sample import Sample
 
     class Plugin:
@@ -486,6 +486,13 @@ def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_nami
                         ([good[0], [good[1][0], sample("0-1-1", prompts[1], (float("-inf"),))]],
                          "returned sample '0-1-1' with a log-prob of '-inf'"),
                         ([good[0], [good[1][0], sample("0-1-1", prompts[1], (None,))]],
-                         "returned sample '0-1-1' with a log-prob of 'None'")]:
+                         "returned sample '0-1-1' with a log-prob of 'None'"),
+                        # no prompt token to predict the first response token from; a mask of another length
+                        ([good[0], [good[1][0], Sample(uid="0-1-1", prompt=prompts[1], prompt_ids=[], response_ids=[2],
+                                                       logprobs=[-0.5])]],
+                         "returned sample '0-1-1' with no prompt tokens"),
+                        ([good[0], [good[1][0], Sample(uid="0-1-1", prompt=prompts[1], prompt_ids=[1], response_ids=[2],
+                                                       logprobs=[-0.5], loss_mask=[1, 1])]],
+                         "returned sample '0-1-1' with 1 response tokens and a loss_mask of 2")]:
         with pytest.raises(RunStopped, match=re.escape(f"engine Plugin: generate_groups() {said}")):
             checked_groups(Plugin(), prompts, 2, wrong)
