@@ -251,6 +251,7 @@ def test_a_hostile_recipe_file_is_one_line_before_anything_starts(capsys, tiny_r
         'pools.train.cuda_visible_devices=["gpu0"]': "pools.train.cuda_visible_devices: 'gpu0' is not a GPU id",
         'pools.train.cuda_visible_devices=["0","0"]': "pools.train.cuda_visible_devices: GPU '0' is listed twice",
         "run.seed=-1": "run.seed: expected greater than or equal to 0",
+        "reward.limit=1e300": "reward.limit: expected less than or equal to 1e+30",
         # TOML's booleans are not numbers (pydantic alone reads lr = true as a rate of 1.0)
         "trainer.lr=true": "trainer.lr: expected a number, not a boolean",
         "run.steps=false": "run.steps: expected a number, not a boolean",

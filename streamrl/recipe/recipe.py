@@ -13,6 +13,7 @@ folder ``run.out_dir`` is relative to the current directory.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -120,12 +121,14 @@ class RewardSection(Section):
     """``[reward]``: ``name`` picks the reward component; ``score_timeout_s`` belongs to
     streamrl; every other key to the reward component's own config."""
 
-    limit: float = Field(1e6, gt=0, allow_inf_nan=False)
+    limit: float = Field(1e6, gt=0, le=1e30, allow_inf_nan=False)
     """The largest reward magnitude the run trains on, wherever a reward comes from: the reward
     function, an agent's rollout, a client's feedback. One huge value among a batch's (1e308)
     makes its advantages and loss overflow, so a reward past it either way is refused where it
     enters -- counted as that sample's reward error (scored 0), or a 400 naming ``reward`` to a
-    client -- and never trained. Rewards that mean something stay far inside the default."""
+    client -- and never trained. Rewards that mean something stay far inside the default. At
+    most 1e30: past that a group's squared deviations (GRPO's std) overflow a double, and a
+    difference of two rewards (RLOO, Dr. GRPO) the float32 the loss is computed in."""
     score_timeout_s: float = Field(60.0, ge=0, le=1e6)  # (bounded: a timer of 1e300 s cannot be armed)
     """Seconds one response's score may take; 0: no limit. A score that has not come back
     in time (a grader waiting on a dead service, a solution that loops) scores 0 and is counted
@@ -241,6 +244,8 @@ def _describe(err: dict) -> str:
     if err["type"] == "missing":
         return f"{loc}: required key missing"
     msg = err["msg"].replace("Input should be", "expected").removeprefix("Value error, ")
+    # (a bound of 1e30 is printed by pydantic with its thirty zeros)
+    msg = re.sub(r"\b\d{10,}(\.0)?\b", lambda m: f"{float(m.group()):g}", msg)
     if not loc:  # a check over the whole recipe: its message names the field
         return msg
     return f"{loc}: {msg} (got {err.get('input')!r})"
