@@ -364,6 +364,12 @@ def test_a_policy_transformers_refuses_to_save_at_the_end_is_one_line_naming_the
      "'../x' is not a learner's name"),
     ("learners.json", '{"learners": {"a": {"table": {}, "summary": {"steps_trained": -1}, "has_state": true}}}',
      "learner 'a''s steps_trained is not a count"),
+    # the folder a learner was built from: the run's own, never a model elsewhere on the disk
+    ("learners.json", '{"learners": {"a": {"table": {}, "summary": {}, "has_state": true, "start": "/models/other"}}}',
+     "learner 'a''s start is not a folder of the run's learners/ ('/models/other')"),
+    ("learners.json", '{"learners": {"a": {"table": {}, "summary": {}, "has_state": true, '
+                      '"start": "learners/start-a-3/../../../x"}}}',
+     "learner 'a''s start is not a folder of the run's learners/ ('learners/start-a-3/../../../x')"),
     ("serve_traffic.json", '{"groups": [[{"uid": "x"}]]}', "a group is not a list of samples, each with its prompt"),
     ("serve_traffic.json", '{"groups": {}}', "groups is not a list"),
 ])

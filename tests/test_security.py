@@ -329,3 +329,34 @@ def test_the_dashboard_answers_identity_json_once_workers_have_fetched_from_each
             if any("/" in k for k in digests) or __import__("time").time() > deadline:
                 break
         assert ident["type"] == "Scheduler" and len(ident["workers"]) == 2
+
+
+@pytest.mark.parametrize("name, says", [
+    (None, "trainer/dcp/.metadata names '{secret}', not a file inside its folder"),  # an absolute path
+    ("../../../secret.bin", "trainer/dcp/.metadata names '../../../secret.bin', not a file inside its folder"),
+    ("link.distcp", "trainer/dcp/link.distcp is a link, not a file"),
+])
+def test_dcp_metadata_that_names_a_file_outside_its_folder_is_refused(tmp_path, name, says):
+    # DCP reads folder / relative_path: a checkpoint's metadata naming another file of the worker
+    # would have it read into the weights (and served), with the manifest consistent around it
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(os.urandom(4096))
+    ckpt = tmp_path / "run" / "step-000001"
+    folder = ckpt / "trainer" / "dcp"
+    dcp.save({"w": torch.ones(16)}, checkpoint_id=str(folder), no_dist=True)
+    assert integrity.refused(ckpt) is None  # as DCP writes it
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # (our own file: trusted here)
+    if name == "link.distcp":
+        (folder / name).symlink_to(secret)
+    for info in metadata.storage_data.values():
+        info.relative_path = str(secret) if name is None else name
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert integrity.refused(ckpt) == says.format(secret=secret)
+    # and a byte range past its file's end, however consistent the manifest
+    for info in metadata.storage_data.values():
+        info.relative_path, info.length = "__0_0.distcp", 1 << 40
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert integrity.refused(ckpt).startswith("trainer/dcp/__0_0.distcp is ")

@@ -128,6 +128,7 @@ def _dispatch_problem(d) -> str | None:
 
 #: A side learner's name, as the recipe's ``[[learners]]`` allow it (it becomes a folder's name).
 _LEARNER_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,31}")
+_LEARNER_START = re.compile(r"learners/start-[a-z0-9][a-z0-9_]{0,31}-[0-9]{1,12}")
 
 
 def _learners_problem(d) -> str | None:
@@ -143,6 +144,11 @@ def _learners_problem(d) -> str | None:
         for key in ("steps_trained", "skipped_steps", "samples_trained"):
             if key in entry["summary"] and not _count(entry["summary"][key]):
                 return f"learner {name!r}'s {key} is not a count"
+        # the folder it was built from, in the run's folder (a path elsewhere would build the
+        # learner, and its reference policy, from any model of the worker's disk)
+        start = entry.get("start")
+        if start is not None and not (isinstance(start, str) and _LEARNER_START.fullmatch(start)):
+            return f"learner {name!r}'s start is not a folder of the run's learners/ ({str(start)[:80]!r})"
     return None
 
 
@@ -208,12 +214,42 @@ def refused(ckpt: Path) -> str | None:
     for path in sorted(ckpt.rglob(".metadata")):
         name = path.relative_to(ckpt).as_posix()
         try:
-            read_metadata(path.parent)
+            metadata = read_metadata(path.parent)
         except RefusedGlobal as exc:
             return (f"{name} names something DCP's metadata never holds; it was refused, since loading it "
                     f"could run code ({str(exc)[:200]})")
         except Exception as exc:
             return f"{name} cannot be read ({type(exc).__name__})"
+        problem = _ranges_problem(metadata, path.parent, ckpt)
+        if problem:
+            return problem
+    return None
+
+
+def _ranges_problem(metadata, folder: Path, ckpt: Path) -> str | None:
+    """Every file DCP's ``metadata`` of ``folder`` names is a file of that folder (DCP reads
+    ``folder / relative_path``: an absolute path or a ``..`` would have any file of the worker
+    read into the weights, and served), and every byte range it names lies inside it."""
+    where = folder.relative_to(ckpt).as_posix()
+    ends: dict[str, int] = {}
+    try:
+        items = list((metadata.storage_data or {}).values())
+    except (AttributeError, TypeError):
+        return f"{where}/.metadata has no table of the files it was written to"
+    for info in items:
+        name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not isinstance(name, str) or not _count(offset) or not _count(length):
+            return f"{where}/.metadata names a file or a byte range that is not one ({str(name)[:80]!r})"
+        parts = PurePosixPath(name).parts
+        if not name or PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name or len(parts) != 1:
+            return f"{where}/.metadata names {name[:120]!r}, not a file inside its folder"
+        ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            return f"{where}/{name} is missing" if not path.is_symlink() else f"{where}/{name} is a link, not a file"
+        if path.stat().st_size < end:
+            return f"{where}/{name} is {path.stat().st_size} bytes, its metadata needs {end}"
     return None
 
 
@@ -240,22 +276,13 @@ def _verify_legacy(ckpt: Path) -> str | None:
 
 
 def _dcp_problem(dcp: Path) -> str | None:
-    """Every byte range the DCP metadata of folder ``dcp`` names lies inside its files."""
+    """The DCP metadata of folder ``dcp`` is there and readable (what it names: :func:`refused`)."""
     from streamrl.training.trainer_state import read_metadata
 
     try:
-        metadata = read_metadata(dcp)
+        read_metadata(dcp)
     except Exception as exc:
         return f"trainer/dcp/.metadata cannot be read ({type(exc).__name__})"
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        path = dcp / name
-        if not path.is_file():
-            return f"trainer/dcp/{name} is missing"
-        if path.stat().st_size < end:
-            return f"trainer/dcp/{name} is {path.stat().st_size} bytes, its metadata needs {end}"
     return None
 
 

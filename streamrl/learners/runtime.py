@@ -246,7 +246,10 @@ def started_from(entry: dict, run_dir: Path) -> dict:
     start = entry.get("start")
     if not start:
         return {}
-    folder = run_dir / start
+    folder = run_dir / str(start)
+    # (the run's own learners/ folder: a path elsewhere would build it from any model on the disk)
+    if not folder.resolve().is_relative_to((run_dir / "learners").resolve()):
+        raise UserError(f"it was built from {str(start)[:120]!r}, which is not a folder of the run's learners/")
     if not (folder / "config.json").is_file():
         raise UserError(f"it was built from {folder}, which is gone (its reference policy with it)")
     return {"model_path": str(folder)}
