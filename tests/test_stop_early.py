@@ -8,7 +8,7 @@ import torch
 
 from streamrl.engines.base import HFEngineConfig
 from streamrl.engines.slots import SlotEngine
-from streamrl.errors import UserError
+from streamrl.errors import RunWarning, UserError
 from streamrl.recipe.recipe import validate_section
 from streamrl.sample import Prompt
 from streamrl.tasks.countdown import CountdownReward, CountdownRewardConfig
@@ -157,3 +157,26 @@ def test_a_run_ends_responses_early_counts_them_and_trains_each_once(tiny_recipe
         assert sorted(uids) == sorted(f"{r['step']}-{i:03d}-{k}" for i in range(4) for k in range(4))
         ended = [x for x in r["sample_log"] if x.get("stopped_early")]
         assert ended and all(x["response_len"] < 12 for x in ended)
+
+
+class ExitsWhenAsked:
+    """A grader script's reward: its stop_early calls sys.exit()."""
+
+    def stop_early(self, prompt, text):
+        raise SystemExit(3)
+
+
+def test_a_stop_early_that_calls_sys_exit_stops_nothing_and_the_decode_loop_goes_on(tiny_model):
+    engine = SlotEngine(HFEngineConfig(batching="slots", slots=8, max_prompt_tokens=16, max_new_tokens=6,
+                                       temperature=1.0, profile=False, stop_early_every=2))
+    engine.load(str(tiny_model))
+    engine.decoder.stop_ids.fill_(-1)  # no response ends by itself: only the limit or the watch
+    engine.stop_early_with(ExitsWhenAsked())
+    try:
+        with pytest.warns(RunWarning, match="stop_early raised SystemExit"):
+            (group,) = engine.generate_groups([Prompt(uid="p", text="12+34=")], 2, [0.0])
+        (again,) = engine.generate_groups([Prompt(uid="q", text="1+2=")], 2, [0.0])
+        assert engine.loop_error is None and len(again) == 2
+    finally:
+        engine.close()
+    assert all(len(s.response_ids) == 6 and "stopped_early" not in s.times for s in group)

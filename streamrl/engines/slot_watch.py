@@ -8,11 +8,13 @@ the decode loop (``engines/slots.py``) asks :meth:`EarlyStopWatch.stops` after e
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 
 from streamrl.engines.slot_requests import Request
+from streamrl.errors import RunWarning
 from streamrl.sample import Prompt
 
 
@@ -24,6 +26,7 @@ class EarlyStopWatch:
         self.response_text = response_text
         self.reward = None
         """The reward whose ``stop_early`` is asked (None: nothing is watched)."""
+        self.failed = False  # (whether it has raised: said once, not per response)
 
     def watching(self, prompt: Prompt | None) -> Prompt | None:
         """What a new request's watch asks about: its prompt while a reward watches."""
@@ -49,8 +52,16 @@ class EarlyStopWatch:
             r.watched_at = n
             try:
                 hopeless = bool(self.reward.stop_early(r.watch, self.response_text(row[:n])))
-            except Exception:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 -- a watch that fails stops nothing; the reward scores it later
+                # (sys.exit() in a grader, a CancelledError of its own loop: not Exceptions, and
+                # raised here they would end the decode loop, and every request after with it)
                 hopeless = False
+                if not self.failed:
+                    self.failed = True
+                    warnings.warn(f"the reward's stop_early raised {type(exc).__name__}: {str(exc)[:200]}; "
+                                  "it stops no response (said once)", RunWarning, stacklevel=2)
             if hopeless:
                 stop.append(slot)
                 r.ended_early = True
