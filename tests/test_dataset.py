@@ -517,3 +517,17 @@ def test_rows_with_a_null_answer_or_no_messages_are_left_out_when_built(tmp_path
     assert len(task) == 3 and {p.answer for p in task.prompts(0, 3)} == {"1", "2", "3"}
     err = capsys.readouterr().err
     assert "2 of 5 rows of task.path cannot be prompts and are left out (the first, 'answer' is null" in err, err
+
+
+def test_model_init_reads_chat_rows_with_tool_calls_and_content_parts(tmp_path):
+    from streamrl.run.model_init import init_model
+
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "text", "text": "1+2="}]},
+                        {"role": "assistant", "content": None,
+                         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
+                        {"role": "tool", "content": "3"}], "answer": "3"}]
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    init_model("dataset", str(tmp_path / "model"), warmstart_steps=0, overrides=[f"path={path}"])
+    task = DatasetTask(DatasetConfig(path=str(path), model_path=str(tmp_path / "model")))
+    assert set("1+2=add{\"a\": }3") <= set(task.alphabet)  # the parts' text and the call's, as characters

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -190,8 +191,8 @@ def for_run(client: Client, task: Task, recipe: Recipe, greedy: bool) -> Evaluat
     if not held_out:
         raise UserError(f"eval: task {recipe.task.name!r} has no held-out prompts (the dataset task holds some out "
                         "with eval_fraction, eval_split or eval_path)")
-    uids = [p.uid for p in held_out]
-    again = sorted({u for u in uids if uids.count(u) > 1})
+    counts = Counter(p.uid for p in held_out)  # (a count per uid: a list's .count for each is quadratic)
+    again = sorted(u for u, n in counts.items() if n > 1)
     if again:
         raise UserError(f"task {recipe.task.name!r}: eval_prompts() repeats uid {again[0]!r}; each held-out prompt "
                         "needs its own uid")

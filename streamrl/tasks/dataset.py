@@ -377,7 +377,11 @@ class DatasetTask(Task):
         """(the prompt's words, the response to warm-start on): the ``solution`` field when the
         row has a string one, else the answer."""
         value = row[self.config.prompt_key]
-        words = " ".join(m["content"] for m in value) if is_chat(value) else str(value)
+        if is_chat(value):  # (normalized: content as text, never None or a list of parts, and tool calls' text)
+            words = " ".join(m["content"] + "".join(c["function"]["name"] + c["function"]["arguments"]
+                                                    for c in m.get("tool_calls", ())) for m in normalize(value))
+        else:
+            words = str(value)
         solution = row.get("solution")
         if not isinstance(solution, str):
             try:
