@@ -35,6 +35,12 @@ def test_a_task_without_held_out_prompts_cannot_be_evaluated(tiny_recipe):
     task = resolve(loaded).task.build()
     with pytest.raises(UserError, match="eval: task 'addition' has no held-out prompts"):
         evaluate.for_run(None, task, loaded.recipe, greedy=False)
+    # a task (a plugin's) whose held-out prompts share a uid: their results would be one prompt's
+    from streamrl.sample import Prompt
+
+    task.eval_prompts = lambda: [Prompt(uid=f"e{i % 3}", text="1+1=") for i in range(5)]
+    with pytest.raises(UserError, match="task 'addition': eval_prompts\\(\\) repeats uid 'e0'; each held-out"):
+        evaluate.for_run(None, task, loaded.recipe, greedy=False)
 
 
 @pytest.mark.slow
