@@ -537,7 +537,8 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
             submitted.append(kwargs)
 
             def result(timeout=None):
-                raise raised[0]
+                if raised[0] is not None:
+                    raise raised[0]
             return SimpleNamespace(result=result)
 
     def learner(name):
@@ -578,6 +579,18 @@ def test_a_side_learner_whose_checkpoint_save_fails_fails_alone_and_the_checkpoi
     (tmp_path / "next").mkdir()
     with pytest.raises(OSError, match="No space left"):
         runtime.checkpoint(fanout, 7, None)(tmp_path / "next")
+    # a save that came back after the step still queued: that step is in the state saved, so it is
+    # read before the counts are written (a resume restores them: they must match the weights)
+    raised[0] = None
+
+    def harvest(lr):
+        lr.inflight.clear()
+        lr.summary = lambda: {"state": lr.state, "steps_trained": 4}
+    fanout._harvest = harvest
+    (tmp_path / "whole").mkdir()
+    runtime.checkpoint(fanout, 8, None)(tmp_path / "whole")
+    saved = json.loads((tmp_path / "whole" / runtime.STATE).read_text())["learners"]["a"]
+    assert saved["has_state"] is True and saved["summary"]["steps_trained"] == 4
 
 
 def test_a_variant_the_endpoint_cannot_take_off_is_said_and_the_run_goes_on():

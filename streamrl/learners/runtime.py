@@ -197,6 +197,8 @@ def checkpoint(fanout: Fanout, next_step: int, previous: Path | None):
                     saved = _saved(fanout, lr, saving, next_step - 1)
                     if not saved:  # (its worker gone for good: failed by the look, the save let go)
                         shutil.rmtree(target, ignore_errors=True)
+                    else:  # the steps it waited for are in the state saved: read, so its counts say so
+                        fanout._harvest(lr)
                 except OSError:  # (the run's folder full, the scheduler gone: the checkpoint's failure, said so)
                     raise
                 except Exception as exc:  # noqa: BLE001 -- its worker restarted since its last step
