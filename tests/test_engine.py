@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
+import torch
 
 from streamrl.api import EngineCapabilities
 from streamrl.engines import static
@@ -496,3 +498,42 @@ def test_an_engine_that_returns_the_wrong_groups_stops_the_step_in_one_line_nami
                          "returned sample '0-1-1' with 1 response tokens and a loss_mask of 2")]:
         with pytest.raises(RunStopped, match=re.escape(f"engine Plugin: generate_groups() {said}")):
             checked_groups(Plugin(), prompts, 2, wrong)
+
+
+def test_an_export_beside_an_optimizer_step_sends_one_version_not_a_mix(monkeypatch):
+    # (the worker's residents stood in for; real threads) with two task threads on a train
+    # worker, an export that read the weights while a step changed them sent half of each
+    from streamrl.on_worker import task_functions, weight_tasks
+
+    changing, weights = threading.Event(), {"w": torch.zeros(8)}
+
+    class Trainer:
+        version = 0
+
+        def step(self):
+            weights["w"][:4] = 1.0
+            changing.set()
+            time.sleep(0.3)  # (an optimizer step over a large model takes its time)
+            weights["w"][4:] = 1.0
+            self.version += 1
+            return {"grad_norm": 1.0, "seconds": 0.3, "version": self.version}
+
+        def named_weights(self):
+            return weights  # (live tensors, as a trainer's own parameters are)
+
+    class Transfer:
+        receivers = 1
+
+        def send(self, named, version):
+            return {k: v.clone() for k, v in named.items()}
+
+    residents = {task_functions.TRAINER: Trainer(), weight_tasks.TRANSFER: Transfer()}
+    for module in (task_functions, weight_tasks):
+        monkeypatch.setattr(module, "resident", residents.__getitem__)
+        monkeypatch.setattr(module, "expect", lambda *args: None)
+    stepping = threading.Thread(target=task_functions.optimizer_step)
+    stepping.start()
+    assert changing.wait(10)
+    sent = weight_tasks.export_weights(1)["w"]
+    stepping.join(10)
+    assert sent.tolist() == [1.0] * 8  # the whole step's weights (waited for it), never half of them

@@ -19,7 +19,7 @@ from streamrl.errors import RewardFailed, RunStopped
 from streamrl.on_worker.engine_output import checked_groups
 from streamrl.on_worker.microbatch import group_tokens, pack
 from streamrl.on_worker.move_tasks import MOVE_TARGETS, continue_moved
-from streamrl.on_worker.weight_tasks import LOAD_PRIORITY, catch_up
+from streamrl.on_worker.weight_tasks import LOAD_PRIORITY, WEIGHTS_LOCK, catch_up
 from streamrl.rewards import scoring
 from streamrl.on_worker.resident import (ENGINE, REWARD, TRAINER, ResidentLost, expect, incarnation,
                                     resident, resident_settings)
@@ -276,7 +276,8 @@ def optimizer_step(*train_tasks: TrainTaskStats, trainer_id: str | dict | None =
                            "was not trained on; a reward that fails for every sample is a bug, not a learning "
                            "signal: fix what the first error names")
     try:
-        return StepStats.of(resident(name).step())
+        with WEIGHTS_LOCK:  # (no export reads the weights while they change)
+            return StepStats.of(resident(name).step())
     except RunStopped:  # the trainer refused the step (a loss that is not finite): that is the news
         raise
     except Exception as exc:

@@ -19,7 +19,13 @@ from streamrl.on_worker.resident import ENGINE, TRAINER, TRANSFER, ResidentLost,
 
 LATEST = "streamrl-latest-weights"  # the newest publication's payload future (a Dask Variable)
 LATEST_SENDER = "streamrl-latest-weights-sender"  # who exported LATEST: {"pin", "name", "address"}
-_EXPORTING = threading.Lock()
+WEIGHTS_LOCK = threading.Lock()
+"""Held by a train worker's export while it reads the trainer's weights, and by its optimizer
+step while it changes them: with more than one task thread (``pools.train.threads``, or a
+colocated run's generation there) an export beside a step would send a payload labelled one
+version holding some of the next; and one export at a time (the receivers are set on the one
+transfer object, and an elastic join's export for one worker must not size a publication's
+group, or the other way round)."""
 
 #: Dask priority of weight export/load tasks (``weights.LOAD_PRIORITY``)
 LOAD_PRIORITY = 1_000_000
@@ -29,9 +35,7 @@ def export_weights(version: int, after=None, trainer_id: str | dict | None = Non
     """Train pool: the transfer's payload of the trainer's current weights, for ``receivers``
     generate workers."""
     expect(TRAINER, trainer_id)
-    # (one export at a time: the receivers are set on the one transfer object, and an elastic
-    # join's export for one worker must not size a publication's group, or the other way round)
-    with _EXPORTING:
+    with WEIGHTS_LOCK:
         resident(TRANSFER).receivers = receivers
         return resident(TRANSFER).send(resident(TRAINER).named_weights(), version)
 
@@ -71,7 +75,7 @@ def export_held(version: int) -> object | None:
     when they are policy ``version`` (its optimizer steps so far are that version's), else None."""
     trainer = resident(TRAINER)
     epochs = max(1, int(getattr(getattr(trainer, "algorithm", None), "epochs", 1) or 1))
-    with _EXPORTING:
+    with WEIGHTS_LOCK:
         if trainer.version != version * epochs:
             return None
         resident(TRANSFER).receivers = 1
