@@ -54,3 +54,21 @@ def test_a_lone_surrogate_is_written_as_a_replacement_character_and_a_pair_as_it
     (x,) = strict(line)["sample_log"]
     assert x == {"text": "a\ufffdb\ufffd", "emoji": "😀", "note": "\\ud800 as typed"}
     assert all(v.encode("utf-8") for v in x.values())  # (a lone surrogate does not encode)
+
+
+def test_records_are_synced_for_a_checkpoint_and_a_resume_that_finds_fewer_says_so(tmp_path, monkeypatch):
+    import os
+
+    from streamrl.errors import RunWarning
+    from streamrl.telemetry import metrics
+
+    synced = []
+    monkeypatch.setattr(metrics.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_size))
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 0})
+    log.write({"step": 1})
+    log.sync()
+    assert synced == [(tmp_path / "metrics.jsonl").stat().st_size]  # every record so far, on the disk
+    # the machine crashed after a checkpoint of 3 records was written, before the third reached the disk
+    with pytest.warns(RunWarning, match="metrics.jsonl holds 2 records, the checkpoint resumed from was written after 3"):
+        MetricsLog(tmp_path / "metrics.jsonl").keep_first(3)

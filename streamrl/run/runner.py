@@ -96,6 +96,7 @@ def _steps(r, controller: Controller, folder: RunFolder, first: int, stop: StopR
             # (a deadline of its own: a step that ended near its deadline must not fail in the
             # checkpoint after it, a stop asked for losing every step since the last one)
             with watchdog.watching(f"the checkpoint after step {done}", r.run.step_timeout_s), span("checkpoint"):
+                folder.metrics.sync()  # (the records it counts on the disk before it is)
                 saved = saving.checkpoint(controller, folder.path, done, len(folder.records))
             stopping = stop.requested and done < r.run.steps  # (asked while it was written: stop on it)
             folder.mark("interrupted" if stopping else "running", step=done, checkpoint=str(saved))

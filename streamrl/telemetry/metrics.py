@@ -9,6 +9,7 @@ crash, and reading stops with a one-line error naming the file and the line.
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 import warnings
@@ -26,8 +27,12 @@ class MetricsLog:
 
     def keep_first(self, n: int | None) -> None:
         """A resumed run: load the file's first ``n`` records (None: all) and drop the rest (the
-        steps after the checkpoint are run again)."""
+        steps after the checkpoint are run again). Fewer than ``n`` there (the file lost its end
+        to a crash of the machine, or was edited) is said: the records of those steps are gone."""
         self.records = read(self.path)[:n] if self.path.exists() else []
+        if n is not None and len(self.records) < n:
+            warnings.warn(f"metrics.jsonl holds {len(self.records)} records, the checkpoint resumed from was written "
+                          f"after {n}: the records of the steps between are lost", RunWarning, stacklevel=2)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json_line(rec) for rec in self.records))
         tmp.replace(self.path)
@@ -37,6 +42,15 @@ class MetricsLog:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json_line(record))
+
+    def sync(self) -> None:
+        """Have the records written so far reach the disk itself (``fsync``), as a checkpoint's
+        files do: a checkpoint says how many records go with it, and a machine that crashes
+        after writing it must not come back with fewer (each record is not synced: a step of
+        a few milliseconds would wait on the disk)."""
+        if self.path.exists():
+            with self.path.open("a") as f:
+                os.fsync(f.fileno())
 
 
 def json_line(record: dict) -> str:
