@@ -369,3 +369,16 @@ def test_weight_decay_is_the_recipes_for_the_critic_too_and_on_a_resume(tiny_mod
     b = trainer(0.0)  # resumed with --set trainer.weight_decay=0: the checkpoint's 0.1 is not kept
     b.load_checkpoint(str(tmp_path / "ckpt"))
     assert decays(b) == {0.0} and b.optimizer.state
+
+
+def test_a_sample_without_the_engines_log_probs_stops_the_step_in_one_line(tiny_model):
+    # (a plugin engine that gives none, as the simulated one does): a shape error naming nothing before
+    from streamrl.errors import RunStopped
+
+    trainer = HFTrainer(HFTrainerConfig(lr=1e-3),
+                        TrainerContext(str(tiny_model), GRPO(GRPOConfig()), EngineCapabilities(temperature=1.0)))
+    groups = make_groups(trainer, n_groups=2)
+    groups[1][0].reward, groups[1][2].logprobs = 7.0, []  # (not a flat group: it is trained)
+    uid, n = groups[1][2].uid, len(groups[1][2].response_ids)
+    with pytest.raises(RunStopped, match=f"^trainer: sample '{uid}' has {n} response tokens and 0 log-probs; this trainer"):
+        trainer.micro_batch(groups, 1 / 8)

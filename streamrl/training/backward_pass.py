@@ -178,6 +178,14 @@ def of_groups(trainer, groups: list[Group], scale: float) -> dict:
                         "seconds": time.perf_counter() - t0}
             samples, adv_list = [samples[i] for i in keep], [adv_list[i] for i in keep]
     skipped = counted["samples"] - len(samples)
+    # (each response token's log-prob under the policy that generated it: the ratio's old side;
+    # without them the batch's tensors would not line up, a shape error naming nothing)
+    short = next((s for s in samples if len(s.logprobs or ()) != len(s.response_ids)), None)
+    if short is not None:
+        raise RunStopped(f"trainer: sample {short.uid!r} has {len(short.response_ids)} response tokens and "
+                         f"{len(short.logprobs or ())} log-probs; this trainer needs the generating engine's log-prob "
+                         "of each (a simulated engine gives none: its samples train with trainer.name = \"sim\"); "
+                         "nothing of this step was applied")
     trainer.probe = samples[0]
     ids, attn, resp, old = pad_batch(samples, pad_token(trainer.tokenizer))
     ids, attn, resp, old = (t.to(trainer.device) for t in (ids, attn, resp, old))
