@@ -189,13 +189,14 @@ def test_lines_that_are_not_step_records_are_skipped_and_counted_not_read_into_a
     run = made_up_run(tmp_path / "run", steps=5)
     hostile = [{"step": 5, "reward_mean": None}, {"step": 6, "reward_mean": "1"}, {"step": 7, "reward_mean": 1e999},
                {"step": 8, "reward_mean": 0.5, "pools": [1]}, {"step": 9, "reward_mean": 0.5, "learners": [1]},
-               {"step": 10, "reward_mean": 0.5, "pools": {"generate": 3}}]
+               {"step": 10, "reward_mean": 0.5, "pools": {"generate": 3}},
+               {"step": 10, "reward_mean": 10 ** 400}]  # (valid JSON: an integer past any float)
     with (run / "metrics.jsonl").open("a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in hostile))
         f.write("[" * 100_000 + "]" * 100_000 + "\n")  # deeper than json's recursion reaches
         f.write('{"step": 11, "reward_mean": 0.25}\n')  # and a good line after them all
     assert "| made-up | stream | 6 of 5 | completed | 0.000 → 0.250 |" in write_report([run]).read_text()
-    assert "skipped 7 unreadable line(s)" in capsys.readouterr().err
+    assert "skipped 8 unreadable line(s)" in capsys.readouterr().err
 
 
 def test_a_long_run_reads_the_sample_log_of_every_kth_step_and_the_last_ones(tmp_path, monkeypatch):
@@ -302,15 +303,18 @@ def test_streamrl_report_overlays_a_real_run_and_another(real_run, tmp_path):
 def test_fields_a_step_record_holds_otherwise_and_a_recipe_written_by_hand_are_read_as_nothing(tmp_path):
     run = made_up_run(tmp_path / "run", steps=5)
     odd = [{"step": 5, "reward_mean": 0.5, "step_s": "x", "samples": None},
+           {"step": 5, "reward_mean": 0.5, "step_s": 10 ** 400, "samples": -(10 ** 400)},
            {"step": 6, "reward_mean": 0.5, "pools": {"generate": {"busy_s": "x", "idle_s": [1]}}},
            {"step": 7, "reward_mean": 0.5, "learners": {"a": {"steps_trained": float("inf"), "step": 7,
                                                                "eval/policy_version": float("inf"),
-                                                               "eval/reward_mean": 0.5, "failure": 5}}}]
+                                                               "eval/reward_mean": 0.5, "failure": 5}}},
+           {"step": 8, "reward_mean": 0.5, "learners": {"a": {"steps_trained": 10 ** 400, "step": 8,
+                                                               "reward_mean": 10 ** 400}}}]
     with (run / "metrics.jsonl").open("a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in odd))
     (run / "recipe.toml").write_text("run = 3\npools = 4\n")
     text = write_report([run]).read_text()
-    assert "| run | ? | 8 | completed |" in text  # (the folder's name and no mode: the recipe names neither)
+    assert "| run | ? | 10 | completed |" in text  # (the folder's name and no mode: the recipe names neither)
 
 
 @pytest.mark.parametrize("odd", [{"eval_unrecorded": None}, {"eval_unrecorded": 3},

@@ -17,7 +17,12 @@ LEARNER_WINDOW = 10
 
 def _num(value) -> bool:
     # a number that can be added and printed: not a bool, not NaN or infinite
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # (an integer of hundreds of digits, valid JSON: past any float)
+        return False
 
 
 def learners_final(path: Path) -> dict:

@@ -128,8 +128,7 @@ def _step_record(rec) -> bool:
     (a line edited by hand, another program's) is skipped and counted, not read into a crash."""
     if not isinstance(rec, dict):
         return False
-    reward = rec.get("reward_mean")
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+    if not _num(rec.get("reward_mean")):
         return False
     for key in ("pools", "learners"):
         value = rec.get(key)
@@ -319,7 +318,12 @@ def md_text(value, limit: int = MAX_CELL) -> str:
 def _num(value) -> bool:
     # a number the report can add and print: not a bool, not NaN or infinite (a record edited by
     # hand, or another program's)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # (an integer of hundreds of digits, valid JSON: past any float)
+        return False
 
 
 def _number(value) -> float:
