@@ -454,3 +454,35 @@ def test_a_plugins_capabilities_or_tool_parser_that_fails_at_validation_is_one_l
     with pytest.raises(UserError, match=r"^serve.tool_parser: 'nogrammar' could not be built, from plugin "
                                         r"local:caps.py: RuntimeError: no grammar for it$"):
         resolve(load_recipe(tiny_recipe, ['engine.batching="slots"']))
+
+
+def test_a_plugins_message_and_an_error_quoting_a_users_text_reach_the_terminal_as_one_printable_line(
+        tmp_path, tiny_recipe, capsys):
+    from streamrl.cli import main
+    from streamrl.errors import PluginWarning
+
+    (tmp_path / "loud.py").write_text(textwrap.dedent('''
+        from streamrl.api import hookimpl
+
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no message either")
+
+        @hookimpl
+        def register_rewards():
+            raise ValueError("line one\\nline two\\x1b[2J")
+
+        @hookimpl
+        def register_rankers():
+            raise Unprintable()
+    '''))
+    with pytest.warns(PluginWarning) as caught:
+        build_registry(["./loud.py"], tmp_path)  # (an exception whose str() raises: said, not raised again)
+    said = [str(w.message) for w in caught]
+    assert any("register_rewards failed and is skipped: ValueError: line one\\nline two\\x1b[2J" in s for s in said)
+    assert any("register_rankers failed and is skipped: Unprintable" in s for s in said)
+    assert not any("\n" in s or "\x1b" in s for s in said)
+    # an error that quotes what the user wrote: printable on its one line, escapes shown as escapes
+    code = main(["recipe", "validate", str(tiny_recipe), "--set", 'run.name="x\\u001b[2J\\ny"'])
+    err = capsys.readouterr().err
+    assert code == 2 and "\x1b" not in err and len(err.strip().splitlines()) == 1, err

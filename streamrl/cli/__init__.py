@@ -32,6 +32,7 @@ from pathlib import Path
 from streamrl.bench import commands as bench_commands
 from streamrl.cli.arguments import parser
 from streamrl.errors import Interrupted, RunFailed, UserError
+from streamrl.telemetry.text import printable
 
 
 def cmd_plan(args) -> int:
@@ -235,7 +236,7 @@ def _one_line_plugin_warnings() -> None:
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, PluginWarning):
-            print(f"streamrl: warning: {message}", file=sys.stderr)
+            print(f"streamrl: warning: {printable(str(message))}", file=sys.stderr)
         else:
             default(message, category, filename, lineno, file, line)
 
@@ -251,11 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         return {"recipe": cmd_recipe, "model": cmd_model, "plugins": cmd_plugins,
                 "bench": bench_commands.run, "reference": cmd_reference, "plan": cmd_plan,
                 "eval": cmd_eval, "report": cmd_report, "learners": cmd_learners, "serve": cmd_serve}[args.group](args)
+    # (printable: a message may quote a file's, a plugin's or a run folder's text, and a newline
+    # or an escape sequence there must not start a line of its own or drive the terminal)
     except UserError as exc:
-        print(f"streamrl: error: {exc}", file=sys.stderr)
+        print(f"streamrl: error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except RunFailed as exc:
-        print(f"streamrl: error: {exc}", file=sys.stderr)
+        print(f"streamrl: error: {printable(str(exc))}", file=sys.stderr)
         return 1
     except Interrupted as exc:
         print(f"streamrl: {exc}", file=sys.stderr)

@@ -25,7 +25,7 @@ from streamrl.api import KINDS, Component
 from streamrl.errors import PluginWarning, UserError
 from streamrl.recipe.paths import home, resolved
 from streamrl.recipe.user_files import MAX_SOURCE_BYTES
-from streamrl.telemetry.text import message_line
+from streamrl.telemetry.text import error_line, message_line, one_line
 
 __all__ = ["KINDS", "Component", "Registry", "build_registry", "load_local_module"]
 
@@ -52,7 +52,7 @@ class Registry:
                         _check_component(comp, kind, hook_name)
                 except (Exception, SystemExit) as exc:  # one bad plugin must not take the others down
                     warnings.warn(f"plugin {plugin_name!r}: {hook_name} failed and is skipped: "
-                                  f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
+                                  f"{error_line(exc, 300)}", PluginWarning, stacklevel=2)
                     continue
                 for comp in comps:
                     entry = Component(comp.kind, comp.name, comp.config, comp.factory, plugin_name)
@@ -109,8 +109,8 @@ def _load_entrypoints(pm: pluggy.PluginManager, disabled: set[str], origins: dic
             pm.register(module, name=ep.name)
             origins[ep.name] = (ep.dist.name, ep.dist.version) if ep.dist else (ep.value, "")
         except (Exception, SystemExit) as exc:  # a broken plugin must not take the others down (nor exit)
-            warnings.warn(f"plugin {ep.name!r} from {dist} failed to load and is skipped: "
-                          f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=2)
+            warnings.warn(f"plugin {ep.name!r} from {one_line(dist, 120)} failed to load and is skipped: "
+                          f"{error_line(exc, 300)}", PluginWarning, stacklevel=2)
 
 
 def _local_file(path: str | Path, base: Path) -> Path:
@@ -143,7 +143,7 @@ def load_local_module(path: str | Path, base: Path) -> Any:
         del sys.modules[spec.name]
         line = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else _failing_line(exc, file)
         at = f", line {line}" if line else ""
-        text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        text = one_line(str(exc.msg), 300) if isinstance(exc, SyntaxError) else message_line(exc)
         raise UserError(f"plugins.modules: {str(path)!r} cannot be loaded ({file}{at}): "
                         f"{type(exc).__name__}: {text}") from None
     # Workers cannot import a file that lives only next to the recipe: ship its code by value.

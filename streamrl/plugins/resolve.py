@@ -21,7 +21,7 @@ from streamrl.plugins.registry import Registry, build_registry
 from streamrl.recipe.recipe import SECTIONS, LoadedRecipe, Recipe, check_pools, validate_section, with_run_defaults
 from streamrl.recipe.serve import ServeConfig
 from streamrl.tasks.agent import AgentTask
-from streamrl.telemetry.text import message_line
+from streamrl.telemetry.text import error_line, message_line
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Chosen:
         except (Exception, SystemExit) as exc:  # (a constructor that exits, as argparse does, too)
             where = f", from plugin {self.component.plugin}" if self.component.plugin else ""
             raise UserError(f"{self.component.kind} {self.component.name!r} could not be built{where}: "
-                            f"{type(exc).__name__}: {exc}") from exc
+                            f"{error_line(exc, 300)}") from exc
 
     def capabilities(self) -> Any:
         """What the component declares for this config (an engine's or a trainer's:
