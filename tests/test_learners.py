@@ -409,21 +409,38 @@ def test_the_learners_commands_on_a_damaged_run_folder_are_one_line(tmp_path):
     (run / "status.json").write_text(json.dumps({"state": "running", "scheduler": "tcp://127.0.0.1:9", "pid": 12}))
     (run / ".lock").write_text("")
     proc = streamrl("learners", "remove", str(run), "x")
-    assert proc.returncode == 2 and "the run's process (pid 12) is gone" in proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "the run's process (pid '12') is gone" in proc.stderr.strip().splitlines()[-1]
     with open(run / ".lock") as held:  # (the run's own hold, from wherever it runs: the scheduler is asked)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         proc = streamrl("learners", "remove", str(run), "x")
-    assert proc.returncode == 2 and "cannot reach the run's scheduler at tcp://127.0.0.1:9" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "cannot reach the run's scheduler at 'tcp://127.0.0.1:9'" in proc.stderr, proc.stderr
+        # an address that is not one (a status.json edited by hand): one line naming it too
+        (run / "status.json").write_text(json.dumps({"state": "running", "scheduler": "garbage", "pid": 12}))
+        proc = streamrl("learners", "remove", str(run), "x")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "cannot reach the run's scheduler at 'garbage', status.json's scheduler" in proc.stderr, proc.stderr
     (run / ".lock").unlink()
     cases = [
         ({"status.json": "[]"}, ["add", str(run), "--name", "x"], "expected a JSON object with a 'state'"),
-        ({"status.json": "[" * 100_000}, ["remove", str(run), "x"], "cannot be read (RecursionError)"),
+        ({"status.json": "[" * 100_000}, ["remove", str(run), "x"], "cannot be read (RecursionError"),
         ({"status.json": '{"state": "running", "scheduler": 5}'}, ["remove", str(run), "x"], "the run is not running"),
         ({"metrics.jsonl": '{"step": 0, "learners": [1]}\n[1]\n'}, ["list", str(run)], "is not an object of learners"),
         ({"metrics.jsonl": '[1]\n{"loss": 1}\n'}, ["list", str(run)], "no step's record yet"),
         ({}, ["add", str(run), "--name", "x", "--timeout", "nan"], "expected seconds above 0"),
     ]
-    for files, args, says in cases:
+    # a FIFO where a file goes waits for ever if it is opened: refused without opening it
+    os.mkfifo(run / "metrics.jsonl")
+    (run / "status.json").unlink()
+    os.mkfifo(run / "status.json")
+    cases += [({}, ["list", str(run)], "metrics.jsonl: not a file"),
+              ({}, ["remove", str(run), "x"], "status.json: cannot be read (ValueError: not a file of at most")]
+    for files, args, says in cases[-2:]:
+        proc = streamrl("learners", *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and says in lines[-1], (args, proc.stderr[-500:])
+    (run / "metrics.jsonl").unlink()
+    (run / "status.json").unlink()
+    for files, args, says in cases[:-2]:
         for name, text in files.items():
             (run / name).write_text(text)
         proc = streamrl("learners", *args)

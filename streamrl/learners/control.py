@@ -26,13 +26,20 @@ from pathlib import Path
 from distributed import Client, Queue, Variable
 
 from streamrl.errors import UserError
-from streamrl.telemetry.text import error_line, one_line
+from streamrl.telemetry.text import error_line, message_line, one_line
 
 #: The Dask queue requests travel on (one run per scheduler at a time).
 REQUESTS = "streamrl-learners-control"
 
 #: Seconds a command waits for the run to answer (a step boundary must come).
 ANSWER_TIMEOUT = 600.0
+
+#: The largest ``status.json`` read (a run writes a few hundred bytes there).
+STATUS_BYTES = 1 << 20
+
+#: The longest line of ``metrics.jsonl`` read (a step's record with its sample log: megabytes
+#: at most); a longer one is passed over.
+MAX_LINE_CHARS = 64 << 20
 
 
 # -- the command side --------------------------------------------------------------------------------
@@ -41,11 +48,15 @@ def scheduler_of(run_dir: Path) -> str:
     not running."""
     status = run_dir / "status.json"
     try:
+        # (a file, and bounded before it is parsed: a FIFO there waits for ever, a link to /dev/zero never ends)
+        if status.exists() and (not status.is_file() or status.stat().st_size > STATUS_BYTES):
+            raise ValueError(f"not a file of at most {STATUS_BYTES} bytes")
         state = json.loads(status.read_text())
     except FileNotFoundError:
         raise UserError(f"{run_dir}: not a run folder (no status.json)") from None
     except (OSError, ValueError, RecursionError) as exc:
-        raise UserError(f"{status}: cannot be read ({type(exc).__name__}); expected the run's status record") from None
+        raise UserError(f"{status}: cannot be read ({type(exc).__name__}: {message_line(exc, 120)}); expected the "
+                        "run's status record") from None
     if not isinstance(state, dict):
         raise UserError(f"{status}: expected a JSON object with a 'state' (the run's status record)")
     if state.get("state") != "running" or not isinstance(state.get("scheduler"), str) or not state["scheduler"]:
@@ -54,7 +65,7 @@ def scheduler_of(run_dir: Path) -> str:
     if not _held(run_dir):
         # (killed with -9, or its machine's OOM killer: on a cluster that outlives it the scheduler
         # still answers, and the request would wait the whole timeout for a run that is gone)
-        raise UserError(f"{run_dir}: the run's process (pid {state.get('pid')}) is gone, without saying why "
+        raise UserError(f"{run_dir}: the run's process (pid {str(state.get('pid'))[:20]!r}) is gone, without saying why "
                         f"(killed?); learners are added and removed while it runs; resume it with: "
                         f"streamrl recipe resume {run_dir}")
     return state["scheduler"]
@@ -83,8 +94,9 @@ def ask(run_dir: Path, request: dict, timeout: float = ANSWER_TIMEOUT) -> str:
     address = scheduler_of(run_dir)
     try:
         client = Client(address, timeout=10, set_as_default=False)
-    except OSError as exc:
-        raise UserError(f"{run_dir}: cannot reach the run's scheduler at {address} ({exc})") from None
+    except (OSError, ValueError, TypeError) as exc:  # (ValueError: status.json's address is not one)
+        raise UserError(f"{run_dir}: cannot reach the run's scheduler at {address[:200]!r}, status.json's scheduler "
+                        f"({error_line(exc, 200)})") from None
     try:
         rid = uuid.uuid4().hex
         answer = Variable(f"{REQUESTS}-{rid}", client=client)
@@ -124,15 +136,25 @@ def listing(run_dir: Path) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl yet (not a run folder, or no step has finished)")
+    if not metrics.is_file():  # (a FIFO would wait for ever, a folder cannot be read)
+        raise UserError(f"{metrics}: not a file; expected the run's step records")
     last = None
-    with metrics.open(errors="replace") as lines:
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                continue  # a torn last line
-            if isinstance(record, dict) and isinstance(record.get("step"), int):  # (a step's record)
-                last = record
+    try:
+        with metrics.open(errors="replace") as lines:
+            # (line by line, each bounded: a line of gigabytes is passed over, not read whole)
+            while line := lines.readline(MAX_LINE_CHARS):
+                if len(line) == MAX_LINE_CHARS and not line.endswith("\n"):
+                    while (rest := lines.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
+                        pass
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue  # a torn last line
+                if isinstance(record, dict) and isinstance(record.get("step"), int):  # (a step's record)
+                    last = record
+    except OSError as exc:
+        raise UserError(f"{metrics}: cannot be read ({error_line(exc, 200)})") from None
     if last is None:
         raise UserError(f"{metrics}: no step's record yet")
     learners = last.get("learners")
