@@ -392,3 +392,29 @@ def test_a_run_name_with_dollars_or_a_leading_underscore_is_drawn_as_written(tmp
     for fig in drawn:
         legend = fig.axes[0].get_legend()
         assert [t.get_text() for t in legend.get_texts()][:2] == [" _grpo (stream)", "other (async)"]
+
+
+def test_a_run_folders_files_that_are_fifos_links_to_devices_or_lines_without_end_are_read_within_bounds(
+        tmp_path, capsys, monkeypatch):
+    import os
+
+    from streamrl.telemetry import run_files
+
+    run = made_up_run(tmp_path / "run", steps=5)
+    for name in ("status.json", "learners.json"):
+        (run / name).unlink(missing_ok=True)
+    os.mkfifo(run / "status.json")  # (opened, a FIFO waits for a writer for ever)
+    (run / "learners.json").symlink_to("/dev/zero")  # (read, it never ends)
+    (run / "recipe.toml").write_text("x" * (run_files.SMALL_FILE_BYTES + 1))
+    monkeypatch.setattr(run_files, "MAX_LINE_CHARS", 4096)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("\0" * 100_000 + "\n")  # a line past the bound: passed over, not held
+        f.write('{"step": 5, "reward_mean": 0.75}\n')
+    text = write_report([run]).read_text()
+    assert "| run | ? | 6 | ? | 0.000 → 0.750 |" in text, text  # the status and the recipe unread, said as unknown
+    assert "skipped 1 unreadable line(s)" in capsys.readouterr().err
+    # a metrics.jsonl the user cannot read: one line, not a traceback
+    (run / "metrics.jsonl").chmod(0)
+    if not os.access(run / "metrics.jsonl", os.R_OK):  # (root reads it anyway)
+        with pytest.raises(UserError, match=r"metrics.jsonl: cannot be read \(PermissionError"):
+            write_report([run])

@@ -26,6 +26,7 @@ from pathlib import Path
 from distributed import Client, Queue, Variable
 
 from streamrl.errors import UserError
+from streamrl.telemetry.run_files import lines_of
 from streamrl.telemetry.text import error_line, message_line, one_line
 
 #: The Dask queue requests travel on (one run per scheduler at a time).
@@ -36,10 +37,6 @@ ANSWER_TIMEOUT = 600.0
 
 #: The largest ``status.json`` read (a run writes a few hundred bytes there).
 STATUS_BYTES = 1 << 20
-
-#: The longest line of ``metrics.jsonl`` read (a step's record with its sample log: megabytes
-#: at most); a longer one is passed over.
-MAX_LINE_CHARS = 64 << 20
 
 
 # -- the command side --------------------------------------------------------------------------------
@@ -140,19 +137,13 @@ def listing(run_dir: Path) -> list[dict]:
         raise UserError(f"{metrics}: not a file; expected the run's step records")
     last = None
     try:
-        with metrics.open(errors="replace") as lines:
-            # (line by line, each bounded: a line of gigabytes is passed over, not read whole)
-            while line := lines.readline(MAX_LINE_CHARS):
-                if len(line) == MAX_LINE_CHARS and not line.endswith("\n"):
-                    while (rest := lines.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
-                        pass
-                    continue
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    continue  # a torn last line
-                if isinstance(record, dict) and isinstance(record.get("step"), int):  # (a step's record)
-                    last = record
+        for line in lines_of(metrics):  # (each bounded: a line of gigabytes is passed over, not read whole)
+            try:
+                record = json.loads(line) if line is not None else None
+            except (ValueError, RecursionError):
+                continue  # a torn last line
+            if isinstance(record, dict) and isinstance(record.get("step"), int):  # (a step's record)
+                last = record
     except OSError as exc:
         raise UserError(f"{metrics}: cannot be read ({error_line(exc, 200)})") from None
     if last is None:

@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 
+from streamrl.telemetry.run_files import small_text
+
 #: a learner's train reward: the mean of its last this many trained steps (as ``bench learners``)
 LEARNER_WINDOW = 10
 
@@ -28,7 +30,7 @@ def _num(value) -> bool:
 def learners_final(path: Path) -> dict:
     """The run folder's ``learners.json`` (each side learner as the run ended), {} without one."""
     try:
-        final = json.loads((Path(path) / "learners.json").read_text())
+        final = json.loads(small_text(Path(path) / "learners.json"))
     except (OSError, ValueError, RecursionError):
         return {}
     return {k: v for k, v in final.items() if isinstance(v, dict)} if isinstance(final, dict) else {}

@@ -24,6 +24,7 @@ from pathlib import Path
 from streamrl.errors import UserError
 from streamrl.telemetry.learner_figures import (LEARNER_COLUMNS, LEARNER_WINDOW, learner_cells, learner_figures,
                                                learners_final)
+from streamrl.telemetry.run_files import lines_of, small_text
 from streamrl.telemetry.text import error_line, one_line
 
 #: steps shown in the per-worker timeline (more and the bars get too thin to read)
@@ -63,25 +64,29 @@ def load_run(path: Path) -> Run:
         raise UserError(f"{path}: no such run folder")
     if not metrics.is_file():
         raise UserError(f"{path}: no metrics.jsonl (not a run folder, or the run stopped before its first step)")
-    lines = [line for line in metrics.read_text(errors="replace").splitlines() if line.strip()]
-    keep = logged_steps(len(lines))
-    records, bad = [], 0
-    for i, line in enumerate(lines):
-        rec = _parse(line, with_log=keep(i))
-        if _step_record(rec):
-            records.append(rec)
-        else:
-            bad += 1
+    # (twice through the file, a line at a time: the count first, to choose whose sample logs
+    # are read; a long run's file is not held whole beside the records parsed from it)
+    try:
+        keep = logged_steps(sum(1 for _ in lines_of(metrics)))
+        records, bad = [], 0
+        for i, line in enumerate(lines_of(metrics)):
+            rec = _parse(line, with_log=keep(i)) if line is not None else None
+            if _step_record(rec):
+                records.append(rec)
+            else:
+                bad += 1
+    except OSError as exc:
+        raise UserError(f"{metrics}: cannot be read ({error_line(exc, 200)})") from None
     if not records:
         raise UserError(f"{path}: metrics.jsonl has no step records")
     if bad:
         warn(f"{metrics}: skipped {bad} unreadable line(s)")
     try:
-        recipe = tomllib.loads((path / "recipe.toml").read_text())
+        recipe = tomllib.loads(small_text(path / "recipe.toml"))
     except (OSError, ValueError, RecursionError):
         recipe = {}
     try:
-        state = json.loads((path / "status.json").read_text()).get("state", "?")
+        state = json.loads(small_text(path / "status.json")).get("state", "?")
     except (OSError, ValueError, AttributeError, RecursionError):
         state = "?"
     run = _table(recipe, "run")

@@ -1,0 +1,44 @@
+"""A run folder's files read as what they may be: written by hand, cut short, or not files at
+all. Each read is bounded before anything is parsed: a FIFO where a file goes would wait for
+ever, a link to /dev/zero never end, and a line of gigabytes would be held whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+#: The longest line of a ``metrics.jsonl`` read (a step's record with its sample log: megabytes
+#: at most); a longer one is passed over as one not read.
+MAX_LINE_CHARS = 64 << 20
+
+
+def lines_of(path: str | Path, max_chars: int | None = None):
+    """The non-blank lines of file ``path``, one at a time, each at most ``max_chars`` (default
+    :data:`MAX_LINE_CHARS`); a longer one (a file of gigabytes without a newline) is passed over
+    and yields None in its place, so a reader counts it as unreadable without holding it.
+    OSError when it cannot be opened."""
+    max_chars = max_chars or MAX_LINE_CHARS
+    with open(path, errors="replace") as f:
+        while line := f.readline(max_chars):
+            if len(line) == max_chars and not line.endswith("\n"):
+                while (rest := f.readline(max_chars)) and not rest.endswith("\n"):
+                    pass
+                yield None
+            elif line.strip():
+                yield line
+
+
+#: The largest of a run folder's small files read (its recipe, status, learners): a few KB each.
+SMALL_FILE_BYTES = 1 << 20
+
+
+def small_text(path: Path, limit: int = SMALL_FILE_BYTES) -> str:
+    """The text of a run folder's small file ``path``; OSError where it is not a regular file or
+    is larger than ``limit`` (a FIFO there would wait for ever, a link to /dev/zero never end)."""
+    if not path.is_file():
+        raise OSError(f"{path.name} is not a file")
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path.name} is larger than {limit} bytes")
+    return data.decode(errors="replace")
