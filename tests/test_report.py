@@ -418,3 +418,24 @@ def test_a_run_folders_files_that_are_fifos_links_to_devices_or_lines_without_en
     if not os.access(run / "metrics.jsonl", os.R_OK):  # (root reads it anyway)
         with pytest.raises(UserError, match=r"metrics.jsonl: cannot be read \(PermissionError"):
             write_report([run])
+
+
+def test_a_report_written_where_links_were_left_replaces_them_and_never_writes_through(tmp_path):
+    run = made_up_run(tmp_path / "run", steps=5)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (run / "report.md").symlink_to(precious)
+    (run / "plots").mkdir()
+    (run / "plots" / "reward.png").symlink_to(precious)
+    report = write_report([run])
+    assert precious.read_text() == "keep me"
+    assert not report.is_symlink() and report.read_text().startswith("# streamrl report")
+    assert not (run / "plots" / "reward.png").is_symlink()
+    # a plots folder that is a link: the images would land wherever it points
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    other = made_up_run(tmp_path / "other", steps=5)
+    (other / "plots").symlink_to(elsewhere)
+    with pytest.raises(UserError, match=r"plots: a link, not a folder of the report's own"):
+        write_report([other])
+    assert not any(elsewhere.iterdir())

@@ -31,9 +31,11 @@ class CSVSink(MetricSink):
         """Create the file in ``run_dir``, with the rows of the steps the run already has: a
         resumed run's ``metrics.jsonl`` holds the steps up to its checkpoint (those after it
         are run again), and the file is written anew from them, not emptied."""
-        # (a plugin's text may hold a lone surrogate: written escaped, not a failed sink)
-        self._file = (Path(run_dir) / self.config.file).open("w", newline="", encoding="utf-8",
-                                                             errors="backslashreplace")
+        # (a plugin's text may hold a lone surrogate: written escaped, not a failed sink; a new
+        # file, so a link left where it goes is replaced, not written through)
+        path = Path(run_dir) / self.config.file
+        path.unlink(missing_ok=True)
+        self._file = path.open("x", newline="", encoding="utf-8", errors="backslashreplace")
         kept = Path(run_dir) / "metrics.jsonl"
         if kept.exists():
             for record in read(kept):

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from streamrl.errors import RunWarning, UserError
+from streamrl.telemetry.run_files import write_replacing
 
 
 class MetricsLog:
@@ -33,9 +34,7 @@ class MetricsLog:
         if n is not None and len(self.records) < n:
             warnings.warn(f"metrics.jsonl holds {len(self.records)} records, the checkpoint resumed from was written "
                           f"after {n}: the records of the steps between are lost", RunWarning, stacklevel=2)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json_line(rec) for rec in self.records))
-        tmp.replace(self.path)
+        write_replacing(self.path, "".join(json_line(rec) for rec in self.records).encode())
 
     def write(self, record: dict) -> None:
         """Append one record and flush it to disk."""

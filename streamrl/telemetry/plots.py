@@ -14,6 +14,7 @@ matplotlib and numpy are imported by the caller's first use of this module, neve
 from __future__ import annotations
 
 
+import io
 import math
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import AutoLocator, MaxNLocator
 
 from streamrl.telemetry import timeline as tl
+from streamrl.telemetry.run_files import write_replacing
 from streamrl.telemetry.text import one_line
 
 Series = list[tuple[str, list[dict]]]
@@ -47,7 +49,9 @@ def _figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
 
 def save_figure(fig, path: Path) -> bool:
     """Write ``fig`` to ``path`` at the report's resolution; True (every plot returns whether it drew)."""
-    fig.savefig(path, dpi=DPI)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=DPI, format="png")
+    write_replacing(Path(path), png.getvalue())  # (a link where the image goes is replaced, not written through)
     return True
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from streamrl.errors import UserError
 from streamrl.telemetry.learner_figures import (LEARNER_COLUMNS, LEARNER_WINDOW, learner_cells, learner_figures,
                                                learners_final)
-from streamrl.telemetry.run_files import lines_of, small_text
+from streamrl.telemetry.run_files import lines_of, small_text, write_replacing
 from streamrl.telemetry.text import error_line, one_line
 
 #: steps shown in the per-worker timeline (more and the bars get too thin to read)
@@ -156,6 +156,8 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
     _label(runs)
     out = Path(out) if out is not None else Path(run_dirs[0])
     plot_dir = out / "plots"
+    if plot_dir.is_symlink():  # (the plots would be written wherever it points)
+        raise UserError(f"{plot_dir}: a link, not a folder of the report's own; move it aside")
     try:
         plot_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -215,7 +217,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
     text = (f"# streamrl report\n\n{len(runs)} run{'s' if len(runs) > 1 else ''}, written "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')}.\n\n{summary_table(runs)}\n" + "\n".join(sections))
     try:
-        report.write_text(text)
+        write_replacing(report, text.encode())
     except OSError as exc:
         raise UserError(f"{report}: cannot write ({exc.strerror})") from None
     return report

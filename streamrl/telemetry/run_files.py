@@ -1,9 +1,14 @@
 """A run folder's files read as what they may be: written by hand, cut short, or not files at
-all. Each read is bounded before anything is parsed: a FIFO where a file goes would wait for
-ever, a link to /dev/zero never end, and a line of gigabytes would be held whole."""
+all, and written without following what is there. Each read is bounded before anything is
+parsed: a FIFO where a file goes would wait for ever, a link to /dev/zero never end, and a line
+of gigabytes would be held whole. A file written over one that is a link replaces the link: a
+run folder from elsewhere with ``report.md`` linked to ``~/.bashrc`` must not have it overwritten."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 
@@ -42,3 +47,18 @@ def small_text(path: Path, limit: int = SMALL_FILE_BYTES) -> str:
     if len(data) > limit:
         raise OSError(f"{path.name} is larger than {limit} bytes")
     return data.decode(errors="replace")
+
+
+def write_replacing(path: Path, data: bytes) -> None:
+    """Write ``data`` as the file ``path``: into a new file beside it (created, never opened
+    through a link), then renamed over it, so a link at ``path`` is replaced, not written
+    through, and a reader never sees half of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
