@@ -212,3 +212,20 @@ def test_the_run_name_and_the_files_are_shown_as_written_never_read_as_markup():
     out = io.StringIO()
     Console(file=out, width=200).print(summary_table([record(0)], {"run folder": "/runs/[red]a[/]\nb"}))
     assert "/runs/[red]a[/]\\nb" in out.getvalue()
+
+
+def test_a_resumed_runs_earlier_records_as_the_file_holds_them_end_the_run_with_its_summary_not_a_traceback():
+    # (read back from a metrics.jsonl edited by hand, or another program's): the summary at the
+    # end of a long run read them as numbers and tables, and its pool names as markup
+    from streamrl.telemetry.console import reward_errors_line
+
+    odd = [{"step": 0, "reward_mean": "0.5", "samples": None, "pools": {"[/]": {"busy_s": 1, "idle_s": "x"}},
+            "eval/pass@1": "high", "learners": [1]},
+           {"step": 1, "reward_errors": 2, "reward_error_first": "boom\x1b]52;c;x\x07", "samples": 10 ** 400},
+           record(2, **{"eval/pass@1": 0.5})]
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table(odd, {"run folder": "/runs/x"}))
+    text = out.getvalue()
+    assert "reward" in text and "[/] " in text and "eval pass@1" in text and "0.500 (step 3)" in text, text
+    line = reward_errors_line(odd)
+    assert line.startswith("[yellow]reward errors: 2 of 16 samples") and "\x1b" not in line and "\x07" not in line

@@ -30,7 +30,7 @@ from streamrl.run.stopping import StopRequest
 from streamrl.run.watchdog import Watchdog
 from streamrl.recipe.recipe import LoadedRecipe
 from streamrl.telemetry import dashboard
-from streamrl.telemetry.console import RunDisplay, StepNotes, summary_table, warning
+from streamrl.telemetry.console import RunDisplay, StepNotes, reward_errors_line, summary_table, warning
 from streamrl.telemetry.warnings_log import WarningsLog
 from streamrl.telemetry.report import write_report
 from streamrl.telemetry.trace import TraceRecorder
@@ -354,13 +354,9 @@ def _run_in(folder: RunFolder, loaded: LoadedRecipe, verbose: bool, console: Con
         warnings_log.release_dask_warnings()  # (after the cluster's own goodbyes)
         stop.uninstall()
         stop.stop_now_if_asked_twice()  # a second signal while it closed: the command says it was interrupted
-    errors = sum(rec.get("reward_errors", 0) for rec in folder.records)
+    errors = reward_errors_line(folder.records)
     if errors:
-        first = next((rec["reward_error_first"] for rec in folder.records if rec.get("reward_error_first")), None)
-        console.print(f"[yellow]reward errors: {errors} of {sum(rec['samples'] for rec in folder.records)} "
-                      "samples scored 0 (the reward raised, returned a non-number or was late (reward.score_timeout_s)"
-                      + (f"; the first: {escape(str(first))}" if first else "") + "; see metrics.jsonl)[/]",
-                      highlight=False)
+        console.print(errors, highlight=False)
     if warnings_log.count:
         files["library warnings"] = f"{warnings_log.path.name} ({warnings_log.count})"
     table = summary_table(folder.records, {**files, "policy": Path(policy).name})

@@ -12,6 +12,7 @@ folder, not the terminal (``warnings_log.py``).
 
 from __future__ import annotations
 
+import math
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -24,6 +25,34 @@ from rich.text import Text
 from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
 from streamrl.telemetry.learner_figures import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
 from streamrl.telemetry.text import one_line, printable
+
+
+def number(value, default: float | None = 0.0) -> float | None:
+    """A record's field as a float where it is a finite number (not a bool), else ``default``:
+    a resumed run's earlier records are read back from its ``metrics.jsonl``, which may have been
+    edited, and the end of a long run must not fail on one of them."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    try:
+        return float(value) if math.isfinite(value) else default
+    except OverflowError:  # (an integer of hundreds of digits)
+        return default
+
+
+def tables(value) -> dict:
+    """A record's table of tables (``pools``, ``learners``) as such: what is not one is left out."""
+    return {k: v for k, v in value.items() if isinstance(v, dict)} if isinstance(value, dict) else {}
+
+
+def reward_errors_line(records: list[dict]) -> str | None:
+    """The end of a run's line on its reward errors (markup), None when there were none."""
+    errors = sum(number(rec.get("reward_errors")) for rec in records)
+    if not errors:
+        return None
+    first = next((rec["reward_error_first"] for rec in records if rec.get("reward_error_first")), None)
+    return (f"[yellow]reward errors: {errors:.0f} of {sum(number(rec.get('samples')) for rec in records):.0f} samples "
+            "scored 0 (the reward raised, returned a non-number or was late (reward.score_timeout_s)"
+            + (f"; the first: {escape(one_line(str(first), 300))}" if first else "") + "; see metrics.jsonl)[/]")
 
 
 def eval_score(m: dict) -> tuple[str, float] | None:
@@ -225,29 +254,34 @@ def summary_table(records: list[dict], files: dict[str, str], window: int = 10) 
     t.add_column(style="dim", no_wrap=True)
     t.add_column(overflow="fold")
     if records:
-        first = sum(r["reward_mean"] for r in records[:k]) / k
-        last = sum(r["reward_mean"] for r in records[-k:]) / k
+        # (a resumed run's earlier records come from its metrics.jsonl as the file holds them: a
+        # field that is not a finite number counts as 0, a table that is not one as none)
+        first = sum(number(r.get("reward_mean")) for r in records[:k]) / k
+        last = sum(number(r.get("reward_mean")) for r in records[-k:]) / k
         t.add_row("reward", f"{first:.3f} (first {k} steps) -> {last:.3f} (last {k})")
-        scores = [(r["step"], eval_score(r)) for r in records if eval_score(r)]
+        scores = [(number(r.get("step")), e) for r in records if (e := eval_score(r)) and number(e[1], None) is not None]
         if scores:
             (s0, (name, v0)), (s1, (_, v1)) = scores[0], scores[-1]
-            t.add_row(f"eval {name}", f"{v0:.3f} (step {s0 + 1}) -> {v1:.3f} (step {s1 + 1})")
-        wall = sum(r["step_s"] for r in records)
-        t.add_row("throughput", f"{sum(r['samples'] for r in records) / max(wall, 1e-9):.1f} samples/s, "
-                                f"{sum(r['tokens_per_s'] * r['step_s'] for r in records) / max(wall, 1e-9):.0f} "
+            t.add_row(Text(f"eval {printable(name)[:40]}"), f"{v0:.3f} (step {s0 + 1:.0f}) -> {v1:.3f} (step {s1 + 1:.0f})")
+        wall = sum(number(r.get("step_s")) for r in records)
+        samples = sum(number(r.get("samples")) for r in records)
+        tokens = sum(number(r.get("tokens_per_s")) * number(r.get("step_s")) for r in records)
+        t.add_row("throughput", f"{samples / max(wall, 1e-9):.1f} samples/s, {tokens / max(wall, 1e-9):.0f} "
                                 f"tokens/s over {len(records)} steps")
         idle: dict[str, list[float]] = {}
         for r in records:
-            for p, a in r.get("pools", {}).items():
+            for p, a in tables(r.get("pools")).items():
                 idle.setdefault(p, [0.0, 0.0])
-                idle[p][0] += a["idle_s"]
-                idle[p][1] += a["idle_s"] + a["busy_s"]
-        t.add_row("idle", "  ".join(f"{p} {i / max(c, 1e-9):.0%}" for p, (i, c) in idle.items()))
+                idle[p][0] += number(a.get("idle_s"))
+                idle[p][1] += number(a.get("idle_s")) + number(a.get("busy_s"))
+        # (a pool's name as text, not markup: "[/]" in a record would end the table's rendering)
+        t.add_row("idle", Text("  ".join(f"{printable(str(p))[:40]} {i / max(c, 1e-9):.0%}"
+                                         for p, (i, c) in list(idle.items())[:16])))
         low = sum(1 for r in records if r.get("offpolicy/low_ess"))
         if low:  # (the console said so at the first of them)
             t.add_row("low ESS", f"{low} of {len(records)} steps trained tokens whose importance weights had an "
                                  f"effective sample size under {LOW_ESS:g}")
-        if any(r.get("learners") for r in records):
+        if any(isinstance(r.get("learners"), dict) and r["learners"] for r in records):
             folder = files.get("run folder")
             t.below.append(learners_summary(records, learners_final(folder) if folder else {}))
     for label, path in files.items():  # (a folder's name is the run's: text, not markup)
