@@ -674,4 +674,24 @@ def test_a_hand_over_asked_again_while_the_first_is_built_gets_the_same_trajecto
     second = store.finish("r-race")
     thread.join()
     assert second == first[0] and second["calls"] == 2 and second["segments"]
-    assert store.finish("r-race")["segments"] == []  # (answered again once: then forgotten)
+    assert store.finish("r-race") == second  # (kept for a client that asks again, however often)
+
+
+def test_a_rollout_the_endpoint_dropped_is_a_409_with_its_reason_and_the_agent_side_says_it(served, monkeypatch):
+    # (an empty trajectory before: counted as an agent that never called the model, its reason lost)
+    import httpx
+
+    from streamrl.agents import rollout
+    from streamrl.serve import trajectories as store
+
+    api, url = served
+    two_turns(url, "r-dropped")
+    monkeypatch.setattr(store, "STALE_ROLLOUT_S", 0.0)
+    rollout_client(url, "r-sweeper").chat.completions.create(  # (its call sweeps the stale ones first)
+        model="anything", messages=[{"role": "user", "content": "What is 1+1?"}], max_tokens=4)
+    monkeypatch.setattr(store, "STALE_ROLLOUT_S", 3600.0)
+    r = httpx.post(f"{url}/streamrl/rollouts/r-dropped/finish", headers={"X-Streamrl-Rollout-Key": KEY}, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_finished", r.text
+    assert "dropped after 0 s without a call" in r.json()["error"]["message"]
+    with pytest.raises(rollout.RolloutDropped, match="Rollout 'r-dropped' is finished: dropped after 0 s"):
+        rollout._finish(url, "", "r-dropped", KEY)

@@ -66,7 +66,9 @@ def test_a_rollouts_calls_and_segments_are_bounded_and_made_up_rollouts_drop_the
     monkeypatch.setattr(store, "MAX_ROLLOUTS", 2)
     for rid in ("a", "b", "c"):
         one_call(t, rid, user("1+1="))
-    assert t.in_flight() == 2 and t.dropped_stale == 1 and t.finish("a")["calls"] == 0  # the oldest went
+    assert t.in_flight() == 2 and t.dropped_stale == 1  # the oldest went, and says why when finished
+    with pytest.raises(ValueError, match=r"rollout 'a' is finished: dropped, 2 rollouts being in flight"):
+        t.finish("a")
 
 
 def test_a_call_being_rendered_does_not_hold_the_store_for_the_others(monkeypatch):
@@ -117,4 +119,8 @@ def test_a_call_of_a_rollout_dropped_as_stale_or_crowded_out_is_refused_not_begu
     one_call(t, "newer", user("5+5="))  # (crowds "other" out)
     with pytest.raises(ValueError, match=r"rollout 'other' is finished: dropped, 1 rollouts being in flight"):
         t.prompt("other", user("2+2=4. And 1+1="), None)
-    assert t.finish("slow")["segments"] == []
+    # (its trajectory is not an empty one, which would read as an agent that never called the model)
+    with pytest.raises(ValueError, match=r"rollout 'slow' is finished: dropped after 0 s without a call"):
+        t.finish("slow")
+    assert t.finish("never-called") == t.finish("never-called") == {"segments": [], "calls": 0, "tool_calls": 0,
+                                                                      "splits": 0}

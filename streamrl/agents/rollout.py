@@ -315,8 +315,19 @@ def _finish(url: str, api_key: str, rid: str, rollout_key: str, tries: int = 3) 
         except httpx.TimeoutException:
             if attempt == tries - 1:
                 raise
+    if r.status_code == 409:  # (dropped by the endpoint, or handed over and no longer kept): its reason
+        try:
+            said = str(r.json()["error"]["message"])
+        except Exception:  # noqa: BLE001 -- an answer not in the API's shape: its text
+            said = r.text
+        raise RolloutDropped(one_line(said, 300))
     r.raise_for_status()
     return r.json()
+
+
+class RolloutDropped(RuntimeError):
+    """The endpoint has no trajectory to hand over for a rollout that called it: dropped (gone
+    stale, or crowded out by others in flight) or handed over before and no longer kept."""
 
 
 def samples_of(prompt: Prompt, k: int, traj: dict, outcome: Outcome, started: float) -> list[Sample]:

@@ -167,7 +167,10 @@ def make_app(endpoint: Endpoint) -> FastAPI:
         endpoint.check_rollout(request)
         # (off the loop: decoding every segment of a long rollout; and a JSONResponse, not
         # FastAPI's encoder, which walks every token id in Python)
-        trajectory = await endpoint.off_loop(endpoint.trajectories.finish, rollout)
+        try:
+            trajectory = await endpoint.off_loop(endpoint.trajectories.finish, rollout)
+        except RolloutFinished as e:  # (dropped, or handed over and no longer kept): not an empty one
+            raise APIError(409, str(e)[0].upper() + str(e)[1:] + ".", code="rollout_finished") from None
         return JSONResponse({"object": "streamrl.rollout", "id": rollout, "worker": endpoint.worker, **trajectory})
 
     @app.get("/v1/serve/stats")

@@ -278,27 +278,37 @@ class Trajectories:
 
     def finish(self, rollout_id: str) -> dict[str, Any]:
         """The rollout is over: its segments (those with a reply) and counts, removed from here
-        (asked again within :data:`HANDED_OVER_S`, the same answer)."""
+        (asked again within :data:`HANDED_OVER_S`, the same answer; a rollout that never called,
+        none). :class:`RolloutFinished` for one dropped here (stale, or crowded out) or handed
+        over and no longer kept: an empty trajectory would read as an agent that never called the
+        model, and the rollout would be lost without its reason."""
         now = time.time()
         with self._lock:
             self._forget_handed(now)
-            again = self._handed.pop(rollout_id, None)  # (asked again: answered once more, then forgotten)
+            again = self._handed.get(rollout_id)  # (asked again: the same answer, while it is kept)
             if again is None:
                 rollout = self._rollouts.pop(rollout_id, None)
+                if rollout is None and rollout_id in self._finished:
+                    why = self._finished[rollout_id] or (f"its trajectory was handed over, and is kept "
+                                                         f"{HANDED_OVER_S:.0f} s for a client that asks again")
+                    raise RolloutFinished(f"rollout {rollout_id!r} is finished: {why}")
                 self._finished[rollout_id] = None
                 while len(self._finished) > FINISHED_KEPT:
                     self._finished.popitem(last=False)
                 built, answer = threading.Event(), []
-                if rollout is not None:
-                    self._handed[rollout_id] = (now, built, answer)
-                    while len(self._handed) > HANDED_OVER_KEPT:
-                        self._handed.popitem(last=False)
+                self._handed[rollout_id] = (now, built, answer)
+                while len(self._handed) > HANDED_OVER_KEPT:
+                    self._handed.popitem(last=False)
         if again is not None:
             _, built, answer = again
             built.wait(HANDED_OVER_S)  # (the first answer is still being built)
-            return answer[0] if answer else {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
-        if rollout is None:
-            return {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
+            if not answer:  # (its building failed: said as the first ask was)
+                raise RolloutFinished(f"rollout {rollout_id!r} is finished: its trajectory could not be built")
+            return answer[0]
+        if rollout is None:  # (no call of it ever came: an agent that answered without the model)
+            answer.append({"segments": [], "calls": 0, "tool_calls": 0, "splits": 0})
+            built.set()
+            return answer[0]
         try:
             segments = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
                          "logprobs": s.logprobs, "policy_versions": s.versions, "calls": s.calls,
