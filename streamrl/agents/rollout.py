@@ -299,7 +299,13 @@ def transient_failure(e: BaseException) -> bool:
 
     if isinstance(e, (openai.APIConnectionError, httpx.TransportError)):  # (APITimeoutError is one)
         return True
-    if getattr(e, "code", None) == "tool_parser_failed":
+    try:
+        code = getattr(e, "code", None)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # (an agent's exception whose code is a property that raises, or exits)
+        code = None
+    if code == "tool_parser_failed":
         return False
     return isinstance(e, openai.APIStatusError) and (e.status_code == 429 or e.status_code >= 500)
 

@@ -29,7 +29,9 @@ def message_line(exc: BaseException, limit: int = 300) -> str:
     said inside an ``except``, that ``str()`` would otherwise raise from there."""
     try:
         message = str(exc)
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # (a __str__ that calls sys.exit(): said inside an except, it would escape it)
         message = ""
     return one_line(" ".join(message.split()), limit)
 
@@ -39,7 +41,9 @@ def error_line(exc: BaseException, limit: int = 500, first_line: bool = False) -
     first line only). An exception whose ``str()`` itself raises reads as its type and nothing more."""
     try:
         message = str(exc)
-    except Exception:  # (a user's exception class with a broken __str__: its name still says something)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # (a user's exception class with a broken __str__, one that exits: its name still says something)
         message = ""
     if first_line:
         message = message.splitlines()[0] if message.strip() else ""
