@@ -695,3 +695,30 @@ def test_a_rollout_the_endpoint_dropped_is_a_409_with_its_reason_and_the_agent_s
     assert "dropped after 0 s without a call" in r.json()["error"]["message"]
     with pytest.raises(rollout.RolloutDropped, match="Rollout 'r-dropped' is finished: dropped after 0 s"):
         rollout._finish(url, "", "r-dropped", KEY)
+
+
+def test_a_tool_that_blocks_in_a_thread_of_its_own_past_the_timeout_is_counted_stuck():
+    # (asyncio.to_thread, as the AgentStuck message advises): the rollout's thread ended at its
+    # cancel while the tool's thread ran on in the loop's pool, uncounted, one more per rollout
+    import asyncio
+
+    from streamrl.agents import rollout
+
+    release = threading.Event()
+
+    async def tool_blocks(client, row):
+        await asyncio.to_thread(release.wait, 30)
+
+    thread = rollout.RolloutThread(lambda: tool_blocks(None, None))
+    thread.start()
+    thread.join(0.3)
+    thread.abandon()  # (the group's cancel at the timeout: the await ends, the tool's thread does not)
+    thread.join(5)
+    assert not thread.is_alive()
+    tools = [t for t in rollout._STUCK if t.name.startswith("streamrl-rollout-tool")]
+    assert tools and all(t.is_alive() for t in tools)
+    release.set()
+    for t in tools:
+        t.join(5)
+    rollout.stuck()
+    assert not any(t in rollout._STUCK for t in tools)  # (ended: counted no more)

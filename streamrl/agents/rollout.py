@@ -18,6 +18,7 @@ import ssl
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,10 @@ class Outcome:
     one). A step whose every rollout failed so goes on (:func:`transient_failure`)."""
 
 
+#: Threads a rollout's blocking calls (``asyncio.to_thread``) may hold at once.
+TOOL_THREADS = 8
+
+
 class RolloutThread(threading.Thread):
     """One rollout: the agent's coroutine on an event loop of its own."""
 
@@ -78,13 +83,25 @@ class RolloutThread(threading.Thread):
     def run(self) -> None:
         """Run the coroutine to its end (or its cancellation)."""
         loop = self._loop = asyncio.new_event_loop()
+        # the rollout's own threads for blocking calls (``asyncio.to_thread``, run_in_executor):
+        # a tool that blocks past the timeout keeps one, and it is counted as stuck, as this
+        # thread would be (the loop's shared default pool would hide it)
+        tools: set[threading.Thread] = set()
+        executor = ThreadPoolExecutor(max_workers=TOOL_THREADS, thread_name_prefix="streamrl-rollout-tool",
+                                      initializer=lambda: tools.add(threading.current_thread()))
+        loop.set_default_executor(executor)
         try:
             self._task = loop.create_task(self._guarded())
             self.result = loop.run_until_complete(self._task)
         except BaseException as e:  # noqa: BLE001 -- the agent's failure, reported by the group
             self.error = e
         finally:
+            executor.shutdown(wait=False, cancel_futures=True)
             loop.close()
+            left = [t for t in tools if t.is_alive()]
+            if left:
+                with _STUCK_LOCK:
+                    _STUCK.update(left)
 
     async def _guarded(self):
         # An agent's SystemExit or KeyboardInterrupt (sys.exit() in user code) ends its rollout
