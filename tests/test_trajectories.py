@@ -124,3 +124,15 @@ def test_a_call_of_a_rollout_dropped_as_stale_or_crowded_out_is_refused_not_begu
         t.finish("slow")
     assert t.finish("never-called") == t.finish("never-called") == {"segments": [], "calls": 0, "tool_calls": 0,
                                                                       "splits": 0}
+
+
+def test_a_first_segment_whose_only_call_failed_leaves_the_parallel_one_standing_alone_not_a_split():
+    # a rollout's first call opens a segment, a parallel call another (a split); the first call
+    # fails (a tool parser's 500, a cancel): one segment is left, and no split with it
+    t = fresh()
+    _, first = t.prompt("par", user("1+1="), None)
+    ids, second = t.prompt("par", user("2+2="), None)  # (the first still decoding: opened beside it)
+    t.abandon("par", first)
+    t.add("par", second, user("2+2="), ids, [5, 6], [-0.1, -0.2], [0, 0], {"role": "assistant", "content": "4"})
+    traj = t.finish("par")
+    assert (traj["calls"], traj["splits"], len(traj["segments"])) == (1, 0, 1)

@@ -272,9 +272,11 @@ class Trajectories:
                 return
             rollout.calls -= 1
             if seg.calls == 0 and seg in rollout.segments:
-                if rollout.segments[0] is not seg:
-                    rollout.splits -= 1
+                first = rollout.segments[0] is seg
                 rollout.segments.remove(seg)
+                # one split fewer: this one, or (the first gone) the next, which now stands first
+                if not first or rollout.segments:
+                    rollout.splits -= 1
 
     def finish(self, rollout_id: str) -> dict[str, Any]:
         """The rollout is over: its segments (those with a reply) and counts, removed from here
