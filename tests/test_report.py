@@ -439,3 +439,18 @@ def test_a_report_written_where_links_were_left_replaces_them_and_never_writes_t
     with pytest.raises(UserError, match=r"plots: a link, not a folder of the report's own"):
         write_report([other])
     assert not any(elsewhere.iterdir())
+
+
+def test_thousands_of_staleness_values_or_workers_in_a_record_draw_figures_of_bounded_size(tmp_path):
+    # (a sample log edited by hand, or another program's): a bar and a tick per staleness value,
+    # a row per worker a sample was trained on -- figures of thousands of inches, minutes to draw
+    run = made_up_run(tmp_path / "run", steps=4)
+    k, t = 4, 104.0
+    log = [sample(f"{k}-{i:05d}-0", gen=(t, t + 0.3), reward_end=t + 0.4, trained=t + 0.6, on=f"train-{i}",
+                  version=k, step=k + i) for i in range(3000)]
+    log += [dict(sample(f"{k}-x-0", gen=(t, t + 0.3), reward_end=t + 0.4, trained=t + 0.6), staleness="far")]
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(record(k, log, time=t + 1.0)) + "\n")
+    report = write_report([run])
+    for png in ("staleness.png", "timeline.png"):
+        check_png(report.parent / "plots" / png)  # (drawn, and no larger than any other figure)

@@ -232,14 +232,23 @@ def idle(series: Series, path: Path) -> bool:
     return save_figure(fig, path)
 
 
+#: Staleness values drawn as bars of their own; those past it share the last bar ("24+").
+MAX_STALENESS_BARS = 24
+
+
 def staleness(series: Series, path: Path) -> bool:
     """Histogram of sample staleness (policy versions between generating and training a sample)."""
     series = _labelled(series)
-    counts = [Counter(s["staleness"] for r in records for s in r.get("sample_log", ()) if "staleness" in s)
+    # (whole numbers only, the tail past MAX_STALENESS_BARS in its last bar: a record edited by
+    # hand with thousands of values would draw a bar and a tick for each)
+    counts = [Counter(min(s["staleness"], MAX_STALENESS_BARS) for r in records for s in r.get("sample_log", ())
+                      if isinstance(s.get("staleness"), int) and not isinstance(s["staleness"], bool)
+                      and 0 <= s["staleness"] < 2**53)
               for _, records in series]
     if not any(counts):
         return False
-    fig, (ax,) = _figure((max(4.5, 1.2 + 0.9 * len({k for c in counts for k in c}) * len(series) ** 0.5), 3.4))
+    fig, (ax,) = _figure((min(14.0, max(4.5, 1.2 + 0.9 * len({k for c in counts for k in c}) * len(series) ** 0.5)),
+                          3.4))
     width = 0.8 / len(series)
     for i, ((label, _), c) in enumerate(zip(series, counts)):
         total = sum(c.values()) or 1
@@ -248,7 +257,8 @@ def staleness(series: Series, path: Path) -> bool:
                       color=f"C{i}", label=label)
         if len(series) == 1:
             ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
-    ax.set_xticks(sorted({k for c in counts for k in c}))
+    ticks = sorted({k for c in counts for k in c})
+    ax.set_xticks(ticks, [f"{k}+" if k == MAX_STALENESS_BARS else str(k) for k in ticks])
     ax.set(title="Sample staleness", xlabel="staleness (policy versions behind the trained one)",
            ylabel="% of samples")
     ax.title.set_fontsize(10)
@@ -343,9 +353,11 @@ def timeline(label: str, records: list[dict], path: Path, serial_train: bool = T
     if not rows:
         return False
     names = list(rows)
-    if len(names) > MAX_ROWS:  # a big generate pool: its first workers, and every other row
+    if len(names) > MAX_ROWS:  # a big generate pool: its first workers, and every other row (bounded too)
         others = [n for n in names if any(b.kind != tl.GENERATE for b in rows[n])]
-        names = [n for n in names if n not in others][:max(1, MAX_ROWS - len(others))] + others
+        generate = [n for n in names if n not in others]
+        others = others[:MAX_ROWS - 1]
+        names = generate[:max(1, MAX_ROWS - len(others))] + others
     fig, (ax,) = _figure((10.0, 1.9 + 0.42 * len(names)))
     ax.xaxis.set_major_locator(AutoLocator())  # seconds
     for y, name in enumerate(names):
