@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-from matplotlib.ticker import AutoLocator, MaxNLocator
+from matplotlib.ticker import MaxNLocator
 
 from streamrl.telemetry import timeline as tl
 from streamrl.telemetry.run_files import write_replacing
@@ -38,7 +37,9 @@ KIND_LEGEND = {tl.GENERATE: "generate (engine had requests)", tl.REWARD: "reward
                tl.TRAIN: "train task", tl.OPTIMIZER: "optimizer step (upper bound)"}
 
 
-def _figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
+def figure(size: tuple[float, float], cols: int = 1, rows: int = 1, **kw):
+    """A figure of ``size`` inches at the report's resolution with ``rows`` x ``cols`` axes (a
+    flat list), their x ticks whole numbers (steps, versions and staleness are)."""
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, **kw)
@@ -109,7 +110,7 @@ def reward(series: Series, path: Path) -> bool:
     series = _labelled(series)
     evals = [(label, eval_points(records)) for label, records in series]
     with_eval = any(points for _, points in evals)
-    fig, axes = _figure((11.0, 3.8) if with_eval else WIDE, cols=2 if with_eval else 1)
+    fig, axes = figure((11.0, 3.8) if with_eval else WIDE, cols=2 if with_eval else 1)
     ax = axes[0]
     windows = set()
     for i, (label, records) in enumerate(series):
@@ -165,7 +166,7 @@ def response_length(series: Series, path: Path) -> bool:
     """Response-length distribution per step: the mean, the 10th-90th percentile band and the
     longest response."""
     series = _labelled(series)
-    fig, (ax,) = _figure(WIDE)
+    fig, (ax,) = figure(WIDE)
     one = len(series) == 1
     for i, (label, records) in enumerate(series):
         # the steps with a per-sample log (a long run's report reads every k-th step's)
@@ -193,7 +194,7 @@ def response_length(series: Series, path: Path) -> bool:
 def throughput(series: Series, path: Path) -> bool:
     """Samples and response tokens trained per second of step time, per step."""
     series = _labelled(series)
-    fig, axes = _figure((11.0, 3.6), cols=2)
+    fig, axes = figure((11.0, 3.6), cols=2)
     for key, ax, what in (("samples_per_s", axes[0], "samples/s"), ("tokens_per_s", axes[1], "response tokens/s")):
         windows = set()
         for i, (label, records) in enumerate(series):
@@ -216,7 +217,7 @@ def idle(series: Series, path: Path) -> bool:
                                for p in (r.get("pools") if isinstance(r.get("pools"), dict) else {})))[:16]
     if not pools:
         return False
-    fig, axes = _figure((3.6 * len(pools) + 0.6, 3.4), cols=len(pools), sharey=True)
+    fig, axes = figure((3.6 * len(pools) + 0.6, 3.4), cols=len(pools), sharey=True)
     for ax, pool in zip(axes, pools):
         for i, (label, records) in enumerate(series):
             y = np.array([r.get("pools", {}).get(pool, {}).get("idle_ratio", np.nan) for r in records], dtype=float)
@@ -247,7 +248,7 @@ def staleness(series: Series, path: Path) -> bool:
               for _, records in series]
     if not any(counts):
         return False
-    fig, (ax,) = _figure((min(14.0, max(4.5, 1.2 + 0.9 * len({k for c in counts for k in c}) * len(series) ** 0.5)),
+    fig, (ax,) = figure((min(14.0, max(4.5, 1.2 + 0.9 * len({k for c in counts for k in c}) * len(series) ** 0.5)),
                           3.4))
     width = 0.8 / len(series)
     for i, ((label, _), c) in enumerate(zip(series, counts)):
@@ -276,7 +277,7 @@ def off_policy(series: Series, path: Path) -> bool:
                if any(f"offpolicy/{b}/ess" in r for _, records in series for r in records)]
     if not buckets:
         return False
-    fig, axes = _figure(WIDE, cols=2)
+    fig, axes = figure(WIDE, cols=2)
     styles = ["-", "--", ":", "-."]
     for i, (label, records) in enumerate(series):
         for j, b in enumerate(buckets):
@@ -302,7 +303,7 @@ def ranker(series: Series, path: Path) -> bool:
             if any("ranker_recall" in r for r in records)]
     if not have:
         return False
-    fig, (ax,) = _figure(WIDE)
+    fig, (ax,) = figure(WIDE)
     for i, label, records in have:
         ax.plot(_steps(records), _values(records, "ranker_recall"), color=f"C{i}", marker="o", ms=3, label=label)
     ax.axhline(0.2, color="grey", ls="--", lw=1, label="a random guess (0.2)")
@@ -315,80 +316,6 @@ def ranker(series: Series, path: Path) -> bool:
     return save_figure(fig, path)
 
 
-def window(records: list[dict], steps: int) -> tuple[int, int]:
-    """The steps the timeline shows: the last ``steps`` before the final one, whose end is not
-    typical (nothing is generated ahead for a step that will not come). Indices, inclusive."""
-    n = len(records)
-    hi = n - 2 if n > steps else n - 1
-    return max(0, hi - steps + 1), hi
-
-
-MAX_ROWS = 24
-
-
-def clocks(records: list[dict]) -> str:
-    """The pools' busy share over ``records`` as the workers' busy clocks measured it (a line to
-    check the drawn bars against), or "" without ``pools``."""
-    parts = []
-    for pool in list(dict.fromkeys(p for r in records for p in r.get("pools", {})))[:16]:
-        busy = sum(r["pools"].get(pool, {}).get("busy_s", 0.0) for r in records)
-        free = sum(r["pools"].get(pool, {}).get("idle_s", 0.0) for r in records)
-        if busy + free > 0:
-            parts.append(f"{one_line(str(pool), 40)} {busy / (busy + free):.0%}")  # (a name as text)
-    return "\nbusy as measured on the workers (pool average): " + ", ".join(parts) if parts else ""
-
-
-def timeline(label: str, records: list[dict], path: Path, serial_train: bool = True, steps: int = 3) -> bool:
-    """One run's per-worker busy timeline over a few recent steps: one row per worker, a bar while
-    it worked (see ``telemetry/timeline.py`` for what each bar is drawn from), its busy share at
-    the right; the gaps are the bubbles."""
-    timed = [r for r in records if "time" in r and "step_s" in r]
-    if not timed:
-        return False
-    lo, hi = window(timed, steps)
-    t0, t1 = timed[lo]["time"] - timed[lo]["step_s"], timed[hi]["time"]
-    # the step before (where a worker's previous task ended) and the ones after (their samples
-    # may have been generated inside the window)
-    rows = tl.busy_bars(timed[max(0, lo - 1):hi + 3], serial_train)
-    if not rows:
-        return False
-    names = list(rows)
-    if len(names) > MAX_ROWS:  # a big generate pool: its first workers, and every other row (bounded too)
-        others = [n for n in names if any(b.kind != tl.GENERATE for b in rows[n])]
-        generate = [n for n in names if n not in others]
-        others = others[:MAX_ROWS - 1]
-        names = generate[:max(1, MAX_ROWS - len(others))] + others
-    fig, (ax,) = _figure((10.0, 1.9 + 0.42 * len(names)))
-    ax.xaxis.set_major_locator(AutoLocator())  # seconds
-    for y, name in enumerate(names):
-        for kind in tl.KINDS:
-            spans = [(max(b.start, t0) - t0, min(b.end, t1) - max(b.start, t0)) for b in rows[name]
-                     if b.kind == kind and b.end > t0 and b.start < t1]
-            if spans:
-                ax.broken_barh(spans, (y - 0.36, 0.72), facecolors=KIND_COLOURS[kind], edgecolor="white", lw=0.3)
-        busy = tl.busy_fraction(rows[name], t0, t1)
-        ax.text(1.005, y, f"{busy:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8)
-    for k in range(lo, hi + 1):  # alternate step backgrounds, labelled under the bars
-        a, b = timed[k]["time"] - timed[k]["step_s"] - t0, timed[k]["time"] - t0
-        if (k - lo) % 2 == 0:
-            ax.axvspan(a, b, color="0.93", zorder=0)
-        ax.text((a + b) / 2, len(names) - 0.45, f"step {timed[k].get('step', k) + 1}", ha="center",
-                va="bottom", fontsize=8, color="0.35")
-    ax.set_yticks(range(len(names)), [one_line(str(n), 40) for n in names], fontsize=8)  # (workers' names as text)
-    ax.set_ylim(len(names) - 0.05, -0.6)  # (inverted: the first row on top, room for the labels below)
-    ax.set_xlim(0, t1 - t0)
-    ax.text(1.005, 1.0, "busy", transform=ax.transAxes, va="bottom", fontsize=8)
-    more = f" ({len(names)} of {len(rows)} rows)" if len(names) < len(rows) else ""
-    ax.set(xlabel=f"seconds since the start of step {timed[lo].get('step', lo) + 1}" + clocks(timed[lo:hi + 1]),
-           title=f"{label}: who was busy when, steps {timed[lo].get('step', lo) + 1}-{timed[hi].get('step', hi) + 1} "
-                 f"of {len(records)}{more}   (gaps: idle, waiting)")
-    ax.title.set_fontsize(10)
-    kinds = [k for k in tl.KINDS if any(b.kind == k for n in names for b in rows[n])]
-    fig.legend(handles=[Patch(color=KIND_COLOURS[k], label=KIND_LEGEND[k]) for k in kinds], loc="outside lower center",
-               ncol=len(kinds), fontsize=8, frameon=False)
-    return save_figure(fig, path)
-
-
 def learners(label: str, rows: list[dict], path: Path) -> bool:
     """One run's learners (``learner_figures.learner_figures``), one line each, labelled with its name and
     algorithm: the held-out reward of every evaluation by the stream step its policy had trained
@@ -397,7 +324,7 @@ def learners(label: str, rows: list[dict], path: Path) -> bool:
     with_eval = any(row["evals"] for row in rows)
     if not (with_eval or any(row["loss"] for row in rows)):
         return False
-    fig, (ax,) = _figure(WIDE)
+    fig, (ax,) = figure(WIDE)
     windows = set()
     for i, row in enumerate(rows):
         points = [(x, y) for x, _, y in row["evals"]] if with_eval else row["loss"]

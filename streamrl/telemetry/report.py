@@ -163,7 +163,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
     except OSError as exc:
         raise UserError(f"{out}: cannot write the report there ({exc.strerror})") from None
 
-    from streamrl.telemetry import plots  # matplotlib: only when a report is drawn
+    from streamrl.telemetry import plots, timeline_plot  # matplotlib: only when a report is drawn
 
     series = [(r.label, r.records) for r in runs]
     figures = [("reward", "Reward", plots.reward,
@@ -196,7 +196,8 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path | None:
     timelines = []
     for i, run in enumerate(runs):
         name = f"timeline-{i + 1}.png" if len(runs) > 1 else "timeline.png"
-        png = _draw(lambda s, p, run=run: plots.timeline(run.label, run.records, p, run.serial_train, TIMELINE_STEPS),
+        png = _draw(lambda s, p, run=run: timeline_plot.timeline(run.label, run.records, p, run.serial_train,
+                                                                     TIMELINE_STEPS),
                     series, plot_dir / name, f"timeline of {run.label}")
         if png:
             timelines.append(f"![Worker timeline of {md_text(run.label)}](plots/{png.name})\n")
