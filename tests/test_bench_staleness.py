@@ -59,7 +59,7 @@ def test_staleness_zero_is_stream_mode_and_the_rest_async_with_the_bound():
     assert variant_overrides(0, "none", 1, 30)[0] == "run.mode=stream"
     over = variant_overrides(4, "tis", 2, 30)
     assert over[:2] == ["run.mode=async", "run.max_staleness=4"]
-    assert 'algorithm.off_policy.correction="tis"' in over and "run.seed=2" in over and "run.steps=30" in over
+    assert 'algorithm.off_policy={correction="tis"}' in over and "run.seed=2" in over and "run.steps=30" in over
 
 
 def test_bad_arguments_are_one_line(tiny_recipe):

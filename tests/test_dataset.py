@@ -506,17 +506,22 @@ def test_a_tokenizer_that_cannot_load_is_one_line_naming_model_path_not_every_ro
     assert len(loads) == 2  # once per task: not once per row it was asked to render
 
 
-def test_rows_with_a_null_answer_or_no_messages_are_left_out_when_built(tmp_path, tokenizer, capsys):
+def test_rows_with_a_null_answer_where_the_recipe_names_its_field_are_left_out_when_built(tmp_path, tokenizer,
+                                                                                        capsys):
     import pandas as pd
 
     rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(3)]
-    rows += [{"prompt": [{"role": "user", "content": "5+1="}]}, {"prompt": [], "answer": "0"}]
+    rows += [{"prompt": [{"role": "user", "content": "5+1="}]}]
     path = tmp_path / "gaps.parquet"
     pd.DataFrame(rows).to_parquet(path)  # (the row without an answer holds null there)
-    task = DatasetTask(DatasetConfig(path=str(path), model_path=tokenizer))
+    # the recipe names the answer's field: a row without one cannot be scored against it
+    task = DatasetTask(DatasetConfig(path=str(path), model_path=tokenizer, answer_key="answer"))
     assert len(task) == 3 and {p.answer for p in task.prompts(0, 3)} == {"1", "2", "3"}
     err = capsys.readouterr().err
-    assert "2 of 5 rows of task.path cannot be prompts and are left out (the first, 'answer' is null" in err, err
+    assert "1 of 4 rows of task.path cannot be prompts and are left out (the first, 'answer' is null" in err, err
+    # a field found by its name, not named: kept, its answer None (a reward or an agent may need none)
+    task = DatasetTask(DatasetConfig(path=str(path), model_path=tokenizer))
+    assert len(task) == 4 and None in {p.answer for p in task.prompts(0, 4)}
 
 
 def test_model_init_reads_chat_rows_with_tool_calls_and_content_parts(tmp_path):

@@ -60,7 +60,9 @@ STALENESS = (0, 1, 2, 4, 8)
 def variant_overrides(k: int, correction: str, seed: int, steps: int) -> list[str]:
     """The ``--set`` overrides of one run: staleness ``k``, the correction, the seed, the steps."""
     mode = ["run.mode=stream"] if k == 0 else ["run.mode=async", f"run.max_staleness={k}"]
-    return mode + [f'algorithm.off_policy.correction="{correction}"', f"run.seed={seed}", f"run.steps={steps}"]
+    # (the whole table, the correction at its defaults: a recipe's cap or band for another
+    # correction would be a setting this one does not read, and refused)
+    return mode + [f'algorithm.off_policy={{correction="{correction}"}}', f"run.seed={seed}", f"run.steps={steps}"]
 
 
 def held_out(records: list[dict]) -> float | None:

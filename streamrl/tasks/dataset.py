@@ -15,7 +15,8 @@ reaches the reward (``Prompt.columns``; the prompt too, as the row has it). Chat
 token ids; plain strings are used as they are.
 
 A row that cannot be a prompt (no prompt field, an empty one, a prompt that is neither text
-nor chat messages, messages of an unknown role, a missing answer) is left out when the task is built, and
+nor chat messages, messages of an unknown role, no answer field, a null answer where ``answer_key``
+names it) is left out when the task is built, and
 the count is printed with the first such row. A row the model's chat template refuses
 when it is handed out (roles out of order) is passed over for the next row of that epoch's
 sequence, with a warning; no single row ends a run. Chat content is text: a control token's
@@ -42,6 +43,7 @@ from streamrl.errors import RunWarning, UserError
 from streamrl.models.tokenizers import encode_text, load_tokenizer
 from streamrl.tasks.dataset_config import DatasetConfig
 from streamrl.tasks.dataset_files import Rows, dig, is_chat, load_rows, one_split
+from streamrl.telemetry.text import message_line
 
 #: Columns taken as the answer when ``answer_key`` is not set, after verl's ground truth.
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
@@ -145,8 +147,6 @@ class DatasetTask(Task):
             return f"no field {key!r}"
         value = row[key]
         if is_chat(value):
-            if not len(value):  # (a template would render a conversation with no turn to answer)
-                return f"{key!r} is an empty list of messages"
             try:
                 normalize(value)
             except MessageError as exc:
@@ -158,8 +158,10 @@ class DatasetTask(Task):
             return f"{key!r} is empty"
         answer_key = self.eval_answer_key if held_out else self.answer_key
         try:
-            # (a column's table gives every row each column: a row without the answer has null)
-            if answer_key and dig(row, answer_key) is None:
+            # (a column's table gives every row each column: a row without the answer has null;
+            # left out where the recipe named the answer's field, kept where it was guessed: a
+            # reward or an agent may need no answer)
+            if answer_key and dig(row, answer_key) is None and self.config.answer_key:
                 return f"{answer_key!r} is null"
         except KeyError:
             return f"no field {answer_key!r}"
@@ -267,7 +269,7 @@ class DatasetTask(Task):
                 self._tokenizer = load_tokenizer(self.config.model_path)
             except Exception as exc:  # (the run's, not a row's: said once, not counted per row)
                 raise UserError(f"{self.where}.model_path: cannot load a tokenizer from {self.config.model_path} "
-                                f"({type(exc).__name__}: {str(exc)[:200]})") from None
+                                f"({type(exc).__name__}: {message_line(exc, 200)})") from None
         return self._tokenizer
 
     def _length(self, prompt: Prompt) -> int:
