@@ -56,11 +56,6 @@ HANDED_OVER_S = 120.0
 MAX_CALLS = 1024
 MAX_SEGMENTS = 256
 
-#: The most tokens one rollout's segments may hold before it opens another: an agent that
-#: rewrites a long history at every call (compaction, a sliding window) makes a segment of its
-#: whole prompt each time, and 256 of 32K tokens would be hundreds of MB on the engine's worker.
-MAX_ROLLOUT_TOKENS = 2 << 20
-
 #: The most rollouts in flight on one endpoint; a new one past it drops the oldest (counted with
 #: the stale ones).
 MAX_ROLLOUTS = 16_384
@@ -179,12 +174,6 @@ class Trajectories:
                 self._refuse_call(rollout_id, rollout)
                 raise RolloutLimit(f"rollout {rollout_id!r} has {MAX_SEGMENTS} segments, the most one rollout may "
                                    "have: its calls rewrote or forked the conversation that often")
-            held = sum(len(s.prompt_ids) + len(s.response_ids) for s in rollout.segments)
-            if held >= MAX_ROLLOUT_TOKENS:
-                self._refuse_call(rollout_id, rollout)
-                raise RolloutLimit(f"rollout {rollout_id!r} holds {held} tokens in {len(rollout.segments)} segments, "
-                                   f"the most one rollout may before another ({MAX_ROLLOUT_TOKENS}): its calls rewrote "
-                                   "a long conversation that often")
             split = bool(rollout.segments)
             rollout.splits += split
             seg = Segment(prompt_ids=[], tools=tools_key, busy=True)
