@@ -431,6 +431,15 @@ def test_a_report_written_where_links_were_left_replaces_them_and_never_writes_t
     assert precious.read_text() == "keep me"
     assert not report.is_symlink() and report.read_text().startswith("# streamrl report")
     assert not (run / "plots" / "reward.png").is_symlink()
+    # as open() would have made them: readable by whom the umask lets read, not the owner's alone
+    (run / "report.md").chmod(0o644)
+    write_report([run])
+    assert (run / "report.md").stat().st_mode & 0o777 == 0o644
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (run / "plots" / "throughput.png").stat().st_mode & 0o777 == 0o666 & ~umask  # (a new one)
     # a plots folder that is a link: the images would land wherever it points
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

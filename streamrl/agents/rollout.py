@@ -217,6 +217,12 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
         try:
             traj = _finish(url, api_key, rid, rollout_key)
+        except RolloutDropped as e:  # the endpoint is there, and says why it has no trajectory of it
+            traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
+            if not outcome.error:
+                outcome.error = one_line(f"RolloutDropped: {e}", 500)
+                # (crowded out by other rollouts in flight: overload, as a timeout is)
+                outcome.transient = "rollouts being in flight" in str(e)
         except Exception as e:  # its endpoint is gone (a restarted generate worker), or answered garbage
             traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
             if not outcome.error:

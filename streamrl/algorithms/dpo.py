@@ -49,8 +49,10 @@ class DPO(Algorithm):
         self.epochs = config.epochs
 
     def advantages(self, rewards: list[float]) -> list[float]:
-        """+1 for the highest-reward sample, -1 for the lowest, 0 for every other (first one on
-        ties); all zeros for a group whose rewards are all equal (no pair)."""
+        """+1 for the highest-reward rollout, -1 for the lowest, 0 for every other (first one on
+        ties); all zeros for a group whose rewards are all equal (no pair). One reward per
+        rollout: the trainer gives a rollout split into segments once, and pairs its last
+        segment (``pairs``)."""
         adv = [0.0] * len(rewards)
         if len(rewards) < 2 or min(rewards) == max(rewards):
             return adv

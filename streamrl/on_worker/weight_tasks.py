@@ -20,12 +20,14 @@ from streamrl.on_worker.resident import ENGINE, TRAINER, TRANSFER, ResidentLost,
 LATEST = "streamrl-latest-weights"  # the newest publication's payload future (a Dask Variable)
 LATEST_SENDER = "streamrl-latest-weights-sender"  # who exported LATEST: {"pin", "name", "address"}
 WEIGHTS_LOCK = threading.Lock()
-"""Held by a train worker's export while it reads the trainer's weights, and by its optimizer
-step while it changes them: with more than one task thread (``pools.train.threads``, or a
-colocated run's generation there) an export beside a step would send a payload labelled one
-version holding some of the next; and one export at a time (the receivers are set on the one
-transfer object, and an elastic join's export for one worker must not size a publication's
-group, or the other way round)."""
+"""Held by a train worker's exports (``export_weights``, ``export_held``) while they read the
+trainer's weights, and by its optimizer step while it changes them: with more than one task
+thread (``pools.train.threads``, or a colocated run's generation there) an export beside a step
+would send a payload labelled one version holding some of the next; and one export at a time
+(the receivers are set on the one transfer object, and an elastic join's export for one worker
+must not size a publication's group, or the other way round). The policy saved for a learner
+added during the run, and a checkpoint's save, are ordered after the step by their tasks'
+dependencies instead."""
 
 #: Dask priority of weight export/load tasks (``weights.LOAD_PRIORITY``)
 LOAD_PRIORITY = 1_000_000

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def write_replacing(path: Path, data: bytes) -> None:
     through, and a reader never sees half of it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        # (mkstemp's file is the owner's alone: the mode the file had, else the umask's, as
+        # open() would have made it -- a report others read stays readable)
+        os.fchmod(fd, _mode_of(path))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -62,3 +66,27 @@ def write_replacing(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _mode_of(path: Path) -> int:
+    """The permission bits of ``path`` where it is a regular file (not through a link), else
+    those a new file gets under this process's umask."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # (read, not set and set back: os.umask changes it for every thread meanwhile)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
