@@ -83,9 +83,11 @@ def test_bench_modes_runs_each_mode_and_measures_async_before_its_drain(tmp_path
     out = tmp_path / "modes.json"
     small = ["--set", "pools.generate.workers=2", "--set", "pools.generate.threads=8",
              "--set", "trainer.prompts_per_step=8", "--set", "trainer.samples_per_prompt=2",
-             # (0.01: the simulated times, not the machine's load, set the ratio; at 0.003 a loaded
-             # CI machine once measured async at 1.04x batch, its overheads as long as the sleeps)
-             "--set", "engine.time_scale=0.01", "--set", "run.max_staleness=2"]
+             # (0.03: the simulated times, not the machine's load, set the ratio; at 0.003 a loaded
+             # CI machine once measured async at 1.04x batch, its overheads as long as the sleeps,
+             # and at 0.01 async's generate pool 59% idle against batch's 34%, its two steps 0.8 s
+             # of which the controller's waits on a loaded machine were most)
+             "--set", "engine.time_scale=0.03", "--set", "run.max_staleness=2"]
     proc = streamrl("bench", "modes", "recipes/paper-7b-20k.toml",
                     "--modes", "batch,async", "--steps", "2", "--warmup", "1", "--out", str(out), *small, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
