@@ -12,8 +12,6 @@ folder, not the terminal (``warnings_log.py``).
 
 from __future__ import annotations
 
-import math
-
 from rich.console import Console, Group
 from rich.live import Live
 from rich.padding import Padding
@@ -23,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from streamrl.telemetry.off_policy import LOW_ESS, lowest_ess_bucket
+from streamrl.telemetry.run_files import finite_number
 from streamrl.telemetry.learner_figures import LEARNER_COLUMNS, learner_cells, learner_figures, learners_final
 from streamrl.telemetry.text import one_line, printable
 
@@ -31,12 +30,7 @@ def number(value, default: float | None = 0.0) -> float | None:
     """A record's field as a float where it is a finite number (not a bool), else ``default``:
     a resumed run's earlier records are read back from its ``metrics.jsonl``, which may have been
     edited, and the end of a long run must not fail on one of them."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return default
-    try:
-        return float(value) if math.isfinite(value) else default
-    except OverflowError:  # (an integer of hundreds of digits)
-        return default
+    return float(value) if finite_number(value) else default
 
 
 def tables(value) -> dict:

@@ -7,24 +7,13 @@ hand or another program's are read as far as they can be, never a crash).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from streamrl.telemetry.run_files import small_text
+from streamrl.telemetry.run_files import finite_number, small_text
 
 #: a learner's train reward: the mean of its last this many trained steps (as ``bench learners``)
 LEARNER_WINDOW = 10
 
-
-
-def _num(value) -> bool:
-    # a number that can be added and printed: not a bool, not NaN or infinite
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # (an integer of hundreds of digits, valid JSON: past any float)
-        return False
 
 
 def learners_final(path: Path) -> dict:
@@ -58,14 +47,14 @@ def learner_figures(records: list[dict], final: dict | None = None, window: int 
         served = bool(last.get("served"))
         trained: dict = {}  # the learner's stream step -> its entry (the newest)
         for i, e in enumerate(mine):
-            if _num(e.get("reward_mean")) or _num(e.get("loss")):
-                trained[e["step"] if _num(e.get("step")) else ("entry", i)] = e
-        rewards = [e["reward_mean"] for e in trained.values() if _num(e.get("reward_mean"))][-window:]
+            if finite_number(e.get("reward_mean")) or finite_number(e.get("loss")):
+                trained[e["step"] if finite_number(e.get("step")) else ("entry", i)] = e
+        rewards = [e["reward_mean"] for e in trained.values() if finite_number(e.get("reward_mean"))][-window:]
         # the stream step its policy had trained through, by steps trained (version)
-        joined = last.get("joined_at") if _num(last.get("joined_at")) else 0
+        joined = last.get("joined_at") if finite_number(last.get("joined_at")) else 0
         through = {0: joined}
         for e in mine:
-            if _num(e.get("steps_trained")) and _num(e.get("step")):
+            if finite_number(e.get("steps_trained")) and finite_number(e.get("step")):
                 through[int(e["steps_trained"])] = int(e["step"]) + 1
         # the served learner's evaluations are the record's own eval/* (with those that landed
         # after the last record, ``eval_unrecorded``); a side learner's, its entries' and the final
@@ -73,7 +62,7 @@ def learner_figures(records: list[dict], final: dict | None = None, window: int 
         for e in (records if served else []) + mine:
             unrecorded = e.get("eval_unrecorded")  # (a list, or nothing: a record edited by hand)
             for ev in [e, *(unrecorded if isinstance(unrecorded, list) else ())]:
-                if isinstance(ev, dict) and _num(ev.get("eval/policy_version")) and _num(ev.get("eval/reward_mean")):
+                if isinstance(ev, dict) and finite_number(ev.get("eval/policy_version")) and finite_number(ev.get("eval/reward_mean")):
                     found[int(ev["eval/policy_version"])] = ev["eval/reward_mean"]
         failure = next((str(e["failure"]) for e in reversed(mine) if e.get("failure")), None)
         rows.append({"name": name, "served": served, "algorithm": last.get("algorithm", "?"),
@@ -81,7 +70,7 @@ def learner_figures(records: list[dict], final: dict | None = None, window: int 
                      "skipped_steps": last.get("skipped_steps", 0), "failure": failure,
                      "train_reward": sum(rewards) / len(rewards) if rewards else None,
                      "evals": [(through.get(v, joined + v), v, found[v]) for v in sorted(found)],
-                     "loss": [(k + 1, e["loss"]) for k, e in trained.items() if _num(k) and _num(e.get("loss"))]})
+                     "loss": [(k + 1, e["loss"]) for k, e in trained.items() if finite_number(k) and finite_number(e.get("loss"))]})
     return rows
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import html
 import json
-import math
 import re
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from streamrl.errors import UserError
 from streamrl.telemetry.learner_figures import (LEARNER_COLUMNS, LEARNER_WINDOW, learner_cells, learner_figures,
                                                learners_final)
-from streamrl.telemetry.run_files import lines_of, small_text, write_replacing
+from streamrl.telemetry.run_files import finite_number, lines_of, small_text, write_replacing
 from streamrl.telemetry.text import error_line, one_line
 
 #: steps shown in the per-worker timeline (more and the bars get too thin to read)
@@ -47,7 +46,7 @@ class Run:
     def serial_train(self) -> bool:
         """Whether each train worker runs one task at a time (``pools.train.threads``, default 1)."""
         threads = _table(_table(self.recipe, "pools"), "train").get("threads", 1)
-        return not _num(threads) or threads <= 1
+        return not finite_number(threads) or threads <= 1
 
 
 def warn(text: str) -> None:
@@ -133,7 +132,7 @@ def _step_record(rec) -> bool:
     (a line edited by hand, another program's) is skipped and counted, not read into a crash."""
     if not isinstance(rec, dict):
         return False
-    if not _num(rec.get("reward_mean")):
+    if not finite_number(rec.get("reward_mean")):
         return False
     for key in ("pools", "learners"):
         value = rec.get(key)
@@ -323,20 +322,9 @@ def md_text(value, limit: int = MAX_CELL) -> str:
     return html.escape(text, quote=False).translate(_MARKDOWN)
 
 
-def _num(value) -> bool:
-    # a number the report can add and print: not a bool, not NaN or infinite (a record edited by
-    # hand, or another program's)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # (an integer of hundreds of digits, valid JSON: past any float)
-        return False
-
-
 def _number(value) -> float:
     """``value`` where it is a finite number, else 0 (a field a record lacks or holds otherwise)."""
-    return float(value) if _num(value) else 0.0
+    return float(value) if finite_number(value) else 0.0
 
 
 def _table(parent, key: str) -> dict:

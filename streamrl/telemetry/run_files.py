@@ -7,10 +7,23 @@ run folder from elsewhere with ``report.md`` linked to ``~/.bashrc`` must not ha
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import stat
 import tempfile
 from pathlib import Path
+
+
+def finite_number(value) -> bool:
+    """Whether a field read back from a run folder (a record of ``metrics.jsonl``, edited by hand
+    or another program's) is a number that can be added and printed: not a bool, not NaN or
+    infinite, not an integer of hundreds of digits (valid JSON, past any float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 #: The longest line of a ``metrics.jsonl`` read (a step's record with its sample log: megabytes
