@@ -58,14 +58,14 @@ class TransformersEngine(Engine):
     def load(self, model_path: str | None, device: str | None = None) -> None:
         """Load model + tokenizer with ``from_pretrained`` onto ``device`` (default: the pool's,
         ``streamrl.devices.worker_device``) and start the generation loop."""
-        from transformers import AutoModelForCausalLM
+        from streamrl.models import pretrained
 
         from streamrl.devices import worker_device
 
         device = device or worker_device()
         dtype = self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         self.tokenizer = load_tokenizer(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = pretrained.causal_lm(model_path, getattr(torch, dtype))
         self.model.to(device).eval()
         self.stop_ids = stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         if self.config.kernels == "liger":  # (before the loop's decoder takes the modules' functions)

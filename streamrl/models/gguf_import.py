@@ -108,6 +108,8 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "bfloat16", sour
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from streamrl.models import pretrained
+
     hf_logging.disable_progress_bar()
     # read from a folder holding nothing but the file: transformers would take a tokenizer.json or
     # config.json lying beside it over the GGUF's own (another model's vocabulary, silently)
@@ -115,7 +117,7 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "bfloat16", sour
         (Path(alone) / path.name).symlink_to(path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
-            loaded = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32)
+            loaded = pretrained.causal_lm(alone, torch.float32, gguf_file=path.name)
             # the same model without the quantized flag: trainable, and saved again after training
             settings = loaded.config.to_dict()
             settings.pop("quantization_config", None)

@@ -18,9 +18,9 @@ class Critic(torch.nn.Module):
 
     def __init__(self, model_path: str, lr: float, device: str = "cpu", weight_decay: float = 0.0):
         super().__init__()
-        from transformers import AutoModel
+        from streamrl.models import pretrained
 
-        self.backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        self.backbone = pretrained.backbone(model_path, torch.float32)
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)

@@ -97,12 +97,12 @@ def join_shared_base(model_path: str, device: str, config: LoraConfig, name: str
     learner to ask, and made ready by its ``prepare``: kernels, activation checkpointing,
     compilation, once for every learner over it), with a fresh adapter ``name`` for this learner
     (one of that name left by a learner removed earlier is replaced)."""
-    from transformers import AutoModelForCausalLM
+    from streamrl.models import pretrained
 
     with _SHARED_LOCK:
         shared = _SHARED.get((model_path, device))
         if shared is None:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+            model = pretrained.causal_lm(model_path, torch.float32).to(device)
             shared = SharedBase(model, add_adapter(model, config, name))
             prepare(model)
             _SHARED[(model_path, device)] = shared
@@ -145,9 +145,9 @@ def build(config: LoraConfig, model_path: str, device: str, learner: str, engine
         shared = join_shared_base(model_path, device, config, learner, prepare)
         model, peft, name, prepared = shared.model, shared.peft, learner, True
     else:
-        from transformers import AutoModelForCausalLM
+        from streamrl.models import pretrained
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        model = pretrained.causal_lm(model_path, torch.float32).to(device)
         shared, peft, name, prepared = None, add_adapter(model, config), ADAPTER, False
     # (only linear layers' adapters load into an engine's)
     publishes = engine_adapters > 0 and linear_only(model, name)

@@ -77,7 +77,7 @@ class HFTrainer(Trainer):
         return hf_config.capabilities(config)
 
     def __init__(self, config: HFTrainerConfig, context: TrainerContext, device: str | None = None):
-        from transformers import AutoModelForCausalLM
+        from streamrl.models import pretrained
 
         self.config = config
         self.algorithm = context.algorithm
@@ -100,7 +100,7 @@ class HFTrainer(Trainer):
                                    context.engine.adapters, self._prepare)
             self.model = self.lora.model
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=torch.float32).to(built_on)
+            self.model = pretrained.causal_lm(context.model_path, torch.float32).to(built_on)
         self.model.train()
         without_dropout(self.model)
         prepared = self.lora is not None and self.lora.prepared  # (a shared base: by its first learner)
@@ -113,7 +113,7 @@ class HFTrainer(Trainer):
         if self.algorithm.needs_reference:
             # only ever run, never stepped: kept in the dtype the policy is kept in (bf16-params: bf16)
             dtype = next(self.model.parameters()).dtype
-            self.reference = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype).to(built_on).eval()
+            self.reference = pretrained.causal_lm(context.model_path, dtype).to(built_on).eval()
             self.reference.requires_grad_(False)
             if config.kernels == "liger":
                 use_liger_kernels(self.reference, self.device)
