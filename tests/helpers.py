@@ -78,8 +78,11 @@ def streamrl(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int
     streamrl`` in a process of its own when ``fresh``, when ``env`` is given, or in a smoke test."""
     if env is None and not (fresh or in_process.fresh_only or in_process.ALWAYS_FRESH):
         return in_process.run(list(map(str, args)), cwd, timeout=timeout)
-    return subprocess.run([sys.executable, "-m", "streamrl", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    try:
+        return subprocess.run([sys.executable, "-m", "streamrl", *map(str, args)], cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:  # (with what it printed in the message pytest shows)
+        raise in_process.TimedOut(exc.cmd, exc.timeout, exc.stdout, exc.stderr) from None
 
 
 def sets(*values: str) -> list[str]:

@@ -72,6 +72,17 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
+class TimedOut(subprocess.TimeoutExpired):
+    """:class:`subprocess.TimeoutExpired` whose message ends with the tails of what the command
+    printed: pytest shows an exception's message, and a run that hung in CI said nothing else."""
+
+    def __str__(self) -> str:
+        def tail(text) -> str:
+            text = text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+            return text[-4000:]
+        return f"{super().__str__()}\n--- its stdout, last lines:\n{tail(self.stdout)}\n--- its stderr:\n{tail(self.stderr)}"
+
+
 class _Deadline:
     """After ``timeout`` seconds, what a user does to a run that hangs: Ctrl-C (the run stops
     after its step), then, ``grace`` seconds on, Ctrl-C again (it stops now). Why: in this
@@ -186,5 +197,5 @@ def run(args: list[str], cwd: Path, timeout: float | None = None) -> subprocess.
     captured = {fd: os.pread(f, os.fstat(f).st_size - start[fd], start[fd]).decode("utf-8", errors="replace")
                 for fd, f in ((1, out_file), (2, err_file))}
     if deadline.fired:
-        raise subprocess.TimeoutExpired(["streamrl", *args], timeout, captured[1], captured[2])
+        raise TimedOut(["streamrl", *args], timeout, captured[1], captured[2])
     return subprocess.CompletedProcess(["streamrl", *args], status, captured[1], captured[2])

@@ -87,8 +87,14 @@ class RolloutThread(threading.Thread):
         # a tool that blocks past the timeout keeps one, and it is counted as stuck, as this
         # thread would be (the loop's shared default pool would hide it)
         tools: set[threading.Thread] = set()
+        tools_lock = threading.Lock()  # (a tool thread adds itself while this one may read the set)
+
+        def mark() -> None:
+            with tools_lock:
+                tools.add(threading.current_thread())
+
         executor = ThreadPoolExecutor(max_workers=TOOL_THREADS, thread_name_prefix="streamrl-rollout-tool",
-                                      initializer=lambda: tools.add(threading.current_thread()))
+                                      initializer=mark)
         loop.set_default_executor(executor)
         try:
             self._task = loop.create_task(self._guarded())
@@ -98,7 +104,11 @@ class RolloutThread(threading.Thread):
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             loop.close()
-            left = [t for t in tools if t.is_alive()]
+            with tools_lock:
+                held = list(tools)
+            for t in held:  # (idle ones end at the shutdown's wake-up: not stuck, only not gone yet)
+                t.join(timeout=0.05)
+            left = [t for t in held if t.is_alive()]
             if left:
                 with _STUCK_LOCK:
                     _STUCK.update(left)
