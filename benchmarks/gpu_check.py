@@ -119,6 +119,27 @@ def sets(overrides: list[str]) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
 
 
+#: What the phases import, beyond torch (and Liger's kernels on a GPU: the recipe's
+#: ``kernels = "liger"``). A GPU machine's own Python had older ones of some -- transformers that
+#: needs a newer huggingface-hub, a ``typing_extensions`` without what FastAPI imports, no
+#: ``httptools`` for the endpoint -- and each showed as a phase failing seconds in, one by one.
+NEEDED = ("transformers", "huggingface_hub", "tokenizers", "safetensors", "dask", "distributed", "pydantic",
+          "pluggy", "rich", "fastapi", "uvicorn", "httptools", "openai")
+
+
+def missing_packages(names: tuple[str, ...] = NEEDED) -> list[str]:
+    """The modules among ``names`` this Python cannot import, each with its error's first line."""
+    import importlib
+
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 -- an import that fails any way is missing here
+            missing.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return missing
+
+
 class Check:
     """Runs the phases, keeps their results and rewrites ``out`` after each."""
 
@@ -176,7 +197,8 @@ class Check:
         return row
 
     def env(self) -> None:
-        """torch, CUDA and the device, as this process sees them."""
+        """torch, CUDA and the device, as this process sees them, and what the phases need that
+        this machine's Python lacks (``missing``: the check stops before any phase runs)."""
         import torch
 
         row = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
@@ -189,6 +211,7 @@ class Check:
             row["transformers"] = transformers.__version__
         except ImportError as exc:
             row["transformers"] = f"missing: {exc}"
+        row["missing"] = missing_packages(NEEDED + (("liger_kernel",) if self.args.device == "cuda" else ()))
         self.result["env"] = row
         self.save()
 
@@ -495,8 +518,9 @@ def table(result: dict) -> str:
                                  f"{v['spread_s_per_step']:.3f}, {v['generate_s_per_step']:.3f}, "
                                  f"{v['collect_s_per_step']:.3f} |")
                 if "admissions_per_step" in v:  # (the slot engine's loop, a step's mean)
-                    lines.append(f"| {name} | {v['variant']}: admissions, prefill s, loop idle s a step | "
-                                 f"{v['admissions_per_step']:.1f}, {v['prefill_s_per_step']:.3f}, "
+                    lines.append(f"| {name} | {v['variant']}: admissions (from graphs), prefill s, loop idle s a step | "
+                                 f"{v['admissions_per_step']:.1f} ({v.get('prefill_graphed_per_step', 0):.1f}), "
+                                 f"{v['prefill_s_per_step']:.3f}, "
                                  f"{v['idle_s_per_step']:.3f} |")
             elif "mfu" in v:
                 mfu = "n/a" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%"
@@ -607,6 +631,10 @@ def main() -> int:
     args = ap.parse_args()
     check = Check(args)
     check.env()
+    if check.result["env"]["missing"]:  # (every phase would fail on it, one after another)
+        print("gpu_check: this Python lacks what the phases import: " + "; ".join(check.result["env"]["missing"]),
+              file=sys.stderr)
+        return 2
     model = check.model()
     for phase in [p.strip() for p in args.phases.split(",") if p.strip()]:
         getattr(check, phase)(model)

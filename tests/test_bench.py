@@ -347,6 +347,7 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["phases"]["model"]["ok"] and result["phases"]["trainer-8"]["ok"]
+    assert result["env"]["missing"] == []
     rows = result["phases"]["trainer-8"]["variants"]
     assert [r["variant"] for r in rows] == ["recipe", "bf16"]
     assert all(r["tokens_per_s"] > 0 and r["samples"] == 8 and r["mfu"] is None for r in rows)  # (no peak on CPU)
@@ -358,7 +359,8 @@ def test_gpu_check_dry_runs_on_cpu_and_writes_its_json_and_table(tmp_path):
     # (the slot engine's loop counts its admissions: each one a prefill between two decode steps)
     slots = result["phases"]["engine-4"]["variants"][0]
     assert slots["admissions_per_step"] >= 1 and slots["prefill_s_per_step"] > 0 and slots["idle_s_per_step"] >= 0
-    assert "| engine-4 | slots: admissions, prefill s, loop idle s a step |" in out.with_suffix(".md").read_text()
+    assert slots["prefill_graphed_per_step"] == 0  # (a CPU captures no graphs: every prefill eager)
+    assert "| engine-4 | slots: admissions (from graphs), prefill s, loop idle s a step |" in out.with_suffix(".md").read_text()
     # where a step's seconds went through Dask: the phases add up to the step, each one there
     # (one measured step: its means are its own figures)
     parts = [slots[f"{k}_per_step"] for k in ("dispatch_s", "generate_s", "collect_s")]
@@ -429,6 +431,26 @@ def test_worker_start_compares_this_checkout_against_another(tiny_model, tmp_pat
                               "--against", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and missing.stderr.strip() == \
         f"worker_start: --against {tmp_path / 'none'}: no virtualenv at {tmp_path / 'none' / '.venv'}"
+
+
+def test_gpu_check_names_what_this_python_lacks_before_any_phase(tmp_path):
+    # on a GPU machine with its own Python, a package too old or missing failed each phase in
+    # turn, seconds in; the check now stops before the first, naming every one
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.missing_packages(gpu_check.NEEDED) == []  # (this machine has streamrl's install)
+    missing = gpu_check.missing_packages(("json", "streamrl_no_such_module"))
+    assert len(missing) == 1 and missing[0].startswith("streamrl_no_such_module: ModuleNotFoundError")
+    bad = tmp_path / "streamrl_broken_module.py"
+    bad.write_text("from typing_extensions import streamrl_not_there\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert gpu_check.missing_packages(("streamrl_broken_module",))[0].startswith("streamrl_broken_module: ImportError")
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 def test_a_gpu_check_phase_leaves_no_process_and_no_earlier_calls_figures(tmp_path):

@@ -199,7 +199,10 @@ def test_a_bad_adapter_or_a_failed_grow_leaves_the_bank_as_it_was_and_an_unloade
         assert bank.rank == 8 and bank.versions == {POLICY: 2}
         # full (the policy and 'a'), 'a' unloaded: 'b' takes its index, and 'a' can come back after it leaves
         engine.load_adapter("a", good, 1)
-        engine.adapters.unload("a")
+        held = bank.slots["a"]
+        engine.unload_adapter("a")
+        # while a request still decodes with 'a's index, 'b' gets none (it would go on with b's weights)
+        assert bank.slot("b", busy=frozenset({held})) == 0 and "b" not in bank.slots
         engine.load_adapter("b", good, 1)
         engine.adapters.unload("b")
         engine.load_adapter("a", good, 1)

@@ -180,3 +180,25 @@ def test_a_stop_early_that_calls_sys_exit_stops_nothing_and_the_decode_loop_goes
     finally:
         engine.close()
     assert all(len(s.response_ids) == 6 and "stopped_early" not in s.times for s in group)
+
+
+class AlwaysHopeless:
+    def stop_early(self, prompt, text):
+        return True
+
+
+def test_a_response_that_ends_at_its_limit_when_its_watch_comes_due_is_not_stopped_early(tiny_model):
+    # max_new_tokens 4, asked every 4 tokens: the watch comes due in the step the limit ends it
+    # (with every 2 it is asked before, and stops it: the watch works)
+    for every, early in ((4, False), (2, True)):
+        engine = SlotEngine(HFEngineConfig(batching="slots", slots=4, max_prompt_tokens=16, max_new_tokens=4,
+                                           temperature=1.0, profile=False, stop_early_every=every))
+        engine.load(str(tiny_model))
+        engine.decoder.stop_ids.fill_(-1)  # no response ends by its EOS: only the limit or the watch
+        engine.stop_early_with(AlwaysHopeless())
+        try:
+            (group,) = engine.generate_groups([Prompt(uid="p", text="12+34=")], 2, [0.0])
+        finally:
+            engine.close()
+        assert all(("stopped_early" in s.times) is early for s in group), every
+        assert all(len(s.response_ids) == (2 if early else 4) for s in group), every

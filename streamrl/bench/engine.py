@@ -79,12 +79,12 @@ def loop_counts(client) -> dict:
 
 
 def counted(before: dict, after: dict) -> dict:
-    """A step's decode steps, admissions (each one prefill), the prefills' host seconds and the
-    loops' idle seconds, summed over the workers."""
+    """A step's decode steps, admissions (each one prefill), the prefills' host seconds, those
+    replayed from captured graphs and the loops' idle seconds, summed over the workers."""
     if not after:
         return {}
     return {f"engine_{k}": round(sum(c[k] - before.get(w, {}).get(k, 0) for w, c in after.items()), 4)
-            for k in ("steps", "admissions", "admitted", "prefill_s", "idle_s")}
+            for k in ("steps", "admissions", "admitted", "prefill_s", "prefill_graphed", "idle_s")}
 
 
 def phases(samples: list, submitted: float, collected: float) -> dict:
@@ -113,6 +113,7 @@ def summarise(label: str, result: dict) -> dict:
                for k in ("dispatch_s", "spread_s", "generate_s", "collect_s") if rows and k in rows[0]},
             **({"admissions_per_step": statistics.mean(r["engine_admissions"] for r in rows),
                 "prefill_s_per_step": statistics.mean(r["engine_prefill_s"] for r in rows),
+                "prefill_graphed_per_step": statistics.mean(r["engine_prefill_graphed"] for r in rows),
                 "idle_s_per_step": statistics.mean(r["engine_idle_s"] for r in rows)}
                if rows and "engine_admissions" in rows[0] else {}),
             "steps": rows}

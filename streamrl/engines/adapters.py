@@ -60,14 +60,16 @@ class AdapterBank:
 
     # -- what rows use ---------------------------------------------------------------------------
 
-    def slot(self, name: str) -> int:
+    def slot(self, name: str, busy: frozenset[int] = frozenset()) -> int:
         """The index of adapter ``name``, kept for it from now on: a request for an adapter not
         yet published runs on the base (the index's zero stacks) and follows its first load, as
-        a request follows a weight load; 0 (the base for good) when every index is taken."""
+        a request follows a weight load; 0 (the base for good) when every index is taken.
+        ``busy``: the indices running requests decode with; an unloaded adapter's index is given
+        to another only once none does (they would go on with the new adapter's weights)."""
         if name not in self.slots:
             free = sorted(set(range(1, self.capacity + 1)) - set(self.slots.values()))
-            if not free:  # an unloaded adapter's index, the longest unloaded (its requests ended since)
-                retired = [n for n in self.slots if n.startswith(_RETIRED)]
+            if not free:  # an unloaded adapter's index no request uses, the longest unloaded
+                retired = [n for n in self.slots if n.startswith(_RETIRED) and self.slots[n] not in busy]
                 if not retired:
                     return 0
                 free = [self.slots.pop(retired[0])]

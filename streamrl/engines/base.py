@@ -243,6 +243,14 @@ class TransformersEngine(Engine):
             if name == POLICY:  # (the bank keeps the newer of two loads)
                 self.version = self.adapters.versions[POLICY]
 
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` between two decode steps, as a load is made (the loop reads
+        the bank's indices and stacks while it runs)."""
+        if self.adapters is None:
+            return
+        with self._model_lock, self._weights_paused():
+            self.adapters.unload(name)
+
     def _weights_paused(self) -> AbstractContextManager:
         """Held, inside the model lock, while weights are copied in. Default: nothing more (the
         static and seeded variants decode under the model lock)."""

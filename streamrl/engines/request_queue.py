@@ -127,6 +127,15 @@ class RequestQueue:
         if fut is not None:
             fut.set_result(response)
 
+    def fail(self, rid: str, why: str) -> None:
+        """Fail request ``rid``, which was running (its task or client learns ``why``), and free
+        its running slot."""
+        with self._lock:
+            fut = self._futures.pop(rid, None)
+            self._running -= 1
+        if fut is not None:
+            fut.set_exception(RuntimeError(f"hf engine: request {rid} failed: {why}"))
+
     def cancel(self, rid: str) -> bool:
         """Take request ``rid`` out of the queue if it is still waiting there (it is answered
         with an empty response); False when it is not waiting (running, or finished)."""

@@ -11,7 +11,8 @@ positions compute what no one reads: attention is causal and right-padded), thei
 land in a staging buffer shared by every bucket, and the eager rest is one copy per layer into the
 slots, the output head over the real prompts' last positions and the draw. Buckets hold at most :data:`GRAPH_TOKENS` positions (a bigger prefill spends
 its time computing, not launching, and the staging buffer and the graphs' memory stay bounded);
-a prefill past them, or with LoRA adapters, runs eagerly.
+a prefill past them, or with LoRA adapters, runs eagerly (in parts of at most :data:`EAGER_TOKENS`
+positions: a burst of long prompts in one forward could run out of memory).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 
 #: Most positions (prompts x width) a captured prefill bucket holds.
 GRAPH_TOKENS = 8192
+
+#: Most positions (prompts x width) one eager prefill forward holds; more are prefilled in parts.
+EAGER_TOKENS = 16384
 
 #: Prompt positions a prefill's width is a multiple of (few shapes for the allocator and the graphs).
 WIDTH_STEP = 16
@@ -41,6 +45,8 @@ class PromptForward:
         self.graphs = graphs and self.static and decoder.device.type == "cuda"
         self.error: str | None = None
         """Why the graphs were asked for and not used (their capture failed)."""
+        self.replays = 0
+        """Prefills run from a captured graph so far (the engine's loop counts them)."""
         self.buckets: list[tuple[int, int]] = []
         """The (prompts, width) shapes a static prefill pads to, smallest first."""
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -149,7 +155,7 @@ class PromptForward:
         width = min(-(-max(len(p) for p in prompts) // WIDTH_STEP) * WIDTH_STEP, d.context)
         bucket = self.bucket(n, width) if self.static else None
         if bucket is None:
-            return self._eager(prompts, adapters, slots, rows, width)
+            return self._eager_in_parts(prompts, adapters, slots, rows)
         p, w = bucket
         ids = torch.zeros(p, w, dtype=torch.long)  # (built here, then one copy to the device)
         last = torch.zeros(p, dtype=torch.long)
@@ -161,12 +167,39 @@ class PromptForward:
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.replay()
+            self.replays += 1
         else:
             self._body(p, w)
         for i in range(len(d.k_cache)):
             d.k_cache[i][slots, :, :w] = self._staged(self._k[i], p, w)[rows]
             d.v_cache[i][slots, :, :w] = self._staged(self._v[i], p, w)[rows]
         return d.model.lm_head(self._hidden[:n])[rows]
+
+    def _eager_in_parts(self, prompts, adapters, slots, rows) -> torch.Tensor:
+        # at most EAGER_TOKENS positions a forward: a burst of long distinct prompts (every free
+        # slot's, hundreds x thousands of tokens) in one forward ran a GPU out of memory on its
+        # activations; each part is its prompts' own width
+        n = len(prompts)
+        parts, lo = [], 0
+        while lo < n:
+            hi, width = lo, 0
+            while hi < n:
+                w = min(-(-max(width, len(prompts[hi])) // WIDTH_STEP) * WIDTH_STEP, self.d.context)
+                if hi > lo and (hi + 1 - lo) * w > EAGER_TOKENS:
+                    break
+                hi, width = hi + 1, w
+            parts.append((lo, hi, width))
+            lo = hi
+        if len(parts) == 1:
+            return self._eager(prompts, adapters, slots, rows, parts[0][2])
+        out = None
+        for lo, hi, width in parts:
+            pick = ((rows >= lo) & (rows < hi)).nonzero().squeeze(1)  # the requests of these prompts
+            logits = self._eager(prompts[lo:hi], adapters[lo:hi], slots[pick], rows[pick] - lo, width)
+            if out is None:
+                out = logits.new_empty(len(rows), logits.shape[-1])
+            out[pick] = logits
+        return out
 
     def _eager(self, prompts, adapters, slots, rows, width) -> torch.Tensor:
         # each distinct prompt over itself, right-padded to ``width``, its cache copied to every

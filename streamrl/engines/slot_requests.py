@@ -38,6 +38,8 @@ class Request:
     adapter: str = POLICY
     """The LoRA adapter it decodes with, by name (``engines/adapters.py``): the served policy's,
     or a learner's variant; the base weights alone while the engine holds no such adapter."""
+    adapter_index: int = 0
+    """The bank's index of that adapter while it runs (set at admission; 0: the base)."""
     watch: Prompt | None = None
     """The prompt the reward's ``stop_early`` is asked about as the response grows (None: the
     response is not watched)."""

@@ -78,7 +78,11 @@ class TokenStreams:
             if r.on_tokens is not None:
                 try:
                     r.on_tokens(new_tokens, new_lps, version)
-                except Exception:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:  # noqa: BLE001 -- a consumer's failure is its own; the loop goes on
+                    # (SystemExit or a CancelledError too: raised here, it would end the decode loop
+                    # and every request after it)
                     self.cancel(r.rid)
                 flush = getattr(r.on_tokens, "flush", None)
                 if flush is not None:
@@ -86,5 +90,7 @@ class TokenStreams:
         for flush in flushes:
             try:
                 flush()
-            except Exception:  # noqa: BLE001 -- as a callback's: its consumer's, not the loop's
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001 -- as a callback's: its consumer's, not the loop's
                 pass

@@ -42,8 +42,12 @@ class EarlyStopWatch:
         if not live:
             return []
         idx = torch.tensor([slot for slot, _ in live], device=decoder.device)
-        counts = decoder.generated[idx].tolist()
-        due = [(slot, r, n) for (slot, r), n in zip(live, counts) if n - r.watched_at >= self.every]
+        # (one read of both: a response that ended by itself -- its EOS, its limit -- in the step
+        # its watch came due is not asked about: stopped then, it read as ended early)
+        read = torch.stack((decoder.generated[idx], decoder.finished[idx].to(decoder.generated.dtype)))
+        counts, ended = read.tolist()
+        due = [(slot, r, n) for (slot, r), n, e in zip(live, counts, ended)
+               if n - r.watched_at >= self.every and not e]
         if not due:
             return []
         rows = decoder.out_tokens[torch.tensor([s for s, _, _ in due], device=decoder.device)].tolist()

@@ -80,11 +80,12 @@ class SlotEngine(TransformersEngine):
         """The reward that may end responses early (:meth:`stop_early_with`)."""
         self.moves = SampleMoves(self)
         """Samples taken out to go on elsewhere, and those continued here."""
-        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "idle_s": 0.0,
-                            "emit_s": 0.0}
+        self.loop_counts = {"steps": 0, "admissions": 0, "admitted": 0, "prefill_s": 0.0, "prefill_graphed": 0, "prefill_failed": 0,
+                            "idle_s": 0.0, "emit_s": 0.0}
         """What the loop did so far: decode steps, admissions (each one prefill between two steps),
         the requests they took, the seconds its prefill calls took on the host (on a GPU, mostly
-        launching the prefill's kernels), the seconds it waited with nothing to decode and the
+        launching the prefill's kernels), the prefills replayed from captured graphs, the requests
+        whose prefill failed (each failed alone, naming why; the loop went on), the seconds it waited with nothing to decode and the
         seconds it spent handing followed requests their tokens (``emit_s``: the serving path's
         share of the loop); read by ``streamrl bench engine`` and the endpoint's stats (monotone
         counters)."""
@@ -145,11 +146,15 @@ class SlotEngine(TransformersEngine):
             self._cancel_requested()
         # waiting requests are admitted on the turns that look for ended ones (or when nothing
         # runs): requests that arrive a few at a time share one prefill between two steps
-        if (not self.table.running or self._steps % self.config.finished_every == 0) and self._admit_into_free_slots():
+        admitted = ((not self.table.running or self._steps % self.config.finished_every == 0)
+                    and self._admit_into_free_slots())
+        if admitted:
             self._emit()
             self._hand_back()  # a first token can end a request (EOS, max_new_tokens = 1)
         if not self.table.running:
-            return False
+            # (a turn whose every admitted request ended on its first token looks again at once:
+            # more may wait, and the wake that told of them was taken)
+            return admitted
         self.decoder.step(self._size())
         self.loop_counts["steps"] += 1
         self._emit()
@@ -189,14 +194,35 @@ class SlotEngine(TransformersEngine):
             if not request.streamed:
                 request.marks = [(0, self._version_of(request.adapter))]
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
-            adapter = self.adapters.slot(request.adapter) if self.adapters is not None else 0
+            adapter = 0
+            if self.adapters is not None:
+                busy = frozenset(r.adapter_index for r in self.table.running.values())
+                adapter = self.adapters.slot(request.adapter, busy)
+            request.adapter_index = adapter
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
         t = time.perf_counter()
-        self.decoder.prefill(starts)
+        try:
+            self.decoder.prefill(starts)
+        except Exception as e:  # noqa: BLE001 -- these requests fail; the loop and every other request go on
+            self._prefill_failed([s.slot for s in starts], e)
+            return False
         self.loop_counts["prefill_s"] += time.perf_counter() - t
+        self.loop_counts["prefill_graphed"] = self.decoder.prompts.replays
         self.loop_counts["admissions"] += 1
         self.loop_counts["admitted"] += len(starts)
         return True
+
+    def _prefill_failed(self, slots: list[int], e: Exception) -> None:
+        # the requests just placed fail, naming why, and their slots are free again: an
+        # out-of-memory on a burst of long prompts (or any one prefill's error) ended the loop
+        # before, and with it every request then and after
+        if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        why = f"its prefill failed: {type(e).__name__}: {str(e)[:300]}"
+        self.decoder.release(slots)  # (whatever the prefill wrote there is reset, not read)
+        for slot in slots:
+            self._queue.fail(self.table.free(slot).rid, why)
+        self.loop_counts["prefill_failed"] += len(slots)
 
     def _take(self, rid: str, ids: list[int]) -> bool:
         # called by the queue, under its lock, for each request it admits (highest priority first);
@@ -213,7 +239,9 @@ class SlotEngine(TransformersEngine):
         start, version = time.time(), self.version
         requests = [Request(f"greedy:{p.uid}-0", self.config.max_new_tokens, greedy=True) for p in prompts]
         futures = self.queued(requests, ids, float("inf"))
-        return [[self.make_sample(p, i, f"{p.uid}-0", out.tokens, out.logprobs, version, start, time.time())]
+        # (under the version that began each response, which a weight load between this call and
+        # its admission changes: the loop knows it, this call does not)
+        return [[self.sample_of(p, i, f"{p.uid}-0", out, version, start, time.time())]
                 for p, i, r in zip(prompts, ids, requests)
                 for out in [await_response(r.rid, futures[r.rid], self.config.request_timeout)]]
 

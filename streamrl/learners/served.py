@@ -52,9 +52,9 @@ def load_adapter(learner: str, payload: bytes, version: int) -> int:
 
 def unload_adapter(learner: str) -> None:
     """Generate worker: the engine forgets learner ``learner``'s adapter."""
-    held = resident(ENGINE).adapters
-    if held is not None:
-        held.unload(learner)
+    unload = getattr(resident(ENGINE), "unload_adapter", None)  # (an engine plugin may hold none)
+    if unload is not None:
+        unload(learner)
 
 
 class ServedVariants(StepExtension):
