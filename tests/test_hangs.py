@@ -453,3 +453,22 @@ def test_an_engine_whose_kv_cache_cannot_be_built_stops_the_run_in_one_line(tiny
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("streamrl: error: engine 'hf' could not be built on worker generate-0: ") and \
         "continuous batching did not start" in last and "kv_memory_fraction" in last, last
+
+
+def test_a_closing_run_waits_a_bounded_time_for_a_scheduler_that_never_answers_a_cancel(monkeypatch):
+    # (the scheduler is stood in for: a client whose cancel never returns, as Dask's does when its
+    # scheduler stopped answering -- often why the step timed out and the run is closing)
+    from streamrl.errors import RunWarning
+    from streamrl.run import controller
+
+    class Unanswered:
+        def cancel(self, futures):
+            threading.Event().wait(60)
+
+    monkeypatch.setattr(controller, "CANCEL_S", 0.3)
+    ctl = controller.Controller.__new__(controller.Controller)
+    ctl.client = Unanswered()
+    started = time.monotonic()
+    with pytest.warns(RunWarning, match="cancelling 2 tasks submitted ahead got no answer from the scheduler"):
+        ctl._cancel(["a", "b"])
+    assert time.monotonic() - started < 5

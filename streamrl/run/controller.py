@@ -42,6 +42,9 @@ from streamrl.telemetry.record import last_epoch_stats, summarize
 from streamrl.telemetry.stats import StepStats
 from streamrl.telemetry.text import message_line
 
+#: Seconds a closing run waits for the scheduler to cancel what was submitted ahead.
+CANCEL_S = 30.0
+
 
 class Controller:
     """Runs the steps of one run on a cluster; see the module docstring."""
@@ -258,13 +261,30 @@ class Controller:
         self.mode.resume(state["next_step"], self.version)
         return state["next_step"]
 
+    def _cancel(self, futures: list[Future]) -> None:
+        # Dask's cancel waits on the scheduler without a bound, and the run is closing because a
+        # step timed out, often as its scheduler stopped answering: the close must end
+        if not futures:
+            return
+        done = threading.Event()
+
+        def cancel() -> None:
+            try:
+                self.client.cancel(futures)
+            finally:
+                done.set()
+        threading.Thread(target=cancel, name="streamrl-cancel", daemon=True).start()
+        if not done.wait(CANCEL_S):
+            warnings.warn(f"cancelling {len(futures)} tasks submitted ahead got no answer from the scheduler "
+                          f"within {CANCEL_S:.0f} s; the run goes on closing", RunWarning, stacklevel=2)
+
     def close(self) -> None:
         """Cancel generation submitted ahead (``async``): a controller that resumes on the same
         cluster submits the same keys and must not be handed the old, stale samples."""
-        self.client.cancel([f for fs in self.mode.pending() for f in fs])
+        self._cancel([f for fs in self.mode.pending() for f in fs])
         self._call("close")
         if self.next_training is not None:  # the next step's generation, taken by a feed in flight
-            self.client.cancel(self.next_training_groups)
+            self._cancel(self.next_training_groups)
         # what the task and the scheduler hold (a dataset's files, a plugin's connections) goes
         # with the run; a close that fails is a warning, the run's own outcome is what must show
         for what, part in (("task", self.task), ("scheduler", self.context.scheduler)):
