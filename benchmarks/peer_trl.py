@@ -81,8 +81,9 @@ def evaluate_folder(recipe: str, overrides: list[str], folder: Path) -> float | 
     """Held-out greedy pass@1 of the model in ``folder`` by :func:`greedy_pass_at_1` (float32,
     ``model.generate``), as TRL's side is evaluated; None without held-out prompts."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from streamrl.models import pretrained
     from streamrl.plugins.resolve import resolve
     from streamrl.recipe.recipe import load_recipe
 
@@ -91,7 +92,7 @@ def evaluate_folder(recipe: str, overrides: list[str], folder: Path) -> float | 
     held_out = held_out_prompts(resolved, task)
     if not held_out:
         return None
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = pretrained.causal_lm(folder, torch.float32)  # (as streamrl's workers load it)
     return greedy_pass_at_1(model, AutoTokenizer.from_pretrained(folder), held_out, reward,
                             resolved.engine.config.max_new_tokens, resolved.recipe.eval.pass_reward)
 
@@ -103,8 +104,9 @@ def run_trl(recipe: str, steps: int, overrides: list[str]) -> dict:
         from trl import GRPOConfig, GRPOTrainer
     except ImportError:
         sys.exit("this benchmark needs TRL: pip install 'trl>=1.16'")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from streamrl.models import pretrained
     from streamrl.plugins.resolve import resolve
     from streamrl.recipe.recipe import load_recipe
 
@@ -119,7 +121,7 @@ def run_trl(recipe: str, steps: int, overrides: list[str]) -> dict:
     # float32, as streamrl's trainer holds the weights on a CPU: transformers 5 loads a folder
     # saved in bfloat16 as bfloat16, where AdamW's steps at lr 1e-5 round away (measured: TRL
     # then did not learn in 20 steps; docs/benchmarks.md)
-    model = AutoModelForCausalLM.from_pretrained(resolved.model_path, dtype=torch.float32)
+    model = pretrained.causal_lm(resolved.model_path, torch.float32)  # (as streamrl's workers load it)
     prompts = {p.uid: p for step in range(steps) for p in task.prompts(step, t.prompts_per_step)}
     # TRL tokenizes a text prompt without special tokens. A chat prompt is already rendered with
     # the model's template (its special tokens in the text); a plain one is fed by our engine

@@ -53,7 +53,7 @@ def test_an_openai_client_agent_trains_on_its_trajectories_and_hung_or_raising_r
     # 4 steps: a step has one or two multi-turn samples of its 15 or so, and none at times (3 steps
     # without one were seen once on a loaded machine)
     run = run_agent(tmp_path, FLAKY, "flaky", "run.steps=4", "task.rollout_timeout_s=16",
-                    "run.step_timeout_s=90")  # (a stuck step says which task within the 420 s: the first one gets 2x)
+                    "run.step_timeout_s=120")  # (a stuck step says which task within the 420 s: the first one gets 2x)
     records = run.records
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     seen = set()

@@ -203,6 +203,9 @@ def test_a_bad_adapter_or_a_failed_grow_leaves_the_bank_as_it_was_and_an_unloade
         engine.unload_adapter("a")
         # while a request still decodes with 'a's index, 'b' gets none (it would go on with b's weights)
         assert bank.slot("b", busy=frozenset({held})) == 0 and "b" not in bank.slots
+        with pytest.raises(ValueError, match="held by an adapter or by requests of an unloaded one"):
+            bank.load("b", good, 1, busy=frozenset({held}))  # (never into index 0, the base every row reads)
+        assert "b" not in bank.slots and "b" not in bank.versions
         engine.load_adapter("b", good, 1)
         engine.adapters.unload("b")
         engine.load_adapter("a", good, 1)

@@ -106,8 +106,9 @@ class RolloutThread(threading.Thread):
             loop.close()
             with tools_lock:
                 held = list(tools)
-            for t in held:  # (idle ones end at the shutdown's wake-up: not stuck, only not gone yet)
-                t.join(timeout=0.05)
+            until = time.monotonic() + 0.1  # (idle ones end at the shutdown's wake-up: not stuck, only not gone yet)
+            for t in held:
+                t.join(timeout=max(0.0, until - time.monotonic()))
             left = [t for t in held if t.is_alive()]
             if left:
                 with _STUCK_LOCK:

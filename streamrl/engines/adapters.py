@@ -133,10 +133,12 @@ class AdapterBank:
     # -- loading ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load(self, name: str, named: dict[str, torch.Tensor], version: int) -> None:
-        """Put adapter publication ``named`` into adapter ``name`` (a free index the first time;
-        refused past ``capacity``). Checked whole before anything is copied, so a bad
-        publication leaves every adapter as it was."""
+    def load(self, name: str, named: dict[str, torch.Tensor], version: int,
+             busy: frozenset[int] = frozenset()) -> None:
+        """Put adapter publication ``named`` into adapter ``name`` (a free index the first time,
+        one of ``busy`` never: running requests decode with those; refused past ``capacity``).
+        Checked whole before anything is copied, so a bad publication leaves every adapter as it
+        was."""
         if version < self.versions.get(name, -1):
             return  # (a late load of an older version: the newer one stays)
         layers = payload.by_layer(named)
@@ -164,7 +166,11 @@ class AdapterBank:
             raise ValueError(f"the engine holds {self.capacity} adapters ({', '.join(live)}); "
                              f"adapter {name!r} is one more (engine.adapters)")
         self._make_room(layers, rank, modules)
-        k = self.slot(name)
+        k = self.slot(name, busy)
+        if k == 0:  # (index 0 is the base every row without an adapter reads: never written)
+            raise ValueError(f"adapter {name!r} for version {version}: every index of the engine's {self.capacity} "
+                             "is held by an adapter or by requests of an unloaded one still decoding; it loads once "
+                             "they end")
         for layer, stacks in self.layers.items():
             if layer in layers:
                 a, b, s = layers[layer]

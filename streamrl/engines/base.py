@@ -239,9 +239,14 @@ class TransformersEngine(Engine):
             raise ValueError(f"adapter {name!r} for version {version}: this engine holds no adapters "
                              "(engine.adapters = 0)")
         with self._model_lock, self._weights_paused():
-            self.adapters.load(name, named_tensors, version)
+            self.adapters.load(name, named_tensors, version, self._adapters_in_use())
             if name == POLICY:  # (the bank keeps the newer of two loads)
                 self.version = self.adapters.versions[POLICY]
+
+    def _adapters_in_use(self) -> frozenset[int]:
+        """The adapter indices running requests decode with (read while the loop waits). Default:
+        none (the loops that hold no request across a load)."""
+        return frozenset()
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter ``name`` between two decode steps, as a load is made (the loop reads

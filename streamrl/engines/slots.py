@@ -99,6 +99,7 @@ class SlotEngine(TransformersEngine):
                                    graphs=c.cuda_graph and device == "cuda", adapters=self.adapters,
                                    fused=c.fused_sampling, prefill_graphs=c.prefill_graphs)
         self.latency_points = self._profile() if c.profile else []
+        self.decoder.prompts.replays = 0  # (the profile's prefills are not the loop's)
         self._loop = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
                                       name="streamrl-hf-slots", daemon=True)
         self._loop.start()
@@ -141,7 +142,8 @@ class SlotEngine(TransformersEngine):
             self._queue.fail_all(f"its generation loop died: {type(e).__name__}: {e}")
 
     def _one_turn(self) -> bool:
-        """Cancel, admit and prefill, hand back what ended, decode one step; False when nothing runs."""
+        """Cancel, admit and prefill, hand back what ended, decode one step; False when nothing
+        runs and nothing was admitted."""
         if self.streams.pending():
             self._cancel_requested()
         # waiting requests are admitted on the turns that look for ended ones (or when nothing
@@ -194,10 +196,7 @@ class SlotEngine(TransformersEngine):
             if not request.streamed:
                 request.marks = [(0, self._version_of(request.adapter))]
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
-            adapter = 0
-            if self.adapters is not None:
-                busy = frozenset(r.adapter_index for r in self.table.running.values())
-                adapter = self.adapters.slot(request.adapter, busy)
+            adapter = 0 if self.adapters is None else self.adapters.slot(request.adapter, self._adapters_in_use())
             request.adapter_index = adapter
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
         t = time.perf_counter()
@@ -221,8 +220,13 @@ class SlotEngine(TransformersEngine):
         why = f"its prefill failed: {type(e).__name__}: {str(e)[:300]}"
         self.decoder.release(slots)  # (whatever the prefill wrote there is reset, not read)
         for slot in slots:
-            self._queue.fail(self.table.free(slot).rid, why)
+            r = self.table.free(slot)
+            self.moves.ended(r, 0)
+            self._queue.fail(r.rid, why)
         self.loop_counts["prefill_failed"] += len(slots)
+
+    def _adapters_in_use(self) -> frozenset[int]:
+        return frozenset(r.adapter_index for r in self.table.running.values())
 
     def _take(self, rid: str, ids: list[int]) -> bool:
         # called by the queue, under its lock, for each request it admits (highest priority first);

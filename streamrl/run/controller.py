@@ -266,25 +266,31 @@ class Controller:
         # step timed out, often as its scheduler stopped answering: the close must end
         if not futures:
             return
-        done = threading.Event()
+        done, failed = threading.Event(), []
 
         def cancel() -> None:
             try:
                 self.client.cancel(futures)
+            except Exception as exc:  # noqa: BLE001 -- said below, from the closing thread
+                failed.append(exc)
             finally:
                 done.set()
         threading.Thread(target=cancel, name="streamrl-cancel", daemon=True).start()
         if not done.wait(CANCEL_S):
             warnings.warn(f"cancelling {len(futures)} tasks submitted ahead got no answer from the scheduler "
                           f"within {CANCEL_S:.0f} s; the run goes on closing", RunWarning, stacklevel=2)
+        elif failed:
+            warnings.warn(f"cancelling {len(futures)} tasks submitted ahead failed: {type(failed[0]).__name__}: "
+                          f"{message_line(failed[0])}; the run goes on closing", RunWarning, stacklevel=2)
 
     def close(self) -> None:
         """Cancel generation submitted ahead (``async``): a controller that resumes on the same
         cluster submits the same keys and must not be handed the old, stale samples."""
-        self._cancel([f for fs in self.mode.pending() for f in fs])
-        self._call("close")
+        ahead = [f for fs in self.mode.pending() for f in fs]
         if self.next_training is not None:  # the next step's generation, taken by a feed in flight
-            self._cancel(self.next_training_groups)
+            ahead += self.next_training_groups
+        self._cancel(ahead)
+        self._call("close")
         # what the task and the scheduler hold (a dataset's files, a plugin's connections) goes
         # with the run; a close that fails is a warning, the run's own outcome is what must show
         for what, part in (("task", self.task), ("scheduler", self.context.scheduler)):
