@@ -54,6 +54,19 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def qwen_model(tmp_path_factory) -> Path:
+    """A small random Qwen2 (biases on q, k, v; grouped-query attention; tied head) in float32:
+    the slot decoder's other architecture."""
+    from streamrl.tasks.arch import random_model
+
+    out = tmp_path_factory.mktemp("models") / "qwen-small"
+    random_model("qwen2.5-0.5b", str(out), dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+                 dtype="float32")
+    return out
+
+
 @pytest.fixture
 def tiny_recipe(tmp_path, tiny_model) -> Path:
     """A small valid recipe file pointing at ``tiny_model`` (its runs go to ``tmp_path / "runs"``)."""

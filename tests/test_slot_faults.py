@@ -17,18 +17,6 @@ from streamrl.engines.slot_decoder import SlotDecoder
 from streamrl.sample import Prompt
 
 
-@pytest.fixture(scope="module")
-def qwen_model(tmp_path_factory):
-    """A small random Qwen2 in float32 (as tests/test_slots.py makes one)."""
-    from streamrl.tasks.arch import random_model
-
-    out = tmp_path_factory.mktemp("models") / "qwen-small"
-    random_model("qwen2.5-0.5b", str(out), dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-                 dtype="float32")
-    return out
-
-
 def slot_engine(path, **config):
     engine = HFEngine(HFEngineConfig(batching="slots", **{"profile": False, **config}))
     engine.load(str(path))

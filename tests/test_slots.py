@@ -17,18 +17,6 @@ from streamrl.training.trainer import pad_batch, token_logprobs
 from tests.helpers import ROOT, finish_order, until
 
 
-@pytest.fixture(scope="module")
-def qwen_model(tmp_path_factory):
-    """A small random Qwen2 (biases on q, k, v; grouped-query attention; tied head) in float32."""
-    from streamrl.tasks.arch import random_model
-
-    out = tmp_path_factory.mktemp("models") / "qwen-small"
-    random_model("qwen2.5-0.5b", str(out), dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-                 dtype="float32")
-    return out
-
-
 @pytest.fixture(params=["llama", "qwen2"])
 def model_path(request, tiny_model, qwen_model):
     """Each architecture the slot decoder supports."""

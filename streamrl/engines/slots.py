@@ -191,12 +191,13 @@ class SlotEngine(TransformersEngine):
         if not self._incoming:
             return False
         starts = []
+        busy = self._adapters_in_use() if self.adapters is not None else frozenset()  # (once: the loop's hot path)
         for request, ids in self._incoming:
             slot = self.table.place(request)
             if not request.streamed:
                 request.marks = [(0, self._version_of(request.adapter))]
             # a slot holds max_prompt_tokens + max_new_tokens positions (the caller checked the prompt)
-            adapter = 0 if self.adapters is None else self.adapters.slot(request.adapter, self._adapters_in_use())
+            adapter = 0 if self.adapters is None else self.adapters.slot(request.adapter, busy)
             request.adapter_index = adapter
             starts.append(Start(slot, ids, min(request.limit, self.decoder.context - len(ids)), request.greedy, adapter))
         t = time.perf_counter()
