@@ -602,6 +602,31 @@ def test_a_rollout_stuck_past_its_timeout_is_counted_and_past_the_bound_the_work
     assert thread not in rollout._STUCK  # (one that ends is counted no more)
 
 
+def test_a_groups_trajectories_are_asked_for_side_by_side(monkeypatch):
+    # (httpx's own test transport stands in for the endpoint) each answer waits until all four
+    # are asked: one after another, the first never got its answer and the group lost every rollout
+    from types import SimpleNamespace
+
+    import httpx
+
+    from streamrl.agents import rollout
+
+    together = threading.Barrier(4, timeout=20)
+
+    def handler(request):
+        together.wait()
+        return httpx.Response(200, json={"segments": [], "calls": 0, "tool_calls": 0, "splits": 0})
+
+    events = []
+    monkeypatch.setattr(rollout, "_HTTP", httpx.Client(transport=httpx.MockTransport(handler)))
+    monkeypatch.setattr(rollout, "get_worker", lambda: SimpleNamespace(name="agent-0",
+                                                                       log_event=lambda topic, m: events.append(m)))
+    spec = {"path": "a.py", "source": "async def f(client, row):\n    return 1.0\n", "function": "f", "timeout_s": 5}
+    assert rollout.run_group(Prompt(uid="0-0", text="x"), 4, ["http://127.0.0.1:9"], spec, "", 0) == []
+    (counts,) = events
+    assert counts["errors"] == 0 and counts["no_calls"] == 4, counts  # (all four answered: none called the model)
+
+
 def test_a_trajectory_whose_answer_timed_out_is_asked_for_again(monkeypatch):
     # (httpx's own test transport stands in for a slow endpoint) the first answer never came back:
     # asked again, the endpoint gives the same trajectory (above), and the rollout is not lost

@@ -105,3 +105,18 @@ def test_greedy_evaluation_carries_the_version_loaded_before_its_requests_starte
         assert sample.policy_version == 7 and set(sample.token_versions or [7]) == {7}
     finally:
         engine.close()
+
+
+def test_requests_refused_at_queueing_leave_no_settings_for_a_later_request_of_their_id(tiny_model):
+    # two requests under one id in one call are refused, none queued; their entries stayed, and a
+    # later plain request of that id took the refused one's settings (its callback, its limit)
+    from streamrl.engines.slot_requests import Request
+
+    engine = slot_engine(tiny_model, max_new_tokens=4, slots=4)
+    try:
+        ids = engine.encode("1+1=")
+        with pytest.raises(ValueError, match="asked twice at once"):
+            engine.queued([Request("d-0", 1, streamed=True), Request("d-0", 1, streamed=True)], [ids, ids], 0.0)
+        assert "d-0" not in engine._requests
+    finally:
+        engine.close()

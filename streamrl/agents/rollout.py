@@ -68,6 +68,9 @@ class Outcome:
 #: Threads a rollout's blocking calls (``asyncio.to_thread``) may hold at once.
 TOOL_THREADS = 8
 
+#: Trajectories of one group asked for at once.
+FINISH_THREADS = 16
+
 
 class RolloutThread(threading.Thread):
     """One rollout: the agent's coroutine on an event loop of its own."""
@@ -225,9 +228,14 @@ def run_group(prompt: Prompt, n: int, urls: list[str], spec: dict, api_key: str,
     group: Group = []
     counts = {"step": step, "rollouts": n, "errors": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "tool_calls": 0,
               "splits": 0, "crossed_updates": 0, "stuck": 0, "first_error": ""}
-    for (k, rid, url, thread, started), outcome in zip(runs, outcomes):
+    # the trajectories asked for side by side: one after another, a group outlasted its rollouts'
+    # timeout by up to n times a finish's own bound on an endpoint that answered slowly
+    threads = max(1, min(FINISH_THREADS, len(runs)))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="streamrl-finish") as pool:
+        finishing = [pool.submit(_finish, url, api_key, rid, rollout_key) for _, rid, url, _, _ in runs]
+    for (k, rid, url, thread, started), outcome, finished in zip(runs, outcomes, finishing):
         try:
-            traj = _finish(url, api_key, rid, rollout_key)
+            traj = finished.result()
         except RolloutDropped as e:  # the endpoint is there, and says why it has no trajectory of it
             traj = {"segments": [], "calls": 0, "tool_calls": 0, "splits": 0}
             if not outcome.error:

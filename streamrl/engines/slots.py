@@ -114,7 +114,12 @@ class SlotEngine(TransformersEngine):
         """Register ``requests`` (before the loop can see them) and queue them; their futures."""
         for r in requests:
             self._requests[r.rid] = r
-        futures = self._queue.put([(r.rid, i, priority) for r, i in zip(requests, ids)])
+        try:
+            futures = self._queue.put([(r.rid, i, priority) for r, i in zip(requests, ids)])
+        except BaseException:  # (refused, none queued: an entry left would be a later request's settings)
+            for r in requests:
+                self._requests.pop(r.rid, None)
+            raise
         self._submitted()
         return futures
 
